@@ -1,0 +1,41 @@
+"""qwen-apple-backend: fused Qwen3.5/3.6 modules for mlx-lm, discovered through pluggy.
+
+Public names are imported lazily so ``import qwen_apple_backend`` stays cheap and
+pulls in neither MLX nor mlx-lm.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "hookimpl": ("qwen_apple_backend.hookspecs", "hookimpl"),
+    "hookspec": ("qwen_apple_backend.hookspecs", "hookspec"),
+    "load": ("qwen_apple_backend.loader", "load"),
+    "enable": ("qwen_apple_backend.loader", "enable"),
+    "disable": ("qwen_apple_backend.loader", "disable"),
+    "get_report": ("qwen_apple_backend.loader", "get_report"),
+    "FuseReport": ("qwen_apple_backend.report", "FuseReport"),
+    "pipeline": ("qwen_apple_backend.pipeline", "pipeline"),
+    "get_plugin_manager": ("qwen_apple_backend.plugins", "get_plugin_manager"),
+    "load_plugins": ("qwen_apple_backend.plugins", "load_plugins"),
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'qwen_apple_backend' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,52 @@
+"""Exceptions raised by qwen-apple-backend.
+
+Each one subclasses the builtin a caller would already catch (``KeyError``,
+``ValueError``, ``FileNotFoundError``), so code written for mlx-lm keeps working.
+"""
+
+from __future__ import annotations
+
+
+class QABError(Exception):
+    """Base class of every error raised by this package."""
+
+
+class UnknownArchitectureError(QABError, KeyError):
+    """No registered plugin claims this architecture name (``model_type``)."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else "unknown architecture"
+
+
+class UnknownBackendError(QABError, KeyError):
+    """No registered backend has this name."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown backend"
+
+
+class PluginLoadError(QABError, ImportError):
+    """A plugin the user asked for by name could not be imported."""
+
+
+class CheckpointError(QABError, ValueError):
+    """A checkpoint's files, keys or config are missing, corrupt or inconsistent.
+
+    The message names the file, key or config field at fault.
+    """
+
+
+class MissingCheckpointFileError(CheckpointError, FileNotFoundError):
+    """A file the checkpoint needs (config, weights, index shard) is absent."""
+
+
+class UnsupportedConfigError(CheckpointError):
+    """The config asks for something the fused path cannot do (e.g. unknown layer_types)."""
+
+
+class FuseError(QABError, RuntimeError):
+    """A module could not be fused and ``use_fallback=False`` was requested."""
+
+
+class PromptError(QABError, ValueError):
+    """The prompt is empty or longer than the model's ``max_position_embeddings``."""

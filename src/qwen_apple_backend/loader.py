@@ -1,0 +1,416 @@
+"""``load()``: mlx-lm's ``load`` with the plugin registry in front of it.
+
+The model is built and its weights loaded by mlx-lm itself
+(``mlx_lm.utils.load_model`` through its ``get_model_classes`` seam); an
+adapter then swaps in fused modules. Architectures no plugin claims load
+exactly as ``mlx_lm.load`` loads them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from . import envs
+from .errors import CheckpointError, MissingCheckpointFileError, PromptError, UnknownBackendError
+from .report import FuseReport
+
+MLX_BACKENDS = ("auto", "fused", "stock")
+
+_HF_REPO = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+def _resolve_path(path_or_hf_repo: Union[str, Path], revision: Optional[str]) -> Path:
+    p = Path(path_or_hf_repo).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise CheckpointError(f"{p}: expected a checkpoint directory, found a file")
+        return p
+    text = str(path_or_hf_repo)
+    if _HF_REPO.match(text) and not text.startswith((".", "/", "~")):
+        from mlx_lm.utils import _download
+
+        try:
+            return Path(_download(text, revision=revision))
+        except Exception as exc:  # hub unreachable, repo missing, ...
+            raise MissingCheckpointFileError(
+                f"{text}: not a local checkpoint directory, and downloading it as a Hugging "
+                f"Face repository failed ({type(exc).__name__}: {exc})") from exc
+    raise MissingCheckpointFileError(f"{text}: checkpoint directory not found")
+
+
+def read_config(model_path: Path) -> dict:
+    """Parse ``config.json``.
+
+    Raises:
+        MissingCheckpointFileError: if the file is absent.
+        CheckpointError: if it is not valid JSON or not an object.
+    """
+    cfg = model_path / "config.json"
+    if not cfg.is_file():
+        raise MissingCheckpointFileError(f"{cfg}: config.json not found")
+    try:
+        with open(cfg, "r", encoding="utf-8") as f:
+            config = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{cfg}: invalid JSON at line {exc.lineno} column {exc.colno}: "
+                              f"{exc.msg}") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{cfg}: expected a JSON object at the top level")
+    if "model_type" not in config:
+        raise CheckpointError(f"{cfg}: missing required field 'model_type'")
+    return config
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """Read a safetensors header (tensor names, dtypes, shapes) without its data.
+
+    Raises:
+        CheckpointError: naming the file, if it is truncated or not safetensors.
+    """
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ValueError("file shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", raw)
+            if n <= 1 or 8 + n > size:
+                raise ValueError(f"header length {n} does not fit a file of {size} bytes")
+            header = json.loads(f.read(n))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not a valid safetensors file ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a valid safetensors file (header is not an object)")
+    data_len = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, end = info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: tensor {name!r} has no valid data_offsets") from exc
+        if end > data_len or start > end:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} lies past the end of the file (truncated? bytes "
+                f"{start}..{end} of {data_len})")
+    return header
+
+
+def check_weight_files(model_path: Path) -> dict[str, tuple[str, list]]:
+    """Validate the safetensors files and the index; return key -> (file, shape).
+
+    Raises:
+        MissingCheckpointFileError: no ``model*.safetensors``, or a shard named in
+            ``model.safetensors.index.json`` is absent.
+        CheckpointError: a corrupt shard, or a key the index places in another file.
+    """
+    files = sorted(model_path.glob("model*.safetensors"))
+    index_path = model_path / "model.safetensors.index.json"
+    index = None
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index_path}: invalid index (needs a 'weight_map' object): "
+                                  f"{exc}") from exc
+        for shard in sorted(set(index.values())):
+            if not (model_path / shard).is_file():
+                key = next(k for k, v in index.items() if v == shard)
+                raise MissingCheckpointFileError(
+                    f"{model_path / shard}: shard listed in {index_path.name} (e.g. for key "
+                    f"{key!r}) is missing")
+    if not files:
+        raise MissingCheckpointFileError(f"{model_path}: no model*.safetensors weight files found")
+    keys: dict[str, tuple[str, list]] = {}
+    for f in files:
+        for name, info in read_safetensors_header(f).items():
+            if name != "__metadata__":
+                keys[name] = (f.name, info.get("shape"))
+    if index is not None:
+        for key, shard in index.items():
+            got = keys.get(key)
+            if got is None:
+                raise CheckpointError(f"{model_path / shard}: key {key!r} listed in "
+                                      f"{index_path.name} is not in the file")
+    return keys
+
+
+def _resolve_adapter(config: dict):
+    from .plugins import resolve_architecture
+
+    match = resolve_architecture(config)
+    if match is None:
+        return None
+    name, entry = match
+    obj = entry.load()
+    adapter = obj() if isinstance(obj, type) else obj
+    return name, entry, adapter
+
+
+def load_model(model_path: Union[str, Path], backend: Optional[str] = None, *, lazy: bool = False,
+               strict: bool = True, model_config: Optional[dict] = None,
+               trust_remote_code: bool = False, use_fallback: bool = True,
+               disable: Optional[frozenset] = None):
+    """Build and load a model from a local checkpoint directory.
+
+    Args:
+        model_path (str | Path): checkpoint directory.
+        backend (str, optional): ``auto``, ``fused`` or ``stock``; default ``QAB_BACKEND``
+            or ``auto``.
+        lazy (bool): leave weights unevaluated. Default False.
+        strict (bool): as in ``mlx_lm.utils.load_model``. Default True.
+        model_config (dict, optional): config overrides, as in mlx-lm.
+        trust_remote_code (bool): as in mlx-lm. Default False.
+        use_fallback (bool): keep a module stock when it cannot be fused. Default True.
+        disable (frozenset[str], optional): module kinds to keep stock; default
+            from ``QAB_DISABLE``.
+
+    Returns:
+        tuple[nn.Module, dict, FuseReport]: model, config, and what was replaced.
+
+    Raises:
+        MissingCheckpointFileError, CheckpointError, UnsupportedConfigError, FuseError,
+        UnknownBackendError.
+    """
+    from mlx_lm import utils as mlx_utils
+
+    backend = check_backend(backend)
+    model_path = Path(model_path)
+    config = read_config(model_path)
+    report = FuseReport(backend=backend)
+    resolved = _resolve_adapter(config)
+    check_weight_files(model_path)
+    if resolved is None:
+        model, config = mlx_utils.load_model(model_path, lazy, strict=strict,
+                                             model_config=model_config,
+                                             trust_remote_code=trust_remote_code)
+        report.notes.append("no plugin claims this architecture: stock mlx-lm model")
+        model.qab_report = report
+        return model, config, report
+
+    name, entry, adapter = resolved
+    report.architecture, report.adapter, report.plugin = name, entry.target, entry.plugin
+    merged = dict(config)
+    if model_config:
+        merged.update(model_config)
+    overrides = adapter.prepare_config(merged, report)
+    overrides = {**(model_config or {}), **overrides}
+
+    from .models._hybrid import load_context
+
+    with load_context(model_path=model_path, config={**config, **overrides}):
+        try:
+            model, config = mlx_utils.load_model(
+                model_path, lazy, strict=strict, model_config=overrides,
+                get_model_classes=adapter.get_model_classes,
+                trust_remote_code=trust_remote_code)
+        except CheckpointError:
+            raise
+        except ValueError as exc:
+            # mlx-lm reports missing/unexpected/mis-shaped parameters as ValueError.
+            raise CheckpointError(f"{model_path}: weights do not match the model built from "
+                                  f"config.json: {exc}") from exc
+    if backend in ("auto", "fused"):
+        kinds = envs.disabled_kinds() if disable is None else frozenset(disable)
+        adapter.fuse(model, config, disable=kinds, use_fallback=use_fallback, report=report)
+    else:
+        report.notes.append("backend=stock: stock mlx-lm modules (loader fixes only)")
+    model.qab_report = report
+    return model, config, report
+
+
+def check_backend(backend: Optional[str]) -> str:
+    """Normalise a backend name for MLX loading.
+
+    Raises:
+        UnknownBackendError: for a name that is not an MLX backend; names other
+            plugins register (e.g. ``llama.cpp``) are pointed to ``qab compare``.
+    """
+    backend = (backend or envs.backend()).lower()
+    if backend in MLX_BACKENDS:
+        return backend
+    from .plugins import get_registry
+
+    known = set(get_registry().backends)
+    if backend in known:
+        raise UnknownBackendError(
+            f"backend {backend!r} is not an MLX backend and cannot return an mlx-lm model; "
+            f"use it through qwen_apple_backend.backends or `qab compare --backends {backend}`")
+    raise UnknownBackendError(
+        f"unknown backend {backend!r}; expected one of {list(MLX_BACKENDS)}"
+        + (f" (registered: {sorted(known)})" if known else ""))
+
+
+def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
+         tokenizer_config: Optional[dict] = None, model_config: Optional[dict] = None,
+         adapter_path: Optional[str] = None, lazy: bool = False, return_config: bool = False,
+         revision: Optional[str] = None, trust_remote_code: bool = False,
+         use_fallback: bool = True, disable=None):
+    """Load a model and tokenizer like ``mlx_lm.load``, with fused Qwen modules.
+
+    Args:
+        path_or_hf_repo (str | Path): checkpoint directory (or a Hugging Face repo id,
+            downloaded by mlx-lm when the network allows).
+        backend (str, optional): ``"auto"`` (fused where a plugin claims the
+            architecture, stock otherwise), ``"fused"`` or ``"stock"``. Default
+            ``QAB_BACKEND`` or ``"auto"``.
+        tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
+            trust_remote_code: as in ``mlx_lm.load``.
+        use_fallback (bool): keep a module stock when it cannot be fused (True), or
+            raise ``FuseError`` naming the layer and reason (False). Default True.
+        disable (Iterable[str], optional): module kinds to keep stock (``moe``,
+            ``gdn``, ``attn``); default from ``QAB_DISABLE``.
+
+    Returns:
+        ``(model, tokenizer)`` or ``(model, tokenizer, config)``; what was replaced
+        is in :func:`get_report` (``model.qab_report``).
+
+    Raises:
+        MissingCheckpointFileError: missing directory, config or weight file.
+        CheckpointError: corrupt file, mismatching keys/shapes/quantization.
+        UnsupportedConfigError: a config the model cannot be built from.
+        UnknownBackendError: an unknown backend name.
+
+    Example:
+        >>> from qwen_apple_backend import load, get_report
+        >>> from mlx_lm import generate
+        >>> model, tokenizer = load("path/to/Qwen3.6-35B-A3B-4bit", backend="fused")
+        >>> print(get_report(model).summary())
+        >>> print(generate(model, tokenizer, prompt="Hello", max_tokens=32))
+    """
+    model_path = _resolve_path(path_or_hf_repo, revision)
+    model, config, _ = load_model(model_path, backend, lazy=lazy, model_config=model_config,
+                                  trust_remote_code=trust_remote_code,
+                                  use_fallback=use_fallback,
+                                  disable=None if disable is None else frozenset(disable))
+    from mlx_lm import utils as mlx_utils
+
+    if adapter_path is not None:
+        model = mlx_utils.load_adapters(model, adapter_path)
+        model.eval()
+    tokenizer = mlx_utils.load_tokenizer(model_path, tokenizer_config,
+                                         eos_token_ids=config.get("eos_token_id", None))
+    if return_config:
+        return model, tokenizer, config
+    return model, tokenizer
+
+
+def get_report(model: Any) -> Optional[FuseReport]:
+    """The :class:`FuseReport` of a model loaded by :func:`load` (None otherwise)."""
+    return getattr(model, "qab_report", None)
+
+
+def max_positions(model: Any) -> Optional[int]:
+    """``max_position_embeddings`` of a loaded model's text config, if known."""
+    for obj in (getattr(model, "language_model", None), model):
+        args = getattr(obj, "args", None)
+        value = getattr(args, "max_position_embeddings", None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def check_prompt(model: Any, prompt: Any) -> None:
+    """Reject an empty prompt or one longer than ``max_position_embeddings``.
+
+    Args:
+        model: a loaded model.
+        prompt: token ids (list / mx.array) or text.
+
+    Raises:
+        PromptError: naming the length and the limit.
+    """
+    try:
+        n = len(prompt) if not hasattr(prompt, "size") else int(prompt.size)
+    except TypeError:
+        return
+    if n == 0:
+        raise PromptError("the prompt is empty: give at least one token")
+    limit = max_positions(model)
+    if limit is not None and not isinstance(prompt, str) and n > limit:
+        raise PromptError(f"the prompt has {n} tokens, more than the model's "
+                          f"max_position_embeddings = {limit} (config.json)")
+
+
+# ---- enable(): route mlx-lm's own entry points through load() ----------------------------
+
+_PATCHED: dict[tuple[str, str], Any] = {}
+_LOAD_USERS = ("mlx_lm", "mlx_lm.utils", "mlx_lm.generate", "mlx_lm.chat", "mlx_lm.server",
+               "mlx_lm.benchmark", "mlx_lm.evaluate")
+
+
+def enable(backend: Optional[str] = None) -> None:
+    """Make mlx-lm's own ``load`` (and so ``mlx_lm.generate``/``chat``/``server``) use
+    the registry.
+
+    Idempotent; :func:`disable` undoes it. ``backend`` (default ``QAB_BACKEND`` or
+    ``auto``) applies to every load while enabled.
+
+    Example:
+        >>> import qwen_apple_backend, mlx_lm
+        >>> qwen_apple_backend.enable("fused")
+        >>> model, tokenizer = mlx_lm.load("path/to/checkpoint")  # fused modules inside
+    """
+    import importlib
+
+    chosen = check_backend(backend)
+
+    def patched_load(path_or_hf_repo, tokenizer_config=None, model_config=None,
+                     adapter_path=None, lazy=False, return_config=False, revision=None,
+                     trust_remote_code=False, **kwargs):
+        return load(path_or_hf_repo, kwargs.pop("backend", chosen),
+                    tokenizer_config=tokenizer_config, model_config=model_config,
+                    adapter_path=adapter_path, lazy=lazy, return_config=return_config,
+                    revision=revision, trust_remote_code=trust_remote_code, **kwargs)
+
+    patched_load.__qab_patched__ = True
+    for modname in _LOAD_USERS:
+        try:
+            mod = importlib.import_module(modname)
+        except ImportError:
+            continue
+        if hasattr(mod, "load"):
+            _PATCHED.setdefault((modname, "load"), _original(mod, "load"))
+            setattr(mod, "load", patched_load)
+
+    gen = importlib.import_module("mlx_lm.generate")
+    original_stream = _PATCHED.setdefault(("mlx_lm.generate", "stream_generate"),
+                                          _original(gen, "stream_generate"))
+
+    def checked_stream_generate(model, tokenizer, prompt, *args, **kwargs):
+        if not isinstance(prompt, str):
+            check_prompt(model, prompt)
+        elif prompt == "":
+            raise PromptError("the prompt is empty: give at least one token")
+        return original_stream(model, tokenizer, prompt, *args, **kwargs)
+
+    checked_stream_generate.__qab_patched__ = True
+    gen.stream_generate = checked_stream_generate
+
+
+def _original(mod, name):
+    fn = getattr(mod, name)
+    while getattr(fn, "__qab_patched__", False):
+        fn = _PATCHED[(mod.__name__, name)]
+    return fn
+
+
+def disable() -> None:
+    """Undo :func:`enable`: mlx-lm's entry points load stock models again."""
+    import importlib
+
+    for (modname, attr), fn in list(_PATCHED.items()):
+        setattr(importlib.import_module(modname), attr, fn)
+    _PATCHED.clear()
+
+
+def is_enabled() -> bool:
+    import sys
+
+    mod = sys.modules.get("mlx_lm.utils")
+    return bool(mod is not None and getattr(getattr(mod, "load", None), "__qab_patched__", False))

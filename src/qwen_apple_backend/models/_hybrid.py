@@ -1,0 +1,312 @@
+"""Shared logic of the Qwen hybrid adapters (qwen3_5_moe, qwen3_5, qwen3_next).
+
+Config fixes for loader gaps in stock mlx-lm, weight validation (run from the
+model's ``sanitize``, where the unquantized module shapes are known), and the
+module swap itself. This is not an adapter; each ``models/<model_type>.py``
+builds on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import re
+from typing import Any, Callable, Iterable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import CheckpointError, FuseError, UnsupportedConfigError
+from ..report import FuseReport, ModuleRecord
+from .base import Adapter
+
+LINEAR, FULL = "linear_attention", "full_attention"
+VALID_LAYER_TYPES = (LINEAR, FULL)
+
+#: Loader context (model path, raw config) for messages raised from sanitize().
+_LOAD_CONTEXT: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
+    "qab_load_context", default=None)
+
+
+@contextlib.contextmanager
+def load_context(**values):
+    token = _LOAD_CONTEXT.set(values)
+    try:
+        yield
+    finally:
+        _LOAD_CONTEXT.reset(token)
+
+
+def _where() -> str:
+    ctx = _LOAD_CONTEXT.get() or {}
+    path = ctx.get("model_path")
+    return f"{path}: " if path else ""
+
+
+def text_config_of(config: dict) -> tuple[dict, str]:
+    """The text-model fields and the config path prefix used in messages."""
+    tc = config.get("text_config")
+    if isinstance(tc, dict):
+        return tc, "text_config."
+    return config, ""
+
+
+def derive_full_attention_interval(tc: dict, prefix: str) -> Optional[int]:
+    """Check ``layer_types`` and return the ``full_attention_interval`` it implies.
+
+    mlx-lm builds layer ``i`` as full attention iff ``(i + 1) % interval == 0``;
+    a saved config may carry only ``layer_types``.
+
+    Returns:
+        int | None: the interval, or None when the config has no ``layer_types``.
+
+    Raises:
+        UnsupportedConfigError: for an unknown layer type, a length that does not
+            match ``num_hidden_layers``, or a pattern mlx-lm cannot express.
+    """
+    layer_types = tc.get("layer_types")
+    if layer_types is None:
+        return None
+    if not isinstance(layer_types, list):
+        raise UnsupportedConfigError(f"config.json: {prefix}layer_types must be a list")
+    for i, t in enumerate(layer_types):
+        if t not in VALID_LAYER_TYPES:
+            raise UnsupportedConfigError(
+                f"config.json: {prefix}layer_types[{i}] = {t!r} is not a supported layer type "
+                f"(expected one of {list(VALID_LAYER_TYPES)})")
+    n = tc.get("num_hidden_layers")
+    if n is not None and len(layer_types) != n:
+        raise UnsupportedConfigError(
+            f"config.json: {prefix}layer_types has {len(layer_types)} entries but "
+            f"{prefix}num_hidden_layers is {n}")
+    if FULL not in layer_types:
+        raise UnsupportedConfigError(
+            f"config.json: {prefix}layer_types has no 'full_attention' layer; mlx-lm's Qwen "
+            "hybrid models need at least one")
+    interval = layer_types.index(FULL) + 1
+    for i, t in enumerate(layer_types):
+        if (t == FULL) != ((i + 1) % interval == 0):
+            raise UnsupportedConfigError(
+                f"config.json: {prefix}layer_types[{i}] = {t!r} breaks the periodic pattern "
+                f"(full attention every {interval} layers) that mlx-lm's "
+                "full_attention_interval can express")
+    declared = tc.get("full_attention_interval")
+    if declared is not None and declared != interval:
+        raise UnsupportedConfigError(
+            f"config.json: {prefix}full_attention_interval = {declared} contradicts "
+            f"{prefix}layer_types (full attention every {interval} layers)")
+    return interval
+
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp)\.experts\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+
+
+def stack_per_expert_weights(weights: dict, num_experts: int) -> dict:
+    """Stack per-expert HF keys into the fused published layout.
+
+    transformers ``save_pretrained`` of a freshly built model writes
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight``; the published checkpoints
+    and mlx-lm's sanitize use ``mlp.experts.gate_up_proj`` [E, 2I, H] and
+    ``mlp.experts.down_proj`` [E, H, I].
+
+    Raises:
+        CheckpointError: if an expert index is missing or out of range.
+    """
+    groups: dict[str, dict[str, dict[int, mx.array]]] = {}
+    rest = {}
+    for k, v in weights.items():
+        m = _PER_EXPERT.match(k)
+        if m is None:
+            rest[k] = v
+            continue
+        groups.setdefault(m["prefix"], {}).setdefault(m["proj"], {})[int(m["e"])] = v
+    for prefix, projs in groups.items():
+        for proj in ("gate", "up", "down"):
+            got = projs.get(proj, {})
+            missing = [e for e in range(num_experts) if e not in got]
+            extra = sorted(e for e in got if e >= num_experts)
+            if extra:
+                raise CheckpointError(
+                    f"{_where()}weight key {prefix}.experts.{extra[0]}.{proj}_proj.weight: "
+                    f"expert index out of range for num_experts = {num_experts} (config.json)")
+            if missing:
+                raise CheckpointError(
+                    f"{_where()}weight key {prefix}.experts.{missing[0]}.{proj}_proj.weight is "
+                    f"missing ({len(missing)} of {num_experts} experts lack {proj}_proj)")
+        gate_up = mx.stack([mx.concatenate([projs["gate"][e], projs["up"][e]], axis=0)
+                            for e in range(num_experts)])
+        down = mx.stack([projs["down"][e] for e in range(num_experts)])
+        rest[f"{prefix}.experts.gate_up_proj"] = gate_up
+        rest[f"{prefix}.experts.down_proj"] = down
+    return rest
+
+
+def check_expert_counts(weights: dict, num_experts: int) -> None:
+    """Every expert tensor and router must agree with ``num_experts``.
+
+    Raises:
+        CheckpointError: naming the first key whose expert axis disagrees.
+    """
+    if not num_experts:
+        return
+    for k, v in weights.items():
+        n = None
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")) or (
+                ".switch_mlp." in k and k.endswith((".weight", ".scales", ".biases"))):
+            n = v.shape[0]
+        elif k.endswith("mlp.gate.weight"):
+            n = v.shape[0]
+        if n is not None and n != num_experts:
+            raise CheckpointError(
+                f"{_where()}weight key {k} has {n} experts (shape {tuple(v.shape)}) but "
+                f"config.json num_experts = {num_experts}")
+
+
+def check_quantization(model: nn.Module, weights: dict) -> None:
+    """Each quantized weight must fit the module it loads into.
+
+    Raises:
+        CheckpointError: if a layer's input width is not a multiple of the
+            group size its scales (or config.json ``quantization``) imply.
+    """
+    ctx = _LOAD_CONTEXT.get() or {}
+    qcfg = (ctx.get("config") or {}).get("quantization") or {}
+    modules = dict(model.named_modules())
+    for key in weights:
+        if not key.endswith(".scales"):
+            continue
+        path = key[: -len(".scales")]
+        module = modules.get(path)
+        w = getattr(module, "weight", None) if module is not None else None
+        if w is None:
+            continue
+        in_dims = w.shape[-1]
+        groups = weights[key].shape[-1]
+        per_layer = qcfg.get(path) if isinstance(qcfg.get(path), dict) else None
+        gs = (per_layer or {}).get("group_size", qcfg.get("group_size"))
+        if gs and in_dims % gs != 0:
+            raise CheckpointError(
+                f"{_where()}layer {path}: quantization group_size {gs} (config.json "
+                f"'quantization') does not divide its input width {in_dims}")
+        if in_dims % groups != 0 or (gs and per_layer and groups * gs != in_dims):
+            raise CheckpointError(
+                f"{_where()}weight key {key}: {groups} quantization groups do not fit layer "
+                f"{path} of input width {in_dims}" + (f" with group_size {gs}" if gs else ""))
+
+
+class QwenHybridAdapter(Adapter):
+    """Adapter for mlx-lm's Qwen hybrid (Gated DeltaNet + attention) models.
+
+    Subclasses set :attr:`stock_module` (the ``mlx_lm.models`` module name)
+    and provide :meth:`model_class`.
+    """
+
+    name = "qwen-fused"
+    stock_module = ""
+    text_model_types: dict[str, str] = {}
+
+    def prepare_config(self, config: dict, report: FuseReport) -> dict:
+        tc, prefix = text_config_of(config)
+        interval = derive_full_attention_interval(tc, prefix)
+        overrides: dict = {}
+        if interval is not None and tc.get("full_attention_interval") is None:
+            new_tc = dict(tc, full_attention_interval=interval)
+            report.notes.append(
+                f"derived {prefix}full_attention_interval = {interval} from {prefix}layer_types")
+            if prefix:
+                overrides["text_config"] = new_tc
+            else:
+                overrides["full_attention_interval"] = interval
+        return overrides
+
+    def stock_module_for(self, config: dict) -> str:
+        return self.stock_module
+
+    def get_model_classes(self, config: dict):
+        model_cls = self.model_class(config)
+        import importlib
+
+        mod = importlib.import_module(f"mlx_lm.models.{self.stock_module_for(config)}")
+        return model_cls, mod.ModelArgs
+
+    def model_class(self, config: dict) -> type:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # ---- fusing -------------------------------------------------------------
+    def swaps(self) -> list[tuple[str, str, Callable[[Any], Optional[type]]]]:
+        """(attribute, kind, stock-module -> fused class or None) for each layer."""
+        from ..layers.attention import FusedGQAAttention
+        from ..layers.gated_delta import fused_gdn_class_for
+        from ..layers.moe import FusedSparseMoeBlock
+
+        def moe_cls(m):
+            from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
+
+            return FusedSparseMoeBlock if isinstance(m, Qwen3NextSparseMoeBlock) else None
+
+        def attn_cls(m):
+            from mlx_lm.models.qwen3_next import Qwen3NextAttention
+
+            return FusedGQAAttention if isinstance(m, Qwen3NextAttention) else None
+
+        return [("linear_attn", "gdn", fused_gdn_class_for),
+                ("self_attn", "attn", attn_cls),
+                ("mlp", "moe", moe_cls)]
+
+    def fuse(self, model, config, *, disable=frozenset(), use_fallback=True, report):
+        names = {id(m): n for n, m in model.named_modules()}
+        for layer in model.layers:
+            base = names.get(id(layer), "layers.?")
+            for attr, kind, pick in self.swaps():
+                if attr not in layer:
+                    continue
+                stock = layer[attr]
+                path = f"{base}.{attr}"
+                kind_here = kind
+                fused_cls = pick(stock)
+                if fused_cls is None:
+                    if attr == "mlp":
+                        kind_here = "mlp"
+                    report.modules.append(ModuleRecord(
+                        path, kind_here, type(stock).__name__, None,
+                        "dense MLP (no fused version)" if attr == "mlp"
+                        else f"{type(stock).__name__} has no fused version"))
+                    continue
+                if kind in disable:
+                    report.modules.append(ModuleRecord(
+                        path, kind, type(stock).__name__, None,
+                        f"disabled ({kind} in QAB_DISABLE / disable=)"))
+                    continue
+                try:
+                    fused = fused_cls.from_stock(stock)
+                except Exception as exc:  # noqa: BLE001
+                    reason = f"{type(exc).__name__}: {exc}"
+                    if not use_fallback:
+                        raise FuseError(f"cannot fuse {path} ({type(stock).__name__}) on "
+                                        f"{mx.default_device()}: {reason}") from exc
+                    report.modules.append(ModuleRecord(path, kind, type(stock).__name__, None, reason))
+                    continue
+                setattr(layer, attr, fused)
+                report.modules.append(ModuleRecord(path, kind, type(stock).__name__,
+                                                   type(fused).__name__))
+        return None
+
+
+def sanitize_checked(model: nn.Module, weights: dict, num_experts: int,
+                     stock_sanitize: Callable[[dict], dict]) -> dict:
+    """A model's ``sanitize`` with the loader gaps closed and shapes checked.
+
+    Per-expert keys are stacked and expert counts checked before the stock
+    sanitize (which renames keys, splits experts, shifts norms and transposes
+    conv weights exactly once); quantized shapes are checked after it.
+    """
+    if num_experts:
+        weights = stack_per_expert_weights(weights, num_experts)
+        check_expert_counts(weights, num_experts)
+    weights = stock_sanitize(weights)
+    check_quantization(model, weights)
+    return weights
+
+
+def iter_layers(model) -> Iterable:
+    return model.layers
