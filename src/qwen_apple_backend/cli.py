@@ -51,10 +51,15 @@ def _run_passthrough(command: str, argv: Sequence[str]) -> int:
     module = importlib.import_module(module_name)
     old_argv = sys.argv
     sys.argv = [f"qab {command}", *rest]
+    from .errors import QABError
+
     try:
         result = module.main()
     except SystemExit as exc:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 1
+    except QABError as exc:
+        print(f"qab {command}: error: {exc}", file=sys.stderr)
+        return 1
     finally:
         sys.argv = old_argv
     return int(result or 0)
@@ -185,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         return func(args)
-    except QABError as exc:
+    except (QABError, ValueError, FileNotFoundError, FileExistsError) as exc:
         print(f"qab {args.command}: error: {exc}", file=sys.stderr)
         return 1
 

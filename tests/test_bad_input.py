@@ -1,0 +1,145 @@
+"""Bad input gets one clear error naming the file, key or field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+from qwen_apple_backend import load
+from qwen_apple_backend.errors import (CheckpointError, MissingCheckpointFileError, PromptError,
+                                       UnknownBackendError, UnsupportedConfigError)
+
+
+@pytest.fixture
+def hf_copy(tiny_hf_f32, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_hf_f32, dst)
+    return dst
+
+
+@pytest.fixture
+def q4_copy(tiny_q4, tmp_path):
+    dst = tmp_path / "q4"
+    shutil.copytree(tiny_q4, dst)
+    return dst
+
+
+def _edit_config(path, fn):
+    cfg = json.loads((path / "config.json").read_text())
+    fn(cfg)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(MissingCheckpointFileError, match="checkpoint directory not found"):
+        load(tmp_path / "nope")
+
+
+def test_missing_config(hf_copy):
+    (hf_copy / "config.json").unlink()
+    with pytest.raises(MissingCheckpointFileError, match=r"config\.json not found"):
+        load(hf_copy)
+
+
+def test_invalid_config_json(hf_copy):
+    (hf_copy / "config.json").write_text('{"model_type": "qwen3_5_moe",')
+    with pytest.raises(CheckpointError, match=r"config\.json: invalid JSON at line 1"):
+        load(hf_copy)
+
+
+def test_missing_safetensors_shard(hf_copy):
+    shard = sorted(hf_copy.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(MissingCheckpointFileError, match=shard.name):
+        load(hf_copy)
+
+
+def test_no_weights_at_all(hf_copy):
+    for f in hf_copy.glob("model*.safetensors*"):
+        f.unlink()
+    with pytest.raises(MissingCheckpointFileError, match="no model.*safetensors"):
+        load(hf_copy)
+
+
+def test_corrupt_safetensors_header(hf_copy):
+    shard = sorted(hf_copy.glob("model-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[8:40] = b"\x00garbage-not-json-at-all!!!!!!!!"
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{shard.name}: not a valid safetensors file"):
+        load(hf_copy)
+
+
+def test_truncated_safetensors(hf_copy):
+    shard = sorted(hf_copy.glob("model-*.safetensors"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=f"{shard.name}: tensor .* past the end of the file"):
+        load(hf_copy)
+
+
+def test_unknown_layer_type(hf_copy):
+    _edit_config(hf_copy, lambda c: c["text_config"]["layer_types"].__setitem__(1, "sliding_window"))
+    with pytest.raises(UnsupportedConfigError,
+                       match=r"text_config\.layer_types\[1\] = 'sliding_window'"):
+        load(hf_copy)
+
+
+def test_layer_types_not_periodic(hf_copy):
+    def fn(c):
+        lt = c["text_config"]["layer_types"]
+        lt[0], lt[3] = "full_attention", "linear_attention"
+        lt[1] = "full_attention"
+    _edit_config(hf_copy, fn)
+    with pytest.raises(UnsupportedConfigError, match=r"layer_types\[\d\].*periodic pattern"):
+        load(hf_copy)
+
+
+def test_expert_count_mismatch(hf_copy):
+    _edit_config(hf_copy, lambda c: c["text_config"].__setitem__("num_experts", 4))
+    with pytest.raises(CheckpointError, match=r"weight key .*experts.* has 8 experts .*num_experts = 4"):
+        load(hf_copy)
+
+
+def test_quantization_group_size_does_not_divide(q4_copy):
+    _edit_config(q4_copy, lambda c: c["quantization"].__setitem__("group_size", 48))
+    with pytest.raises(CheckpointError, match=r"layer .*: quantization group_size 48 .* "
+                                              r"does not divide its input width 64"):
+        load(q4_copy)
+
+
+def test_unknown_backend(hf_copy):
+    with pytest.raises(UnknownBackendError, match="unknown backend 'turbo'"):
+        load(hf_copy, "turbo")
+
+
+def test_empty_and_too_long_prompts(hf_copy):
+    import mlx_lm
+
+    import qwen_apple_backend as qab
+
+    _edit_config(hf_copy, lambda c: c["text_config"].__setitem__("max_position_embeddings", 16))
+    qab.enable("fused")
+    try:
+        model, tok = mlx_lm.load(str(hf_copy))
+        with pytest.raises(PromptError, match="empty"):
+            mlx_lm.generate(model, tok, prompt=[], max_tokens=2)
+        with pytest.raises(PromptError, match="20 tokens.*max_position_embeddings = 16"):
+            mlx_lm.generate(model, tok, prompt=list(range(20)), max_tokens=2)
+        out = mlx_lm.generate(model, tok, prompt=list(range(5)), max_tokens=2)
+        assert isinstance(out, str)
+    finally:
+        qab.disable()
+
+
+def test_cli_reports_errors_without_traceback(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "qwen_apple_backend.cli", "make-checkpoint",
+                          str(tmp_path / "x"), "--preset", "full", "--layout", "hf"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr and "error" in out.stderr.lower()

@@ -1,0 +1,162 @@
+"""Parity gates: fused vs stock mlx-lm on tiny real-layout checkpoints.
+
+float32: identical greedy tokens, 100% teacher-forced top-1, logits rel-L2 <= 1e-5.
+bf16 / 4-bit: random weights give almost flat next-token distributions, so the
+gate is error against a float32 reference: the fused backend's rel-L2 and mean KL
+must be <= 1.1x stock's own at the same dtype.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from qwen_apple_backend import get_report, load
+
+from ._metrics import mean_kl, perplexity, rel_l2, to_np, top1_agreement
+from .conftest import SMALL_VOCAB
+
+N_POS = 200  # teacher-forced positions (>= 192, the reference engine's count)
+
+
+def _ids(n=N_POS + 1, seed=1, vocab=SMALL_VOCAB):
+    return np.random.default_rng(seed).integers(0, vocab, size=n).tolist()
+
+
+def _logits(model, ids):
+    out = model(mx.array([ids]))
+    mx.eval(out)
+    return to_np(out[0])
+
+
+def _greedy(model, prompt, n):
+    toks = []
+    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=n, sampler=make_sampler(0.0)):
+        toks.append(int(tok))
+    return toks
+
+
+@pytest.fixture(scope="module")
+def f32_pair(tiny_hf_f32):
+    stock, _ = load(tiny_hf_f32, "stock")
+    fused, _ = load(tiny_hf_f32, "fused")
+    return stock, fused
+
+
+def test_fused_report_covers_every_module(f32_pair):
+    _, fused = f32_pair
+    report = get_report(fused)
+    counts = report.counts()
+    assert counts == {"gdn": (3, 3), "attn": (1, 1), "moe": (4, 4)}, report.summary()
+    assert report.architecture == "qwen3_5_moe"
+
+
+def test_float32_logits_match_stock(f32_pair):
+    stock, fused = f32_pair
+    ids = _ids()
+    a, b = _logits(stock, ids[:-1]), _logits(fused, ids[:-1])
+    err = rel_l2(b, a)
+    agree = top1_agreement(b, a)
+    dppl = perplexity(b, ids[1:]) / perplexity(a, ids[1:]) - 1
+    print(f"\nfloat32 fused vs stock over {len(ids) - 1} positions: rel-L2 {err:.2e}, "
+          f"max|dlogit| {np.abs(a - b).max():.2e}, top-1 {agree:.2%}, dppl {dppl:+.2e}")
+    assert err <= 1e-5
+    assert agree == 1.0
+
+
+def test_float32_greedy_32_tokens_identical(f32_pair):
+    stock, fused = f32_pair
+    prompt = _ids(24, seed=2)
+    assert _greedy(fused, prompt, 32) == _greedy(stock, prompt, 32)
+
+
+def test_float32_batch_of_two(f32_pair):
+    stock, fused = f32_pair
+    ids = mx.array([_ids(40, seed=3), _ids(40, seed=4)])
+    a, b = to_np(stock(ids)), to_np(fused(ids))
+    assert rel_l2(b, a) <= 1e-5
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_prefill_with_cache_equals_one_pass(f32_pair, chunk):
+    stock, fused = f32_pair
+    ids = _ids(130, seed=5)
+    ref = _logits(fused, ids)
+    cache = make_prompt_cache(fused)
+    outs = []
+    for s in range(0, len(ids), chunk):
+        out = fused(mx.array([ids[s:s + chunk]]), cache=cache)
+        mx.eval(out)
+        outs.append(to_np(out[0]))
+    got = np.concatenate(outs, 0)
+    assert rel_l2(got, ref) <= 1e-5, f"chunk={chunk}"
+    assert top1_agreement(got, ref) == 1.0
+
+
+def test_multi_turn_prompt_cache_matches_fresh_run(f32_pair):
+    _, fused = f32_pair
+    turn1, turn2 = _ids(37, seed=6), _ids(23, seed=7)
+    cache = make_prompt_cache(fused)
+    reply = []
+    for tok, _ in generate_step(mx.array(turn1), fused, max_tokens=9,
+                                sampler=make_sampler(0.0), prompt_cache=cache):
+        reply.append(int(tok))
+    # The cache now holds turn1 + reply[:-1]; feed the rest plus turn 2.
+    cont = reply[-1:] + turn2
+    out = fused(mx.array([cont]), cache=cache)
+    fresh = _logits(fused, turn1 + reply + turn2)
+    assert rel_l2(to_np(out[0]), fresh[-len(cont):]) <= 1e-5
+
+
+def _error_vs_reference(model, ref_logits, ids):
+    got = _logits(model, ids[:-1])
+    return (rel_l2(got, ref_logits), mean_kl(ref_logits, got), top1_agreement(got, ref_logits),
+            perplexity(got, ids[1:]) / perplexity(ref_logits, ids[1:]) - 1)
+
+
+def _gate(label, stock_m, fused_m, ref, ids):
+    s = _error_vs_reference(stock_m, ref, ids)
+    f = _error_vs_reference(fused_m, ref, ids)
+    print(f"\n{label} vs float32 reference: stock rel-L2 {s[0]:.3e} KL {s[1]:.3e} top-1 {s[2]:.2%} "
+          f"dppl {s[3]:+.2e} | fused rel-L2 {f[0]:.3e} KL {f[1]:.3e} top-1 {f[2]:.2%} "
+          f"dppl {f[3]:+.2e}")
+    assert f[0] <= 1.1 * s[0], "fused rel-L2 vs float32 exceeds 1.1x stock's"
+    assert f[1] <= 1.1 * s[1], "fused mean KL vs float32 exceeds 1.1x stock's"
+
+
+def test_bfloat16_error_vs_float32_within_stock(tiny_hf_bf16):
+    stock, _ = load(tiny_hf_bf16, "stock")
+    fused, _ = load(tiny_hf_bf16, "fused")
+    ref, _ = load(tiny_hf_bf16, "stock")
+    ref.set_dtype(mx.float32)  # same (bf16-rounded) weights, float32 compute
+    ids = _ids(seed=8)
+    _gate("bfloat16", stock, fused, _logits(ref, ids[:-1]), ids)
+
+
+def test_4bit_error_vs_float32_within_stock(tiny_q4):
+    from mlx_lm.utils import dequantize_model
+
+    stock, _ = load(tiny_q4, "stock")
+    fused, _ = load(tiny_q4, "fused")
+    assert get_report(fused).counts()["moe"] == (4, 4)
+    ref, _ = load(tiny_q4, "stock")
+    ref = dequantize_model(ref)
+    ref.set_dtype(mx.float32)  # same dequantized weights, float32 compute
+    ids = _ids(seed=9)
+    _gate("4-bit", stock, fused, _logits(ref, ids[:-1]), ids)
+
+
+@pytest.mark.parametrize("kinds", [{"moe"}, {"gdn", "attn"}, {"moe", "gdn", "attn"}])
+def test_disable_keeps_kinds_stock_and_logits(tiny_hf_f32, kinds, monkeypatch):
+    monkeypatch.setenv("QAB_DISABLE", ",".join(sorted(kinds)))
+    model, _ = load(tiny_hf_f32, "fused")
+    report = get_report(model)
+    for m in report.modules:
+        assert (m.fused is None) == (m.kind in kinds), m
+    stock, _ = load(tiny_hf_f32, "stock")
+    ids = _ids(50, seed=10)
+    assert rel_l2(_logits(model, ids), _logits(stock, ids)) <= 1e-5
