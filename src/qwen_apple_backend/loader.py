@@ -340,7 +340,7 @@ def check_prompt(model: Any, prompt: Any) -> None:
 # ---- enable(): route mlx-lm's own entry points through load() ----------------------------
 
 _PATCHED: dict[tuple[str, str], Any] = {}
-_LOAD_USERS = ("mlx_lm", "mlx_lm.utils", "mlx_lm.generate", "mlx_lm.chat", "mlx_lm.server",
+_LOAD_USERS = ("mlx_lm.utils", "mlx_lm", "mlx_lm.generate", "mlx_lm.chat", "mlx_lm.server",
                "mlx_lm.benchmark", "mlx_lm.evaluate")
 
 
@@ -394,10 +394,15 @@ def enable(backend: Optional[str] = None) -> None:
 
 
 def _original(mod, name):
+    """The unpatched ``mod.name``; a module that imported an already patched
+    function by name gets the original of its source (mlx_lm.utils / mlx_lm.generate)."""
     fn = getattr(mod, name)
-    while getattr(fn, "__qab_patched__", False):
-        fn = _PATCHED[(mod.__name__, name)]
-    return fn
+    if not getattr(fn, "__qab_patched__", False):
+        return fn
+    if (mod.__name__, name) in _PATCHED:
+        return _PATCHED[(mod.__name__, name)]
+    source = "mlx_lm.utils" if name == "load" else "mlx_lm.generate"
+    return _PATCHED[(source, name)]
 
 
 def disable() -> None:

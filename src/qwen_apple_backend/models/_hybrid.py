@@ -236,8 +236,18 @@ class QwenHybridAdapter(Adapter):
     def swaps(self) -> list[tuple[str, str, Callable[[Any], Optional[type]]]]:
         """(attribute, kind, stock-module -> fused class or None) for each layer."""
         from ..layers.attention import FusedGQAAttention
-        from ..layers.gated_delta import fused_gdn_class_for
+        from ..layers.gated_delta import FusedGatedDeltaNet, FusedQwen3NextGatedDeltaNet
         from ..layers.moe import FusedSparseMoeBlock
+
+        def fused_gdn_class_for(m):
+            from mlx_lm.models.qwen3_5 import GatedDeltaNet
+            from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
+
+            if isinstance(m, GatedDeltaNet):
+                return FusedGatedDeltaNet
+            if isinstance(m, Qwen3NextGatedDeltaNet):
+                return FusedQwen3NextGatedDeltaNet
+            return None
 
         def moe_cls(m):
             from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
