@@ -14,7 +14,8 @@ DEMO_SEED = 0
 
 def default_model_path() -> Path:
     """Cached location of the default demo checkpoint (``QAB_CACHE_DIR``)."""
-    return envs.cache_dir() / f"demo-{DEMO_PRESET}-seed{DEMO_SEED}"
+    # float32: MLX has no bf16 gathered matmul on the CPU, so stock could not run bf16 there.
+    return envs.cache_dir() / f"demo-{DEMO_PRESET}-f32-seed{DEMO_SEED}"
 
 
 def ensure_default_model(rebuild: bool = False) -> Path:
@@ -25,7 +26,7 @@ def ensure_default_model(rebuild: bool = False) -> Path:
     if rebuild or not (path / "config.json").is_file():
         print(f"building the default demo checkpoint in {path} (once) ...", file=sys.stderr)
         make_checkpoint(path, preset=DEMO_PRESET, layout="hf", seed=DEMO_SEED,
-                        dtype="bfloat16", overwrite=True, progress=True)
+                        dtype="float32", overwrite=True, progress=True)
     return path
 
 
