@@ -1,0 +1,358 @@
+"""Numbers, shapes and paths of ``qwen_apple_backend.ops.gated_delta``.
+
+The reference is mlx-lm's own per-token ``gated_delta_ops``; inputs are
+seeded and use the real Qwen3.5/3.6 GDN head size (Dk = Dv = 128) with a GQA
+ratio of 2 (Hk = 2, Hv = 4).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
+
+import qwen_apple_backend.ops.gated_delta as gd
+
+B, HK, HV, D = 2, 2, 4, 128
+
+# float32 tolerances (elementwise). Measured, chunked vs mlx-lm's sequential
+# reference on these inputs: max |diff| 3.4e-8 on y (|y| < 0.1) and 6e-8 on
+# the state, rel-L2 <= 3.2e-7. On a CUDA GPU float32 matmuls are TF32-like
+# (~5e-4 relative), so GPU runs need a looser, dtype-based bound.
+F32_TOL = dict(atol=1e-5, rtol=1e-4)
+
+
+def assert_close(actual, expected, *, atol, rtol, name="", max_report=5):
+    """allclose in float64 that reports the first mismatching indices on failure."""
+    a = np.asarray(actual.astype(mx.float32), dtype=np.float64)
+    e = np.asarray(expected.astype(mx.float32), dtype=np.float64)
+    assert a.shape == e.shape, f"{name}: shape {a.shape} != {e.shape}"
+    bad = ~np.isclose(a, e, atol=atol, rtol=rtol)
+    if bad.any():
+        idx = np.argwhere(bad)[:max_report]
+        rows = [f"  {tuple(int(i) for i in ix)}: got {a[tuple(ix)]:.7g}, want {e[tuple(ix)]:.7g}" for ix in idx]
+        rel = np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)
+        raise AssertionError(
+            f"{name}: {int(bad.sum())}/{bad.size} mismatches (atol={atol}, rtol={rtol}, "
+            f"rel-L2={rel:.3g}); first at\n" + "\n".join(rows)
+        )
+
+
+def rel_l2(actual, expected) -> float:
+    a = np.asarray(actual.astype(mx.float32), dtype=np.float64)
+    e = np.asarray(expected.astype(mx.float32), dtype=np.float64)
+    return float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30))
+
+
+def make_inputs(T, *, b=B, hk=HK, hv=HV, d=D, seed=0, with_state=True):
+    """Seeded float32 inputs with the contract of the op (normalised q/k, g in (0,1))."""
+    mx.random.seed(seed)
+    q = mx.random.normal((b, T, hk, d))
+    k = mx.random.normal((b, T, hk, d))
+    q, k = normalize_qk(q, k, inv_scale=d**-0.5, eps=1e-6)
+    v = mx.random.normal((b, T, hv, d))
+    # Per-head decays spread over (0.37, 1): long and short memories.
+    g = mx.exp(-mx.random.uniform(0.0, 1.0, (b, T, hv)))
+    beta = mx.sigmoid(mx.random.normal((b, T, hv)))
+    state = mx.random.normal((b, hv, d, d)) * 0.1 if with_state else None
+    mx.eval(q, k, v, g, beta, state)
+    return q, k, v, g, beta, state
+
+
+@functools.lru_cache(maxsize=None)
+def reference(T, seed=0):
+    q, k, v, g, beta, state = make_inputs(T, seed=seed)
+    y, s = gated_delta_ops(q, k, v, g, beta, state)
+    mx.eval(y, s)
+    return y, s
+
+
+# T values, each with the edge it hits (chunk sizes 16 / 32 / 64):
+#   1   - a single token: one chunk that is all padding but one row
+#   7   - shorter than every chunk; odd; under the 16-row solve block
+#   63  - one short of a 64-chunk; crosses 16- and 32-chunk borders with a tail
+#   65  - one past a 64-chunk: a second chunk with a single real token
+#   130 - several chunks for every size plus a 2-token tail (130 = 2*64 + 2)
+@pytest.mark.parametrize("T", [1, 7, 63, 65, 130])
+@pytest.mark.parametrize("chunk", [16, 32, 64])
+def test_chunked_matches_reference_fp32(T, chunk):
+    q, k, v, g, beta, state = make_inputs(T)
+    y_ref, s_ref = reference(T)
+    y, s = gd.gated_delta_chunked_ops(q, k, v, g, beta, state, chunk_size=chunk)
+    assert y.dtype == mx.float32 and s.dtype == mx.float32
+    assert_close(y, y_ref, **F32_TOL, name=f"y T={T} C={chunk}")
+    assert_close(s, s_ref, **F32_TOL, name=f"state T={T} C={chunk}")
+
+
+@pytest.mark.parametrize("T", [1, 7, 65])
+def test_sequential_and_step_match_reference_fp32(T):
+    q, k, v, g, beta, state = make_inputs(T)
+    y_ref, s_ref = reference(T)
+    y, s = gd.gated_delta_sequential_ops(q, k, v, g, beta, state)
+    assert_close(y, y_ref, **F32_TOL, name="sequential y")
+    assert_close(s, s_ref, **F32_TOL, name="sequential state")
+    y1, s1 = gd.gated_delta_step_ops(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+    y1_ref, s1_ref = gated_delta_ops(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], state)
+    assert y1.shape == (B, HV, D)
+    assert_close(y1, y1_ref[:, 0], **F32_TOL, name="step y")
+    assert_close(s1, s1_ref, **F32_TOL, name="step state")
+
+
+def test_chunked_from_zero_state_and_carried_state():
+    # No initial state means zeros; splitting a sequence and carrying the state
+    # must equal one pass (chunk borders 16 apart, split at 37).
+    q, k, v, g, beta, _ = make_inputs(100, with_state=False)
+    y_all, s_all = gd.gated_delta_chunked_ops(q, k, v, g, beta, None, chunk_size=16)
+    y_ref, s_ref = gated_delta_ops(q, k, v, g, beta, None)
+    assert_close(y_all, y_ref, **F32_TOL, name="zero-state y")
+    assert_close(s_all, s_ref, **F32_TOL, name="zero-state state")
+    parts = [(0, 37), (37, 100)]
+    s = None
+    ys = []
+    for a, b in parts:
+        y, s = gd.gated_delta_chunked_ops(
+            q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], s, chunk_size=16
+        )
+        ys.append(y)
+    assert_close(mx.concatenate(ys, axis=1), y_all, **F32_TOL, name="split y")
+    assert_close(s, s_all, **F32_TOL, name="split state")
+
+
+def test_chunked_bf16_matches_reference():
+    # bf16 q/k/v/beta with float32 g and state: both paths do float32 math on
+    # the same bf16 values and round y to bf16 once, so y differs by at most
+    # one bf16 ulp where the float32 values straddle a rounding boundary
+    # (measured max |diff| 6.1e-5 on |y| <= 0.057, rel-L2 3.7e-5) and the
+    # state by float32 round-off (rel-L2 8.6e-8). Bounds: bf16 eps (7.8e-3)
+    # relative plus one ulp at |y| ~ 0.06 (2.4e-4) absolute.
+    T = 130
+    q, k, v, g, beta, state = make_inputs(T)
+    q, k, v, beta = (x.astype(mx.bfloat16) for x in (q, k, v, beta))
+    y_ref, s_ref = gated_delta_ops(q, k, v, g, beta, state)
+    for chunk in (16, 64):
+        y, s = gd.gated_delta_chunked_ops(q, k, v, g, beta, state, chunk_size=chunk)
+        assert y.dtype == mx.bfloat16 and s.dtype == mx.float32
+        assert_close(y, y_ref, atol=5e-4, rtol=1e-2, name=f"bf16 y C={chunk}")
+        assert rel_l2(y, y_ref) < 1e-3
+        assert_close(s, s_ref, **F32_TOL, name=f"bf16 state C={chunk}")
+
+
+def test_mask_keeps_state_and_zeros_output():
+    T = 70
+    q, k, v, g, beta, state = make_inputs(T)
+    mx.random.seed(1)
+    mask = mx.random.uniform(shape=(B, T)) > 0.3
+    # Row 1: left padding (first 20 tokens masked), as mlx-lm batches prompts.
+    mask[1, :20] = False
+    y_ref, s_ref = gated_delta_ops(q, k, v, g, beta, state, mask)
+    # mlx-lm's ops reference leaves y at masked tokens unspecified (its GPU
+    # kernel writes zeros); ours always writes zeros.
+    y_ref = mx.where(mask[..., None, None], y_ref, 0.0)
+    for name, fn in (
+        ("chunked16", functools.partial(gd.gated_delta_chunked_ops, chunk_size=16)),
+        ("chunked64", functools.partial(gd.gated_delta_chunked_ops, chunk_size=64)),
+        ("sequential", gd.gated_delta_sequential_ops),
+    ):
+        y, s = fn(q, k, v, g, beta, state, mask)
+        assert_close(y, y_ref, **F32_TOL, name=f"{name} masked y")
+        assert_close(s, s_ref, **F32_TOL, name=f"{name} masked state")
+
+    # All False: the state comes back unchanged and the output is zero.
+    none = mx.zeros((B, T), dtype=mx.bool_)
+    y, s = gd.gated_delta_chunked_ops(q, k, v, g, beta, state, none, chunk_size=32)
+    assert_close(s, state, atol=0, rtol=0, name="all-masked state")
+    assert not mx.any(y).item()
+    # Masked suffix: state equals the state after the unmasked prefix.
+    tail = mx.broadcast_to(mx.arange(T) < 40, (B, T))
+    _, s_tail = gd.gated_delta_chunked_ops(q, k, v, g, beta, state, tail, chunk_size=32)
+    _, s_prefix = gd.gated_delta_chunked_ops(
+        q[:, :40], k[:, :40], v[:, :40], g[:, :40], beta[:, :40], state, chunk_size=32
+    )
+    assert_close(s_tail, s_prefix, **F32_TOL, name="masked-suffix state")
+
+
+def test_underflowing_gates_stay_finite():
+    # g == 0 (exp underflow for a large A_log * dt) must wipe the state, not
+    # produce inf - inf = nan in the cumulative log-gates.
+    T = 40
+    q, k, v, g, beta, state = make_inputs(T)
+    g[:, 5] = 0.0
+    g[0, 30:33, 1] = 1e-42  # float32 denormal
+    y_ref, s_ref = gated_delta_ops(q, k, v, g, beta, state)
+    y, s = gd.gated_delta_chunked_ops(q, k, v, g, beta, state, chunk_size=16)
+    assert mx.all(mx.isfinite(y)).item() and mx.all(mx.isfinite(s)).item()
+    assert_close(y, y_ref, **F32_TOL, name="g=0 y")
+    assert_close(s, s_ref, **F32_TOL, name="g=0 state")
+
+
+def test_gated_delta_precision():
+    # 512-step recurrence in bf16 (q, k, v, beta bf16; g, state float32)
+    # against the float32 reference on the same values. The state must stay
+    # float32 throughout, so it tracks the reference to float32 round-off
+    # (measured rel-L2: chunked 8.3e-8, token by token 0) and y only carries
+    # its final bf16 rounding (measured rel-L2 1.7e-3). Against float32 inputs
+    # that were never rounded to bf16 the drift is the input rounding:
+    # measured rel-L2 2.6e-3 (state) and 3.7e-3 (y).
+    T = 512
+    q, k, v, g, beta, state = make_inputs(T, b=1, seed=3)
+    lo = [x.astype(mx.bfloat16) for x in (q, k, v, beta)]
+    hi = [x.astype(mx.float32) for x in lo]
+    y_ref, s_ref = gated_delta_ops(hi[0], hi[1], hi[2], g, hi[3], state)
+    y_f32, s_f32 = gated_delta_ops(q, k, v, g, beta, state)
+
+    y, s = gd.gated_delta(lo[0], lo[1], lo[2], g, lo[3], state, chunk_size=64)
+    assert y.dtype == mx.bfloat16 and s.dtype == mx.float32
+    assert rel_l2(s, s_ref) < 1e-5, rel_l2(s, s_ref)
+    assert rel_l2(y, y_ref) < 4e-3, rel_l2(y, y_ref)
+    assert rel_l2(s, s_f32) < 1e-2 and rel_l2(y, y_f32) < 1e-2
+
+    # Decode: 512 single-token dispatcher calls.
+    s_dec = state
+    ys = []
+    for t in range(T):
+        y_t, s_dec = gd.gated_delta(
+            lo[0][:, t : t + 1], lo[1][:, t : t + 1], lo[2][:, t : t + 1],
+            g[:, t : t + 1], lo[3][:, t : t + 1], s_dec,
+        )
+        ys.append(y_t)
+        if t % 64 == 63:
+            mx.eval(s_dec, ys)
+    assert s_dec.dtype == mx.float32
+    assert rel_l2(s_dec, s_ref) < 1e-5, rel_l2(s_dec, s_ref)
+    assert rel_l2(mx.concatenate(ys, axis=1), y_ref) < 4e-3
+
+
+def test_chunked_is_differentiable():
+    # Training runs the ops path (use_kernel=False); gradients through the
+    # blocked solve (chunk 32 = two 16-row blocks) must match the loop's.
+    q, k, v, g, beta, state = make_inputs(40, b=1, d=32)
+
+    def loss(fn):
+        return lambda v, beta: fn(q, k, v, g, beta, state)[0].sum()
+
+    grads = mx.grad(loss(functools.partial(gd.gated_delta_chunked_ops, chunk_size=32)), argnums=(0, 1))(v, beta)
+    grads_ref = mx.grad(loss(gated_delta_ops), argnums=(0, 1))(v, beta)
+    for name, a, e in zip(("dv", "dbeta"), grads, grads_ref):
+        assert_close(a, e, atol=1e-5, rtol=1e-4, name=name)
+
+
+def test_compute_gates_and_l2norm_match_mlx_lm_exactly():
+    mx.random.seed(4)
+    A_log = mx.log(mx.random.uniform(0.5, 16.0, (HV,)))
+    for dtype in (mx.float32, mx.bfloat16):
+        a = mx.random.normal((B, 9, HV)).astype(dtype)
+        b = mx.random.normal((B, 9, HV)).astype(dtype)
+        dt_bias = mx.random.normal((HV,)).astype(dtype)
+        g, beta = gd.compute_gates(A_log, a, dt_bias, b)
+        assert g.dtype == mx.float32 and beta.dtype == dtype
+        assert mx.array_equal(g, compute_g(A_log, a, dt_bias)).item()
+        assert mx.array_equal(beta, mx.sigmoid(b)).item()
+        q = mx.random.normal((B, 9, HK, D)).astype(dtype)
+        k = mx.random.normal((B, 9, HK, D)).astype(dtype)
+        qn, kn = gd.l2norm_qk(q, k, 1e-6)
+        qr, kr = normalize_qk(q, k, inv_scale=D**-0.5, eps=1e-6)
+        assert mx.array_equal(qn, qr).item() and mx.array_equal(kn, kr).item()
+
+
+def test_shape_errors():
+    q, k, v, g, beta, state = make_inputs(3)
+    with pytest.raises(ValueError, match="multiple"):
+        gd.gated_delta(q, k, v[:, :, :3], g[..., :3], beta[..., :3])
+    with pytest.raises(ValueError, match="state"):
+        gd.gated_delta(q, k, v, g, beta, state[:, :, :5])
+    with pytest.raises(ValueError, match="mask"):
+        gd.gated_delta(q, k, v, g, beta, state, mx.ones((B, 4), dtype=mx.bool_))
+    with pytest.raises(ValueError, match="chunk_size"):
+        gd.gated_delta_chunked_ops(q, k, v, g, beta, state, chunk_size=0)
+
+
+# ----------------------------------------------------------------------------
+# Which path runs
+# ----------------------------------------------------------------------------
+
+
+class _Calls:
+    """Wraps a function and records the keyword/positional args of each call."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return self.fn(*args, **kwargs)
+
+
+def _spy_paths(monkeypatch):
+    spies = {
+        name: _Calls(getattr(gd, name))
+        for name in ("gated_delta_step_ops", "gated_delta_sequential_ops", "gated_delta_chunked_ops")
+    }
+    for name, spy in spies.items():
+        monkeypatch.setattr(gd, name, spy)
+    return spies
+
+
+@pytest.mark.parametrize(
+    "T, path",
+    [
+        (1, "gated_delta_step_ops"),
+        (gd.SEQUENTIAL_MAX_T, "gated_delta_sequential_ops"),
+        (gd.SEQUENTIAL_MAX_T + 1, "gated_delta_chunked_ops"),
+        (200, "gated_delta_chunked_ops"),
+    ],
+)
+def test_dispatcher_picks_path_by_length(monkeypatch, T, path):
+    spies = _spy_paths(monkeypatch)
+    q, k, v, g, beta, state = make_inputs(T, b=1)
+    y, s = gd.gated_delta(q, k, v, g, beta, state)
+    assert {n: len(sp.calls) for n, sp in spies.items()} == {
+        n: int(n == path) for n in spies
+    }
+    y_ref, s_ref = gated_delta_ops(q, k, v, g, beta, state)
+    assert_close(y, y_ref, **F32_TOL, name=f"dispatch y T={T}")
+    assert_close(s, s_ref, **F32_TOL, name=f"dispatch state T={T}")
+
+
+def test_dispatcher_chunk_size_from_env(monkeypatch):
+    spies = _spy_paths(monkeypatch)
+    q, k, v, g, beta, state = make_inputs(40, b=1)
+    monkeypatch.setenv("QAB_GDN_CHUNK", "16")
+    gd.gated_delta(q, k, v, g, beta, state)
+    gd.gated_delta(q, k, v, g, beta, state, chunk_size=32)
+    monkeypatch.delenv("QAB_GDN_CHUNK")
+    gd.gated_delta(q, k, v, g, beta, state)  # default 64 > T=40: cut to 64
+    gd.gated_delta(q[:, :20], k[:, :20], v[:, :20], g[:, :20], beta[:, :20], state)
+    gd.gated_delta(q[:, :9], k[:, :9], v[:, :9], g[:, :9], beta[:, :9], state)
+    sizes = [args[-1] for args, _ in spies["gated_delta_chunked_ops"].calls]
+    # Shorter than one chunk: the next power of two, at least 16.
+    assert sizes == [16, 32, 64, 32, 16]
+
+
+def test_dispatcher_uses_kernel_and_falls_back(monkeypatch):
+    calls = []
+
+    def fake_kernel(*args):
+        calls.append(args)
+        return "kernel-y", "kernel-state"
+
+    q, k, v, g, beta, state = make_inputs(20, b=1)
+    # No kernel exists yet: the factory answers None and the ops path runs.
+    assert gd._kernel_factory("metal") is None and gd._kernel_factory("cuda") is None
+    with pytest.raises(RuntimeError, match="no gated_delta kernel"):
+        gd.gated_delta_kernel(q, k, v, g, beta, state)
+
+    monkeypatch.setattr(gd, "_backend", lambda: "metal")
+    monkeypatch.setattr(gd, "_kernel_factory", lambda backend: fake_kernel)
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    assert gd.gated_delta(q, k, v, g, beta, state) == ("kernel-y", "kernel-state")
+    assert len(calls) == 1
+
+    spies = _spy_paths(monkeypatch)
+    gd.gated_delta(q, k, v, g, beta, state, use_kernel=False)
+    monkeypatch.setenv("QAB_DISABLE_KERNELS", "1")
+    gd.gated_delta(q, k, v, g, beta, state)
+    assert len(calls) == 1
+    assert len(spies["gated_delta_chunked_ops"].calls) == 2
