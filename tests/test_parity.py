@@ -132,6 +132,10 @@ def _gate(label, stock_m, fused_m, ref, ids):
 
 
 def test_bfloat16_error_vs_float32_within_stock(tiny_hf_bf16):
+    if mx.default_device() == mx.cpu:
+        # MLX 0.32's CPU gather_mm is float32-only, so neither stock nor fused can run an
+        # unquantized bf16 MoE here; the 4-bit gate below runs bf16 activations instead.
+        pytest.skip("MLX CPU gather_mm supports float32 only (stock fails the same way)")
     stock, _ = load(tiny_hf_bf16, "stock")
     fused, _ = load(tiny_hf_bf16, "fused")
     ref, _ = load(tiny_hf_bf16, "stock")

@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="checkpoint to use instead of the default")
     p.add_argument("--rebuild", action="store_true", help="rebuild the cached default model")
     p.set_defaults(func=cmd_demo)
+
+    from .bench.cli import add_parsers
+
+    add_parsers(sub)
     return parser
 
 

@@ -52,3 +52,50 @@ class MLXBackend:
         from ..loader import load
 
         return load(path, self.mlx_backend, **kwargs)
+
+    def bench_target(self, path_or_model: Any, *, label: Any = None, disable: Any = None,
+                     prefill_step_size: Any = None, config: Any = None, tokenizer: Any = None,
+                     extra: Any = None) -> Any:
+        """A benchmark target (``qwen_apple_backend.bench.target.MLXTarget``) for this backend.
+
+        Args:
+            path_or_model (str | Path | nn.Module): a checkpoint directory (its model
+                is loaded; its tokenizer only through ``tokenizer``), a Hugging Face
+                repo id (loaded with :meth:`load`), or an in-memory stock mlx-lm
+                model, fused in place for the fused backend (pass a copy to keep
+                the original stock).
+            label (str, optional): report name; default the backend name.
+            disable (Iterable[str], optional): fused module kinds kept stock (ablations).
+            prefill_step_size (int, optional): prefill chunk; default mlx-lm's (2048).
+            config (dict, optional): ``config.json`` of an in-memory model (finds its adapter).
+            tokenizer (optional): tokenizer to attach to the target.
+            extra (dict, optional): more facts for the target's ``describe()``.
+
+        Returns:
+            MLXTarget: ready to measure.
+        """
+        from pathlib import Path
+
+        from .. import envs
+        from ..bench.target import MLXTarget, fuse_in_memory
+
+        # None: the kinds QAB_DISABLE names, as load() does.
+        kinds = envs.disabled_kinds() if disable is None else frozenset(disable)
+        if self.mlx_backend == "stock":
+            kinds = frozenset()
+        if isinstance(path_or_model, (str, Path)):
+            kwargs = {"disable": kinds} if self.mlx_backend != "stock" else {}
+            if Path(path_or_model).is_dir():
+                from ..loader import load_model
+
+                # The model only: the caller loads the tokenizer once for all backends.
+                model, _, _ = load_model(Path(path_or_model), self.mlx_backend, **kwargs)
+            else:
+                model, tok = self.load(str(path_or_model), **kwargs)
+                tokenizer = tokenizer if tokenizer is not None else tok
+        else:
+            model = path_or_model
+            fuse_in_memory(model, self.mlx_backend, config=config, disable=kinds)
+        return MLXTarget(model, label=label or self.name, backend=self.name,
+                         prefill_step_size=prefill_step_size, tokenizer=tokenizer,
+                         disable=kinds, extra=extra)

@@ -1,0 +1,257 @@
+"""``qab bench`` and ``qab compare``: argument parsing and printing.
+
+:func:`add_parsers` adds both subcommands to ``qab``'s parser. Nothing heavy is
+imported until a subcommand runs, so ``qab --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["add_parsers", "cmd_bench", "cmd_compare"]
+
+_BENCH_DESCRIPTION = """\
+Measure prefill and decode throughput of several backends side by side in one
+process: the same prompt token ids for every backend, warm-ups excluded, the
+device synchronised before every clock read, backends alternated within each
+round and the order reversed every round, N rounds with raw samples kept, and
+medians / 95th percentiles reported with ratios against `stock` (a ratio inside
+the run-to-run spread is reported as "no difference"). Also recorded: time to
+first token, peak memory per run, bytes read per decode step (weights touched,
+KV cache, recurrent state) with the roofline % against the memory bandwidth,
+and fidelity (teacher-forced top-1 agreement with `stock` and perplexity over
+a built-in English text). Writes JSON and a PNG plot to --out and prints a
+table.
+"""
+
+_BENCH_EPILOG = """\
+examples:
+  qab bench --preset tiny --vocab-size 1024 --quick
+  qab bench --model path/to/Qwen3.6-35B-A3B-4bit --lengths 512,4K --rounds 3
+  qab bench --preset full --lengths 2K,8K --ablate moe,gdn,attn --out results/
+"""
+
+_COMPARE_DESCRIPTION = """\
+Run the same prompts through several backends and print them side by side:
+time to first token, prefill and decode tokens/s, the greedy continuation, its
+token agreement with the reference backend (`stock` when listed, else the
+first) and the first position where the continuations diverge. Every backend
+decodes exactly --max-tokens tokens.
+"""
+
+_COMPARE_EPILOG = """\
+examples:
+  qab compare --model path/to/checkpoint --backends stock,fused --prompt "Hello"
+  qab compare --model path/to/checkpoint --prompts-file prompts.txt --json out.json
+"""
+
+
+def _add_source_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model (one of --model / --preset)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="PATH", default=None,
+                     help="checkpoint directory, loaded once per backend")
+    src.add_argument("--preset", choices=["tiny", "small", "full"], default=None,
+                     help="random-weight model with the real layout, built in memory once per "
+                          "backend from --seed (full = Qwen3.6-35B-A3B shapes, about 19 GB at "
+                          "4 bits)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="weights seed of --preset and seed of the prompt token ids (default 0)")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="float dtype of a --preset model (default bfloat16)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary of a --preset model instead of 248,320 (small test models)")
+    g.add_argument("--no-quantize", action="store_true",
+                   help="keep a --preset model unquantized (default: 4-bit g64, routers 8-bit)")
+    g.add_argument("--share-weights", action="store_true",
+                   help="build a --preset once and let every backend share its weight arrays "
+                        "(saves memory and build time; default builds once per backend)")
+    b = p.add_argument_group("backends")
+    b.add_argument("--backends", default="stock,fused",
+                   help="comma-separated registered backends (default stock,fused; see "
+                        "`qab backends`)")
+    b.add_argument("--ablate", default="", metavar="KINDS",
+                   help="comma-separated fused module kinds (moe,gdn,attn): adds one "
+                        "`fused-no-<kind>` backend per kind, the fused backend with that kind "
+                        "kept stock")
+    b.add_argument("--prefill-step-size", type=int, default=None,
+                   help="prefill chunk in tokens (default: mlx-lm's, 2048)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_parsers(subparsers: Any) -> None:
+    """Add the ``bench`` and ``compare`` subcommands to ``qab``'s subparsers.
+
+    Args:
+        subparsers: the object ``ArgumentParser.add_subparsers()`` returned.
+    """
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = subparsers.add_parser("bench", help="prefill/decode throughput sweep, backends side "
+                              "by side (JSON + PNG + table)", description=_BENCH_DESCRIPTION,
+                              epilog=_BENCH_EPILOG, formatter_class=fmt)
+    _add_source_args(p)
+    s = p.add_argument_group("sweep")
+    s.add_argument("--lengths", default=None,
+                   help="comma-separated prompt/context lengths, K = 1024 (default "
+                        "256,512,1K,2K,4K,8K,16K,32K,64K,128K; --quick: 128,256,512)")
+    s.add_argument("--quick", action="store_true",
+                   help="smoke test: 3 short lengths, 1 round, 16 decode tokens")
+    s.add_argument("--rounds", type=int, default=None, help="measured rounds (default 5; "
+                   "--quick 1)")
+    s.add_argument("--warmup", type=int, default=1,
+                   help="unrecorded warm-up runs per backend and length (default 1)")
+    s.add_argument("--warmup-max-tokens", type=int, default=4096,
+                   help="cap on a warm-up prompt; longer ones are shortened keeping the "
+                        "prefill chunk shapes (default 4096)")
+    s.add_argument("--decode-tokens", type=int, default=None,
+                   help="tokens decoded per run (default 128; --quick 16)")
+    s.add_argument("--max-seconds", type=float, default=None,
+                   help="time budget: start no further round when it would end past this "
+                        "many seconds (rounds stay whole; the JSON records it)")
+    s.add_argument("--bandwidth-gbs", type=float, default=None,
+                   help="memory bandwidth in GB/s for the roofline (default: measured by a "
+                        "device copy, recorded)")
+    s.add_argument("--bandwidth-mib", type=int, default=None,
+                   help="array size of the bandwidth measurement (default 1024 on a GPU, 256 "
+                        "on the CPU)")
+    f = p.add_argument_group("fidelity")
+    f.add_argument("--no-fidelity", action="store_true",
+                   help="skip teacher-forced agreement and perplexity")
+    f.add_argument("--fidelity-positions", type=int, default=256,
+                   help="teacher-forced positions scored (default 256; at least 192 counts)")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default="bench-results", metavar="DIR",
+                   help="folder for the JSON and PNG (default ./bench-results)")
+    o.add_argument("--tag", default="", help="file-name suffix instead of a timestamp")
+    o.add_argument("--no-plot", action="store_true", help="write no PNG")
+    p.set_defaults(func=cmd_bench, _parser=p)
+
+    p = subparsers.add_parser("compare", help="same prompts through several backends, side "
+                              "by side (speed, agreement, first divergence)",
+                              description=_COMPARE_DESCRIPTION, epilog=_COMPARE_EPILOG,
+                              formatter_class=fmt)
+    _add_source_args(p)
+    q = p.add_argument_group("prompts")
+    q.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="a prompt (repeatable)")
+    q.add_argument("--prompts-file", default=None, metavar="FILE",
+                   help="prompts: one per line, JSON Lines with a \"prompt\" field, or a JSON "
+                        "list of strings")
+    q.add_argument("--chat-template", action="store_true",
+                   help="wrap each prompt in the tokenizer's chat template (default: raw text)")
+    q.add_argument("--max-tokens", type=int, default=32,
+                   help="tokens generated per prompt and backend (default 32)")
+    q.add_argument("--rounds", type=int, default=1, help="repetitions of every prompt "
+                   "(default 1)")
+    q.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up runs per backend "
+                   "(default 1)")
+    q.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the result JSON (same format as `qab bench`)")
+    p.set_defaults(func=cmd_compare, _parser=p)
+
+
+def _command_line(args: argparse.Namespace, command: str) -> list[str]:
+    """The effective command: ``qab <command>`` plus every option that differs from its default."""
+    parser: Optional[argparse.ArgumentParser] = getattr(args, "_parser", None)
+    out = ["qab", command]
+    if parser is None:
+        return out
+    for action in parser._actions:  # the parser's own option table
+        if not action.option_strings or action.dest in ("help", "func", "_parser"):
+            continue
+        value = getattr(args, action.dest, None)
+        if value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        if isinstance(action, argparse._StoreTrueAction):
+            out.append(flag)
+        elif isinstance(value, list):
+            for v in value:
+                out += [flag, str(v)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def _split(text: str) -> list[str]:
+    return [s.strip() for s in (text or "").split(",") if s.strip()]
+
+
+def _source_kwargs(args: argparse.Namespace) -> dict:
+    return {"model": args.model, "preset": args.preset, "seed": args.seed, "dtype": args.dtype,
+            "quantize": not args.no_quantize, "vocab_size": args.vocab_size,
+            "share_weights": args.share_weights, "backends": _split(args.backends),
+            "ablate": _split(args.ablate), "prefill_step_size": args.prefill_step_size,
+            "progress": not args.no_progress}
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``qab bench``: run the sweep, print the table, write JSON (+ PNG)."""
+    from .harness import BenchConfig, parse_lengths, run_bench, write_outputs
+    from .report import format_table
+
+    cfg = BenchConfig(
+        **_source_kwargs(args),
+        lengths=parse_lengths(args.lengths) if args.lengths else None,
+        rounds=args.rounds, warmup=args.warmup, warmup_max_tokens=args.warmup_max_tokens,
+        decode_tokens=args.decode_tokens, bandwidth_gbs=args.bandwidth_gbs,
+        bandwidth_mib=args.bandwidth_mib, fidelity=not args.no_fidelity,
+        fidelity_positions=args.fidelity_positions, max_seconds=args.max_seconds,
+        quick=args.quick,
+        out_dir=args.out, tag=args.tag, plot=not args.no_plot,
+        argv=_command_line(args, "bench"))
+    result = run_bench(cfg, log=_log)
+    files = write_outputs(result, Path(args.out), tag=args.tag, plot=not args.no_plot)
+    print(_header(result))
+    print(format_table(result["summary"]))
+    fid = result.get("fidelity")
+    if fid:
+        print(f"\nfidelity over {fid['positions']} teacher-forced positions "
+              f"(reference {fid['baseline']}):")
+        for label, r in fid["backends"].items():
+            print(f"  {label:<16} top-1 agreement {100 * r['agreement_vs_stock']:6.2f}%  "
+                  f"perplexity {r['perplexity']:.4g} ({100 * r['perplexity_rel_vs_stock']:+.3f}%)"
+                  f"  self-agreement {100 * r.get('self_agreement', float('nan')):.1f}%")
+    for e in result.get("errors", []):
+        print(f"error: {e['backend']} @ {e['length']}: {e['error']}", file=sys.stderr)
+    print(f"\nwrote {files['json']}" + (f" and {files['png']}" if files.get("png") else ""))
+    return 0
+
+
+def _header(result: dict) -> str:
+    env = result["environment"]
+    v = env["versions"]
+    m = result["model"]
+    what = (f"preset {m['preset']} seed {m['seed']}" if m.get("source") == "preset"
+            else m.get("path"))
+    bw = result.get("bandwidth") or {}
+    return (f"device {result['device']} | mlx {v['mlx']} | mlx-lm {v['mlx_lm']} | "
+            f"qwen-apple-backend {v['qwen_apple_backend']} | {what} | "
+            f"bandwidth {bw.get('gbs', 0):.0f} GB/s ({bw.get('source')})\n")
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """``qab compare``: run the prompts through each backend and print them side by side."""
+    from .compare import CompareConfig, format_compare, read_prompts, run_compare
+    from .report import format_table, write_json
+
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        prompts += read_prompts(Path(args.prompts_file))
+    cfg = CompareConfig(**_source_kwargs(args), prompts=prompts, max_tokens=args.max_tokens,
+                        rounds=args.rounds, warmup=args.warmup,
+                        chat_template=args.chat_template, argv=_command_line(args, "compare"))
+    result = run_compare(cfg, log=_log)
+    print(format_compare(result))
+    print(format_table(result["summary"], baseline=result["compare"]["reference"]))
+    if args.json:
+        path = write_json(result, Path(args.json))
+        print(f"\nwrote {path}")
+    return 0

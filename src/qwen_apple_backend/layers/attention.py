@@ -1,0 +1,279 @@
+"""Fused drop-in for mlx-lm's ``Qwen3NextAttention``.
+
+``Qwen3NextAttention`` is the full-attention layer of ``qwen3_next``,
+``qwen3_5`` and ``qwen3_5_moe``: GQA with q/k RMSNorm, partial RoPE and a
+per-head sigmoid output gate packed into ``q_proj``. :class:`FusedGQAAttention`
+keeps its children, parameter names, attributes and call signature, and runs
+q/k preparation as one compiled graph and attention without repeating KV
+heads.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.qwen3_next import Qwen3NextAttention
+
+from qwen_apple_backend.ops.attention import (
+    RopeSpec,
+    gate_output,
+    gqa_attention,
+    prep_qk,
+)
+
+__all__ = ["COMPILE_MAX_TOKENS", "FusedGQAAttention", "rope_spec"]
+
+# Calls with at most this many tokens (B * T: decode, short speculative
+# drafts) trace one compiled graph per shape; longer prefills run eagerly so
+# prompts of many lengths do not each add a trace of the projections.
+COMPILE_MAX_TOKENS = 16
+
+
+def rope_spec(rope: nn.Module) -> Optional[RopeSpec]:
+    """Describe a plain ``nn.RoPE`` module as a :class:`RopeSpec`.
+
+    Args:
+        rope (nn.Module): the attention's rope module.
+
+    Returns:
+        RopeSpec | None: its parameters, or None for any other rope class
+        (YaRN, Llama-3, ...), which then runs as its own module.
+    """
+    if type(rope) is nn.RoPE:
+        return RopeSpec(int(rope.dims), bool(rope.traditional), float(rope.base), float(rope.scale))
+    return None
+
+
+class FusedGQAAttention(nn.Module):
+    """Drop-in for ``Qwen3NextAttention``.
+
+    Children ``q_proj`` (``H -> Hq * 2D``: per head, D query features then D
+    gate features), ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``,
+    ``k_norm`` and ``rope`` are the stock modules; ``num_attention_heads``,
+    ``num_key_value_heads``, ``head_dim`` and ``scale`` are plain attributes
+    that mlx-lm's ``shard()`` may rewrite. Build one with :meth:`from_stock`.
+
+    Args:
+        q_proj (nn.Module): query + gate projection.
+        k_proj (nn.Module): key projection.
+        v_proj (nn.Module): value projection.
+        o_proj (nn.Module): output projection.
+        q_norm (nn.RMSNorm): per-head query RMSNorm.
+        k_norm (nn.RMSNorm): per-head key RMSNorm.
+        rope (nn.Module): rotary embedding module.
+        num_attention_heads (int): Hq.
+        num_key_value_heads (int): Hk.
+        head_dim (int): D.
+        use_kernel (bool): allow GPU attention kernels. Default True.
+        compile_decode (bool): run the pre-cache part of decode-sized calls
+            (at most ``COMPILE_MAX_TOKENS`` tokens) as one compiled graph.
+            Default True.
+    """
+
+    def __init__(
+        self,
+        q_proj: nn.Module,
+        k_proj: nn.Module,
+        v_proj: nn.Module,
+        o_proj: nn.Module,
+        q_norm: nn.RMSNorm,
+        k_norm: nn.RMSNorm,
+        rope: nn.Module,
+        *,
+        num_attention_heads: int,
+        num_key_value_heads: int,
+        head_dim: int,
+        use_kernel: bool = True,
+        compile_decode: bool = True,
+    ):
+        super().__init__()
+        self.num_key_value_heads = num_key_value_heads
+        self.num_attention_heads = num_attention_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.q_proj = q_proj
+        self.k_proj = k_proj
+        self.v_proj = v_proj
+        self.o_proj = o_proj
+        self.q_norm = q_norm
+        self.k_norm = k_norm
+        self.rope = rope
+        self.use_kernel = use_kernel
+        self.compile_decode = compile_decode
+
+    @classmethod
+    def from_stock(
+        cls,
+        stock_attn: Qwen3NextAttention,
+        *,
+        use_kernel: bool = True,
+        compile_decode: bool = True,
+    ) -> "FusedGQAAttention":
+        """Wrap a built (and usually loaded) stock attention layer.
+
+        All children are reused as they are (no copies).
+
+        Args:
+            stock_attn (Qwen3NextAttention): the layer to replace.
+            use_kernel (bool): allow GPU attention kernels. Default True.
+            compile_decode (bool): compile the pre-cache part of
+                decode-sized calls. Default True.
+
+        Returns:
+            FusedGQAAttention: same outputs, same parameters.
+
+        Raises:
+            TypeError: if ``stock_attn`` is not a ``Qwen3NextAttention`` or its
+                q/k norms are not ``nn.RMSNorm``.
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> from mlx_lm.models.qwen3_next import Qwen3NextAttention
+            >>> args = SimpleNamespace(hidden_size=64, num_attention_heads=4,
+            ...     num_key_value_heads=2, head_dim=16, attention_bias=False,
+            ...     rms_norm_eps=1e-6, partial_rotary_factor=0.25, rope_theta=1e7,
+            ...     rope_scaling=None, max_position_embeddings=4096)
+            >>> attn = FusedGQAAttention.from_stock(Qwen3NextAttention(args))
+            >>> attn(mx.zeros((1, 3, 64)), mask="causal").shape
+            (1, 3, 64)
+        """
+        if not isinstance(stock_attn, Qwen3NextAttention):
+            raise TypeError(
+                f"expected Qwen3NextAttention, got {type(stock_attn).__name__}"
+            )
+        for name in ("q_norm", "k_norm"):
+            if not isinstance(getattr(stock_attn, name), nn.RMSNorm):
+                raise TypeError(
+                    f"{type(stock_attn).__name__}.{name}: expected nn.RMSNorm, "
+                    f"got {type(getattr(stock_attn, name)).__name__}"
+                )
+        out = cls(
+            stock_attn.q_proj,
+            stock_attn.k_proj,
+            stock_attn.v_proj,
+            stock_attn.o_proj,
+            stock_attn.q_norm,
+            stock_attn.k_norm,
+            stock_attn.rope,
+            num_attention_heads=stock_attn.num_attention_heads,
+            num_key_value_heads=stock_attn.num_key_value_heads,
+            head_dim=stock_attn.head_dim,
+            use_kernel=use_kernel,
+            compile_decode=compile_decode,
+        )
+        out.scale = stock_attn.scale
+        out.train(stock_attn.training)
+        return out
+
+    def to_stock(self) -> Qwen3NextAttention:
+        """An equivalent stock layer sharing this layer's children.
+
+        Returns:
+            Qwen3NextAttention: same outputs and parameter names.
+        """
+        # Assemble without __init__, which needs model args and draws
+        # throwaway random weights.
+        attn = Qwen3NextAttention.__new__(Qwen3NextAttention)
+        nn.Module.__init__(attn)
+        attn.num_key_value_heads = self.num_key_value_heads
+        attn.num_attention_heads = self.num_attention_heads
+        attn.head_dim = self.head_dim
+        attn.scale = self.scale
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "rope"):
+            setattr(attn, name, getattr(self, name))
+        attn.train(self.training)
+        return attn
+
+    def __call__(
+        self,
+        x: mx.array,
+        mask: Optional[mx.array] = None,
+        cache: Optional[Any] = None,
+    ) -> mx.array:
+        """Gated grouped-query self-attention over ``x`` and the cache.
+
+        Args:
+            x (mx.array): hidden states.
+            mask (None | str | mx.array): mlx-lm attention mask: None,
+                ``"causal"`` or an array broadcastable to ``[B, Hq, T, S]``
+                (``create_attention_mask`` / ``cache.make_mask``).
+            cache (KVCache-like | None): mlx-lm cache with ``offset`` and
+                ``update_and_fetch``; a quantized KV cache (``bits``) runs
+                mlx-lm's quantized attention, as stock does.
+
+        Decode-sized calls run projections, q/k norm and RoPE as one
+        compiled graph (see ``compile_decode``); attention and the cache
+        update stay outside it, since the cache is updated in place.
+
+        Returns:
+            mx.array: output, dtype of ``x``.
+
+        Shapes:
+            x: ``[B, T, H]``; returns ``[B, T, H]``; S = cache length + T.
+        """
+        B, L, _ = x.shape
+        offset = cache.offset if cache is not None else 0
+        if (
+            self.compile_decode
+            and not self.training
+            and B * L <= COMPILE_MAX_TOKENS
+            and rope_spec(self.rope) is not None  # other RoPEs may need int offsets
+        ):
+            if not isinstance(offset, mx.array):
+                offset = mx.array(offset, dtype=mx.int32)
+            q, k, v, gate = self._compiled_project()(x, offset)
+        else:
+            q, k, v, gate = self._project(x, offset)
+
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+
+        if hasattr(cache, "bits"):
+            # Quantized KV cache: mlx-lm's own quantized attention path.
+            out = scaled_dot_product_attention(
+                q, k, v, cache=cache, scale=self.scale, mask=mask
+            )
+        else:
+            out = gqa_attention(
+                q, k, v, self.scale, mask, use_kernel=self.use_kernel and not self.training
+            )
+        return self.o_proj(gate_output(out, gate))
+
+    def _project(self, x: mx.array, offset):
+        """Projections, q/k norm and RoPE: everything before the KV cache."""
+        B, L, _ = x.shape
+        # Per head: D query features, then D gate features (stock split).
+        q, gate = mx.split(
+            self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1
+        )
+        gate = gate.reshape(B, L, -1)
+        k = self.k_proj(x).reshape(B, L, self.num_key_value_heads, -1)
+        v = self.v_proj(x).reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+
+        spec = rope_spec(self.rope)
+        q, k = prep_qk(
+            q,
+            k,
+            self.q_norm["weight"],
+            self.k_norm["weight"],
+            q_eps=self.q_norm.eps,
+            k_eps=self.k_norm.eps,
+            rope=spec,
+            offset=offset,
+        )
+        if spec is None:
+            q = self.rope(q, offset=offset)
+            k = self.rope(k, offset=offset)
+        return q, k, v, gate
+
+    def _compiled_project(self):
+        fn = self.__dict__.get("_compiled")
+        if fn is None:
+            # The module is the captured input tree, so parameters replaced
+            # after fusing (load_weights, update) are read live.
+            fn = mx.compile(self._project, inputs=self)
+            object.__setattr__(self, "_compiled", fn)
+        return fn

@@ -1,0 +1,436 @@
+"""Fused drop-in for mlx-lm's ``Qwen3NextSparseMoeBlock``.
+
+``Qwen3NextSparseMoeBlock`` is the MoE block of ``qwen3_next``, ``qwen3_5``
+and ``qwen3_5_moe``. :class:`FusedSparseMoeBlock` keeps its interface,
+attributes and parameter names except one: the experts' separate
+``switch_mlp.gate_proj`` and ``switch_mlp.up_proj`` become a single
+``switch_mlp.gate_up_proj`` (``[E, 2I, H]``, gate rows first), so each token
+needs one gathered matmul for both.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers.distributed import shard_inplace, sum_gradients
+from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
+from mlx_lm.models.switch_layers import (
+    QuantizedSwitchLinear,
+    SwiGLU,
+    SwitchGLU,
+    SwitchLinear,
+)
+
+from qwen_apple_backend.ops.moe import (
+    SORT_THRESHOLD,
+    ExpertWeights,
+    moe_experts,
+    swiglu_experts_ops,
+    topk_route,
+)
+
+__all__ = ["FusedSwitchGLU", "FusedSparseMoeBlock", "expert_weights"]
+
+AnySwitchLinear = Union[SwitchLinear, QuantizedSwitchLinear]
+
+
+def _child(module: nn.Module, name: str) -> Optional[mx.array]:
+    # Optional arrays (biases, bias, global_scale) live in the parameter dict
+    # when present and as a None attribute, or not at all, otherwise.
+    return module[name] if name in module else getattr(module, name, None)
+
+
+def expert_weights(module: AnySwitchLinear) -> ExpertWeights:
+    """View a ``SwitchLinear`` / ``QuantizedSwitchLinear`` as :class:`ExpertWeights`.
+
+    Args:
+        module (SwitchLinear | QuantizedSwitchLinear): stacked expert linear.
+
+    Returns:
+        ExpertWeights: the module's arrays (not copied) and quantization
+        settings.
+
+    Raises:
+        TypeError: if ``module`` is neither type.
+    """
+    if isinstance(module, QuantizedSwitchLinear):
+        return ExpertWeights(
+            weight=module["weight"],
+            scales=module["scales"],
+            biases=_child(module, "biases"),
+            bias=_child(module, "bias"),
+            group_size=module.group_size,
+            bits=module.bits,
+            mode=module.mode,
+            global_scale=_child(module, "global_scale"),
+        )
+    if isinstance(module, SwitchLinear):
+        return ExpertWeights(weight=module["weight"], bias=_child(module, "bias"))
+    raise TypeError(
+        f"expected SwitchLinear or QuantizedSwitchLinear, got {type(module).__name__}"
+    )
+
+
+def _new_switch_linear(like: AnySwitchLinear, arrays: dict) -> AnySwitchLinear:
+    """A module of ``like``'s type holding ``arrays``, without running ``__init__``.
+
+    ``__init__`` would draw random weights (advancing MLX's global RNG, which
+    users seed for sampling) only to throw them away.
+    """
+    cls = type(like)
+    out = cls.__new__(cls)
+    nn.Module.__init__(out)
+    if isinstance(like, QuantizedSwitchLinear):
+        out.group_size = like.group_size
+        out.bits = like.bits
+        out.mode = like.mode
+        out.global_scale = None
+        out.biases = None
+    for name, value in arrays.items():
+        if value is not None:
+            setattr(out, name, value)
+    if isinstance(like, QuantizedSwitchLinear):
+        out.freeze()  # stock quantized layers are frozen
+    return out
+
+
+def _concat_gate_up(
+    gate: AnySwitchLinear, up: AnySwitchLinear, where: str
+) -> AnySwitchLinear:
+    """Concatenate two expert projections along their output axis.
+
+    Valid for packed weights too: quantization groups run along the input
+    axis, so output rows (and their scale/bias rows) are independent.
+    """
+    if type(gate) is not type(up):
+        raise ValueError(
+            f"{where}: gate_proj is {type(gate).__name__} but up_proj is "
+            f"{type(up).__name__}; both must be quantized the same way to fuse"
+        )
+    g, u = expert_weights(gate), expert_weights(up)
+    if g.quantized:
+        if (g.bits, g.group_size, g.mode) != (u.bits, u.group_size, u.mode):
+            raise ValueError(
+                f"{where}: gate_proj (bits={g.bits}, group_size={g.group_size}, "
+                f"mode={g.mode!r}) and up_proj (bits={u.bits}, "
+                f"group_size={u.group_size}, mode={u.mode!r}) are quantized "
+                "differently and cannot share one fused gate_up_proj"
+            )
+        if (g.biases is None) != (u.biases is None):
+            raise ValueError(f"{where}: only one of gate_proj/up_proj has biases")
+        if (g.global_scale is None) != (u.global_scale is None) or (
+            g.global_scale is not None
+            and not mx.array_equal(g.global_scale, u.global_scale).item()
+        ):
+            raise ValueError(
+                f"{where}: gate_proj and up_proj have different per-expert global "
+                "scales and cannot share one fused gate_up_proj"
+            )
+    if g.weight.shape != u.weight.shape or g.weight.dtype != u.weight.dtype:
+        raise ValueError(
+            f"{where}: gate_proj {g.weight.shape} {g.weight.dtype} and up_proj "
+            f"{u.weight.shape} {u.weight.dtype} differ in shape or dtype"
+        )
+    if (g.bias is None) != (u.bias is None):
+        raise ValueError(f"{where}: only one of gate_proj/up_proj has a bias")
+
+    def cat(a, b, axis=1):
+        return None if a is None else mx.concatenate([a, b], axis=axis)
+
+    arrays = {"weight": cat(g.weight, u.weight), "bias": cat(g.bias, u.bias)}
+    if g.quantized:
+        arrays.update(
+            scales=cat(g.scales, u.scales),
+            biases=cat(g.biases, u.biases),
+            global_scale=g.global_scale,
+        )
+    return _new_switch_linear(gate, arrays)
+
+
+def _split_gate_up(gate_up: AnySwitchLinear) -> tuple[AnySwitchLinear, AnySwitchLinear]:
+    w = expert_weights(gate_up)
+    half = w.weight.shape[1] // 2
+
+    def part(a, i, axis=1):
+        if a is None:
+            return None
+        lo, hi = (0, half) if i == 0 else (half, 2 * half)
+        idx = [slice(None)] * a.ndim
+        idx[axis] = slice(lo, hi)
+        return mx.contiguous(a[tuple(idx)])
+
+    out = []
+    for i in (0, 1):
+        arrays = {"weight": part(w.weight, i), "bias": part(w.bias, i)}
+        if w.quantized:
+            arrays.update(
+                scales=part(w.scales, i),
+                biases=part(w.biases, i),
+                global_scale=w.global_scale,
+            )
+        out.append(_new_switch_linear(gate_up, arrays))
+    return out[0], out[1]
+
+
+class FusedSwitchGLU(nn.Module):
+    """Experts with one fused gate+up projection; replaces ``SwitchGLU``.
+
+    Args:
+        gate_up_proj (SwitchLinear | QuantizedSwitchLinear): ``[E, 2I, H]``,
+            gate rows first, up rows second.
+        down_proj (SwitchLinear | QuantizedSwitchLinear): ``[E, H, I]``.
+    """
+
+    def __init__(self, gate_up_proj: AnySwitchLinear, down_proj: AnySwitchLinear):
+        super().__init__()
+        self.gate_up_proj = gate_up_proj
+        self.down_proj = down_proj
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """Per-slot expert outputs, like ``SwitchGLU.__call__``.
+
+        Args:
+            x (mx.array): token activations.
+            indices (mx.array): expert indices.
+
+        Returns:
+            mx.array: unweighted expert outputs, dtype of ``x``.
+
+        Shapes:
+            x: ``[..., H]``; indices: ``[..., K]``; returns ``[..., K, H]``
+        """
+        return swiglu_experts_ops(
+            x, indices, expert_weights(self.gate_up_proj), expert_weights(self.down_proj)
+        )
+
+
+@partial(mx.compile, shapeless=True)
+def _add_gated_shared(y: mx.array, shared: mx.array, gate_logit: mx.array) -> mx.array:
+    # Routed output plus the sigmoid-gated shared expert, in one fused graph.
+    return y + mx.sigmoid(gate_logit) * shared
+
+
+class FusedSparseMoeBlock(nn.Module):
+    """Drop-in for ``Qwen3NextSparseMoeBlock`` with fused routing and experts.
+
+    Children: ``gate`` (router), ``switch_mlp.gate_up_proj``,
+    ``switch_mlp.down_proj``, ``shared_expert``, ``shared_expert_gate``.
+    Attributes ``norm_topk_prob``, ``num_experts``, ``top_k`` and
+    ``sharding_group`` mean what they mean on the stock block. Build one with
+    :meth:`from_stock`.
+
+    Args:
+        gate (nn.Module): router, ``H -> E`` (plain or quantized linear).
+        switch_mlp (FusedSwitchGLU): the routed experts.
+        shared_expert (nn.Module): shared SwiGLU MLP.
+        shared_expert_gate (nn.Module): ``H -> 1`` linear of the shared gate.
+        top_k (int): experts per token.
+        norm_topk_prob (bool): renormalise the kept routing probabilities.
+        use_kernel (bool): allow GPU expert kernels. Default True.
+        compile_decode (bool): run decode-sized calls as one compiled graph.
+            Default True.
+    """
+
+    def __init__(
+        self,
+        gate: nn.Module,
+        switch_mlp: FusedSwitchGLU,
+        shared_expert: nn.Module,
+        shared_expert_gate: nn.Module,
+        *,
+        top_k: int,
+        norm_topk_prob: bool,
+        use_kernel: bool = True,
+        compile_decode: bool = True,
+    ):
+        super().__init__()
+        self.norm_topk_prob = norm_topk_prob
+        self.num_experts = expert_weights(switch_mlp.gate_up_proj).weight.shape[0]
+        self.top_k = top_k
+        self.gate = gate
+        self.switch_mlp = switch_mlp
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
+        self.sharding_group = None
+        self.use_kernel = use_kernel
+        self.compile_decode = compile_decode
+
+    @classmethod
+    def from_stock(
+        cls,
+        stock_block: Qwen3NextSparseMoeBlock,
+        *,
+        use_kernel: bool = True,
+        compile_decode: bool = True,
+        materialize: bool = True,
+        name: Optional[str] = None,
+    ) -> "FusedSparseMoeBlock":
+        """Fuse a built (and usually loaded) stock MoE block.
+
+        The router, shared expert, shared gate and ``down_proj`` modules are
+        reused as they are; ``gate_proj`` and ``up_proj`` are concatenated
+        into ``gate_up_proj``. The new block holds no reference to the two
+        separate arrays: once the caller drops the stock block, they are freed.
+
+        Args:
+            stock_block (Qwen3NextSparseMoeBlock): the block to replace.
+            use_kernel (bool): allow GPU expert kernels. Default True.
+            compile_decode (bool): compile decode-sized calls. Default True.
+            materialize (bool): evaluate the concatenation now, so the lazy
+                graph stops pinning the separate arrays and peak memory grows
+                by one layer's gate+up at most. Default True.
+            name (str | None): the block's path in the model (e.g.
+                ``"model.layers.3.mlp"``), used in error messages.
+                Default: the class name.
+
+        Returns:
+            FusedSparseMoeBlock: same outputs, same ``sharding_group``.
+
+        Raises:
+            TypeError: if ``stock_block`` is not a ``Qwen3NextSparseMoeBlock``
+                or its experts are not a ``SwitchGLU`` with ``SwiGLU``.
+            ValueError: if gate_proj and up_proj are quantized differently
+                (bits, group size, mode) or differ in shape or dtype.
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
+            >>> args = SimpleNamespace(hidden_size=16, moe_intermediate_size=8,
+            ...     shared_expert_intermediate_size=8, norm_topk_prob=True,
+            ...     num_experts=4, num_experts_per_tok=2)
+            >>> stock = Qwen3NextSparseMoeBlock(args)
+            >>> fused = FusedSparseMoeBlock.from_stock(stock)
+            >>> fused(mx.zeros((1, 3, 16))).shape
+            (1, 3, 16)
+        """
+        if not isinstance(stock_block, Qwen3NextSparseMoeBlock):
+            raise TypeError(
+                f"expected Qwen3NextSparseMoeBlock, got {type(stock_block).__name__}"
+            )
+        sw = stock_block.switch_mlp
+        where = f"{name or type(stock_block).__name__}.switch_mlp"
+        if not isinstance(sw, SwitchGLU) or not isinstance(sw.activation, SwiGLU):
+            raise TypeError(f"{where}: expected SwitchGLU with SwiGLU activation")
+        gate_up = _concat_gate_up(sw.gate_proj, sw.up_proj, where)
+        if materialize:
+            mx.eval(gate_up.parameters())
+        block = cls(
+            stock_block.gate,
+            FusedSwitchGLU(gate_up, sw.down_proj),
+            stock_block.shared_expert,
+            stock_block.shared_expert_gate,
+            top_k=stock_block.top_k,
+            norm_topk_prob=stock_block.norm_topk_prob,
+            use_kernel=use_kernel,
+            compile_decode=compile_decode,
+        )
+        block.sharding_group = stock_block.sharding_group
+        block.train(stock_block.training)
+        return block
+
+    def to_stock(self) -> Qwen3NextSparseMoeBlock:
+        """An equivalent stock block, with gate_up_proj split back.
+
+        Use it to save checkpoints in the stock (mlx-community) layout.
+        Other children are shared with this block, not copied.
+
+        Returns:
+            Qwen3NextSparseMoeBlock: same outputs and parameters
+            (``switch_mlp.gate_proj`` / ``up_proj`` instead of ``gate_up_proj``).
+        """
+        gate_proj, up_proj = _split_gate_up(self.switch_mlp.gate_up_proj)
+        # Assemble without __init__, which needs model args and draws
+        # throwaway random weights.
+        sw = SwitchGLU.__new__(SwitchGLU)
+        nn.Module.__init__(sw)
+        sw.gate_proj = gate_proj
+        sw.up_proj = up_proj
+        sw.down_proj = self.switch_mlp.down_proj
+        sw.activation = SwiGLU()
+        blk = Qwen3NextSparseMoeBlock.__new__(Qwen3NextSparseMoeBlock)
+        nn.Module.__init__(blk)
+        blk.norm_topk_prob = self.norm_topk_prob
+        blk.num_experts = self.num_experts
+        blk.top_k = self.top_k
+        blk.gate = self.gate
+        blk.switch_mlp = sw
+        blk.shared_expert = self.shared_expert
+        blk.shared_expert_gate = self.shared_expert_gate
+        blk.sharding_group = self.sharding_group
+        blk.train(self.training)
+        return blk
+
+    def shard(self, group: Optional[mx.distributed.Group] = None) -> None:
+        """Tensor-parallel sharding in place, as mlx-lm's ``shard()`` does for stock.
+
+        Experts and the shared expert are split along I; outputs are summed
+        over ``group`` in :meth:`__call__`. ``gate_up_proj`` is sharded as two
+        segments so each rank keeps matching gate and up rows.
+
+        Args:
+            group (mx.distributed.Group | None): default ``mx.distributed.init()``.
+        """
+        group = group or mx.distributed.init()
+        self.sharding_group = group
+        shard_inplace(self.shared_expert.gate_proj, "all-to-sharded", group=group)
+        shard_inplace(self.shared_expert.down_proj, "sharded-to-all", group=group)
+        shard_inplace(self.shared_expert.up_proj, "all-to-sharded", group=group)
+        shard_inplace(
+            self.switch_mlp.gate_up_proj, "all-to-sharded", segments=2, group=group
+        )
+        shard_inplace(self.switch_mlp.down_proj, "sharded-to-all", group=group)
+
+    def _forward(self, x: mx.array) -> mx.array:
+        inds, scores = topk_route(self.gate(x), self.top_k, self.norm_topk_prob)
+        y = moe_experts(
+            x,
+            inds,
+            scores,
+            expert_weights(self.switch_mlp.gate_up_proj),
+            expert_weights(self.switch_mlp.down_proj),
+            use_kernel=self.use_kernel and not self.training,
+        )
+        return _add_gated_shared(y, self.shared_expert(x), self.shared_expert_gate(x))
+
+    def _compiled_forward(self):
+        fn = self.__dict__.get("_compiled")
+        if fn is None:
+            # The module itself is the captured input tree, so parameters
+            # replaced after fusing (load_weights, update) are read live.
+            fn = mx.compile(self._forward, inputs=self)
+            object.__setattr__(self, "_compiled", fn)
+        return fn
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """Routed experts plus the gated shared expert.
+
+        Decode-sized inputs (fewer than ``SORT_THRESHOLD`` token-expert rows)
+        run as one shape-specialised compiled graph when ``compile_decode``
+        is set and the block is in eval mode: graph building, not arithmetic,
+        dominates there. Larger inputs run eagerly, so prompts of many
+        different lengths do not each trigger a trace.
+
+        Args:
+            x (mx.array): hidden states.
+
+        Returns:
+            mx.array: block output, dtype of ``x``.
+
+        Shapes:
+            x: ``[B, T, H]`` (any leading axes); returns the same shape.
+        """
+        if self.sharding_group is not None:
+            x = sum_gradients(self.sharding_group)(x)
+
+        rows = (x.size // x.shape[-1]) * self.top_k
+        if self.compile_decode and not self.training and rows < SORT_THRESHOLD:
+            y = self._compiled_forward()(x)
+        else:
+            y = self._forward(x)
+
+        if self.sharding_group is not None:
+            y = mx.distributed.all_sum(y, group=self.sharding_group)
+        return y

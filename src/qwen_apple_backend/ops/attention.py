@@ -1,0 +1,252 @@
+"""Grouped-query full-attention ops for Qwen3.5 / Qwen3.6 and Qwen3-Next.
+
+* :func:`prep_qk` — per-head q/k RMSNorm, move heads before time, and partial
+  RoPE, as one compiled graph per configuration. The position offset is an
+  array input, so one graph serves every decode position.
+* :func:`gqa_attention` — dispatcher around
+  ``mx.fast.scaled_dot_product_attention``, which handles grouped-query
+  attention natively: KV heads are never repeated to match query heads.
+* :func:`gate_output` — the per-head sigmoid output gate of Qwen3.5 / Qwen3-Next.
+
+About RoPE: Qwen3.5 configs carry ``mrope_section`` (e.g. [11, 11, 10],
+interleaved) for multimodal positions. For text, the three position streams
+are equal, so every frequency sees the same position and M-RoPE reduces to
+plain (non-traditional, "rotate half") RoPE over the first
+``head_dim * partial_rotary_factor`` dims; mlx-lm's ``initialize_rope`` builds
+exactly that ``nn.RoPE`` for both ``default`` and ``mrope`` types.
+
+Dimension names: B batch, T query tokens, S key/value tokens, Hq query heads,
+Hk key/value heads, D head dim, R rotary dims.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple, Optional, Union
+
+import mlx.core as mx
+
+from qwen_apple_backend import envs
+
+__all__ = [
+    "RopeSpec",
+    "prep_qk",
+    "gqa_attention_ops",
+    "gqa_attention_kernel",
+    "gqa_attention",
+    "gate_output",
+]
+
+Mask = Union[None, str, mx.array]
+
+
+class RopeSpec(NamedTuple):
+    """Static parameters of a plain ``mx.fast.rope``.
+
+    Attributes:
+        dims (int): rotated leading dims R of each head (``D * partial_rotary_factor``).
+        traditional (bool): rotate adjacent pairs (True) or halves (False).
+        base (float): frequency base (``rope_theta``).
+        scale (float): position scale (1 / linear scaling factor).
+    """
+
+    dims: int
+    traditional: bool
+    base: float
+    scale: float = 1.0
+
+
+@functools.lru_cache(maxsize=None)
+def _prep_fn(q_eps: float, k_eps: float, rope: Optional[RopeSpec]) -> Callable:
+    # One compiled graph per configuration; shapes specialise inside it and the
+    # offset is an array argument, so decode steps reuse one trace.
+    def prep(q, k, q_weight, k_weight, offset):
+        q = mx.fast.rms_norm(q, q_weight, q_eps).transpose(0, 2, 1, 3)
+        k = mx.fast.rms_norm(k, k_weight, k_eps).transpose(0, 2, 1, 3)
+        if rope is not None:
+            q = mx.fast.rope(
+                q, rope.dims, traditional=rope.traditional, base=rope.base,
+                scale=rope.scale, offset=offset,
+            )
+            k = mx.fast.rope(
+                k, rope.dims, traditional=rope.traditional, base=rope.base,
+                scale=rope.scale, offset=offset,
+            )
+        return q, k
+
+    return mx.compile(prep)
+
+
+def prep_qk(
+    q: mx.array,
+    k: mx.array,
+    q_weight: mx.array,
+    k_weight: mx.array,
+    *,
+    q_eps: float,
+    k_eps: float,
+    rope: Optional[RopeSpec],
+    offset: Union[int, mx.array] = 0,
+) -> tuple[mx.array, mx.array]:
+    """RMSNorm each q/k head, put heads before time, apply partial RoPE.
+
+    Same primitives in the same order as stock ``Qwen3NextAttention``
+    (``rms_norm`` -> transpose -> ``rope``), so results match it exactly.
+
+    Args:
+        q (mx.array): query heads (already split from the output gate).
+        k (mx.array): key heads.
+        q_weight (mx.array): ``[D]`` weight of the query RMSNorm.
+        k_weight (mx.array): ``[D]`` weight of the key RMSNorm.
+        q_eps (float): query RMSNorm epsilon.
+        k_eps (float): key RMSNorm epsilon.
+        rope (RopeSpec | None): rotary parameters; None skips RoPE (the
+            caller applies a non-plain RoPE module itself).
+        offset (int | mx.array): position of the first token: a scalar, or
+            ``[B]`` per-sequence offsets (batched caches). Default 0.
+
+    Returns:
+        tuple[mx.array, mx.array]: ``(q, k)`` in the dtype of the inputs.
+
+    Raises:
+        ValueError: if q and k disagree on B, T or D.
+
+    Shapes:
+        q: ``[B, T, Hq, D]`` -> ``[B, Hq, T, D]``
+        k: ``[B, T, Hk, D]`` -> ``[B, Hk, T, D]``
+        offset: ``[]`` or ``[B]``
+    """
+    if q.ndim != 4 or k.ndim != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"prep_qk expects q [B, T, Hq, D] and k [B, T, Hk, D], got {q.shape} and {k.shape}"
+        )
+    if not isinstance(offset, mx.array):
+        offset = mx.array(offset, dtype=mx.int32)
+    return _prep_fn(float(q_eps), float(k_eps), rope)(q, k, q_weight, k_weight, offset)
+
+
+def _check_gqa(q: mx.array, k: mx.array, v: mx.array) -> None:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"gqa_attention expects 4-D q/k/v, got {q.shape}, {k.shape}, {v.shape}"
+        )
+    hq, hk = q.shape[1], k.shape[1]
+    if v.shape[1] != hk or hk == 0 or hq % hk != 0:
+        raise ValueError(
+            f"query heads ({hq}) must be a multiple of key/value heads "
+            f"(k {hk}, v {v.shape[1]})"
+        )
+
+
+def gqa_attention_ops(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask = None
+) -> mx.array:
+    """Portable grouped-query attention: ``softmax(q k^T * scale + mask) v``.
+
+    ``mx.fast.scaled_dot_product_attention`` accepts Hk < Hq directly and
+    shares each KV head among ``Hq / Hk`` query heads; nothing here repeats
+    or tiles K or V.
+
+    Args:
+        q (mx.array): queries.
+        k (mx.array): keys.
+        v (mx.array): values.
+        scale (float): score scale, usually ``D ** -0.5``.
+        mask (None | str | mx.array): mlx-lm mask: None, ``"causal"``
+            (lower-right aligned, right for a prefill that follows a cache),
+            or a boolean / additive array broadcastable to ``[B, Hq, T, S]``.
+
+    Returns:
+        mx.array: attention output, dtype of ``q`` (softmax in float32).
+
+    Raises:
+        ValueError: if the head counts do not divide.
+
+    Shapes:
+        q: ``[B, Hq, T, D]``; k, v: ``[B, Hk, S, D]``; returns ``[B, Hq, T, D]``
+    """
+    _check_gqa(q, k, v)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def gqa_attention_kernel() -> Optional[Callable]:
+    """Build (once) a GPU GQA attention kernel for the current backend.
+
+    No GPU kernel ships yet (GQA packing and split-KV attention come later);
+    a returned callable must accept the arguments of
+    :func:`gqa_attention_ops`.
+
+    Returns:
+        Callable | None: the kernel, or None when none is available.
+    """
+    return None
+
+
+def gqa_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    mask: Mask = None,
+    *,
+    use_kernel: bool = True,
+) -> mx.array:
+    """Grouped-query attention, on a GPU kernel when one is available.
+
+    Falls back to :func:`gqa_attention_ops` when ``use_kernel`` is False,
+    ``QAB_DISABLE_KERNELS`` is set or no kernel exists for this backend.
+
+    Args:
+        q (mx.array): queries.
+        k (mx.array): keys.
+        v (mx.array): values.
+        scale (float): score scale.
+        mask (None | str | mx.array): see :func:`gqa_attention_ops`.
+        use_kernel (bool): allow the GPU kernel. Default True.
+
+    Returns:
+        mx.array: dtype of ``q``.
+
+    Raises:
+        ValueError: if the head counts do not divide.
+
+    Shapes:
+        q: ``[B, Hq, T, D]``; k, v: ``[B, Hk, S, D]``; returns ``[B, Hq, T, D]``
+
+    Example:
+        >>> import mlx.core as mx
+        >>> q = mx.random.normal((1, 16, 5, 256))
+        >>> k = v = mx.random.normal((1, 2, 5, 256))
+        >>> gqa_attention(q, k, v, 256 ** -0.5, "causal").shape
+        (1, 16, 5, 256)
+    """
+    if use_kernel and not envs.kernels_disabled():
+        kernel = gqa_attention_kernel()
+        if kernel is not None:
+            _check_gqa(q, k, v)
+            return kernel(q, k, v, scale, mask)
+    return gqa_attention_ops(q, k, v, scale, mask)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _sigmoid_gate(out: mx.array, gate: mx.array) -> mx.array:
+    return out * mx.sigmoid(gate)
+
+
+def gate_output(out: mx.array, gate: mx.array) -> mx.array:
+    """Merge heads and apply the sigmoid output gate.
+
+    Args:
+        out (mx.array): attention output.
+        gate (mx.array): gate logits, one per output feature of each head
+            (the second half of each head's ``q_proj`` output).
+
+    Returns:
+        mx.array: gated output, promoted dtype of ``out`` and ``gate``.
+
+    Shapes:
+        out: ``[B, Hq, T, D]``; gate: ``[B, T, Hq * D]``; returns ``[B, T, Hq * D]``
+    """
+    b, h, t, d = out.shape
+    return _sigmoid_gate(out.transpose(0, 2, 1, 3).reshape(b, t, h * d), gate)

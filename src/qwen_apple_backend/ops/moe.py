@@ -1,0 +1,393 @@
+"""Mixture-of-experts ops for Qwen3.5 / Qwen3.6 MoE and Qwen3-Next.
+
+Three pieces, following the kernel / reference / dispatcher pattern:
+
+* :func:`topk_route` — router softmax and top-k selection as one compiled
+  graph that picks exactly the experts stock mlx-lm picks.
+* :func:`moe_experts_ops` — the portable gathered SwiGLU expert computation:
+  one gathered matmul over the concatenated gate+up weights ``[E, 2I, H]``,
+  SiLU(gate) * up, the down projection and the score-weighted sum over K.
+* :func:`moe_experts` — dispatcher: a GPU kernel from
+  :func:`moe_experts_kernel` when one exists and kernels are enabled,
+  otherwise :func:`moe_experts_ops`.
+
+Dimension names: B batch, T tokens, H hidden size, I expert FFN size,
+E experts, K experts per token. ``...`` stands for any leading token axes
+(usually ``B, T``); N is their product.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple, Optional
+
+import mlx.core as mx
+
+from qwen_apple_backend import envs
+
+__all__ = [
+    "SORT_THRESHOLD",
+    "ExpertWeights",
+    "SortedTokens",
+    "topk_route",
+    "sort_by_expert",
+    "gathered_matmul",
+    "swiglu_experts_ops",
+    "moe_experts_ops",
+    "moe_experts_kernel",
+    "moe_experts",
+]
+
+# Stock SwitchGLU sorts (token, slot) rows by expert once there are at least
+# this many of them (``indices.size``); kept equal so both pick the same path.
+SORT_THRESHOLD = 64
+
+
+class ExpertWeights(NamedTuple):
+    """One stacked per-expert linear projection, plain or quantized.
+
+    Plain: ``weight`` is ``[E, O, In]`` floating point. Quantized: ``weight``
+    is the packed ``[E, O, In * bits / 32]`` uint32 array with ``scales``
+    (and, for affine mode, ``biases``) of shape ``[E, O, In / group_size]``,
+    exactly as ``mx.quantize`` lays them out. Output features ``O`` are
+    rows, so two projections with equal quantization settings concatenate
+    along axis 1.
+
+    Attributes:
+        weight (mx.array): ``[E, O, In]`` weight or its packed form.
+        scales (mx.array | None): quantization scales, None when plain.
+        biases (mx.array | None): affine quantization biases.
+        bias (mx.array | None): additive output bias ``[E, O]``.
+        group_size (int | None): quantization group size along ``In``.
+        bits (int | None): bits per quantized element.
+        mode (str): quantization mode, ``"affine"`` by default.
+        global_scale (mx.array | None): per-expert scale of ``nvfp4``.
+    """
+
+    weight: mx.array
+    scales: Optional[mx.array] = None
+    biases: Optional[mx.array] = None
+    bias: Optional[mx.array] = None
+    group_size: Optional[int] = None
+    bits: Optional[int] = None
+    mode: str = "affine"
+    global_scale: Optional[mx.array] = None
+
+    @property
+    def quantized(self) -> bool:
+        """Whether ``weight`` is packed (``scales`` present)."""
+        return self.scales is not None
+
+
+class SortedTokens(NamedTuple):
+    """(token, slot) rows regrouped so rows of one expert are contiguous.
+
+    Attributes:
+        x (mx.array): ``[N*K, 1, H]`` token rows in expert order.
+        inds (mx.array): ``[N*K]`` expert index of each row, ascending.
+        order (mx.array): ``[N*K]`` flat (token, slot) position of each row.
+        inv_order (mx.array): ``[N*K]`` inverse permutation of ``order``.
+    """
+
+    x: mx.array
+    inds: mx.array
+    order: mx.array
+    inv_order: mx.array
+
+
+# --------------------------------------------------------------------------
+# Routing
+# --------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _route_fn(top_k: int, norm_topk_prob: bool) -> Callable:
+    # One compiled graph per (K, renormalise) pair; shapes specialise inside.
+    def route(logits: mx.array):
+        # The same primitives, in the same order, as the stock block: softmax
+        # computed in float32 (precise) and rounded to the logits dtype, then
+        # argpartition. Identical inputs to identical ops give the same
+        # experts, including how near-ties and exact ties are broken, and the
+        # same slot order, so the weighted sum over K adds in the same order.
+        gates = mx.softmax(logits, axis=-1, precise=True)
+        inds = mx.argpartition(gates, kth=-top_k, axis=-1)[..., -top_k:]
+        scores = mx.take_along_axis(gates, inds, axis=-1)
+        if norm_topk_prob:
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+        return inds, scores
+
+    return mx.compile(route)
+
+
+def topk_route(
+    logits: mx.array, top_k: int, norm_topk_prob: bool
+) -> tuple[mx.array, mx.array]:
+    """Select the top-k experts per token from router logits.
+
+    Softmax over experts (accumulated in float32), top-k by argpartition, and
+    renormalisation of the k kept probabilities when ``norm_topk_prob``.
+    Matches ``Qwen3NextSparseMoeBlock`` bit for bit, including the order of
+    the K slots.
+
+    Args:
+        logits (mx.array): router logits.
+        top_k (int): experts per token, ``1 <= top_k <= E``.
+        norm_topk_prob (bool): renormalise the kept probabilities to sum 1.
+
+    Returns:
+        tuple[mx.array, mx.array]: ``(inds, scores)``. ``inds`` uint32 expert
+        indices (slot order unspecified but identical to stock); ``scores``
+        routing weights in the dtype of ``logits``.
+
+    Raises:
+        ValueError: if ``top_k`` is outside ``[1, E]``.
+
+    Shapes:
+        logits: ``[..., E]``
+        inds, scores: ``[..., K]``
+    """
+    num_experts = logits.shape[-1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    inds, scores = _route_fn(int(top_k), bool(norm_topk_prob))(logits)
+    return mx.stop_gradient(inds), scores
+
+
+# --------------------------------------------------------------------------
+# Gathered expert matmuls
+# --------------------------------------------------------------------------
+
+
+def sort_by_expert(x: mx.array, inds: mx.array) -> SortedTokens:
+    """Regroup (token, slot) rows so that rows sent to one expert are adjacent.
+
+    With many tokens the gathered matmul then walks each expert's weights
+    once, in order, instead of once per row (``sorted_indices=True``).
+
+    Args:
+        x (mx.array): token activations.
+        inds (mx.array): expert index per token and slot.
+
+    Returns:
+        SortedTokens: rows, their expert indices, the permutation and its
+        inverse. ``x`` keeps its dtype; ``inds`` keeps its dtype;
+        ``order``/``inv_order`` are uint32.
+
+    Shapes:
+        x: ``[..., H]``; inds: ``[..., K]``
+        returned x: ``[N*K, 1, H]``; inds, order, inv_order: ``[N*K]``
+    """
+    k = inds.shape[-1]
+    flat = inds.flatten()
+    order = mx.argsort(flat)
+    inv_order = mx.argsort(order)
+    rows = x.reshape(-1, 1, x.shape[-1])[order // k]
+    return SortedTokens(rows, flat[order], order, inv_order)
+
+
+def gathered_matmul(
+    x: mx.array,
+    w: ExpertWeights,
+    inds: mx.array,
+    sorted_indices: bool = False,
+) -> mx.array:
+    """``x @ w[inds].T`` with one expert matrix gathered per row.
+
+    Args:
+        x (mx.array): activations; the second-to-last axis is the row axis.
+        w (ExpertWeights): stacked expert weights ``[E, O, In]``.
+        inds (mx.array): expert index per batch entry of ``x``.
+        sorted_indices (bool): ``inds`` is flat and ascending. Default False.
+
+    Returns:
+        mx.array: projected activations in the promoted dtype of ``x`` and
+        the weights (the scales' dtype for quantized weights).
+
+    Shapes:
+        x: ``[..., 1, In]`` broadcast against inds ``[...]``
+        returns: ``[..., 1, O]``
+    """
+    if w.quantized:
+        y = mx.gather_qmm(
+            x,
+            w.weight,
+            w.scales,
+            w.biases,
+            rhs_indices=inds,
+            transpose=True,
+            group_size=w.group_size,
+            bits=w.bits,
+            mode=w.mode,
+            global_scale=w.global_scale,
+            sorted_indices=sorted_indices,
+        )
+    else:
+        y = mx.gather_mm(
+            x, w.weight.swapaxes(-1, -2), rhs_indices=inds, sorted_indices=sorted_indices
+        )
+    if w.bias is not None:
+        y = y + mx.expand_dims(w.bias[inds], -2)
+    return y
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return (gate * mx.sigmoid(gate)) * up
+
+
+def _split_swiglu(gate_up: mx.array) -> mx.array:
+    # gate is the first half of the fused output, up the second (HF layout).
+    # The split stays outside the shapeless graph: split needs static shapes.
+    gate, up = mx.split(gate_up, 2, axis=-1)
+    return _swiglu(gate, up)
+
+
+def swiglu_experts_ops(
+    x: mx.array,
+    inds: mx.array,
+    gate_up: ExpertWeights,
+    down: ExpertWeights,
+    sort: Optional[bool] = None,
+) -> mx.array:
+    """Per-slot SwiGLU expert outputs, before the weighted sum over K.
+
+    One gathered matmul over the concatenated gate+up weights, split,
+    ``silu(gate) * up``, then the gathered down projection. Equivalent to
+    stock ``SwitchGLU.__call__``.
+
+    Args:
+        x (mx.array): token activations.
+        inds (mx.array): expert indices from :func:`topk_route`.
+        gate_up (ExpertWeights): ``[E, 2I, H]``, gate rows first, up rows second.
+        down (ExpertWeights): ``[E, H, I]``.
+        sort (bool | None): sort rows by expert first; None sorts when
+            ``inds.size >= SORT_THRESHOLD``, as stock does. Default None.
+
+    Returns:
+        mx.array: expert outputs in the compute dtype (that of ``x`` for
+        float weights of the same dtype).
+
+    Shapes:
+        x: ``[..., H]``; inds: ``[..., K]``
+        returns: ``[..., K, H]``
+    """
+    inds = mx.stop_gradient(inds)
+    if sort is None:
+        # Prefill: grouping rows by expert lets the gathered matmul stream each
+        # expert's weights once; for a few decode rows the argsorts cost more.
+        sort = inds.size >= SORT_THRESHOLD
+    if sort:
+        st = sort_by_expert(x, inds)
+        h = gathered_matmul(st.x, gate_up, st.inds, sorted_indices=True)
+        h = _split_swiglu(h)
+        y = gathered_matmul(h, down, st.inds, sorted_indices=True)
+        # [N*K, 1, H] back to token order, then [..., K, H].
+        return y[st.inv_order].reshape(*inds.shape, y.shape[-1])
+    xe = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, H] broadcasts against K
+    h = _split_swiglu(gathered_matmul(xe, gate_up, inds))
+    y = gathered_matmul(h, down, inds)  # [..., K, 1, H]
+    return y.squeeze(-2)
+
+
+def moe_experts_ops(
+    x: mx.array,
+    inds: mx.array,
+    scores: mx.array,
+    gate_up: ExpertWeights,
+    down: ExpertWeights,
+    sort: Optional[bool] = None,
+) -> mx.array:
+    """Portable routed-expert output: SwiGLU experts weighted by routing scores.
+
+    Args:
+        x (mx.array): token activations.
+        inds (mx.array): expert indices.
+        scores (mx.array): routing weights of those experts.
+        gate_up (ExpertWeights): ``[E, 2I, H]`` fused gate+up projection.
+        down (ExpertWeights): ``[E, H, I]`` down projection.
+        sort (bool | None): see :func:`swiglu_experts_ops`. Default None.
+
+    Returns:
+        mx.array: the promoted dtype of the expert outputs and ``scores``
+        (the dtype of ``x`` in the model).
+
+    Shapes:
+        x: ``[..., H]``; inds, scores: ``[..., K]``
+        returns: ``[..., H]``
+    """
+    y = swiglu_experts_ops(x, inds, gate_up, down, sort=sort)
+    return _weighted_sum(y, scores)
+
+
+# Shape-specialised on purpose: in MLX 0.32.4 a shapeless compiled sum over an
+# axis of size 1 (K = 1 here) segfaults on the CPU.
+@mx.compile
+def _weighted_sum(y: mx.array, scores: mx.array) -> mx.array:
+    return (y * scores[..., None]).sum(axis=-2)
+
+
+# --------------------------------------------------------------------------
+# Kernel slot and dispatcher
+# --------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def moe_experts_kernel() -> Optional[Callable]:
+    """Build (once) the fused GPU expert kernel for the current backend.
+
+    No GPU kernel ships yet: this slot keeps the dispatcher's shape so that a
+    Metal / CUDA implementation can be added without touching callers. A
+    returned callable must accept the arguments of :func:`moe_experts_ops`.
+
+    Returns:
+        Callable | None: the kernel, or None when no kernel is available for
+        this device / backend.
+    """
+    return None
+
+
+def moe_experts(
+    x: mx.array,
+    inds: mx.array,
+    scores: mx.array,
+    gate_up: ExpertWeights,
+    down: ExpertWeights,
+    *,
+    use_kernel: bool = True,
+) -> mx.array:
+    """Routed-expert output, on the GPU kernel when possible.
+
+    Falls back to :func:`moe_experts_ops` when ``use_kernel`` is False,
+    ``QAB_DISABLE_KERNELS`` is set, or :func:`moe_experts_kernel` returns
+    None (no kernel for this backend).
+
+    Args:
+        x (mx.array): token activations.
+        inds (mx.array): expert indices from :func:`topk_route`.
+        scores (mx.array): routing weights from :func:`topk_route`.
+        gate_up (ExpertWeights): ``[E, 2I, H]`` fused gate+up projection.
+        down (ExpertWeights): ``[E, H, I]`` down projection.
+        use_kernel (bool): allow the GPU kernel. Default True.
+
+    Returns:
+        mx.array: dtype of ``x`` (promoted with ``scores``).
+
+    Shapes:
+        x: ``[..., H]``; inds, scores: ``[..., K]``
+        returns: ``[..., H]``
+
+    Example:
+        >>> import mlx.core as mx
+        >>> E, H, I, K = 4, 8, 6, 2
+        >>> gu = ExpertWeights(mx.random.normal((E, 2 * I, H)))
+        >>> dn = ExpertWeights(mx.random.normal((E, H, I)))
+        >>> x = mx.random.normal((1, 3, H))
+        >>> inds, scores = topk_route(mx.random.normal((1, 3, E)), K, True)
+        >>> moe_experts(x, inds, scores, gu, dn).shape
+        (1, 3, 8)
+    """
+    if use_kernel and not envs.kernels_disabled():
+        kernel = moe_experts_kernel()
+        if kernel is not None:
+            return kernel(x, inds, scores, gate_up, down)
+    return moe_experts_ops(x, inds, scores, gate_up, down)

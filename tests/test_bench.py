@@ -1,0 +1,397 @@
+"""The benchmark harness (``qab bench`` / ``qab compare``) on the CPU with a tiny model.
+
+No timing assertions: these tests check that the harness runs end to end, writes
+every field the result format promises, alternates backends as recorded, and that
+its fidelity and agreement numbers are exact where they must be.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+
+import numpy as np
+import pytest
+
+from qwen_apple_backend.bench import harness, report
+from qwen_apple_backend.bench.compare import _agreement
+from qwen_apple_backend.bench.target import (BackendSpec, BenchTarget, MLXTarget,
+                                             cache_read_bytes, parse_backend_specs,
+                                             weight_read_bytes)
+from qwen_apple_backend.cli import main
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _json_files(folder, pattern):
+    files = sorted(folder.glob(pattern))
+    assert len(files) == 1, f"expected one {pattern} in {folder}, found {files}"
+    return files[0]
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_hf_f32, tmp_path_factory):
+    """One ``qab bench --quick`` run with an ablation, two rounds so the order flips."""
+    out = tmp_path_factory.mktemp("bench-out")
+    argv = ["bench", "--model", str(tiny_hf_f32), "--quick", "--rounds", "2",
+            "--decode-tokens", "4", "--ablate", "moe", "--fidelity-positions", "192",
+            "--bandwidth-mib", "16", "--out", str(out), "--tag", "test", "--no-progress"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = main(argv)
+    return rc, out, printed.getvalue()
+
+
+def test_bench_quick_writes_valid_json_with_every_field(bench_run):
+    rc, out, printed = bench_run
+    assert rc == 0
+    path = _json_files(out, "bench-*-test.json")
+    text = path.read_text(encoding="utf-8")
+    assert "NaN" not in text and "Infinity" not in text  # strict JSON
+    result = json.loads(text)
+
+    assert result["schema"] == report.SCHEMA and result["kind"] == "bench"
+    env = result["environment"]
+    assert env["device"]["name"] and result["device"] == env["device"]["name"]
+    for key in ("mlx", "mlx_lm", "qwen_apple_backend"):
+        assert env["versions"][key], key
+    assert "git" in env  # None outside a checkout
+    assert env["command_line"].startswith("qab bench") and "--quick" in env["command_line"]
+
+    model = result["model"]
+    assert model["source"] == "path" and model["path"].endswith("tiny-hf-f32")
+    assert len(model["config_sha256"]) == 64 and len(model["weight_index_sha256"]) == 64
+
+    settings = result["settings"]
+    assert settings["batch_size"] == 1
+    assert settings["prefill_step_size"] == 2048
+    assert settings["lengths"] == harness.QUICK_LENGTHS and settings["rounds"] == 2
+    assert len(result["prompt"]["token_ids_sha256"]) == 64
+    assert set(result["engine_flags"]) >= {"QAB_DISABLE", "QAB_DISABLE_KERNELS"}
+
+    labels = [b["label"] for b in result["backends"]]
+    assert labels == ["stock", "fused", "fused-no-moe"]
+    for b in result["backends"]:
+        d = b["describe"]
+        assert d["dtype"] == "float32" and d["prefill_step_size"] == 2048
+        assert "quantization" in d and d["kind"] == "mlx"
+
+    summary = result["summary"]
+    assert len(summary) == len(labels) * 2 * len(harness.QUICK_LENGTHS)
+    for rec in summary:
+        for key in report.SUMMARY_FIELDS:
+            assert key in rec, key
+        assert rec["phase"] in ("prefill", "decode")
+        assert rec["tokens_per_s_p50"] > 0 and rec["tokens_per_s_p95"] > 0
+        assert rec["device"] == result["device"]
+        if rec["backend"] == "stock":
+            assert rec["ratio_vs_stock"] == 1.0
+        else:
+            assert rec["ratio_vs_stock"] > 0
+            assert rec["verdict"] in ("faster", "slower", "no difference")
+    for rec in result["results"]:
+        assert rec["n"] == 2 and len(rec["samples_s"]) == 2  # raw samples kept
+        if rec["phase"] == "decode":
+            assert rec["bytes_per_token"]["total"] > 0
+            assert rec["bytes_per_token"]["kv_cache"] > 0
+            assert rec["bytes_per_token"]["recurrent_state"] > 0
+            assert rec["roofline_pct"] > 0
+        else:
+            assert rec["ttft_s_p50"] > 0
+    assert result["bandwidth"]["source"] == "measured" and result["bandwidth"]["gbs"] > 0
+    for run in result["runs"]:
+        assert run["peak_memory_bytes"] > 0
+
+    assert "vs stock" in printed and "fused-no-moe" in printed and "fidelity" in printed
+
+
+def test_bench_alternation_recorded_and_alternating(bench_run):
+    _, out, _ = bench_run
+    result = json.loads(_json_files(out, "bench-*-test.json").read_text())
+    alt = result["alternation"]
+    labels = ["stock", "fused", "fused-no-moe"]
+    assert alt["order_per_round"] == [labels, labels[::-1]]
+    seq = alt["sequence"]
+    assert [s["seq"] for s in seq] == list(range(len(seq)))
+    # Within a round, every length runs the round's order: A B C A B C ...
+    for r, order in enumerate(alt["order_per_round"]):
+        backends = [s["backend"] for s in seq if s["round"] == r]
+        assert backends == order * len(harness.QUICK_LENGTHS)
+        assert all(a != b for a, b in zip(backends, backends[1:]))
+    # The measured runs follow the recorded sequence.
+    assert [(r["seq"], r["backend"], r["length"]) for r in result["runs"]] == [
+        (s["seq"], s["backend"], s["length"]) for s in seq]
+
+
+def test_bench_png_is_a_real_image(bench_run):
+    import matplotlib.image
+
+    _, out, _ = bench_run
+    png = _json_files(out, "bench-*-test.png")
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+    img = matplotlib.image.imread(png)
+    assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 400
+
+
+def test_bench_fidelity_and_ablation_labels(bench_run):
+    _, out, _ = bench_run
+    result = json.loads(_json_files(out, "bench-*-test.json").read_text())
+    fid = result["fidelity"]
+    assert fid["positions"] >= 192 and fid["meets_min_positions"]
+    assert fid["baseline"] == "stock"
+    assert set(fid["backends"]) == {"stock", "fused", "fused-no-moe"}
+    # A backend against itself agrees exactly, and every backend is deterministic.
+    assert fid["backends"]["stock"]["agreement_vs_stock"] == 1.0
+    for rec in fid["backends"].values():
+        assert rec["self_agreement"] == 1.0
+        assert math.isfinite(rec["perplexity"]) and rec["perplexity"] > 1
+    ablation = next(b for b in result["backends"] if b["label"] == "fused-no-moe")
+    assert ablation["backend"] == "fused" and ablation["ablation"] == "moe"
+    assert ablation["disable"] == ["moe"]
+    counts = ablation["describe"]["fused_counts"]
+    assert counts["moe"][0] == 0 and counts["gdn"][0] == counts["gdn"][1] > 0
+    fused = next(b for b in result["backends"] if b["label"] == "fused")
+    assert fused["describe"]["fused_counts"]["moe"][0] > 0
+
+
+def test_compare_prints_first_divergence_and_writes_json(tiny_hf_f32, tmp_path, capsys):
+    out = tmp_path / "compare.json"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The lighthouse keeper wrote\n\nA careful habit, kept long enough,\n")
+    rc = main(["compare", "--model", str(tiny_hf_f32), "--backends", "stock,fused",
+               "--prompt", "Hello there", "--prompts-file", str(prompts), "--max-tokens", "6",
+               "--json", str(out), "--no-progress"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "first divergence" in printed and "(reference)" in printed
+    result = json.loads(out.read_text())
+    assert result["kind"] == "compare" and result["compare"]["reference"] == "stock"
+    assert len(result["compare"]["prompts"]) == 3
+    for p in result["compare"]["prompts"]:
+        for label in ("stock", "fused"):
+            rec = p["backends"][label]
+            assert "first_divergence" in rec and len(rec["generated_ids"]) == 6
+        assert p["backends"]["stock"]["first_divergence"] is None
+        assert p["backends"]["stock"]["agreement_vs_reference"] == 1.0
+    for rec in result["summary"]:
+        for key in report.SUMMARY_FIELDS:
+            assert key in rec
+    assert result["alternation"]["order_per_block"][:2] == [["stock", "fused"],
+                                                            ["fused", "stock"]]
+
+
+def test_agreement_and_first_divergence():
+    assert _agreement([1, 2, 3, 4], [1, 2, 3, 4]) == (1.0, None)
+    assert _agreement([1, 2, 3, 4], [1, 9, 3, 4]) == (0.75, 1)
+    assert _agreement([1, 2], [1, 2, 3]) == (2 / 3, 2)
+
+
+def test_fidelity_of_a_model_with_itself_is_exact(tiny_hf_f32):
+    from qwen_apple_backend.bench.fidelity import FIDELITY_TEXT, fidelity_ids, run_fidelity
+    from qwen_apple_backend.loader import load_model
+
+    model, _, _ = load_model(tiny_hf_f32, "stock")
+    a = MLXTarget(model, label="stock")
+    b = MLXTarget(model, label="copy")
+    assert isinstance(a, BenchTarget)
+    ids, info = fidelity_ids(None, a.vocab_size(), positions=192)
+    assert info["tokenizer"].startswith("utf-8 bytes") and len(ids) == 193
+    assert len(FIDELITY_TEXT.encode()) > 193
+    out = run_fidelity([a, b], ids)
+    assert out["positions"] == 192
+    assert out["backends"]["copy"]["agreement_vs_stock"] == 1.0
+    assert out["backends"]["copy"]["first_disagreement"] is None
+    assert out["backends"]["copy"]["logits_max_abs_diff_vs_stock"] == 0.0
+
+
+def test_mlx_target_prefill_decode_matches_teacher_forcing(tiny_hf_f32):
+    from qwen_apple_backend.loader import load_model
+
+    model, _, _ = load_model(tiny_hf_f32, "fused")
+    t = MLXTarget(model, label="fused", prefill_step_size=5)  # several prefill chunks
+    prompt = list(range(3, 20))
+    first = t.prefill(prompt)
+    small = t.decode_traffic()
+    rest = t.decode(5)
+    greedy = [first, *rest]
+    # Feeding the greedy continuation back teacher-forced reproduces it.
+    logits = t.logits(prompt + greedy[:-1])
+    assert logits.dtype == np.float32 and logits.shape == (len(prompt) + 5, t.vocab_size())
+    assert logits[len(prompt) - 1:].argmax(-1).tolist() == greedy
+    t.reset()
+    t.prefill(list(range(3, 60)))
+    large = t.decode_traffic()
+    assert large["kv_cache"] > small["kv_cache"]  # KV reads grow with context
+    assert large["recurrent_state"] == small["recurrent_state"] > 0  # fixed-size state
+    assert t.peak_memory() > 0
+
+
+def test_weight_read_bytes_counts_top_k_of_experts(tiny_hf_f32):
+    from qwen_apple_backend.loader import load_model
+
+    model, config, _ = load_model(tiny_hf_f32, "stock")
+    w = weight_read_bytes(model)
+    tc = config.get("text_config", config)
+    k, e = tc["num_experts_per_tok"], tc["num_experts"]
+    assert w["experts_total"] > 0
+    assert abs(w["experts_active"] - w["experts_total"] * k / e) <= 8
+    assert w["lm_head"] > 0 and 0 < w["embedding_row"] < w["lm_head"]
+    assert w["attention"] > 0 and w["gdn"] > 0 and w["shared_expert"] > 0
+    assert cache_read_bytes([]) == {"kv_cache": 0, "recurrent_state": 0}
+
+
+def test_parse_lengths_and_specs():
+    assert harness.parse_lengths("4k,256,1K,256") == [256, 1024, 4096]
+    assert harness.parse_lengths("128K") == [131072]
+    with pytest.raises(ValueError):
+        harness.parse_lengths("abc")
+    with pytest.raises(ValueError):
+        harness.parse_lengths("")
+    specs = parse_backend_specs("stock,fused", "moe,attn")
+    assert [s.label for s in specs] == ["stock", "fused", "fused-no-moe", "fused-no-attn"]
+    assert specs[2] == BackendSpec("fused-no-moe", "fused", frozenset({"moe"}), "moe")
+    with pytest.raises(ValueError):
+        parse_backend_specs("stock,fused", "mlp")
+    with pytest.raises(ValueError):
+        parse_backend_specs("stock,stock")
+
+
+def test_schedule_warmup_and_statistics():
+    orders, seq = harness.alternation_schedule(["a", "b"], [1, 2], 3)
+    assert orders == [["a", "b"], ["b", "a"], ["a", "b"]]
+    assert [s["backend"] for s in seq[:4]] == ["a", "b", "a", "b"]
+    assert [s["backend"] for s in seq[4:8]] == ["b", "a", "b", "a"]
+    # A shortened warm-up keeps the length of the last partial prefill chunk.
+    for n in (5000, 8192, 131072, 4097):
+        w = harness.warmup_length(n, 2048, 4096)
+        assert w <= 4096 and (w - 1) % 2048 == (n - 1) % 2048
+    assert harness.warmup_length(300, 2048, 4096) == 300
+
+    s = report.sample_stats(100, [1.0, 1.1, 0.9, 1.0, 2.0])
+    assert s["tokens_per_s_p50"] == pytest.approx(100.0)
+    assert s["tokens_per_s_p95"] < s["tokens_per_s_p50"]
+    assert s["samples_s"] == [1.0, 1.1, 0.9, 1.0, 2.0]
+    assert report.verdict(1.03, 0.05, 0.02, 5, 5) == "no difference"
+    assert report.verdict(1.30, 0.05, 0.02, 5, 5) == "faster"
+    assert report.verdict(0.70, 0.05, 0.02, 5, 5) == "slower"
+    assert report.verdict(1.30, 0.0, 0.0, 1, 1) == "single sample"
+
+
+# ---- a non-MLX backend plugs into the harness through bench_target -------------------------
+
+class _Tok:
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+class FakeTarget:
+    """A pure-Python target: next token = previous + 1 (no MLX anywhere)."""
+
+    kind = "fake"
+
+    def __init__(self, label, vocab=1024):
+        self.label, self.vocab, self.tokenizer = label, vocab, _Tok()
+        self.last = None
+        self.peak = 0
+
+    def reset(self):
+        self.last = None
+
+    def prefill(self, ids):
+        self.last = (ids[-1] + 1) % self.vocab
+        self.peak = max(self.peak, len(ids))
+        return self.last
+
+    def decode(self, n):
+        out = []
+        for _ in range(n):
+            self.last = (self.last + 1) % self.vocab
+            out.append(self.last)
+        return out
+
+    def logits(self, ids):
+        x = np.zeros((len(ids), self.vocab), dtype=np.float32)
+        x[np.arange(len(ids)), (np.asarray(ids) + 1) % self.vocab] = 1.0
+        return x
+
+    def synchronize(self):
+        pass
+
+    def peak_memory(self):
+        return self.peak
+
+    def reset_peak_memory(self):
+        self.peak = 0
+
+    def active_memory(self):
+        return None
+
+    def decode_traffic(self):
+        return None
+
+    def vocab_size(self):
+        return self.vocab
+
+    def describe(self):
+        return {"label": self.label, "kind": self.kind}
+
+
+class FakeBackend:
+    name = "fake"
+
+    def available(self):
+        return True, ""
+
+    def load(self, path, **kwargs):
+        raise NotImplementedError
+
+    def bench_target(self, path_or_model, *, label=None, **kwargs):
+        return FakeTarget(label or self.name)
+
+
+class _FakePlugin:
+    from qwen_apple_backend import hookimpl
+
+    @staticmethod
+    @hookimpl
+    def qab_register_backends(register):
+        register("fake", "tests.test_bench:FakeBackend", description="test double")
+
+
+def test_harness_does_not_care_what_the_backend_is(tiny_hf_f32):
+    from qwen_apple_backend import plugins
+
+    assert isinstance(FakeTarget("x"), BenchTarget)
+    name = plugins.register_plugin(_FakePlugin(), name="fake-test-plugin")
+    try:
+        result = harness.run_bench(harness.BenchConfig(
+            model=str(tiny_hf_f32), backends=["stock", "fake"], lengths=[16, 33], rounds=2,
+            decode_tokens=3, fidelity_positions=192, bandwidth_gbs=10.0, progress=False))
+    finally:
+        plugins.unregister_plugin(name)
+    labels = {r["backend"] for r in result["summary"]}
+    assert labels == {"stock", "fake"}
+    fake = [r for r in result["summary"] if r["backend"] == "fake"]
+    assert all(r["ratio_vs_stock"] is not None for r in fake)
+    assert result["bandwidth"] == {"source": "argument", "gbs": 10.0}
+    fid = result["fidelity"]["backends"]
+    assert fid["fake"]["self_agreement"] == 1.0 and fid["stock"]["agreement_vs_stock"] == 1.0
+    assert 0.0 <= fid["fake"]["agreement_vs_stock"] <= 1.0
+
+
+def test_time_budget_stops_between_whole_rounds(tiny_hf_f32):
+    result = harness.run_bench(harness.BenchConfig(
+        model=str(tiny_hf_f32), backends=["stock", "fused"], lengths=[16, 24], rounds=3,
+        decode_tokens=2, warmup=0, fidelity=False, bandwidth_gbs=10.0, max_seconds=1e-3,
+        progress=False))
+    settings = result["settings"]
+    assert settings["rounds"] == 3 and settings["rounds_completed"] == 1
+    assert "time budget" in settings["stopped_early"]
+    assert result["alternation"]["order_per_round"] == [["stock", "fused"]]
+    assert len(result["runs"]) == len(result["alternation"]["sequence"]) == 4
+    assert all(r["n"] == 1 for r in result["results"])

@@ -1,0 +1,458 @@
+"""FusedSparseMoeBlock and ops.moe against stock mlx-lm's Qwen3NextSparseMoeBlock.
+
+Measured on the CPU (MLX 0.32.4, mlx-lm 0.32.2): the fused block is bit-for-bit
+equal to stock (rel-L2 0.0) in float32, in 4-bit with float32 activations and
+in 4-bit with bfloat16 activations, for every shape below. The tolerances are
+the dtype budgets of STYLE.md, not the measured drift.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
+
+from qwen_apple_backend.layers import moe as moe_layer
+from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
+from qwen_apple_backend.ops import moe as moe_ops
+
+H, I, E, K = 256, 128, 32, 8
+
+
+# --------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------
+
+
+def rel_l2(a: mx.array, b: mx.array) -> float:
+    a = np.array(a.astype(mx.float32), dtype=np.float64)
+    b = np.array(b.astype(mx.float32), dtype=np.float64)
+    den = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / (den if den > 0 else 1.0))
+
+
+def assert_close(actual, expected, *, rtol, atol, name="output", max_report=5):
+    """allclose that reports the first mismatching indices and values."""
+    a = np.array(actual.astype(mx.float32))
+    b = np.array(expected.astype(mx.float32))
+    assert a.shape == b.shape, f"{name}: shape {a.shape} != {b.shape}"
+    bad = ~np.isclose(a, b, rtol=rtol, atol=atol)
+    if bad.any():
+        idx = np.argwhere(bad)[:max_report]
+        rows = ", ".join(f"{tuple(i)}: {a[tuple(i)]:.6g} vs {b[tuple(i)]:.6g}" for i in idx)
+        pytest.fail(
+            f"{name}: {int(bad.sum())}/{bad.size} mismatches "
+            f"(rtol={rtol}, atol={atol}, rel-L2={rel_l2(actual, expected):.3g}); first: {rows}"
+        )
+
+
+def make_args(h=H, i=I, e=E, k=K, shared=None, norm=True):
+    return SimpleNamespace(
+        hidden_size=h,
+        moe_intermediate_size=i,
+        shared_expert_intermediate_size=shared or i,
+        norm_topk_prob=norm,
+        num_experts=e,
+        num_experts_per_tok=k,
+    )
+
+
+def make_stock(seed=0, **kw) -> Qwen3NextSparseMoeBlock:
+    mx.random.seed(seed)
+    block = Qwen3NextSparseMoeBlock(make_args(**kw))
+    # A sharper router than the default init, so routing is not near-uniform.
+    block.gate.weight = block.gate.weight * 8.0
+    block.eval()
+    mx.eval(block.parameters())
+    return block
+
+
+def qwen_quant_predicate(path, module):
+    # mlx-lm's qwen3_5 predicate: router and shared-expert gate at 8 bits.
+    if path.endswith("mlp.gate") or path == "gate" or path.endswith("shared_expert_gate"):
+        return {"group_size": 64, "bits": 8}
+    return hasattr(module, "to_quantized")
+
+
+def quantized(block, dtype=None):
+    nn.quantize(block, group_size=64, bits=4, class_predicate=qwen_quant_predicate)
+    if dtype is not None:
+        block.update(
+            tree_map(
+                lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a,
+                block.parameters(),
+            )
+        )
+    mx.eval(block.parameters())
+    return block
+
+
+def random_u32(shape):
+    # Random packed 4-bit words (all 32 bits random).
+    hi = mx.random.randint(0, 1 << 16, shape, dtype=mx.uint32)
+    lo = mx.random.randint(0, 1 << 16, shape, dtype=mx.uint32)
+    return (hi << 16) | lo
+
+
+def inputs(shape, seed=1, dtype=mx.float32):
+    mx.random.seed(seed)
+    return mx.random.normal(shape).astype(dtype)
+
+
+# --------------------------------------------------------------------------
+# numbers
+# --------------------------------------------------------------------------
+
+# (B, T): rows = B*T*K decide the path; stock sorts from 64 rows.
+SHAPES = [
+    (1, 1),  # single decode token, unsorted gather
+    (1, 7),  # 56 rows: largest unsorted case
+    (1, 8),  # 64 rows: first sorted case (SORT_THRESHOLD boundary)
+    (2, 3),  # batch 2, unsorted
+    (2, 37),  # batch 2, odd prime T, sorted prefill
+]
+
+
+@pytest.mark.parametrize("B,T", SHAPES)
+def test_matches_stock_fp32(B, T):
+    stock = make_stock()
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    x = inputs((B, T, H))
+    y, ref = fused(x), stock(x)
+    assert y.dtype == mx.float32
+    # measured: 0.0 (identical primitives in identical order)
+    assert rel_l2(y, ref) <= 1e-6
+    assert_close(y, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 37)])
+def test_matches_stock_4bit(B, T):
+    stock = quantized(make_stock())
+    assert stock.gate.bits == 8 and stock.shared_expert_gate.bits == 8
+    assert stock.switch_mlp.gate_proj.bits == 4
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    x = inputs((B, T, H))
+    # measured: rel-L2 0.0 on the CPU
+    assert rel_l2(fused(x), stock(x)) <= 1e-6
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 37)])
+def test_matches_stock_4bit_bf16(B, T):
+    stock = quantized(make_stock(), dtype=mx.bfloat16)
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    x = inputs((B, T, H), dtype=mx.bfloat16)
+    y, ref = fused(x), stock(x)
+    assert y.dtype == mx.bfloat16
+    # STYLE.md bf16 MoE budget; measured: 0.0 (same experts, same sum order).
+    assert_close(y, ref, rtol=1e-2, atol=1e-1)
+
+
+def test_bf16_float_experts():
+    # Probe at the test's own sizes (tiny sizes are not what is under test).
+    probe = mx.zeros((1, 1, 1, H), mx.bfloat16)
+    try:
+        mx.eval(mx.gather_mm(probe, mx.zeros((2, H, I), mx.bfloat16), rhs_indices=mx.array([1])))
+    except (RuntimeError, ValueError) as err:
+        # MLX's CPU GatherMM is float32-only; stock fails the same way.
+        pytest.skip(f"gather_mm has no bfloat16 on this device: {err}")
+    stock = make_stock()
+    stock.update(tree_map(lambda a: a.astype(mx.bfloat16), stock.parameters()))
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    x = inputs((2, 37, H), dtype=mx.bfloat16)
+    assert_close(fused(x), stock(x), rtol=1e-2, atol=1e-1)
+
+
+def test_real_size_single_token_4bit():
+    # Qwen3.6-35B-A3B MoE shapes: E=256, K=8, H=2048, I=512 (shared 512).
+    e, k, h, i = 256, 8, 2048, 512
+    mx.random.seed(3)
+    stock = Qwen3NextSparseMoeBlock(make_args(h=h, i=i, e=e, k=k))
+    nn.quantize(stock, group_size=64, bits=4, class_predicate=qwen_quant_predicate)
+    # Replace the (still lazy) float init with random packed weights directly:
+    # never materialises 3 GB of float32 experts.
+    for name, (o, n) in {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}.items():
+        getattr(stock.switch_mlp, name).update(
+            {
+                "weight": random_u32((e, o, n * 4 // 32)),
+                "scales": mx.random.uniform(0.002, 0.01, (e, o, n // 64)),
+                "biases": mx.random.uniform(-0.08, -0.02, (e, o, n // 64)),
+            }
+        )
+    stock.eval()
+    mx.eval(stock.parameters())
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    assert fused.switch_mlp.gate_up_proj["weight"].shape == (e, 2 * i, h * 4 // 32)
+    x = inputs((1, 1, h))
+    # measured: 0.0
+    assert rel_l2(fused(x), stock(x)) <= 1e-6
+
+
+# --------------------------------------------------------------------------
+# routing edge cases
+# --------------------------------------------------------------------------
+
+
+def test_topk_route_matches_stock_selection_and_ties():
+    logits = inputs((3, 5, E), seed=4)
+    # exact ties: duplicate a column so two experts have identical logits
+    logits = mx.concatenate([logits[..., :4], logits[..., 3:4], logits[..., 5:]], axis=-1)
+    gates = mx.softmax(logits, axis=-1, precise=True)
+    ref_inds = mx.argpartition(gates, kth=-K, axis=-1)[..., -K:]
+    ref_scores = mx.take_along_axis(gates, ref_inds, axis=-1)
+    ref_scores = ref_scores / ref_scores.sum(-1, keepdims=True)
+    inds, scores = moe_ops.topk_route(logits, K, True)
+    assert mx.array_equal(inds, ref_inds).item()  # same set, same slot order
+    assert mx.array_equal(scores, ref_scores).item()
+    assert_close(scores.sum(-1), mx.ones((3, 5)), rtol=1e-6, atol=1e-6)
+    inds, scores = moe_ops.topk_route(logits, K, False)
+    assert mx.array_equal(scores, mx.take_along_axis(gates, ref_inds, axis=-1)).item()
+    with pytest.raises(ValueError):
+        moe_ops.topk_route(logits, E + 1, True)
+
+
+@pytest.mark.parametrize("top_k,T", [(1, 5), (1, 80), (K, 5), (K, 40)])
+def test_all_tokens_to_one_expert(top_k, T):
+    stock = make_stock(k=top_k)
+    target = 11
+    # Positive inputs and a router row of ones: expert 11's logit dominates.
+    w = mx.zeros((E, H)).at[target].add(1.0)
+    stock.gate.weight = w
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    x = mx.abs(inputs((2, T, H))) + 0.1
+    inds, _ = moe_ops.topk_route(stock.gate(x), top_k, True)
+    assert (np.array(inds) == target).any(-1).all()
+    if top_k == 1:
+        assert (np.array(inds) == target).all()
+    assert rel_l2(fused(x), stock(x)) <= 1e-6
+
+
+@pytest.mark.parametrize("T", [1, 40])  # unsorted and sorted
+def test_expert_with_zero_tokens(T):
+    stock = make_stock()
+    starved = 0
+    stock.gate.weight = stock.gate.weight.at[starved].add(-10.0)
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    x = mx.abs(inputs((2, T, H))) + 0.1
+    inds, _ = moe_ops.topk_route(stock.gate(x), K, True)
+    assert not (np.array(inds) == starved).any()
+    assert rel_l2(fused(x), stock(x)) <= 1e-6
+
+
+@pytest.mark.parametrize("T", [1, 9])
+def test_k_equals_e(T):
+    stock = make_stock(e=8, k=8)
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    x = inputs((2, T, H))
+    assert rel_l2(fused(x), stock(x)) <= 1e-6
+
+
+def test_routing_permutation_invariance():
+    stock = make_stock()
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    x = inputs((2, 37, H))
+    y = fused(x)
+    perm = mx.array(np.random.default_rng(0).permutation(E))
+    permuted = make_stock()
+    permuted.gate.weight = stock.gate.weight[perm]
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        getattr(permuted.switch_mlp, name).weight = getattr(stock.switch_mlp, name).weight[perm]
+    y_perm = FusedSparseMoeBlock.from_stock(permuted)(x)
+    # Same experts under new names; only the summation order over K may change.
+    assert_close(y_perm, y, rtol=1e-5, atol=1e-6, name="permuted")
+
+
+def test_sorting_threshold_path(monkeypatch):
+    calls = []
+    real = moe_ops.sort_by_expert
+    monkeypatch.setattr(moe_ops, "sort_by_expert", lambda x, i: calls.append(i.size) or real(x, i))
+    stock = make_stock()
+    fused = FusedSparseMoeBlock.from_stock(stock, compile_decode=False)
+    for T, sorts in ((7, False), (8, True)):  # 56 and 64 rows
+        calls.clear()
+        x = inputs((1, T, H))
+        assert rel_l2(fused(x), stock(x)) <= 1e-6
+        assert bool(calls) == sorts, (T, calls)
+
+
+# --------------------------------------------------------------------------
+# interface
+# --------------------------------------------------------------------------
+
+
+def _keys(module):
+    return {k: v for k, v in tree_flatten(module.parameters())}
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_parameter_keys_and_attributes(quant):
+    stock = make_stock()
+    if quant:
+        quantized(stock)
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    stock_keys = set(_keys(stock))
+    expected = {
+        k.replace("switch_mlp.gate_proj.", "switch_mlp.gate_up_proj.")
+        for k in stock_keys
+        if "switch_mlp.up_proj." not in k
+    }
+    assert set(_keys(fused)) == expected
+    assert "switch_mlp.gate_up_proj.weight" in expected
+    for attr in ("norm_topk_prob", "num_experts", "top_k", "sharding_group"):
+        assert getattr(fused, attr) == getattr(stock, attr)
+    g = stock.switch_mlp.gate_proj["weight"]
+    assert fused.switch_mlp.gate_up_proj["weight"].shape == (E, 2 * g.shape[1], g.shape[2])
+    # Router, shared expert and down projection are the stock modules themselves.
+    assert fused.gate is stock.gate and fused.shared_expert is stock.shared_expert
+    assert fused.switch_mlp.down_proj is stock.switch_mlp.down_proj
+
+
+def test_call_signature_equals_stock():
+    ours = inspect.signature(FusedSparseMoeBlock.__call__)
+    theirs = inspect.signature(Qwen3NextSparseMoeBlock.__call__)
+    assert list(ours.parameters) == list(theirs.parameters)
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_to_stock_round_trip(quant):
+    stock = make_stock()
+    if quant:
+        quantized(stock)
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    back = fused.to_stock()
+    assert type(back) is Qwen3NextSparseMoeBlock
+    a, b = _keys(stock), _keys(back)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and mx.array_equal(a[k], b[k]).item(), k
+    x = inputs((2, 37, H))
+    assert mx.array_equal(back(x), stock(x)).item()
+    # Bit-equal on the CPU (measured); GPU kernels may round differently.
+    assert rel_l2(fused(x), back(x)) <= 1e-6
+
+
+def test_mismatched_quantization_raises():
+    stock = make_stock()
+    nn.quantize(
+        stock,
+        class_predicate=lambda p, m: (
+            {"group_size": 64, "bits": 8} if p.endswith("up_proj") else hasattr(m, "to_quantized")
+        ),
+        group_size=64,
+        bits=4,
+    )
+    with pytest.raises(ValueError, match=r"switch_mlp.*bits=4.*bits=8"):
+        FusedSparseMoeBlock.from_stock(stock)
+    with pytest.raises(ValueError, match=r"^model\.layers\.5\.mlp\.switch_mlp: "):
+        FusedSparseMoeBlock.from_stock(stock, name="model.layers.5.mlp")
+    with pytest.raises(TypeError):
+        FusedSparseMoeBlock.from_stock(nn.Linear(4, 4))
+
+
+def test_from_stock_does_not_touch_rng():
+    stock = make_stock()
+    mx.random.seed(123)
+    before = mx.random.uniform(shape=(4,))
+    mx.random.seed(123)
+    FusedSparseMoeBlock.from_stock(stock).to_stock()
+    assert mx.array_equal(mx.random.uniform(shape=(4,)), before).item()
+
+
+def test_compiled_decode_reads_live_parameters():
+    stock = make_stock()
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    x = inputs((1, 1, H))
+    # Bit-equal on the CPU (measured); GPU kernels may round differently.
+    assert rel_l2(fused(x), stock(x)) <= 1e-6
+    # Replace weights after the first (compiled) call, as load_weights would.
+    new_gate = stock.gate.weight[::-1]
+    stock.gate.weight = new_gate
+    fused.gate.weight = new_gate  # same module object, set twice on purpose
+    new_down = stock.switch_mlp.down_proj.weight * 2
+    stock.switch_mlp.down_proj.weight = new_down
+    assert rel_l2(fused(x), stock(x)) <= 1e-6
+    eager = FusedSparseMoeBlock.from_stock(stock, compile_decode=False)
+    assert rel_l2(eager(x), fused(x)) <= 1e-6
+
+
+def test_shard_single_process_group():
+    stock = make_stock()
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    x = inputs((2, 5, H))
+    ref = stock(x)
+    group = mx.distributed.init()
+    if group.size() != 1:
+        pytest.skip("needs a single-process run")
+    fused.shard(group)
+    assert fused.sharding_group is group
+    assert rel_l2(fused(x), ref) <= 1e-6
+
+
+# --------------------------------------------------------------------------
+# paths
+# --------------------------------------------------------------------------
+
+
+class CountingKernel:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return moe_ops.moe_experts_ops(*args)
+
+
+def test_dispatcher_uses_kernel_when_available(monkeypatch):
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    fake = CountingKernel()
+    monkeypatch.setattr(moe_ops, "moe_experts_kernel", lambda: fake)
+    stock = make_stock()
+    fused = FusedSparseMoeBlock.from_stock(stock, compile_decode=False)
+    x = inputs((2, 5, H))
+    assert rel_l2(fused(x), stock(x)) <= 1e-6
+    assert fake.calls == 1
+
+    fused.use_kernel = False
+    fused(x)
+    assert fake.calls == 1
+
+    fused.use_kernel = True
+    fused.train()  # training never takes the kernel (no gradient through it)
+    fused(x)
+    assert fake.calls == 1
+    fused.eval()
+
+    monkeypatch.setenv("QAB_DISABLE_KERNELS", "1")
+    fused(x)
+    assert fake.calls == 1
+
+
+def test_dispatcher_falls_back_without_kernel(monkeypatch):
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    # No GPU kernel ships yet: the factory answers None and the ops path runs.
+    assert moe_ops.moe_experts_kernel() is None
+    calls = []
+    real = moe_ops.moe_experts_ops
+    monkeypatch.setattr(
+        moe_ops, "moe_experts_ops", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    stock = make_stock()
+    fused = FusedSparseMoeBlock.from_stock(stock, compile_decode=False)
+    x = inputs((1, 3, H))
+    assert rel_l2(fused(x), stock(x)) <= 1e-6
+    assert calls == [1]
+
+
+def test_layer_module_uses_dispatcher(monkeypatch):
+    # The block goes through ops.moe.moe_experts (the only dispatcher).
+    seen = []
+    real = moe_layer.moe_experts
+    monkeypatch.setattr(moe_layer, "moe_experts", lambda *a, **k: seen.append(k) or real(*a, **k))
+    fused = FusedSparseMoeBlock.from_stock(make_stock(), compile_decode=False)
+    fused(inputs((1, 2, H)))
+    assert seen and seen[0] == {"use_kernel": True}
