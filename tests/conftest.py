@@ -33,39 +33,33 @@ def pytest_collection_modifyitems(config, items):
 SMALL_VOCAB = 1024
 
 
+def _tiny(tmp_path_factory, name, **kwargs):
+    from qwen_apple_backend.checkpoint import make_checkpoint
+
+    out = tmp_path_factory.mktemp("ckpt") / name
+    return make_checkpoint(out, preset="tiny", seed=0, progress=False, **kwargs)
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_f32(tmp_path_factory):
     """Tiny real-layout HF checkpoint, float32 weights, small vocabulary (fast parity tests)."""
-    from qwen_apple_backend.checkpoint import make_checkpoint
-
-    out = tmp_path_factory.mktemp("ckpt") / "tiny-hf-f32"
-    return make_checkpoint(out, preset="tiny", layout="hf", seed=0, dtype="float32",
-                           vocab_size=SMALL_VOCAB, progress=False)
+    return _tiny(tmp_path_factory, "tiny-hf-f32", layout="hf", dtype="float32",
+                 vocab_size=SMALL_VOCAB)
 
 
 @pytest.fixture(scope="session")
 def tiny_hf_bf16(tmp_path_factory):
-    from qwen_apple_backend.checkpoint import make_checkpoint
-
-    out = tmp_path_factory.mktemp("ckpt") / "tiny-hf-bf16"
-    return make_checkpoint(out, preset="tiny", layout="hf", seed=0, dtype="bfloat16",
-                           vocab_size=SMALL_VOCAB, progress=False)
+    return _tiny(tmp_path_factory, "tiny-hf-bf16", layout="hf", dtype="bfloat16",
+                 vocab_size=SMALL_VOCAB)
 
 
 @pytest.fixture(scope="session")
 def tiny_q4(tmp_path_factory):
-    from qwen_apple_backend.checkpoint import make_checkpoint
-
-    out = tmp_path_factory.mktemp("ckpt") / "tiny-q4"
-    return make_checkpoint(out, preset="tiny", layout="mlx-q4", seed=0, dtype="bfloat16",
-                           vocab_size=SMALL_VOCAB, progress=False)
+    return _tiny(tmp_path_factory, "tiny-q4", layout="mlx-q4", dtype="bfloat16",
+                 vocab_size=SMALL_VOCAB)
 
 
 @pytest.fixture(scope="session")
 def tiny_real_vocab(tmp_path_factory):
     """Tiny checkpoint with the full 248,320-token vocabulary and the real tokenizer."""
-    from qwen_apple_backend.checkpoint import make_checkpoint
-
-    out = tmp_path_factory.mktemp("ckpt") / "tiny-real-vocab"
-    return make_checkpoint(out, preset="tiny", layout="hf", seed=0, dtype="float32",
-                           progress=False)
+    return _tiny(tmp_path_factory, "tiny-real-vocab", layout="hf", dtype="float32")

@@ -22,34 +22,15 @@ from qwen_apple_backend.layers import moe as moe_layer
 from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
 from qwen_apple_backend.ops import moe as moe_ops
 
+from ._metrics import assert_close
+from ._metrics import mx_rel_l2 as rel_l2
+
 H, I, E, K = 256, 128, 32, 8
 
 
 # --------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------
-
-
-def rel_l2(a: mx.array, b: mx.array) -> float:
-    a = np.array(a.astype(mx.float32), dtype=np.float64)
-    b = np.array(b.astype(mx.float32), dtype=np.float64)
-    den = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / (den if den > 0 else 1.0))
-
-
-def assert_close(actual, expected, *, rtol, atol, name="output", max_report=5):
-    """allclose that reports the first mismatching indices and values."""
-    a = np.array(actual.astype(mx.float32))
-    b = np.array(expected.astype(mx.float32))
-    assert a.shape == b.shape, f"{name}: shape {a.shape} != {b.shape}"
-    bad = ~np.isclose(a, b, rtol=rtol, atol=atol)
-    if bad.any():
-        idx = np.argwhere(bad)[:max_report]
-        rows = ", ".join(f"{tuple(i)}: {a[tuple(i)]:.6g} vs {b[tuple(i)]:.6g}" for i in idx)
-        pytest.fail(
-            f"{name}: {int(bad.sum())}/{bad.size} mismatches "
-            f"(rtol={rtol}, atol={atol}, rel-L2={rel_l2(actual, expected):.3g}); first: {rows}"
-        )
 
 
 def make_args(h=H, i=I, e=E, k=K, shared=None, norm=True):
