@@ -28,6 +28,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs an Apple GPU (Metal)"))
         if "cuda_only" in item.keywords and not cuda:
             item.add_marker(pytest.mark.skip(reason="needs MLX's CUDA backend and an NVIDIA GPU"))
+        if "gpu" in item.keywords and not (cuda or metal):
+            item.add_marker(pytest.mark.skip(reason="needs a GPU (MLX CUDA or Metal backend)"))
 
 
 SMALL_VOCAB = 1024

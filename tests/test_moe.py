@@ -436,4 +436,60 @@ def test_layer_module_uses_dispatcher(monkeypatch):
     monkeypatch.setattr(moe_layer, "moe_experts", lambda *a, **k: seen.append(k) or real(*a, **k))
     fused = FusedSparseMoeBlock.from_stock(make_stock(), compile_decode=False)
     fused(inputs((1, 2, H)))
-    assert seen and seen[0] == {"use_kernel": True}
+    assert seen and seen[0] == {"use_kernel": True, "dequant_gemm": True}
+
+
+# --------------------------------------------------------------------------
+# dequantize-then-GEMM prefill path (the ``moe-gemm`` optimization)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("B,T", [(1, 64), (2, 37)])
+def test_dequant_gemm_matches_stock_4bit(monkeypatch, B, T):
+    # Lower the row threshold so a small block takes the path on the CPU
+    # (float32 activations: MLX 0.32's CPU gathered matmul is float32-only).
+    monkeypatch.setattr(moe_ops, "DEQUANT_GEMM_MIN_ROWS", 64)
+    taken = []
+    real = moe_ops.moe_experts_dequant_gemm
+    monkeypatch.setattr(moe_ops, "moe_experts_dequant_gemm",
+                        lambda *a, **k: taken.append(1) or real(*a, **k))
+    stock = quantized(make_stock())
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    x = inputs((B, T, H))
+    y, ref = fused(x), stock(x)
+    assert taken == [1]
+    # Same dequantized weight values, float32 GEMM instead of the gathered
+    # quantized matmul: summation order only (measured ~1e-7).
+    assert rel_l2(y, ref) <= 1e-5
+    fused.dequant_gemm = False
+    fused(x)
+    assert taken == [1]
+
+
+def test_dequant_gemm_threshold_and_dtype_gate(monkeypatch):
+    monkeypatch.setattr(moe_ops, "DEQUANT_GEMM_MIN_ROWS", 64)
+    taken = []
+    real = moe_ops.moe_experts_dequant_gemm
+    monkeypatch.setattr(moe_ops, "moe_experts_dequant_gemm",
+                        lambda *a, **k: taken.append(1) or real(*a, **k))
+    stock = quantized(make_stock())
+    fused = FusedSparseMoeBlock.from_stock(stock, compile_decode=False)
+    fused(inputs((1, 7, H)))  # 56 rows < 64: gathered 4-bit matmul
+    fused(inputs((1, 8, H), dtype=mx.bfloat16))  # bf16 on the CPU: no float gather_mm
+    assert taken == []
+    fused(inputs((1, 8, H)))  # 64 rows, float32
+    assert taken == [1]
+    plain = FusedSparseMoeBlock.from_stock(make_stock(), compile_decode=False)
+    plain(inputs((1, 8, H)))  # float experts need no dequantization
+    assert taken == [1]
+
+
+def test_dequantize_experts_values():
+    stock = quantized(make_stock())
+    w = moe_layer.expert_weights(stock.switch_mlp.gate_proj)
+    d = moe_ops.dequantize_experts(w, mx.float32)
+    assert not d.quantized and d.weight.shape == (E, I, H) and d.weight.dtype == mx.float32
+    e = 5
+    ref = mx.dequantize(w.weight[e], w.scales[e], w.biases[e], group_size=64, bits=4)
+    assert mx.array_equal(d.weight[e], ref)
+    assert moe_ops.dequantize_experts(d, mx.float32) is d

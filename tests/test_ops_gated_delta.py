@@ -331,28 +331,97 @@ def test_dispatcher_chunk_size_from_env(monkeypatch):
     assert sizes == [16, 32, 64, 32, 16]
 
 
-def test_dispatcher_uses_kernel_and_falls_back(monkeypatch):
-    calls = []
+def _fake_gpu(monkeypatch, scan):
+    """Pretend a GPU with a gated delta kernel is present; ``scan`` is the kernel."""
+    from qwen_apple_backend.ops import device
 
-    def fake_kernel(*args):
-        calls.append(args)
-        return "kernel-y", "kernel-state"
+    device.reset_self_checks()
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    monkeypatch.setattr(gd, "gpu_backend", lambda: "fakegpu")
+    monkeypatch.setattr(gd, "_scan_kernel_object", lambda backend: object())
+    monkeypatch.setattr(gd, "_scan_kernel_call", scan)
 
+
+def test_no_kernel_on_cpu():
     q, k, v, g, beta, state = make_inputs(20, b=1)
-    # No kernel exists yet: the factory answers None and the ops path runs.
-    assert gd._kernel_factory("metal") is None and gd._kernel_factory("cuda") is None
+    assert gd.kernel_ready(2, 4, 32, 32, mx.float32) is None
     with pytest.raises(RuntimeError, match="no gated_delta kernel"):
         gd.gated_delta_kernel(q, k, v, g, beta, state)
 
-    monkeypatch.setattr(gd, "_backend", lambda: "metal")
-    monkeypatch.setattr(gd, "_kernel_factory", lambda backend: fake_kernel)
-    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
-    assert gd.gated_delta(q, k, v, g, beta, state) == ("kernel-y", "kernel-state")
-    assert len(calls) == 1
 
+def test_dispatcher_uses_a_kernel_that_passes_its_self_check(monkeypatch):
+    calls = []
+
+    def good_kernel(backend, *args):
+        calls.append(backend)
+        return gd.gated_delta_sequential_ops(*args)
+
+    _fake_gpu(monkeypatch, good_kernel)
+    q, k, v, g, beta, state = make_inputs(20, b=1)
     spies = _spy_paths(monkeypatch)
+    y, s = gd.gated_delta(q, k, v, g, beta, state)
+    # One self-check call plus the real call; the chunked ops path never ran.
+    assert calls == ["fakegpu", "fakegpu"]
+    assert len(spies["gated_delta_chunked_ops"].calls) == 0
+    y_ref, s_ref = gated_delta_ops(q, k, v, g, beta, state)
+    assert_close(y, y_ref, **F32_TOL, name="kernel path y")
+    gd.gated_delta(q, k, v, g, beta, state)  # verdict cached: no second check
+    assert calls == ["fakegpu"] * 3
+
     gd.gated_delta(q, k, v, g, beta, state, use_kernel=False)
     monkeypatch.setenv("QAB_DISABLE_KERNELS", "1")
     gd.gated_delta(q, k, v, g, beta, state)
-    assert len(calls) == 1
+    assert calls == ["fakegpu"] * 3
     assert len(spies["gated_delta_chunked_ops"].calls) == 2
+
+
+def test_a_wrong_kernel_is_rejected_with_a_warning(monkeypatch):
+    from qwen_apple_backend.ops.device import KernelSelfCheckWarning, self_check_results
+
+    calls = []
+
+    def wrong_kernel(backend, *args):
+        calls.append(backend)
+        y, s = gd.gated_delta_sequential_ops(*args)
+        return y * 1.5, s  # deliberately wrong output
+
+    _fake_gpu(monkeypatch, wrong_kernel)
+    q, k, v, g, beta, state = make_inputs(20, b=1)
+    spies = _spy_paths(monkeypatch)
+    with pytest.warns(KernelSelfCheckWarning, match=r"gated_delta_scan failed its self-check"
+                      r".*output 0 relative L2 error 0\.5"):
+        y, s = gd.gated_delta(q, k, v, g, beta, state)
+    assert calls == ["fakegpu"]  # only the self-check ran it
+    assert len(spies["gated_delta_chunked_ops"].calls) == 1
+    y_ref, _ = gated_delta_ops(q, k, v, g, beta, state)
+    assert_close(y, y_ref, **F32_TOL, name="fallback y")
+    (verdict,) = self_check_results().values()
+    assert verdict[0] is False and "relative L2 error" in verdict[1]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # cached verdict: no second warning, no re-check
+        gd.gated_delta(q, k, v, g, beta, state)
+    assert calls == ["fakegpu"]
+
+
+@pytest.mark.parametrize("failure", ["raises", "nan", "shape"])
+def test_broken_kernels_fall_back(monkeypatch, failure):
+    from qwen_apple_backend.ops.device import KernelSelfCheckWarning
+
+    def broken(backend, *args):
+        y, s = gd.gated_delta_sequential_ops(*args)
+        if failure == "raises":
+            raise RuntimeError("nvrtc: error: identifier undefined")
+        if failure == "nan":
+            return y * float("nan"), s
+        return y[:, :-1], s
+
+    _fake_gpu(monkeypatch, broken)
+    q, k, v, g, beta, state = make_inputs(20, b=1)
+    match = {"raises": "RuntimeError: nvrtc: error", "nan": "non-finite",
+             "shape": "the reference"}[failure]
+    with pytest.warns(KernelSelfCheckWarning, match=match):
+        y, s = gd.gated_delta(q, k, v, g, beta, state)
+    y_ref, s_ref = gated_delta_ops(q, k, v, g, beta, state)
+    assert_close(y, y_ref, **F32_TOL, name="fallback y")
+    assert_close(s, s_ref, **F32_TOL, name="fallback state")

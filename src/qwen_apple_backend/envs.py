@@ -6,7 +6,9 @@ monkeypatch one module and users can find every switch.
 Variables:
     QAB_BACKEND: default backend for ``load`` and the CLI when none is given
         (``auto``, ``fused`` or ``stock``). Default ``auto``.
-    QAB_DISABLE: comma-separated fused module kinds to keep stock, for
+    QAB_DISABLE: comma-separated fused module kinds to keep stock
+        (``moe``, ``gdn``, ``attn``, ``all``) or single optimizations to
+        switch off (``gdn-kernel``, ``moe-gemm``), for
         ablations: ``moe``, ``gdn``, ``attn`` (``all`` = every kind).
     QAB_DISABLE_KERNELS: ``1`` forces the portable pure-MLX path of every op.
     QAB_PLUGINS: comma-separated allowlist of plugin (entry-point) names to
@@ -22,6 +24,11 @@ import os
 from pathlib import Path
 
 FUSABLE_KINDS = ("moe", "gdn", "attn")
+# Single optimizations inside a fused module kind, switchable for ablations.
+OPTIMIZATIONS = {
+    "gdn-kernel": "gdn",  # the GPU gated delta scan kernel (else chunked MLX ops)
+    "moe-gemm": "moe",  # dequantize-then-grouped-GEMM experts for prefill
+}
 
 
 def _get(name: str, default: str | None = None) -> str | None:
@@ -34,20 +41,22 @@ def backend() -> str:
 
 
 def disabled_kinds() -> frozenset[str]:
-    """Module kinds forced to stock by ``QAB_DISABLE``.
+    """Module kinds forced to stock, and optimizations switched off, by ``QAB_DISABLE``.
 
     Raises:
-        ValueError: if a name is not one of ``moe``, ``gdn``, ``attn``, ``all``.
+        ValueError: if a name is not one of ``moe``, ``gdn``, ``attn``,
+            ``all`` or an optimization name (``gdn-kernel``, ``moe-gemm``).
     """
     raw = _get("QAB_DISABLE", "")
     names = {n.strip().lower() for n in raw.split(",") if n.strip()}
     if "all" in names:
         return frozenset(FUSABLE_KINDS)
-    unknown = names - set(FUSABLE_KINDS)
+    unknown = names - set(FUSABLE_KINDS) - set(OPTIMIZATIONS)
     if unknown:
         raise ValueError(
             f"QAB_DISABLE: unknown module kind(s) {sorted(unknown)}; "
-            f"expected a comma-separated subset of {list(FUSABLE_KINDS)} or 'all'"
+            f"expected a comma-separated subset of {list(FUSABLE_KINDS)}, "
+            f"optimizations {list(OPTIMIZATIONS)}, or 'all'"
         )
     return frozenset(names)
 

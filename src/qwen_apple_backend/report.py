@@ -15,7 +15,8 @@ class ModuleRecord:
         kind: ``moe``, ``gdn``, ``attn`` or ``mlp``.
         stock: class name of the mlx-lm module that was built.
         fused: class name of the replacement, or None if it stayed stock.
-        reason: why it stayed stock (empty when fused).
+        reason: why it stayed stock; for a fused module, the optimizations
+            switched off in it (empty when none).
     """
 
     path: str

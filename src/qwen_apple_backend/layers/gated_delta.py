@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import sum_gradients
 
-from ..ops.gated_delta import compute_gates, gated_delta, l2norm_qk
+from ..ops.gated_delta import compute_gates, gated_delta, kernel_ready, l2norm_qk
 
 __all__ = ["FusedGatedDeltaNet", "FusedQwen3NextGatedDeltaNet"]
 
@@ -183,6 +183,9 @@ class FusedGatedDeltaNet(nn.Module):
         ((1, 1, 64), mlx.core.float32)
     """
 
+    # Allow the GPU scan kernel (the ``gdn-kernel`` optimization).
+    use_kernel: bool = True
+
     # Stock child modules / parameters adopted by from_stock, by name.
     _LAYOUT = "qwen3_5"
     _PROJECTIONS: Tuple[str, ...] = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -279,7 +282,10 @@ class FusedGatedDeltaNet(nn.Module):
             state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
         lengths = cache.lengths if cache is not None else None
         conv_b = self.conv1d.bias if "bias" in self.conv1d else None
-        use_kernel = not self.training
+        # Decided here, outside mx.compile: the first call per shape class runs
+        # the kernel's self-check, which evaluates arrays.
+        use_kernel = self.use_kernel and not self.training and kernel_ready(
+            Hk, Hv, Dk, Dv, inputs.dtype) is not None
 
         if S == 1:
             out, new_conv_state, state = _decode_step(

@@ -232,7 +232,13 @@ class FusedSparseMoeBlock(nn.Module):
         use_kernel (bool): allow GPU expert kernels. Default True.
         compile_decode (bool): run decode-sized calls as one compiled graph.
             Default True.
+
+    Attribute ``dequant_gemm`` (default True; the ``moe-gemm`` optimization)
+    lets prefill-sized calls on quantized experts dequantize them and run a
+    grouped GEMM (:func:`~qwen_apple_backend.ops.moe.moe_experts_dequant_gemm`).
     """
+
+    dequant_gemm: bool = True
 
     def __init__(
         self,
@@ -392,6 +398,7 @@ class FusedSparseMoeBlock(nn.Module):
             expert_weights(self.switch_mlp.gate_up_proj),
             expert_weights(self.switch_mlp.down_proj),
             use_kernel=self.use_kernel and not self.training,
+            dequant_gemm=self.dequant_gemm,
         )
         return _add_gated_shared(y, self.shared_expert(x), self.shared_expert_gate(x))
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..envs import OPTIMIZATIONS
 from ..errors import CheckpointError, FuseError, UnsupportedConfigError
 from ..report import FuseReport, ModuleRecord
 from .base import Adapter
@@ -296,9 +297,15 @@ class QwenHybridAdapter(Adapter):
                                         f"{mx.default_device()}: {reason}") from exc
                     report.modules.append(ModuleRecord(path, kind, type(stock).__name__, None, reason))
                     continue
+                off = sorted(o for o, k in OPTIMIZATIONS.items() if k == kind and o in disable)
+                if "gdn-kernel" in off:
+                    fused.use_kernel = False
+                if "moe-gemm" in off:
+                    fused.dequant_gemm = False
                 setattr(layer, attr, fused)
-                report.modules.append(ModuleRecord(path, kind, type(stock).__name__,
-                                                   type(fused).__name__))
+                report.modules.append(ModuleRecord(
+                    path, kind, type(stock).__name__, type(fused).__name__,
+                    f"without {', '.join(off)} (QAB_DISABLE / disable=)" if off else ""))
         return None
 
 

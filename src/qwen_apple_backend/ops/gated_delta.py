@@ -22,9 +22,12 @@ Three implementations share that contract:
   over Sequence Length", NeurIPS 2024, with the gate folded in as in the
   Gated DeltaNet paper.
 
-and :func:`gated_delta` picks one (or a backend kernel, once one exists).
+and :func:`gated_delta` picks one, or the GPU scan kernel
+(:func:`gated_delta_kernel`, ``kernels/{cuda,metal}/gated_delta_scan``) once it
+has passed its self-check on this device.
 
-This module imports only ``mlx.core``, the standard library and ``envs``.
+This module imports only ``mlx.core``, the standard library, ``envs`` and
+the kernel plumbing in ``ops.device``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Callable, Optional, Tuple
 import mlx.core as mx
 
 from .. import envs
+from .device import build_kernel, gpu_backend, self_checked
 
 __all__ = [
     "SEQUENTIAL_MAX_T",
@@ -44,6 +48,7 @@ __all__ = [
     "gated_delta_kernel",
     "gated_delta_sequential_ops",
     "gated_delta_step_ops",
+    "kernel_ready",
     "l2norm_qk",
 ]
 
@@ -455,32 +460,116 @@ def gated_delta_chunked_ops(
 # --------------------------------------------------------------------------
 
 
+# Kernel limits: each lane holds Dk / 32 state floats in registers.
+_KERNEL_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+_KERNEL_MAX_DK = 256
+# Rows of the state per thread block (one warp / SIMD group per row).
+_KERNEL_ROWS = 4
+# Tokens in the self-check's random problem: odd, so no tile size divides it.
+_SELF_CHECK_T = 19
+
+
 def _backend() -> Optional[str]:
     """``"metal"`` or ``"cuda"`` when the default device is such a GPU, else None."""
-    if mx.default_device() != mx.gpu:
+    return gpu_backend()
+
+
+@functools.lru_cache(maxsize=None)
+def _scan_kernel_object(backend: str):
+    return build_kernel("gated_delta_scan", backend)
+
+
+def _kernel_supported(Dk: int, Dv: int, dtype: mx.Dtype) -> bool:
+    return Dk % 32 == 0 and 0 < Dk <= _KERNEL_MAX_DK and Dv > 0 and dtype in _KERNEL_DTYPES
+
+
+def _scan_kernel_call(backend: str, q, k, v, g, beta, state, mask=None):
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    obj = _scan_kernel_object(backend)
+    if obj is None:
+        raise RuntimeError(f"no gated_delta_scan source or MLX API for {backend}")
+    dt = q.dtype
+    has_mask = mask is not None
+    m = mask.astype(mx.bool_) if has_mask else mx.ones((1,), dtype=mx.bool_)
+    rows = _KERNEL_ROWS if Dv % _KERNEL_ROWS == 0 else 1
+    y, new_state = obj(
+        inputs=[q, k.astype(dt), v.astype(dt), g.astype(mx.float32),
+                beta.astype(mx.float32), state.astype(mx.float32), m],
+        template=[("InT", dt), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv),
+                  ("HAS_MASK", has_mask)],
+        grid=(32, Dv, B * Hv),
+        threadgroup=(32, rows, 1),
+        output_shapes=[(B, T, Hv, Dv), (B, Hv, Dv, Dk)],
+        output_dtypes=[dt, mx.float32],
+    )
+    return y, new_state
+
+
+def _self_check_inputs(Hk, Hv, Dk, Dv, dtype):
+    def make():
+        key = mx.random.key(1234)
+        kq, kk, kv, ka, kb, ks = mx.random.split(key, 6)
+        B, T = 1, _SELF_CHECK_T
+        q, k = l2norm_qk(mx.random.normal((B, T, Hk, Dk), key=kq).astype(dtype),
+                         mx.random.normal((B, T, Hk, Dk), key=kk).astype(dtype))
+        v = mx.random.normal((B, T, Hv, Dv), key=kv).astype(dtype)
+        g = mx.random.uniform(0.5, 1.0, (B, T, Hv), key=ka)
+        beta = mx.random.uniform(0.0, 1.0, (B, T, Hv), key=kb).astype(dtype)
+        state = 0.1 * mx.random.normal((B, Hv, Dv, Dk), key=ks)
+        return q * (Dk ** -0.5), k, v, g, beta, state
+    return make
+
+
+def kernel_ready(Hk: int, Hv: int, Dk: int, Dv: int, dtype: mx.Dtype) -> Optional[str]:
+    """The GPU backend whose gated delta kernel may run these shapes, or None.
+
+    Call it outside ``mx.compile``: on the first call per shape class it runs
+    the kernel's self-check (see :mod:`qwen_apple_backend.ops.device`) against
+    :func:`gated_delta_sequential_ops` on random inputs of these head sizes.
+
+    Args:
+        Hk (int): key heads. Hv (int): value heads. Dk (int): key head dim.
+        Dv (int): value head dim. dtype (mx.Dtype): dtype of q, k, v.
+
+    Returns:
+        Optional[str]: ``"cuda"`` / ``"metal"``, or None (CPU, kernels
+        disabled by ``QAB_DISABLE_KERNELS``, unsupported shapes, or a failed
+        self-check, which also warns).
+    """
+    if envs.kernels_disabled():
         return None
-    if mx.metal.is_available():
-        return "metal"
-    cuda = getattr(mx, "cuda", None)
-    if cuda is not None and cuda.is_available():
-        return "cuda"
-    return None
+    backend = gpu_backend()
+    if backend is None or not _kernel_supported(Dk, Dv, dtype):
+        return None
+    if _scan_kernel_object(backend) is None:
+        return None
+    # bf16/fp16 outputs round to ~3 significant digits; state math is float32.
+    rtol = 1e-4 if dtype == mx.float32 else 2e-2
+    ok = self_checked(
+        "gated_delta_scan", backend, (Hk, Hv, Dk, Dv, str(dtype)),
+        kernel=lambda *a: _scan_kernel_call(backend, *a),
+        reference=gated_delta_sequential_ops,
+        make_inputs=_self_check_inputs(Hk, Hv, Dk, Dv, dtype),
+        rtol=rtol,
+    )
+    return backend if ok else None
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel_factory(backend: str) -> Optional[Callable[..., Tuple[mx.array, mx.array]]]:
-    """Build (once per backend) the fused GPU kernel, or None if there is none.
+    """The fused GPU scan for ``backend`` as a function, or None if it has no source.
 
     Args:
         backend (str): ``"metal"`` or ``"cuda"``.
 
     Returns:
         Optional[Callable]: a function with the signature of
-        :func:`gated_delta_kernel`, or None. No backend ships a kernel yet,
-        so this returns None and :func:`gated_delta` uses the ops path.
+        :func:`gated_delta_kernel` (no self-check: see :func:`kernel_ready`).
     """
-    del backend
-    return None
+    if _scan_kernel_object(backend) is None:
+        return None
+    return functools.partial(_scan_kernel_call, backend)
 
 
 def gated_delta_kernel(
@@ -492,10 +581,16 @@ def gated_delta_kernel(
     state: mx.array,
     mask: Optional[mx.array] = None,
 ) -> Tuple[mx.array, mx.array]:
-    """Gated delta rule on the backend's fused GPU kernel.
+    """Gated delta rule on the backend's fused GPU kernel (``kernels/*/gated_delta_scan``).
+
+    One warp (CUDA) or SIMD group (Metal) owns one ``Dk``-long state row for
+    the whole sequence, in registers: the state is read once and written once,
+    in float32, and each token costs two warp reductions. No self-check runs
+    here; :func:`gated_delta` uses the kernel only after :func:`kernel_ready`.
 
     Args and Shapes: as :func:`gated_delta_sequential_ops` (``state``
-    required).
+    required; ``Dk`` a multiple of 32, at most 256; q/k/v float32, bfloat16
+    or float16).
 
     Returns:
         Tuple[mx.array, mx.array]: ``(y, state)``; ``y`` in ``q.dtype``,
@@ -528,8 +623,9 @@ def gated_delta(
 ) -> Tuple[mx.array, mx.array]:
     """Gated delta rule: the one entry point, choosing kernel or ops path.
 
-    A backend kernel runs when ``use_kernel`` is true, ``QAB_DISABLE_KERNELS``
-    is unset and the default device has one; otherwise the portable path:
+    The GPU scan kernel runs for every T when ``use_kernel`` is true and
+    :func:`kernel_ready` says so (a Metal or CUDA device, ``QAB_DISABLE_KERNELS``
+    unset, supported shapes, self-check passed); otherwise the portable path:
     T == 1 runs :func:`gated_delta_step_ops`, ``T <= SEQUENTIAL_MAX_T``
     :func:`gated_delta_sequential_ops`, longer sequences
     :func:`gated_delta_chunked_ops` (with the chunk cut to the next power of
@@ -579,11 +675,10 @@ def gated_delta(
         ((1, 100, 4, 128), (1, 4, 128, 128), mlx.core.float32)
     """
     state = _check_and_init(q, k, v, g, beta, state, mask)
-    if use_kernel and not envs.kernels_disabled():
-        backend = _backend()
-        kernel = _kernel_factory(backend) if backend is not None else None
-        if kernel is not None:
-            return kernel(q, k, v, g, beta, state, mask)
+    if use_kernel:
+        backend = kernel_ready(q.shape[2], v.shape[2], q.shape[3], v.shape[3], q.dtype)
+        if backend is not None:
+            return _scan_kernel_call(backend, q, k, v, g, beta, state, mask)
     T = q.shape[1]
     if T == 1:
         y, state = gated_delta_step_ops(

@@ -1,0 +1,110 @@
+"""Kernel sources and their manifest (``kernels/MANIFEST.toml``).
+
+Kernel bodies live outside the Python code, one file per op and backend:
+``kernels/cuda/*.cu`` for ``mx.fast.cuda_kernel`` and ``kernels/metal/*.metal``
+for ``mx.fast.metal_kernel``. An installed wheel carries them as
+``qwen_apple_backend/_kernels``; a source checkout reads the repository's
+``kernels/`` folder. Headers are concatenated in the order the manifest lists
+them, never by glob.
+
+This module imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+__all__ = ["KernelSource", "kernel_dir", "kernel_source", "manifest"]
+
+BACKENDS = ("cuda", "metal")
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """One op's kernel for one backend, ready for ``mx.fast.*_kernel``.
+
+    Attributes:
+        op (str): manifest key, e.g. ``"gated_delta_scan"``.
+        backend (str): ``"cuda"`` or ``"metal"``.
+        inputs (tuple[str, ...]): input parameter names, in call order.
+        outputs (tuple[str, ...]): output parameter names, in call order.
+        template (tuple[str, ...]): template parameter names the body expects.
+        header (str): concatenated header files.
+        body (str): the kernel body.
+    """
+
+    op: str
+    backend: str
+    inputs: tuple
+    outputs: tuple
+    template: tuple
+    header: str
+    body: str
+
+    @property
+    def name(self) -> str:
+        """Kernel name given to MLX (unique per op and backend)."""
+        return f"qab_{self.op}"
+
+
+def kernel_dir() -> Path:
+    """The folder holding ``MANIFEST.toml``, ``cuda/`` and ``metal/``.
+
+    Returns:
+        Path: ``qwen_apple_backend/_kernels`` in an installed wheel, else the
+        checkout's ``kernels/``.
+
+    Raises:
+        FileNotFoundError: if neither exists (a broken install).
+    """
+    here = Path(__file__).resolve().parent.parent
+    for candidate in (here / "_kernels", here.parent.parent / "kernels"):
+        if (candidate / "MANIFEST.toml").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"kernel sources not found: neither {here / '_kernels'} nor "
+        f"{here.parent.parent / 'kernels'} has a MANIFEST.toml")
+
+
+@functools.lru_cache(maxsize=None)
+def manifest() -> dict:
+    """The parsed ``MANIFEST.toml``: op name -> entry dict."""
+    with open(kernel_dir() / "MANIFEST.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source(op: str, backend: str) -> Optional[KernelSource]:
+    """Read one op's kernel for ``backend``.
+
+    Args:
+        op (str): manifest key.
+        backend (str): ``"cuda"`` or ``"metal"``.
+
+    Returns:
+        KernelSource | None: None when the manifest lists no file for this
+        backend.
+
+    Raises:
+        KeyError: if ``op`` is not in the manifest.
+        FileNotFoundError: if a listed file is missing.
+    """
+    entry = manifest()[op]
+    files = entry.get(backend)
+    if not files:
+        return None
+    root = kernel_dir()
+    header = "".join((root / h).read_text(encoding="utf-8") + "\n"
+                     for h in files.get("header", []))
+    body = (root / files["body"]).read_text(encoding="utf-8")
+    return KernelSource(op=op, backend=backend, inputs=tuple(entry["inputs"]),
+                        outputs=tuple(entry["outputs"]),
+                        template=tuple(entry.get("template", ())), header=header, body=body)

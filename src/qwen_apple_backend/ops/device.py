@@ -1,0 +1,167 @@
+"""Which GPU backend is live, building kernels from their sources, and the self-check.
+
+Every GPU kernel in this package is used only after it has computed the same
+function as its portable MLX reference on random inputs of the shapes it is
+about to see (the *self-check*). This matters most on Metal, whose kernels
+cannot be run where the package is developed: a kernel that fails to compile,
+raises, or disagrees with the reference beyond its tolerance is never used; a
+warning says why and the portable path runs instead. The verdict is cached per
+op, backend and shape class, so the check costs one extra call per shape class
+per process.
+
+This module imports only ``mlx.core``, the standard library and ``envs``.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from ._sources import KernelSource, kernel_source
+
+__all__ = [
+    "KernelSelfCheckWarning",
+    "build_kernel",
+    "gpu_backend",
+    "self_checked",
+    "self_check_results",
+    "reset_self_checks",
+]
+
+
+class KernelSelfCheckWarning(RuntimeWarning):
+    """A GPU kernel failed its self-check; the portable path is used instead."""
+
+
+def gpu_backend() -> Optional[str]:
+    """``"metal"`` or ``"cuda"`` when the default device is such a GPU, else None."""
+    if mx.default_device() != mx.gpu:
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return None
+
+
+def build_kernel(op: str, backend: str, **options: Any) -> Optional[Callable[..., Any]]:
+    """Compile-on-first-call kernel object for ``op`` on ``backend`` from its sources.
+
+    Args:
+        op (str): manifest key (``kernels/MANIFEST.toml``).
+        backend (str): ``"cuda"`` or ``"metal"``.
+        **options: passed to ``mx.fast.cuda_kernel`` / ``mx.fast.metal_kernel``
+            (``ensure_row_contiguous``, ``shared_memory``, ...).
+
+    Returns:
+        Callable | None: MLX's kernel object, or None when the manifest has no
+        source for this backend or this MLX build lacks the backend's API.
+    """
+    src: Optional[KernelSource] = kernel_source(op, backend)
+    if src is None:
+        return None
+    factory = getattr(mx.fast, f"{backend}_kernel", None)
+    if factory is None:
+        return None
+    return factory(name=src.name, input_names=list(src.inputs),
+                   output_names=list(src.outputs), source=src.body, header=src.header,
+                   **options)
+
+
+# (op, backend, shape key) -> (passed, message)
+_RESULTS: Dict[Tuple[str, str, Hashable], Tuple[bool, str]] = {}
+_LOCK = threading.Lock()
+
+
+def self_check_results() -> Dict[Tuple[str, str, Hashable], Tuple[bool, str]]:
+    """A copy of every verdict so far: ``(op, backend, key) -> (passed, message)``."""
+    with _LOCK:
+        return dict(_RESULTS)
+
+
+def reset_self_checks() -> None:
+    """Forget every verdict (tests; after changing kernel sources)."""
+    with _LOCK:
+        _RESULTS.clear()
+
+
+def _max_rel_err(out: mx.array, ref: mx.array) -> float:
+    out32, ref32 = out.astype(mx.float32), ref.astype(mx.float32)
+    num = mx.sqrt(mx.sum(mx.square(out32 - ref32)))
+    den = mx.maximum(mx.sqrt(mx.sum(mx.square(ref32))), mx.array(1e-30))
+    return float((num / den).item())
+
+
+def self_checked(
+    op: str,
+    backend: str,
+    key: Hashable,
+    kernel: Callable[..., Sequence[mx.array]],
+    reference: Callable[..., Sequence[mx.array]],
+    make_inputs: Callable[[], Sequence[Any]],
+    *,
+    rtol: float,
+) -> bool:
+    """Whether ``kernel`` may be used for shape class ``key`` (checking it on first use).
+
+    On the first call for ``(op, backend, key)`` both functions run on
+    ``make_inputs()`` (seeded random inputs of the real shapes). The kernel
+    passes when it returns as many arrays as the reference, each of the same
+    shape and dtype, all finite, with relative L2 error ``||out - ref|| /
+    ||ref||`` at most ``rtol``. An exception while compiling or running the
+    kernel is a failure too. On failure a :class:`KernelSelfCheckWarning`
+    names the op, backend, shapes and reason. The verdict is cached.
+
+    Args:
+        op (str): op name (for messages and the cache).
+        backend (str): ``"cuda"`` / ``"metal"`` (or a test's fake name).
+        key (Hashable): shape class (dims and dtypes the kernel is specialised on).
+        kernel (Callable): the GPU path, returning a sequence of arrays.
+        reference (Callable): the portable path, same signature and results.
+        make_inputs (Callable): returns the positional arguments for both.
+        rtol (float): largest accepted relative L2 error per output.
+
+    Returns:
+        bool: True when the kernel passed (now or earlier).
+    """
+    cache_key = (op, backend, key)
+    with _LOCK:
+        hit = _RESULTS.get(cache_key)
+    if hit is not None:
+        return hit[0]
+    try:
+        args = make_inputs()
+        ref = list(reference(*args))
+        out = list(kernel(*args))
+        mx.eval(ref, out)
+        reason = ""
+        if len(out) != len(ref):
+            reason = f"returned {len(out)} arrays, the reference {len(ref)}"
+        for i, (o, r) in enumerate(zip(out, ref)):
+            if reason:
+                break
+            if o.shape != r.shape or o.dtype != r.dtype:
+                reason = (f"output {i} is {o.dtype}{list(o.shape)}, the reference "
+                          f"{r.dtype}{list(r.shape)}")
+            elif not bool(mx.all(mx.isfinite(o.astype(mx.float32))).item()):
+                reason = f"output {i} has non-finite values"
+            else:
+                err = _max_rel_err(o, r)
+                if not err <= rtol:
+                    reason = f"output {i} relative L2 error {err:.3g} > {rtol:.3g}"
+    except Exception as exc:  # noqa: BLE001 - any failure means "do not use"
+        reason = f"{type(exc).__name__}: {exc}"
+    passed = not reason
+    message = "passed" if passed else reason
+    with _LOCK:
+        _RESULTS[cache_key] = (passed, message)
+    if not passed:
+        warnings.warn(
+            f"qwen_apple_backend: the {backend} kernel for {op} failed its self-check "
+            f"for {key} ({message}); using the portable MLX path instead",
+            KernelSelfCheckWarning, stacklevel=3)
+    return passed

@@ -1,0 +1,49 @@
+"""kernels/MANIFEST.toml and the kernel folders agree; sources carry what MLX needs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from qwen_apple_backend.ops._sources import BACKENDS, kernel_dir, kernel_source, manifest
+
+
+def test_every_listed_file_exists_and_every_file_is_listed():
+    root = kernel_dir()
+    listed = set()
+    for op, entry in manifest().items():
+        for backend in BACKENDS:
+            files = entry.get(backend) or {}
+            for rel in [files.get("body"), *files.get("header", [])]:
+                if rel:
+                    assert (root / rel).is_file(), f"{op}/{backend}: {rel} missing"
+                    listed.add(rel)
+    on_disk = {p.relative_to(root).as_posix() for b in BACKENDS
+               for p in (root / b).glob("*") if p.is_file()}
+    assert on_disk == listed, f"unlisted: {on_disk - listed}, missing: {listed - on_disk}"
+
+
+@pytest.mark.parametrize("op", sorted(manifest()))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bodies_use_their_declared_names(op, backend):
+    src = kernel_source(op, backend)
+    if src is None:
+        pytest.skip(f"{op} has no {backend} source")
+    code = src.header + src.body
+    for name in (*src.inputs, *src.outputs, *src.template):
+        assert re.search(rf"\b{re.escape(name)}\b", code), f"{op}/{backend}: {name} unused"
+    assert src.name == f"qab_{op}"
+
+
+def test_kernel_sources_ship_in_the_wheel_config():
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    setup = (root / "setup.py").read_text(encoding="utf-8")
+    # setup.py maps the checkout's kernels/ into the package as _kernels.
+    assert '"qwen_apple_backend._kernels": "kernels"' in setup
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    data = pyproject["tool"]["setuptools"]["package-data"]
+    assert "qwen_apple_backend._kernels" in data
