@@ -50,3 +50,21 @@ class FuseError(QABError, RuntimeError):
 
 class PromptError(QABError, ValueError):
     """The prompt is empty or longer than the model's ``max_position_embeddings``."""
+
+
+class UnknownTaskError(QABError, ValueError):
+    """A task ``pipeline()`` does not implement; the message lists the supported tasks."""
+
+
+class UnsupportedArgumentError(QABError, TypeError):
+    """A keyword argument the function does not take; the message lists the supported ones."""
+
+
+class InvalidInputError(QABError, ValueError):
+    """Pipeline inputs or generation settings of the wrong shape, type or range
+    (e.g. a chat message without ``role``); the message names the bad item."""
+
+
+class BackendCapabilityError(QABError, RuntimeError):
+    """A registered backend cannot do what was asked here (not available on this
+    machine, or it cannot generate text for the pipeline); the message says why."""
