@@ -291,7 +291,7 @@ def test_chat_template_tools(hf_tok) -> None:
             "reasoning_content": "Two calls.",
             "tool_calls": [
                 {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-                {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome", "days": 3}}},
             ],
         },
         {"role": "tool", "content": "sunny"},
@@ -305,17 +305,20 @@ def test_chat_template_tools(hf_tok) -> None:
     assert json.loads(tools_block) == tools[0]
     assert (
         "<|im_start|>assistant\n<think>\nTwo calls.\n</think>\n\n"
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "</function>\n</tool_call>\n"
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
         "<|im_end|>\n"
     ) in text
     assert text.endswith(
         "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n"
         "<tool_response>\nrainy\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     )
-    # Each tool call body is valid JSON.
-    for body in text.split("<tool_call>\n")[2:]:
-        json.loads(body.split("\n</tool_call>")[0])
+    # Qwen3.5/3.6 XML tool calls: arguments are an object, not a JSON string.
+    messages[2]["tool_calls"][0]["function"]["arguments"] = '{"city": "Paris"}'
+    with pytest.raises(Exception, match="arguments must be an object"):
+        hf_tok.apply_chat_template(messages, tools=tools, tokenize=False)
 
 
 def test_chat_template_rejects_late_system(hf_tok) -> None:
@@ -335,6 +338,8 @@ def test_mlx_lm_load_tokenizer(tok_dir: Path) -> None:
     assert isinstance(wrapper.detokenizer, BPEStreamingDetokenizer)
     assert wrapper.has_thinking and wrapper.think_start_id == 248068
     assert wrapper.tool_call_start == "<tool_call>"
+    # mlx-lm infers its Qwen3.5/3.6 (qwen3_coder) XML tool parser from the template.
+    assert wrapper.tool_parser.__module__ == "mlx_lm.tool_parsers.qwen3_coder"
 
     # Streaming detokenization reproduces the text, emoji and CJK included.
     text = "Streaming 毕老师 😀 works.\nNext line."

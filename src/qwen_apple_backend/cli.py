@@ -22,30 +22,48 @@ PASSTHROUGH = {
 }
 
 
-def _backend_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
+def _backend_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False, prog=f"qab {command}" if command else None)
     p.add_argument("--backend", default=None, choices=["auto", "fused", "stock"],
                    help="fused Qwen modules (fused), plain mlx-lm (stock), or fused where "
                         "supported (auto, default; env QAB_BACKEND)")
     p.add_argument("--qab-report", action="store_true",
                    help="print which modules were fused after loading")
+    if command == "serve":
+        from .server import DEFAULT_MAX_BODY_BYTES
+
+        p.add_argument("--max-request-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                       help="largest request body; larger ones get HTTP 413")
     return p
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
 
 def _run_passthrough(command: str, argv: Sequence[str]) -> int:
     import importlib
 
     module_name, _ = PASSTHROUGH[command]
-    ours, rest = _backend_parser().parse_known_args(argv)
+    ours, rest = _backend_parser(command).parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         print(f"qab {command}: {module_name} with the qwen-apple-backend registry enabled.\n"
               "Extra flags:\n"
               "  --backend {auto,fused,stock}  backend for the model (default auto)\n"
               "  --qab-report                  print which modules were fused\n"
-              f"Flags of {module_name} follow.\n")
+              + ("  --max-request-bytes N         larger request bodies get HTTP 413 "
+                 "(default 32 MiB)\n" if command == "serve" else "")
+              + f"Flags of {module_name} follow.\n")
     from . import loader
 
     loader.enable(ours.backend)
+    if command == "serve":
+        from . import server
+
+        server.install(max_body_bytes=ours.max_request_bytes)
     if ours.qab_report:
         _print_reports_after_load()
     module = importlib.import_module(module_name)

@@ -115,7 +115,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 #: ``max_position_embeddings``).
 _MODEL_MAX_LENGTH = 262144
 
-#: ChatML chat template with Qwen3-style thinking and JSON tool calls.
+#: ChatML chat template with Qwen3-style thinking and the XML tool calls of
+#: Qwen3.5/3.6: ``<tool_call>``, ``<function=NAME>``, one ``<parameter=P>`` block per
+#: argument (strings verbatim, other values as JSON), each on its own line. mlx-lm
+#: recognises this format in the template and parses calls with its ``qwen3_coder``
+#: tool parser; arguments must be objects (a JSON string raises).
 #:
 #: Variables: ``messages`` (roles ``system`` — first message only —, ``user``,
 #: ``assistant``, ``tool``), ``tools`` (JSON-schema function list),
@@ -159,9 +163,9 @@ CHAT_TEMPLATE = """\
         {%- for tool in tools -%}
             {{- '\\n' -}}{{- tool | tojson -}}
         {%- endfor -%}
-        {{- '\\n</tools>\\n\\nTo call a function, reply with a JSON object giving its name '
-            'and arguments inside <tool_call></tool_call> tags:\\n<tool_call>\\n'
-            '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>' -}}
+        {{- '\\n</tools>\\n\\nTo call a function, reply in this format, with one parameter '
+            'block per argument:\\n<tool_call>\\n<function=function-name>\\n'
+            '<parameter=argument-name>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>' -}}
     {%- endif -%}
     {{- '<|im_end|>\\n' -}}
 {%- endif -%}
@@ -204,13 +208,22 @@ CHAT_TEMPLATE = """\
             {%- if content or not loop.first -%}
                 {{- '\\n' -}}
             {%- endif -%}
-            {{- '<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' -}}
-            {%- if tool_call.arguments is string -%}
-                {{- tool_call.arguments -}}
-            {%- else -%}
-                {{- tool_call.arguments | tojson -}}
+            {{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' -}}
+            {%- if tool_call.arguments is mapping -%}
+                {%- for name, value in tool_call.arguments.items() -%}
+                    {{- '<parameter=' + name + '>\\n' -}}
+                    {%- if value is string -%}
+                        {{- value -}}
+                    {%- else -%}
+                        {{- value | tojson -}}
+                    {%- endif -%}
+                    {{- '\\n</parameter>\\n' -}}
+                {%- endfor -%}
+            {%- elif tool_call.arguments is defined and tool_call.arguments is not none -%}
+                {{- raise_exception('Tool call arguments must be an object; parse a JSON '
+                                    'arguments string before applying the template.') -}}
             {%- endif -%}
-            {{- '}\\n</tool_call>' -}}
+            {{- '</function>\\n</tool_call>' -}}
         {%- endfor -%}
         {{- '<|im_end|>\\n' -}}
     {%- elif message.role == 'tool' -%}

@@ -1,0 +1,225 @@
+"""``qab serve``: mlx-lm's own OpenAI-compatible server with the backend on.
+
+``mlx_lm.server`` does all the serving: its request handler, batching, prompt
+cache, ``/v1/models``, and its tool-call and reasoning parsing (the parser is
+chosen from the checkpoint's chat template, so the Qwen3.5/3.6 XML tool calls go
+to ``tool_calls`` and ``<think>`` blocks to ``reasoning``). :func:`install` adds
+only what mlx-lm 0.32 lacks, as a subclass of its handler and of its HTTP
+server class, passed to its own ``_run_http_server``:
+
+* a request-body limit: a ``Content-Length`` above ``max_body_bytes`` is answered
+  413 without reading the body (stock reads any size into memory, and a huge
+  declared size raises ``MemoryError`` in the handler: no reply at all); a
+  negative one is answered 400 (stock reads until the client hangs up);
+* a body that is not UTF-8 is answered 400 (stock lets ``UnicodeDecodeError``
+  escape the handler: the client gets an empty reply);
+* ``/v1/models`` answers when there is no Hugging Face cache directory (stock
+  raises ``CacheNotFound`` after the 200 status line: an empty body);
+* a client that disconnects mid-stream is logged in one line, not a traceback.
+
+Nothing here imports mlx-lm at import time.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import socket
+import sys
+import time
+from http.server import ThreadingHTTPServer
+from typing import Any, Optional
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "QABHTTPServer", "install", "make_handler_class",
+           "uninstall"]
+
+#: Largest request body accepted by default (32 MiB: a full 262,144-token context
+#: is about 1 MB of text).
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+#: The POST routes of ``mlx_lm.server.APIHandler``; other paths keep its 404.
+_POST_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/chat/completions"})
+
+#: After a 413, how long to keep reading (and discarding) the body the client is
+#: still sending, so it can read the reply instead of hitting a connection reset.
+_DRAIN_SECONDS = 2.0
+
+_PATCHED: dict[str, Any] = {}
+
+
+class QABHTTPServer(ThreadingHTTPServer):
+    """``ThreadingHTTPServer`` that logs a client hanging up as one line."""
+
+    def handle_error(self, request, client_address) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)):
+            logging.info("client %s disconnected before the response was complete (%s)",
+                         client_address[0] if client_address else "?", type(exc).__name__)
+            return
+        super().handle_error(request, client_address)
+
+
+def make_handler_class(base: Optional[type] = None,
+                       max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> type:
+    """Subclass mlx-lm's request handler with the body checks of this module.
+
+    Args:
+        base (type, optional): the handler to extend; default
+            ``mlx_lm.server.APIHandler``.
+        max_body_bytes (int): largest accepted request body. Default 32 MiB.
+
+    Returns:
+        type: a handler class; a valid request is served by ``base`` itself.
+
+    Raises:
+        ValueError: if ``max_body_bytes`` is not positive.
+    """
+    if max_body_bytes <= 0:
+        raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
+    if base is None:
+        from mlx_lm import server as mlx_server
+
+        base = mlx_server.APIHandler
+
+    class QABAPIHandler(base):  # type: ignore[misc, valid-type]
+        qab_max_body_bytes = max_body_bytes
+
+        def do_POST(self) -> None:
+            raw = self.headers.get("Content-Length")
+            if self.path not in _POST_PATHS or raw is None:
+                return super().do_POST()  # mlx-lm's 404 / 411
+            try:
+                length = int(raw)
+            except ValueError:
+                return super().do_POST()  # mlx-lm's 400 "Invalid Content-Length header"
+            if length < 0:
+                return self._qab_reject(400, f"invalid Content-Length {length}: negative",
+                                        drain=True)
+            if length > self.qab_max_body_bytes:
+                return self._qab_reject(
+                    413, f"request body of {length} bytes is larger than this server's limit "
+                         f"of {self.qab_max_body_bytes} bytes (qab serve --max-request-bytes)",
+                    drain=True)
+            body = self.rfile.read(length)
+            try:
+                body.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return self._qab_reject(400, f"request body is not UTF-8 text: {exc}")
+            # mlx-lm's handler reads the body again from rfile: hand it the bytes read here.
+            stock_rfile = self.rfile
+            self.rfile = io.BytesIO(body)
+            try:
+                super().do_POST()
+            finally:
+                self.rfile = stock_rfile
+
+        def _qab_reject(self, status: int, message: str, drain: bool = False) -> None:
+            payload = json.dumps({"error": message}).encode()
+            self._set_completion_headers(status)
+            self.send_header("Content-Length", str(len(payload)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(payload)
+            self.wfile.flush()
+            self.close_connection = True
+            logging.warning("rejected %s %s: %d %s", self.command, self.path, status, message)
+            if drain:
+                self._qab_drain()
+
+        def _qab_drain(self) -> None:
+            # Lingering close: the body was not read, and closing a socket with unread
+            # input sends a reset, which can reach the client before it reads the reply.
+            conn = self.connection
+            deadline = time.monotonic() + _DRAIN_SECONDS
+            try:
+                conn.shutdown(socket.SHUT_WR)
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    conn.settimeout(left)
+                    if not conn.recv(1 << 16):
+                        break
+            except OSError:
+                pass
+
+    QABAPIHandler.__qualname__ = QABAPIHandler.__name__ = f"QAB{base.__name__}"
+    return QABAPIHandler
+
+
+def _scan_cache_dir_or_empty(original):
+    def scan_cache_dir(*args, **kwargs):
+        from huggingface_hub import HFCacheInfo
+        from huggingface_hub.errors import CacheNotFound
+
+        try:
+            return original(*args, **kwargs)
+        except CacheNotFound:
+            return HFCacheInfo(size_on_disk=0, repos=frozenset(),
+                               incomplete_files=frozenset(), warnings=[])
+
+    scan_cache_dir.__qab_patched__ = True
+    return scan_cache_dir
+
+
+def install(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    """Make ``mlx_lm.server`` serve through :class:`QABHTTPServer` and the handler of
+    :func:`make_handler_class`.
+
+    ``mlx_lm.server.run`` builds its HTTP server with ``_run_http_server`` and does
+    not forward a handler class, so that function is wrapped; ``scan_cache_dir`` (used
+    by ``/v1/models``) is wrapped to return an empty cache listing when the cache
+    directory does not exist. Calling again replaces the limit; :func:`uninstall`
+    undoes both.
+
+    Args:
+        max_body_bytes (int): largest accepted request body. Default 32 MiB.
+
+    Raises:
+        ValueError: if ``max_body_bytes`` is not positive.
+        RuntimeError: if the installed mlx-lm lacks ``_run_http_server``,
+            ``APIHandler`` or ``scan_cache_dir`` in ``mlx_lm.server``.
+
+    Example:
+        >>> from qwen_apple_backend import enable
+        >>> from qwen_apple_backend.server import install
+        >>> import sys, mlx_lm.server
+        >>> enable("fused"); install(max_body_bytes=1 << 20)
+        >>> sys.argv = ["mlx_lm.server", "--model", "path/to/checkpoint", "--port", "8080"]
+        >>> mlx_lm.server.main()
+    """
+    if max_body_bytes <= 0:
+        raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
+    from mlx_lm import server as mlx_server
+
+    missing = [n for n in ("_run_http_server", "APIHandler", "scan_cache_dir")
+               if not hasattr(mlx_server, n)]
+    if missing:
+        raise RuntimeError(f"mlx_lm.server has no {', '.join(missing)}: qab serve supports "
+                           "the mlx-lm 0.32 server")
+    run_http_server = _PATCHED.setdefault("_run_http_server", mlx_server._run_http_server)
+    scan = _PATCHED.setdefault("scan_cache_dir", mlx_server.scan_cache_dir)
+
+    def qab_run_http_server(host, port, response_generator, server_class=None,
+                            handler_class=None):
+        if server_class is None or server_class is ThreadingHTTPServer:
+            server_class = QABHTTPServer
+        handler = make_handler_class(handler_class or mlx_server.APIHandler, max_body_bytes)
+        return run_http_server(host, port, response_generator, server_class=server_class,
+                               handler_class=handler)
+
+    qab_run_http_server.__qab_patched__ = True
+    mlx_server._run_http_server = qab_run_http_server
+    mlx_server.scan_cache_dir = _scan_cache_dir_or_empty(scan)
+
+
+def uninstall() -> None:
+    """Undo :func:`install`."""
+    if not _PATCHED:
+        return
+    from mlx_lm import server as mlx_server
+
+    for name, fn in _PATCHED.items():
+        setattr(mlx_server, name, fn)
+    _PATCHED.clear()

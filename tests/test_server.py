@@ -1,0 +1,534 @@
+"""`qab serve`: mlx-lm's own OpenAI-compatible server with the fused backend, end to end.
+
+Each server is a real `qab serve` subprocess on a free loopback port, started once per
+module and spoken to with the `openai` client (and plain http.client for the bad
+requests). Greedy replies are compared token for token with `mlx_lm.generate` on the
+same checkpoint loaded by `load(..., backend="fused")` in this process.
+
+Tool calls and thinking: a random model never writes `<tool_call>` or `<think>`, so a
+second checkpoint of the same layout gets weights that make greedy decoding follow a
+fixed chain of tokens: every block's output projection is zero (the residual stream
+stays the token embedding) and each script token's embedding is a one-hot vector that
+the lm_head maps to the next script token. The chain starts at the "\\n" that ends the
+chat prompt and spells Qwen3.5/3.6 output - a think block, a sentence, an XML tool
+call - which mlx-lm's own parsers must turn into `reasoning` and `tool_calls`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+MAX_TOKENS = 12
+BODY_LIMIT = 64 * 1024  # --max-request-bytes of the test server
+STARTUP_TIMEOUT = 180
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    model: Path
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, **kwargs) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.base_url, api_key="not-needed", max_retries=0,
+                             timeout=120, **kwargs)
+
+    def raw(self, method: str, path: str, body: bytes | None = None,
+            headers: dict | None = None) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(model: Path, workdir: Path, *extra: str) -> Server:
+    """Start `qab serve` on a free loopback port (returns at once)."""
+    port = _free_port()
+    log_path = workdir / f"serve-{port}.log"
+    # No Hugging Face cache directory: /v1/models must still answer (stock mlx-lm fails).
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(workdir / "no-hf-cache"),
+               PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "qwen_apple_backend.cli", "serve", "--model", str(model),
+           "--host", "127.0.0.1", "--port", str(port), "--backend", "fused", "--qab-report",
+           "--max-tokens", "64", *extra]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return Server(proc, port, model, log_path)
+
+
+def _wait_ready(server: Server) -> None:
+    """Wait until /v1/models answers and the model is loaded."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while True:
+        if server.proc.poll() is not None:
+            pytest.fail(f"qab serve exited with {server.proc.returncode}:\n{server.log()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"qab serve not ready after {STARTUP_TIMEOUT} s:\n{server.log()}")
+        try:
+            with urllib.request.urlopen(f"{server.base_url}/models", timeout=2) as r:
+                answered = r.status == 200
+        except OSError:
+            answered = False
+        # The model loads in mlx-lm's generation thread; --qab-report prints after it.
+        if answered and "moe:" in server.log():
+            return
+        time.sleep(0.2)
+
+
+def _stop(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_real_vocab):
+    """The same checkpoint through our load(..., backend="fused"), in this process."""
+    from qwen_apple_backend import load
+
+    return load(tiny_real_vocab, backend="fused")
+
+
+@pytest.fixture(scope="module")
+def servers(request, tiny_real_vocab, scripted_checkpoint, tmp_path_factory):
+    """Both servers, started together (and the reference loaded) to save wall time."""
+    workdir = tmp_path_factory.mktemp("serve")
+    started = {}
+    try:
+        started["main"] = _launch(tiny_real_vocab, workdir, "--max-request-bytes",
+                                  str(BODY_LIMIT))
+        started["scripted"] = _launch(scripted_checkpoint, workdir)
+        request.getfixturevalue("reference")
+        for server in started.values():
+            _wait_ready(server)
+        yield started
+    finally:
+        for server in started.values():
+            _stop(server)
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["main"]
+
+
+@pytest.fixture(scope="module")
+def scripted_server(servers):
+    return servers["scripted"]
+
+
+def _greedy(reference, prompt_ids: list[int], max_tokens: int = MAX_TOKENS):
+    """Greedy text and token ids from mlx-lm's stream_generate (the text is what
+    `mlx_lm.generate` returns: it joins these pieces)."""
+    from mlx_lm.generate import stream_generate
+
+    model, tokenizer = reference
+    text, ids = "", []
+    for r in stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens):
+        text += r.text
+        ids.append(r.token)
+    return text, ids
+
+
+def _chat_ids(reference, messages, **kwargs) -> list[int]:
+    return reference[1].apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+
+
+def _chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# ----------------------------------------------------------------------- basics
+
+
+def test_models_lists_the_served_checkpoint(server):
+    models = server.client().models.list()
+    assert str(server.model.resolve()) in [m.id for m in models.data]
+
+
+def test_server_runs_the_fused_backend(server):
+    log = server.log()
+    assert "backend=fused architecture=qwen3_5_moe" in log
+    assert "attn: 1/1 fused -> FusedGQAAttention" in log
+    assert "gdn: 3/3 fused -> FusedGatedDeltaNet" in log
+    assert "moe: 4/4 fused -> FusedSparseMoeBlock" in log
+
+
+def test_chat_completion_equals_fused_generate(server, reference):
+    import mlx_lm
+
+    messages = _chat("Name three primes.")
+    prompt = _chat_ids(reference, messages)
+    text, ids = _greedy(reference, prompt)
+    assert mlx_lm.generate(*reference, prompt=prompt, max_tokens=MAX_TOKENS) == text
+    resp = server.client().chat.completions.create(
+        model="default_model", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+        logprobs=True)
+    choice = resp.choices[0]
+    assert choice.message.content == text
+    # mlx-lm returns each token's id with its logprob.
+    assert [t.model_extra["id"] for t in choice.logprobs.content] == ids
+    assert choice.finish_reason == "length"
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (len(prompt), MAX_TOKENS)
+
+
+def test_streamed_chat_completion(server, reference):
+    messages = _chat("Count from one to five.")
+    text, _ = _greedy(reference, _chat_ids(reference, messages))
+    stream = server.client().chat.completions.create(
+        model="default_model", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+        stream=True)
+    chunks = list(stream)
+    pieces = [c.choices[0].delta.content or "" for c in chunks]
+    assert sum(1 for p in pieces if p) > 1  # really streamed, not one block
+    assert "".join(pieces) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_text_completion(server, reference, stream):
+    prompt = "The capital of France is" + (" known" if stream else "")
+    text, _ = _greedy(reference, reference[1].encode(prompt))
+    resp = server.client().completions.create(
+        model="default_model", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+        stream=stream)
+    if stream:
+        chunks = list(resp)
+        assert len(chunks) > 1
+        got = "".join(c.choices[0].text for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
+    else:
+        got = resp.choices[0].text
+        assert resp.choices[0].finish_reason == "length"
+    assert got == text
+
+
+def test_two_concurrent_streams(server, reference):
+    n = 16
+    prompts = ["Tell me about the sea.", "Write a short poem about mountains and rivers."]
+    expected = [_greedy(reference, _chat_ids(reference, _chat(p)), n)[0] for p in prompts]
+    client = server.client()
+    barrier = threading.Barrier(len(prompts))
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            stream = client.chat.completions.create(
+                model="default_model", messages=_chat(prompts[i]), max_tokens=n,
+                temperature=0, stream=True)
+            results[i] = "".join(c.choices[0].delta.content or "" for c in stream)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert [results[i] for i in range(len(prompts))] == expected
+
+
+def test_stop_sequence(server, reference):
+    messages = _chat("Describe a forest.")
+    _, ids = _greedy(reference, _chat_ids(reference, messages), 2 * MAX_TOKENS)
+    tok = reference[1]
+    # A stop word that is exactly one generated token, tokenizes back to it, and
+    # first occurs at k >= 2; the reply is everything before it.
+    for k in range(2, len(ids)):
+        word = tok.decode([ids[k]])
+        if (word.strip() and "\ufffd" not in tok.decode(ids[:k + 1]) and ids[k] not in ids[:k]
+                and tok.encode(word, add_special_tokens=False) == [ids[k]]):
+            break
+    else:
+        pytest.fail(f"no usable stop word in {ids}")
+    resp = server.client().chat.completions.create(
+        model="default_model", messages=messages, max_tokens=2 * MAX_TOKENS, temperature=0,
+        stop=[word])
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.choices[0].message.content == tok.decode(ids[:k])
+    assert resp.usage.completion_tokens == k + 1  # the stop word's token was generated
+
+
+def test_client_disconnect_mid_stream(server, reference):
+    client = server.client()
+    stream = client.chat.completions.create(
+        model="default_model", messages=_chat("Tell me a long story."), max_tokens=64,
+        temperature=0, stream=True)
+    got = [next(stream) for _ in range(3)]
+    assert any(c.choices[0].delta.content for c in got)
+    stream.close()  # hang up with the reply half sent
+
+    # The server notices on its next write and keeps serving.
+    deadline = time.monotonic() + 30
+    while "disconnected before the response was complete" not in server.log():
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.1)
+    messages = _chat("Name three primes.")
+    text, _ = _greedy(reference, _chat_ids(reference, messages))
+    resp = client.chat.completions.create(model="default_model", messages=messages,
+                                          max_tokens=MAX_TOKENS, temperature=0)
+    assert resp.choices[0].message.content == text
+    assert server.proc.poll() is None
+
+
+# ----------------------------------------------------------------- bad requests
+
+
+def test_install_wraps_mlx_lm_server_and_uninstall_restores():
+    import mlx_lm.server as mlx_server
+
+    from qwen_apple_backend import server as qab_server
+
+    before = (mlx_server._run_http_server, mlx_server.scan_cache_dir)
+    qab_server.install(max_body_bytes=1024)
+    try:
+        assert mlx_server._run_http_server.__qab_patched__
+        assert mlx_server.scan_cache_dir.__qab_patched__
+        handler = qab_server.make_handler_class(max_body_bytes=1024)
+        assert issubclass(handler, mlx_server.APIHandler)
+        assert handler.do_GET is mlx_server.APIHandler.do_GET  # mlx-lm serves the rest
+    finally:
+        qab_server.uninstall()
+    assert (mlx_server._run_http_server, mlx_server.scan_cache_dir) == before
+    with pytest.raises(ValueError, match="positive"):
+        qab_server.install(max_body_bytes=0)
+
+
+def test_serve_rejects_a_non_positive_body_limit(capsys):
+    from qwen_apple_backend.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--max-request-bytes", "0"])
+    assert info.value.code == 2
+    assert "--max-request-bytes: must be a positive integer" in capsys.readouterr().err
+
+
+def _assert_alive(server) -> None:
+    status, body = server.raw("GET", "/health")
+    assert (status, json.loads(body)) == (200, {"status": "ok"})
+    resp = server.client().completions.create(model="default_model", prompt="Hi",
+                                              max_tokens=2, temperature=0)
+    assert resp.choices[0].finish_reason in ("length", "stop")
+
+
+def test_malformed_json_is_400(server):
+    status, body = server.raw("POST", "/v1/chat/completions", b'{"messages": [',
+                              {"Content-Type": "application/json"})
+    assert status == 400
+    assert "Invalid JSON" in json.loads(body)["error"]
+    _assert_alive(server)
+
+
+def test_body_that_is_not_utf8_is_400(server):
+    # Stock mlx-lm: UnicodeDecodeError escapes its handler, the client gets no reply.
+    status, body = server.raw("POST", "/v1/chat/completions", b"\xff\xfe{}",
+                              {"Content-Type": "application/json"})
+    assert status == 400
+    assert "not UTF-8" in json.loads(body)["error"]
+    _assert_alive(server)
+
+
+def test_oversized_request_is_413(server):
+    big = json.dumps({"prompt": "x" * BODY_LIMIT, "max_tokens": 1}).encode()
+    status, body = server.raw("POST", "/v1/completions", big,
+                              {"Content-Type": "application/json"})
+    assert status == 413
+    assert f"limit of {BODY_LIMIT} bytes" in json.loads(body)["error"]
+
+    # A declared size far beyond memory is refused before reading (stock: MemoryError).
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Length: 1000000000000\r\n\r\n{\"prompt\": ")
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.0 413 ")
+
+    status, _ = server.raw("POST", "/v1/completions", b"{}", {"Content-Length": "-1"})
+    assert status == 400
+
+    # The openai client sees the same 413 as an APIStatusError.
+    with pytest.raises(openai.APIStatusError) as info:
+        server.client().chat.completions.create(
+            model="default_model", messages=_chat("y" * BODY_LIMIT), max_tokens=1)
+    assert info.value.status_code == 413
+    _assert_alive(server)
+
+
+# ------------------------------------------------------- tool calls and thinking
+
+TOOLS = [{
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather forecast for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                           "metric": {"type": "boolean"}, "hours": {"type": "array"}},
+            "required": ["city"],
+        },
+    },
+}]
+
+
+def test_mlx_lm_parses_the_chat_templates_tool_calls(reference):
+    """mlx-lm picks its Qwen3.5/3.6 XML tool parser from our chat template, and that
+    parser reads back exactly the calls the template writes."""
+    tok = reference[1]  # mlx-lm's TokenizerWrapper, from mlx_lm.utils.load_tokenizer
+    assert tok.tool_parser.__module__ == "mlx_lm.tool_parsers.qwen3_coder"
+    assert (tok.tool_call_start, tok.tool_call_end) == ("<tool_call>", "</tool_call>")
+    assert (tok.think_start, tok.think_end) == ("<think>", "</think>")
+    assert (tok.think_start_id, tok.think_end_id) == (248068, 248069)
+
+    calls = [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},
+             {"name": "get_weather",
+              "arguments": {"city": "New\nYork", "metric": True, "hours": [6, 12]}}]
+    messages = [*_chat("Weather?"), {"role": "assistant", "content": "",
+                                     "tool_calls": [{"type": "function", "function": c}
+                                                    for c in calls]}]
+    text = tok.apply_chat_template(messages, tools=TOOLS, tokenize=False)
+    assert "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n" in text
+    reply = text.split("<|im_start|>assistant\n")[-1]  # past the format example
+    bodies = [b.split(tok.tool_call_end)[0] for b in reply.split(tok.tool_call_start)[1:]]
+    assert [tok.tool_parser(b, TOOLS) for b in bodies] == calls
+
+
+SCRIPT_PIECES = (
+    # One token each, none repeated: the chain is keyed by the current token only.
+    "<think>", "The", " user", " wants", " the", " Paris", " forecast", ".", "</think>",
+    "\n\n", "Let", " me", " check", "<tool_call>",
+    "<", "function", "=get", "_weather", "><", "parameter", "=", "city", ">P", "aris", "</",
+    "param", "eter", "></", "func", "tion", ">", "</tool_call>",
+)
+SCRIPT_REASONING = "The user wants the Paris forecast."
+SCRIPT_CONTENT = "\n\nLet me check"
+
+
+@pytest.fixture(scope="module")
+def scripted_checkpoint(tiny_real_vocab, tmp_path_factory):
+    """tiny_real_vocab with weights that make greedy decoding spell SCRIPT_PIECES."""
+    import mlx.core as mx
+    from tokenizers import Tokenizer
+
+    out = tmp_path_factory.mktemp("scripted") / "ckpt"
+    shutil.copytree(tiny_real_vocab, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    # Byte-level BPE spells " " and "\n" as "Ġ" and "Ċ"; the pieces are otherwise ASCII.
+    ids = [tok.token_to_id(p.replace(" ", "\u0120").replace("\n", "\u010a"))
+           for p in SCRIPT_PIECES]
+    start = tok.encode("<|im_start|>assistant\n", add_special_tokens=False).ids[-1]
+    chain = [start, *ids, tok.token_to_id("<|im_end|>")]
+    assert None not in chain and len(set(chain[:-1])) == len(chain) - 1, chain
+    config = json.loads((out / "config.json").read_text())["text_config"]
+    hidden = config["hidden_size"]
+    assert len(chain) - 1 <= hidden
+
+    zero_suffixes = ("linear_attn.out_proj.weight", "self_attn.o_proj.weight",
+                     "mlp.experts.down_proj", "mlp.shared_expert.down_proj.weight")
+    for path in sorted(tiny_real_vocab.glob("model*.safetensors")):
+        weights, metadata = mx.load(str(path), return_metadata=True)
+        for name in list(weights):
+            if name.startswith("model.language_model.") and name.endswith(zero_suffixes):
+                weights[name] = mx.zeros_like(weights[name])
+        if "model.language_model.embed_tokens.weight" in weights:
+            emb = weights["model.language_model.embed_tokens.weight"]
+            rows = mx.array(chain[:-1])
+            emb[rows] = mx.eye(hidden, dtype=emb.dtype)[: len(chain) - 1]
+            weights["model.language_model.embed_tokens.weight"] = emb
+        if "model.language_model.norm.weight" in weights:  # zero-centred: scale 1
+            weights["model.language_model.norm.weight"] = mx.zeros((hidden,))
+        if "lm_head.weight" in weights:
+            head = mx.zeros_like(weights["lm_head.weight"])
+            head[mx.array(chain[1:])] = mx.eye(hidden, dtype=head.dtype)[: len(chain) - 1]
+            weights["lm_head.weight"] = head
+        mx.save_safetensors(str(out / path.name), weights, metadata=metadata)
+    return out
+
+
+def _tool_request(**kwargs):
+    return dict(model="default_model", messages=_chat("What's the weather in Paris?"),
+                tools=TOOLS, max_tokens=64, temperature=0, **kwargs)
+
+
+def test_scripted_model_writes_the_raw_tags(scripted_server, reference):
+    """Control: the model really writes the Qwen tags, token by token."""
+    prompt = reference[1].apply_chat_template(_chat("What's the weather in Paris?"),
+                                              tools=TOOLS, tokenize=False,
+                                              add_generation_prompt=True)
+    body = json.dumps({"prompt": prompt, "max_tokens": 64, "temperature": 0,
+                       "logprobs": True}).encode()
+    status, raw = scripted_server.raw("POST", "/v1/completions", body,
+                                      {"Content-Type": "application/json"})
+    assert status == 200, raw
+    ids = [t["id"] for t in json.loads(raw)["choices"][0]["logprobs"]["content"]]
+    assert reference[1].decode(ids) == "".join(SCRIPT_PIECES) + "<|im_end|>"
+
+
+def test_tool_call_and_reasoning_in_openai_fields(scripted_server):
+    resp = scripted_server.client().chat.completions.create(**_tool_request())
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    msg = choice.message
+    assert msg.model_extra["reasoning"] == SCRIPT_REASONING
+    assert msg.content == SCRIPT_CONTENT
+    assert [(c.type, c.function.name, json.loads(c.function.arguments))
+            for c in msg.tool_calls] == [("function", "get_weather", {"city": "Paris"})]
+
+
+def test_streamed_tool_call_and_reasoning(scripted_server):
+    stream = scripted_server.client().chat.completions.create(**_tool_request(stream=True))
+    reasoning, content, calls, finish = "", "", [], None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        reasoning += (delta.model_extra or {}).get("reasoning") or ""
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert reasoning == SCRIPT_REASONING
+    assert content == SCRIPT_CONTENT
+    for tag in ("<think>", "</think>", "<tool_call>", "<function=", "<parameter="):
+        assert tag not in content
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        (0, "get_weather", {"city": "Paris"})]
+    assert finish == "tool_calls"
