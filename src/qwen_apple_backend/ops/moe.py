@@ -56,8 +56,10 @@ SORT_THRESHOLD = 64
 # Qwen3.6-35B-A3B shape (E=256, H=2048, I=512, K=8, 4-bit g64, bf16), experts
 # only: 4096 tokens: gathered 4-bit matmul 44.0 ms, dequantize all experts
 # 1.7 ms + bf16 gathered GEMM 4.6 ms (89 TFLOP/s); 512 tokens: 6.0 ms vs
-# 1.9 + 3.4 ms. The transient float copy of one layer's experts (1.6 GB at
-# that shape) lives only while that layer runs.
+# 1.9 + 3.4 ms. Memory: one layer's float experts are 1.6 GB at that shape,
+# but the measured working memory of a whole-model 4K prefill is ~24 GB with
+# this path against ~6 GB without (benchmarks/results/*mem-fix*): something
+# inside MLX's CUDA gathered GEMM, not yet understood.
 DEQUANT_GEMM_MIN_ROWS = 4096
 
 
@@ -345,10 +347,9 @@ def dequantize_experts(w: ExpertWeights, dtype: mx.Dtype,
         w (ExpertWeights): stacked expert projection.
         dtype (mx.Dtype): dtype of the dequantized weight.
         after (mx.array | None): an activation the dequantization must wait
-            for. The weights depend on nothing computed, so without it MLX may
-            schedule every layer's dequantization early and hold their float
-            copies at once (measured on an H200: +17 GB of peak memory over a
-            40-layer prefill); with it, one layer's copy lives at a time.
+            for (``mx.depends``). The weights depend on nothing computed, so
+            without it MLX is free to make every layer's float copy before
+            the first layer runs; with it the copies are made in layer order.
 
     Returns:
         ExpertWeights: plain ``[E, O, In]`` weight in ``dtype``, same ``bias``.
