@@ -388,45 +388,87 @@ class CountingKernel:
         return moe_ops.moe_experts_ops(*args)
 
 
-def test_dispatcher_uses_kernel_when_available(monkeypatch):
+def _fake_gpu(monkeypatch, kernel):
+    """Pretend a GPU with MoE decode kernels is present; ``kernel`` computes them."""
+    from qwen_apple_backend.ops import device
+
+    device.reset_self_checks()
     monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
-    fake = CountingKernel()
-    monkeypatch.setattr(moe_ops, "moe_experts_kernel", lambda: fake)
-    stock = make_stock()
-    fused = FusedSparseMoeBlock.from_stock(stock, compile_decode=False)
-    x = inputs((2, 5, H))
-    assert rel_l2(fused(x), stock(x)) <= 1e-6
-    assert fake.calls == 1
-
-    fused.use_kernel = False
-    fused(x)
-    assert fake.calls == 1
-
-    fused.use_kernel = True
-    fused.train()  # training never takes the kernel (no gradient through it)
-    fused(x)
-    assert fake.calls == 1
-    fused.eval()
-
-    monkeypatch.setenv("QAB_DISABLE_KERNELS", "1")
-    fused(x)
-    assert fake.calls == 1
+    monkeypatch.setattr(moe_ops, "gpu_backend", lambda: "fakegpu")
+    monkeypatch.setattr(moe_ops, "_gemv_objects", lambda backend: (object(), object()))
+    monkeypatch.setattr(moe_ops, "_moe_decode_kernel_call", kernel)
 
 
-def test_dispatcher_falls_back_without_kernel(monkeypatch):
-    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
-    # No GPU kernel ships yet: the factory answers None and the ops path runs.
+# Kernel-eligible sizes: 4-bit g64 experts, H % 1024 == 0, I % 32 == 0.
+KH, KI, KE = 1024, 64, 16
+
+
+def kernel_block(seed=0):
+    return quantized(make_stock(seed, h=KH, i=KI, e=KE))
+
+
+def test_no_decode_kernel_on_cpu():
     assert moe_ops.moe_experts_kernel() is None
+    block = kernel_block()
+    gu = moe_layer.expert_weights(block.switch_mlp.gate_proj)
+    assert moe_ops.decode_kernel_ready(mx.zeros((1, 1, KH)), mx.zeros((1, 1, K)), gu, gu) is None
+
+
+def test_decode_kernel_used_after_passing_its_self_check(monkeypatch):
     calls = []
-    real = moe_ops.moe_experts_ops
-    monkeypatch.setattr(
-        moe_ops, "moe_experts_ops", lambda *a, **k: calls.append(1) or real(*a, **k)
-    )
-    stock = make_stock()
-    fused = FusedSparseMoeBlock.from_stock(stock, compile_decode=False)
-    x = inputs((1, 3, H))
-    assert rel_l2(fused(x), stock(x)) <= 1e-6
-    assert calls == [1]
+
+    def good(backend, x, inds, scores, gu, dn):
+        calls.append(x.shape)
+        return moe_ops.moe_experts_ops(x, inds, scores, gu, dn, sort=False).astype(x.dtype)
+
+    _fake_gpu(monkeypatch, good)
+    stock = kernel_block()
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    x = inputs((1, 1, KH))
+    y = fused(x)
+    # The self-check call (3 random tokens), then the real one.
+    assert calls == [(3, KH), (1, 1, KH)]
+    assert rel_l2(y, stock(x)) <= 1e-6
+    fused(x)  # verdict cached, compiled graph reused: no second check
+    assert calls[2:] in ([], [(1, 1, KH)])
+
+    n = len(calls)
+    fused.use_kernel = False
+    fused(inputs((1, 2, KH)))
+    monkeypatch.setenv("QAB_DISABLE_KERNELS", "1")
+    fused.use_kernel = True
+    fused(inputs((1, 3, KH)))
+    fused(inputs((1, 40, KH)))  # prefill-sized: never the decode kernel
+    assert len(calls) == n
+
+
+def test_wrong_decode_kernel_is_rejected(monkeypatch):
+    from qwen_apple_backend.ops.device import KernelSelfCheckWarning
+
+    def wrong(backend, x, inds, scores, gu, dn):
+        y = moe_ops.moe_experts_ops(x, inds, scores, gu, dn, sort=False)
+        return (y + 0.1 * mx.abs(y).mean()).astype(x.dtype)
+
+    _fake_gpu(monkeypatch, wrong)
+    stock = kernel_block()
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    x = inputs((1, 1, KH))
+    with pytest.warns(KernelSelfCheckWarning, match="moe_decode_gemv failed its self-check"):
+        y = fused(x)
+    assert rel_l2(y, stock(x)) <= 1e-6  # the portable path ran
+
+
+def test_decode_kernel_shape_and_quantization_gates(monkeypatch):
+    seen = []
+    _fake_gpu(monkeypatch, lambda *a: seen.append(1))
+    # Plain float experts, and 4-bit experts with H % 1024 != 0: never eligible.
+    for block in (make_stock(h=KH, i=KI, e=KE), quantized(make_stock())):
+        fused = FusedSparseMoeBlock.from_stock(block)
+        gu = moe_layer.expert_weights(fused.switch_mlp.gate_up_proj)
+        dn = moe_layer.expert_weights(fused.switch_mlp.down_proj)
+        h = gu.weight.shape[-1] * (8 if gu.quantized else 1)
+        assert moe_ops.decode_kernel_ready(mx.zeros((1, h)), mx.zeros((1, K)), gu, dn) is None
+    assert seen == []
 
 
 def test_layer_module_uses_dispatcher(monkeypatch):

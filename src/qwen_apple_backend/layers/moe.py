@@ -27,6 +27,7 @@ from mlx_lm.models.switch_layers import (
 from qwen_apple_backend.ops.moe import (
     SORT_THRESHOLD,
     ExpertWeights,
+    decode_kernel_ready,
     moe_experts,
     swiglu_experts_ops,
     topk_route,
@@ -433,6 +434,13 @@ class FusedSparseMoeBlock(nn.Module):
             x = sum_gradients(self.sharding_group)(x)
 
         rows = (x.size // x.shape[-1]) * self.top_k
+        if self.use_kernel and not self.training and rows < SORT_THRESHOLD:
+            # Decided here, outside mx.compile: the first call per shape class
+            # self-checks the decode kernels, which evaluates arrays.
+            decode_kernel_ready(
+                x, mx.zeros((*x.shape[:-1], self.top_k), dtype=mx.uint32),
+                expert_weights(self.switch_mlp.gate_up_proj),
+                expert_weights(self.switch_mlp.down_proj))
         if self.compile_decode and not self.training and rows < SORT_THRESHOLD:
             y = self._compiled_forward()(x)
         else:

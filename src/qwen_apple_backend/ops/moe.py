@@ -12,8 +12,11 @@ Three pieces, following the kernel / reference / dispatcher pattern:
   then the same gathered SwiGLU as a floating-point grouped GEMM (rows sorted
   by expert), which MLX runs on its matrix units; the gathered 4-bit matmul
   does not.
-* :func:`moe_experts` — dispatcher: a GPU kernel from
-  :func:`moe_experts_kernel` when one exists and kernels are enabled; else
+* :func:`moe_experts_kernel` — decode on the GPU: two kernels, the K experts'
+  4-bit gate+up rows with the SiLU gate in the epilogue, then the weighted
+  down projections summed over K (``kernels/{cuda,metal}/moe_*_gemv``).
+* :func:`moe_experts` — dispatcher: the decode kernels when they passed
+  their self-check on this device (:func:`decode_kernel_ready`); else
   the dequantize-then-GEMM form for many rows of quantized experts; else
   :func:`moe_experts_ops`.
 
@@ -31,6 +34,8 @@ import mlx.core as mx
 
 from qwen_apple_backend import envs
 
+from .device import build_kernel, gpu_backend, self_checked
+
 __all__ = [
     "SORT_THRESHOLD",
     "ExpertWeights",
@@ -44,6 +49,7 @@ __all__ = [
     "dequantize_experts",
     "DEQUANT_GEMM_MIN_ROWS",
     "moe_experts_kernel",
+    "decode_kernel_ready",
     "moe_experts",
 ]
 
@@ -429,19 +435,131 @@ def _weighted_sum(y: mx.array, scores: mx.array) -> mx.array:
 # --------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def moe_experts_kernel() -> Optional[Callable]:
-    """Build (once) the fused GPU expert kernel for the current backend.
+# Thread-block size and rows per warp of the decode kernels (kernels/*/moe_*_gemv).
+_GEMV_BLOCK = 256
+_GEMV_RPW = 2
 
-    No GPU kernel ships yet: this slot keeps the dispatcher's shape so that a
-    Metal / CUDA implementation can be added without touching callers. A
-    returned callable must accept the arguments of :func:`moe_experts_ops`.
+
+def _gemv_shapes_supported(H: int, gate_up: ExpertWeights, down: ExpertWeights) -> bool:
+    if not (gate_up.quantized and down.quantized):
+        return False
+    for w in (gate_up, down):
+        if (w.bits != 4 or w.mode != "affine" or w.biases is None or w.bias is not None
+                or w.global_scale is not None or not w.group_size or w.group_size % 32):
+            return False
+    E, two_i, packed = gate_up.weight.shape
+    I = two_i // 2
+    return (H % 1024 == 0 and packed * 8 == H and I % 32 == 0 and I % _GEMV_RPW == 0
+            and H % _GEMV_RPW == 0 and down.weight.shape == (E, H, I // 8))
+
+
+@functools.lru_cache(maxsize=None)
+def _gemv_objects(backend: str):
+    gu, dn = build_kernel("moe_gate_up_gemv", backend), build_kernel("moe_down_gemv", backend)
+    return None if gu is None or dn is None else (gu, dn)
+
+
+def _moe_decode_kernel_call(backend: str, x, inds, scores, gate_up: ExpertWeights,
+                            down: ExpertWeights) -> mx.array:
+    H = x.shape[-1]
+    K = inds.shape[-1]
+    lead = x.shape[:-1]
+    xf = x.reshape(-1, H)
+    N = xf.shape[0]
+    ind = inds.reshape(N, K).astype(mx.uint32)
+    sc = scores.reshape(N, K).astype(mx.float32)
+    I = gate_up.weight.shape[1] // 2
+    objects = _gemv_objects(backend)
+    if objects is None:
+        raise RuntimeError(f"no MoE decode kernel sources or MLX API for {backend}")
+    gu_kernel, dn_kernel = objects
+    (h,) = gu_kernel(
+        inputs=[xf, ind, gate_up.weight, gate_up.scales, gate_up.biases],
+        template=[("OutT", x.dtype), ("H", H), ("I", I), ("K", K), ("G", gate_up.group_size)],
+        grid=(32 * K * I // _GEMV_RPW, N, 1), threadgroup=(_GEMV_BLOCK, 1, 1),
+        output_shapes=[(N, K, I)], output_dtypes=[x.dtype])
+    (y,) = dn_kernel(
+        inputs=[h, ind, sc, down.weight, down.scales, down.biases],
+        template=[("OutT", x.dtype), ("H", H), ("I", I), ("K", K), ("G", down.group_size)],
+        grid=(32 * H // _GEMV_RPW, N, 1), threadgroup=(_GEMV_BLOCK, 1, 1),
+        output_shapes=[(N, H)], output_dtypes=[x.dtype])
+    return y.reshape(*lead, H)
+
+
+def decode_kernel_ready(x: mx.array, inds: mx.array, gate_up: ExpertWeights,
+                        down: ExpertWeights) -> Optional[str]:
+    """The GPU backend whose MoE decode kernels may run this call, or None.
+
+    Decode-sized calls only (fewer than :data:`SORT_THRESHOLD` (token, slot)
+    rows) on 4-bit affine experts with ``H % 1024 == 0`` and ``I % 32 == 0``.
+    On the first call per shape class the kernels are self-checked against
+    :func:`moe_experts_ops` on random activations and routings with these
+    very expert weights (see :mod:`qwen_apple_backend.ops.device`); call it
+    outside ``mx.compile`` first, as ``FusedSparseMoeBlock`` does.
+
+    Args:
+        x (mx.array): token activations ``[..., H]``.
+        inds (mx.array): expert indices ``[..., K]``.
+        gate_up (ExpertWeights): ``[E, 2I, H]``.
+        down (ExpertWeights): ``[E, H, I]``.
 
     Returns:
-        Callable | None: the kernel, or None when no kernel is available for
-        this device / backend.
+        Optional[str]: ``"cuda"`` / ``"metal"``, or None (CPU, kernels
+        disabled, unsupported shapes or quantization, too many rows, or a
+        failed self-check, which also warns).
     """
-    return None
+    if envs.kernels_disabled() or inds.size >= SORT_THRESHOLD:
+        return None
+    backend = gpu_backend()
+    H, K = x.shape[-1], inds.shape[-1]
+    if (backend is None or x.dtype not in (mx.float32, mx.bfloat16, mx.float16)
+            or not _gemv_shapes_supported(H, gate_up, down) or _gemv_objects(backend) is None):
+        return None
+    E = gate_up.weight.shape[0]
+    I = gate_up.weight.shape[1] // 2
+    dtype = x.dtype
+
+    def make_inputs():
+        key = mx.random.key(4321)
+        k1, k2, k3 = mx.random.split(key, 3)
+        xs = mx.random.normal((3, H), key=k1).astype(dtype)
+        ind = mx.argsort(mx.random.uniform(shape=(3, E), key=k2), axis=-1)[:, :K]
+        ind = ind.astype(mx.uint32)
+        sc = mx.softmax(mx.random.normal((3, K), key=k3), axis=-1)
+        return xs, ind, sc, gate_up, down
+
+    # bf16 / fp16 outputs round to ~3 significant digits; float32 differs
+    # from the reference only in summation order.
+    rtol = 1e-4 if dtype == mx.float32 else 2e-2
+    ok = self_checked(
+        "moe_decode_gemv", backend, (E, H, I, K, gate_up.group_size, down.group_size, str(dtype)),
+        kernel=lambda *a: [_moe_decode_kernel_call(backend, *a)],
+        reference=lambda xs, ind, sc, gu, dn: [moe_experts_ops(xs, ind, sc, gu, dn, sort=False)
+                                               .astype(dtype)],
+        make_inputs=make_inputs, rtol=rtol)
+    return backend if ok else None
+
+
+def moe_experts_kernel(backend: Optional[str] = None) -> Optional[Callable]:
+    """The fused GPU decode kernels for ``backend`` as one function, or None.
+
+    Two kernels (``kernels/*/moe_gate_up_gemv``, ``kernels/*/moe_down_gemv``):
+    the K experts' 4-bit gate+up rows with SiLU(gate) * up in the epilogue,
+    then the K down projections weighted by the routing scores and summed
+    over K. No self-check here: :func:`moe_experts` runs them only after
+    :func:`decode_kernel_ready`.
+
+    Args:
+        backend (str | None): ``"cuda"`` / ``"metal"``; default the live GPU backend.
+
+    Returns:
+        Callable | None: ``f(x, inds, scores, gate_up, down) -> y``, or None
+        when there is no GPU backend or no kernel source for it.
+    """
+    backend = backend or gpu_backend()
+    if backend is None or _gemv_objects(backend) is None:
+        return None
+    return functools.partial(_moe_decode_kernel_call, backend)
 
 
 def moe_experts(
@@ -456,8 +574,8 @@ def moe_experts(
 ) -> mx.array:
     """Routed-expert output, on the fastest path for the row count.
 
-    A GPU kernel from :func:`moe_experts_kernel` when ``use_kernel`` is true,
-    ``QAB_DISABLE_KERNELS`` is unset and one exists. Otherwise, for quantized
+    The GPU decode kernels (:func:`moe_experts_kernel`) when ``use_kernel``
+    is true and :func:`decode_kernel_ready` says so. Otherwise, for quantized
     experts with at least :data:`DEQUANT_GEMM_MIN_ROWS` (token, slot) rows and
     ``dequant_gemm`` true, :func:`moe_experts_dequant_gemm`; else
     :func:`moe_experts_ops`.
@@ -489,10 +607,10 @@ def moe_experts(
         >>> moe_experts(x, inds, scores, gu, dn).shape
         (1, 3, 8)
     """
-    if use_kernel and not envs.kernels_disabled():
-        kernel = moe_experts_kernel()
-        if kernel is not None:
-            return kernel(x, inds, scores, gate_up, down)
+    if use_kernel:
+        backend = decode_kernel_ready(x, inds, gate_up, down)
+        if backend is not None:
+            return _moe_decode_kernel_call(backend, x, inds, scores, gate_up, down)
     if (dequant_gemm and gate_up.quantized and inds.size >= DEQUANT_GEMM_MIN_ROWS
             and _dequant_gemm_runs(x)):
         return moe_experts_dequant_gemm(x, inds, scores, gate_up, down)
