@@ -47,3 +47,31 @@ def test_kernel_sources_ship_in_the_wheel_config():
     pyproject = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
     data = pyproject["tool"]["setuptools"]["package-data"]
     assert "qwen_apple_backend._kernels" in data
+
+
+def test_unverified_cuda_kernels_are_opt_in(monkeypatch):
+    import dataclasses
+
+    import mlx.core as mx
+
+    from qwen_apple_backend.ops import device
+
+    built = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: built.append(kw["name"]) or "k",
+                        raising=False)
+    src = kernel_source("gated_delta_scan", "cuda")
+    assert src.verified  # verified on a GPU: built without opting in
+    monkeypatch.delenv("QAB_UNVERIFIED_KERNELS", raising=False)
+    assert device.build_kernel("gated_delta_scan", "cuda") == "k"
+    unverified = dataclasses.replace(src, verified="")
+    monkeypatch.setattr(device, "kernel_source", lambda op, backend: unverified)
+    assert device.build_kernel("gated_delta_scan", "cuda") is None
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    assert device.build_kernel("gated_delta_scan", "cuda") == "k"
+    assert built == ["qab_gated_delta_scan", "qab_gated_delta_scan"]
+
+
+def test_metal_kernels_need_no_verification_stamp():
+    # Metal kernels are gated by their on-device self-check alone.
+    for op, entry in manifest().items():
+        assert "verified" not in (entry.get("metal") or {}), op

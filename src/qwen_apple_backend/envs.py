@@ -11,6 +11,9 @@ Variables:
         switch off (``gdn-kernel``, ``moe-gemm``), for
         ablations: ``moe``, ``gdn``, ``attn`` (``all`` = every kind).
     QAB_DISABLE_KERNELS: ``1`` forces the portable pure-MLX path of every op.
+    QAB_UNVERIFIED_KERNELS: ``1`` also uses CUDA kernels whose GPU tests have
+        not yet passed on a GPU (``verified`` missing in kernels/MANIFEST.toml);
+        they still pass the self-check first. For developing kernels.
     QAB_PLUGINS: comma-separated allowlist of plugin (entry-point) names to
         load; unset loads all. The built-in plugin is named ``qwen``.
     QAB_GDN_CHUNK: chunk size of the chunked Gated DeltaNet prefill. Default 64.
@@ -63,6 +66,11 @@ def disabled_kinds() -> frozenset[str]:
 
 def kernels_disabled() -> bool:
     return _get("QAB_DISABLE_KERNELS", "0") not in ("0", "false", "False")
+
+
+def unverified_kernels_allowed() -> bool:
+    """``QAB_UNVERIFIED_KERNELS=1``: also build CUDA kernels not yet verified on a GPU."""
+    return _get("QAB_UNVERIFIED_KERNELS", "0") not in ("0", "false", "False")
 
 
 def plugin_allowlist() -> frozenset[str] | None:

@@ -39,6 +39,7 @@ class KernelSource:
         template (tuple[str, ...]): template parameter names the body expects.
         header (str): concatenated header files.
         body (str): the kernel body.
+        verified (str): where its GPU tests passed ("" if never run on a GPU).
     """
 
     op: str
@@ -48,6 +49,7 @@ class KernelSource:
     template: tuple
     header: str
     body: str
+    verified: str = ""
 
     @property
     def name(self) -> str:
@@ -107,4 +109,5 @@ def kernel_source(op: str, backend: str) -> Optional[KernelSource]:
     body = (root / files["body"]).read_text(encoding="utf-8")
     return KernelSource(op=op, backend=backend, inputs=tuple(entry["inputs"]),
                         outputs=tuple(entry["outputs"]),
-                        template=tuple(entry.get("template", ())), header=header, body=body)
+                        template=tuple(entry.get("template", ())), header=header, body=body,
+                        verified=str(files.get("verified", "")))

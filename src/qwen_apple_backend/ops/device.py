@@ -9,7 +9,8 @@ warning says why and the portable path runs instead. The verdict is cached per
 op, backend and shape class, so the check costs one extra call per shape class
 per process.
 
-This module imports only ``mlx.core``, the standard library and ``envs``.
+This module imports only ``mlx.core``, the standard library, ``envs`` and
+``ops._sources``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from .. import envs
 from ._sources import KernelSource, kernel_source
 
 __all__ = [
@@ -59,10 +61,14 @@ def build_kernel(op: str, backend: str, **options: Any) -> Optional[Callable[...
 
     Returns:
         Callable | None: MLX's kernel object, or None when the manifest has no
-        source for this backend or this MLX build lacks the backend's API.
+        source for this backend, this MLX build lacks the backend's API, or
+        the kernel is a CUDA kernel not yet verified on a GPU (its manifest
+        entry has no ``verified``) and ``QAB_UNVERIFIED_KERNELS`` is unset.
     """
     src: Optional[KernelSource] = kernel_source(op, backend)
     if src is None:
+        return None
+    if backend == "cuda" and not src.verified and not envs.unverified_kernels_allowed():
         return None
     factory = getattr(mx.fast, f"{backend}_kernel", None)
     if factory is None:
