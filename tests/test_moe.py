@@ -486,15 +486,21 @@ def test_layer_module_uses_dispatcher(monkeypatch):
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("B,T", [(1, 64), (2, 37)])
-def test_dequant_gemm_matches_stock_4bit(monkeypatch, B, T):
-    # Lower the row threshold so a small block takes the path on the CPU
-    # (float32 activations: MLX 0.32's CPU gathered matmul is float32-only).
+def _spy_dequant_gemm(monkeypatch) -> list:
+    """Lower the row threshold to 64 and count calls of the dequantize-then-GEMM path."""
     monkeypatch.setattr(moe_ops, "DEQUANT_GEMM_MIN_ROWS", 64)
     taken = []
     real = moe_ops.moe_experts_dequant_gemm
     monkeypatch.setattr(moe_ops, "moe_experts_dequant_gemm",
                         lambda *a, **k: taken.append(1) or real(*a, **k))
+    return taken
+
+
+@pytest.mark.parametrize("B,T", [(1, 64), (2, 37)])
+def test_dequant_gemm_matches_stock_4bit(monkeypatch, B, T):
+    # A small block takes the path on the CPU with float32 activations
+    # (MLX 0.32's CPU gathered matmul is float32-only).
+    taken = _spy_dequant_gemm(monkeypatch)
     stock = quantized(make_stock())
     fused = FusedSparseMoeBlock.from_stock(stock)
     x = inputs((B, T, H))
@@ -509,11 +515,7 @@ def test_dequant_gemm_matches_stock_4bit(monkeypatch, B, T):
 
 
 def test_dequant_gemm_threshold_and_dtype_gate(monkeypatch):
-    monkeypatch.setattr(moe_ops, "DEQUANT_GEMM_MIN_ROWS", 64)
-    taken = []
-    real = moe_ops.moe_experts_dequant_gemm
-    monkeypatch.setattr(moe_ops, "moe_experts_dequant_gemm",
-                        lambda *a, **k: taken.append(1) or real(*a, **k))
+    taken = _spy_dequant_gemm(monkeypatch)
     stock = quantized(make_stock())
     fused = FusedSparseMoeBlock.from_stock(stock, compile_decode=False)
     fused(inputs((1, 7, H)))  # 56 rows < 64: gathered 4-bit matmul
