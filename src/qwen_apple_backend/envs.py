@@ -8,9 +8,11 @@ Variables:
         (``auto``, ``fused`` or ``stock``). Default ``auto``.
     QAB_DISABLE: comma-separated fused module kinds to keep stock
         (``moe``, ``gdn``, ``attn``, ``all``) or single optimizations to
-        switch off (``gdn-kernel``, ``moe-gemm``), for
+        switch off (``gdn-kernel``, ``moe-gemm``, ``decode-compile``), for
         ablations: ``moe``, ``gdn``, ``attn`` (``all`` = every kind).
     QAB_DISABLE_KERNELS: ``1`` forces the portable pure-MLX path of every op.
+    QAB_ENABLE: comma-separated experimental optimizations to switch on
+        (``decode-compile``: the compiled one-token decode step).
     QAB_UNVERIFIED_KERNELS: ``1`` also uses CUDA kernels whose GPU tests have
         not yet passed on a GPU (``verified`` missing in kernels/MANIFEST.toml);
         they still pass the self-check first. For developing kernels.
@@ -31,6 +33,7 @@ FUSABLE_KINDS = ("moe", "gdn", "attn")
 OPTIMIZATIONS = {
     "gdn-kernel": "gdn",  # the GPU gated delta scan kernel (else chunked MLX ops)
     "moe-gemm": "moe",  # dequantize-then-grouped-GEMM experts for prefill
+    "decode-compile": "model",  # the compiled one-token decode step (decode.py)
 }
 
 
@@ -48,7 +51,7 @@ def disabled_kinds() -> frozenset[str]:
 
     Raises:
         ValueError: if a name is not one of ``moe``, ``gdn``, ``attn``,
-            ``all`` or an optimization name (``gdn-kernel``, ``moe-gemm``).
+            ``all`` or an optimization name (``gdn-kernel``, ``moe-gemm``, ``decode-compile``).
     """
     raw = _get("QAB_DISABLE", "")
     names = {n.strip().lower() for n in raw.split(",") if n.strip()}
@@ -66,6 +69,26 @@ def disabled_kinds() -> frozenset[str]:
 
 def kernels_disabled() -> bool:
     return _get("QAB_DISABLE_KERNELS", "0") not in ("0", "false", "False")
+
+
+# Optimizations that are off unless named in QAB_ENABLE (not yet measured to
+# pay off on a GPU).
+EXPERIMENTAL = ("decode-compile",)
+
+
+def enabled_experimental() -> frozenset[str]:
+    """Experimental optimizations switched on by ``QAB_ENABLE`` (comma-separated).
+
+    Raises:
+        ValueError: for a name that is not in :data:`EXPERIMENTAL`.
+    """
+    raw = _get("QAB_ENABLE", "")
+    names = {n.strip().lower() for n in raw.split(",") if n.strip()}
+    unknown = names - set(EXPERIMENTAL)
+    if unknown:
+        raise ValueError(f"QAB_ENABLE: unknown optimization(s) {sorted(unknown)}; "
+                         f"expected a comma-separated subset of {list(EXPERIMENTAL)}")
+    return frozenset(names)
 
 
 def unverified_kernels_allowed() -> bool:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..envs import OPTIMIZATIONS
+from ..envs import OPTIMIZATIONS, enabled_experimental
 from ..errors import CheckpointError, FuseError, UnsupportedConfigError
 from ..report import FuseReport, ModuleRecord
 from .base import Adapter
@@ -306,6 +306,15 @@ class QwenHybridAdapter(Adapter):
                 report.modules.append(ModuleRecord(
                     path, kind, type(stock).__name__, type(fused).__name__,
                     f"without {', '.join(off)} (QAB_DISABLE / disable=)" if off else ""))
+        if "decode-compile" not in enabled_experimental():
+            pass  # experimental: on only with QAB_ENABLE=decode-compile
+        elif "decode-compile" in disable:
+            report.notes.append("compiled decode step off (decode-compile in QAB_DISABLE / disable=)")
+        elif any(m.fused for m in report.modules):
+            from ..decode import install_compiled_decode
+
+            install_compiled_decode(getattr(model, "language_model", model))
+            report.notes.append("one-token decode runs as a compiled step (decode-compile)")
         return None
 
 

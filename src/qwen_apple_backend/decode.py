@@ -1,0 +1,171 @@
+"""A compiled one-token decode step for the fused Qwen hybrid models.
+
+mlx-lm builds the graph of every generated token in Python, layer by layer,
+and its KV cache returns a view that grows by one position per token, so the
+step cannot simply be ``mx.compile``-d: every token would be a new shape. Here
+the step is traced with the cache as explicit inputs and outputs:
+
+* each full-attention layer sees the whole preallocated KV buffer (mlx-lm
+  grows it in blocks of 256 positions), writes the new key/value at an
+  array-valued offset (``mx.slice_update``) and attends through a mask of the
+  positions written so far; RoPE takes the same array offset;
+* each Gated DeltaNet layer's conv and recurrent states go in and come out.
+
+So one trace serves every token until the KV buffer grows (once per 256
+tokens), and Python graph building leaves the per-token path. The step is
+installed on the text model by the adapter when the experimental optimization
+``decode-compile`` is switched on (``QAB_ENABLE=decode-compile``; its speed on a
+GPU is not measured yet; on the CPU it measured no faster, and each new trace,
+once per 256 tokens, costs a compile). ``QAB_DISABLE=decode-compile`` makes
+the ablation column of ``qab bench``. It runs only for one-token
+calls whose caches are plain ``KVCache`` / ``ArraysCache`` objects with room
+for one more position; everything else, and the first decode token of a model
+(which runs the kernels' self-checks eagerly), takes the model's own path.
+Results equal the eager path's (tests/test_decode.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+__all__ = ["install_compiled_decode", "compiled_decode_installed"]
+
+
+class _StepKV:
+    """``KVCache`` stand-in inside the traced step: whole buffer, array offset."""
+
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
+        self.keys, self.values, self.offset = keys, values, offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        start = self.offset.reshape(1)
+        self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), start, axes=(2,))
+        self.values = mx.slice_update(self.values, values.astype(self.values.dtype), start,
+                                      axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        # The query is at position `offset`; keys 0..offset are written.
+        return (mx.arange(self.keys.shape[2]) <= self.offset).reshape(1, 1, 1, -1)
+
+
+def _layout(cache: Any) -> Optional[list]:
+    """``["kv" | "ssm", ...]`` when every cache entry fits the compiled step, else None."""
+    if not isinstance(cache, (list, tuple)) or not cache:
+        return None
+    kinds = []
+    offset = None
+    for c in cache:
+        if type(c) is KVCache:
+            if c.keys is None or c.offset >= c.keys.shape[2]:
+                return None
+            if offset is not None and c.offset != offset:
+                return None
+            offset = c.offset
+            kinds.append("kv")
+        elif type(c) is ArraysCache:
+            if (len(c.cache) != 2 or c.lengths is not None or c.left_padding is not None
+                    or c[0] is None or c[1] is None):
+                return None
+            kinds.append("ssm")
+        else:
+            return None
+    return kinds if offset is not None else None
+
+
+class _CompiledDecode:
+    """The traced step of one text model (held weakly, so the model can be freed)."""
+
+    def __init__(self, model: Any, call):
+        self._model = weakref.ref(model)
+        self._call = call
+        self._fn = mx.compile(self._step, inputs=model)
+        self.eager_calls = 0
+        self.compiled_calls = 0
+
+    def _step(self, tokens, offset, kv, ssm, layout):
+        caches, ik, iss = [], 0, 0
+        for kind in layout:
+            if kind == "kv":
+                caches.append(_StepKV(kv[ik][0], kv[ik][1], offset))
+                ik += 1
+            else:
+                c = ArraysCache(size=2)
+                c[0], c[1] = ssm[iss]
+                caches.append(c)
+                iss += 1
+        logits = self._call(self._model(), tokens, cache=caches)
+        kv_out = [(c.keys, c.values) for c in caches if isinstance(c, _StepKV)]
+        ssm_out = [(c[0], c[1]) for c in caches if isinstance(c, ArraysCache)]
+        return logits, kv_out, ssm_out
+
+    def __call__(self, tokens, cache, layout):
+        kv = [(c.keys, c.values) for c in cache if type(c) is KVCache]
+        ssm = [(c[0], c[1]) for c in cache if type(c) is ArraysCache]
+        offset = mx.array(next(c.offset for c in cache if type(c) is KVCache), dtype=mx.int32)
+        logits, kv_out, ssm_out = self._fn(tokens, offset, kv, ssm, tuple(layout))
+        ik = iss = 0
+        for c in cache:
+            if type(c) is KVCache:
+                c.keys, c.values = kv_out[ik]
+                c.offset += tokens.shape[1]
+                ik += 1
+            else:
+                c[0], c[1] = ssm_out[iss]
+                iss += 1
+        self.compiled_calls += 1
+        return logits
+
+
+def _decode_class(base: type) -> type:
+    """A subclass of the text model's class whose one-token calls take the compiled step."""
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        step = self.__dict__.get("_qab_decode")
+        if (step is not None and not any(v is not None for v in kwargs.values())
+                and not self.training and inputs.ndim == 2 and inputs.shape[1] == 1):
+            layout = _layout(cache)
+            if layout is not None:
+                if step.eager_calls == 0:
+                    # First decode token: eager, so kernel self-checks run
+                    # outside the trace.
+                    step.eager_calls += 1
+                    return base.__call__(self, inputs, cache)
+                return step(inputs, cache, layout)
+        return base.__call__(self, inputs, cache, **kwargs)
+
+    return type(base.__name__, (base,), {"__call__": __call__,
+                                        "__module__": base.__module__,
+                                        "_qab_compiled_decode": True})
+
+
+def install_compiled_decode(text_model: Any) -> bool:
+    """Route ``text_model``'s one-token calls through a compiled decode step.
+
+    The instance's class is swapped for a subclass that adds the compiled
+    path (parameters, names and every other call are unchanged).
+
+    Args:
+        text_model (nn.Module): an mlx-lm Qwen3.5 / Qwen3-Next text model (the
+            module with ``model`` and ``lm_head``, called as
+            ``text_model(inputs, cache)``).
+
+    Returns:
+        bool: True when installed (False if it already was).
+    """
+    if compiled_decode_installed(text_model):
+        return False
+    base = type(text_model)
+    text_model.__class__ = _decode_class(base)
+    object.__setattr__(text_model, "_qab_decode",
+                       _CompiledDecode(text_model, base.__call__))
+    return True
+
+
+def compiled_decode_installed(text_model: Any) -> bool:
+    """Whether :func:`install_compiled_decode` was applied to ``text_model``."""
+    return bool(getattr(type(text_model), "_qab_compiled_decode", False))

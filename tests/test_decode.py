@@ -1,0 +1,73 @@
+"""The compiled one-token decode step (QAB_ENABLE=decode-compile) against the eager path."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from qwen_apple_backend import load
+from qwen_apple_backend.decode import compiled_decode_installed
+
+
+def _greedy(model, prompt, n):
+    cache = make_prompt_cache(model)
+    toks, lps = [], []
+    for (y, lp), _ in zip(generate_step(prompt, model, max_tokens=n, prompt_cache=cache), range(n)):
+        toks.append(int(y))
+        lps.append(lp)
+    return toks, mx.stack(lps), cache
+
+
+def test_compiled_step_equals_eager_for_64_tokens_across_a_kv_block(tiny_hf_f32, monkeypatch):
+    # 230 prompt tokens + 64 decoded: the KV buffer grows at 256 mid-way, so
+    # the step is traced twice and the grow itself runs eagerly.
+    prompt = mx.array([(i * 37) % 1000 for i in range(230)])
+    monkeypatch.delenv("QAB_ENABLE", raising=False)
+    eager, _ = load(tiny_hf_f32, "fused")
+    assert not compiled_decode_installed(eager.language_model)
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    comp, _ = load(tiny_hf_f32, "fused")
+    assert compiled_decode_installed(comp.language_model)
+    assert "compiled step" in " ".join(comp.qab_report.notes)
+
+    t_eager, lp_eager, c_eager = _greedy(eager, prompt, 64)
+    t_comp, lp_comp, c_comp = _greedy(comp, prompt, 64)
+    assert t_comp == t_eager
+    # float32: the same ops on the same values, masked slots contribute exp(-inf) = 0.
+    assert float(mx.abs(lp_comp - lp_eager).max()) <= 1e-5
+    step = comp.language_model.__dict__["_qab_decode"]
+    assert step.eager_calls == 1 and step.compiled_calls >= 60
+    # Caches come out identical: KV offsets, written KV rows, recurrent states.
+    for a, b in zip(c_comp, c_eager):
+        if hasattr(a, "offset"):
+            assert a.offset == b.offset
+            n = a.offset
+            assert mx.allclose(a.keys[..., :n, :], b.keys[..., :n, :], atol=1e-6).item()
+        else:
+            assert mx.allclose(a[1], b[1], atol=1e-6).item()
+
+
+def test_non_plain_caches_and_prefill_take_the_eager_path(tiny_hf_f32, monkeypatch):
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    m, _ = load(tiny_hf_f32, "fused")
+    step = m.language_model.__dict__["_qab_decode"]
+    cache = make_prompt_cache(m)
+    m(mx.array([[1, 2, 3, 4]]), cache=cache)  # prefill: eager
+    m(mx.array([[5]]), cache=cache)  # first decode token: eager (self-checks)
+    m(mx.array([[6]]), cache=cache)
+    assert (step.eager_calls, step.compiled_calls) == (1, 1)
+    m(mx.array([[7], [8]]), cache=None)  # no cache: eager
+    assert step.compiled_calls == 1
+
+
+def test_disable_and_bad_enable(tiny_hf_f32, monkeypatch):
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    monkeypatch.setenv("QAB_DISABLE", "decode-compile")
+    m, _ = load(tiny_hf_f32, "fused")
+    assert not compiled_decode_installed(m.language_model)
+    monkeypatch.delenv("QAB_DISABLE")
+    monkeypatch.setenv("QAB_ENABLE", "warp-drive")
+    with pytest.raises(ValueError, match="QAB_ENABLE: unknown optimization"):
+        load(tiny_hf_f32, "fused")
