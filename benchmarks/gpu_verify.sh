@@ -17,6 +17,6 @@ timeout 200 python3 benchmarks/run_gpu_suite.py "$OUT" --lengths 512,4K --rounds
   --backends stock --no-fidelity --max-seconds 190 --tag baseline-stock --no-progress \
   > "$OUT/baseline.log" 2>&1; tail -8 "$OUT/baseline.log"
 QAB_ENABLE=decode-compile QAB_UNVERIFIED_KERNELS=1 timeout 200 python3 benchmarks/run_gpu_suite.py \
-  "$OUT" --lengths 512,4K --rounds 3 --backends fused --ablate decode-compile \
+  "$OUT" --lengths 512,4K --rounds 3 --backends fused --ablate decode-compile,moe-kernel,gdn-kernel \
   --decode-tokens 64 --no-fidelity --max-seconds 190 --tag decode --no-progress \
   > "$OUT/decode.log" 2>&1; tail -10 "$OUT/decode.log"

@@ -167,3 +167,24 @@ def test_disable_keeps_kinds_stock_and_logits(tiny_hf_f32, kinds, monkeypatch):
     stock, _ = load(tiny_hf_f32, "stock")
     ids = _ids(50, seed=10)
     assert rel_l2(_logits(model, ids), _logits(stock, ids)) <= 1e-5
+
+
+def test_optimization_switches_reach_the_fused_modules(tiny_hf_f32, monkeypatch):
+    # QAB_DISABLE also takes single optimizations: the modules stay fused with
+    # that one path switched off, and the report says so; logits unchanged.
+    monkeypatch.setenv("QAB_DISABLE", "gdn-kernel,moe-gemm,moe-kernel")
+    model, _ = load(tiny_hf_f32, "fused")
+    report = get_report(model)
+    kinds = {m.kind for m in report.modules if m.fused}
+    assert {"gdn", "moe", "attn"} <= kinds
+    for m in report.modules:
+        if m.kind == "gdn":
+            assert m.reason == "without gdn-kernel (QAB_DISABLE / disable=)"
+        if m.kind == "moe" and m.fused:
+            assert m.reason == "without moe-gemm, moe-kernel (QAB_DISABLE / disable=)"
+    layers = model.language_model.model.layers
+    assert all(not l.linear_attn.use_kernel for l in layers if l.is_linear)
+    assert all(not l.mlp.dequant_gemm and not l.mlp.use_kernel for l in layers)
+    stock, _ = load(tiny_hf_f32, "stock")
+    ids = _ids(50, seed=11)
+    assert rel_l2(_logits(model, ids), _logits(stock, ids)) <= 1e-5

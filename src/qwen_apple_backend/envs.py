@@ -33,6 +33,7 @@ FUSABLE_KINDS = ("moe", "gdn", "attn")
 OPTIMIZATIONS = {
     "gdn-kernel": "gdn",  # the GPU gated delta scan kernel (else chunked MLX ops)
     "moe-gemm": "moe",  # dequantize-then-grouped-GEMM experts for prefill
+    "moe-kernel": "moe",  # the GPU MoE decode kernels (moe_gate_up_gemv, moe_down_gemv)
     "decode-compile": "model",  # the compiled one-token decode step (decode.py)
 }
 

@@ -302,6 +302,8 @@ class QwenHybridAdapter(Adapter):
                     fused.use_kernel = False
                 if "moe-gemm" in off:
                     fused.dequant_gemm = False
+                if "moe-kernel" in off:
+                    fused.use_kernel = False
                 setattr(layer, attr, fused)
                 report.modules.append(ModuleRecord(
                     path, kind, type(stock).__name__, type(fused).__name__,
