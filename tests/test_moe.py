@@ -487,8 +487,9 @@ def test_layer_module_uses_dispatcher(monkeypatch):
 
 
 def _spy_dequant_gemm(monkeypatch) -> list:
-    """Lower the row threshold to 64 and count calls of the dequantize-then-GEMM path."""
+    """Lower the row threshold to 64, allow the CPU, count calls of the dequantize-then-GEMM path."""
     monkeypatch.setattr(moe_ops, "DEQUANT_GEMM_MIN_ROWS", 64)
+    monkeypatch.setattr(moe_ops, "DEQUANT_GEMM_BACKENDS", frozenset({"cuda", "cpu"}))
     taken = []
     real = moe_ops.moe_experts_dequant_gemm
     monkeypatch.setattr(moe_ops, "moe_experts_dequant_gemm",
@@ -537,3 +538,18 @@ def test_dequantize_experts_values():
     ref = mx.dequantize(w.weight[e], w.scales[e], w.biases[e], group_size=64, bits=4)
     assert mx.array_equal(d.weight[e], ref)
     assert moe_ops.dequantize_experts(d, mx.float32) is d
+
+
+def test_dequant_gemm_only_where_measured(monkeypatch):
+    # Default: CUDA only (measured there); the CPU and Metal keep the gathered 4-bit matmul.
+    assert moe_ops.DEQUANT_GEMM_BACKENDS == frozenset({"cuda"})
+    monkeypatch.setattr(moe_ops, "DEQUANT_GEMM_MIN_ROWS", 64)
+    taken = []
+    monkeypatch.setattr(moe_ops, "moe_experts_dequant_gemm", lambda *a, **k: taken.append(1))
+    fused = FusedSparseMoeBlock.from_stock(quantized(make_stock()), compile_decode=False)
+    fused(inputs((1, 16, H)))
+    monkeypatch.setattr(moe_ops, "gpu_backend", lambda: "metal")
+    assert not moe_ops._dequant_gemm_runs(inputs((1, H)))
+    monkeypatch.setattr(moe_ops, "gpu_backend", lambda: "cuda")
+    assert moe_ops._dequant_gemm_runs(inputs((1, H), dtype=mx.bfloat16))
+    assert taken == []

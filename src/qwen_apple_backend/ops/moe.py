@@ -68,6 +68,11 @@ SORT_THRESHOLD = 64
 # inside MLX's CUDA gathered GEMM, not yet understood.
 DEQUANT_GEMM_MIN_ROWS = 4096
 
+# Where that path was measured to win: CUDA only. Metal's gathered 4-bit
+# matmul is MLX's tuned kernel there, and dequantizing 0.8 G parameters per
+# layer would cost more at Apple memory bandwidths; not measured, so not used.
+DEQUANT_GEMM_BACKENDS = frozenset({"cuda"})
+
 
 class ExpertWeights(NamedTuple):
     """One stacked per-expert linear projection, plain or quantized.
@@ -419,8 +424,11 @@ def moe_experts_dequant_gemm(
 
 
 def _dequant_gemm_runs(x: mx.array) -> bool:
+    backend = gpu_backend() or ("gpu" if mx.default_device() == mx.gpu else "cpu")
+    if backend not in DEQUANT_GEMM_BACKENDS:
+        return False
     # MLX 0.32's CPU gathered matmul is float32-only.
-    return mx.default_device() == mx.gpu or x.dtype == mx.float32
+    return backend != "cpu" or x.dtype == mx.float32
 
 
 # Shape-specialised on purpose: in MLX 0.32.4 a shapeless compiled sum over an
