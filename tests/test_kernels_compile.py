@@ -32,7 +32,8 @@ using Shape = cuda::std::array<int32_t, 8>;
 #define inf cuda::std::numeric_limits<float>::infinity()
 """
 
-T = {"bf16": "__nv_bfloat16", "f32": "float", "u32": "uint32_t", "bool": "bool"}
+T = {"bf16": "__nv_bfloat16", "f32": "float", "u32": "uint32_t", "i32": "int32_t",
+     "bool": "bool"}
 
 # op -> (input C types in manifest order, output C types, template values):
 # the Qwen3.6-35B-A3B shapes in bf16.
@@ -43,6 +44,9 @@ CASES = {
     "moe_gate_up_gemv": (
         ["bf16", "u32", "u32", "bf16", "bf16"], ["bf16"],
         {"OutT": "bf16", "H": 2048, "I": 512, "K": 8, "G": 64}),
+    "moe_grouped_gemm": (
+        ["bf16", "u32", "bf16", "bf16", "i32", "i32"], ["bf16"],
+        {"KDIM": 2048, "NOUT": 512, "E": 256, "GLU": True}),
     "moe_down_gemv": (
         ["bf16", "u32", "f32", "u32", "bf16", "bf16"], ["bf16"],
         {"OutT": "bf16", "H": 2048, "I": 512, "K": 8, "G": 64}),

@@ -26,10 +26,11 @@ def _unverified_kernels_allowed(monkeypatch):
     from qwen_apple_backend.ops import moe as moe_ops
 
     monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
-    for fn in (gd._scan_kernel_object, moe_ops._gemv_objects):
+    caches = (gd._scan_kernel_object, moe_ops._gemv_objects, moe_ops._grouped_gemm_object)
+    for fn in caches:
         fn.cache_clear()
     yield
-    for fn in (gd._scan_kernel_object, moe_ops._gemv_objects):
+    for fn in caches:
         fn.cache_clear()
 
 
@@ -197,3 +198,42 @@ def test_moe_block_decode_uses_the_kernel_and_matches_stock():
     verdicts = {k: v for k, v in self_check_results().items() if k[0] == "moe_decode_gemv"}
     assert verdicts and all(v == (True, "passed") for v in verdicts.values()), verdicts
     assert mx_rel_l2(y, ref) <= 3e-2
+
+
+# --------------------------------------------------------------------------
+# MoE prefill grouped 4-bit GEMM (kernels/cuda/moe_grouped_gemm.cu), CUDA only
+# --------------------------------------------------------------------------
+
+# (T, E, H, I, K): Qwen3.6 prefill chunk (all 256 experts busy), a prime T
+# (partial tiles, idle experts), every row on one expert (K = 1, E = 1... one
+# expert of 4 chosen by a fixed routing), and a single tile.
+GEMM_SHAPES = [
+    (512, 256, 2048, 512, 8),
+    (37, 64, 2048, 512, 8),
+    (300, 4, 1024, 128, 1),
+    (8, 8, 1024, 64, 2),
+]
+
+
+@pytest.mark.cuda_only
+@pytest.mark.parametrize("shape", GEMM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_moe_grouped_gemm_kernel(shape):
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    T, E, H, I, K = shape
+    gu, dn = _experts(E, H, I, mx.bfloat16, seed=T + E)
+    kx, ki, ks = mx.random.split(mx.random.key(T), 3)
+    x = mx.random.normal((1, T, H), key=kx).astype(mx.bfloat16)
+    if shape == GEMM_SHAPES[2]:
+        inds = mx.full((1, T, K), 2, dtype=mx.uint32)  # all tokens on expert 2
+    else:
+        inds = mx.argsort(mx.random.uniform(shape=(1, T, E), key=ki), axis=-1)[..., :K]
+        inds = inds.astype(mx.uint32)
+    scores = mx.softmax(mx.random.normal((1, T, K), key=ks), axis=-1).astype(mx.bfloat16)
+    y = moe_ops._moe_grouped_gemm_experts("cuda", x, inds, scores, gu, dn)
+    ref = moe_ops.moe_experts_ops(x.astype(mx.float32), inds, scores.astype(mx.float32),
+                                  gu, dn, sort=True)
+    assert y.shape == (1, T, H) and y.dtype == mx.bfloat16
+    # bf16 operands (x, dequantized weights, h) with float32 accumulation.
+    err = mx_rel_l2(y, ref)
+    assert err <= 3e-2, f"rel-L2 {err:.3g} at {shape}"

@@ -553,3 +553,41 @@ def test_dequant_gemm_only_where_measured(monkeypatch):
     monkeypatch.setattr(moe_ops, "gpu_backend", lambda: "cuda")
     assert moe_ops._dequant_gemm_runs(inputs((1, H), dtype=mx.bfloat16))
     assert taken == []
+
+
+# --------------------------------------------------------------------------
+# grouped GEMM block map (kernels/cuda/moe_grouped_gemm.cu launch contract)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("M,E", [(296, 16), (64, 4), (1, 8), (4096, 256)])
+def test_grouped_gemm_block_map_covers_every_row_once(M, E):
+    # Emulates the kernel's tile -> (expert, rows) search: every row in exactly
+    # one tile of its own expert; at most M // 64 + E tiles are launched.
+    rng = np.random.default_rng(M + E)
+    inds = np.sort(rng.integers(0, max(1, E // 2), M))  # half the experts get no rows
+    rows, tiles = moe_ops.grouped_gemm_block_map(mx.array(inds, dtype=mx.uint32), E)
+    rows, tiles = np.array(rows), np.array(tiles)
+    counts = np.bincount(inds, minlength=E)
+    assert rows.tolist() == [0, *np.cumsum(counts).tolist()]
+    bm = moe_ops.GROUPED_GEMM_BM
+    assert tiles[-1] == sum(-(-c // bm) for c in counts) <= M // bm + E
+    seen = np.zeros(M, dtype=int)
+    for t in range(M // bm + E):
+        if t >= tiles[-1]:
+            continue
+        e = int(np.searchsorted(tiles, t, side="right") - 1)
+        r0 = rows[e] + (t - tiles[e]) * bm
+        r1 = min(r0 + bm, rows[e + 1])
+        assert r1 > r0 and (inds[r0:r1] == e).all()
+        seen[r0:r1] += 1
+    assert (seen == 1).all()
+
+
+def test_grouped_gemm_not_used_on_cpu_or_unverified():
+    stock = quantized(make_stock(), dtype=mx.bfloat16)
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    gu = moe_layer.expert_weights(fused.switch_mlp.gate_up_proj)
+    dn = moe_layer.expert_weights(fused.switch_mlp.down_proj)
+    x = inputs((1, 64, H), dtype=mx.bfloat16)
+    assert moe_ops.grouped_gemm_ready(x, mx.zeros((1, 64, K)), gu, dn) is None

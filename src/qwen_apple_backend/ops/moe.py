@@ -50,6 +50,8 @@ __all__ = [
     "DEQUANT_GEMM_MIN_ROWS",
     "moe_experts_kernel",
     "decode_kernel_ready",
+    "grouped_gemm_ready",
+    "grouped_gemm_block_map",
     "moe_experts",
 ]
 
@@ -548,6 +550,113 @@ def decode_kernel_ready(x: mx.array, inds: mx.array, gate_up: ExpertWeights,
     return backend if ok else None
 
 
+# Rows per tile of the grouped GEMM kernel (kernels/cuda/moe_grouped_gemm.cu).
+GROUPED_GEMM_BM = 64
+
+
+def grouped_gemm_block_map(sorted_inds: mx.array, num_experts: int) -> tuple[mx.array, mx.array]:
+    """Row and tile offsets of each expert for the grouped GEMM, computed on the device.
+
+    A per-expert histogram (scatter-add), then exclusive prefix sums of the
+    row counts and of the tile counts ``ceil(rows / GROUPED_GEMM_BM)``. No
+    host synchronisation: the kernel launches ``M / BM + E`` tiles (an upper
+    bound) and each finds its expert by binary search in ``tile_offsets``.
+
+    Args:
+        sorted_inds (mx.array): expert of each row, ascending.
+        num_experts (int): E.
+
+    Returns:
+        tuple[mx.array, mx.array]: ``(row_offsets, tile_offsets)``, int32.
+
+    Shapes:
+        sorted_inds: ``[M]``; returns two ``[E + 1]`` arrays.
+    """
+    counts = mx.zeros((num_experts,), dtype=mx.int32).at[sorted_inds].add(1)
+    zero = mx.zeros((1,), dtype=mx.int32)
+    rows = mx.concatenate([zero, mx.cumsum(counts)])
+    tiles = (counts + GROUPED_GEMM_BM - 1) // GROUPED_GEMM_BM
+    return rows.astype(mx.int32), mx.concatenate([zero, mx.cumsum(tiles)]).astype(mx.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_gemm_object(backend: str):
+    return build_kernel("moe_grouped_gemm", backend)
+
+
+def _grouped_gemm_call(backend: str, xs: mx.array, w: ExpertWeights, glu: bool,
+                       row_offsets: mx.array, tile_offsets: mx.array) -> mx.array:
+    obj = _grouped_gemm_object(backend)
+    if obj is None:
+        raise RuntimeError(f"no moe_grouped_gemm source or MLX API for {backend}")
+    M, kdim = xs.shape
+    E, R = w.weight.shape[:2]
+    nout = R // 2 if glu else R
+    n_tiles = M // GROUPED_GEMM_BM + E
+    (y,) = obj(inputs=[xs, w.weight, w.scales, w.biases, row_offsets, tile_offsets],
+               template=[("KDIM", kdim), ("NOUT", nout), ("E", E), ("GLU", glu)],
+               grid=(128 * n_tiles, nout // 64, 1), threadgroup=(128, 1, 1),
+               output_shapes=[(M, nout)], output_dtypes=[mx.bfloat16])
+    return y
+
+
+def _moe_grouped_gemm_experts(backend: str, x, inds, scores, gate_up: ExpertWeights,
+                              down: ExpertWeights) -> mx.array:
+    H = x.shape[-1]
+    E = gate_up.weight.shape[0]
+    inds = mx.stop_gradient(inds)
+    st = sort_by_expert(x, inds)
+    rows, tiles = grouped_gemm_block_map(st.inds, E)
+    h = _grouped_gemm_call(backend, st.x.reshape(-1, H), gate_up, True, rows, tiles)
+    y = _grouped_gemm_call(backend, h, down, False, rows, tiles)
+    y = y[st.inv_order].reshape(*inds.shape, H)
+    return _weighted_sum(y, scores)
+
+
+def grouped_gemm_ready(x: mx.array, inds: mx.array, gate_up: ExpertWeights,
+                       down: ExpertWeights) -> Optional[str]:
+    """The GPU backend whose grouped 4-bit GEMM kernel may run this prefill call, or None.
+
+    CUDA only (no Metal version yet); bf16 activations, 4-bit affine g64
+    experts with ``H`` and ``I`` multiples of 64; at least
+    :data:`SORT_THRESHOLD` (token, slot) rows. Self-checked against
+    :func:`moe_experts_ops` on the first call per shape class. Not yet run
+    on a GPU: built only with ``QAB_UNVERIFIED_KERNELS=1``.
+
+    Returns:
+        Optional[str]: ``"cuda"`` or None.
+    """
+    if envs.kernels_disabled() or inds.size < SORT_THRESHOLD or x.dtype != mx.bfloat16:
+        return None
+    backend = gpu_backend()
+    if backend != "cuda" or _grouped_gemm_object(backend) is None:
+        return None
+    H, K = x.shape[-1], inds.shape[-1]
+    for w in (gate_up, down):
+        if (not w.quantized or w.bits != 4 or w.group_size != 64 or w.mode != "affine"
+                or w.biases is None or w.bias is not None or w.scales.dtype != mx.bfloat16):
+            return None
+    E, two_i = gate_up.weight.shape[:2]
+    I = two_i // 2
+    if H % 64 or I % 64 or down.weight.shape[:2] != (E, H):
+        return None
+
+    def make_inputs():
+        k1, k2, k3 = mx.random.split(mx.random.key(2024), 3)
+        T = 37  # 296 rows: partial tiles, experts with no rows
+        xs = mx.random.normal((T, H), key=k1).astype(mx.bfloat16)
+        ind = mx.argsort(mx.random.uniform(shape=(T, E), key=k2), axis=-1)[:, :K]
+        sc = mx.softmax(mx.random.normal((T, K), key=k3), axis=-1).astype(mx.bfloat16)
+        return xs, ind.astype(mx.uint32), sc, gate_up, down
+
+    ok = self_checked(
+        "moe_grouped_gemm", backend, (E, H, I, K),
+        kernel=lambda *a: [_moe_grouped_gemm_experts(backend, *a)],
+        reference=lambda *a: [moe_experts_ops(*a, sort=True)],
+        make_inputs=make_inputs, rtol=3e-2)
+    return backend if ok else None
+
+
 def moe_experts_kernel(backend: Optional[str] = None) -> Optional[Callable]:
     """The fused GPU decode kernels for ``backend`` as one function, or None.
 
@@ -619,6 +728,9 @@ def moe_experts(
         backend = decode_kernel_ready(x, inds, gate_up, down)
         if backend is not None:
             return _moe_decode_kernel_call(backend, x, inds, scores, gate_up, down)
+        backend = grouped_gemm_ready(x, inds, gate_up, down)
+        if backend is not None:
+            return _moe_grouped_gemm_experts(backend, x, inds, scores, gate_up, down)
     if (dequant_gemm and gate_up.quantized and inds.size >= DEQUANT_GEMM_MIN_ROWS
             and _dequant_gemm_runs(x)):
         return moe_experts_dequant_gemm(x, inds, scores, gate_up, down)
