@@ -57,6 +57,13 @@ def _run_passthrough(command: str, argv: Sequence[str]) -> int:
               + ("  --max-request-bytes N         larger request bodies get HTTP 413 "
                  "(default 32 MiB)\n" if command == "serve" else "")
               + f"Flags of {module_name} follow.\n")
+    if not any(a == "--model" or a.startswith("--model=") for a in rest) \
+            and "-h" not in rest and "--help" not in rest:
+        # Without --model, the shipped demo model rather than mlx-lm's hub default.
+        from .demo import ensure_default_model
+
+        rest = ["--model", str(ensure_default_model()), *rest]
+        print(f"qab {command}: no --model given; using the demo model", file=sys.stderr)
     from . import loader
 
     loader.enable(ours.backend)
