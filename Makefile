@@ -16,6 +16,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet -e ".[test]"
 	# The transformers oracle tests need the torch CPU build; they skip without it.
 	$(PIP) install --quiet "torch==2.13.0" || echo "note: torch 2.13.0 not installable here; transformers-oracle tests will be skipped"
+	# The llama.cpp plugin's dependencies (its tests install the plugin itself into a temporary
+	# folder): llama-cpp-python has no binary wheel, so it is built from source once (a few
+	# minutes on 2 cores) and the wheel kept in .whl/; the llama.cpp tests skip without it.
+	( CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" $(PIP) wheel --quiet --no-deps --find-links .whl -w .whl "llama-cpp-python==0.3.36" \
+	  && $(PIP) install --quiet --find-links .whl "llama-cpp-python==0.3.36" "gguf>=0.17" ) \
+	  || echo "note: llama-cpp-python not built here; llama.cpp plugin tests will be skipped"
 	touch $@
 
 install: $(VENV)/.installed

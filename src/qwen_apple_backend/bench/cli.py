@@ -46,6 +46,8 @@ _COMPARE_EPILOG = """\
 examples:
   qab compare --model path/to/checkpoint --backends stock,fused --prompt "Hello"
   qab compare --model path/to/checkpoint --prompts-file prompts.txt --json out.json
+  qab compare --model path/to/mlx-checkpoint --backends stock,llama.cpp=model.gguf \
+      --chat-template --prompt "What is the capital of France?" --fidelity
 """
 
 
@@ -72,7 +74,8 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
     b = p.add_argument_group("backends")
     b.add_argument("--backends", default="stock,fused",
                    help="comma-separated registered backends (default stock,fused; see "
-                        "`qab backends`)")
+                        "`qab backends`); NAME=PATH gives a backend its own model instead "
+                        "of --model/--preset, e.g. stock,llama.cpp=model.gguf")
     b.add_argument("--ablate", default="", metavar="KINDS",
                    help="comma-separated fused module kinds (moe,gdn,attn): adds one "
                         "`fused-no-<kind>` backend per kind, the fused backend with that kind "
@@ -148,6 +151,11 @@ def add_parsers(subparsers: Any) -> None:
                    "(default 1)")
     q.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up runs per backend "
                    "(default 1)")
+    q.add_argument("--fidelity", action="store_true",
+                   help="also score teacher-forced top-1 agreement with the reference and "
+                        "perplexity on `qab bench`'s fidelity text")
+    q.add_argument("--fidelity-positions", type=int, default=256,
+                   help="teacher-forced positions scored with --fidelity (default 256)")
     q.add_argument("--json", default=None, metavar="PATH",
                    help="also write the result JSON (same format as `qab bench`)")
     p.set_defaults(func=cmd_compare, _parser=p)
@@ -211,18 +219,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     files = write_outputs(result, Path(args.out), tag=args.tag, plot=not args.no_plot)
     print(_header(result))
     print(format_table(result["summary"]))
-    fid = result.get("fidelity")
-    if fid:
-        print(f"\nfidelity over {fid['positions']} teacher-forced positions "
-              f"(reference {fid['baseline']}):")
-        for label, r in fid["backends"].items():
-            print(f"  {label:<16} top-1 agreement {100 * r['agreement_vs_stock']:6.2f}%  "
-                  f"perplexity {r['perplexity']:.4g} ({100 * r['perplexity_rel_vs_stock']:+.3f}%)"
-                  f"  self-agreement {100 * r.get('self_agreement', float('nan')):.1f}%")
+    _print_fidelity(result.get("fidelity"))
     for e in result.get("errors", []):
         print(f"error: {e['backend']} @ {e['length']}: {e['error']}", file=sys.stderr)
     print(f"\nwrote {files['json']}" + (f" and {files['png']}" if files.get("png") else ""))
     return 0
+
+
+def _print_fidelity(fid: Optional[dict]) -> None:
+    if not fid:
+        return
+    print(f"\nfidelity over {fid['positions']} teacher-forced positions "
+          f"(reference {fid['baseline']}):")
+    for label, r in fid["backends"].items():
+        print(f"  {label:<16} top-1 agreement {100 * r['agreement_vs_stock']:6.2f}%  "
+              f"perplexity {r['perplexity']:.4g} ({100 * r['perplexity_rel_vs_stock']:+.3f}%)"
+              f"  self-agreement {100 * r.get('self_agreement', float('nan')):.1f}%")
 
 
 def _header(result: dict) -> str:
@@ -247,10 +259,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
         prompts += read_prompts(Path(args.prompts_file))
     cfg = CompareConfig(**_source_kwargs(args), prompts=prompts, max_tokens=args.max_tokens,
                         rounds=args.rounds, warmup=args.warmup,
-                        chat_template=args.chat_template, argv=_command_line(args, "compare"))
+                        chat_template=args.chat_template, fidelity=args.fidelity,
+                        fidelity_positions=args.fidelity_positions,
+                        argv=_command_line(args, "compare"))
     result = run_compare(cfg, log=_log)
     print(format_compare(result))
     print(format_table(result["summary"], baseline=result["compare"]["reference"]))
+    _print_fidelity(result.get("fidelity"))
     if args.json:
         path = write_json(result, Path(args.json))
         print(f"\nwrote {path}")

@@ -7,7 +7,9 @@ an end-of-sequence token is not treated specially, so speeds compare like for
 like. For each backend the report gives time to first token, prefill and decode
 tokens/s, the continuation, its token agreement with the reference backend
 (``stock`` when present, else the first) and the first position where the two
-diverge.
+diverge. With ``fidelity``, every backend also scores the harness's real-text
+fidelity passage teacher-forced, and the report gains ``qab bench``'s
+``fidelity`` section (top-1 agreement with the reference, perplexity).
 
 Example:
     >>> from qwen_apple_backend.bench.compare import CompareConfig, run_compare
@@ -24,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from .harness import (ModelSource, engine_flags, measure_run, open_targets, progress_bar,
-                      source_tokenizer)
+from .harness import (ModelSource, _fidelity, engine_flags, measure_run, open_targets,
+                      progress_bar, source_tokenizer)
 from .report import SCHEMA, environment, sample_stats, summarize, token_hash
 from .target import parse_backend_specs
 
@@ -43,6 +45,8 @@ class CompareConfig(ModelSource):
     rounds: int = 1
     warmup: int = 1
     chat_template: bool = False
+    fidelity: bool = False
+    fidelity_positions: int = 256
     prefill_step_size: Optional[int] = None
     progress: bool = True
     argv: Optional[list] = None
@@ -160,8 +164,11 @@ def run_compare(cfg: CompareConfig, log: Callable[[str], None] = lambda s: None)
                 for n, (r, i, b) in enumerate((r, i, b) for r, i, o in blocks for b in o)]
 
     n_steps = cfg.max_tokens - 1
-    bar = progress_bar(cfg.warmup * len(targets) + len(sequence), cfg.progress, "qab compare")
+    fid_passes = 2 * len(targets) if cfg.fidelity else 0
+    bar = progress_bar(cfg.warmup * len(targets) + len(sequence) + fid_passes, cfg.progress,
+                       "qab compare")
     runs: list[dict] = []
+    fidelity = None
     try:
         for _ in range(cfg.warmup):
             for t in targets:
@@ -175,6 +182,8 @@ def run_compare(cfg: CompareConfig, log: Callable[[str], None] = lambda s: None)
             rec.pop("decode_traffic", None)
             runs.append({**item, "length": len(encoded[item["prompt"]]), **rec})
             bar.update(1)
+        if cfg.fidelity:
+            fidelity = _fidelity(cfg, targets, vocab, bar, log)
     finally:
         bar.close()
 
@@ -239,6 +248,7 @@ def run_compare(cfg: CompareConfig, log: Callable[[str], None] = lambda s: None)
         "results": results,
         "compare": {"reference": reference, "max_tokens": cfg.max_tokens,
                     "prompts": prompts_out},
+        "fidelity": fidelity,
         "summary": summary,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

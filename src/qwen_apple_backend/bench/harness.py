@@ -162,9 +162,17 @@ class BenchConfig(ModelSource):
 def source_tokenizer(source: ModelSource, targets: Sequence[Any]) -> tuple[Any, str]:
     """The tokenizer for text inputs (fidelity, compare), loaded once for all backends.
 
-    Order: a target's own tokenizer; the checkpoint's (``--model``); the real
+    Order: the checkpoint's when ``--model`` is a local directory with tokenizer
+    files; a target's own tokenizer; the checkpoint's (``--model``); the real
     Qwen3.5/3.6 tokenizer (``--preset``). Returns ``(None, reason)`` when none loads.
     """
+    if source.model is not None and Path(source.model).is_dir():
+        try:
+            from mlx_lm.utils import load_tokenizer
+
+            return load_tokenizer(Path(source.model)), "from the checkpoint"
+        except Exception:  # noqa: BLE001 - no tokenizer files: a backend's own, below
+            pass
     tok = next((t.tokenizer for t in targets if getattr(t, "tokenizer", None) is not None),
                None)
     if tok is not None:
@@ -203,7 +211,8 @@ def open_targets(source: ModelSource, specs: Sequence[BackendSpec], *,
     A checkpoint is loaded once per backend through the backend's
     ``bench_target``. A preset is built in memory once per backend from the same
     seed (or once in all with ``share_weights``) and the fused columns are fused
-    in place, as the loader fuses a checkpoint.
+    in place, as the loader fuses a checkpoint. A column with its own model path
+    (``--backends NAME=PATH``, :attr:`BackendSpec.model`) loads that path instead.
 
     Returns:
         tuple[list[BenchTarget], dict]: the targets (in ``specs`` order) and the
@@ -216,16 +225,19 @@ def open_targets(source: ModelSource, specs: Sequence[BackendSpec], *,
         resolve_backend(spec)
     targets: list = []
     builds: dict[str, float] = {}
+    own = {spec.label: spec.model for spec in specs if spec.model}
     if source.model is not None:
         info = checkpoint_info(Path(source.model))
         for spec in specs:
             t0 = time.perf_counter()
-            target = make_bench_target(spec, model_path=source.model,
+            target = make_bench_target(spec, model_path=spec.model or source.model,
                                        prefill_step_size=prefill_step_size)
             builds[spec.label] = time.perf_counter() - t0
             log(f"loaded {spec.label} in {builds[spec.label]:.1f}s")
             targets.append(target)
         info["load_s"] = builds
+        if own:
+            info["backend_models"] = own
         return targets, info
 
     from ..checkpoint import hf_config
@@ -236,8 +248,17 @@ def open_targets(source: ModelSource, specs: Sequence[BackendSpec], *,
             "vocab_size": config["text_config"]["vocab_size"],
             "config_sha256": _config_hash(config),
             "share_weights": source.share_weights}
+    if own:
+        info["backend_models"] = own
     shared = None
     for spec in specs:
+        if spec.model:
+            t0 = time.perf_counter()
+            targets.append(make_bench_target(spec, model_path=spec.model,
+                                             prefill_step_size=prefill_step_size))
+            builds[spec.label] = time.perf_counter() - t0
+            log(f"loaded {spec.label} from {spec.model} in {builds[spec.label]:.1f}s")
+            continue
         if source.share_weights and shared is not None:
             model, build_s = clone_model_structure(shared.model), 0.0
         else:

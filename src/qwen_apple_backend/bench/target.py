@@ -140,16 +140,21 @@ class BackendSpec:
         backend (str): registry name of the backend (``"stock"``, ``"fused"``, ...).
         disable (frozenset[str]): fused module kinds kept stock (``moe``, ``gdn``, ``attn``).
         ablation (str | None): the kind this column ablates, if it is an ablation.
+        model (str | None): this column's own model path (``--backends NAME=PATH``),
+            used instead of ``--model`` / ``--preset``, e.g. a GGUF file for a
+            backend that cannot read the MLX checkpoint.
     """
 
     label: str
     backend: str
     disable: frozenset = field(default_factory=frozenset)
     ablation: Optional[str] = None
+    model: Optional[str] = None
 
     def to_dict(self) -> dict:
         return {"label": self.label, "backend": self.backend,
-                "disable": sorted(self.disable), "ablation": self.ablation}
+                "disable": sorted(self.disable), "ablation": self.ablation,
+                "model": self.model}
 
 
 def parse_backend_specs(backends: Union[str, Iterable[str]],
@@ -157,9 +162,12 @@ def parse_backend_specs(backends: Union[str, Iterable[str]],
     """Turn ``--backends`` and ``--ablate`` into the list of measured columns.
 
     Args:
-        backends (str | Iterable[str]): comma-separated or listed backend names.
-        ablate (str | Iterable[str], optional): fused module kinds; each adds a
-            ``fused-no-<kind>`` column (the ``fused`` backend with that kind disabled).
+        backends (str | Iterable[str]): comma-separated or listed backend names; a
+            name may carry its own model path as ``NAME=PATH``
+            (``stock,llama.cpp=model.gguf``).
+        ablate (str | Iterable[str], optional): fused module kinds (``moe``, ``gdn``,
+            ``attn``) or optimizations (``gdn-kernel``, ``moe-gemm``); each adds a
+            ``fused-no-<name>`` column (the ``fused`` backend with that one switched off).
 
     Returns:
         list[BackendSpec]: in the given order, ablations last.
@@ -167,23 +175,29 @@ def parse_backend_specs(backends: Union[str, Iterable[str]],
     Raises:
         ValueError: for an empty list, a repeated name or an unknown ablation kind.
     """
-    from ..envs import FUSABLE_KINDS
+    from ..envs import FUSABLE_KINDS, OPTIMIZATIONS
 
-    names = _split(backends)
+    items = [(n.partition("=")[0].strip(), n.partition("=")[2].strip() or None)
+             for n in _split(backends)]
+    names = [n for n, _ in items]
     if not names:
         raise ValueError("--backends: give at least one backend name")
+    if not all(names):
+        raise ValueError("--backends: a NAME=PATH entry has no name")
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ValueError(f"--backends: {dupes} listed more than once")
-    specs = [BackendSpec(n, n) for n in names]
+    specs = [BackendSpec(n, n, model=path) for n, path in items]
     for kind in _split(ablate or ()):
-        if kind not in FUSABLE_KINDS:
+        if kind not in FUSABLE_KINDS and kind not in OPTIMIZATIONS:
             raise ValueError(f"--ablate: unknown module kind {kind!r}; expected a "
-                             f"comma-separated subset of {list(FUSABLE_KINDS)}")
+                             f"comma-separated subset of {list(FUSABLE_KINDS)} or "
+                             f"optimizations {list(OPTIMIZATIONS)}")
         label = f"fused-no-{kind}"
         if any(s.label == label for s in specs):
             raise ValueError(f"--ablate: {kind!r} listed more than once")
-        specs.append(BackendSpec(label, "fused", frozenset({kind}), kind))
+        fused_model = next((s.model for s in specs if s.backend == "fused"), None)
+        specs.append(BackendSpec(label, "fused", frozenset({kind}), kind, model=fused_model))
     return specs
 
 
