@@ -815,7 +815,7 @@ def _prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
     if not overwrite:
         if _is_checkpoint(out_dir):
             raise CheckpointError(
-                f"{out_dir} already holds a checkpoint; pass overwrite=True to replace it"
+                f"{out_dir} already holds a checkpoint; pass --overwrite (overwrite=True in Python) to replace it"
             )
         raise CheckpointError(
             f"{out_dir} is not empty and does not look like a checkpoint; refusing to "
