@@ -10,8 +10,8 @@ source distribution (run as an external tool, needs torch).
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
-import importlib.util
 import json
 import os
 import subprocess
@@ -33,11 +33,9 @@ SEA = "Write one sentence about the sea."
 
 
 def _importable(name: str) -> bool:
-    if importlib.util.find_spec(name) is None:
-        return False
     try:
         __import__(name)
-    except Exception:  # noqa: BLE001 - e.g. a shared library that does not load
+    except Exception:  # noqa: BLE001 - missing, or a shared library that does not load
         return False
     return True
 

@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -355,3 +356,7 @@ def _save_safetensors(weights: dict, path: Path, dtype: str) -> None:
     np_dtype = np.float16 if dtype == "float16" else np.float32
     save_file({k: np.ascontiguousarray(v.astype(np_dtype)) for k, v in weights.items()},
               str(path), metadata={"format": "pt"})
+    # save_file writes through a private temporary file (mode 0600): give it the usual mode.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
