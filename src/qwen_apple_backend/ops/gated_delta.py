@@ -469,11 +469,6 @@ _KERNEL_ROWS = 4
 _SELF_CHECK_T = 19
 
 
-def _backend() -> Optional[str]:
-    """``"metal"`` or ``"cuda"`` when the default device is such a GPU, else None."""
-    return gpu_backend()
-
-
 @functools.lru_cache(maxsize=None)
 def _scan_kernel_object(backend: str):
     return build_kernel("gated_delta_scan", backend)
@@ -599,7 +594,7 @@ def gated_delta_kernel(
     Raises:
         RuntimeError: if the default device has no kernel for this op.
     """
-    backend = _backend()
+    backend = gpu_backend()
     kernel = _kernel_factory(backend) if backend is not None else None
     if kernel is None:
         raise RuntimeError(
