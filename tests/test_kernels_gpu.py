@@ -127,21 +127,22 @@ def test_dispatcher_runs_the_kernel_after_its_self_check():
 # --------------------------------------------------------------------------
 
 
-def _experts(E, H, I, dtype, seed):
+def _experts(E, H, I, dtype, seed, group_size=64):
     from qwen_apple_backend.ops.moe import ExpertWeights
 
     k1, k2 = mx.random.split(mx.random.key(seed))
     out = []
     for key, shape in ((k1, (E, 2 * I, H)), (k2, (E, H, I))):
         w = (mx.random.normal(shape, key=key) * shape[-1] ** -0.5).astype(dtype)
-        q, s, b = mx.quantize(w, group_size=64, bits=4)
-        out.append(ExpertWeights(q, s, b, group_size=64, bits=4))
+        q, s, b = mx.quantize(w, group_size=group_size, bits=4)
+        out.append(ExpertWeights(q, s, b, group_size=group_size, bits=4))
     return out
 
 
 # (N, E, H, I, K): Qwen3.6-35B-A3B decode (one token, 256 experts, K = 8),
 # then batch 3, K = 1 (one expert), all K slots on distinct experts of a
-# small E with K = E, and H = 1024 (one chunk per lane).
+# small E with K = E, and H = 1024 (one chunk per lane) with I = 96, which
+# needs 32-wide quantization groups.
 MOE_SHAPES = [
     (1, 256, 2048, 512, 8),
     (3, 256, 2048, 512, 8),
@@ -156,7 +157,7 @@ def test_moe_decode_kernels(shape, dtype):
     from qwen_apple_backend.ops import moe as moe_ops
 
     N, E, H, I, K = shape
-    gu, dn = _experts(E, H, I, dtype, seed=sum(shape))
+    gu, dn = _experts(E, H, I, dtype, seed=sum(shape), group_size=64 if I % 64 == 0 else 32)
     kx, ki, ks = mx.random.split(mx.random.key(N * K), 3)
     x = mx.random.normal((N, 1, H), key=kx).astype(dtype)
     inds = mx.argsort(mx.random.uniform(shape=(N, 1, E), key=ki), axis=-1)[..., :K]
