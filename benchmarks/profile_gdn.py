@@ -60,9 +60,11 @@ def main(argv=None) -> int:
     dtype = mx.bfloat16
     backend = gpu_backend()
     ready = gd.kernel_ready(Hk, Hv, D, D, dtype)
+    staged = gd.staged_kernel_ready(Hk, Hv, D, D, dtype)
     device = mx.device_info().get("device_name", str(mx.default_device())) \
         if hasattr(mx, "device_info") else str(mx.default_device())
-    print(f"device {device}; gpu backend {backend}; scan kernel ready: {ready}", flush=True)
+    print(f"device {device}; gpu backend {backend}; scan kernel ready: {ready}; "
+          f"staged scan ready: {staged}", flush=True)
     rows = []
     t_start = time.perf_counter()
     for T in (int(x) for x in args.lengths.split(",")):
@@ -77,6 +79,10 @@ def main(argv=None) -> int:
         cases = {}
         if ready:
             cases["kernel"] = lambda: gd._scan_kernel_call(ready, q, k, v, g, beta, state)
+        if staged and T > 1:
+            for lpr in (8, 16, 32):
+                cases[f"staged-lpr{lpr}"] = (lambda lpr=lpr: gd._staged_kernel_call(
+                    staged, q, k, v, g, beta, state, lpr=lpr))
         if T > 1:
             for C in (int(c) for c in args.chunks.split(",")):
                 cases[f"chunked-{C}"] = (lambda C=C: gd.gated_delta_chunked_ops(
@@ -95,7 +101,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     slug = "".join(c if c.isalnum() else "-" for c in str(device).lower()).strip("-")
     path = out / f"profile-gdn-{slug}.json"
-    path.write_text(json.dumps(dict(device=device, backend=backend, kernel_ready=ready,
+    path.write_text(json.dumps(dict(device=device, backend=backend, kernel_ready=ready, staged_kernel_ready=staged,
                                     shapes=dict(B=B, Hk=Hk, Hv=Hv, Dk=D, Dv=D, dtype="bfloat16"),
                                     rows=rows), indent=1))
     print(f"wrote {path}")

@@ -41,6 +41,10 @@ CASES = {
     "gated_delta_scan": (
         ["bf16", "bf16", "bf16", "f32", "f32", "f32", "bool"], ["bf16", "f32"],
         {"InT": "bf16", "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 32, "HAS_MASK": False}),
+    "gated_delta_scan_staged": (
+        ["bf16", "bf16", "bf16", "f32", "f32", "f32", "bool"], ["bf16", "f32"],
+        {"InT": "bf16", "Dk": 128, "Dv": 128, "Hk": 16, "Hv": 32, "HAS_MASK": True,
+         "LPR": 8, "BLOCK": 128, "TC": 32}),
     "moe_gate_up_gemv": (
         ["bf16", "u32", "u32", "bf16", "bf16"], ["bf16"],
         {"OutT": "bf16", "H": 2048, "I": 512, "K": 8, "G": 64}),

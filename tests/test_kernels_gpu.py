@@ -26,7 +26,8 @@ def _unverified_kernels_allowed(monkeypatch):
     from qwen_apple_backend.ops import moe as moe_ops
 
     monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
-    caches = (gd._scan_kernel_object, moe_ops._gemv_objects, moe_ops._grouped_gemm_object)
+    caches = (gd._scan_kernel_object, gd._staged_kernel_object, moe_ops._gemv_objects,
+              moe_ops._grouped_gemm_object)
     for fn in caches:
         fn.cache_clear()
     yield
@@ -86,6 +87,48 @@ def test_gated_delta_scan_kernel(shape, dtype):
     ey, es = mx_rel_l2(y, y_ref), mx_rel_l2(s, s_ref)
     assert ey <= y_tol, f"y rel-L2 {ey:.3g} > {y_tol} at {shape} {dtype}"
     assert es <= s_tol, f"state rel-L2 {es:.3g} > {s_tol} at {shape} {dtype}"
+
+
+# The staged prefill scan (CUDA only): the real heads at two chunk counts,
+# T = one token, T not a multiple of the chunk, Dk = 64, batch 2, and every
+# lanes-per-row choice.
+STAGED_SHAPES = [
+    (1, 2048, 16, 32, 128, 128),
+    (1, 1, 16, 32, 128, 128),
+    (1, 101, 16, 32, 128, 128),
+    (1, 53, 2, 6, 64, 64),
+    (2, 77, 2, 4, 128, 128),
+]
+
+
+@pytest.mark.cuda_only
+@pytest.mark.parametrize("lpr", [8, 16, 32])
+@pytest.mark.parametrize("shape", STAGED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+def test_gated_delta_scan_staged_kernel(shape, dtype, lpr):
+    B, T, Hk, Hv, Dk, Dv = shape
+    if gd._staged_tile(Dk, Dv, dtype, lpr) is None:
+        pytest.skip("shape not supported at this lanes-per-row")
+    args = _inputs(B, T, Hk, Hv, Dk, Dv, dtype, seed=sum(shape))
+    y, s = gd._staged_kernel_call("cuda", *args, lpr=lpr)
+    y_ref, s_ref = _reference(*args)
+    mx.eval(y, s, y_ref, s_ref)
+    assert y.dtype == dtype and s.dtype == mx.float32
+    assert y.shape == y_ref.shape and s.shape == s_ref.shape
+    # Tolerances as test_gated_delta_scan_kernel (summation order; bf16 y).
+    y_tol, s_tol = (2e-5, 2e-5) if dtype == mx.float32 else (8e-3, 1e-4)
+    ey, es = mx_rel_l2(y, y_ref), mx_rel_l2(s, s_ref)
+    assert ey <= y_tol, f"y rel-L2 {ey:.3g} > {y_tol} at {shape} {dtype} lpr {lpr}"
+    assert es <= s_tol, f"state rel-L2 {es:.3g} > {s_tol} at {shape} {dtype} lpr {lpr}"
+
+
+@pytest.mark.cuda_only
+def test_gated_delta_scan_staged_kernel_mask():
+    args = _inputs(2, 71, 2, 4, 128, 128, mx.float32, seed=9, masked=True)
+    y, s = gd._staged_kernel_call("cuda", *args)
+    y_ref, s_ref = _reference(*args)
+    assert mx_rel_l2(y, y_ref) <= 2e-5 and mx_rel_l2(s, s_ref) <= 2e-5
+    assert mx.all(mx.where(args[-1][:, :, None, None], 0.0, y) == 0).item()
 
 
 def test_gated_delta_scan_kernel_mask():

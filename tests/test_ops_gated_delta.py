@@ -425,3 +425,73 @@ def test_broken_kernels_fall_back(monkeypatch, failure):
     y_ref, s_ref = gated_delta_ops(q, k, v, g, beta, state)
     assert_close(y, y_ref, **F32_TOL, name="fallback y")
     assert_close(s, s_ref, **F32_TOL, name="fallback state")
+
+
+def _fake_cuda_with_staged(monkeypatch, staged, scan):
+    from qwen_apple_backend.ops import device
+
+    device.reset_self_checks()
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    monkeypatch.setattr(gd, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(gd, "_scan_kernel_object", lambda backend: object())
+    monkeypatch.setattr(gd, "_staged_kernel_object", lambda backend: object())
+    monkeypatch.setattr(gd, "_scan_kernel_call", scan)
+    monkeypatch.setattr(gd, "_staged_kernel_call", staged)
+
+
+def test_prefill_prefers_the_staged_scan_and_decode_keeps_the_plain_one(monkeypatch):
+    calls = []
+
+    def staged(backend, *args):
+        calls.append(("staged", args[0].shape[1]))
+        return gd.gated_delta_sequential_ops(*args)
+
+    def scan(backend, *args):
+        calls.append(("scan", args[0].shape[1]))
+        return gd.gated_delta_sequential_ops(*args)
+
+    _fake_cuda_with_staged(monkeypatch, staged, scan)
+    q, k, v, g, beta, state = make_inputs(20, b=1)
+    y, s = gd.gated_delta(q, k, v, g, beta, state)
+    # Self-check on two whole chunks plus 3 tokens (float32 Dk=128: TC=16),
+    # then the real call.
+    tc = gd._staged_tile(D, D, mx.float32, gd.STAGED_LPR)
+    assert tc == 16
+    assert calls == [("staged", 2 * tc + 3), ("staged", 20)]
+    y_ref, s_ref = gated_delta_ops(q, k, v, g, beta, state)
+    assert_close(y, y_ref, **F32_TOL, name="staged y")
+    calls.clear()
+    gd.gated_delta(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], state)
+    assert [c[0] for c in calls] == ["scan", "scan"]  # its self-check, then the call
+
+
+def test_a_wrong_staged_scan_falls_back_to_the_plain_scan(monkeypatch):
+    from qwen_apple_backend.ops.device import KernelSelfCheckWarning
+
+    calls = []
+
+    def staged(backend, *args):
+        calls.append("staged")
+        y, s = gd.gated_delta_sequential_ops(*args)
+        return y, s + 1.0  # deliberately wrong state
+
+    def scan(backend, *args):
+        calls.append("scan")
+        return gd.gated_delta_sequential_ops(*args)
+
+    _fake_cuda_with_staged(monkeypatch, staged, scan)
+    q, k, v, g, beta, state = make_inputs(20, b=1)
+    with pytest.warns(KernelSelfCheckWarning,
+                      match=r"gated_delta_scan_staged failed its self-check.*output 1"):
+        y, s = gd.gated_delta(q, k, v, g, beta, state)
+    assert calls == ["staged", "scan", "scan"]
+    _, s_ref = gated_delta_ops(q, k, v, g, beta, state)
+    assert_close(s, s_ref, **F32_TOL, name="fallback state")
+
+
+def test_staged_tile_fits_shared_memory():
+    assert gd._staged_tile(128, 128, mx.bfloat16, 8) == 32
+    assert gd._staged_tile(128, 128, mx.float32, 8) == 16
+    assert gd._staged_tile(256, 128, mx.bfloat16, 8) == 16
+    assert gd._staged_tile(128, 100, mx.bfloat16, 8) is None  # Dv % rows
+    assert gd._staged_tile(36, 128, mx.bfloat16, 8) is None   # Dk * 2 bytes % 16

@@ -50,6 +50,7 @@ __all__ = [
     "gated_delta_step_ops",
     "kernel_ready",
     "l2norm_qk",
+    "staged_kernel_ready",
 ]
 
 # Up to this many tokens the dispatcher runs the per-token loop: the chunked
@@ -501,11 +502,97 @@ def _scan_kernel_call(backend: str, q, k, v, g, beta, state, mask=None):
     return y, new_state
 
 
-def _self_check_inputs(Hk, Hv, Dk, Dv, dtype):
+# The staged prefill scan (kernels/cuda/gated_delta_scan_staged.cu): lanes per
+# state row, threads per block, and the shared-memory budget of its
+# double-buffered k/q tiles (static shared memory is capped at 48 KB).
+STAGED_LPR = 8
+_STAGED_BLOCK = 128
+_STAGED_SMEM_BYTES = 40 * 1024
+# From this many tokens the dispatcher prefers the staged scan (when its
+# self-check passed); shorter calls (decode) run gated_delta_scan.
+STAGED_MIN_T = 2
+
+
+@functools.lru_cache(maxsize=None)
+def _staged_kernel_object(backend: str):
+    return build_kernel("gated_delta_scan_staged", backend)
+
+
+def _staged_tile(Dk: int, Dv: int, dtype: mx.Dtype, lpr: int) -> Optional[int]:
+    """Tokens per staged chunk (TC) for these shapes, or None if unsupported."""
+    rows = _STAGED_BLOCK // lpr
+    if Dk % lpr or Dv % rows or (Dk * dtype.size) % 16 or lpr not in (4, 8, 16, 32):
+        return None
+    tc = 32
+    while tc > 1 and 4 * tc * Dk * dtype.size > _STAGED_SMEM_BYTES:
+        tc //= 2
+    return tc if Dk // lpr <= 32 else None
+
+
+def _staged_kernel_call(backend: str, q, k, v, g, beta, state, mask=None, lpr: int = 0):
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    obj = _staged_kernel_object(backend)
+    if obj is None:
+        raise RuntimeError(f"no gated_delta_scan_staged source or MLX API for {backend}")
+    lpr = lpr or STAGED_LPR
+    dt = q.dtype
+    tc = _staged_tile(Dk, Dv, dt, lpr)
+    if tc is None:
+        raise ValueError(f"gated_delta_scan_staged: unsupported Dk={Dk}, Dv={Dv}, "
+                         f"{dt}, {lpr} lanes per row")
+    has_mask = mask is not None
+    m = mask.astype(mx.bool_) if has_mask else mx.ones((1,), dtype=mx.bool_)
+    rows = _STAGED_BLOCK // lpr
+    y, new_state = obj(
+        inputs=[q, k.astype(dt), v.astype(dt), g.astype(mx.float32),
+                beta.astype(mx.float32), state.astype(mx.float32), m],
+        template=[("InT", dt), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv),
+                  ("HAS_MASK", has_mask), ("LPR", lpr), ("BLOCK", _STAGED_BLOCK),
+                  ("TC", tc)],
+        grid=(_STAGED_BLOCK * (Dv // rows), B * Hv, 1),
+        threadgroup=(_STAGED_BLOCK, 1, 1),
+        output_shapes=[(B, T, Hv, Dv), (B, Hv, Dv, Dk)],
+        output_dtypes=[dt, mx.float32],
+    )
+    return y, new_state
+
+
+def staged_kernel_ready(Hk: int, Hv: int, Dk: int, Dv: int, dtype: mx.Dtype) -> Optional[str]:
+    """The GPU backend whose staged prefill scan may run these shapes, or None.
+
+    Like :func:`kernel_ready`, for ``kernels/cuda/gated_delta_scan_staged.cu``
+    (CUDA only): self-checked on the first call per shape class against
+    :func:`gated_delta_sequential_ops` on a problem of two whole chunks and a
+    partial one, so the double buffering is exercised.
+
+    Returns:
+        Optional[str]: ``"cuda"`` or None.
+    """
+    if envs.kernels_disabled() or dtype not in _KERNEL_DTYPES:
+        return None
+    backend = gpu_backend()
+    if backend != "cuda" or _staged_kernel_object(backend) is None:
+        return None
+    tc = _staged_tile(Dk, Dv, dtype, STAGED_LPR)
+    if tc is None:
+        return None
+    rtol = 1e-4 if dtype == mx.float32 else 2e-2
+    ok = self_checked(
+        "gated_delta_scan_staged", backend, (Hk, Hv, Dk, Dv, str(dtype), STAGED_LPR),
+        kernel=lambda *a: _staged_kernel_call(backend, *a),
+        reference=gated_delta_sequential_ops,
+        make_inputs=_self_check_inputs(Hk, Hv, Dk, Dv, dtype, T=2 * tc + 3),
+        rtol=rtol,
+    )
+    return backend if ok else None
+
+
+def _self_check_inputs(Hk, Hv, Dk, Dv, dtype, T=_SELF_CHECK_T):
     def make():
         key = mx.random.key(1234)
         kq, kk, kv, ka, kb, ks = mx.random.split(key, 6)
-        B, T = 1, _SELF_CHECK_T
+        B = 1
         q, k = l2norm_qk(mx.random.normal((B, T, Hk, Dk), key=kq).astype(dtype),
                          mx.random.normal((B, T, Hk, Dk), key=kk).astype(dtype))
         v = mx.random.normal((B, T, Hv, Dv), key=kv).astype(dtype)
@@ -670,6 +757,10 @@ def gated_delta(
         ((1, 100, 4, 128), (1, 4, 128, 128), mlx.core.float32)
     """
     state = _check_and_init(q, k, v, g, beta, state, mask)
+    if use_kernel and q.shape[1] >= STAGED_MIN_T:
+        backend = staged_kernel_ready(q.shape[2], v.shape[2], q.shape[3], v.shape[3], q.dtype)
+        if backend is not None:
+            return _staged_kernel_call(backend, q, k, v, g, beta, state, mask)
     if use_kernel:
         backend = kernel_ready(q.shape[2], v.shape[2], q.shape[3], v.shape[3], q.dtype)
         if backend is not None:
