@@ -143,3 +143,107 @@ def test_cli_reports_errors_without_traceback(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode != 0
     assert "Traceback" not in out.stderr and "error" in out.stderr.lower()
+
+
+def test_unknown_model_type_names_the_file_and_field(hf_copy):
+    def fn(c):
+        c["model_type"] = "qwen9_moe"
+        c["text_config"]["model_type"] = "qwen9_moe_text"
+        c["architectures"] = ["Qwen9MoeForCausalLM"]
+    _edit_config(hf_copy, fn)
+    with pytest.raises(CheckpointError, match=rf"{hf_copy / 'config.json'}: unsupported "
+                                              r"model_type 'qwen9_moe': no installed plugin "
+                                              r"claims it \(claimed: .*qwen3_5_moe"):
+        load(hf_copy)
+
+
+@pytest.mark.parametrize("fields", [["hidden_size"], ["vocab_size", "num_experts"]])
+def test_missing_required_config_field_names_the_file_and_field(hf_copy, fields):
+    _edit_config(hf_copy, lambda c: [c["text_config"].pop(f) for f in fields])
+    names = ", ".join(f"'text_config.{f}'" for f in fields)
+    with pytest.raises(CheckpointError, match=rf"{hf_copy / 'config.json'}: missing required "
+                                              rf"fields? {names} \(needed to build the "
+                                              r"qwen3_5_moe model\)"):
+        load(hf_copy)
+
+
+def test_missing_config_field_of_a_stock_architecture(tmp_path):
+    from ._llama import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "llama")
+    _edit_config(path, lambda c: c.pop("hidden_size"))
+    with pytest.raises(CheckpointError, match=rf"{path / 'config.json'}: missing required "
+                                              r"field 'hidden_size' \(needed to build the "
+                                              r"llama model\)"):
+        load(path)
+
+
+def test_layer_type_error_names_the_config_file(hf_copy):
+    _edit_config(hf_copy, lambda c: c["text_config"]["layer_types"].__setitem__(0, "mamba"))
+    with pytest.raises(UnsupportedConfigError, match=rf"^{hf_copy / 'config.json'}: "
+                                                     r"text_config\.layer_types\[0\]"):
+        load(hf_copy)
+
+
+def test_missing_tokenizer_is_named(hf_copy):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (hf_copy / name).unlink()
+    with pytest.raises(MissingCheckpointFileError,
+                       match=rf"{hf_copy / 'tokenizer.json'}: tokenizer.json not found"):
+        load(hf_copy)
+    # The model alone (benchmarks) needs no tokenizer.
+    from qwen_apple_backend.loader import load_model
+
+    load_model(hf_copy, "stock")
+    out = subprocess.run([sys.executable, "-m", "qwen_apple_backend.cli", "generate", "--model",
+                          str(hf_copy), "--prompt", "hi"], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "tokenizer.json not found" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bad_environment_fails_at_load_not_at_first_use(hf_copy, monkeypatch):
+    from qwen_apple_backend.errors import EnvVarError
+
+    monkeypatch.setenv("QAB_GDN_CHUNK", "sixty-four")
+    with pytest.raises(EnvVarError, match=r"^QAB_GDN_CHUNK: expected a positive integer, "
+                                          r"got 'sixty-four'$"):
+        load(hf_copy, "fused")
+    monkeypatch.delenv("QAB_GDN_CHUNK")
+    monkeypatch.setenv("QAB_BACKEND", "turbo")
+    with pytest.raises(UnknownBackendError, match=r"^QAB_BACKEND: unknown backend 'turbo'"):
+        load(hf_copy)
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("1", True), ("true", True), ("YES", True), ("on", True), (" On ", True),
+    ("0", False), ("false", False), ("No", False), ("off", False), ("", False), (None, False),
+])
+def test_boolean_environment_variables(monkeypatch, value, expected):
+    from qwen_apple_backend import envs
+
+    for var, fn in (("QAB_DISABLE_KERNELS", envs.kernels_disabled),
+                    ("QAB_UNVERIFIED_KERNELS", envs.unverified_kernels_allowed)):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+        assert fn() is expected
+
+
+def test_bad_boolean_and_list_variables_name_themselves(monkeypatch):
+    from qwen_apple_backend import envs
+    from qwen_apple_backend.errors import EnvVarError
+
+    monkeypatch.setenv("QAB_DISABLE_KERNELS", "2")
+    with pytest.raises(EnvVarError, match=r"^QAB_DISABLE_KERNELS: expected one of "
+                                          r"1/true/yes/on \(on\) or 0/false/no/off \(off\), "
+                                          r"got '2'$"):
+        envs.kernels_disabled()
+    monkeypatch.delenv("QAB_DISABLE_KERNELS")
+    monkeypatch.setenv("QAB_DISABLE", "moe,foo")
+    with pytest.raises(EnvVarError, match=r"^QAB_DISABLE: unknown optimization 'foo' \(known: "
+                                          r"moe, gdn, attn, all, gdn-kernel, moe-gemm, "
+                                          r"moe-kernel, decode-compile\)$"):
+        envs.validate()
+    monkeypatch.setenv("QAB_DISABLE", "all")
+    assert envs.disabled_kinds() == frozenset({"moe", "gdn", "attn"})

@@ -42,7 +42,27 @@ def test_unclaimed_architecture_is_exactly_mlx_lm(llama_dir, backend):
     assert mx.array_equal(a, b).item(), "logits differ from mlx_lm.load"
     assert tok.encode("w1 w2 w3") == ref_tok.encode("w1 w2 w3")
     report = get_report(model)
-    assert report.architecture is None and report.modules == []
+    assert report.architecture is None
+    # Every layer's attention and MLP is listed, stock, with the reason.
+    assert [(m.path, m.kind, m.stock, m.fused) for m in report.modules] == [
+        (f"model.layers.{i}.{attr}", kind, cls, None)
+        for i in range(2) for attr, kind, cls in (("self_attn", "attn", "Attention"),
+                                                  ("mlp", "mlp", "MLP"))]
+    assert {m.reason for m in report.modules} == {"no plugin claims architecture 'llama'"}
+    summary = report.summary()
+    assert "attn: 0/2 fused; stock because: no plugin claims architecture 'llama'" in summary
+    assert "mlp: 0/2 fused" in summary
+
+
+def test_report_of_a_model_loaded_by_plain_mlx_lm(llama_dir):
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(llama_dir))
+    report = get_report(model)
+    assert report is not None and report.backend == "stock" and not report.fused
+    assert report.counts() == {"attn": (0, 2), "mlp": (0, 2)}
+    assert "not loaded through qwen_apple_backend" in report.summary()
+    assert get_report(object()) is None  # not an MLX model
 
 
 def test_example_plugin_claims_llama_and_keeps_logits(llama_dir, tmp_path):

@@ -559,6 +559,33 @@ def _sample(spec: _Spec, seed: int, dtype: mx.Dtype, device: mx.Device | None) -
         return x.astype(dtype)
 
 
+def gpu_available() -> bool:
+    """Whether MLX has a GPU backend here (Metal or CUDA)."""
+    try:
+        if mx.metal.is_available():
+            return True
+    except Exception:  # noqa: BLE001 - a build without Metal
+        pass
+    cuda = getattr(mx, "cuda", None)
+    try:
+        return bool(cuda is not None and cuda.is_available())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def default_dtype(layout: str = "hf") -> str:
+    """The float dtype ``dtype="auto"`` picks: one this machine can run.
+
+    ``bfloat16`` (the published checkpoints' dtype) when MLX has a GPU backend, or
+    for the 4-bit ``mlx-q4`` layout (MLX's quantized expert GEMM runs bfloat16 on
+    the CPU too); ``float32`` for the unquantized ``hf`` layout on a CPU-only MLX,
+    whose expert GEMM (``GatherMM``) supports only float32.
+    """
+    if layout == "mlx-q4" or gpu_available():
+        return "bfloat16"
+    return "float32"
+
+
 def _as_dtype(dtype: str | mx.Dtype) -> mx.Dtype:
     if isinstance(dtype, mx.Dtype):
         if dtype not in _DTYPES.values():
@@ -867,7 +894,9 @@ def make_checkpoint(
         seed (int): random seed; the same seed gives byte-identical files.
             Default: ``0``.
         dtype (str | mx.Dtype): ``"bfloat16"``, ``"float16"`` or ``"float32"``: the
-            stored float dtype (``A_log`` is always float32). Default: ``"bfloat16"``.
+            stored float dtype (``A_log`` is always float32); ``"auto"`` picks
+            :func:`default_dtype` (float32 for the ``"hf"`` layout on a CPU-only MLX,
+            else bfloat16). Default: ``"bfloat16"``.
         vocab_size (int, optional): embedding rows instead of the real 248,320, for
             fast CPU tests; the tokenizer stays the real one. Default: ``None``.
         num_shards (int, optional): number of ``model-*.safetensors`` files of the
@@ -905,6 +934,8 @@ def make_checkpoint(
             f"preset {preset!r} is only written as layout='mlx-q4': its {layout!r} layout "
             "would materialise every parameter unquantized"
         )
+    if isinstance(dtype, str) and dtype == "auto":
+        dtype = default_dtype(layout)
     mx_dtype = _as_dtype(dtype)
     config = hf_config(preset, vocab_size)  # validates vocab_size early
     _prepare_out_dir(out_dir, overwrite)

@@ -8,25 +8,36 @@ Variables:
         (``auto``, ``fused`` or ``stock``). Default ``auto``.
     QAB_DISABLE: comma-separated fused module kinds to keep stock
         (``moe``, ``gdn``, ``attn``, ``all``) or single optimizations to
-        switch off (``gdn-kernel``, ``moe-gemm``, ``decode-compile``), for
-        ablations: ``moe``, ``gdn``, ``attn`` (``all`` = every kind).
-    QAB_DISABLE_KERNELS: ``1`` forces the portable pure-MLX path of every op.
+        switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``,
+        ``decode-compile``), for ablations.
+    QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
+        pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
+        leaves kernels on. Anything else is an error.
     QAB_ENABLE: comma-separated experimental optimizations to switch on
         (``decode-compile``: the compiled one-token decode step).
-    QAB_UNVERIFIED_KERNELS: ``1`` also uses CUDA kernels whose GPU tests have
-        not yet passed on a GPU (``verified`` missing in kernels/MANIFEST.toml);
-        they still pass the self-check first. For developing kernels.
+    QAB_UNVERIFIED_KERNELS: a boolean like ``QAB_DISABLE_KERNELS``; on, it also
+        uses CUDA kernels whose GPU tests have not yet passed on a GPU
+        (``verified`` missing in kernels/MANIFEST.toml); they still pass the
+        self-check first. For developing kernels.
     QAB_PLUGINS: comma-separated allowlist of plugin (entry-point) names to
         load; unset loads all. The built-in plugin is named ``qwen``.
-    QAB_GDN_CHUNK: chunk size of the chunked Gated DeltaNet prefill. Default 64.
+    QAB_GDN_CHUNK: chunk size of the chunked Gated DeltaNet prefill (a positive
+        integer). Default 64.
     QAB_CACHE_DIR: where ``make demo`` caches its checkpoint. Default
         ``~/.cache/qwen-apple-backend``.
+
+A bad value raises :class:`~qwen_apple_backend.errors.EnvVarError` (a
+``ValueError``) whose message starts with the variable's name; :func:`validate`
+checks every variable at once (the ``qab`` command runs it at startup).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterable, Optional
+
+from .errors import EnvVarError
 
 FUSABLE_KINDS = ("moe", "gdn", "attn")
 # Single optimizations inside a fused module kind, switchable for ablations.
@@ -43,33 +54,84 @@ def _get(name: str, default: str | None = None) -> str | None:
     return default if value is None or value == "" else value
 
 
-def backend() -> str:
-    return _get("QAB_BACKEND", "auto")
+#: Accepted spellings of a boolean variable (compared lower-case; empty = off).
+TRUE_VALUES = ("1", "true", "yes", "on")
+FALSE_VALUES = ("0", "false", "no", "off")
+
+#: Backends ``QAB_BACKEND`` may name for MLX loading.
+MLX_BACKENDS = ("auto", "fused", "stock")
+
+
+def _names(raw: str) -> list[str]:
+    return [n.strip().lower() for n in raw.split(",") if n.strip()]
+
+
+def _unknown(var: str, what: str, unknown: Iterable[str], known: Iterable[str]) -> EnvVarError:
+    unknown = sorted(set(unknown))
+    names = ", ".join(repr(n) for n in unknown)
+    plural = "s" if len(unknown) > 1 else ""
+    return EnvVarError(f"{var}: unknown {what}{plural} {names} (known: {', '.join(known)})")
+
+
+def _flag(name: str) -> bool:
+    """A boolean variable: 1/true/yes/on or 0/false/no/off (any case); unset or empty = off.
+
+    Raises:
+        EnvVarError: for any other value, naming the variable.
+    """
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in TRUE_VALUES:
+        return True
+    if value in FALSE_VALUES or value == "":
+        return False
+    raise EnvVarError(f"{name}: expected one of {'/'.join(TRUE_VALUES)} (on) or "
+                      f"{'/'.join(FALSE_VALUES)} (off), got {raw!r}")
+
+
+def backend(known: Optional[Iterable[str]] = None) -> str:
+    """``QAB_BACKEND`` lower-cased, default ``auto``.
+
+    Args:
+        known (Iterable[str], optional): backend names accepted here; when given,
+            any other value raises.
+
+    Raises:
+        EnvVarError: if ``known`` is given and the value is not in it.
+    """
+    value = (_get("QAB_BACKEND", "auto") or "auto").strip().lower() or "auto"
+    if known is not None:
+        known = list(known)
+        if value not in known:
+            raise _unknown("QAB_BACKEND", "backend", [value], known)
+    return value
 
 
 def disabled_kinds() -> frozenset[str]:
     """Module kinds forced to stock, and optimizations switched off, by ``QAB_DISABLE``.
 
     Raises:
-        ValueError: if a name is not one of ``moe``, ``gdn``, ``attn``,
-            ``all`` or an optimization name (``gdn-kernel``, ``moe-gemm``, ``decode-compile``).
+        EnvVarError: if a name is not one of ``moe``, ``gdn``, ``attn``,
+            ``all`` or an optimization name (``gdn-kernel``, ``moe-gemm``,
+            ``moe-kernel``, ``decode-compile``).
     """
-    raw = _get("QAB_DISABLE", "")
-    names = {n.strip().lower() for n in raw.split(",") if n.strip()}
+    names = set(_names(_get("QAB_DISABLE", "") or ""))
+    unknown = names - set(FUSABLE_KINDS) - set(OPTIMIZATIONS) - {"all"}
+    if unknown:
+        raise _unknown("QAB_DISABLE", "optimization", unknown,
+                       [*FUSABLE_KINDS, "all", *OPTIMIZATIONS])
     if "all" in names:
         return frozenset(FUSABLE_KINDS)
-    unknown = names - set(FUSABLE_KINDS) - set(OPTIMIZATIONS)
-    if unknown:
-        raise ValueError(
-            f"QAB_DISABLE: unknown module kind(s) {sorted(unknown)}; "
-            f"expected a comma-separated subset of {list(FUSABLE_KINDS)}, "
-            f"optimizations {list(OPTIMIZATIONS)}, or 'all'"
-        )
     return frozenset(names)
 
 
 def kernels_disabled() -> bool:
-    return _get("QAB_DISABLE_KERNELS", "0") not in ("0", "false", "False")
+    """``QAB_DISABLE_KERNELS``: force the portable path of every op.
+
+    Raises:
+        EnvVarError: for a value that is not a boolean spelling.
+    """
+    return _flag("QAB_DISABLE_KERNELS")
 
 
 # Optimizations that are off unless named in QAB_ENABLE (not yet measured to
@@ -81,20 +143,22 @@ def enabled_experimental() -> frozenset[str]:
     """Experimental optimizations switched on by ``QAB_ENABLE`` (comma-separated).
 
     Raises:
-        ValueError: for a name that is not in :data:`EXPERIMENTAL`.
+        EnvVarError: for a name that is not in :data:`EXPERIMENTAL`.
     """
-    raw = _get("QAB_ENABLE", "")
-    names = {n.strip().lower() for n in raw.split(",") if n.strip()}
+    names = set(_names(_get("QAB_ENABLE", "") or ""))
     unknown = names - set(EXPERIMENTAL)
     if unknown:
-        raise ValueError(f"QAB_ENABLE: unknown optimization(s) {sorted(unknown)}; "
-                         f"expected a comma-separated subset of {list(EXPERIMENTAL)}")
+        raise _unknown("QAB_ENABLE", "optimization", unknown, EXPERIMENTAL)
     return frozenset(names)
 
 
 def unverified_kernels_allowed() -> bool:
-    """``QAB_UNVERIFIED_KERNELS=1``: also build CUDA kernels not yet verified on a GPU."""
-    return _get("QAB_UNVERIFIED_KERNELS", "0") not in ("0", "false", "False")
+    """``QAB_UNVERIFIED_KERNELS``: also build CUDA kernels not yet verified on a GPU.
+
+    Raises:
+        EnvVarError: for a value that is not a boolean spelling.
+    """
+    return _flag("QAB_UNVERIFIED_KERNELS")
 
 
 def plugin_allowlist() -> frozenset[str] | None:
@@ -105,14 +169,38 @@ def plugin_allowlist() -> frozenset[str] | None:
 
 
 def gdn_chunk_size() -> int:
+    """``QAB_GDN_CHUNK``, default 64.
+
+    Raises:
+        EnvVarError: if it is not a positive integer.
+    """
     raw = _get("QAB_GDN_CHUNK", "64")
     try:
-        value = int(raw)
+        value = int(raw.strip())
     except ValueError:
-        raise ValueError(f"QAB_GDN_CHUNK must be a positive integer, got {raw!r}") from None
+        value = 0
     if value <= 0:
-        raise ValueError(f"QAB_GDN_CHUNK must be a positive integer, got {raw!r}")
+        raise EnvVarError(f"QAB_GDN_CHUNK: expected a positive integer, got {raw!r}")
     return value
+
+
+def validate(backends: Optional[Iterable[str]] = None) -> None:
+    """Check every ``QAB_*`` variable now, rather than at first use.
+
+    Args:
+        backends (Iterable[str], optional): names ``QAB_BACKEND`` may take; None
+            leaves ``QAB_BACKEND`` unchecked (commands that do not read it).
+
+    Raises:
+        EnvVarError: for the first variable with a bad value, naming it.
+    """
+    disabled_kinds()
+    enabled_experimental()
+    kernels_disabled()
+    unverified_kernels_allowed()
+    gdn_chunk_size()
+    if backends is not None:
+        backend(backends)
 
 
 def cache_dir() -> Path:

@@ -25,6 +25,13 @@ class UnknownBackendError(QABError, KeyError):
         return str(self.args[0]) if self.args else "unknown backend"
 
 
+class EnvVarError(QABError, ValueError):
+    """An environment variable (``QAB_*``) has a value this package cannot use.
+
+    The message starts with the variable's name and lists the accepted values.
+    """
+
+
 class PluginLoadError(QABError, ImportError):
     """A plugin the user asked for by name could not be imported."""
 
@@ -68,3 +75,7 @@ class InvalidInputError(QABError, ValueError):
 class BackendCapabilityError(QABError, RuntimeError):
     """A registered backend cannot do what was asked here (not available on this
     machine, or it cannot generate text for the pipeline); the message says why."""
+
+
+class ServeStartupError(QABError, RuntimeError):
+    """``qab serve`` could not start: the model did not load or the port cannot be bound."""

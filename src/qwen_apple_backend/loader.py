@@ -8,6 +8,7 @@ exactly as ``mlx_lm.load`` loads them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,7 +20,12 @@ from . import envs
 from .errors import CheckpointError, MissingCheckpointFileError, PromptError, UnknownBackendError
 from .report import FuseReport
 
-MLX_BACKENDS = ("auto", "fused", "stock")
+MLX_BACKENDS = envs.MLX_BACKENDS
+
+#: Files of which at least one makes a directory hold a tokenizer that
+#: ``transformers.AutoTokenizer`` (and so ``mlx_lm.load``) can load.
+TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                        "spiece.model", "tokenizer.tiktoken", "qwen.tiktoken")
 
 _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
@@ -180,16 +186,28 @@ def load_model(model_path: Union[str, Path], backend: Optional[str] = None, *, l
     from mlx_lm import utils as mlx_utils
 
     backend = check_backend(backend)
+    if backend not in MLX_BACKENDS:
+        raise UnknownBackendError(f"load_model() builds MLX models with one of "
+                                  f"{list(MLX_BACKENDS)}; use load() for backend {backend!r}")
+    if backend in ("auto", "fused"):
+        envs.validate()  # a bad QAB_* variable fails here, not at the first forward pass
     model_path = Path(model_path)
     config = read_config(model_path)
+    cfg_file = model_path / "config.json"
     report = FuseReport(backend=backend)
     resolved = _resolve_adapter(config)
+    if resolved is None:
+        check_model_type(config, cfg_file)
     check_weight_files(model_path)
     if resolved is None:
-        model, config = mlx_utils.load_model(model_path, lazy, strict=strict,
-                                             model_config=model_config,
-                                             trust_remote_code=trust_remote_code)
-        report.notes.append("no plugin claims this architecture: stock mlx-lm model")
+        with _config_errors(cfg_file, config.get("model_type")):
+            model, config = mlx_utils.load_model(model_path, lazy, strict=strict,
+                                                 model_config=model_config,
+                                                 trust_remote_code=trust_remote_code)
+        why = f"no plugin claims architecture {config.get('model_type')!r}"
+        report.notes.append(f"{why} (config.json model_type / architectures): stock mlx-lm "
+                            "model")
+        report.add_stock_modules(model, why)
         model.qab_report = report
         return model, config, report
 
@@ -198,12 +216,20 @@ def load_model(model_path: Union[str, Path], backend: Optional[str] = None, *, l
     merged = dict(config)
     if model_config:
         merged.update(model_config)
-    overrides = adapter.prepare_config(merged, report)
+    try:
+        overrides = adapter.prepare_config(merged, report)
+    except CheckpointError as exc:
+        # Adapters name the field as "config.json: ..."; give the full path.
+        text = str(exc)
+        if text.startswith("config.json"):
+            raise type(exc)(f"{cfg_file}{text[len('config.json'):]}") from exc
+        raise
     overrides = {**(model_config or {}), **overrides}
 
     from .models._hybrid import load_context
 
-    with load_context(model_path=model_path, config={**config, **overrides}):
+    with load_context(model_path=model_path, config={**config, **overrides}), \
+            _config_errors(cfg_file, name):
         try:
             model, config = mlx_utils.load_model(
                 model_path, lazy, strict=strict, model_config=overrides,
@@ -219,31 +245,136 @@ def load_model(model_path: Union[str, Path], backend: Optional[str] = None, *, l
         kinds = envs.disabled_kinds() if disable is None else frozenset(disable)
         adapter.fuse(model, config, disable=kinds, use_fallback=use_fallback, report=report)
     else:
-        report.notes.append("backend=stock: stock mlx-lm modules (loader fixes only)")
+        why = "backend=stock: stock mlx-lm modules (loader fixes only)"
+        report.notes.append(why)
+        report.add_stock_modules(model, "backend=stock")
     model.qab_report = report
     return model, config, report
+
+
+def check_model_type(config: dict, cfg_file: Union[str, Path] = "config.json") -> None:
+    """An architecture no plugin claims must be one mlx-lm itself can build.
+
+    Raises:
+        CheckpointError: naming the file and ``model_type`` (and the claimed names)
+            when mlx-lm has no model of that type either.
+    """
+    from mlx_lm.utils import _get_classes
+
+    try:
+        _get_classes(config)
+    except ValueError as exc:
+        from .plugins import get_registry
+
+        claimed = ", ".join(sorted(get_registry().architectures)) or "none"
+        model_type = config.get("model_type")
+        raise CheckpointError(
+            f"{cfg_file}: unsupported model_type {model_type!r}: no installed plugin claims it "
+            f"(claimed: {claimed}) and mlx-lm has no model of that type ({exc})") from exc
+
+
+_MISSING_ARG = re.compile(r"missing \d+ required (?:positional|keyword-only) arguments?: (.*)$")
+
+
+@contextlib.contextmanager
+def _config_errors(cfg_file: Path, architecture: Any):
+    """Turn mlx-lm's ``ModelArgs(...)`` TypeError for a missing config field into a
+    CheckpointError naming the file and the field."""
+    try:
+        yield
+    except TypeError as exc:
+        m = _MISSING_ARG.search(str(exc))
+        if m is None:
+            raise
+        fields = re.findall(r"'([^']+)'", m.group(1))
+        which = ", ".join(repr(f) for f in fields) or m.group(1)
+        raise CheckpointError(
+            f"{cfg_file}: missing required field{'s' if len(fields) > 1 else ''} {which} "
+            f"(needed to build the {architecture} model)") from exc
+
+
+def plugin_mlx_backends() -> dict[str, str]:
+    """Backends registered by plugins that load mlx-lm models (besides ``fused`` / ``stock``).
+
+    A backend qualifies when its registered class has an ``mlx_backend`` attribute
+    naming one of :data:`MLX_BACKENDS` (as subclasses of
+    ``qwen_apple_backend.backends.base.MLXBackend`` do); its own ``load`` is used.
+
+    Returns:
+        dict[str, str]: backend name -> the MLX backend it builds on.
+    """
+    from .plugins import get_registry
+    from .registry import import_target
+
+    out: dict[str, str] = {}
+    registry = get_registry()
+    for name in sorted(registry.backends):
+        if name in MLX_BACKENDS:
+            continue
+        try:
+            obj = import_target(registry.backend(name).target)
+        except Exception:  # noqa: BLE001 - a broken plugin backend is simply not usable
+            continue
+        if getattr(obj, "mlx_backend", None) in MLX_BACKENDS:
+            out[name] = obj.mlx_backend
+    return out
 
 
 def check_backend(backend: Optional[str]) -> str:
     """Normalise a backend name for MLX loading.
 
+    Args:
+        backend (str, optional): a backend name; None reads ``QAB_BACKEND`` (default
+            ``auto``).
+
+    Returns:
+        str: the lower-cased name: one of :data:`MLX_BACKENDS`, or a plugin backend
+        that loads mlx-lm models (:func:`plugin_mlx_backends`).
+
     Raises:
         UnknownBackendError: for a name that is not an MLX backend; names other
             plugins register (e.g. ``llama.cpp``) are pointed to ``qab compare``.
+            The message names ``QAB_BACKEND`` when the name came from it.
     """
-    backend = (backend or envs.backend()).lower()
+    source = "" if backend else "QAB_BACKEND: "
+    backend = (backend or envs.backend()).strip().lower()
     if backend in MLX_BACKENDS:
+        return backend
+    plugin_mlx = plugin_mlx_backends()
+    if backend in plugin_mlx:
         return backend
     from .plugins import get_registry
 
     known = set(get_registry().backends)
+    usable = [*MLX_BACKENDS, *plugin_mlx]
     if backend in known:
         raise UnknownBackendError(
-            f"backend {backend!r} is not an MLX backend and cannot return an mlx-lm model; "
-            f"use it through qwen_apple_backend.backends or `qab compare --backends {backend}`")
+            f"{source}backend {backend!r} is not an MLX backend and cannot return an mlx-lm "
+            f"model (MLX backends: {', '.join(usable)}); use it through "
+            f"qwen_apple_backend.backends or `qab compare --backends stock,{backend}=MODEL`")
     raise UnknownBackendError(
-        f"unknown backend {backend!r}; expected one of {list(MLX_BACKENDS)}"
+        f"{source}unknown backend {backend!r}; expected one of {usable}"
         + (f" (registered: {sorted(known)})" if known else ""))
+
+
+def check_tokenizer_files(model_path: Path) -> None:
+    """A checkpoint directory must hold a tokenizer to generate text.
+
+    Raises:
+        MissingCheckpointFileError: naming ``tokenizer.json`` (and the other file
+            names a tokenizer may come in) when the directory has none of them.
+    """
+    model_path = Path(model_path)
+    if any((model_path / n).is_file() for n in TOKENIZER_FILE_NAMES):
+        return
+    if any(model_path.glob("*.tiktoken")):
+        return
+    raise MissingCheckpointFileError(
+        f"{model_path / 'tokenizer.json'}: tokenizer.json not found (nor "
+        f"{', '.join(TOKENIZER_FILE_NAMES[1:])}): this checkpoint has no tokenizer, which "
+        "generating text needs. Copy the tokenizer files of the original model into the "
+        "directory (for a Qwen3.5/3.6 checkpoint, "
+        "qwen_apple_backend.tokenizer.write_tokenizer(path) writes the real one).")
 
 
 def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
@@ -271,10 +402,12 @@ def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
         is in :func:`get_report` (``model.qab_report``).
 
     Raises:
-        MissingCheckpointFileError: missing directory, config or weight file.
-        CheckpointError: corrupt file, mismatching keys/shapes/quantization.
+        MissingCheckpointFileError: missing directory, config, weight or tokenizer file.
+        CheckpointError: corrupt file, mismatching keys/shapes/quantization, an
+            unsupported ``model_type`` or a missing required config field.
         UnsupportedConfigError: a config the model cannot be built from.
         UnknownBackendError: an unknown backend name.
+        EnvVarError: a bad ``QAB_*`` environment variable.
 
     Example:
         >>> from qwen_apple_backend import load, get_report
@@ -283,7 +416,19 @@ def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
         >>> print(get_report(model).summary())
         >>> print(generate(model, tokenizer, prompt="Hello", max_tokens=32))
     """
+    backend = check_backend(backend)
+    if backend not in MLX_BACKENDS:
+        # A plugin backend that builds mlx-lm models: its own load() (which comes back here
+        # with one of MLX_BACKENDS).
+        from .backends import get_backend
+
+        return get_backend(backend).load(
+            path_or_hf_repo, tokenizer_config=tokenizer_config, model_config=model_config,
+            adapter_path=adapter_path, lazy=lazy, return_config=return_config,
+            revision=revision, trust_remote_code=trust_remote_code,
+            use_fallback=use_fallback, disable=disable)
     model_path = _resolve_path(path_or_hf_repo, revision)
+    check_tokenizer_files(model_path)
     model, config, _ = load_model(model_path, backend, lazy=lazy, model_config=model_config,
                                   trust_remote_code=trust_remote_code,
                                   use_fallback=use_fallback,
@@ -301,8 +446,30 @@ def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
 
 
 def get_report(model: Any) -> Optional[FuseReport]:
-    """The :class:`FuseReport` of a model loaded by :func:`load` (None otherwise)."""
-    return getattr(model, "qab_report", None)
+    """What was fused in ``model``, and why the rest stayed stock.
+
+    Args:
+        model: a model from :func:`load` (or any mlx-lm model).
+
+    Returns:
+        FuseReport | None: the report :func:`load` stored on the model. A model
+        with none (e.g. from plain ``mlx_lm.load``) gets one listing every layer's
+        modules as stock, saying it was not loaded through this package. None
+        only for an object that is not an MLX model (e.g. a llama.cpp model).
+    """
+    report = getattr(model, "qab_report", None)
+    if report is not None:
+        return report
+    try:
+        import mlx.nn as nn
+    except ImportError:  # pragma: no cover - mlx is a dependency
+        return None
+    if not isinstance(model, nn.Module):
+        return None
+    why = "not loaded through qwen_apple_backend (e.g. plain mlx_lm.load): stock mlx-lm model"
+    report = FuseReport(backend="stock", notes=[why])
+    report.add_stock_modules(model, "not loaded through qwen_apple_backend")
+    return report
 
 
 def max_positions(model: Any) -> Optional[int]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 
 @dataclass
@@ -35,7 +35,9 @@ class FuseReport:
         architecture: architecture name that matched, or None (stock mlx-lm).
         adapter: ``"module:attr"`` of the adapter used, or None.
         plugin: name of the plugin that supplied the adapter.
-        modules: one :class:`ModuleRecord` per swappable submodule.
+        modules: one :class:`ModuleRecord` per swappable submodule (attention,
+            Gated DeltaNet / other mixers, MLP or MoE of each layer), fused or not;
+            a model nothing was fused in lists each as stock with the reason.
         notes: loader fixes applied (e.g. derived ``full_attention_interval``).
     """
 
@@ -45,6 +47,17 @@ class FuseReport:
     plugin: Optional[str] = None
     modules: list[ModuleRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+    def add_stock_modules(self, model: Any, reason: str) -> None:
+        """Record every swappable submodule of ``model`` as stock, with ``reason``.
+
+        Used for models nothing was fused in (an architecture no plugin claims,
+        ``backend="stock"``, a model loaded without this package), so a report
+        always lists each layer's attention / mixer / MLP modules and why they
+        stayed stock.
+        """
+        for path, kind, module in swappable_modules(model):
+            self.modules.append(ModuleRecord(path, kind, type(module).__name__, None, reason))
 
     @property
     def fused(self) -> list[ModuleRecord]:
@@ -63,12 +76,13 @@ class FuseReport:
         return out
 
     def summary(self) -> str:
-        """A few human-readable lines (printed by the CLI with ``--verbose``)."""
+        """A few human-readable lines (printed by ``qab generate|chat|serve --qab-report``)."""
         head = f"backend={self.backend}"
         if self.architecture is None:
-            return head + ": architecture not claimed by any plugin; stock mlx-lm model"
-        lines = [f"{head} architecture={self.architecture} adapter={self.adapter} "
-                 f"(plugin {self.plugin})"]
+            lines = [head + ": no fused modules; stock mlx-lm model"]
+        else:
+            lines = [f"{head} architecture={self.architecture} adapter={self.adapter} "
+                     f"(plugin {self.plugin})"]
         for kind, (f, t) in sorted(self.counts().items()):
             fused_as = sorted({m.fused for m in self.modules if m.kind == kind and m.fused})
             reasons = sorted({m.reason for m in self.modules if m.kind == kind and not m.fused})
@@ -87,3 +101,56 @@ class FuseReport:
             "plugin": self.plugin, "notes": list(self.notes),
             "modules": [m.__dict__.copy() for m in self.modules],
         }
+
+
+#: Layer attributes that hold a swappable module, and the kind each is reported as.
+_SWAPPABLE_ATTRS = (
+    ("linear_attn", "gdn"), ("self_attn", "attn"), ("attention", "attn"), ("attn", "attn"),
+    ("mixer", "mixer"), ("mlp", "mlp"), ("feed_forward", "mlp"), ("block_sparse_moe", "moe"),
+)
+
+
+def _is_moe(module: Any) -> bool:
+    name = type(module).__name__.lower()
+    return ("moe" in name or "sparse" in name or "switch_mlp" in module
+            or "experts" in module) if hasattr(module, "__contains__") else "moe" in name
+
+
+def _children(module: Any) -> dict:
+    try:
+        return dict(module.children())
+    except Exception:  # noqa: BLE001 - not an mlx.nn.Module
+        return {}
+
+
+def swappable_modules(model: Any) -> Iterator[tuple[str, str, Any]]:
+    """``(path, kind, module)`` for each layer's attention, mixer and MLP/MoE modules.
+
+    Kinds are those of the fused reports: ``gdn``, ``attn``, ``moe``, ``mlp``
+    (and ``mixer`` for other sequence mixers). Works on any mlx-lm model with a
+    ``layers`` list (``model.layers``, ``model.model.layers`` or
+    ``model.language_model.model.layers``).
+    """
+    layers = None
+    for obj in (model, getattr(model, "model", None), getattr(model, "language_model", None),
+                getattr(getattr(model, "language_model", None), "model", None)):
+        candidate = getattr(obj, "layers", None) if obj is not None else None
+        if isinstance(candidate, (list, tuple)):
+            layers = candidate
+            break
+    if not layers:
+        return
+    try:
+        names = {id(m): n for n, m in model.named_modules()}
+    except Exception:  # noqa: BLE001
+        names = {}
+    for i, layer in enumerate(layers):
+        base = names.get(id(layer), f"layers.{i}")
+        children = _children(layer)
+        for attr, kind in _SWAPPABLE_ATTRS:
+            module = children.get(attr)
+            if module is None or not callable(getattr(module, "children", None)):
+                continue  # absent, or a list of modules rather than one
+            if kind == "mlp" and _is_moe(module):
+                kind = "moe"
+            yield f"{base}.{attr}", kind, module

@@ -407,10 +407,13 @@ def fuse_in_memory(model: Any, backend: str = "fused", *, config: Optional[dict]
                   or getattr(args, "model_type", None)}
     if backend == "stock":
         report.notes.append("backend=stock: stock mlx-lm modules (built in memory)")
+        report.add_stock_modules(model, "backend=stock")
     else:
         match = resolve_architecture(config)
         if match is None:
-            report.notes.append("no plugin claims this architecture: stock mlx-lm model")
+            why = f"no plugin claims architecture {config.get('model_type')!r}"
+            report.notes.append(f"{why}: stock mlx-lm model")
+            report.add_stock_modules(model, why)
         else:
             name, entry = match
             obj = entry.load()

@@ -205,8 +205,29 @@ class QwenHybridAdapter(Adapter):
     name = "qwen-fused"
     stock_module = ""
     text_model_types: dict[str, str] = {}
+    #: Text-config fields without which mlx-lm would build the model from its own
+    #: defaults (a different model than the weights): a missing one is an error.
+    required_fields: tuple[str, ...] = (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "vocab_size", "linear_num_value_heads", "linear_num_key_heads",
+        "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
+
+    def check_required_fields(self, config: dict) -> None:
+        """Raise if a field of :attr:`required_fields` is missing from the config.
+
+        Raises:
+            CheckpointError: ``config.json: missing required field 'text_config.X'``.
+        """
+        tc, prefix = text_config_of(config)
+        missing = [f for f in self.required_fields if tc.get(f) is None]
+        if missing:
+            names = ", ".join(repr(prefix + f) for f in missing)
+            raise CheckpointError(
+                f"config.json: missing required field{'s' if len(missing) > 1 else ''} "
+                f"{names} (needed to build the {self.name} model)")
 
     def prepare_config(self, config: dict, report: FuseReport) -> dict:
+        self.check_required_fields(config)
         tc, prefix = text_config_of(config)
         interval = derive_full_attention_interval(tc, prefix)
         overrides: dict = {}

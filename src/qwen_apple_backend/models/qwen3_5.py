@@ -21,6 +21,7 @@ class Model(stock.Model):
 class Adapter(QwenHybridAdapter):
     name = "qwen3_5"
     stock_module = "qwen3_5"
+    required_fields = QwenHybridAdapter.required_fields + ("intermediate_size",)
 
     def model_class(self, config: dict) -> type:
         return Model

@@ -25,6 +25,9 @@ class Model(stock.Model):
 class Adapter(QwenHybridAdapter):
     name = "qwen3_5_moe"
     stock_module = "qwen3_5_moe"
+    required_fields = QwenHybridAdapter.required_fields + (
+        "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+        "shared_expert_intermediate_size")
 
     def model_class(self, config: dict) -> type:
         return Model
