@@ -80,3 +80,147 @@ def test_demo_runs_on_a_given_model(tiny_real_vocab):
     assert "same text as stock: True" in out.stdout
     lines = [l for l in out.stdout.splitlines() if re.match(r"^(fused|stock)\s+\d+\s", l)]
     assert len(lines) == 2
+
+
+# ----------------------------------------------------------------- bad input, clean exits
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+@pytest.mark.parametrize("var, value, message", [
+    ("QAB_DISABLE", "foo", "qab: error: QAB_DISABLE: unknown optimization 'foo' (known: moe, "
+                           "gdn, attn, all, gdn-kernel"),
+    ("QAB_ENABLE", "warp-drive", "qab: error: QAB_ENABLE: unknown optimization 'warp-drive' "
+                                 "(known: decode-compile)"),
+    ("QAB_BACKEND", "turbo", "qab: error: QAB_BACKEND: unknown backend 'turbo' (known: auto, "
+                             "fused, stock)"),
+    ("QAB_GDN_CHUNK", "abc", "qab: error: QAB_GDN_CHUNK: expected a positive integer, got 'abc'"),
+    ("QAB_DISABLE_KERNELS", "maybe", "qab: error: QAB_DISABLE_KERNELS: expected one of "
+                                     "1/true/yes/on (on) or 0/false/no/off (off), got 'maybe'"),
+])
+def test_bad_environment_is_one_line_and_status_2(command, var, value, message, tmp_path):
+    # Checked at startup, before the model (here: a missing one) is even looked at.
+    out = _qab(command, "--model", str(tmp_path / "missing"), env={var: value})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == message or out.stderr.startswith(message), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+def test_bad_environment_stops_demo_and_compare_too(tmp_path):
+    for args in (["demo"], ["compare", "--model", str(tmp_path), "--prompt", "x"]):
+        out = _qab(*args, env={"QAB_GDN_CHUNK": "0"})
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.startswith("qab: error: QAB_GDN_CHUNK: expected a positive integer")
+
+
+def test_unknown_backend_flag_lists_the_available_ones(tmp_path):
+    out = _qab("generate", "--model", str(tmp_path), "--backend", "turbo", "--prompt", "x")
+    assert out.returncode == 2
+    assert "qab generate: error: --backend: unknown backend 'turbo' (available: auto, fused, " \
+           "stock" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["demo", "--max-tokens", "-3"], "argument --max-tokens: must be a positive integer, got -3"),
+    (["demo", "--max-tokens", "0"], "argument --max-tokens: must be a positive integer, got 0"),
+    (["generate", "--max-tokens", "-3", "--prompt", "x"],
+     "argument --max-tokens/-m: must be a positive integer, got -3"),
+    (["chat", "-m", "0"], "argument --max-tokens/-m: must be a positive integer, got 0"),
+    (["serve", "--max-tokens", "-1"], "argument --max-tokens: must be a positive integer"),
+    (["bench", "--preset", "tiny", "--rounds", "0"], "argument --rounds: must be a positive"),
+    (["bench", "--preset", "tiny", "--lengths", "512,-4"], "argument --lengths: -4 is too short"),
+    (["bench", "--preset", "tiny", "--decode-tokens", "-1"], "argument --decode-tokens: must be"),
+    (["compare", "--preset", "tiny", "--max-tokens", "-3"], "argument --max-tokens: must be a "
+                                                            "positive integer, got -3"),
+    (["compare", "--preset", "tiny", "--warmup", "-1"], "argument --warmup: must be an integer "
+                                                        ">= 0, got -1"),
+    (["make-checkpoint", "x", "--vocab-size", "0"], "argument --vocab-size: must be a positive"),
+])
+def test_token_counts_must_be_positive(args, message):
+    out = _qab(*args, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_backends_json_into_a_closed_pipe_exits_quietly():
+    # The reader is gone before qab writes (`qab backends --json | head -0`).
+    proc = subprocess.Popen([sys.executable, "-m", "qwen_apple_backend.cli", "backends", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_chat_ends_cleanly_on_end_of_input(tiny_hf_f32):
+    out = subprocess.run([sys.executable, "-m", "qwen_apple_backend.cli", "chat", "--model",
+                          str(tiny_hf_f32), "--max-tokens", "2"], stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr and "EOFError" not in out.stderr
+
+
+def test_chat_ends_cleanly_on_ctrl_c(tiny_hf_f32):
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "qwen_apple_backend.cli", "chat", "--model",
+                             str(tiny_hf_f32)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    # Wait for the input prompt (the model is loaded), then interrupt.
+    deadline, seen = time.monotonic() + 300, b""
+    while "›".encode() not in seen and time.monotonic() < deadline:
+        chunk = os.read(proc.stdout.fileno(), 4096)
+        if not chunk:
+            break
+        seen += chunk
+    assert "›".encode() in seen, seen
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert b"Traceback" not in err and b"KeyboardInterrupt" not in err, err
+
+
+def test_bf16_moe_on_the_cpu_is_one_clear_error(tiny_hf_bf16):
+    import mlx.core as mx
+
+    if mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        pytest.skip("a GPU runs bfloat16 experts")
+    out = _qab("generate", "--model", str(tiny_hf_bf16), "--prompt", "hi", "--max-tokens", "2")
+    assert out.returncode == 1
+    assert "only in float32" in out.stderr and "--dtype float32" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_make_checkpoint_default_dtype_runs_here(tmp_path):
+    import mlx.core as mx
+
+    from qwen_apple_backend.checkpoint import default_dtype
+
+    gpu = mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available())
+    assert default_dtype("hf") == ("bfloat16" if gpu else "float32")
+    assert default_dtype("mlx-q4") == "bfloat16"
+    help_text = _qab("make-checkpoint", "--help").stdout
+    assert "--dtype {auto,bfloat16,float16,float32}" in help_text and "(default: auto)" in \
+        help_text
+    out = _qab("make-checkpoint", str(tmp_path / "ckpt"), "--vocab-size", "1024", "--quiet")
+    assert out.returncode == 0, out.stderr
+    assert f"(tiny, {default_dtype('hf')})" in out.stdout
+    header = json.loads((tmp_path / "ckpt" / "model.safetensors.index.json").read_text())
+    shard = tmp_path / "ckpt" / sorted(set(header["weight_map"].values()))[0]
+    from qwen_apple_backend.loader import read_safetensors_header
+
+    dtypes = {v["dtype"] for k, v in read_safetensors_header(shard).items()
+              if k != "__metadata__" and "A_log" not in k}
+    assert dtypes == {"F32" if not gpu else "BF16"}
+
+
+def test_demo_help_describes_every_option():
+    out = _qab("demo", "--help")
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    for piece in ("--prompt PROMPT user message", "(default: Write a haiku about fast "
+                  "inference.)", "--max-tokens MAX_TOKENS tokens to generate on each backend",
+                  "(default: 32)", "--model PATH checkpoint directory", "--rebuild write the "
+                  "cached copy", "fused and on the stock backend"):
+        assert piece in text, piece

@@ -102,7 +102,7 @@ def _wait_ready(server: Server) -> None:
                 answered = r.status == 200
         except OSError:
             answered = False
-        # The model loads in mlx-lm's generation thread; --qab-report prints after it.
+        # qab serve loads the model (and prints --qab-report) before it starts listening.
         if answered and "moe:" in server.log():
             return
         time.sleep(0.2)
@@ -309,6 +309,53 @@ def test_client_disconnect_mid_stream(server, reference):
                                           max_tokens=MAX_TOKENS, temperature=0)
     assert resp.choices[0].message.content == text
     assert server.proc.poll() is None
+
+
+def test_report_is_printed_once_at_startup(server, reference):
+    # One request, so the generation thread has surely run: it must not load (or print) again.
+    resp = server.client().chat.completions.create(
+        model="default_model", messages=_chat("Hello"), max_tokens=2, temperature=0.0)
+    assert resp.choices[0].finish_reason
+    log = server.log()
+    assert log.count("moe: 4/4 fused") == 1, log
+    assert log.index("moe: 4/4 fused") < log.index("Starting httpd"), log
+
+
+@pytest.mark.parametrize("case", ["missing", "no-tokenizer", "bad-env"])
+def test_serve_fails_at_startup_on_a_bad_model_or_environment(case, tiny_hf_f32, tmp_path):
+    model = tmp_path / "missing"
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if case == "no-tokenizer":
+        model = tmp_path / "ckpt"
+        shutil.copytree(tiny_hf_f32, model)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (model / name).unlink()
+    if case == "bad-env":
+        model, env["QAB_DISABLE"] = tiny_hf_f32, "moe,bogus"
+    out = subprocess.run([sys.executable, "-m", "qwen_apple_backend.cli", "serve", "--model",
+                          str(model), "--host", "127.0.0.1", "--port", str(_free_port())],
+                         capture_output=True, text=True, timeout=120, env=env)
+    expected = {"missing": (1, "qab serve: error: " + str(model) + ": checkpoint directory "
+                               "not found"),
+                "no-tokenizer": (1, "tokenizer.json not found"),
+                "bad-env": (2, "qab: error: QAB_DISABLE: unknown optimization 'bogus'")}[case]
+    assert out.returncode == expected[0], out.stderr
+    assert expected[1] in out.stderr and "Traceback" not in out.stderr
+    assert "Starting httpd" not in out.stderr
+
+
+def test_serve_fails_at_startup_when_the_port_is_taken(tiny_hf_f32):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "qwen_apple_backend.cli", "serve",
+                              "--model", str(tiny_hf_f32), "--host", "127.0.0.1", "--port",
+                              str(port)], capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert out.returncode == 1, out.stderr
+    assert f"qab serve: error: cannot serve on 127.0.0.1:{port}" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 # ----------------------------------------------------------------- bad requests

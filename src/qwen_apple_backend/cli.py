@@ -12,8 +12,11 @@ Subcommands (each imported lazily):
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, Optional, Sequence
+
+from .argtypes import nonnegative_int, positive_int  # noqa: F401 - re-exported
 
 PASSTHROUGH = {
     "generate": ("mlx_lm.generate", "generate text (flags of mlx_lm.generate)"),
@@ -23,10 +26,14 @@ PASSTHROUGH = {
 
 
 def _backend_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False, prog=f"qab {command}" if command else None)
-    p.add_argument("--backend", default=None, choices=["auto", "fused", "stock"],
-                   help="fused Qwen modules (fused), plain mlx-lm (stock), or fused where "
-                        "supported (auto, default; env QAB_BACKEND)")
+    p = argparse.ArgumentParser(add_help=False, prog=f"qab {command}" if command else None,
+                                allow_abbrev=False)
+    # Checked against the plugin registry at run time (_check_backend_arg), so
+    # backends that plugins register are accepted too.
+    p.add_argument("--backend", default=None,
+                   help="fused Qwen modules (fused), plain mlx-lm (stock), fused where "
+                        "supported (auto, default; env QAB_BACKEND), or an MLX backend a "
+                        "plugin registers")
     p.add_argument("--qab-report", action="store_true",
                    help="print which modules were fused after loading")
     if command == "serve":
@@ -37,11 +44,85 @@ def _backend_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     return p
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+_positive_int = positive_int  # kept for importers of the old private name
+
+#: Flags of the mlx-lm commands that count tokens: checked here (a negative
+#: --max-tokens makes mlx-lm generate forever) and left in place for mlx-lm.
+_COUNT_FLAGS = {
+    "generate": (("--max-tokens", "-m"), ("--max-kv-size",), ("--prefill-step-size",)),
+    "chat": (("--max-tokens", "-m"), ("--max-kv-size",), ("--prefill-step-size",)),
+    "serve": (("--max-tokens",), ("--prefill-step-size",), ("--prompt-cache-size",)),
+}
+
+
+def _check_count_flags(command: str, argv: Sequence[str]) -> None:
+    """Exit with argparse's one-line error (status 2) for a token count that is not positive."""
+    p = argparse.ArgumentParser(
+        prog=f"qab {command}", add_help=False, allow_abbrev=False,
+        usage=f"qab {command} [--backend NAME] [--qab-report] [flags of "
+              f"{PASSTHROUGH[command][0]}]")
+    for flags in _COUNT_FLAGS.get(command, ()):
+        p.add_argument(*flags, type=positive_int, default=None)
+    p.parse_known_args(list(argv))
+
+
+def _usable_backends() -> tuple[list[str], list[str]]:
+    """(backends ``qab generate|chat|serve`` can use, other registered backends)."""
+    from .loader import MLX_BACKENDS, plugin_mlx_backends
+    from .plugins import get_registry
+
+    usable = [*MLX_BACKENDS, *plugin_mlx_backends()]
+    others = sorted(set(get_registry().backends) - set(usable))
+    return usable, others
+
+
+def _check_backend_arg(command: str, name: Optional[str]) -> Optional[str]:
+    """``--backend`` against the registry; raises UsageError with the available names."""
+    if name is None:
+        return None
+    usable, others = _usable_backends()
+    value = name.strip().lower()
+    if value in usable:
+        return value
+    if value in others:
+        raise UsageError(
+            f"--backend: backend {value!r} does not load mlx-lm models, so `qab {command}` "
+            f"cannot use it (available here: {', '.join(usable)}); compare it with "
+            f"`qab compare --backends stock,{value}=MODEL`")
+    raise UsageError(
+        f"--backend: unknown backend {value!r} (available: {', '.join(usable)}"
+        + (f"; registered by plugins for qab compare/bench only: {', '.join(others)}"
+           if others else "") + ")")
+
+
+class UsageError(Exception):
+    """A bad command line or environment: one ``error:`` line and exit status 2."""
+
+
+def _check_environment(command: str) -> None:
+    """Validate every QAB_* variable before any work (one line, exit status 2)."""
+    from . import envs
+    from .errors import EnvVarError
+
+    try:
+        backends = _usable_backends()[0] if command in PASSTHROUGH else None
+        envs.validate(backends=backends)
+    except EnvVarError as exc:
+        raise UsageError(str(exc)) from None
+
+
+#: Commands that run models, so read the QAB_* variables.
+_ENV_COMMANDS = (*PASSTHROUGH, "demo", "bench", "compare")
+
+
+def _explain(exc: BaseException) -> Optional[str]:
+    """A one-line explanation for a known runtime failure, or None."""
+    text = str(exc)
+    if isinstance(exc, RuntimeError) and "GatherMM" in text and "float32" in text:
+        return (f"{text.strip().rstrip('.')} (MLX's CPU backend runs unquantized MoE "
+                "experts only in float32): use a float32 checkpoint (`qab make-checkpoint OUT "
+                "--dtype float32`), a quantized one (`--layout mlx-q4`), or a GPU")
+    return None
 
 
 def _run_passthrough(command: str, argv: Sequence[str]) -> int:
@@ -49,16 +130,26 @@ def _run_passthrough(command: str, argv: Sequence[str]) -> int:
 
     module_name, _ = PASSTHROUGH[command]
     ours, rest = _backend_parser(command).parse_known_args(argv)
-    if "-h" in rest or "--help" in rest:
+    wants_help = "-h" in rest or "--help" in rest
+    if wants_help:
+        try:
+            usable = ", ".join(_usable_backends()[0])
+        except Exception:  # noqa: BLE001 - help must print even with broken plugins
+            usable = "auto, fused, stock"
         print(f"qab {command}: {module_name} with the qwen-apple-backend registry enabled.\n"
               "Extra flags:\n"
-              "  --backend {auto,fused,stock}  backend for the model (default auto)\n"
-              "  --qab-report                  print which modules were fused\n"
+              f"  --backend NAME                backend for the model: {usable} "
+              "(default auto, or env QAB_BACKEND)\n"
+              "  --qab-report                  print which modules were fused, once after "
+              "loading\n"
               + ("  --max-request-bytes N         larger request bodies get HTTP 413 "
                  "(default 32 MiB)\n" if command == "serve" else "")
               + f"Flags of {module_name} follow.\n")
-    if not any(a == "--model" or a.startswith("--model=") for a in rest) \
-            and "-h" not in rest and "--help" not in rest:
+    else:
+        _check_count_flags(command, rest)
+        _check_environment(command)
+        ours.backend = _check_backend_arg(command, ours.backend)
+    if not any(a == "--model" or a.startswith("--model=") for a in rest) and not wants_help:
         # Without --model, the shipped demo model rather than mlx-lm's hub default.
         from .demo import ensure_default_model
 
@@ -70,7 +161,8 @@ def _run_passthrough(command: str, argv: Sequence[str]) -> int:
     if command == "serve":
         from . import server
 
-        server.install(max_body_bytes=ours.max_request_bytes)
+        # Load the model before serving: a bad model fails here, not in a dead thread.
+        server.install(max_body_bytes=ours.max_request_bytes, preload=not wants_help)
     if ours.qab_report:
         _print_reports_after_load()
     module = importlib.import_module(module_name)
@@ -85,6 +177,17 @@ def _run_passthrough(command: str, argv: Sequence[str]) -> int:
     except QABError as exc:
         print(f"qab {command}: error: {exc}", file=sys.stderr)
         return 1
+    except EOFError:
+        if command != "chat":
+            raise
+        print(file=sys.stderr)  # end of input (Ctrl-D, closed stdin): leave quietly
+        return 0
+    except RuntimeError as exc:
+        why = _explain(exc)
+        if why is None:
+            raise
+        print(f"qab {command}: error: {why}", file=sys.stderr)
+        return 1
     finally:
         sys.argv = old_argv
     return int(result or 0)
@@ -94,12 +197,15 @@ def _print_reports_after_load() -> None:
     from . import loader
 
     original = loader.load
+    printed: set[int] = set()
 
     def load_and_report(*args, **kwargs):
         out = original(*args, **kwargs)
         report = loader.get_report(out[0])
-        if report is not None:
-            print(report.summary(), file=sys.stderr)
+        # Once per loaded model (a plugin backend's load() calls load() again).
+        if report is not None and id(report) not in printed:
+            printed.add(id(report))
+            print(report.summary(), file=sys.stderr, flush=True)
         return out
 
     loader.load = load_and_report
@@ -147,12 +253,13 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
-    from .checkpoint import make_checkpoint
+    from .checkpoint import default_dtype, make_checkpoint
 
+    dtype = default_dtype(args.layout) if args.dtype == "auto" else args.dtype
     out = make_checkpoint(args.out, preset=args.preset, layout=args.layout, seed=args.seed,
-                          dtype=args.dtype, vocab_size=args.vocab_size,
+                          dtype=dtype, vocab_size=args.vocab_size,
                           overwrite=args.overwrite, progress=not args.quiet)
-    print(f"wrote {args.layout} checkpoint ({args.preset}) to {out}")
+    print(f"wrote {args.layout} checkpoint ({args.preset}, {dtype}) to {out}")
     return 0
 
 
@@ -178,25 +285,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_backends)
 
-    p = sub.add_parser("make-checkpoint",
-                       help="write a random-weight checkpoint with the real Qwen3.6 layout")
+    p = sub.add_parser(
+        "make-checkpoint", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="write a random-weight checkpoint with the real Qwen3.6 layout",
+        description="Write a random-weight checkpoint with the exact Qwen3.6-35B-A3B on-disk "
+                    "layout (config, safetensors shards, the real tokenizer).")
     p.add_argument("out", help="output directory")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "full"])
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "full"],
+                   help="model size: tiny and small for tests, full = Qwen3.6-35B-A3B "
+                        "shapes (mlx-q4 layout only)")
     p.add_argument("--layout", default="hf", choices=["hf", "mlx-q4"],
                    help="hf: published HF layout; mlx-q4: mlx-community 4-bit layout")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="override the vocabulary size (small, fast test models)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="random seed of the weights")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="stored float dtype; auto = bfloat16 when MLX has a GPU (or for "
+                        "--layout mlx-q4), float32 on a CPU-only MLX, whose unquantized "
+                        "MoE expert GEMM runs only in float32")
+    p.add_argument("--vocab-size", type=positive_int, default=None,
+                   help="embedding rows instead of the real 248,320 (small, fast test models; "
+                        "default: the real vocabulary)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_make_checkpoint)
 
-    p = sub.add_parser("demo", help="generate with the embedded default model, fused vs stock")
-    p.add_argument("--prompt", default="Write a haiku about fast inference.")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--model", default=None, help="checkpoint to use instead of the default")
-    p.add_argument("--rebuild", action="store_true", help="rebuild the cached default model")
+    p = sub.add_parser(
+        "demo", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="generate with the embedded default model, fused vs stock",
+        description="Load a model on the fused and on the stock backend, generate the same "
+                    "greedy continuation of a chat prompt on each, and print the fused "
+                    "backend's text, whether stock produced the same text, and both "
+                    "backends' prefill and decode tokens per second. Without --model it "
+                    "uses the small trained demo model shipped in the package (copied once "
+                    "into the cache directory, QAB_CACHE_DIR, with its tokenizer).")
+    p.add_argument("--prompt", default="Write a haiku about fast inference.",
+                   help="user message, wrapped in the model's chat template")
+    p.add_argument("--max-tokens", type=positive_int, default=32,
+                   help="tokens to generate on each backend (greedy)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="checkpoint directory to use instead of the demo model (default: "
+                        "the demo model)")
+    p.add_argument("--rebuild", action="store_true",
+                   help="write the cached copy of the demo model again")
     p.set_defaults(func=cmd_demo)
 
     from .bench.cli import add_parsers
@@ -205,16 +334,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _main(argv: Sequence[str]) -> int:
     if argv and argv[0] in PASSTHROUGH:
-        return _run_passthrough(argv[0], argv[1:])
+        from .errors import QABError
+
+        try:
+            return _run_passthrough(argv[0], argv[1:])
+        except UsageError as exc:
+            print(f"qab {argv[0]}: error: {exc}" if str(exc).startswith("--")
+                  else f"qab: error: {exc}", file=sys.stderr)
+            return 2
+        except (QABError, FileNotFoundError) as exc:
+            print(f"qab {argv[0]}: error: {exc}", file=sys.stderr)
+            return 1
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Optional[Callable[[argparse.Namespace], int]] = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return 2
+    if args.command in _ENV_COMMANDS:
+        try:
+            _check_environment(args.command)
+        except UsageError as exc:
+            print(f"qab: error: {exc}", file=sys.stderr)
+            return 2
     from .errors import QABError
 
     try:
@@ -222,6 +366,45 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (QABError, ValueError, FileNotFoundError, FileExistsError) as exc:
         print(f"qab {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except RuntimeError as exc:
+        why = _explain(exc)
+        if why is None:
+            raise
+        print(f"qab {args.command}: error: {why}", file=sys.stderr)
+        return 1
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at the null device, so the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``qab`` command; returns the exit status.
+
+    A reader that closes the pipe early (``qab backends --json | head -1``) ends
+    the command quietly with status 141, like a program killed by SIGPIPE; Ctrl-C
+    ends it with status 130, without a traceback.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 141
+    except KeyboardInterrupt:
+        try:
+            print(file=sys.stderr)
+        except (OSError, ValueError):
+            pass
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

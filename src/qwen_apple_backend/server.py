@@ -31,8 +31,10 @@ import time
 from http.server import ThreadingHTTPServer
 from typing import Any, Optional
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "QABHTTPServer", "install", "make_handler_class",
-           "uninstall"]
+from .errors import ServeStartupError
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "QABHTTPServer", "ServeStartupError", "install",
+           "make_handler_class", "uninstall"]
 
 #: Largest request body accepted by default (32 MiB: a full 262,144-token context
 #: is about 1 MB of text).
@@ -163,7 +165,7 @@ def _scan_cache_dir_or_empty(original):
     return scan_cache_dir
 
 
-def install(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+def install(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, preload: bool = False) -> None:
     """Make ``mlx_lm.server`` serve through :class:`QABHTTPServer` and the handler of
     :func:`make_handler_class`.
 
@@ -173,8 +175,15 @@ def install(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
     directory does not exist. Calling again replaces the limit; :func:`uninstall`
     undoes both.
 
+    With ``preload``, ``mlx_lm.server.run`` is wrapped too: the ``--model`` is
+    loaded before the HTTP server starts (stock mlx-lm loads it in its generation
+    thread, which dies on a bad model while the server keeps answering), so a bad
+    model ends ``mlx_lm.server.main()`` with :class:`ServeStartupError`; so does a
+    port that cannot be bound.
+
     Args:
         max_body_bytes (int): largest accepted request body. Default 32 MiB.
+        preload (bool): load the default model before serving. Default False.
 
     Raises:
         ValueError: if ``max_body_bytes`` is not positive.
@@ -200,18 +209,40 @@ def install(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
                            "the mlx-lm 0.32 server")
     run_http_server = _PATCHED.setdefault("_run_http_server", mlx_server._run_http_server)
     scan = _PATCHED.setdefault("scan_cache_dir", mlx_server.scan_cache_dir)
+    run = _PATCHED.setdefault("run", mlx_server.run)
 
     def qab_run_http_server(host, port, response_generator, server_class=None,
                             handler_class=None):
         if server_class is None or server_class is ThreadingHTTPServer:
             server_class = QABHTTPServer
         handler = make_handler_class(handler_class or mlx_server.APIHandler, max_body_bytes)
-        return run_http_server(host, port, response_generator, server_class=server_class,
-                               handler_class=handler)
+        try:
+            return run_http_server(host, port, response_generator, server_class=server_class,
+                                   handler_class=handler)
+        except OSError as exc:
+            # Address in use, no permission, unknown host: stop the generation thread
+            # (not a daemon: it would keep the process alive) and say so.
+            response_generator.stop_and_join()
+            raise ServeStartupError(f"cannot serve on {host}:{port}: {exc}") from exc
+
+    def qab_run(host, port, model_provider, *args, **kwargs):
+        from .errors import QABError
+
+        try:
+            model_provider.load_default()
+        except QABError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any load failure ends the startup
+            model = getattr(getattr(model_provider, "cli_args", None), "model", None)
+            raise ServeStartupError(f"cannot load the model {model!r}: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+        return run(host, port, model_provider, *args, **kwargs)
 
     qab_run_http_server.__qab_patched__ = True
+    qab_run.__qab_patched__ = True
     mlx_server._run_http_server = qab_run_http_server
     mlx_server.scan_cache_dir = _scan_cache_dir_or_empty(scan)
+    mlx_server.run = qab_run if preload else run
 
 
 def uninstall() -> None:

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from ..argtypes import nonnegative_int, positive_float, positive_int
+
 __all__ = ["add_parsers", "cmd_bench", "cmd_compare"]
 
 _BENCH_DESCRIPTION = """\
@@ -51,6 +53,17 @@ examples:
 """
 
 
+def _lengths(text: str) -> str:
+    """``--lengths``: checked here (one argparse error line), parsed again by the harness."""
+    from .harness import parse_lengths
+
+    try:
+        parse_lengths(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--lengths: ")) from None
+    return text
+
+
 def _add_source_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (one of --model / --preset)")
     src = g.add_mutually_exclusive_group(required=True)
@@ -64,7 +77,7 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
                    help="weights seed of --preset and seed of the prompt token ids (default 0)")
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="float dtype of a --preset model (default bfloat16)")
-    g.add_argument("--vocab-size", type=int, default=None,
+    g.add_argument("--vocab-size", type=positive_int, default=None,
                    help="vocabulary of a --preset model instead of 248,320 (small test models)")
     g.add_argument("--no-quantize", action="store_true",
                    help="keep a --preset model unquantized (default: 4-bit g64, routers 8-bit)")
@@ -80,7 +93,7 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated fused module kinds (moe,gdn,attn): adds one "
                         "`fused-no-<kind>` backend per kind, the fused backend with that kind "
                         "kept stock")
-    b.add_argument("--prefill-step-size", type=int, default=None,
+    b.add_argument("--prefill-step-size", type=positive_int, default=None,
                    help="prefill chunk in tokens (default: mlx-lm's, 2048)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -97,33 +110,33 @@ def add_parsers(subparsers: Any) -> None:
                               epilog=_BENCH_EPILOG, formatter_class=fmt)
     _add_source_args(p)
     s = p.add_argument_group("sweep")
-    s.add_argument("--lengths", default=None,
+    s.add_argument("--lengths", default=None, type=_lengths,
                    help="comma-separated prompt/context lengths, K = 1024 (default "
                         "256,512,1K,2K,4K,8K,16K,32K,64K,128K; --quick: 128,256,512)")
     s.add_argument("--quick", action="store_true",
                    help="smoke test: 3 short lengths, 1 round, 16 decode tokens")
-    s.add_argument("--rounds", type=int, default=None, help="measured rounds (default 5; "
+    s.add_argument("--rounds", type=positive_int, default=None, help="measured rounds (default 5; "
                    "--quick 1)")
-    s.add_argument("--warmup", type=int, default=1,
+    s.add_argument("--warmup", type=nonnegative_int, default=1,
                    help="unrecorded warm-up runs per backend and length (default 1)")
-    s.add_argument("--warmup-max-tokens", type=int, default=4096,
+    s.add_argument("--warmup-max-tokens", type=positive_int, default=4096,
                    help="cap on a warm-up prompt; longer ones are shortened keeping the "
                         "prefill chunk shapes (default 4096)")
-    s.add_argument("--decode-tokens", type=int, default=None,
+    s.add_argument("--decode-tokens", type=positive_int, default=None,
                    help="tokens decoded per run (default 128; --quick 16)")
-    s.add_argument("--max-seconds", type=float, default=None,
+    s.add_argument("--max-seconds", type=positive_float, default=None,
                    help="time budget: start no further round when it would end past this "
                         "many seconds (rounds stay whole; the JSON records it)")
-    s.add_argument("--bandwidth-gbs", type=float, default=None,
+    s.add_argument("--bandwidth-gbs", type=positive_float, default=None,
                    help="memory bandwidth in GB/s for the roofline (default: measured by a "
                         "device copy, recorded)")
-    s.add_argument("--bandwidth-mib", type=int, default=None,
+    s.add_argument("--bandwidth-mib", type=positive_int, default=None,
                    help="array size of the bandwidth measurement (default 1024 on a GPU, 256 "
                         "on the CPU)")
     f = p.add_argument_group("fidelity")
     f.add_argument("--no-fidelity", action="store_true",
                    help="skip teacher-forced agreement and perplexity")
-    f.add_argument("--fidelity-positions", type=int, default=256,
+    f.add_argument("--fidelity-positions", type=positive_int, default=256,
                    help="teacher-forced positions scored (default 256; at least 192 counts)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="bench-results", metavar="DIR",
@@ -145,16 +158,16 @@ def add_parsers(subparsers: Any) -> None:
                         "list of strings")
     q.add_argument("--chat-template", action="store_true",
                    help="wrap each prompt in the tokenizer's chat template (default: raw text)")
-    q.add_argument("--max-tokens", type=int, default=32,
+    q.add_argument("--max-tokens", type=positive_int, default=32,
                    help="tokens generated per prompt and backend (default 32)")
-    q.add_argument("--rounds", type=int, default=1, help="repetitions of every prompt "
+    q.add_argument("--rounds", type=positive_int, default=1, help="repetitions of every prompt "
                    "(default 1)")
-    q.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up runs per backend "
+    q.add_argument("--warmup", type=nonnegative_int, default=1, help="unrecorded warm-up runs per backend "
                    "(default 1)")
     q.add_argument("--fidelity", action="store_true",
                    help="also score teacher-forced top-1 agreement with the reference and "
                         "perplexity on `qab bench`'s fidelity text")
-    q.add_argument("--fidelity-positions", type=int, default=256,
+    q.add_argument("--fidelity-positions", type=positive_int, default=256,
                    help="teacher-forced positions scored with --fidelity (default 256)")
     q.add_argument("--json", default=None, metavar="PATH",
                    help="also write the result JSON (same format as `qab bench`)")
