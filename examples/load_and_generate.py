@@ -12,6 +12,8 @@ plain mlx-lm.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 
 def main() -> None:
@@ -41,4 +43,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from qwen_apple_backend.errors import QABError
+
+    try:
+        main()
+    except QABError as exc:  # a bad --model: missing, not a checkpoint, no tokenizer, ...
+        sys.exit(f"{Path(sys.argv[0]).name}: error: {exc}")

@@ -11,6 +11,8 @@ assistant's reply appended, ready for the next turn.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 
 def main() -> None:
@@ -47,4 +49,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from qwen_apple_backend.errors import QABError
+
+    try:
+        main()
+    except QABError as exc:  # a bad --model: missing, not a checkpoint, no tokenizer, ...
+        sys.exit(f"{Path(sys.argv[0]).name}: error: {exc}")

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -29,11 +30,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerExited(RuntimeError):
+    """``qab serve`` ended before answering (a bad --model, a taken port, ...)."""
+
+
 def wait_until_up(proc: subprocess.Popen, url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited early with status {proc.returncode}")
+            raise ServerExited(f"qab serve exited with status {proc.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
@@ -80,6 +85,10 @@ def main() -> None:
         print(f"reply: {choice.message.content!r}")
         print(f"finish_reason: {choice.finish_reason}")
         print(f"completion_tokens: {reply.usage.completion_tokens}")
+    except ServerExited as exc:
+        log.seek(0)  # the server's own error line(s), e.g. a bad --model
+        print(log.read()[-4000:].rstrip(), file=sys.stderr)
+        sys.exit(f"{Path(sys.argv[0]).name}: error: {exc}")
     except Exception:
         log.seek(0)  # show what the server said
         print(log.read()[-4000:], file=sys.stderr)

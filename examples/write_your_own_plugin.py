@@ -17,7 +17,7 @@ registered at run time with ``register_plugin``. It makes two claims:
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 
 from qwen_apple_backend import hookimpl
@@ -82,6 +82,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from qwen_apple_backend import get_report, load
+    from qwen_apple_backend.loader import read_config
     from qwen_apple_backend.plugins import (register_plugin, resolve_architecture,
                                             unregister_plugin)
 
@@ -89,7 +90,11 @@ def main() -> None:
         from qwen_apple_backend.demo import ensure_default_model
 
         args.model = str(ensure_default_model())
-    config = json.loads((Path(args.model) / "config.json").read_text(encoding="utf-8"))
+    if not Path(args.model).is_dir():
+        from qwen_apple_backend.errors import MissingCheckpointFileError
+
+        raise MissingCheckpointFileError(f"{args.model}: checkpoint directory not found")
+    config = read_config(Path(args.model))  # config.json, with errors naming the file
     model_type = config["model_type"]
 
     before = resolve_architecture(config)
@@ -115,4 +120,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from qwen_apple_backend.errors import QABError
+
+    try:
+        main()
+    except QABError as exc:  # a bad --model: missing, not a checkpoint, no tokenizer, ...
+        sys.exit(f"{Path(sys.argv[0]).name}: error: {exc}")

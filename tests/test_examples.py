@@ -158,3 +158,20 @@ def test_server_openai_client(outputs):
     assert _value(out, "finish_reason") == "length"
     assert _value(out, "completion_tokens") == "5"
     assert out.rstrip().endswith("server stopped")
+
+
+def test_a_bad_model_path_is_one_clear_error(tmp_path):
+    missing = str(tmp_path / "no-such-checkpoint")
+
+    def run(name):
+        return subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), "--model", missing],
+                              capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        results = dict(zip(SCRIPTS, pool.map(run, SCRIPTS)))
+    for name, out in results.items():
+        assert out.returncode == 1, f"{name}:\n{out.stderr}"
+        assert "Traceback" not in out.stderr, f"{name}:\n{out.stderr}"
+        assert f"{missing}: checkpoint directory not found" in out.stderr, name
+        assert f"{name}.py: error:" in out.stderr, name
