@@ -3,10 +3,16 @@
 Subcommands (each imported lazily):
 
 - ``qab generate|chat|serve ...``: ``mlx_lm.generate`` / ``mlx_lm.chat`` /
-  ``mlx_lm.server`` with the same flags plus ``--backend auto|fused|stock``.
+  ``mlx_lm.server`` with the same flags plus ``--backend`` (``auto``, ``fused``,
+  ``stock`` or a plugin's MLX backend, checked against the registry).
 - ``qab backends``: discovered plugins, the architectures they claim, the backends they offer.
 - ``qab make-checkpoint OUT``: a random-weight checkpoint with the real on-disk layout.
 - ``qab demo``: build (once) and run the embedded default model on both backends.
+- ``qab bench`` / ``qab compare``: see :mod:`qwen_apple_backend.bench.cli`.
+
+Bad input ends a command before any work with one ``error:`` line: the ``QAB_*``
+environment variables and ``--backend`` (exit status 2), non-positive token counts
+(argparse, exit status 2), a missing or broken checkpoint (exit status 1).
 """
 
 from __future__ import annotations
