@@ -166,10 +166,14 @@ def source_tokenizer(source: ModelSource, targets: Sequence[Any]) -> tuple[Any, 
     files; a target's own tokenizer; the checkpoint's (``--model``); the real
     Qwen3.5/3.6 tokenizer (``--preset``). Returns ``(None, reason)`` when none loads.
     """
+    from ..loader import check_tokenizer_files
+
     if source.model is not None and Path(source.model).is_dir():
         try:
             from mlx_lm.utils import load_tokenizer
 
+            # Without tokenizer files transformers quietly builds a useless tokenizer.
+            check_tokenizer_files(Path(source.model))
             return load_tokenizer(Path(source.model)), "from the checkpoint"
         except Exception:  # noqa: BLE001 - no tokenizer files: a backend's own, below
             pass
@@ -181,6 +185,8 @@ def source_tokenizer(source: ModelSource, targets: Sequence[Any]) -> tuple[Any, 
         try:
             from mlx_lm.utils import load_tokenizer
 
+            if Path(source.model).is_dir():
+                check_tokenizer_files(Path(source.model))
             return load_tokenizer(Path(source.model)), "from the checkpoint"
         except Exception as exc:  # noqa: BLE001 - a checkpoint without tokenizer files
             return None, f"unavailable ({type(exc).__name__}: {exc})"
