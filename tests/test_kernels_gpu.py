@@ -250,7 +250,7 @@ def test_moe_block_decode_uses_the_kernel_and_matches_stock():
 
 
 # --------------------------------------------------------------------------
-# MoE prefill grouped 4-bit GEMM (kernels/cuda/moe_grouped_gemm.cu), CUDA only
+# MoE prefill grouped 4-bit GEMM (kernels/{cuda,metal}/moe_grouped_gemm), either GPU
 # --------------------------------------------------------------------------
 
 # (T, E, H, I, K): Qwen3.6 prefill chunk (all 256 experts busy), a prime T
@@ -264,7 +264,6 @@ GEMM_SHAPES = [
 ]
 
 
-@pytest.mark.cuda_only
 @pytest.mark.parametrize("shape", GEMM_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_moe_grouped_gemm_kernel(shape):
     from qwen_apple_backend.ops import moe as moe_ops
@@ -279,7 +278,7 @@ def test_moe_grouped_gemm_kernel(shape):
         inds = mx.argsort(mx.random.uniform(shape=(1, T, E), key=ki), axis=-1)[..., :K]
         inds = inds.astype(mx.uint32)
     scores = mx.softmax(mx.random.normal((1, T, K), key=ks), axis=-1).astype(mx.bfloat16)
-    y = moe_ops._moe_grouped_gemm_experts("cuda", x, inds, scores, gu, dn)
+    y = moe_ops._moe_grouped_gemm_experts(gd.gpu_backend(), x, inds, scores, gu, dn)
     ref = moe_ops.moe_experts_ops(x.astype(mx.float32), inds, scores.astype(mx.float32),
                                   gu, dn, sort=True)
     assert y.shape == (1, T, H) and y.dtype == mx.bfloat16

@@ -75,3 +75,53 @@ def test_metal_kernels_need_no_verification_stamp():
     # Metal kernels are gated by their on-device self-check alone.
     for op, entry in manifest().items():
         assert "verified" not in (entry.get("metal") or {}), op
+
+
+def _launch(code: str) -> str:
+    m = re.search(r"Launch: (grid \([^)]*\) threads, threadgroup \([^)]*\))", code)
+    return m[1] if m else ""
+
+
+@pytest.mark.parametrize("op", sorted(manifest()))
+def test_metal_and_cuda_bodies_share_the_launch_contract(op):
+    # The dispatchers pass one launch configuration to either backend, so a
+    # Metal body must document the same grid and threadgroup as the CUDA one.
+    cuda, metal = kernel_source(op, "cuda"), kernel_source(op, "metal")
+    if cuda is None or metal is None:
+        pytest.skip(f"{op} has no source for one backend")
+    assert _launch(cuda.body) and _launch(cuda.body) == _launch(metal.body), op
+
+
+CUDA_ONLY = ("__syncthreads", "__shared__", "threadIdx", "blockIdx", "blockDim", "__shfl",
+             "asm volatile", "__nv_", "__device__")
+
+
+@pytest.mark.parametrize("op", sorted(manifest()))
+def test_metal_bodies_hold_no_cuda(op):
+    src = kernel_source(op, "metal")
+    if src is None:
+        pytest.skip(f"{op} has no Metal source")
+    code = src.header + src.body
+    found = [tok for tok in CUDA_ONLY if tok in code]
+    assert not found, f"{op}: CUDA-only constructs in the Metal source: {found}"
+
+
+def test_metal_kernels_are_built_without_opt_in(monkeypatch):
+    # Metal sources need no verification stamp: build_kernel hands every one
+    # to mx.fast.metal_kernel (the self-check decides later), as listed.
+    import mlx.core as mx
+
+    from qwen_apple_backend.ops import device
+
+    built = {}
+    monkeypatch.setattr(mx.fast, "metal_kernel", lambda **kw: built.setdefault(kw["name"], kw),
+                        raising=False)
+    monkeypatch.delenv("QAB_UNVERIFIED_KERNELS", raising=False)
+    ops = [op for op in sorted(manifest()) if kernel_source(op, "metal") is not None]
+    assert "moe_grouped_gemm" in ops
+    for op in ops:
+        src = kernel_source(op, "metal")
+        kw = device.build_kernel(op, "metal")
+        assert kw is built[src.name]
+        assert kw["source"] == src.body and kw["header"] == src.header
+        assert kw["input_names"] == list(src.inputs) and kw["output_names"] == list(src.outputs)

@@ -591,3 +591,116 @@ def test_grouped_gemm_not_used_on_cpu_or_unverified():
     dn = moe_layer.expert_weights(fused.switch_mlp.down_proj)
     x = inputs((1, 64, H), dtype=mx.bfloat16)
     assert moe_ops.grouped_gemm_ready(x, mx.zeros((1, 64, K)), gu, dn) is None
+
+
+class FakeGroupedGemm:
+    """Stand-in for the ``mx.fast.*_kernel`` object of moe_grouped_gemm.
+
+    Computes the kernel's contract (rows sorted by expert, ``row_offsets``
+    from :func:`grouped_gemm_block_map`, optional SiLU-gated epilogue) with
+    MLX ops on the CPU, after checking the launch configuration the
+    dispatcher passes; ``fail`` raises instead, like a Metal kernel that does
+    not compile.
+    """
+
+    def __init__(self, fail=False):
+        self.fail = fail
+        self.calls = []
+
+    def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        t = dict(template)
+        self.calls.append(t["GLU"])
+        if self.fail:
+            raise RuntimeError("program_source: error (fake Metal compiler)")
+        x, w, scales, biases, rows, tiles = inputs
+        M, nout, E = x.shape[0], t["NOUT"], t["E"]
+        assert t["KDIM"] == x.shape[1] and w.shape[:2] == (E, 2 * nout if t["GLU"] else nout)
+        assert grid == (128 * (M // moe_ops.GROUPED_GEMM_BM + E), nout // 64, 1)
+        assert threadgroup == (128, 1, 1)
+        assert output_shapes == [(M, nout)] and output_dtypes == [mx.bfloat16]
+        assert rows.dtype == tiles.dtype == mx.int32 and rows.shape == tiles.shape == (E + 1,)
+        expert = np.searchsorted(np.array(rows), np.arange(M), side="right") - 1
+        wd = mx.dequantize(w, scales, biases, group_size=64, bits=4).astype(mx.float32)
+        acc = mx.gather_mm(x.astype(mx.float32)[:, None, :], wd.swapaxes(-1, -2),
+                           rhs_indices=mx.array(expert, dtype=mx.uint32))[:, 0]
+        if t["GLU"]:
+            acc = nn.silu(acc[:, :nout]) * acc[:, nout:]
+        return [acc.astype(mx.bfloat16)]
+
+
+def _fake_metal_grouped_gemm(monkeypatch, kernel):
+    from qwen_apple_backend.ops import device
+
+    device.reset_self_checks()
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    monkeypatch.setattr(moe_ops, "gpu_backend", lambda: "metal")
+    monkeypatch.setattr(moe_ops, "_grouped_gemm_object", lambda backend: kernel)
+
+
+def _grouped_gemm_inputs(T=16):
+    stock = quantized(make_stock(), dtype=mx.bfloat16)
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    gu = moe_layer.expert_weights(fused.switch_mlp.gate_up_proj)
+    dn = moe_layer.expert_weights(fused.switch_mlp.down_proj)
+    x = inputs((1, T, H), dtype=mx.bfloat16)
+    inds, scores = moe_ops.topk_route(inputs((1, T, E), seed=2), K, True)
+    return x, inds, scores.astype(mx.bfloat16), gu, dn
+
+
+def test_grouped_gemm_on_metal_after_its_self_check(monkeypatch):
+    from qwen_apple_backend.ops.device import self_check_results
+
+    kernel = FakeGroupedGemm()
+    _fake_metal_grouped_gemm(monkeypatch, kernel)
+    x, inds, scores, gu, dn = _grouped_gemm_inputs()
+    y = moe_ops.moe_experts(x, inds, scores, gu, dn)
+    # Self-check (gate+up, down), then the real call.
+    assert kernel.calls == [True, False, True, False]
+    assert self_check_results()[("moe_grouped_gemm", "metal", (E, H, I, K))] == (True, "passed")
+    assert y.shape == x.shape and y.dtype == mx.bfloat16
+    ref = moe_ops.moe_experts_ops(x.astype(mx.float32), inds, scores.astype(mx.float32), gu, dn)
+    assert rel_l2(y, ref) <= 1e-2  # bf16 x, h and y; float32 accumulation (measured 6e-3)
+    moe_ops.moe_experts(x, inds, scores, gu, dn)
+    assert kernel.calls[4:] == [True, False]  # verdict cached: no second check
+    moe_ops.moe_experts(x, inds, scores, gu, dn, use_kernel=False)
+    moe_ops.moe_experts(x[:, :7], inds[:, :7], scores[:, :7], gu, dn)  # 56 rows: too few
+    assert len(kernel.calls) == 6
+
+
+def test_failing_metal_grouped_gemm_falls_back(monkeypatch):
+    from qwen_apple_backend.ops.device import KernelSelfCheckWarning, self_check_results
+
+    kernel = FakeGroupedGemm(fail=True)
+    _fake_metal_grouped_gemm(monkeypatch, kernel)
+    x, inds, scores, gu, dn = _grouped_gemm_inputs()
+    with pytest.warns(KernelSelfCheckWarning,
+                      match="metal kernel for moe_grouped_gemm failed its self-check"):
+        y = moe_ops.moe_experts(x, inds, scores, gu, dn)
+    passed, message = self_check_results()[("moe_grouped_gemm", "metal", (E, H, I, K))]
+    assert not passed and "fake Metal compiler" in message
+    assert mx.array_equal(y, moe_ops.moe_experts_ops(x, inds, scores, gu, dn))  # portable path
+    assert kernel.calls == [True]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the verdict is cached: no second warning
+        moe_ops.moe_experts(x, inds, scores, gu, dn)
+    assert kernel.calls == [True]
+
+
+def test_wrong_metal_grouped_gemm_is_rejected(monkeypatch):
+    from qwen_apple_backend.ops.device import KernelSelfCheckWarning
+
+    class Wrong(FakeGroupedGemm):
+        def __call__(self, **kw):  # one output column block shifted: a tiling bug
+            (y,) = super().__call__(**kw)
+            return [mx.roll(y, 64, axis=1)]
+
+    _fake_metal_grouped_gemm(monkeypatch, Wrong())
+    x, inds, scores, gu, dn = _grouped_gemm_inputs()
+    with pytest.warns(KernelSelfCheckWarning, match="relative L2 error"):
+        assert moe_ops.grouped_gemm_ready(x, inds, gu, dn) is None
+
+
+def test_grouped_gemm_backends():
+    assert moe_ops.GROUPED_GEMM_BACKENDS == frozenset({"cuda", "metal"})

@@ -16,9 +16,11 @@ Three pieces, following the kernel / reference / dispatcher pattern:
   4-bit gate+up rows with the SiLU gate in the epilogue, then the weighted
   down projections summed over K (``kernels/{cuda,metal}/moe_*_gemv``).
 * :func:`moe_experts` — dispatcher: the decode kernels when they passed
-  their self-check on this device (:func:`decode_kernel_ready`); else
-  the dequantize-then-GEMM form for many rows of quantized experts; else
-  :func:`moe_experts_ops`.
+  their self-check on this device (:func:`decode_kernel_ready`); else, for
+  prefill, the grouped 4-bit GEMM kernel over rows sorted by expert
+  (``kernels/{cuda,metal}/moe_grouped_gemm``) when it passed its self-check
+  (:func:`grouped_gemm_ready`); else the dequantize-then-GEMM form for many
+  rows of quantized experts; else :func:`moe_experts_ops`.
 
 Dimension names: B batch, T tokens, H hidden size, I expert FFN size,
 E experts, K experts per token. ``...`` stands for any leading token axes
@@ -550,8 +552,11 @@ def decode_kernel_ready(x: mx.array, inds: mx.array, gate_up: ExpertWeights,
     return backend if ok else None
 
 
-# Rows per tile of the grouped GEMM kernel (kernels/cuda/moe_grouped_gemm.cu).
+# Rows per tile of the grouped GEMM kernel (kernels/{cuda,metal}/moe_grouped_gemm).
 GROUPED_GEMM_BM = 64
+
+# Backends with a grouped GEMM kernel source (kernels/MANIFEST.toml).
+GROUPED_GEMM_BACKENDS = frozenset({"cuda", "metal"})
 
 
 def grouped_gemm_block_map(sorted_inds: mx.array, num_experts: int) -> tuple[mx.array, mx.array]:
@@ -593,6 +598,9 @@ def _grouped_gemm_call(backend: str, xs: mx.array, w: ExpertWeights, glu: bool,
     E, R = w.weight.shape[:2]
     nout = R // 2 if glu else R
     n_tiles = M // GROUPED_GEMM_BM + E
+    # One launch configuration for both backends: mx.fast.cuda_kernel and
+    # mx.fast.metal_kernel both count the grid in threads, so this is
+    # n_tiles x (nout / 64) threadgroups of 128 threads (4 warps / SIMD groups).
     (y,) = obj(inputs=[xs, w.weight, w.scales, w.biases, row_offsets, tile_offsets],
                template=[("KDIM", kdim), ("NOUT", nout), ("E", E), ("GLU", glu)],
                grid=(128 * n_tiles, nout // 64, 1), threadgroup=(128, 1, 1),
@@ -617,19 +625,26 @@ def grouped_gemm_ready(x: mx.array, inds: mx.array, gate_up: ExpertWeights,
                        down: ExpertWeights) -> Optional[str]:
     """The GPU backend whose grouped 4-bit GEMM kernel may run this prefill call, or None.
 
-    CUDA only (no Metal version yet); bf16 activations, 4-bit affine g64
-    experts with ``H`` and ``I`` multiples of 64; at least
-    :data:`SORT_THRESHOLD` (token, slot) rows. Self-checked against
-    :func:`moe_experts_ops` on the first call per shape class. Not yet run
-    on a GPU: built only with ``QAB_UNVERIFIED_KERNELS=1``.
+    CUDA or Metal (:data:`GROUPED_GEMM_BACKENDS`); bf16 activations, 4-bit
+    affine g64 experts with ``H`` and ``I`` multiples of 64; at least
+    :data:`SORT_THRESHOLD` (token, slot) rows. On either backend the kernel
+    is self-checked against :func:`moe_experts_ops` on the first call per
+    shape class and used only if it passes. CUDA: built only once its
+    manifest entry records a GPU verification, or with
+    ``QAB_UNVERIFIED_KERNELS=1``. Metal: never run where it was written,
+    so the self-check alone decides (a kernel that fails to compile, raises
+    or disagrees is never used); its speed against MLX's gathered 4-bit
+    matmul is not measured.
 
     Returns:
-        Optional[str]: ``"cuda"`` or None.
+        Optional[str]: ``"cuda"`` / ``"metal"``, or None (CPU, kernels
+        disabled, unsupported dtype, shapes or quantization, too few rows, or
+        a failed self-check, which also warns).
     """
     if envs.kernels_disabled() or inds.size < SORT_THRESHOLD or x.dtype != mx.bfloat16:
         return None
     backend = gpu_backend()
-    if backend != "cuda" or _grouped_gemm_object(backend) is None:
+    if backend not in GROUPED_GEMM_BACKENDS or _grouped_gemm_object(backend) is None:
         return None
     H, K = x.shape[-1], inds.shape[-1]
     for w in (gate_up, down):
@@ -649,11 +664,19 @@ def grouped_gemm_ready(x: mx.array, inds: mx.array, gate_up: ExpertWeights,
         sc = mx.softmax(mx.random.normal((T, K), key=k3), axis=-1).astype(mx.bfloat16)
         return xs, ind.astype(mx.uint32), sc, gate_up, down
 
+    # Reference in float32 activations, rounded once to bf16: the bf16
+    # portable path rounds at every step and was measured ~3e-2 (rel-L2) off
+    # float64 at small test shapes on the CPU, as far off as the tolerance;
+    # the kernel (float32 accumulation, bf16 h) ~6e-3.
+    def reference(xs, ind, sc, gu, dn):
+        y = moe_experts_ops(xs.astype(mx.float32), ind, sc.astype(mx.float32), gu, dn,
+                            sort=True)
+        return [y.astype(mx.bfloat16)]
+
     ok = self_checked(
         "moe_grouped_gemm", backend, (E, H, I, K),
         kernel=lambda *a: [_moe_grouped_gemm_experts(backend, *a)],
-        reference=lambda *a: [moe_experts_ops(*a, sort=True)],
-        make_inputs=make_inputs, rtol=3e-2)
+        reference=reference, make_inputs=make_inputs, rtol=3e-2)
     return backend if ok else None
 
 
