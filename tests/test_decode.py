@@ -71,3 +71,34 @@ def test_disable_and_bad_enable(tiny_hf_f32, monkeypatch):
     monkeypatch.setenv("QAB_ENABLE", "warp-drive")
     with pytest.raises(ValueError, match="QAB_ENABLE: unknown optimization"):
         load(tiny_hf_f32, "fused")
+
+
+def _host_loop(model, prompt, n):
+    """Plain loop: one forward, argmax, the id read on the host and fed back."""
+    cache = make_prompt_cache(model)
+    logits = model(prompt[None], cache=cache)
+    toks = []
+    for _ in range(n):
+        tok = int(mx.argmax(logits[0, -1]).item())  # host round trip every token
+        toks.append(tok)
+        logits = model(mx.array([[tok]]), cache=cache)
+    return toks
+
+
+@pytest.mark.parametrize("enable", ["", "decode-compile"])
+def test_gpu_resident_handoff_matches_the_host_loop(tiny_hf_f32, monkeypatch, enable):
+    # mlx-lm's generate_step keeps the sampled id on the device and enqueues
+    # step t+1 before the host reads token t (two steps in flight); with the
+    # fused backend (eager or compiled step) that path gives the same tokens
+    # as a loop that reads every id on the host.
+    if enable:
+        monkeypatch.setenv("QAB_ENABLE", enable)
+    else:
+        monkeypatch.delenv("QAB_ENABLE", raising=False)
+    model, _ = load(tiny_hf_f32, "fused")
+    prompt = mx.array([(i * 53) % 997 for i in range(40)])
+    handoff, _, _ = _greedy(model, prompt, 48)
+    assert handoff == _host_loop(model, prompt, 48)
+    # And the tokens are stock mlx-lm's.
+    stock, _ = load(tiny_hf_f32, "stock")
+    assert handoff == _host_loop(stock, prompt, 48)
