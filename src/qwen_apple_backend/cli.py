@@ -31,6 +31,10 @@ PASSTHROUGH = {
 }
 
 
+class UsageError(Exception):
+    """A bad command line or environment: one ``error:`` line and exit status 2."""
+
+
 def _backend_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False, prog=f"qab {command}" if command else None,
                                 allow_abbrev=False)
@@ -45,12 +49,12 @@ def _backend_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     if command == "serve":
         from .server import DEFAULT_MAX_BODY_BYTES
 
-        p.add_argument("--max-request-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+        p.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
                        help="largest request body; larger ones get HTTP 413")
     return p
 
 
-_positive_int = positive_int  # kept for importers of the old private name
+_positive_int = positive_int  # the former private name, kept for importers
 
 #: Flags of the mlx-lm commands that count tokens: checked here (a negative
 #: --max-tokens makes mlx-lm generate forever) and left in place for mlx-lm.
@@ -99,10 +103,6 @@ def _check_backend_arg(command: str, name: Optional[str]) -> Optional[str]:
         f"--backend: unknown backend {value!r} (available: {', '.join(usable)}"
         + (f"; registered by plugins for qab compare/bench only: {', '.join(others)}"
            if others else "") + ")")
-
-
-class UsageError(Exception):
-    """A bad command line or environment: one ``error:`` line and exit status 2."""
 
 
 def _check_environment(command: str) -> None:
