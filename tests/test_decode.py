@@ -102,3 +102,22 @@ def test_gpu_resident_handoff_matches_the_host_loop(tiny_hf_f32, monkeypatch, en
     # And the tokens are stock mlx-lm's.
     stock, _ = load(tiny_hf_f32, "stock")
     assert handoff == _host_loop(stock, prompt, 48)
+
+
+def test_compiled_step_retraces_when_concatenated_projection_weights_change(tiny_hf_f32,
+                                                                          monkeypatch):
+    # The proj-concat path is chosen in Python at trace time; replacing a
+    # projection's weights afterwards must not leave the step on stale rows.
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    comp, _ = load(tiny_hf_f32, "fused")
+    monkeypatch.delenv("QAB_ENABLE")
+    eager, _ = load(tiny_hf_f32, "fused")
+    prompt = mx.array([(i * 41) % 900 for i in range(20)])
+    _greedy(comp, prompt, 4)  # traced with the concatenated projections
+    for m in (comp, eager):
+        gdn = m.language_model.model.layers[0].linear_attn
+        gdn.in_proj_z.weight = gdn.in_proj_z.weight * 3.0
+    t_comp, lp_comp, _ = _greedy(comp, prompt, 8)
+    t_eager, lp_eager, _ = _greedy(eager, prompt, 8)
+    assert t_comp == t_eager
+    assert float(mx.abs(lp_comp - lp_eager).max()) <= 1e-5

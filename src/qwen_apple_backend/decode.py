@@ -77,6 +77,21 @@ def _layout(cache: Any) -> Optional[list]:
     return kinds if offset is not None else None
 
 
+def _concats(model: Any) -> list:
+    """Every ``(ConcatProjection, owner)`` of the model's layers (``proj-concat``), in order."""
+    out = []
+    for layer in getattr(getattr(model, "model", model), "layers", ()):
+        for name in ("linear_attn", "self_attn", "mlp"):
+            m = getattr(layer, name, None)
+            if m is None:
+                continue
+            for attr, owner in (("_proj_cat", m), ("_shared_cat", getattr(m, "shared_expert", None))):
+                cat = getattr(m, attr, None)
+                if cat is not None:
+                    out.append((cat, owner))
+    return out
+
+
 class _CompiledDecode:
     """The traced step of one text model (held weakly, so the model can be freed)."""
 
@@ -87,7 +102,8 @@ class _CompiledDecode:
         self.eager_calls = 0
         self.compiled_calls = 0
 
-    def _step(self, tokens, offset, kv, ssm, layout):
+    def _step(self, tokens, offset, kv, ssm, key):
+        layout = key[0]
         caches, ik, iss = [], 0, 0
         for kind in layout:
             if kind == "kv":
@@ -107,7 +123,15 @@ class _CompiledDecode:
         kv = [(c.keys, c.values) for c in cache if type(c) is KVCache]
         ssm = [(c[0], c[1]) for c in cache if type(c) is ArraysCache]
         offset = mx.array(next(c.offset for c in cache if type(c) is KVCache), dtype=mx.int32)
-        logits, kv_out, ssm_out = self._fn(tokens, offset, kv, ssm, tuple(layout))
+        # Which modules take their concatenated projections is decided in
+        # Python while tracing; it is part of the trace's key, so replacing a
+        # projection's weights after a trace gives a new trace, not stale rows.
+        cats = _concats(self._model())
+        key = (tuple(layout), tuple(c.valid(o) for c, o in cats))
+        logits, kv_out, ssm_out = self._fn(tokens, offset, kv, ssm, key)
+        for (c, _), ok in zip(cats, key[1]):
+            if ok:
+                c.refresh()  # a trace re-wraps the model's arrays
         ik = iss = 0
         for c in cache:
             if type(c) is KVCache:

@@ -9,7 +9,7 @@ Variables:
     QAB_DISABLE: comma-separated fused module kinds to keep stock
         (``moe``, ``gdn``, ``attn``, ``all``) or single optimizations to
         switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``,
-        ``decode-compile``), for ablations.
+        ``decode-compile``, ``proj-concat``), for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
         leaves kernels on. Anything else is an error.
@@ -46,6 +46,7 @@ OPTIMIZATIONS = {
     "moe-gemm": "moe",  # dequantize-then-grouped-GEMM experts for prefill
     "moe-kernel": "moe",  # the GPU MoE decode kernels (moe_gate_up_gemv, moe_down_gemv)
     "decode-compile": "model",  # the compiled one-token decode step (decode.py)
+    "proj-concat": "model",  # sibling input projections run as one matmul (layers/_concat.py)
 }
 
 
@@ -113,7 +114,7 @@ def disabled_kinds() -> frozenset[str]:
     Raises:
         EnvVarError: if a name is not one of ``moe``, ``gdn``, ``attn``,
             ``all`` or an optimization name (``gdn-kernel``, ``moe-gemm``,
-            ``moe-kernel``, ``decode-compile``).
+            ``moe-kernel``, ``decode-compile``, ``proj-concat``).
     """
     names = set(_names(_get("QAB_DISABLE", "") or ""))
     unknown = names - set(FUSABLE_KINDS) - set(OPTIMIZATIONS) - {"all"}

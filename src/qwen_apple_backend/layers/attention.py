@@ -10,6 +10,7 @@ heads.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -17,6 +18,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
+from qwen_apple_backend.layers._concat import ConcatProjection
 from qwen_apple_backend.ops.attention import (
     RopeSpec,
     gate_output,
@@ -224,9 +226,12 @@ class FusedGQAAttention(nn.Module):
         ):
             if not isinstance(offset, mx.array):
                 offset = mx.array(offset, dtype=mx.int32)
-            q, k, v, gate = self._compiled_project()(x, offset)
+            use_cat = self._use_cat()
+            q, k, v, gate = self._compiled_project(use_cat)(x, offset)
+            if use_cat:
+                self._proj_cat.refresh()  # a trace re-wraps the module's arrays
         else:
-            q, k, v, gate = self._project(x, offset)
+            q, k, v, gate = self._project(x, offset, self._use_cat())
 
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
@@ -242,16 +247,36 @@ class FusedGQAAttention(nn.Module):
             )
         return self.o_proj(gate_output(out, gate))
 
-    def _project(self, x: mx.array, offset):
+    def concat_projections(self) -> bool:
+        """Run ``q_proj``, ``k_proj``, ``v_proj`` as one matmul from now on (``proj-concat``).
+
+        See :class:`~qwen_apple_backend.layers._concat.ConcatProjection`: the
+        children keep their names and hold row views of the one matrix.
+
+        Returns:
+            bool: False (nothing changed) when they differ in type,
+            quantization or dtype.
+        """
+        cat = ConcatProjection.build(self, ("q_proj", "k_proj", "v_proj"))
+        object.__setattr__(self, "_proj_cat", cat)
+        return cat is not None
+
+    def _use_cat(self) -> bool:
+        cat = getattr(self, "_proj_cat", None)
+        return cat is not None and cat.valid(self)
+
+    def _project(self, x: mx.array, offset, use_cat: bool = False):
         """Projections, q/k norm and RoPE: everything before the KV cache."""
         B, L, _ = x.shape
+        if use_cat:
+            qg, k, v = self._proj_cat(x)
+        else:
+            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # Per head: D query features, then D gate features (stock split).
-        q, gate = mx.split(
-            self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1
-        )
+        q, gate = mx.split(qg.reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
         gate = gate.reshape(B, L, -1)
-        k = self.k_proj(x).reshape(B, L, self.num_key_value_heads, -1)
-        v = self.v_proj(x).reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        k = k.reshape(B, L, self.num_key_value_heads, -1)
+        v = v.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
 
         spec = rope_spec(self.rope)
         q, k = prep_qk(
@@ -269,11 +294,14 @@ class FusedGQAAttention(nn.Module):
             k = self.rope(k, offset=offset)
         return q, k, v, gate
 
-    def _compiled_project(self):
-        fn = self.__dict__.get("_compiled")
+    def _compiled_project(self, use_cat: bool = False):
+        fns = self.__dict__.setdefault("_compiled", {})
+        fn = fns.get(use_cat)
         if fn is None:
             # The module is the captured input tree, so parameters replaced
-            # after fusing (load_weights, update) are read live.
-            fn = mx.compile(self._project, inputs=self)
-            object.__setattr__(self, "_compiled", fn)
+            # after fusing (load_weights, update) are read live; one trace
+            # per projection path (the concatenated one is taken only while
+            # the children still hold its views).
+            fn = mx.compile(partial(self._project, use_cat=use_cat), inputs=self)
+            fns[use_cat] = fn
         return fn

@@ -31,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import sum_gradients
 
+from ._concat import ConcatProjection
 from ..ops.gated_delta import compute_gates, gated_delta, kernel_ready, l2norm_qk
 
 __all__ = ["FusedGatedDeltaNet", "FusedQwen3NextGatedDeltaNet"]
@@ -235,7 +236,27 @@ class FusedGatedDeltaNet(nn.Module):
         self._training = stock.training
         return self
 
+    def concat_projections(self) -> bool:
+        """Run the input projections as one matmul from now on (the ``proj-concat`` optimization).
+
+        Stacks the output rows of ``_PROJECTIONS`` (``in_proj_qkv``,
+        ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; Qwen3-Next:
+        ``in_proj_qkvz``, ``in_proj_ba``) into one matrix whose row slices
+        become the children's arrays (no second copy); see
+        :class:`~qwen_apple_backend.layers._concat.ConcatProjection`.
+
+        Returns:
+            bool: False (nothing changed) when the projections differ in
+            type, quantization or dtype.
+        """
+        cat = ConcatProjection.build(self, self._PROJECTIONS)
+        object.__setattr__(self, "_proj_cat", cat)
+        return cat is not None
+
     def _projections(self, inputs: mx.array) -> tuple:
+        cat = getattr(self, "_proj_cat", None)
+        if cat is not None and cat.valid(self):
+            return tuple(cat(inputs))
         return tuple(getattr(self, n)(inputs) for n in self._PROJECTIONS)
 
     def __call__(

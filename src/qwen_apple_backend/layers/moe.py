@@ -16,7 +16,9 @@ from typing import Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace, sum_gradients
-from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
+from mlx_lm.models import qwen3_5 as _qwen3_5
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
 from mlx_lm.models.switch_layers import (
     QuantizedSwitchLinear,
     SwiGLU,
@@ -24,6 +26,7 @@ from mlx_lm.models.switch_layers import (
     SwitchLinear,
 )
 
+from qwen_apple_backend.layers._concat import ConcatProjection
 from qwen_apple_backend.ops.moe import (
     SORT_THRESHOLD,
     ExpertWeights,
@@ -36,6 +39,9 @@ from qwen_apple_backend.ops.moe import (
 __all__ = ["FusedSwitchGLU", "FusedSparseMoeBlock", "expert_weights"]
 
 AnySwitchLinear = Union[SwitchLinear, QuantizedSwitchLinear]
+
+# Shared-expert classes whose call is down_proj(swiglu(gate_proj(x), up_proj(x))).
+_SWIGLU_MLPS = tuple(c for c in (Qwen3NextMLP, getattr(_qwen3_5, "MLP", None)) if c is not None)
 
 
 def _child(module: nn.Module, name: str) -> Optional[mx.array]:
@@ -390,7 +396,37 @@ class FusedSparseMoeBlock(nn.Module):
         )
         shard_inplace(self.switch_mlp.down_proj, "sharded-to-all", group=group)
 
-    def _forward(self, x: mx.array) -> mx.array:
+    def concat_projections(self) -> bool:
+        """Run the shared expert's ``gate_proj`` and ``up_proj`` as one matmul (``proj-concat``).
+
+        Only for mlx-lm's SwiGLU MLP classes (``Qwen3NextMLP``, ``qwen3_5.MLP``:
+        ``down_proj(swiglu(gate_proj(x), up_proj(x)))``); the children keep
+        their names and hold row views of the one matrix (see
+        :class:`~qwen_apple_backend.layers._concat.ConcatProjection`). The
+        router is left alone so routing stays bit-identical to stock.
+
+        Returns:
+            bool: False (nothing changed) for another shared-expert class or
+            when the two projections differ in type, quantization or dtype.
+        """
+        cat = None
+        if type(self.shared_expert) in _SWIGLU_MLPS:
+            cat = ConcatProjection.build(self.shared_expert, ("gate_proj", "up_proj"))
+        object.__setattr__(self, "_shared_cat", cat)
+        return cat is not None
+
+    def _use_cat(self) -> bool:
+        cat = getattr(self, "_shared_cat", None)
+        return (cat is not None and type(self.shared_expert) in _SWIGLU_MLPS
+                and cat.valid(self.shared_expert))
+
+    def _shared(self, x: mx.array, use_cat: bool) -> mx.array:
+        if use_cat:
+            g, u = self._shared_cat(x)
+            return self.shared_expert.down_proj(swiglu(g, u))
+        return self.shared_expert(x)
+
+    def _forward(self, x: mx.array, use_cat: bool = False) -> mx.array:
         inds, scores = topk_route(self.gate(x), self.top_k, self.norm_topk_prob)
         y = moe_experts(
             x,
@@ -401,15 +437,17 @@ class FusedSparseMoeBlock(nn.Module):
             use_kernel=self.use_kernel and not self.training,
             dequant_gemm=self.dequant_gemm,
         )
-        return _add_gated_shared(y, self.shared_expert(x), self.shared_expert_gate(x))
+        return _add_gated_shared(y, self._shared(x, use_cat), self.shared_expert_gate(x))
 
-    def _compiled_forward(self):
-        fn = self.__dict__.get("_compiled")
+    def _compiled_forward(self, use_cat: bool = False):
+        fns = self.__dict__.setdefault("_compiled", {})
+        fn = fns.get(use_cat)
         if fn is None:
             # The module itself is the captured input tree, so parameters
-            # replaced after fusing (load_weights, update) are read live.
-            fn = mx.compile(self._forward, inputs=self)
-            object.__setattr__(self, "_compiled", fn)
+            # replaced after fusing (load_weights, update) are read live;
+            # one trace per shared-expert path.
+            fn = mx.compile(partial(self._forward, use_cat=use_cat), inputs=self)
+            fns[use_cat] = fn
         return fn
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -441,10 +479,13 @@ class FusedSparseMoeBlock(nn.Module):
                 x, mx.zeros((*x.shape[:-1], self.top_k), dtype=mx.uint32),
                 expert_weights(self.switch_mlp.gate_up_proj),
                 expert_weights(self.switch_mlp.down_proj))
+        use_cat = self._use_cat()
         if self.compile_decode and not self.training and rows < SORT_THRESHOLD:
-            y = self._compiled_forward()(x)
+            y = self._compiled_forward(use_cat)(x)
+            if use_cat:
+                self._shared_cat.refresh()  # a trace re-wraps the module's arrays
         else:
-            y = self._forward(x)
+            y = self._forward(x, use_cat)
 
         if self.sharding_group is not None:
             y = mx.distributed.all_sum(y, group=self.sharding_group)

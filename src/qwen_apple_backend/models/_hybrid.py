@@ -325,10 +325,15 @@ class QwenHybridAdapter(Adapter):
                     fused.dequant_gemm = False
                 if "moe-kernel" in off:
                     fused.use_kernel = False
+                if "proj-concat" not in disable and hasattr(fused, "concat_projections"):
+                    fused.concat_projections()
                 setattr(layer, attr, fused)
                 report.modules.append(ModuleRecord(
                     path, kind, type(stock).__name__, type(fused).__name__,
                     f"without {', '.join(off)} (QAB_DISABLE / disable=)" if off else ""))
+        if "proj-concat" in disable:
+            report.notes.append("input projections run separately (proj-concat in QAB_DISABLE / "
+                                "disable=)")
         if "decode-compile" not in enabled_experimental():
             pass  # experimental: on only with QAB_ENABLE=decode-compile
         elif "decode-compile" in disable:

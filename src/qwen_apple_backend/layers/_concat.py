@@ -1,0 +1,151 @@
+"""One matmul for several projections of the same input.
+
+Decode runs each projection of a layer as its own (quantized) matrix-vector
+product; on a GPU every one is a kernel launch whose fixed cost is larger than
+its arithmetic. :class:`ConcatProjection` stacks the output rows of sibling
+projections (a Gated DeltaNet's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+``in_proj_a``; a shared expert's ``gate_proj`` and ``up_proj``) into one
+matrix at fuse time and runs them as one matmul, then splits the result.
+
+No weight is stored twice: after the rows are concatenated, each stock
+child's arrays are replaced by row slices of the concatenation (views of the
+same buffer), so parameter names, ``parameters()``, saving and ``to_stock``
+are unchanged. The concatenated path is taken only while every child still
+holds exactly those views and is still of the type it had: once a child's
+arrays are replaced (``load_weights``, ``update``, ``shard()``) or the child
+itself is (LoRA wrappers), calls go back to the separate projections.
+(Owners that run compiled graphs with ``inputs=module`` call :meth:`refresh`
+after such a call, since tracing re-wraps the same arrays in new objects.)
+
+Row-stacking is exact for quantized weights too: quantization groups run
+along the input axis, so each output row keeps its own packed words, scales
+and biases.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+__all__ = ["ConcatProjection"]
+
+_ARRAYS = ("weight", "scales", "biases", "bias")
+
+
+def _arrays(m: nn.Module) -> dict:
+    return {n: m[n] for n in _ARRAYS if n in m}
+
+
+def _kind(m: nn.Module) -> Optional[tuple]:
+    """What must agree between children to stack them (None: not stackable)."""
+    if type(m) is nn.QuantizedLinear:
+        if getattr(m, "global_scale", None) is not None:
+            return None
+        return ("q", m.group_size, m.bits, m.mode, tuple(sorted(_arrays(m))),
+                m["weight"].dtype, m["scales"].dtype)
+    if type(m) is nn.Linear:
+        return ("f", tuple(sorted(_arrays(m))), m["weight"].dtype)
+    return None
+
+
+class ConcatProjection:
+    """Several ``Linear`` / ``QuantizedLinear`` children of one module, run as one matmul.
+
+    Build with :meth:`build`; call with the shared input to get the list of
+    the children's outputs, in order. Not an ``nn.Module``: it holds no
+    parameters of its own (the concatenated arrays are referenced, not
+    registered), so the owning module's parameter tree is unchanged.
+
+    Shapes:
+        x: ``[..., H]``; returns ``[[..., N_0], [..., N_1], ...]`` for children
+        of output sizes ``N_i``.
+    """
+
+    def __init__(self, names: Sequence[str], children: Sequence[nn.Module], cat: dict,
+                 sizes: list, kind: tuple):
+        self.names = list(names)
+        self.children = list(children)
+        self.cat = cat
+        self.sizes = sizes
+        self.kind = kind
+        self.views = [_arrays(c) for c in children]
+        self.types = [type(c) for c in children]
+        offs, total = [], 0
+        for n in sizes[:-1]:
+            total += n
+            offs.append(total)
+        self.split_at = offs
+
+    @classmethod
+    def build(cls, owner: nn.Module, names: Sequence[str]) -> Optional["ConcatProjection"]:
+        """Stack ``owner``'s children ``names`` (same input size and quantization), or None.
+
+        Replaces each child's arrays with views of the concatenation (after
+        evaluating it), so the separate arrays are freed once nothing else
+        holds them.
+
+        Args:
+            owner (nn.Module): the module whose children these are.
+            names (Sequence[str]): two or more children, each ``nn.Linear`` or
+                ``nn.QuantizedLinear``, of the same input size.
+
+        Returns:
+            ConcatProjection | None: None when the children differ in type,
+            quantization (bits, group size, mode), dtype, input size or
+            bias presence, or are of another type.
+        """
+        children = [getattr(owner, n, None) for n in names]
+        if len(children) < 2 or any(c is None for c in children):
+            return None
+        kinds = {_kind(c) for c in children}
+        if len(kinds) != 1 or None in kinds:
+            return None
+        (kind,) = kinds
+        arrs = [_arrays(c) for c in children]
+        if len({a["weight"].shape[1:] for a in arrs}) != 1:
+            return None
+        sizes = [int(a["weight"].shape[0]) for a in arrs]
+        cat = {n: mx.concatenate([a[n] for a in arrs], axis=0) for n in arrs[0]}
+        mx.eval(cat)
+        lo = 0
+        for c, n in zip(children, sizes):
+            views = {name: arr[lo:lo + n] for name, arr in cat.items()}
+            mx.eval(views)
+            c.update(views)
+            lo += n
+        return cls(names, children, cat, sizes, kind)
+
+    def valid(self, owner: nn.Module) -> bool:
+        """True while ``owner`` still has these children, of their type, holding their views."""
+        for name, c, t, views in zip(self.names, self.children, self.types, self.views):
+            if getattr(owner, name, None) is not c or type(c) is not t:
+                return False
+            for name, v in views.items():
+                if name not in c or c[name] is not v:
+                    return False
+        return True
+
+    def refresh(self) -> None:
+        """Re-record the children's arrays after a call that was valid when it started.
+
+        ``mx.compile(..., inputs=module)`` swaps a module's arrays for tracers
+        while tracing and puts back new Python objects for the same arrays;
+        the owner calls this right after such a call, which started with
+        :meth:`valid` true, so no user change can have happened in between.
+        """
+        self.views = [_arrays(c) for c in self.children]
+
+    def __call__(self, x: mx.array) -> list:
+        """Outputs of every child for input ``x``, from one matmul."""
+        c = self.cat
+        if self.kind[0] == "q":
+            y = mx.quantized_matmul(x, c["weight"], c["scales"], c.get("biases"), transpose=True,
+                                    group_size=self.kind[1], bits=self.kind[2],
+                                    mode=self.kind[3])
+        else:
+            y = x @ c["weight"].T
+        if "bias" in c:
+            y = y + c["bias"]
+        return mx.split(y, self.split_at, axis=-1)
