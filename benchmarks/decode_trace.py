@@ -30,7 +30,7 @@ if SRC.is_dir() and str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
 
-def decode_ms_per_token(model, context: int, tokens: int, warmup: int = 4) -> float:
+def decode_ms_per_token(model, context: int, tokens: int, warmup: int = 4, log=None) -> float:
     """Median-free simple timing: ``tokens`` greedy steps after ``warmup`` steps."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -40,6 +40,8 @@ def decode_ms_per_token(model, context: int, tokens: int, warmup: int = 4) -> fl
     logits = model(prompt, cache=cache)
     y = mx.argmax(logits[:, -1], axis=-1)
     mx.eval(y)
+    if log:
+        log(f"  prefilled {context} tokens")
 
     def step(y):
         return mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
@@ -75,6 +77,11 @@ def main(argv=None) -> int:
     from qwen_apple_backend.bench.target import build_preset, clone_model_structure, fuse_in_memory
 
     t_start = time.perf_counter()
+
+    def stage(msg):
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    stage(f"building preset {args.preset}")
     b = build_preset(args.preset, seed=0)
     rows = []
     for backend in args.backends.split(","):
@@ -82,13 +89,14 @@ def main(argv=None) -> int:
         if backend != "stock":
             model = clone_model_structure(b.model)
             fuse_in_memory(model, backend, config=b.config)
+        stage(f"{backend}: built; timing decode (first run pays the GPU JIT)")
         layers = model.language_model.model.layers
         full = list(layers)
         for k in (int(x) for x in args.layer_counts.split(",")):
             k = min(k, len(full))
             model.language_model.model.layers = full[:k]
             try:
-                ms = decode_ms_per_token(model, args.context, args.tokens)
+                ms = decode_ms_per_token(model, args.context, args.tokens, log=stage)
             finally:
                 model.language_model.model.layers = full
             rows.append(dict(backend=backend, layers=k, context=args.context, ms_per_token=ms))

@@ -23,12 +23,12 @@ step gated delta profile
 timeout 60 python3 benchmarks/profile_gdn.py "$OUT" --lengths 1,512,2048,4096 --repeats 3 \
   >> "$LOG" 2>&1
 step fused decode by layer count
-QAB_UNVERIFIED_KERNELS=1 timeout 130 python3 benchmarks/decode_trace.py "$OUT" --backends fused \
+timeout 150 python3 benchmarks/decode_trace.py "$OUT" --backends fused \
   --context 512 --layer-counts 4,8,20,40 --tokens 32 >> "$LOG" 2>&1
 step fused suite with ablations
 QAB_ENABLE=decode-compile QAB_UNVERIFIED_KERNELS=1 timeout 170 python3 benchmarks/run_gpu_suite.py \
   "$OUT" --lengths 512,4K --rounds 2 --backends fused \
-  --ablate decode-compile,moe-kernel,gdn-kernel,moe-gemm --decode-tokens 64 --no-fidelity \
+  --ablate decode-compile,moe-kernel,gdn-kernel,proj-concat --decode-tokens 64 --no-fidelity \
   --max-seconds 160 --tag verify --no-progress >> "$LOG" 2>&1
 if command -v nsys >/dev/null; then
   step nsys kernel summary of fused decode
