@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,20 +27,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 if SRC.is_dir() and str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
-
-def timeit(fn, repeats: int, warmup: int = 2) -> float:
-    import mlx.core as mx
-
-    for _ in range(warmup):
-        mx.eval(fn())
-    mx.synchronize()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+from profile_modules import timeit  # noqa: E402  (this folder; median of synced runs)
 
 
 def main(argv=None) -> int:
