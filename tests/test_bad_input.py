@@ -243,7 +243,7 @@ def test_bad_boolean_and_list_variables_name_themselves(monkeypatch):
     monkeypatch.setenv("QAB_DISABLE", "moe,foo")
     with pytest.raises(EnvVarError, match=r"^QAB_DISABLE: unknown optimization 'foo' \(known: "
                                           r"moe, gdn, attn, all, gdn-kernel, moe-gemm, "
-                                          r"moe-kernel, decode-compile\)$"):
+                                          r"moe-kernel, decode-compile, proj-concat\)$"):
         envs.validate()
     monkeypatch.setenv("QAB_DISABLE", "all")
     assert envs.disabled_kinds() == frozenset({"moe", "gdn", "attn"})
