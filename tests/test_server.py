@@ -321,7 +321,7 @@ def test_report_is_printed_once_at_startup(server, reference):
     assert log.index("moe: 4/4 fused") < log.index("Starting httpd"), log
 
 
-@pytest.mark.parametrize("case", ["missing", "no-tokenizer", "bad-env"])
+@pytest.mark.parametrize("case", ["missing", "no-tokenizer", "bad-env", "bad-port"])
 def test_serve_fails_at_startup_on_a_bad_model_or_environment(case, tiny_hf_f32, tmp_path):
     model = tmp_path / "missing"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
@@ -332,13 +332,17 @@ def test_serve_fails_at_startup_on_a_bad_model_or_environment(case, tiny_hf_f32,
             (model / name).unlink()
     if case == "bad-env":
         model, env["QAB_DISABLE"] = tiny_hf_f32, "moe,bogus"
+    port = 99999 if case == "bad-port" else _free_port()
+    if case == "bad-port":
+        model = tiny_hf_f32
     out = subprocess.run([sys.executable, "-m", "qwen_apple_backend.cli", "serve", "--model",
-                          str(model), "--host", "127.0.0.1", "--port", str(_free_port())],
+                          str(model), "--host", "127.0.0.1", "--port", str(port)],
                          capture_output=True, text=True, timeout=120, env=env)
     expected = {"missing": (1, "qab serve: error: " + str(model) + ": checkpoint directory "
                                "not found"),
                 "no-tokenizer": (1, "tokenizer.json not found"),
-                "bad-env": (2, "qab: error: QAB_DISABLE: unknown optimization 'bogus'")}[case]
+                "bad-env": (2, "qab: error: QAB_DISABLE: unknown optimization 'bogus'"),
+                "bad-port": (1, "--port 99999: must be 0..65535")}[case]
     assert out.returncode == expected[0], out.stderr
     assert expected[1] in out.stderr and "Traceback" not in out.stderr
     assert "Starting httpd" not in out.stderr
@@ -412,6 +416,24 @@ def test_body_that_is_not_utf8_is_400(server):
                               {"Content-Type": "application/json"})
     assert status == 400
     assert "not UTF-8" in json.loads(body)["error"]
+    _assert_alive(server)
+
+
+@pytest.mark.parametrize("path,body,message", [
+    ("/v1/completions", {"prompt": "", "max_tokens": 4}, "'prompt' must be a non-empty string"),
+    ("/v1/completions", {"max_tokens": 4}, "'prompt' must be a non-empty string"),
+    ("/v1/chat/completions", {"messages": "hi"}, "'messages' must be a non-empty list"),
+    ("/v1/chat/completions", {"messages": []}, "'messages' must be a non-empty list"),
+    ("/v1/chat/completions", [1, 2], "must be a JSON object"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 10 ** 20}, "above this server's limit"),
+])
+def test_requests_that_would_kill_the_generation_thread_are_400(server, path, body, message):
+    # Stock mlx-lm 0.32: an empty prompt raises in its generation thread, which
+    # dies; every later request then fails.
+    status, reply = server.raw("POST", path, json.dumps(body).encode(),
+                               {"Content-Type": "application/json"})
+    assert status == 400
+    assert message in json.loads(reply)["error"]
     _assert_alive(server)
 
 

@@ -13,6 +13,9 @@ server class, passed to its own ``_run_http_server``:
   negative one is answered 400 (stock reads until the client hangs up);
 * a body that is not UTF-8 is answered 400 (stock lets ``UnicodeDecodeError``
   escape the handler: the client gets an empty reply);
+* requests that would end mlx-lm's generation thread are answered 400 (an empty
+  ``prompt``, ``messages`` that is not a non-empty list of objects), and so is
+  a ``max_tokens`` above :data:`MAX_COMPLETION_TOKENS`;
 * ``/v1/models`` answers when there is no Hugging Face cache directory (stock
   raises ``CacheNotFound`` after the 200 status line: an empty body);
 * a client that disconnects mid-stream is logged in one line, not a traceback.
@@ -33,7 +36,7 @@ from typing import Any, Optional
 
 from .errors import ServeStartupError
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "QABHTTPServer", "ServeStartupError", "install",
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "MAX_COMPLETION_TOKENS", "QABHTTPServer", "ServeStartupError", "install",
            "make_handler_class", "uninstall"]
 
 #: Largest request body accepted by default (32 MiB: a full 262,144-token context
@@ -105,9 +108,12 @@ def make_handler_class(base: Optional[type] = None,
                     drain=True)
             body = self.rfile.read(length)
             try:
-                body.decode("utf-8")
+                text = body.decode("utf-8")
             except UnicodeDecodeError as exc:
                 return self._qab_reject(400, f"request body is not UTF-8 text: {exc}")
+            problem = _request_problem(self.path, text)
+            if problem:
+                return self._qab_reject(400, problem)
             # mlx-lm's handler reads the body again from rfile: hand it the bytes read here.
             stock_rfile = self.rfile
             self.rfile = io.BytesIO(body)
@@ -148,6 +154,43 @@ def make_handler_class(base: Optional[type] = None,
 
     QABAPIHandler.__qualname__ = QABAPIHandler.__name__ = f"QAB{base.__name__}"
     return QABAPIHandler
+
+
+#: Largest ``max_tokens`` / ``max_completion_tokens`` accepted (1 Mi tokens, four
+#: times the Qwen3.6 context): a larger value cannot complete and would keep
+#: generating after the client gives up.
+MAX_COMPLETION_TOKENS = 1 << 20
+
+
+def _request_problem(path: str, text: str) -> Optional[str]:
+    """Why a (valid-JSON) request would break mlx-lm's generation thread, or None.
+
+    mlx-lm 0.32 hands the prompt to its batch generator without checking it,
+    and an exception there (an empty prompt: ``ValueError: Sequence has an
+    empty prompt``; ``messages`` that is not a list of objects) ends the
+    generation thread for every later request. Malformed JSON is left to
+    mlx-lm's own 400.
+    """
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return "request body must be a JSON object"
+    if path == "/v1/completions":
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            return "'prompt' must be a non-empty string"
+    else:
+        msgs = body.get("messages")
+        if (not isinstance(msgs, list) or not msgs
+                or not all(isinstance(m, dict) for m in msgs)):
+            return "'messages' must be a non-empty list of message objects"
+    for key in ("max_tokens", "max_completion_tokens"):
+        n = body.get(key)
+        if isinstance(n, int) and not isinstance(n, bool) and n > MAX_COMPLETION_TOKENS:
+            return f"'{key}' of {n} is above this server's limit of {MAX_COMPLETION_TOKENS}"
+    return None
 
 
 def _scan_cache_dir_or_empty(original):
@@ -228,6 +271,9 @@ def install(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, preload: bool = False)
     def qab_run(host, port, model_provider, *args, **kwargs):
         from .errors import QABError
 
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            # Stock passes it on; the socket layer then binds some other port.
+            raise ServeStartupError(f"--port {port}: must be 0..65535")
         try:
             model_provider.load_default()
         except QABError:
