@@ -201,6 +201,26 @@ def test_missing_tokenizer_is_named(hf_copy):
     assert "tokenizer.json not found" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("content, message", [
+    ("{bad", r"invalid JSON at line 1 column 2"),
+    ("[1]", r"expected a JSON object at the top level"),
+    ("{}", r"the tokenizer could not be loaded from tokenizer\.json"),
+])
+def test_corrupt_tokenizer_json_is_named(hf_copy, content, message):
+    (hf_copy / "tokenizer.json").write_text(content)
+    with pytest.raises(CheckpointError, match=rf"^{hf_copy / 'tokenizer.json'}: {message}"):
+        load(hf_copy)
+
+
+def test_corrupt_tokenizer_json_in_the_cli(hf_copy):
+    (hf_copy / "tokenizer.json").write_text("{bad")
+    out = subprocess.run([sys.executable, "-m", "qwen_apple_backend.cli", "generate", "--model",
+                          str(hf_copy), "--prompt", "hi"], capture_output=True, text=True)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr and "JSONDecodeError" not in out.stderr
+    assert f"qab generate: error: {hf_copy / 'tokenizer.json'}: invalid JSON" in out.stderr
+
+
 def test_bad_environment_fails_at_load_not_at_first_use(hf_copy, monkeypatch):
     from qwen_apple_backend.errors import EnvVarError
 

@@ -26,6 +26,8 @@ MLX_BACKENDS = envs.MLX_BACKENDS
 #: ``transformers.AutoTokenizer`` (and so ``mlx_lm.load``) can load.
 TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
                         "spiece.model", "tokenizer.tiktoken", "qwen.tiktoken")
+# JSON files a tokenizer is read from; check_tokenizer_files() checks they parse.
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
@@ -363,8 +365,24 @@ def check_tokenizer_files(model_path: Path) -> None:
     Raises:
         MissingCheckpointFileError: naming ``tokenizer.json`` (and the other file
             names a tokenizer may come in) when the directory has none of them.
+        CheckpointError: naming the file when ``tokenizer.json`` or
+            ``tokenizer_config.json`` is not valid JSON.
     """
     model_path = Path(model_path)
+    for name in TOKENIZER_JSON_FILES:
+        path = model_path / name
+        if not path.is_file():
+            continue
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{path}: invalid JSON at line {exc.lineno} column "
+                                  f"{exc.colno}: {exc.msg}") from exc
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(f"{path}: not a UTF-8 JSON file ({exc.reason})") from exc
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{path}: expected a JSON object at the top level")
     if any((model_path / n).is_file() for n in TOKENIZER_FILE_NAMES):
         return
     if any(model_path.glob("*.tiktoken")):
@@ -438,8 +456,16 @@ def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
     if adapter_path is not None:
         model = mlx_utils.load_adapters(model, adapter_path)
         model.eval()
-    tokenizer = mlx_utils.load_tokenizer(model_path, tokenizer_config,
-                                         eos_token_ids=config.get("eos_token_id", None))
+    try:
+        tokenizer = mlx_utils.load_tokenizer(model_path, tokenizer_config,
+                                             eos_token_ids=config.get("eos_token_id", None))
+    except Exception as exc:  # noqa: BLE001 - corrupt tokenizer files raise anything
+        files = [n for n in TOKENIZER_FILE_NAMES + TOKENIZER_JSON_FILES[1:]
+                 if (model_path / n).is_file()]
+        raise CheckpointError(
+            f"{model_path / files[0] if files else model_path}: the tokenizer could not be "
+            f"loaded from {', '.join(files) or 'this directory'}: "
+            f"{type(exc).__name__}: {exc}") from exc
     if return_config:
         return model, tokenizer, config
     return model, tokenizer
