@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -165,6 +166,40 @@ def test_missing_required_config_field_names_the_file_and_field(hf_copy, fields)
                                               rf"fields? {names} \(needed to build the "
                                               r"qwen3_5_moe model\)"):
         load(hf_copy)
+
+
+@pytest.mark.parametrize("field, value, what", [
+    ("hidden_size", "abc", "a positive integer, got 'abc'"),
+    ("hidden_size", 0, "a positive integer, got 0"),
+    ("num_attention_heads", -4, "a positive integer, got -4"),
+    ("num_hidden_layers", True, "a positive integer, got True"),
+    ("head_dim", 64.0, "a positive integer, got 64.0"),
+    ("linear_key_head_dim", None, None),  # missing: the required-field error instead
+    ("num_experts", 0, "a positive integer, got 0"),
+    ("moe_intermediate_size", "64", "a positive integer, got '64'"),
+])
+def test_config_size_field_of_wrong_type_or_value(hf_copy, field, value, what):
+    _edit_config(hf_copy, lambda c: c["text_config"].__setitem__(field, value))
+    cfg = re.escape(str(hf_copy / "config.json"))
+    if what is None:
+        match = rf"^{cfg}: missing required field 'text_config\.{field}'"
+    else:
+        match = rf"^{cfg}: text_config\.{field} must be {re.escape(what)} \(needed to build"
+    with pytest.raises(CheckpointError, match=match):
+        load(hf_copy)
+
+
+def test_config_count_field_may_be_zero_only_where_not_required():
+    from qwen_apple_backend.models.qwen3_5 import Adapter
+
+    tc = {"hidden_size": 64, "num_experts": 0, "num_experts_per_tok": 0}
+    Adapter().check_field_values({"text_config": tc})  # dense: no experts is fine
+    with pytest.raises(CheckpointError, match=r"^config\.json: text_config\.num_experts must "
+                                              r"be a non-negative integer, got -1"):
+        Adapter().check_field_values({"text_config": dict(tc, num_experts=-1)})
+    with pytest.raises(CheckpointError, match=r"^config\.json: intermediate_size must be a "
+                                              r"positive integer, got 0"):
+        Adapter().check_field_values({"intermediate_size": 0})
 
 
 def test_missing_config_field_of_a_stock_architecture(tmp_path):

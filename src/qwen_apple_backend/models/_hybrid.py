@@ -212,6 +212,35 @@ class QwenHybridAdapter(Adapter):
         "vocab_size", "linear_num_value_heads", "linear_num_key_heads",
         "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
 
+    #: Integer size fields the adapters read: each must be a positive int when present
+    #: (a required one, ``head_dim``, ``full_attention_interval``) ...
+    positive_int_fields: tuple[str, ...] = ("head_dim", "full_attention_interval")
+    #: ... or, when this adapter does not require it, may also be 0 (a dense model's
+    #: ``num_experts = 0``).
+    count_fields: tuple[str, ...] = (
+        "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+        "num_experts", "num_experts_per_tok")
+
+    def check_field_values(self, config: dict) -> None:
+        """Raise if an integer size field is not an int (bool is not) or not positive.
+
+        Raises:
+            CheckpointError: ``config.json: text_config.X must be a positive integer,
+            got 'abc'``.
+        """
+        tc, prefix = text_config_of(config)
+        positive = self.required_fields + self.positive_int_fields
+        for field in dict.fromkeys(positive + self.count_fields):
+            value = tc.get(field)
+            if value is None:
+                continue  # a missing required field is check_required_fields()'s error
+            lowest = 1 if field in positive else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+                what = "a positive integer" if lowest else "a non-negative integer"
+                raise CheckpointError(
+                    f"config.json: {prefix}{field} must be {what}, got {value!r} (needed to "
+                    f"build the {self.name} model)")
+
     def check_required_fields(self, config: dict) -> None:
         """Raise if a field of :attr:`required_fields` is missing from the config.
 
@@ -228,6 +257,7 @@ class QwenHybridAdapter(Adapter):
 
     def prepare_config(self, config: dict, report: FuseReport) -> dict:
         self.check_required_fields(config)
+        self.check_field_values(config)
         tc, prefix = text_config_of(config)
         interval = derive_full_attention_interval(tc, prefix)
         overrides: dict = {}
