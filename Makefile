@@ -1,7 +1,8 @@
 # Two commands on a fresh machine:
 #   make demo   - build the default model once and generate with fused vs stock
 #   make test   - run the test suite
-# Each creates its own virtual environment (.venv) and installs what it needs.
+# Both use one virtual environment (.venv); each installs only what it needs and keeps
+# its own stamp file, so `make demo` does not install the test tools, torch or llama.cpp.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,9 +11,17 @@ PIP := $(PY) -m pip
 
 .PHONY: demo test install clean
 
-$(VENV)/.installed: pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip setuptools wheel
+
+# The package alone (with MLX's CPU backend where there is no Metal): what `qab demo` needs.
+$(VENV)/.demo-installed: pyproject.toml | $(PY)
+	$(PIP) install --quiet -e ".[cpu]"
+	touch $@
+
+# The package, the test tools, and the best-effort extras some tests use.
+$(VENV)/.test-installed: pyproject.toml | $(PY)
 	$(PIP) install --quiet -e ".[test]"
 	# The transformers oracle tests need the torch CPU build; they skip without it.
 	$(PIP) install --quiet "torch==2.13.0" || echo "note: torch 2.13.0 not installable here; transformers-oracle tests will be skipped"
@@ -24,12 +33,12 @@ $(VENV)/.installed: pyproject.toml
 	  || echo "note: llama-cpp-python not built here; llama.cpp plugin tests will be skipped"
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.test-installed
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.demo-installed
 	$(VENV)/bin/qab demo
 
-test: $(VENV)/.installed
+test: $(VENV)/.test-installed
 	$(PY) -m pytest -q -ra
 
 clean:

@@ -55,3 +55,25 @@ def test_wheel_ships_kernels_and_demo_model(wheel):
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
     text = zipfile.ZipFile(path).read(metadata).decode()
     assert "License-Expression: MIT" in text
+
+
+def _make_dry_run(target, venv):
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    out = subprocess.run(["make", "-n", "-C", str(ROOT), target, f"VENV={venv}"],
+                         capture_output=True, text=True, check=True)
+    return out.stdout
+
+
+def test_make_demo_installs_only_the_package(tmp_path):
+    """A fresh `make demo` installs the package (with MLX's CPU backend), not the test tools,
+    torch or llama-cpp-python; `make test` installs those, each with its own stamp file."""
+    demo = _make_dry_run("demo", tmp_path / "venv")
+    assert '-e ".[cpu]"' in demo and ".demo-installed" in demo and "qab demo" in demo
+    for absent in (".[test]", "torch", "llama-cpp-python", ".test-installed"):
+        assert absent not in demo, absent
+    test = _make_dry_run("test", tmp_path / "venv")
+    for present in ('-e ".[test]"', "torch==", "llama-cpp-python==", ".test-installed",
+                    "-m pytest"):
+        assert present in test, present
+    assert ".demo-installed" not in test
