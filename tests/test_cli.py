@@ -215,6 +215,33 @@ def test_make_checkpoint_default_dtype_runs_here(tmp_path):
     assert dtypes == {"F32" if not gpu else "BF16"}
 
 
+def test_help_strings_are_current_and_say_each_default_once():
+    from qwen_apple_backend.envs import FUSABLE_KINDS, OPTIMIZATIONS
+
+    for cmd in ("bench", "compare"):
+        out = _qab(cmd, "--help")
+        assert out.returncode == 0, out.stderr
+        # argparse may wrap a name at its hyphen ("decode-\n compile")
+        text = " ".join(re.sub(r"-\n\s+", "-", out.stdout).split())
+        ablate = text.split("--ablate NAMES comma-separated", 1)[1].split("--prefill-step")[0]
+        for name in (*FUSABLE_KINDS, *OPTIMIZATIONS):
+            assert name in ablate, (cmd, name)
+        assert not re.search(r"\S {3,}--", out.stdout), out.stdout  # no runs of stray spaces
+    for cmd in ("demo", "make-checkpoint"):
+        out = _qab(cmd, "--help")
+        assert out.returncode == 0, out.stderr
+        text = " ".join(out.stdout.split())
+        assert "(default: None)" not in text
+        for option in text.split(" --")[1:]:
+            assert option.count("default:") <= 1, option
+    demo = " ".join(_qab("demo", "--help").stdout.split())
+    assert "instead of the demo model (default: the demo model) --rebuild" in demo
+    make = " ".join(_qab("make-checkpoint", "--help").stdout.split())
+    assert "(small, fast test models; default: the real vocabulary) --overwrite" in make
+    assert 'llama.cpp=model.gguf \\ --chat-template' in " ".join(
+        _qab("compare", "--help").stdout.split())
+
+
 def test_demo_help_describes_every_option():
     out = _qab("demo", "--help")
     assert out.returncode == 0

@@ -276,6 +276,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     rebuild=args.rebuild)
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to an option's help, except where the default is None:
+    those help strings say in words what leaving the option out does."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qab",
@@ -292,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_backends)
 
     p = sub.add_parser(
-        "make-checkpoint", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "make-checkpoint", formatter_class=_DefaultsHelpFormatter,
         help="write a random-weight checkpoint with the real Qwen3.6 layout",
         description="Write a random-weight checkpoint with the exact Qwen3.6-35B-A3B on-disk "
                     "layout (config, safetensors shards, the real tokenizer).")
@@ -308,14 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "--layout mlx-q4), float32 on a CPU-only MLX, whose unquantized "
                         "MoE expert GEMM runs only in float32")
     p.add_argument("--vocab-size", type=positive_int, default=None,
-                   help="embedding rows instead of the real 248,320 (small, fast test models; "
-                        "default: the real vocabulary)")
+                   help="embedding rows instead of the real 248,320 (small, fast test "
+                        "models; default: the real vocabulary)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_make_checkpoint)
 
     p = sub.add_parser(
-        "demo", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "demo", formatter_class=_DefaultsHelpFormatter,
         help="generate with the embedded default model, fused vs stock",
         description="Load a model on the fused and on the stock backend, generate the same "
                     "greedy continuation of a chat prompt on each, and print the fused "

@@ -48,7 +48,7 @@ _COMPARE_EPILOG = """\
 examples:
   qab compare --model path/to/checkpoint --backends stock,fused --prompt "Hello"
   qab compare --model path/to/checkpoint --prompts-file prompts.txt --json out.json
-  qab compare --model path/to/mlx-checkpoint --backends stock,llama.cpp=model.gguf \
+  qab compare --model path/to/mlx-checkpoint --backends stock,llama.cpp=model.gguf \\
       --chat-template --prompt "What is the capital of France?" --fidelity
 """
 
@@ -89,10 +89,13 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated registered backends (default stock,fused; see "
                         "`qab backends`); NAME=PATH gives a backend its own model instead "
                         "of --model/--preset, e.g. stock,llama.cpp=model.gguf")
-    b.add_argument("--ablate", default="", metavar="KINDS",
-                   help="comma-separated fused module kinds (moe,gdn,attn): adds one "
-                        "`fused-no-<kind>` backend per kind, the fused backend with that kind "
-                        "kept stock")
+    from ..envs import FUSABLE_KINDS, OPTIMIZATIONS
+
+    b.add_argument("--ablate", default="", metavar="NAMES",
+                   help=f"comma-separated fused module kinds ({','.join(FUSABLE_KINDS)}) or "
+                        f"optimizations ({','.join(OPTIMIZATIONS)}): adds one "
+                        "`fused-no-<name>` backend per name, the fused backend with that kind "
+                        "kept stock or that optimization switched off")
     b.add_argument("--prefill-step-size", type=positive_int, default=None,
                    help="prefill chunk in tokens (default: mlx-lm's, 2048)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
