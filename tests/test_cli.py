@@ -215,6 +215,26 @@ def test_make_checkpoint_default_dtype_runs_here(tmp_path):
     assert dtypes == {"F32" if not gpu else "BF16"}
 
 
+_NO_TORCH = "import sys; sys.modules['torch'] = None  # transformers then finds no torch\n"
+
+
+@pytest.mark.parametrize("code", [
+    "import qwen_apple_backend.tokenizer, mlx_lm.utils, transformers",
+    "from qwen_apple_backend.cli import main; main(['backends'])",
+])
+def test_no_transformers_torch_advisory_without_torch(code):
+    out = subprocess.run([sys.executable, "-c", _NO_TORCH + code], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""
+    # Only that one advisory is dropped: transformers' other messages still print.
+    out = subprocess.run([sys.executable, "-c", _NO_TORCH + "import qwen_apple_backend\n"
+                          "from transformers.utils import logging\n"
+                          "logging.get_logger('transformers').warning_advice('other advice')"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "other advice" in out.stderr, out.stderr
+
+
 def test_help_strings_are_current_and_say_each_default_once():
     from qwen_apple_backend.envs import FUSABLE_KINDS, OPTIMIZATIONS
 

@@ -11,6 +11,25 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+
+def _drop_transformers_torch_advisory() -> None:
+    """Drop transformers' import-time advisory "PyTorch was not found. Models won't be
+    available ..." (``logger.warning_advice`` on the ``transformers`` logger): this package
+    uses transformers for tokenizers only, so without torch the line is noise on every
+    command. Only that one message is dropped; every other transformers log line stays."""
+    import logging
+
+    class _NoTorchAdvisory(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not str(record.msg).startswith("PyTorch was not found.")
+
+    logger = logging.getLogger("transformers")
+    if not any(type(f).__name__ == "_NoTorchAdvisory" for f in logger.filters):
+        logger.addFilter(_NoTorchAdvisory())
+
+
+_drop_transformers_torch_advisory()
+
 _LAZY = {
     "hookimpl": ("qwen_apple_backend.hookspecs", "hookimpl"),
     "hookspec": ("qwen_apple_backend.hookspecs", "hookspec"),
