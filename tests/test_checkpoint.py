@@ -455,3 +455,25 @@ def test_in_memory_q4_path_matches_hf_path(tmp_path: Path, tiny_q4: Path) -> Non
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in tiny_q4.iterdir())
     for path in tiny_q4.iterdir():
         assert (out / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_unwritable_output_names_the_requested_path_not_the_staging_one(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cases = [blocker / "ckpt"]  # parent is a file
+    if Path("/proc/self").is_dir():
+        cases.append(Path("/proc/qab-ckpt"))  # a directory nothing can be created in
+    for out in cases:
+        with pytest.raises(CheckpointError, match=rf"^{re.escape(str(out))}: cannot write the "
+                                                  r"checkpoint there: ") as info:
+            make_checkpoint(out, preset="tiny", vocab_size=64, progress=False)
+        assert ".tmp" not in str(info.value)
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "qwen_apple_backend.cli", "make-checkpoint",
+                          str(blocker / "ckpt"), "--vocab-size", "64", "--quiet"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert out.stderr.startswith(f"qab make-checkpoint: error: {blocker / 'ckpt'}: cannot "
+                                 "write the checkpoint there: ") and ".tmp" not in out.stderr

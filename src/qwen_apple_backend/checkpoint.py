@@ -915,8 +915,9 @@ def make_checkpoint(
 
     Raises:
         CheckpointError: if ``preset``, ``layout`` or ``dtype`` is unknown,
-            ``num_shards`` is impossible, or ``out_dir`` is a file or a non-empty
-            directory and ``overwrite`` is false.
+            ``num_shards`` is impossible, ``out_dir`` is a file or a non-empty
+            directory and ``overwrite`` is false, or it cannot be written (the
+            message names ``out_dir`` and the reason).
         UnsupportedConfigError: if ``preset="full"`` is asked for in the ``"hf"``
             layout (35B bfloat16 parameters), or ``vocab_size`` is not positive.
 
@@ -939,12 +940,15 @@ def make_checkpoint(
     mx_dtype = _as_dtype(dtype)
     config = hf_config(preset, vocab_size)  # validates vocab_size early
     _prepare_out_dir(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-
     # A sibling, so the final move is a rename; mkdir (unlike mkdtemp) honours the
     # umask, so the finished checkpoint gets ordinary permissions.
     staging = out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex[:12]}.tmp"
-    staging.mkdir()
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+    except OSError as exc:
+        # Name the directory asked for, not the internal staging one.
+        raise _write_error(out_dir, exc) from exc
     try:
         if layout == "hf":
             _write_hf(
@@ -983,7 +987,16 @@ def make_checkpoint(
                 )
                 _write_mlx_q4_from_hf(staging, Path(hf))
         _install(staging, out_dir)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise _write_error(out_dir, exc) from exc
         raise
     return out_dir
+
+
+def _write_error(out_dir: Path, exc: OSError) -> CheckpointError:
+    """A CheckpointError naming the requested output directory (the OSError names the
+    internal staging directory beside it)."""
+    why = exc.strerror or str(exc)
+    return CheckpointError(f"{out_dir}: cannot write the checkpoint there: {why}")
