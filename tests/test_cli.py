@@ -142,6 +142,24 @@ def test_token_counts_must_be_positive(args, message):
     assert message in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--temp", "-1", "--prompt", "x"], "argument --temp: must be a number >= 0, "
+                                                    "got -1"),
+    (["generate", "--temp=nan", "--prompt", "x"], "argument --temp: must be a number >= 0"),
+    (["generate", "--top-p", "1.5", "--prompt", "x"], "argument --top-p: must be a number in "
+                                                      "[0, 1], got 1.5"),
+    (["generate", "--min-p", "-0.1", "--prompt", "x"], "argument --min-p: must be a number in "
+                                                       "[0, 1], got -0.1"),
+    (["chat", "--temp", "-0.5"], "argument --temp: must be a number >= 0, got -0.5"),
+    (["serve", "--top-p", "2"], "argument --top-p: must be a number in [0, 1], got 2"),
+])
+def test_sampling_settings_are_checked_up_front(args, message):
+    out = _qab(*args, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert f"qab {args[0]}: error: {message}" in out.stderr and "Traceback" not in out.stderr
+    assert "no --model given" not in out.stderr  # rejected before anything is loaded
+
+
 def test_backends_json_into_a_closed_pipe_exits_quietly():
     # The reader is gone before qab writes (`qab backends --json | head -0`).
     proc = subprocess.Popen([sys.executable, "-m", "qwen_apple_backend.cli", "backends", "--json"],

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["nonnegative_int", "positive_float", "positive_int"]
+__all__ = ["nonnegative_float", "nonnegative_int", "positive_float", "positive_int",
+           "probability"]
 
 
 def positive_int(text: str) -> int:
@@ -42,4 +43,26 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite number >= 0 (sampling temperature, where 0 means greedy)."""
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A number in [0, 1] (top-p, min-p)."""
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text}")
     return value

@@ -22,6 +22,7 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
+from .argtypes import nonnegative_float, probability
 from .argtypes import nonnegative_int, positive_int  # noqa: F401 - re-exported
 
 PASSTHROUGH = {
@@ -65,14 +66,29 @@ _COUNT_FLAGS = {
 }
 
 
+#: Sampling flags of the mlx-lm commands, checked the same way (mlx-lm accepts a
+#: negative --temp or a --top-p above 1 silently).
+_SAMPLING_FLAGS = {
+    "generate": (("--temp", nonnegative_float), ("--top-p", probability),
+                 ("--min-p", probability), ("--xtc-probability", probability)),
+    "chat": (("--temp", nonnegative_float), ("--top-p", probability),
+             ("--xtc-probability", probability)),
+    "serve": (("--temp", nonnegative_float), ("--top-p", probability),
+              ("--min-p", probability)),
+}
+
+
 def _check_count_flags(command: str, argv: Sequence[str]) -> None:
-    """Exit with argparse's one-line error (status 2) for a token count that is not positive."""
+    """Exit with argparse's one-line error (status 2) for a token count that is not
+    positive, a negative temperature or a probability (top-p, min-p) outside [0, 1]."""
     p = argparse.ArgumentParser(
         prog=f"qab {command}", add_help=False, allow_abbrev=False,
         usage=f"qab {command} [--backend NAME] [--qab-report] [flags of "
               f"{PASSTHROUGH[command][0]}]")
     for flags in _COUNT_FLAGS.get(command, ()):
         p.add_argument(*flags, type=positive_int, default=None)
+    for flag, kind in _SAMPLING_FLAGS.get(command, ()):
+        p.add_argument(flag, type=kind, default=None)
     p.parse_known_args(list(argv))
 
 
