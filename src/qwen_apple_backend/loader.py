@@ -51,6 +51,25 @@ def _resolve_path(path_or_hf_repo: Union[str, Path], revision: Optional[str]) ->
     raise MissingCheckpointFileError(f"{text}: checkpoint directory not found")
 
 
+def _read_json_object(path: Path) -> dict:
+    """A JSON file whose top level is an object; errors name the file.
+
+    Raises:
+        CheckpointError: if it is not UTF-8, not valid JSON or not an object.
+    """
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: invalid JSON at line {exc.lineno} column "
+                              f"{exc.colno}: {exc.msg}") from exc
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not a UTF-8 JSON file ({exc.reason})") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object at the top level")
+    return data
+
+
 def read_config(model_path: Path) -> dict:
     """Parse ``config.json``.
 
@@ -61,14 +80,7 @@ def read_config(model_path: Path) -> dict:
     cfg = model_path / "config.json"
     if not cfg.is_file():
         raise MissingCheckpointFileError(f"{cfg}: config.json not found")
-    try:
-        with open(cfg, "r", encoding="utf-8") as f:
-            config = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{cfg}: invalid JSON at line {exc.lineno} column {exc.colno}: "
-                              f"{exc.msg}") from exc
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{cfg}: expected a JSON object at the top level")
+    config = _read_json_object(cfg)
     if "model_type" not in config:
         raise CheckpointError(f"{cfg}: missing required field 'model_type'")
     return config
@@ -373,16 +385,7 @@ def check_tokenizer_files(model_path: Path) -> None:
         path = model_path / name
         if not path.is_file():
             continue
-        try:
-            with open(path, "r", encoding="utf-8") as f:
-                data = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path}: invalid JSON at line {exc.lineno} column "
-                                  f"{exc.colno}: {exc.msg}") from exc
-        except UnicodeDecodeError as exc:
-            raise CheckpointError(f"{path}: not a UTF-8 JSON file ({exc.reason})") from exc
-        if not isinstance(data, dict):
-            raise CheckpointError(f"{path}: expected a JSON object at the top level")
+        _read_json_object(path)
     if any((model_path / n).is_file() for n in TOKENIZER_FILE_NAMES):
         return
     if any(model_path.glob("*.tiktoken")):
