@@ -241,15 +241,18 @@ _NO_TORCH = "import sys; sys.modules['torch'] = None  # transformers then finds 
     "from qwen_apple_backend.cli import main; main(['backends'])",
 ])
 def test_no_transformers_torch_advisory_without_torch(code):
+    # mlx_lm's import sets TRANSFORMERS_NO_ADVISORY_WARNINGS=1 in this process
+    # (once any earlier test imported it); the children must not inherit it.
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
     out = subprocess.run([sys.executable, "-c", _NO_TORCH + code], capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stderr == ""
     # Only that one advisory is dropped: transformers' other messages still print.
     out = subprocess.run([sys.executable, "-c", _NO_TORCH + "import qwen_apple_backend\n"
                           "from transformers.utils import logging\n"
                           "logging.get_logger('transformers').warning_advice('other advice')"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and "other advice" in out.stderr, out.stderr
 
 
