@@ -292,3 +292,18 @@ def test_demo_help_describes_every_option():
                   "(default: 32)", "--model PATH checkpoint directory", "--rebuild write the "
                   "cached copy", "fused and on the stock backend"):
         assert piece in text, piece
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "--preset", "tiny", "--quick", "--ablate", "foo"],
+     "qab bench: error: --ablate: unknown module kind 'foo'"),
+    (["compare", "--preset", "tiny", "--backends", "stock,nope", "--prompt", "hi"],
+     "qab compare: error: unknown backend 'nope'"),
+    (["compare", "--preset", "tiny", "--prompt", " "],
+     "qab compare: error: --prompt: empty prompt"),
+])
+def test_bench_and_compare_usage_errors_exit_2_before_building_models(argv, message):
+    out = _qab(*argv)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert "loaded" not in out.stderr and "building" not in out.stderr

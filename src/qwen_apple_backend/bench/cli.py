@@ -216,10 +216,34 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _usage_problem(args: argparse.Namespace, prompts: Optional[list] = None) -> Optional[str]:
+    """A bad ``--backends`` / ``--ablate`` / prompt, found before any model is built."""
+    from ..errors import QABError
+    from .target import parse_backend_specs, resolve_backend
+
+    try:
+        for spec in parse_backend_specs(args.backends, args.ablate):
+            resolve_backend(spec)  # registered, available here, benchmarkable
+    except (ValueError, QABError) as exc:
+        return str(exc)
+    if prompts is not None and any(not p.strip() for p in prompts):
+        return "--prompt: empty prompt (give some text)"
+    return None
+
+
+def _usage_error(command: str, problem: str) -> int:
+    print(f"qab {command}: error: {problem}", file=sys.stderr)
+    return 2
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """``qab bench``: run the sweep, print the table, write JSON (+ PNG)."""
     from .harness import BenchConfig, parse_lengths, run_bench, write_outputs
     from .report import format_table
+
+    problem = _usage_problem(args)
+    if problem:
+        return _usage_error("bench", problem)
 
     cfg = BenchConfig(
         **_source_kwargs(args),
@@ -273,6 +297,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     prompts = list(args.prompt)
     if args.prompts_file:
         prompts += read_prompts(Path(args.prompts_file))
+    problem = _usage_problem(args, prompts)
+    if problem:
+        return _usage_error("compare", problem)
     cfg = CompareConfig(**_source_kwargs(args), prompts=prompts, max_tokens=args.max_tokens,
                         rounds=args.rounds, warmup=args.warmup,
                         chat_template=args.chat_template, fidelity=args.fidelity,
