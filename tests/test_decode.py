@@ -104,16 +104,15 @@ def test_gpu_resident_handoff_matches_the_host_loop(tiny_hf_f32, monkeypatch, en
     assert handoff == _host_loop(stock, prompt, 48)
 
 
-def test_compiled_step_retraces_when_concatenated_projection_weights_change(tiny_hf_f32,
-                                                                          monkeypatch):
-    # The proj-concat path is chosen in Python at trace time; replacing a
-    # projection's weights afterwards must not leave the step on stale rows.
+def test_compiled_step_sees_replaced_projection_weights(tiny_hf_f32, monkeypatch):
+    # With proj-concat on, replacing a projection's weights after the step was
+    # traced must not leave decoding on stale concatenated rows.
     monkeypatch.setenv("QAB_ENABLE", "decode-compile")
     comp, _ = load(tiny_hf_f32, "fused")
     monkeypatch.delenv("QAB_ENABLE")
     eager, _ = load(tiny_hf_f32, "fused")
     prompt = mx.array([(i * 41) % 900 for i in range(20)])
-    _greedy(comp, prompt, 4)  # traced with the concatenated projections
+    _greedy(comp, prompt, 4)  # traces the step
     for m in (comp, eager):
         gdn = m.language_model.model.layers[0].linear_attn
         gdn.in_proj_z.weight = gdn.in_proj_z.weight * 3.0

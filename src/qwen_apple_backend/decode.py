@@ -102,8 +102,7 @@ class _CompiledDecode:
         self.eager_calls = 0
         self.compiled_calls = 0
 
-    def _step(self, tokens, offset, kv, ssm, key):
-        layout = key[0]
+    def _step(self, tokens, offset, kv, ssm, layout):
         caches, ik, iss = [], 0, 0
         for kind in layout:
             if kind == "kv":
@@ -123,15 +122,15 @@ class _CompiledDecode:
         kv = [(c.keys, c.values) for c in cache if type(c) is KVCache]
         ssm = [(c[0], c[1]) for c in cache if type(c) is ArraysCache]
         offset = mx.array(next(c.offset for c in cache if type(c) is KVCache), dtype=mx.int32)
-        # Which modules take their concatenated projections is decided in
-        # Python while tracing; it is part of the trace's key, so replacing a
-        # projection's weights after a trace gives a new trace, not stale rows.
-        cats = _concats(self._model())
-        key = (tuple(layout), tuple(c.valid(o) for c, o in cats))
-        logits, kv_out, ssm_out = self._fn(tokens, offset, kv, ssm, key)
-        for (c, _), ok in zip(cats, key[1]):
-            if ok:
-                c.refresh()  # a trace re-wraps the model's arrays
+        # While tracing, the model's arrays are tracers, so every module takes
+        # its separate projections inside the trace (never stale concatenated
+        # rows). Tracing also re-wraps those arrays in new objects: re-record
+        # the views of every concatenation that was valid before the call, so
+        # eager calls (prefill) keep their one-matmul path.
+        valid = [c for c, owner in _concats(self._model()) if c.valid(owner)]
+        logits, kv_out, ssm_out = self._fn(tokens, offset, kv, ssm, tuple(layout))
+        for c in valid:
+            c.refresh()
         ik = iss = 0
         for c in cache:
             if type(c) is KVCache:

@@ -119,8 +119,8 @@ class ConcatProjection:
 
     def valid(self, owner: nn.Module) -> bool:
         """True while ``owner`` still has these children, of their type, holding their views."""
-        for name, c, t, views in zip(self.names, self.children, self.types, self.views):
-            if getattr(owner, name, None) is not c or type(c) is not t:
+        for child_name, c, t, views in zip(self.names, self.children, self.types, self.views):
+            if getattr(owner, child_name, None) is not c or type(c) is not t:
                 return False
             for name, v in views.items():
                 if name not in c or c[name] is not v:
