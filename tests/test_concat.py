@@ -34,6 +34,22 @@ def gdn_stock(quantize: bool):
     return stock
 
 
+def moe_pair(seed: int):
+    """A 4-bit stock Qwen3-Next MoE block (8 experts, top-2, shared expert) and its fused twin."""
+    from types import SimpleNamespace
+
+    from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
+
+    mx.random.seed(seed)
+    margs = SimpleNamespace(hidden_size=H, moe_intermediate_size=64,
+                            shared_expert_intermediate_size=64, norm_topk_prob=True,
+                            num_experts=8, num_experts_per_tok=2)
+    moe = Qwen3NextSparseMoeBlock(margs)
+    nn.quantize(moe, group_size=64, bits=4)
+    moe.eval()
+    return moe, FusedSparseMoeBlock.from_stock(moe)
+
+
 class CountingQMM:
     """Counts mx.quantized_matmul calls (every quantized projection is one)."""
 
@@ -111,9 +127,7 @@ def test_mismatched_projections_are_left_separate():
 
 
 def test_attention_and_shared_expert_concat_match_stock():
-    from types import SimpleNamespace
-
-    from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
+    from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
     mx.random.seed(1)
     args = qwen3_5.TextModelArgs(
@@ -138,13 +152,7 @@ def test_attention_and_shared_expert_concat_match_stock():
         assert mx_rel_l2(fa(x1, cache=c1), attn(x1, cache=c2)) <= 1e-6
         assert fa._use_cat()
 
-    margs = SimpleNamespace(hidden_size=H, moe_intermediate_size=64,
-                            shared_expert_intermediate_size=64, norm_topk_prob=True,
-                            num_experts=8, num_experts_per_tok=2)
-    moe = Qwen3NextSparseMoeBlock(margs)
-    nn.quantize(moe, group_size=64, bits=4)
-    moe.eval()
-    fm = FusedSparseMoeBlock.from_stock(moe)
+    moe, fm = moe_pair(seed=1)
     assert fm.concat_projections()
     for T in (1, 9):  # compiled decode graph, eager prefill
         xm = mx.random.normal((1, T, H), key=mx.random.key(T))
@@ -174,18 +182,7 @@ def test_compiled_decode_keeps_the_concat_and_still_sees_replaced_weights(monkey
     # tracing; the block re-records them after a call that started valid, so
     # later decode tokens keep the one-matmul path, and a user's replacement
     # is still noticed.
-    from types import SimpleNamespace
-
-    from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
-
-    margs = SimpleNamespace(hidden_size=H, moe_intermediate_size=64,
-                            shared_expert_intermediate_size=64, norm_topk_prob=True,
-                            num_experts=8, num_experts_per_tok=2)
-    mx.random.seed(2)
-    moe = Qwen3NextSparseMoeBlock(margs)
-    nn.quantize(moe, group_size=64, bits=4)
-    moe.eval()
-    fm = FusedSparseMoeBlock.from_stock(moe)
+    moe, fm = moe_pair(seed=2)
     assert fm.concat_projections()
     x = mx.random.normal((1, 1, H), key=mx.random.key(7))
     for _ in range(3):

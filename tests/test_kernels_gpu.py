@@ -75,7 +75,13 @@ def test_gated_delta_scan_kernel(shape, dtype):
     backend = gd.gpu_backend()
     B, T, Hk, Hv, Dk, Dv = shape
     args = _inputs(B, T, Hk, Hv, Dk, Dv, dtype, seed=sum(shape))
-    y, s = gd._scan_kernel_call(backend, *args)
+    _assert_scan_matches_reference(gd._scan_kernel_call(backend, *args), args, dtype,
+                                   f"{shape} {dtype}")
+
+
+def _assert_scan_matches_reference(out, args, dtype, where):
+    """A scan kernel's (y, state) against the float32 sequential reference."""
+    y, s = out
     y_ref, s_ref = _reference(*args)
     mx.eval(y, s, y_ref, s_ref)
     assert y.dtype == dtype and s.dtype == mx.float32
@@ -85,8 +91,8 @@ def test_gated_delta_scan_kernel(shape, dtype):
     # agrees to summation order; only y is rounded to bf16 (~2e-3 rms relative).
     y_tol, s_tol = (2e-5, 2e-5) if dtype == mx.float32 else (8e-3, 1e-4)
     ey, es = mx_rel_l2(y, y_ref), mx_rel_l2(s, s_ref)
-    assert ey <= y_tol, f"y rel-L2 {ey:.3g} > {y_tol} at {shape} {dtype}"
-    assert es <= s_tol, f"state rel-L2 {es:.3g} > {s_tol} at {shape} {dtype}"
+    assert ey <= y_tol, f"y rel-L2 {ey:.3g} > {y_tol} at {where}"
+    assert es <= s_tol, f"state rel-L2 {es:.3g} > {s_tol} at {where}"
 
 
 # The staged prefill scan (CUDA only): the real heads at two chunk counts,
@@ -115,31 +121,23 @@ def test_gated_delta_scan_staged_kernel(shape, dtype, lpr):
     if gd._staged_tile(Dk, Dv, dtype, lpr) is None:
         pytest.skip("shape not supported at this lanes-per-row")
     args = _inputs(B, T, Hk, Hv, Dk, Dv, dtype, seed=sum(shape))
-    y, s = gd._staged_kernel_call("cuda", *args, lpr=lpr)
-    y_ref, s_ref = _reference(*args)
-    mx.eval(y, s, y_ref, s_ref)
-    assert y.dtype == dtype and s.dtype == mx.float32
-    assert y.shape == y_ref.shape and s.shape == s_ref.shape
-    # Tolerances as test_gated_delta_scan_kernel (summation order; bf16 y).
-    y_tol, s_tol = (2e-5, 2e-5) if dtype == mx.float32 else (8e-3, 1e-4)
-    ey, es = mx_rel_l2(y, y_ref), mx_rel_l2(s, s_ref)
-    assert ey <= y_tol, f"y rel-L2 {ey:.3g} > {y_tol} at {shape} {dtype} lpr {lpr}"
-    assert es <= s_tol, f"state rel-L2 {es:.3g} > {s_tol} at {shape} {dtype} lpr {lpr}"
+    _assert_scan_matches_reference(gd._staged_kernel_call("cuda", *args, lpr=lpr), args,
+                                   dtype, f"{shape} {dtype} lpr {lpr}")
 
 
 @pytest.mark.cuda_only
 def test_gated_delta_scan_staged_kernel_mask():
     args = _inputs(2, 71, 2, 4, 128, 128, mx.float32, seed=9, masked=True)
-    y, s = gd._staged_kernel_call("cuda", *args)
-    y_ref, s_ref = _reference(*args)
-    assert mx_rel_l2(y, y_ref) <= 2e-5 and mx_rel_l2(s, s_ref) <= 2e-5
-    assert mx.all(mx.where(args[-1][:, :, None, None], 0.0, y) == 0).item()
+    _assert_masked_scan(gd._staged_kernel_call("cuda", *args), args)
 
 
 def test_gated_delta_scan_kernel_mask():
-    backend = gd.gpu_backend()
     args = _inputs(2, 41, 2, 4, 128, 128, mx.float32, seed=7, masked=True)
-    y, s = gd._scan_kernel_call(backend, *args)
+    _assert_masked_scan(gd._scan_kernel_call(gd.gpu_backend(), *args), args)
+
+
+def _assert_masked_scan(out, args):
+    y, s = out
     y_ref, s_ref = _reference(*args)
     assert mx_rel_l2(y, y_ref) <= 2e-5 and mx_rel_l2(s, s_ref) <= 2e-5
     mask = args[-1]
