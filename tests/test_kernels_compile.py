@@ -54,6 +54,25 @@ CASES = {
     "moe_down_gemv": (
         ["bf16", "u32", "f32", "u32", "bf16", "bf16"], ["bf16"],
         {"OutT": "bf16", "H": 2048, "I": 512, "K": 8, "G": 64}),
+    "moe_gate_up_shared_gemv": (
+        ["bf16", "u32", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "u32", "bf16", "bf16",
+         "u32", "bf16", "bf16"], ["bf16", "f32"],
+        {"OutT": "bf16", "H": 2048, "I": 512, "K": 8, "G": 64, "SGB": 8, "SGG": 64}),
+    "moe_down_shared_gemv": (
+        ["bf16", "u32", "f32", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "f32"], ["bf16"],
+        {"OutT": "bf16", "H": 2048, "I": 512, "K": 8, "G": 64}),
+    "moe_combine": (
+        ["bf16", "u32", "bf16", "bf16", "bf16"], ["bf16"], {"OutT": "bf16", "H": 2048, "K": 8}),
+    # The longest matrix rows (GDN out_proj / o_proj, K = 4096), 2 row sets per warp.
+    "quantized_gemv": (
+        ["bf16", "u32", "bf16", "bf16"], ["bf16"],
+        {"OutT": "bf16", "ST": "bf16", "KD": 4096, "N": 12352, "G": 64, "M": 1, "LPR": 32,
+         "RPW": 2}),
+    "gated_delta_decode": (
+        ["bf16", "bf16", "bf16", "bf16", "bf16", "bf16", "bf16", "f32", "bf16", "bf16", "f32",
+         "f32", "bool", "i32"], ["bf16", "bf16", "f32"],
+        {"InT": "bf16", "WT": "bf16", "Hk": 16, "Hv": 32, "Dk": 128, "Dv": 128, "Kc": 4,
+         "BLOCK": 256, "HAS_BIAS": False, "HAS_MASK": True, "HAS_LENGTHS": True}),
 }
 
 

@@ -357,3 +357,363 @@ def test_moe_grouped_gemm_metal_emulated(grouped_gemm_exe, case):
     worst = np.unravel_index(err.argmax(), err.shape)
     assert (err <= bound).all(), f"max error {err.max():.3g} at (row, column) {worst}"
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) <= 4e-3
+
+
+# --------------------------------------------------------------------------
+# MoE decode with the shared expert folded in (moe_gate_up_shared_gemv,
+# moe_down_shared_gemv) and the prefill combine (moe_combine)
+# --------------------------------------------------------------------------
+
+# What these bodies use beyond the prelude: uint4 (components and [i]) and
+# simd_sum, which gives every lane of the SIMD group the group's sum.
+SIMD_PRELUDE = r"""
+struct uint4 {
+  uint x, y, z, w;
+  uint operator[](int i) const { return i == 0 ? x : i == 1 ? y : i == 2 ? z : w; }
+};
+static float qab_simd_vals[64][32];
+inline float simd_sum(float v) {
+  qab_simd_vals[qab_sg][qab_lane] = v;
+  simdgroup_barrier(mem_flags::mem_none);
+  float s = 0.0f;
+  for (int i = 0; i < 32; ++i) s += qab_simd_vals[qab_sg][i];
+  simdgroup_barrier(mem_flags::mem_none);
+  return s;
+}
+"""
+
+C_OUT = {"f32": "float", "bf16": "bfloat16_t"}
+
+
+def _build_typed(tmp: Path, op: str, in_types, out_types, instances) -> Path:
+    """Like _build, for bodies with an ``OutT`` type parameter (given as a C type name)."""
+    prog = _program(op, in_types, out_types, instances)
+    prog = prog.replace(PRELUDE, PRELUDE + SIMD_PRELUDE, 1)
+    prog = prog.replace("template <int OutT,", "template <typename OutT,", 1)
+    (tmp / "k.cpp").write_text(prog, encoding="utf-8")
+    exe = tmp / "k"
+    proc = subprocess.run([CXX, "-std=c++20", "-O2", "-pthread", "-w", str(tmp / "k.cpp"),
+                           "-o", str(exe)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return exe
+
+
+def _as_input(a: mx.array, t: str) -> np.ndarray:
+    if t == "bf16":
+        return _bf16_bits(a)
+    if t == "f32":
+        return np.array(a.astype(mx.float32), dtype=np.float32)
+    return np.array(a)
+
+
+def _values(a: mx.array, t: str) -> np.ndarray:
+    """What the kernel reads for ``a`` given as type ``t``, in float64."""
+    if t == "bf16":
+        return _bf16_values(_bf16_bits(a))
+    return np.array(a.astype(mx.float32), dtype=np.float64)
+
+
+def _out_values(bits: np.ndarray, t: str) -> np.ndarray:
+    return _bf16_values(bits) if t == "bf16" else bits.view(np.float32).astype(np.float64)
+
+
+OUT_NP = {"bf16": np.uint16, "f32": np.uint32}
+
+
+def _q(shape, bits, group_size, key, dtype):
+    w = (mx.random.normal(shape, key=key) * shape[-1] ** -0.5).astype(dtype)
+    q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+    deq = np.array(mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32),
+                                 group_size=group_size, bits=bits), dtype=np.float64)
+    return q, s, b, deq
+
+
+def _silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def _bound_check(y, ref, rounding, what):
+    # float32 accumulation, then one rounding to the output type.
+    err = np.abs(y - ref)
+    bound = rounding * np.abs(ref) + 1e-5 * np.abs(ref).max()
+    worst = np.unravel_index(err.argmax(), err.shape)
+    assert (err <= bound).all(), f"{what}: max error {err.max():.3g} at {worst}"
+
+
+# (N, E, H, I, K, G, shared gate bits, gate group): two tokens with an 8-bit
+# gate (one 32-value chunk per lane); one token with K = 1, two chunks per
+# lane, 32-wide groups and a 4-bit gate. Both leave the gate-logit warp in a
+# threadgroup of idle warps.
+FOLD_CASES = [
+    (2, 8, 1024, 64, 4, 64, 8, 64),
+    (1, 3, 2048, 32, 1, 32, 4, 32),
+]
+FOLD_GRID_BLOCK = 256
+
+
+def _fold_weights(case, dtype):
+    N, E, H, I, K, G, SGB, SGG = case
+    keys = mx.random.split(mx.random.key(300 + H + K), 9)
+    gu = _q((E, 2 * I, H), 4, G, keys[0], dtype)
+    dn = _q((E, H, I), 4, G, keys[1], dtype)
+    sg = _q((I, H), 4, G, keys[2], dtype)
+    su = _q((I, H), 4, G, keys[3], dtype)
+    sd = _q((H, I), 4, G, keys[4], dtype)
+    gate = _q((1, H), SGB, SGG, keys[5], dtype)
+    x = mx.random.normal((N, H), key=keys[6]).astype(dtype)
+    inds = mx.argsort(mx.random.uniform(shape=(N, E), key=keys[7]), axis=-1)[:, :K]
+    scores = mx.softmax(mx.random.normal((N, K), key=keys[8]), axis=-1)
+    return x, np.array(inds.astype(mx.uint32)), scores, gu, dn, sg, su, sd, gate
+
+
+@pytest.fixture(scope="module", params=["f32", "bf16"])
+def fold_exes(request, tmp_path_factory):
+    t = request.param
+    tmp = tmp_path_factory.mktemp(f"metal_fold_{t}")
+    gu_inst = [{"OutT": C_OUT[t], "H": c[2], "I": c[3], "K": c[4], "G": c[5], "SGB": c[6],
+                "SGG": c[7]} for c in FOLD_CASES]
+    dn_inst = [{"OutT": C_OUT[t], "H": c[2], "I": c[3], "K": c[4], "G": c[5]}
+               for c in FOLD_CASES]
+    (tmp / "gu").mkdir()
+    (tmp / "dn").mkdir()
+    gu = _build_typed(tmp / "gu", "moe_gate_up_shared_gemv",
+                      [t, "u32", "u32", t, t, "u32", t, t, "u32", t, t, "u32", t, t],
+                      [t, "f32"], gu_inst)
+    dn = _build_typed(tmp / "dn", "moe_down_shared_gemv",
+                      [t, "u32", "f32", "u32", t, t, "u32", t, t, "f32"], [t], dn_inst)
+    return t, tmp, gu, dn
+
+
+@pytest.mark.parametrize("case", range(len(FOLD_CASES)))
+def test_moe_shared_fold_metal_emulated(fold_exes, case):
+    t, tmp, gu_exe, dn_exe = fold_exes
+    N, E, H, I, K, G, SGB, SGG = FOLD_CASES[case]
+    dtype = mx.float32 if t == "f32" else mx.bfloat16
+    x, inds, scores, gu, dn, sg, su, sd, gate = _fold_weights(FOLD_CASES[case], dtype)
+    warps = (K + 1) * I // moe_ops._GEMV_RPW + 1
+    assert moe_ops._fold_grid_x(K, I) == -(-32 * warps // FOLD_GRID_BLOCK) * FOLD_GRID_BLOCK
+    grid = (moe_ops._fold_grid_x(K, I), N, 1)
+
+    def qin(w):
+        return [np.array(w[0]), _as_input(w[1], t), _as_input(w[2], t)]
+
+    (h_bits, logit_bits), _ = _run(
+        gu_exe, tmp / "gu", case,
+        [_as_input(x, t), inds, *qin(gu), *qin(sg), *qin(su), *qin(gate)],
+        [(N * (K + 1) * I, OUT_NP[t]), (N, np.uint32)], grid=grid, threadgroup=(256, 1, 1))
+    xv = _values(x, t)
+    gate_up = np.einsum("nh,nkrh->nkr", xv, gu[3][inds])
+    routed = _silu(gate_up[..., :I]) * gate_up[..., I:]
+    shared = _silu(xv @ sg[3].T) * (xv @ su[3].T)
+    h_ref = np.concatenate([routed, shared[:, None]], axis=1)
+    h = _out_values(h_bits, t).reshape(N, K + 1, I)
+    assert np.isfinite(h).all(), "some h elements were never written"
+    rounding = 2.0 ** -8 if t == "bf16" else 1e-5
+    _bound_check(h, h_ref, rounding, "h")
+    logit = logit_bits.view(np.float32).astype(np.float64)
+    logit_ref = (xv @ gate[3].T)[:, 0]
+    assert np.isfinite(logit).all()
+    assert np.allclose(logit, logit_ref, rtol=1e-5, atol=1e-5 * np.abs(logit_ref).max())
+
+    # The down kernel on the h the first one wrote.
+    sc = np.array(scores, dtype=np.float32)
+    (y_bits,), _ = _run(
+        dn_exe, tmp / "dn", case,
+        [h_bits, inds, sc, *qin(dn), *qin(sd), logit_bits.view(np.float32)],
+        [(N * H, OUT_NP[t])], grid=(32 * H // moe_ops._GEMV_RPW, N, 1),
+        threadgroup=(256, 1, 1))
+    routed_y = np.einsum("nki,nkoi->nko", h[:, :K], dn[3][inds])
+    y_ref = (routed_y * sc[..., None]).sum(axis=1)
+    y_ref += (1.0 / (1.0 + np.exp(-logit)))[:, None] * (h[:, K] @ sd[3].T)
+    y = _out_values(y_bits, t).reshape(N, H)
+    assert np.isfinite(y).all(), "some outputs were never written"
+    _bound_check(y, y_ref, rounding, "y")
+
+
+# (N, H, K): H not a multiple of the 256-thread group (the last one partial),
+# K = 1, and one token at the real H.
+COMBINE_CASES = [(7, 300, 8), (5, 256, 1), (1, 2048, 8)]
+
+
+@pytest.fixture(scope="module", params=["f32", "bf16"])
+def combine_exe(request, tmp_path_factory):
+    t = request.param
+    tmp = tmp_path_factory.mktemp(f"metal_combine_{t}")
+    inst = [{"OutT": C_OUT[t], "H": h, "K": k} for _, h, k in COMBINE_CASES]
+    return t, tmp, _build_typed(tmp, "moe_combine", [t, "u32", t, t, t], [t], inst)
+
+
+@pytest.mark.parametrize("case", range(len(COMBINE_CASES)))
+def test_moe_combine_metal_emulated(combine_exe, case):
+    t, tmp, exe = combine_exe
+    N, H, K = COMBINE_CASES[case]
+    dtype = mx.float32 if t == "f32" else mx.bfloat16
+    k1, k2, k3, k4, k5 = mx.random.split(mx.random.key(400 + case), 5)
+    y = mx.random.normal((N * K, H), key=k1).astype(dtype)
+    pos = np.array(mx.argsort(mx.random.uniform(shape=(N * K,), key=k2)).astype(mx.uint32))
+    pos = pos.reshape(N, K)
+    sc = mx.softmax(mx.random.normal((N, K), key=k3), axis=-1).astype(dtype)
+    sy = mx.random.normal((N, H), key=k4).astype(dtype)
+    lg = mx.random.normal((N,), key=k5).astype(dtype)
+    (out_bits,), _ = _run(exe, tmp, case,
+                          [_as_input(y, t), pos, _as_input(sc, t), _as_input(sy, t),
+                           _as_input(lg, t)],
+                          [(N * H, OUT_NP[t])], grid=(-(-H // 256) * 256, N, 1),
+                          threadgroup=(256, 1, 1))
+    yv, scv, syv, lgv = (_values(a, t) for a in (y, sc, sy, lg))
+    ref = (yv[pos] * scv[..., None]).sum(axis=1) + (1 / (1 + np.exp(-lgv)))[:, None] * syv
+    out = _out_values(out_bits, t).reshape(N, H)
+    assert np.isfinite(out).all(), "some outputs were never written"
+    _bound_check(out, ref, 2.0 ** -8 if t == "bf16" else 1e-6, "out")
+
+
+# --------------------------------------------------------------------------
+# gated_delta_decode: one decode token of a whole Gated DeltaNet layer
+# --------------------------------------------------------------------------
+
+# What the decode body uses beyond the prelude: simd_sum (every lane gets the
+# SIMD group's sum, added in lane order between two SIMD-group barriers) and
+# metal::log / fabs / rsqrt / sqrt.
+GDN_DECODE_PRELUDE = r"""
+static float qab_gdn_simd_vals[32][32];
+inline float simd_sum(float v) {
+  qab_gdn_simd_vals[qab_sg][qab_lane] = v;
+  simdgroup_barrier(mem_flags::mem_none);
+  float s = 0.0f;
+  for (int i = 0; i < 32; ++i) s += qab_gdn_simd_vals[qab_sg][i];
+  simdgroup_barrier(mem_flags::mem_none);
+  return s;
+}
+namespace metal {
+inline float log(float x) { return std::log(x); }
+inline float fabs(float x) { return std::fabs(x); }
+inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+inline float sqrt(float x) { return std::sqrt(x); }
+}
+"""
+
+C_TYPES.setdefault("bool", ("bool", 1))
+GDN_DECODE_C = {"f32": "float", "bf16": "bfloat16_t"}
+GDN_DECODE_OUT_NP = {"f32": np.uint32, "bf16": np.uint16}  # all-ones bits: NaN
+
+
+def _gdn_decode_in(a: mx.array, t: str) -> np.ndarray:
+    if t == "bf16":
+        return _bf16_bits(a)
+    if t == "f32":
+        return np.array(a.astype(mx.float32), dtype=np.float32)
+    return np.array(a)
+
+
+def _gdn_decode_out(bits: np.ndarray, t: str) -> np.ndarray:
+    return _bf16_values(bits) if t == "bf16" else bits.view(np.float32).astype(np.float64)
+
+# (B, Hk, Hv, Dk, Dv, Kc, conv bias, mask / lengths), BLOCK = 64 (two SIMD
+# groups): GQA with 16 state rows per SIMD group; Dk = 64 (two floats per lane)
+# with a prime Dv (19 rows per group, the last one idle in the second group),
+# a conv bias, and a live, a left-padded (masked, conv state shifts) and a
+# finished (lengths 0, conv state kept) row; Hk == Hv with a 3-tap conv.
+GDN_DECODE_CASES = [
+    (2, 2, 4, 32, 32, 4, False, False),
+    (3, 2, 4, 64, 37, 4, True, True),
+    (1, 3, 3, 32, 16, 3, False, False),
+]
+GDN_DECODE_BLOCK = 64
+
+
+def _gdn_decode_instance(case, t):
+    B, Hk, Hv, Dk, Dv, Kc, bias, masked = case
+    c = GDN_DECODE_C[t]
+    return {"InT": c, "WT": c, "Hk": Hk, "Hv": Hv, "Dk": Dk, "Dv": Dv, "Kc": Kc,
+            "BLOCK": GDN_DECODE_BLOCK, "HAS_BIAS": bias, "HAS_MASK": masked,
+            "HAS_LENGTHS": masked}
+
+
+@pytest.fixture(scope="module", params=["f32", "bf16"])
+def gdn_decode_exe(request, tmp_path_factory):
+    t = request.param
+    tmp = tmp_path_factory.mktemp(f"metal_gdn_decode_{t}")
+    # Every instance shares the argument types: absent optional inputs get
+    # dummies of their real type (the body reads them only when flagged).
+    in_types = [t] * 7 + ["f32", t, t, "f32", "f32", "bool", "i32"]
+    prog = _program("gated_delta_decode", in_types, [t, t, "f32"],
+                    [_gdn_decode_instance(c, t) for c in GDN_DECODE_CASES])
+    prog = prog.replace(PRELUDE, PRELUDE + GDN_DECODE_PRELUDE, 1)
+    prog = prog.replace("template <int InT, int WT,", "template <typename InT, typename WT,", 1)
+    (tmp / "k.cpp").write_text(prog, encoding="utf-8")
+    exe = tmp / "k"
+    proc = subprocess.run([CXX, "-std=c++20", "-O2", "-pthread", "-w", str(tmp / "k.cpp"),
+                           "-o", str(exe)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return exe, tmp, t
+
+
+@pytest.mark.parametrize("case", range(len(GDN_DECODE_CASES)))
+def test_gated_delta_decode_metal_emulated(gdn_decode_exe, case):
+    from qwen_apple_backend.ops import gated_delta as gd
+
+    exe, tmp, t = gdn_decode_exe
+    B, Hk, Hv, Dk, Dv, Kc, bias, masked = GDN_DECODE_CASES[case]
+    dtype = mx.float32 if t == "f32" else mx.bfloat16
+    C = 2 * Hk * Dk + Hv * Dv
+    keys = mx.random.split(mx.random.key(500 + case), 11)
+    qkv = mx.random.normal((B, C), key=keys[0]).astype(dtype)
+    z = mx.random.normal((B, Hv * Dv), key=keys[1]).astype(dtype)
+    b = mx.random.normal((B, Hv), key=keys[2]).astype(dtype)
+    a = mx.random.normal((B, Hv), key=keys[3]).astype(dtype)
+    conv_state = mx.random.normal((B, Kc - 1, C), key=keys[4]).astype(dtype)
+    conv_w = (0.5 * mx.random.normal((C, Kc, 1), key=keys[5])).astype(dtype)
+    conv_b = (0.1 * mx.random.normal((C,), key=keys[6])).astype(dtype)
+    A_log = mx.log(mx.random.uniform(0.05, 2.0, (Hv,), key=keys[7]))
+    dt_bias = (1.0 + 0.5 * mx.random.normal((Hv,), key=keys[8])).astype(dtype)
+    norm_w = (1.0 + 0.1 * mx.random.normal((Dv,), key=keys[9])).astype(dtype)
+    state = 0.1 * mx.random.normal((B, Hv, Dv, Dk), key=keys[10])
+    mask = mx.array([True, False, False]) if masked else mx.ones((B,), dtype=mx.bool_)
+    lengths = mx.array([1, 1, 0], dtype=mx.int32) if masked else mx.ones((B,), dtype=mx.int32)
+    eps = mx.array([1e-6], dtype=mx.float32)
+    acts = [qkv, z, b, a, conv_state, conv_w, conv_b, A_log, dt_bias, norm_w, eps, state,
+            mask, lengths]
+    types = [t] * 7 + ["f32", t, t, "f32", "f32", "bool", "i32"]
+    (out_bits, conv_bits, state_bits), peak = _run(
+        exe, tmp, case, [_gdn_decode_in(x, ty) for x, ty in zip(acts, types)],
+        [(B * Hv * Dv, GDN_DECODE_OUT_NP[t]), (B * (Kc - 1) * C, GDN_DECODE_OUT_NP[t]),
+         (B * Hv * Dv * Dk, np.uint32)],
+        grid=(GDN_DECODE_BLOCK, B * Hv, 1), threadgroup=(GDN_DECODE_BLOCK, 1, 1))
+    assert peak <= THREADGROUP_MEMORY_LIMIT, f"{peak} bytes of threadgroup memory"
+
+    # float32 reference on the values the kernel reads.
+    f32 = [x.astype(mx.float32) for x in (qkv, z, b, a, conv_state, conv_w, conv_b, A_log,
+                                          dt_bias, norm_w)]
+    ref = gd.gated_delta_decode_ops(
+        *f32[:6], f32[6] if bias else None, *f32[7:], state,
+        mask if masked else None, lengths if masked else None)
+    got = [_gdn_decode_out(out_bits, t), _gdn_decode_out(conv_bits, t),
+           state_bits.view(np.float32).astype(np.float64)]
+    ref = [np.array(r.astype(mx.float32), dtype=np.float64).reshape(-1) for r in ref]
+
+    def rel(u, r):
+        return np.linalg.norm(u - r) / max(np.linalg.norm(r), 1e-30)
+
+    # float32: another summation order. bf16: the kernel rounds where the ops
+    # path in bf16 rounds (conv, SiLU, q/k, beta, y, the norm), so it must be
+    # as close to the float32 reference as that path (as in
+    # tests/test_kernels_gpu.py). The conv state is copied exactly.
+    if t == "f32":
+        tols = (1e-5, 0.0, 1e-5)
+    else:
+        ops = gd.gated_delta_decode_ops(qkv, z, b, a, conv_state, conv_w,
+                                        conv_b if bias else None, A_log, dt_bias, norm_w,
+                                        state, mask if masked else None,
+                                        lengths if masked else None)
+        ops = [np.array(o.astype(mx.float32), dtype=np.float64).reshape(-1) for o in ops]
+        tols = (1.5 * rel(ops[0], ref[0]) + 2e-3, 0.0, 1.5 * rel(ops[2], ref[2]) + 2e-4)
+    for name, g, r, tol in zip(("out", "conv state", "state"), got, ref, tols):
+        assert np.isfinite(g).all(), f"{name}: some elements were never written"
+        err = rel(g, r)
+        worst = int(np.abs(g - r).argmax())
+        assert err <= tol, f"{name}: rel-L2 {err:.3g} > {tol:.3g}; worst at flat index {worst}"
+    if masked:
+        out = got[0].reshape(B, Hv, Dv)
+        assert (out[1:] == 0).all(), "masked rows must output zeros"
+        assert np.array_equal(got[2].reshape(B, Hv, Dv, Dk)[1:],
+                              np.array(state[1:], dtype=np.float64)), "masked rows keep the state"

@@ -285,3 +285,110 @@ def test_shard_keeps_working_on_one_process():
     assert layer.linear_attn.sharding_group is group
     assert isinstance(layer.linear_attn, FusedGatedDeltaNet)
     assert_rel(model(tokens), expected, F32_REL, "sharded model logits")
+
+
+# --------------------------------------------------------------------------
+# The one-launch decode kernel (ops.gated_delta.gated_delta_decode_kernel)
+# --------------------------------------------------------------------------
+
+
+class _Counted:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def _fake_decode_kernel(monkeypatch):
+    """A fake GPU whose decode kernel is the portable reference; count both decode paths.
+
+    Returns ``(kernel_calls, kernel_path, compiled_path)``: the fake kernel's
+    calls (traces inside mx.compile count once) and the two decode steps'.
+    """
+    from qwen_apple_backend.ops import device
+    from qwen_apple_backend.ops import gated_delta as gd
+
+    device.reset_self_checks()
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    monkeypatch.setattr(gd, "gpu_backend", lambda: "fakegpu")
+    monkeypatch.setattr(gd, "_decode_kernel_object", lambda backend: object())
+    kernel = _Counted(lambda backend, *args, **kw: gd.gated_delta_decode_ops(*args, **kw))
+    monkeypatch.setattr(gd, "_decode_kernel_call", kernel)
+    kernel_path = _Counted(layer_mod._decode_step_kernel)
+    compiled_path = _Counted(layer_mod._decode_step)
+    monkeypatch.setattr(layer_mod, "_decode_step_kernel", kernel_path)
+    monkeypatch.setattr(layer_mod, "_decode_step", compiled_path)
+    return kernel, kernel_path, compiled_path
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
+def test_decode_runs_the_decode_kernel_when_ready(monkeypatch, variant, dtype):
+    # With a decode kernel that passes its self-check every decode token takes
+    # it (Qwen3-Next: after the qkvz/ba reordering), never the compiled step,
+    # and the layer still matches stock.
+    kernel, kernel_path, compiled_path = _fake_decode_kernel(monkeypatch)
+    stock, fused = make_pair(variant, dtype)
+    bound = F32_REL if dtype == mx.float32 else BF16_REL
+    _prefill_then_decode(stock, fused, dtype, bound, f"{variant}/{dtype} decode kernel")
+    assert kernel_path.calls == 3 and compiled_path.calls == 0
+    assert kernel.calls >= 2  # the self-check, then the traced call
+
+    # Switched off, or training: the compiled step again.
+    fused.use_kernel = False
+    fused(inputs((2, 1, HIDDEN), dtype), cache=ArraysCache(size=2))
+    fused.use_kernel = True
+    fused.train()
+    fused(inputs((2, 1, HIDDEN), dtype), cache=ArraysCache(size=2))
+    assert kernel_path.calls == 3 and compiled_path.calls == 2
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_decode_kernel_with_left_padding_and_lengths(monkeypatch, variant):
+    # Batched generation through the decode kernel: row 0 left-padded, then
+    # lengths run out for row 0 after one decode token (it keeps its conv and
+    # recurrent states while row 1 goes on), as mlx-lm's BatchGenerator does.
+    _, kernel_path, compiled_path = _fake_decode_kernel(monkeypatch)
+    stock, fused = make_pair(variant)
+    cs = ArraysCache(size=2, left_padding=[3, 0])
+    cf = ArraysCache(size=2, left_padding=[3, 0])
+    x = inputs((2, 8, HIDDEN))
+    mask = cs.make_mask(8)
+    stock(x, mask, cs), fused(x, mask, cf)
+    for c in (cs, cf):
+        c.prepare(lengths=[1, 3])
+    for step in range(3):
+        x1 = inputs((2, 1, HIDDEN), seed=30 + step)
+        m1 = cs.make_mask(1)
+        ys, yf = stock(x1, m1, cs), fused(x1, m1, cf)
+        assert_rel(yf, mx.where(m1[..., None], ys, 0.0), F32_REL, f"step {step} valid outputs")
+        assert_rel(cf[0], cs[0], F32_REL, f"step {step} conv state")
+        assert_rel(cf[1], cs[1], F32_REL, f"step {step} recurrent state")
+    assert kernel_path.calls == 3 and compiled_path.calls == 0
+
+
+def test_decode_kernel_decision_inside_a_compiled_step(monkeypatch):
+    # The kernel decision is made from shapes and the cached self-check
+    # verdict, so a decode step traced by mx.compile (as the decode-compile
+    # optimization does after one eager token) takes the kernel too and
+    # equals the eager call.
+    kernel, kernel_path, _ = _fake_decode_kernel(monkeypatch)
+    _, fused = make_pair("qwen3_5")
+    cache = ArraysCache(size=2)
+    fused(inputs((1, 5, HIDDEN)), cache=cache)
+    fused(inputs((1, 1, HIDDEN), seed=3), cache=cache)  # eager: runs the self-check
+    checks = kernel.calls
+
+    def step(x, conv_state, state):
+        c = ArraysCache(size=2)
+        c[0], c[1] = conv_state, state
+        return fused(x, cache=c), c[0], c[1]
+
+    x = inputs((1, 1, HIDDEN), seed=4)
+    traced = mx.compile(step)(x, cache[0], cache[1])
+    eager = (fused(x, cache=cache), cache[0], cache[1])
+    for name, t, e in zip(("out", "conv state", "state"), traced, eager):
+        assert_rel(t, e, F32_REL, f"traced {name}")
+    assert kernel_path.calls == 3 and kernel.calls >= checks

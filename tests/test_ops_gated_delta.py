@@ -495,3 +495,222 @@ def test_staged_tile_fits_shared_memory():
     assert gd._staged_tile(256, 128, mx.bfloat16, 8) == 16
     assert gd._staged_tile(128, 100, mx.bfloat16, 8) is None  # Dv % rows
     assert gd._staged_tile(36, 128, mx.bfloat16, 8) is None   # Dk * 2 bytes % 16
+
+
+# ----------------------------------------------------------------------------
+# One decode token of a whole layer: gated_delta_decode(_ops / _kernel)
+# ----------------------------------------------------------------------------
+
+DEC_HK, DEC_HV, DEC_D, DEC_KC = 2, 4, 32, 4
+
+
+def make_decode_inputs(b=2, hk=DEC_HK, hv=DEC_HV, dk=DEC_D, dv=DEC_D, kc=DEC_KC,
+                       dtype=mx.float32, bias=False, mask=None, lengths=None, seed=0):
+    """Seeded inputs of gated_delta_decode_ops (projection outputs of one token, weights, states)."""
+    C = 2 * hk * dk + hv * dv
+    keys = mx.random.split(mx.random.key(seed), 11)
+    return (
+        mx.random.normal((b, C), key=keys[0]).astype(dtype),
+        mx.random.normal((b, hv * dv), key=keys[1]).astype(dtype),
+        mx.random.normal((b, hv), key=keys[2]).astype(dtype),
+        mx.random.normal((b, hv), key=keys[3]).astype(dtype),
+        mx.random.normal((b, kc - 1, C), key=keys[4]).astype(dtype),
+        (0.5 * mx.random.normal((C, kc, 1), key=keys[5])).astype(dtype),
+        (0.1 * mx.random.normal((C,), key=keys[6])).astype(dtype) if bias else None,
+        mx.log(mx.random.uniform(0.05, 2.0, (hv,), key=keys[7])),
+        (1.0 + 0.5 * mx.random.normal((hv,), key=keys[8])).astype(dtype),
+        (1.0 + 0.1 * mx.random.normal((dv,), key=keys[9])).astype(dtype),
+        0.1 * mx.random.normal((b, hv, dv, dk), key=keys[10]),
+        None if mask is None else mx.array(mask),
+        None if lengths is None else mx.array(lengths, dtype=mx.int32),
+    )
+
+
+# (bias, mask, lengths): stock (no bias, no mask); batched generation with a
+# live row, a left-padded row (masked, conv state still shifts) and a finished
+# row (lengths 0: conv state kept); lengths alone.
+DECODE_VARIANTS = {
+    "plain": dict(),
+    "bias-mask-lengths": dict(b=3, bias=True, mask=[True, False, False], lengths=[1, 1, 0]),
+    "lengths": dict(b=3, lengths=[2, 0, 1]),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(DECODE_VARIANTS))
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+def test_decode_ops_equals_the_layer_decode_step(variant, dtype):
+    # The portable reference of the decode kernel is today's compiled decode
+    # step of the fused layer (already tested against stock mlx-lm), op for op.
+    import qwen_apple_backend.layers.gated_delta as layer_mod
+
+    args = make_decode_inputs(dtype=dtype, **DECODE_VARIANTS[variant])
+    qkv, z, b, a, conv_state, conv_w, conv_b, A_log, dt_bias, norm_w, state, mask, lengths = args
+    out, new_conv, new_state = gd.gated_delta_decode_ops(*args, norm_eps=1e-6)
+    Bn = qkv.shape[0]
+    ref = layer_mod._decode_step(
+        (qkv[:, None], z[:, None].reshape(Bn, 1, DEC_HV * DEC_D), b[:, None], a[:, None]),
+        conv_state, state, conv_w, conv_b, A_log, dt_bias, norm_w,
+        None if mask is None else mask[:, None], lengths,
+        "qwen3_5", DEC_HK, DEC_HV, DEC_D, DEC_D, conv_w.shape[0], 1e-6, False,
+    )
+    assert out.shape == (Bn, DEC_HV, DEC_D) and out.dtype == dtype
+    assert new_conv.shape == conv_state.shape and new_conv.dtype == dtype
+    assert new_state.dtype == mx.float32
+    for name, got, want in zip(("out", "conv state", "state"), (out, new_conv, new_state), ref):
+        assert mx.array_equal(got.reshape(want.shape), want).item(), name
+    if mask is not None:
+        # Masked rows: zero output, recurrent state passed through.
+        assert not mx.any(out[1:]).item()
+        assert mx.array_equal(new_state[1:], state[1:]).item()
+    if lengths is not None:
+        # Rows whose length is used up keep their conv state; others shift.
+        for row, n in enumerate(lengths.tolist()):
+            want = conv_state[row] if n <= 0 else mx.concatenate(
+                [conv_state[row, 1:], mx.where(mask[row], qkv[row], 0)[None]
+                 if mask is not None else qkv[row][None]])
+            assert mx.array_equal(new_conv[row], want).item(), f"row {row}"
+
+
+def test_decode_shape_errors():
+    args = list(make_decode_inputs())
+    cases = {
+        "qkv width": (0, args[0][:, :-1]),
+        "z must be": (1, args[1][:, :-1]),
+        "conv_state must be": (4, args[4][:, :2]),
+        "conv_w must be": (5, args[5].reshape(1, *args[5].shape)),
+        "norm_w must be": (9, args[9][:-1]),
+        "mask must be": (11, mx.ones((2, 1), dtype=mx.bool_)),
+    }
+    for match, (i, bad) in cases.items():
+        broken = list(args)
+        broken[i] = bad
+        with pytest.raises(ValueError, match=match):
+            gd.gated_delta_decode_ops(*broken)
+        with pytest.raises(ValueError, match=match):
+            gd.gated_delta_decode(*broken)
+
+
+def test_no_decode_kernel_on_cpu():
+    args = make_decode_inputs()
+    assert gd.decode_kernel_ready(DEC_HK, DEC_HV, DEC_D, DEC_D, DEC_KC, mx.float32) is None
+    with pytest.raises(RuntimeError, match="no gated_delta_decode kernel"):
+        gd.gated_delta_decode_kernel(*args)
+    out = gd.gated_delta_decode(*args)
+    ref = gd.gated_delta_decode_ops(*args)
+    assert all(mx.array_equal(o, r).item() for o, r in zip(out, ref))
+
+
+def test_decode_kernel_support_limits():
+    # Dk a multiple of 32 up to 256, conv kernel >= 2, float dtypes, and at
+    # most 64 state floats per lane with 8 warps (ceil(Dv / 8) * Dk / 32).
+    ok = gd._decode_supported
+    assert ok(128, 128, 4, mx.bfloat16) and ok(64, 64, 4, mx.float32) and ok(32, 37, 4, mx.float16)
+    assert ok(64, 256, 4, mx.bfloat16) and ok(256, 64, 4, mx.bfloat16)
+    assert not ok(48, 128, 4, mx.bfloat16)   # Dk % 32
+    assert not ok(128, 129, 4, mx.bfloat16)  # 17 rows per warp x 4 floats
+    assert not ok(256, 128, 4, mx.bfloat16)  # 16 rows x 8 floats
+    assert not ok(128, 128, 1, mx.bfloat16)  # no conv state
+    assert not ok(128, 128, 4, mx.int32)
+
+
+def _fake_decode_gpu(monkeypatch, kernel):
+    """Pretend a GPU whose decode kernel is ``kernel(backend, *args, **kw)``."""
+    from qwen_apple_backend.ops import device
+
+    device.reset_self_checks()
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    monkeypatch.setattr(gd, "gpu_backend", lambda: "fakegpu")
+    monkeypatch.setattr(gd, "_decode_kernel_object", lambda backend: object())
+    monkeypatch.setattr(gd, "_decode_kernel_call", kernel)
+
+
+def test_decode_dispatcher_uses_a_kernel_that_passes_its_self_check(monkeypatch):
+    from qwen_apple_backend.ops.device import self_check_results
+
+    calls = []
+
+    def good(backend, *args, **kw):
+        calls.append(args[0].shape[0])  # batch of the call
+        return gd.gated_delta_decode_ops(*args, **kw)
+
+    _fake_decode_gpu(monkeypatch, good)
+    args = make_decode_inputs(b=2)
+    out = gd.gated_delta_decode(*args)
+    # The self-check (one row: no mask, no lengths) at these head sizes, then the call.
+    assert calls == [1, 2]
+    ref = gd.gated_delta_decode_ops(*args)
+    assert all(mx.array_equal(o, r).item() for o, r in zip(out, ref))
+    gd.gated_delta_decode(*args)
+    assert calls == [1, 2, 2]  # verdict cached
+    (key, verdict), = self_check_results().items()
+    assert key == ("gated_delta_decode", "fakegpu",
+                   (DEC_HK, DEC_HV, DEC_D, DEC_D, DEC_KC, "mlx.core.float32", False, False, False))
+    assert verdict == (True, "passed")
+
+    # Another shape class (mask and lengths given): its own self-check on a
+    # live, a left-padded and a finished row.
+    masked = make_decode_inputs(b=3, mask=[True, True, False], lengths=[1, 1, 0])
+    gd.gated_delta_decode(*masked)
+    assert calls == [1, 2, 2, 3, 3]
+    # Switched off: the ops path.
+    gd.gated_delta_decode(*args, use_kernel=False)
+    monkeypatch.setenv("QAB_DISABLE_KERNELS", "1")
+    gd.gated_delta_decode(*args)
+    # Activations and weights of different dtypes: the ops path.
+    monkeypatch.delenv("QAB_DISABLE_KERNELS")
+    mixed = list(args)
+    mixed[5] = mixed[5].astype(mx.bfloat16)
+    gd.gated_delta_decode(*mixed)
+    assert calls == [1, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize("failure", ["out", "conv_state", "state", "raises"])
+def test_a_wrong_decode_kernel_is_rejected_with_a_warning(monkeypatch, failure):
+    from qwen_apple_backend.ops.device import KernelSelfCheckWarning
+
+    calls = []
+
+    def wrong(backend, *args, **kw):
+        calls.append(backend)
+        out, conv, state = gd.gated_delta_decode_ops(*args, **kw)
+        if failure == "raises":
+            raise RuntimeError("nvrtc: error: identifier undefined")
+        if failure == "out":
+            out = out * 1.5
+        elif failure == "conv_state":
+            conv = conv[:, ::-1]  # rows in the wrong order
+        else:
+            state = state + 0.5
+        return out, conv, state
+
+    _fake_decode_gpu(monkeypatch, wrong)
+    args = make_decode_inputs()
+    match = {"out": "output 0", "conv_state": "output 1", "state": "output 2",
+             "raises": "RuntimeError: nvrtc"}[failure]
+    with pytest.warns(KernelSelfCheckWarning,
+                      match=f"gated_delta_decode failed its self-check.*{match}"):
+        out = gd.gated_delta_decode(*args)
+    assert calls == ["fakegpu"]  # only the self-check ran it
+    ref = gd.gated_delta_decode_ops(*args)
+    assert all(mx.array_equal(o, r).item() for o, r in zip(out, ref))
+
+
+def test_decode_self_check_compares_at_the_real_shape(monkeypatch):
+    seen = []
+
+    def good(backend, *args, **kw):
+        seen.append([None if x is None else (tuple(x.shape), x.dtype) for x in args])
+        return gd.gated_delta_decode_ops(*args, **kw)
+
+    _fake_decode_gpu(monkeypatch, good)
+    assert gd.decode_kernel_ready(16, 32, 128, 128, 4, mx.bfloat16, has_bias=True,
+                                  has_mask=True, has_lengths=True) == "fakegpu"
+    (shapes,) = seen
+    C = 2 * 16 * 128 + 32 * 128
+    assert shapes[0] == ((3, C), mx.bfloat16)
+    assert shapes[5] == ((C, 4, 1), mx.bfloat16) and shapes[6] == ((C,), mx.bfloat16)
+    assert shapes[10] == ((3, 32, 128, 128), mx.float32)
+    assert shapes[11][0] == (3,) and shapes[12] == ((3,), mx.int32)
+    # Unsupported head sizes never reach the kernel.
+    assert gd.decode_kernel_ready(16, 32, 48, 128, 4, mx.bfloat16) is None
+    assert len(seen) == 1

@@ -9,7 +9,7 @@ Variables:
     QAB_DISABLE: comma-separated fused module kinds to keep stock
         (``moe``, ``gdn``, ``attn``, ``all``) or single optimizations to
         switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``,
-        ``decode-compile``, ``proj-concat``), for ablations.
+        ``decode-compile``, ``proj-concat``, ``gemv-kernel``), for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
         leaves kernels on. Anything else is an error.
@@ -47,6 +47,7 @@ OPTIMIZATIONS = {
     "moe-kernel": "moe",  # the GPU MoE decode kernels (moe_gate_up_gemv, moe_down_gemv)
     "decode-compile": "model",  # the compiled one-token decode step (decode.py)
     "proj-concat": "model",  # sibling input projections run as one matmul (layers/_concat.py)
+    "gemv-kernel": "model",  # the CUDA dense 4-bit GEMV for decode projections, lm_head (ops/linear.py)
 }
 
 
@@ -114,7 +115,7 @@ def disabled_kinds() -> frozenset[str]:
     Raises:
         EnvVarError: if a name is not one of ``moe``, ``gdn``, ``attn``,
             ``all`` or an optimization name (``gdn-kernel``, ``moe-gemm``,
-            ``moe-kernel``, ``decode-compile``, ``proj-concat``).
+            ``moe-kernel``, ``decode-compile``, ``proj-concat``, ``gemv-kernel``).
     """
     names = set(_names(_get("QAB_DISABLE", "") or ""))
     unknown = names - set(FUSABLE_KINDS) - set(OPTIMIZATIONS) - {"all"}

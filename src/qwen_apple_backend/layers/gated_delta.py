@@ -16,7 +16,10 @@ What changes against stock:
 * decode (S == 1) runs conv-state update, depthwise conv, SiLU, q/k l2norm,
   gates, the recurrent step and the gated RMSNorm as one ``mx.compile``d
   function whose weights are inputs, so every layer of the same shape reuses
-  one compiled graph. The (possibly quantized) projections stay outside.
+  one compiled graph; on a GPU whose one-launch decode kernel has passed its
+  self-check (``ops.gated_delta.decode_kernel_ready``) all of that is one
+  kernel (``gated_delta_decode``). The (possibly quantized) projections stay
+  outside.
 
 Algorithm: Yang et al., "Gated Delta Networks: Improving Mamba2 with Delta
 Rule", ICLR 2025; chunked form from Yang et al., "Parallelizing Linear
@@ -32,7 +35,15 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import sum_gradients
 
 from ._concat import ConcatProjection
-from ..ops.gated_delta import compute_gates, gated_delta, kernel_ready, l2norm_qk
+from ..ops import linear as qlinear
+from ..ops.gated_delta import (
+    compute_gates,
+    decode_kernel_ready,
+    gated_delta,
+    gated_delta_decode_kernel,
+    kernel_ready,
+    l2norm_qk,
+)
 
 __all__ = ["FusedGatedDeltaNet", "FusedQwen3NextGatedDeltaNet"]
 
@@ -146,6 +157,26 @@ def _decode_step(
     return _gated_rms_norm(y, z, norm_w, norm_eps), new_conv_state, state
 
 
+@mx.compile
+def _decode_step_kernel(
+    projs, conv_state, state, conv_w, conv_b, A_log, dt_bias, norm_w, mask, lengths,
+    layout, Hk, Hv, Dk, Dv, norm_eps,
+):
+    """:func:`_decode_step` as one GPU launch (``gated_delta_decode_kernel``).
+
+    Only the (Qwen3-Next) reordering of the projections runs before it; call
+    it only after ``decode_kernel_ready`` said yes for these shapes.
+    """
+    qkv, z, b, a = _split_projections(layout, projs, Hk, Hv, Dk, Dv)
+    B = qkv.shape[0]
+    out, new_conv_state, state = gated_delta_decode_kernel(
+        qkv.reshape(B, -1), z.reshape(B, Hv * Dv), b.reshape(B, Hv), a.reshape(B, Hv),
+        conv_state, conv_w, conv_b, A_log, dt_bias, norm_w, state,
+        None if mask is None else mask.reshape(B), lengths, norm_eps=norm_eps,
+    )
+    return out, new_conv_state, state
+
+
 # --------------------------------------------------------------------------
 # Modules
 # --------------------------------------------------------------------------
@@ -184,8 +215,10 @@ class FusedGatedDeltaNet(nn.Module):
         ((1, 1, 64), mlx.core.float32)
     """
 
-    # Allow the GPU scan kernel (the ``gdn-kernel`` optimization).
+    # Allow the GPU scan and one-launch decode kernels (the ``gdn-kernel`` optimization).
     use_kernel: bool = True
+    # Decode projections on the dense GEMV kernel (``gemv-kernel``; ops/linear.py).
+    use_gemv: bool = True
 
     # Stock child modules / parameters adopted by from_stock, by name.
     _LAYOUT = "qwen3_5"
@@ -256,8 +289,29 @@ class FusedGatedDeltaNet(nn.Module):
     def _projections(self, inputs: mx.array) -> tuple:
         cat = getattr(self, "_proj_cat", None)
         if cat is not None and cat.valid(self):
-            return tuple(cat(inputs))
+            if self.use_gemv:
+                cat.prepare(inputs)  # the first call per shape class self-checks
+            return tuple(cat(inputs, gemv=self.use_gemv))
         return tuple(getattr(self, n)(inputs) for n in self._PROJECTIONS)
+
+    def _decode_kernel_ready(self, projs, conv_state, conv_b, mask, lengths) -> bool:
+        """Whether this one-token call may run the one-launch decode kernel.
+
+        Called outside ``mx.compile`` (the first call per shape class runs the
+        kernel's self-check). Needs the projections, the conv state and the
+        conv weight in one dtype and a depthwise conv.
+        """
+        dtype = projs[0].dtype
+        weight = self.conv1d.weight
+        if (any(p.dtype != dtype for p in projs) or conv_state.dtype != dtype
+                or weight.dtype != dtype or weight.ndim != 3
+                or self.conv1d.groups != weight.shape[0]):
+            return False
+        return decode_kernel_ready(
+            self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim,
+            weight.shape[1], dtype, has_bias=conv_b is not None,
+            has_mask=mask is not None, has_lengths=lengths is not None,
+        ) is not None
 
     def __call__(
         self,
@@ -304,11 +358,22 @@ class FusedGatedDeltaNet(nn.Module):
         lengths = cache.lengths if cache is not None else None
         conv_b = self.conv1d.bias if "bias" in self.conv1d else None
         # Decided here, outside mx.compile: the first call per shape class runs
-        # the kernel's self-check, which evaluates arrays.
-        use_kernel = self.use_kernel and not self.training and kernel_ready(
+        # the kernel's self-check, which evaluates arrays. A decode token runs
+        # the one-launch decode kernel when it is ready, else the compiled
+        # step below (with the scan kernel when that one is ready).
+        allow_kernel = self.use_kernel and not self.training
+        decode_kernel = S == 1 and allow_kernel and self._decode_kernel_ready(
+            projs, conv_state, conv_b, mask, lengths)
+        use_kernel = allow_kernel and not decode_kernel and kernel_ready(
             Hk, Hv, Dk, Dv, inputs.dtype) is not None
 
-        if S == 1:
+        if decode_kernel:
+            out, new_conv_state, state = _decode_step_kernel(
+                projs, conv_state, state, self.conv1d.weight, conv_b,
+                self.A_log, self.dt_bias, self.norm.weight, mask, lengths,
+                self._LAYOUT, Hk, Hv, Dk, Dv, self.norm.eps,
+            )
+        elif S == 1:
             out, new_conv_state, state = _decode_step(
                 projs, conv_state, state, self.conv1d.weight, conv_b,
                 self.A_log, self.dt_bias, self.norm.weight, mask, lengths,
@@ -330,7 +395,12 @@ class FusedGatedDeltaNet(nn.Module):
             cache[1] = state
             cache.advance(S)
 
-        out = self.out_proj(out.reshape(B, S, -1))
+        out = out.reshape(B, S, -1)
+        if self.use_gemv:
+            qlinear.prepare(out, self.out_proj)
+            out = qlinear.linear(self.out_proj, out)
+        else:
+            out = self.out_proj(out)
         if self.sharding_group is not None:
             out = mx.distributed.all_sum(out, group=self.sharding_group)
         return out

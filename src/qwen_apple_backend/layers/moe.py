@@ -30,13 +30,16 @@ from qwen_apple_backend.layers._concat import ConcatProjection
 from qwen_apple_backend.ops.moe import (
     SORT_THRESHOLD,
     ExpertWeights,
+    SharedExpertWeights,
     decode_kernel_ready,
     moe_experts,
+    moe_shared_experts_kernel,
+    shared_decode_kernel_ready,
     swiglu_experts_ops,
     topk_route,
 )
 
-__all__ = ["FusedSwitchGLU", "FusedSparseMoeBlock", "expert_weights"]
+__all__ = ["FusedSwitchGLU", "FusedSparseMoeBlock", "expert_weights", "linear_weights"]
 
 AnySwitchLinear = Union[SwitchLinear, QuantizedSwitchLinear]
 
@@ -79,6 +82,33 @@ def expert_weights(module: AnySwitchLinear) -> ExpertWeights:
     raise TypeError(
         f"expected SwitchLinear or QuantizedSwitchLinear, got {type(module).__name__}"
     )
+
+
+def linear_weights(module: nn.Module) -> Optional[ExpertWeights]:
+    """View an ``nn.Linear`` / ``nn.QuantizedLinear`` as a 2-D :class:`ExpertWeights`.
+
+    Args:
+        module (nn.Module): a linear layer.
+
+    Returns:
+        ExpertWeights | None: the module's arrays (not copied), ``weight``
+        ``[O, In]`` or packed; None for any other type (a LoRA wrapper, a
+        subclass), whose call may not be a plain matmul.
+    """
+    if type(module) is nn.QuantizedLinear:
+        return ExpertWeights(
+            weight=module["weight"],
+            scales=module["scales"],
+            biases=_child(module, "biases"),
+            bias=_child(module, "bias"),
+            group_size=module.group_size,
+            bits=module.bits,
+            mode=module.mode,
+            global_scale=_child(module, "global_scale"),
+        )
+    if type(module) is nn.Linear:
+        return ExpertWeights(weight=module["weight"], bias=_child(module, "bias"))
+    return None
 
 
 def _new_switch_linear(like: AnySwitchLinear, arrays: dict) -> AnySwitchLinear:
@@ -214,12 +244,6 @@ class FusedSwitchGLU(nn.Module):
         )
 
 
-@partial(mx.compile, shapeless=True)
-def _add_gated_shared(y: mx.array, shared: mx.array, gate_logit: mx.array) -> mx.array:
-    # Routed output plus the sigmoid-gated shared expert, in one fused graph.
-    return y + mx.sigmoid(gate_logit) * shared
-
-
 class FusedSparseMoeBlock(nn.Module):
     """Drop-in for ``Qwen3NextSparseMoeBlock`` with fused routing and experts.
 
@@ -243,6 +267,14 @@ class FusedSparseMoeBlock(nn.Module):
     Attribute ``dequant_gemm`` (default True; the ``moe-gemm`` optimization)
     lets prefill-sized calls on quantized experts dequantize them and run a
     grouped GEMM (:func:`~qwen_apple_backend.ops.moe.moe_experts_dequant_gemm`).
+
+    With ``use_kernel`` (the ``moe-kernel`` optimization) on a GPU, decode
+    runs the routed experts in two kernels; when the shared expert and its
+    gate are plain 4-bit (gate: 4- or 8-bit) linears of the routed experts'
+    size and quantization, they are folded into those same two kernels
+    (:func:`~qwen_apple_backend.ops.moe.shared_decode_kernel_ready`), each
+    path only after its self-check passed. Prefill on the grouped GEMM
+    kernel adds the gated shared expert in its combine kernel.
     """
 
     dequant_gemm: bool = True
@@ -426,28 +458,63 @@ class FusedSparseMoeBlock(nn.Module):
             return self.shared_expert.down_proj(swiglu(g, u))
         return self.shared_expert(x)
 
-    def _forward(self, x: mx.array, use_cat: bool = False) -> mx.array:
+    def _shared_weights(self) -> Optional[SharedExpertWeights]:
+        """The shared expert and its gate as arrays, or None when they are not plain linears."""
+        se = self.shared_expert
+        if type(se) not in _SWIGLU_MLPS:
+            return None
+        parts = [linear_weights(m) for m in (getattr(se, "gate_proj", None),
+                                             getattr(se, "up_proj", None),
+                                             getattr(se, "down_proj", None),
+                                             self.shared_expert_gate)]
+        return None if any(p is None for p in parts) else SharedExpertWeights(*parts)
+
+    def _fold_ready(self, x: mx.array) -> Optional[str]:
+        """The backend whose decode kernels take the shared expert too, or None.
+
+        Checks (and on first use self-checks) the fold kernels, else the
+        routed-only decode kernels, so that neither check runs inside a trace.
+        """
+        gu = expert_weights(self.switch_mlp.gate_up_proj)
+        dn = expert_weights(self.switch_mlp.down_proj)
+        probe = mx.zeros((*x.shape[:-1], self.top_k), dtype=mx.uint32)
+        shared = self._shared_weights()
+        fold = None
+        if shared is not None:
+            fold = shared_decode_kernel_ready(x, probe, gu, dn, shared)
+        if fold is None:
+            decode_kernel_ready(x, probe, gu, dn)
+        return fold
+
+    def _forward(self, x: mx.array, use_cat: bool = False,
+                 fold: Optional[str] = None) -> mx.array:
         inds, scores = topk_route(self.gate(x), self.top_k, self.norm_topk_prob)
-        y = moe_experts(
+        gate_up = expert_weights(self.switch_mlp.gate_up_proj)
+        down = expert_weights(self.switch_mlp.down_proj)
+        shared = self._shared_weights() if fold is not None else None
+        if shared is not None:
+            # Routed and shared experts and the shared gate: two kernels.
+            return moe_shared_experts_kernel(fold)(x, inds, scores, gate_up, down, shared)
+        return moe_experts(
             x,
             inds,
             scores,
-            expert_weights(self.switch_mlp.gate_up_proj),
-            expert_weights(self.switch_mlp.down_proj),
+            gate_up,
+            down,
             use_kernel=self.use_kernel and not self.training,
             dequant_gemm=self.dequant_gemm,
+            shared=(self._shared(x, use_cat), self.shared_expert_gate(x)),
         )
-        return _add_gated_shared(y, self._shared(x, use_cat), self.shared_expert_gate(x))
 
-    def _compiled_forward(self, use_cat: bool = False):
+    def _compiled_forward(self, use_cat: bool = False, fold: Optional[str] = None):
         fns = self.__dict__.setdefault("_compiled", {})
-        fn = fns.get(use_cat)
+        fn = fns.get((use_cat, fold))
         if fn is None:
             # The module itself is the captured input tree, so parameters
             # replaced after fusing (load_weights, update) are read live;
             # one trace per shared-expert path.
-            fn = mx.compile(partial(self._forward, use_cat=use_cat), inputs=self)
-            fns[use_cat] = fn
+            fn = mx.compile(partial(self._forward, use_cat=use_cat, fold=fold), inputs=self)
+            fns[(use_cat, fold)] = fn
         return fn
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -472,20 +539,18 @@ class FusedSparseMoeBlock(nn.Module):
             x = sum_gradients(self.sharding_group)(x)
 
         rows = (x.size // x.shape[-1]) * self.top_k
+        fold = None
         if self.use_kernel and not self.training and rows < SORT_THRESHOLD:
             # Decided here, outside mx.compile: the first call per shape class
             # self-checks the decode kernels, which evaluates arrays.
-            decode_kernel_ready(
-                x, mx.zeros((*x.shape[:-1], self.top_k), dtype=mx.uint32),
-                expert_weights(self.switch_mlp.gate_up_proj),
-                expert_weights(self.switch_mlp.down_proj))
+            fold = self._fold_ready(x)
         use_cat = self._use_cat()
         if self.compile_decode and not self.training and rows < SORT_THRESHOLD:
-            y = self._compiled_forward(use_cat)(x)
+            y = self._compiled_forward(use_cat, fold)(x)
             if use_cat:
                 self._shared_cat.refresh()  # a trace re-wraps the module's arrays
         else:
-            y = self._forward(x, use_cat)
+            y = self._forward(x, use_cat, fold)
 
         if self.sharding_group is not None:
             y = mx.distributed.all_sum(y, group=self.sharding_group)

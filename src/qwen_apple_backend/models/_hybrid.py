@@ -355,6 +355,8 @@ class QwenHybridAdapter(Adapter):
                     fused.dequant_gemm = False
                 if "moe-kernel" in off:
                     fused.use_kernel = False
+                if "gemv-kernel" in disable and hasattr(fused, "use_gemv"):
+                    fused.use_gemv = False
                 if "proj-concat" not in disable and hasattr(fused, "concat_projections"):
                     fused.concat_projections()
                 setattr(layer, attr, fused)
@@ -364,6 +366,13 @@ class QwenHybridAdapter(Adapter):
         if "proj-concat" in disable:
             report.notes.append("input projections run separately (proj-concat in QAB_DISABLE / "
                                 "disable=)")
+        if "gemv-kernel" in disable:
+            report.notes.append("decode projections and lm_head on MLX's quantized matmul "
+                                "(gemv-kernel in QAB_DISABLE / disable=)")
+        elif any(m.fused for m in report.modules):
+            from ..layers.linear import install_gemv_lm_head
+
+            install_gemv_lm_head(getattr(model, "language_model", model))
         if "decode-compile" not in enabled_experimental():
             pass  # experimental: on only with QAB_ENABLE=decode-compile
         elif "decode-compile" in disable:

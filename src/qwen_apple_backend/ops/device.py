@@ -29,6 +29,7 @@ __all__ = [
     "build_kernel",
     "gpu_backend",
     "self_checked",
+    "self_check_passed",
     "self_check_results",
     "reset_self_checks",
 ]
@@ -87,6 +88,12 @@ def self_check_results() -> Dict[Tuple[str, str, Hashable], Tuple[bool, str]]:
     """A copy of every verdict so far: ``(op, backend, key) -> (passed, message)``."""
     with _LOCK:
         return dict(_RESULTS)
+
+
+def self_check_passed(op: str, backend: str, key: Hashable) -> bool:
+    """Whether ``(op, backend, key)`` was self-checked and passed (never runs a check)."""
+    hit = _RESULTS.get((op, backend, key))
+    return bool(hit and hit[0])
 
 
 def reset_self_checks() -> None:

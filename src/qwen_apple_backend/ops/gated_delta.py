@@ -26,6 +26,13 @@ and :func:`gated_delta` picks one, or the GPU scan kernel
 (:func:`gated_delta_kernel`, ``kernels/{cuda,metal}/gated_delta_scan``) once it
 has passed its self-check on this device.
 
+One decode token of a whole GDN layer short of its projections (conv-state
+update, depthwise conv + SiLU, q/k l2norm, gates, one recurrent step, gated
+RMSNorm) has the same three parts: :func:`gated_delta_decode_ops` (plain MLX,
+the fused layer's decode path), :func:`gated_delta_decode_kernel` (one launch,
+``kernels/{cuda,metal}/gated_delta_decode``) and :func:`gated_delta_decode`,
+which uses the kernel after :func:`decode_kernel_ready`.
+
 This module imports only ``mlx.core``, the standard library, ``envs`` and
 the kernel plumbing in ``ops.device``.
 """
@@ -41,10 +48,15 @@ from .. import envs
 from .device import build_kernel, gpu_backend, self_checked
 
 __all__ = [
+    "DECODE_QK_EPS",
     "SEQUENTIAL_MAX_T",
     "compute_gates",
+    "decode_kernel_ready",
     "gated_delta",
     "gated_delta_chunked_ops",
+    "gated_delta_decode",
+    "gated_delta_decode_kernel",
+    "gated_delta_decode_ops",
     "gated_delta_kernel",
     "gated_delta_sequential_ops",
     "gated_delta_step_ops",
@@ -807,3 +819,415 @@ def _check_and_init(q, k, v, g, beta, state, mask) -> mx.array:
     if state.shape != (B, Hv, Dv, Dk):
         raise ValueError(f"state must be [B, Hv, Dv, Dk] = {(B, Hv, Dv, Dk)}; got {state.shape}")
     return state.astype(mx.float32)
+
+
+# --------------------------------------------------------------------------
+# One decode token of a whole GDN layer (kernels/*/gated_delta_decode)
+# --------------------------------------------------------------------------
+
+# q/k l2norm epsilon of the stock modules (a constant in the decode kernels).
+DECODE_QK_EPS = 1e-6
+# Threads per block of the decode kernel (8 warps / SIMD groups). On CUDA a
+# 256-thread block can never fail to launch for register pressure (256 x 255
+# registers fit the 64K register file); each warp owns ceil(Dv / 8) state rows.
+_DECODE_BLOCK = 256
+# Most state floats one lane keeps in registers (rows per warp x Dk / 32); 64
+# at Dk = Dv = 128.
+_DECODE_MAX_STATE_PER_LANE = 64
+
+
+def _check_decode(qkv, z, b, a, conv_state, conv_w, conv_b, A_log, dt_bias, norm_w, state,
+                  mask, lengths) -> Tuple[int, int, int, int, int]:
+    """Validate the decode-step shapes; return ``(Hk, Hv, Dk, Dv, Kc)``."""
+    if state.ndim != 4:
+        raise ValueError(f"state must be [B, Hv, Dv, Dk]; got {state.shape}")
+    B, Hv, Dv, Dk = state.shape
+    if qkv.ndim != 2 or qkv.shape[0] != B:
+        raise ValueError(f"qkv must be [B={B}, conv_dim]; got {qkv.shape}")
+    C = qkv.shape[1]
+    key2 = C - Hv * Dv
+    if key2 <= 0 or key2 % (2 * Dk) or Hv % (key2 // (2 * Dk)):
+        raise ValueError(f"qkv width {C} is not 2 * Hk * Dk + Hv * Dv with Hv ({Hv}) a "
+                         f"multiple of Hk (Dk={Dk}, Dv={Dv})")
+    Hk = key2 // (2 * Dk)
+    if (conv_w.ndim not in (2, 3) or conv_w.shape[0] != C
+            or (conv_w.ndim == 3 and conv_w.shape[2] != 1)):
+        raise ValueError(f"conv_w must be [conv_dim={C}, Kc, 1]; got {conv_w.shape}")
+    Kc = conv_w.shape[1]
+    if Kc < 2:
+        raise ValueError(f"conv kernel size must be at least 2; got {Kc}")
+    expected = (("z", z, (B, Hv * Dv)), ("b", b, (B, Hv)), ("a", a, (B, Hv)),
+                ("conv_state", conv_state, (B, Kc - 1, C)), ("A_log", A_log, (Hv,)),
+                ("dt_bias", dt_bias, (Hv,)), ("norm_w", norm_w, (Dv,)),
+                ("conv_b", conv_b, (C,)), ("mask", mask, (B,)), ("lengths", lengths, (B,)))
+    for name, x, shape in expected:
+        if x is not None and tuple(x.shape) != shape:
+            raise ValueError(f"{name} must be {list(shape)}; got {list(x.shape)}")
+    return Hk, Hv, Dk, Dv, Kc
+
+
+def _decode_ops(qkv, z, b, a, conv_state, conv_w, conv_b, A_log, dt_bias, norm_w, state,
+                mask, lengths, Hk, norm_eps):
+    # The op order of the fused layer's compiled decode step
+    # (layers/gated_delta.py: _prepare, gated_delta at T = 1, _gated_rms_norm),
+    # which is mlx-lm's.
+    B, C = qkv.shape
+    _, Hv, Dv, Dk = state.shape
+    Kc = conv_w.shape[1]
+    qkv = qkv[:, None]
+    if mask is not None:
+        qkv = mx.where(mask[:, None, None], qkv, 0)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    n_keep = Kc - 1
+    if lengths is not None:
+        # A row whose length is used up keeps its conv state.
+        ends = mx.clip(lengths, 0, 1)
+        positions = (ends[:, None] + mx.arange(n_keep))[..., None]
+        new_conv_state = mx.take_along_axis(conv_input, positions, axis=1)
+    else:
+        new_conv_state = conv_input[:, -n_keep:, :]
+    conv_out = mx.conv1d(conv_input, conv_w.reshape(C, Kc, 1), 1, 0, 1, C)
+    if conv_b is not None:
+        conv_out = conv_out + conv_b
+    conv_out = conv_out * mx.sigmoid(conv_out)  # SiLU, as mlx.nn.silu
+    key_dim = Hk * Dk
+    q, k, v = mx.split(conv_out[:, 0], [key_dim, 2 * key_dim], axis=-1)
+    q, k = l2norm_qk(q.reshape(B, Hk, Dk), k.reshape(B, Hk, Dk), DECODE_QK_EPS)
+    g, beta = compute_gates(A_log, a, dt_bias, b)
+    y, state = gated_delta_step_ops(q, k, v.reshape(B, Hv, Dv), g, beta, state, mask)
+    # Gated RMSNorm: the norm in the input dtype, the SiLU gate in float32
+    # (mlx-lm's RMSNormGated + precise_swiglu).
+    x = mx.fast.rms_norm(y, norm_w, norm_eps)
+    zf = z.reshape(B, Hv, Dv).astype(mx.float32)
+    out = (zf * mx.sigmoid(zf) * x.astype(mx.float32)).astype(y.dtype)
+    return out, new_conv_state, state
+
+
+_decode_ops_compiled = mx.compile(_decode_ops)
+
+
+def gated_delta_decode_ops(
+    qkv: mx.array,
+    z: mx.array,
+    b: mx.array,
+    a: mx.array,
+    conv_state: mx.array,
+    conv_w: mx.array,
+    conv_b: Optional[mx.array],
+    A_log: mx.array,
+    dt_bias: mx.array,
+    norm_w: mx.array,
+    state: mx.array,
+    mask: Optional[mx.array] = None,
+    lengths: Optional[mx.array] = None,
+    *,
+    norm_eps: float = 1e-6,
+) -> Tuple[mx.array, mx.array, mx.array]:
+    """One decode token of a Gated DeltaNet layer short of its projections (plain MLX ops).
+
+    The portable reference of :func:`gated_delta_decode_kernel`, composed of
+    the functions the fused layer's decode step uses, in the same order:
+
+    1. the token's ``qkv`` (zeroed where ``mask`` is False) is appended to
+       ``conv_state``; the new conv state is the last ``Kc - 1`` rows (the
+       old one where ``lengths <= 0``);
+    2. depthwise conv1d over those ``Kc`` rows (+ ``conv_b``), SiLU; split
+       into q | k | v;
+    3. :func:`l2norm_qk` (eps 1e-6, ``Dk**-0.5`` folded into q) and
+       :func:`compute_gates`;
+    4. one step of the gated delta rule (:func:`gated_delta_step_ops`; Yang et
+       al., "Gated Delta Networks", ICLR 2025); where ``mask`` is False the
+       state is unchanged and y is zero;
+    5. gated RMSNorm: ``silu(z) * rms_norm(y, norm_w, norm_eps)``, the norm in
+       the input dtype and the gate product in float32.
+
+    Args:
+        qkv (mx.array): in_proj_qkv output of the token, channels q | k | v.
+        z (mx.array): in_proj_z output (the output gate).
+        b (mx.array): in_proj_b output (write-strength logits).
+        a (mx.array): in_proj_a output (decay input).
+        conv_state (mx.array): the previous ``Kc - 1`` conv inputs.
+        conv_w (mx.array): depthwise conv weight, MLX layout.
+        conv_b (Optional[mx.array]): conv bias, or None (stock Qwen3.5).
+        A_log (mx.array): log decay rates.
+        dt_bias (mx.array): decay input bias.
+        norm_w (mx.array): RMSNorm weight.
+        state (mx.array): recurrent state, float32.
+        mask (Optional[mx.array]): bool SSM mask; False rows keep their
+            recurrent state and output zeros. Default None.
+        lengths (Optional[mx.array]): ``cache.lengths`` of a batched
+            generation; rows with ``lengths <= 0`` keep their conv state.
+            Default None.
+        norm_eps (float): RMSNorm epsilon. Default ``1e-6``.
+
+    Returns:
+        Tuple[mx.array, mx.array, mx.array]: ``(out, conv_state, state)``;
+        ``out`` and ``conv_state`` in the promoted input dtype (that of
+        ``qkv`` when the inputs share one), ``state`` float32.
+
+    Raises:
+        ValueError: if the shapes disagree (see Shapes).
+
+    Shapes:
+        - qkv: [B, 2 * Hk * Dk + Hv * Dv]
+        - z: [B, Hv * Dv]
+        - b, a: [B, Hv]
+        - conv_state: [B, Kc - 1, 2 * Hk * Dk + Hv * Dv]
+        - conv_w: [2 * Hk * Dk + Hv * Dv, Kc, 1]
+        - conv_b: [2 * Hk * Dk + Hv * Dv]
+        - A_log, dt_bias: [Hv]
+        - norm_w: [Dv]
+        - state: [B, Hv, Dv, Dk]
+        - mask, lengths: [B]
+        - out: [B, Hv, Dv]
+    """
+    Hk = _check_decode(qkv, z, b, a, conv_state, conv_w, conv_b, A_log, dt_bias, norm_w,
+                       state, mask, lengths)[0]
+    return _decode_ops_compiled(qkv, z, b, a, conv_state, conv_w, conv_b, A_log, dt_bias,
+                                norm_w, state.astype(mx.float32), mask, lengths, Hk,
+                                float(norm_eps))
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_kernel_object(backend: str):
+    return build_kernel("gated_delta_decode", backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _f32_scalar(value: float) -> mx.array:
+    # One cached device array per epsilon: no new array (or fill) per call.
+    return mx.array([value], dtype=mx.float32)
+
+
+def _decode_supported(Dk: int, Dv: int, Kc: int, dtype: mx.Dtype, block: int = 0) -> bool:
+    block = block or _DECODE_BLOCK
+    rows_per_warp = -(-Dv // (block // 32))
+    return (Dk % 32 == 0 and 0 < Dk <= _KERNEL_MAX_DK and Dv > 0 and Kc >= 2
+            and dtype in _KERNEL_DTYPES
+            and rows_per_warp * (Dk // 32) <= _DECODE_MAX_STATE_PER_LANE)
+
+
+def _decode_kernel_call(backend: str, qkv, z, b, a, conv_state, conv_w, conv_b, A_log, dt_bias,
+                        norm_w, state, mask=None, lengths=None, *, norm_eps: float = 1e-6,
+                        block: int = 0):
+    Hk, Hv, Dk, Dv, Kc = _check_decode(qkv, z, b, a, conv_state, conv_w, conv_b, A_log,
+                                       dt_bias, norm_w, state, mask, lengths)
+    obj = _decode_kernel_object(backend)
+    if obj is None:
+        raise RuntimeError(f"no gated_delta_decode source or MLX API for {backend}")
+    block = block or _DECODE_BLOCK
+    B, C = qkv.shape
+    dt, wt = qkv.dtype, conv_w.dtype
+    f32 = mx.float32
+    # Absent optional inputs are stood in for by an array of a fixed dtype:
+    # MLX caches a CUDA kernel by its template arguments alone, so the dtype
+    # of every input must follow from them.
+    A = A_log.astype(f32)
+    has_bias, has_mask, has_lengths = conv_b is not None, mask is not None, lengths is not None
+    out, new_conv_state, new_state = obj(
+        inputs=[qkv, z.astype(dt), b.astype(dt), a.astype(dt), conv_state.astype(dt), conv_w,
+                conv_b.astype(wt) if has_bias else conv_w, A, dt_bias.astype(wt),
+                norm_w.astype(wt), _f32_scalar(float(norm_eps)), state.astype(f32),
+                mask.astype(mx.bool_) if has_mask else A,
+                lengths.astype(mx.int32) if has_lengths else A],
+        template=[("InT", dt), ("WT", wt), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv),
+                  ("Kc", Kc), ("BLOCK", block), ("HAS_BIAS", has_bias),
+                  ("HAS_MASK", has_mask), ("HAS_LENGTHS", has_lengths)],
+        grid=(block, B * Hv, 1),
+        threadgroup=(block, 1, 1),
+        output_shapes=[(B, Hv, Dv), (B, Kc - 1, C), (B, Hv, Dv, Dk)],
+        output_dtypes=[dt, dt, f32],
+    )
+    return out, new_conv_state, new_state
+
+
+def _decode_self_check_inputs(Hk, Hv, Dk, Dv, Kc, dtype, has_bias, has_mask, has_lengths):
+    def make():
+        keys = mx.random.split(mx.random.key(4321), 11)
+        # Masked or length-limited calls: a live row, a masked row whose conv
+        # state still shifts (left padding), a finished row that keeps it.
+        B = 3 if has_mask or has_lengths else 1
+        C = 2 * Hk * Dk + Hv * Dv
+        qkv = mx.random.normal((B, C), key=keys[0]).astype(dtype)
+        z = mx.random.normal((B, Hv * Dv), key=keys[1]).astype(dtype)
+        b = mx.random.normal((B, Hv), key=keys[2]).astype(dtype)
+        a = mx.random.normal((B, Hv), key=keys[3]).astype(dtype)
+        conv_state = mx.random.normal((B, Kc - 1, C), key=keys[4]).astype(dtype)
+        conv_w = (0.5 * mx.random.normal((C, Kc, 1), key=keys[5])).astype(dtype)
+        conv_b = (0.1 * mx.random.normal((C,), key=keys[6])).astype(dtype) if has_bias else None
+        # Decay rates in (0.05, 2): decays from ~0.2 to ~1, long and short memories.
+        A_log = mx.log(mx.random.uniform(0.05, 2.0, (Hv,), key=keys[7]))
+        dt_bias = (1.0 + 0.5 * mx.random.normal((Hv,), key=keys[8])).astype(dtype)
+        norm_w = (1.0 + 0.1 * mx.random.normal((Dv,), key=keys[9])).astype(dtype)
+        state = 0.1 * mx.random.normal((B, Hv, Dv, Dk), key=keys[10])
+        mask = mx.array([True, False, False]) if has_mask else None
+        lengths = mx.array([1, 1, 0], dtype=mx.int32) if has_lengths else None
+        return (qkv, z, b, a, conv_state, conv_w, conv_b, A_log, dt_bias, norm_w, state,
+                mask, lengths)
+    return make
+
+
+def decode_kernel_ready(
+    Hk: int,
+    Hv: int,
+    Dk: int,
+    Dv: int,
+    Kc: int,
+    dtype: mx.Dtype,
+    *,
+    has_bias: bool = False,
+    has_mask: bool = False,
+    has_lengths: bool = False,
+) -> Optional[str]:
+    """The GPU backend whose fused decode-step kernel may run these shapes, or None.
+
+    Call it outside ``mx.compile``: on the first call per shape class (head
+    sizes, conv kernel, dtype and which optional inputs are given) it runs the
+    kernel's self-check (see :mod:`qwen_apple_backend.ops.device`) against
+    :func:`gated_delta_decode_ops` on seeded random inputs of these sizes,
+    comparing ``out``, the conv state and the recurrent state.
+
+    Args:
+        Hk (int): key heads. Hv (int): value heads. Dk (int): key head dim.
+        Dv (int): value head dim. Kc (int): conv kernel size.
+        dtype (mx.Dtype): dtype of the activations (``qkv``, ``z``, ``b``,
+            ``a``, ``conv_state``) and of the weights.
+        has_bias (bool): a conv bias is given. Default False.
+        has_mask (bool): an SSM mask is given. Default False.
+        has_lengths (bool): ``lengths`` are given. Default False.
+
+    Returns:
+        Optional[str]: ``"cuda"`` / ``"metal"``, or None (CPU, kernels
+        disabled by ``QAB_DISABLE_KERNELS``, unsupported shapes or dtype, no
+        kernel for the backend, e.g. the unverified CUDA kernel without
+        ``QAB_UNVERIFIED_KERNELS``, or a failed self-check, which also warns).
+    """
+    if envs.kernels_disabled() or not _decode_supported(Dk, Dv, Kc, dtype):
+        return None
+    backend = gpu_backend()
+    if backend is None or _decode_kernel_object(backend) is None:
+        return None
+    # float32: the same math in another summation order (2.7e-7 measured on
+    # the CPU emulation of the CUDA body); the bound leaves room for a TF32
+    # conv1d in the GPU reference (~5e-4 relative). bf16/fp16: both round the
+    # intermediates (conv, SiLU, normalised q/k, beta, y) to the input dtype
+    # at the same points, in different elementwise implementations: measured
+    # rel-L2 3.4e-3 on out and 1.5e-3 on the state at Hk=16, Hv=32, Dk=Dv=128.
+    rtol = 2e-3 if dtype == mx.float32 else 2e-2
+    ok = self_checked(
+        "gated_delta_decode", backend,
+        (Hk, Hv, Dk, Dv, Kc, str(dtype), has_bias, has_mask, has_lengths),
+        kernel=lambda *args: _decode_kernel_call(backend, *args),
+        reference=gated_delta_decode_ops,
+        make_inputs=_decode_self_check_inputs(Hk, Hv, Dk, Dv, Kc, dtype, has_bias, has_mask,
+                                              has_lengths),
+        rtol=rtol,
+    )
+    return backend if ok else None
+
+
+def gated_delta_decode_kernel(
+    qkv: mx.array,
+    z: mx.array,
+    b: mx.array,
+    a: mx.array,
+    conv_state: mx.array,
+    conv_w: mx.array,
+    conv_b: Optional[mx.array],
+    A_log: mx.array,
+    dt_bias: mx.array,
+    norm_w: mx.array,
+    state: mx.array,
+    mask: Optional[mx.array] = None,
+    lengths: Optional[mx.array] = None,
+    *,
+    norm_eps: float = 1e-6,
+) -> Tuple[mx.array, mx.array, mx.array]:
+    """One decode token of a GDN layer in one GPU launch (``kernels/*/gated_delta_decode``).
+
+    One thread block (CUDA) / threadgroup (Metal) of 256 threads per
+    (batch row, value head) runs the conv-state update, conv + SiLU, q/k
+    l2norm, gates, the recurrent step (state rows in registers, float32) and
+    the gated RMSNorm; see the kernel files' header comments. No self-check
+    runs here: use it after :func:`decode_kernel_ready` (as
+    :func:`gated_delta_decode` and the fused layer do). ``z``, ``b``, ``a``
+    and ``conv_state`` are read in ``qkv.dtype``; ``conv_b``, ``dt_bias`` and
+    ``norm_w`` in ``conv_w.dtype``.
+
+    Args, Shapes and algorithm: as :func:`gated_delta_decode_ops` (``Dk`` a
+    multiple of 32, at most 256; ``ceil(Dv / 8) * Dk / 32 <= 64``; ``Kc >= 2``;
+    float32, bfloat16 or float16).
+
+    Returns:
+        Tuple[mx.array, mx.array, mx.array]: ``(out, conv_state, state)``;
+        ``out`` and ``conv_state`` in ``qkv.dtype``, ``state`` float32.
+
+    Raises:
+        RuntimeError: if the default device has no kernel for this op.
+        ValueError: if the shapes disagree.
+    """
+    backend = gpu_backend()
+    if backend is None or _decode_kernel_object(backend) is None:
+        raise RuntimeError(
+            f"no gated_delta_decode kernel for device {mx.default_device()} "
+            f"(backend {backend or 'cpu'})"
+        )
+    return _decode_kernel_call(backend, qkv, z, b, a, conv_state, conv_w, conv_b, A_log,
+                               dt_bias, norm_w, state, mask, lengths, norm_eps=norm_eps)
+
+
+def gated_delta_decode(
+    qkv: mx.array,
+    z: mx.array,
+    b: mx.array,
+    a: mx.array,
+    conv_state: mx.array,
+    conv_w: mx.array,
+    conv_b: Optional[mx.array],
+    A_log: mx.array,
+    dt_bias: mx.array,
+    norm_w: mx.array,
+    state: mx.array,
+    mask: Optional[mx.array] = None,
+    lengths: Optional[mx.array] = None,
+    *,
+    norm_eps: float = 1e-6,
+    use_kernel: bool = True,
+) -> Tuple[mx.array, mx.array, mx.array]:
+    """One decode token of a GDN layer: the fused kernel when ready, else the ops path.
+
+    The kernel (:func:`gated_delta_decode_kernel`) runs when ``use_kernel``
+    is true, the activations, ``conv_state`` and ``conv_w`` share one dtype
+    and :func:`decode_kernel_ready` says so (call this outside ``mx.compile``
+    the first time: that runs the self-check); otherwise
+    :func:`gated_delta_decode_ops`.
+
+    Args, Returns, Raises, Shapes: as :func:`gated_delta_decode_ops`, plus
+        ``use_kernel`` (bool): allow the GPU kernel. Default True.
+
+    Example:
+        >>> import mlx.core as mx
+        >>> from qwen_apple_backend.ops.gated_delta import gated_delta_decode
+        >>> B, Hk, Hv, Dk, Dv, Kc = 1, 2, 4, 32, 32, 4
+        >>> C = 2 * Hk * Dk + Hv * Dv
+        >>> out, conv_state, state = gated_delta_decode(
+        ...     mx.random.normal((B, C)), mx.random.normal((B, Hv * Dv)),
+        ...     mx.zeros((B, Hv)), mx.zeros((B, Hv)), mx.zeros((B, Kc - 1, C)),
+        ...     mx.random.normal((C, Kc, 1)), None, mx.zeros(Hv), mx.ones(Hv),
+        ...     mx.ones(Dv), mx.zeros((B, Hv, Dv, Dk)))
+        >>> out.shape, conv_state.shape, state.dtype
+        ((1, 4, 32), (1, 3, 256), mlx.core.float32)
+    """
+    Hk, Hv, Dk, Dv, Kc = _check_decode(qkv, z, b, a, conv_state, conv_w, conv_b, A_log,
+                                       dt_bias, norm_w, state, mask, lengths)
+    dt = qkv.dtype
+    if use_kernel and all(x.dtype == dt for x in (z, b, a, conv_state, conv_w)):
+        backend = decode_kernel_ready(Hk, Hv, Dk, Dv, Kc, dt, has_bias=conv_b is not None,
+                                      has_mask=mask is not None,
+                                      has_lengths=lengths is not None)
+        if backend is not None:
+            return _decode_kernel_call(backend, qkv, z, b, a, conv_state, conv_w, conv_b,
+                                       A_log, dt_bias, norm_w, state, mask, lengths,
+                                       norm_eps=norm_eps)
+    return gated_delta_decode_ops(qkv, z, b, a, conv_state, conv_w, conv_b, A_log, dt_bias,
+                                  norm_w, state, mask, lengths, norm_eps=norm_eps)

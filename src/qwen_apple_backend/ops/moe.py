@@ -1,6 +1,6 @@
 """Mixture-of-experts ops for Qwen3.5 / Qwen3.6 MoE and Qwen3-Next.
 
-Three pieces, following the kernel / reference / dispatcher pattern:
+The pieces, following the kernel / reference / dispatcher pattern:
 
 * :func:`topk_route` — router softmax and top-k selection as one compiled
   graph that picks exactly the experts stock mlx-lm picks.
@@ -20,7 +20,17 @@ Three pieces, following the kernel / reference / dispatcher pattern:
   prefill, the grouped 4-bit GEMM kernel over rows sorted by expert
   (``kernels/{cuda,metal}/moe_grouped_gemm``) when it passed its self-check
   (:func:`grouped_gemm_ready`); else the dequantize-then-GEMM form for many
-  rows of quantized experts; else :func:`moe_experts_ops`.
+  rows of quantized experts; else :func:`moe_experts_ops`. Given the shared
+  expert's output and gate logit it adds them too; after the grouped GEMM
+  kernel, in one combine kernel with the un-sort and the weighted sum over K
+  (``kernels/{cuda,metal}/moe_combine``, :func:`combine_kernel_ready`;
+  reference :func:`moe_combine_ops`).
+* :func:`moe_shared_experts_kernel` — decode with the shared expert folded
+  in: the shared expert as the (K+1)-th expert of the two decode kernels and
+  its gate logit in the first (``kernels/{cuda,metal}/moe_*_shared_gemv``),
+  used after :func:`shared_decode_kernel_ready`; reference
+  :func:`moe_shared_experts_ops` (:func:`moe_experts_ops` plus
+  :func:`shared_expert_ops` and :func:`add_gated_shared`).
 
 Dimension names: B batch, T tokens, H hidden size, I expert FFN size,
 E experts, K experts per token. ``...`` stands for any leading token axes
@@ -55,6 +65,14 @@ __all__ = [
     "grouped_gemm_ready",
     "grouped_gemm_block_map",
     "moe_experts",
+    "SharedExpertWeights",
+    "shared_expert_ops",
+    "add_gated_shared",
+    "moe_shared_experts_ops",
+    "moe_shared_experts_kernel",
+    "shared_decode_kernel_ready",
+    "moe_combine_ops",
+    "combine_kernel_ready",
 ]
 
 # Stock SwitchGLU sorts (token, slot) rows by expert once there are at least
@@ -443,6 +461,134 @@ def _weighted_sum(y: mx.array, scores: mx.array) -> mx.array:
 
 
 # --------------------------------------------------------------------------
+# Shared expert (Qwen3-Next / Qwen3.5 MoE): portable reference
+# --------------------------------------------------------------------------
+
+
+class SharedExpertWeights(NamedTuple):
+    """A block's shared SwiGLU expert and its sigmoid gate, as single linears.
+
+    Each field is an :class:`ExpertWeights` without the expert axis: ``weight``
+    is ``[O, In]`` (or its packed form, with ``scales`` / ``biases`` of shape
+    ``[O, In / group_size]``), exactly the arrays of an ``nn.Linear`` /
+    ``nn.QuantizedLinear``.
+
+    Attributes:
+        gate_proj (ExpertWeights): ``[I, H]``.
+        up_proj (ExpertWeights): ``[I, H]``.
+        down_proj (ExpertWeights): ``[H, I]``.
+        gate (ExpertWeights): ``[1, H]``, the shared expert's gate
+            (``shared_expert_gate``; 8-bit in mlx-lm's Qwen quantization).
+    """
+
+    gate_proj: ExpertWeights
+    up_proj: ExpertWeights
+    down_proj: ExpertWeights
+    gate: ExpertWeights
+
+
+def _linear(x: mx.array, w: ExpertWeights) -> mx.array:
+    # The same primitives as nn.QuantizedLinear / nn.Linear.__call__.
+    if w.quantized:
+        y = mx.quantized_matmul(x, w.weight, w.scales, w.biases, transpose=True,
+                                group_size=w.group_size, bits=w.bits, mode=w.mode)
+        return y if w.bias is None else y + w.bias
+    if w.bias is not None:
+        return mx.addmm(w.bias, x, w.weight.T)
+    return x @ w.weight.T
+
+
+def shared_expert_ops(x: mx.array, shared: SharedExpertWeights) -> tuple[mx.array, mx.array]:
+    """Portable shared expert: its SwiGLU output and its gate logit.
+
+    ``down(silu(gate_proj(x)) * up_proj(x))`` and ``gate(x)``, with the
+    primitives of mlx-lm's ``Qwen3NextMLP`` and ``nn.(Quantized)Linear``.
+
+    Args:
+        x (mx.array): token activations.
+        shared (SharedExpertWeights): the shared expert and its gate.
+
+    Returns:
+        tuple[mx.array, mx.array]: ``(shared_y, gate_logit)`` in the promoted
+        dtype of ``x`` and the weights (the scales' for quantized ones).
+
+    Shapes:
+        x: ``[..., H]``; shared_y: ``[..., H]``; gate_logit: ``[..., 1]``
+    """
+    h = _swiglu(_linear(x, shared.gate_proj), _linear(x, shared.up_proj))
+    return _linear(h, shared.down_proj), _linear(x, shared.gate)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def add_gated_shared(y: mx.array, shared_y: mx.array, gate_logit: mx.array) -> mx.array:
+    """``y + sigmoid(gate_logit) * shared_y``, as the stock block adds its shared expert.
+
+    Shapes:
+        y, shared_y: ``[..., H]``; gate_logit: ``[..., 1]``; returns ``[..., H]``
+    """
+    return y + mx.sigmoid(gate_logit) * shared_y
+
+
+def moe_shared_experts_ops(
+    x: mx.array,
+    inds: mx.array,
+    scores: mx.array,
+    gate_up: ExpertWeights,
+    down: ExpertWeights,
+    shared: SharedExpertWeights,
+    sort: Optional[bool] = None,
+) -> mx.array:
+    """Portable MoE block output: routed experts plus the sigmoid-gated shared expert.
+
+    Today's composition: :func:`moe_experts_ops`, :func:`shared_expert_ops`,
+    then :func:`add_gated_shared` (the reference of the decode fold kernels).
+
+    Args:
+        x (mx.array): token activations.
+        inds (mx.array): expert indices.
+        scores (mx.array): routing weights.
+        gate_up (ExpertWeights): ``[E, 2I, H]``.
+        down (ExpertWeights): ``[E, H, I]``.
+        shared (SharedExpertWeights): the shared expert and its gate.
+        sort (bool | None): see :func:`swiglu_experts_ops`. Default None.
+
+    Returns:
+        mx.array: the promoted dtype of the routed and shared outputs.
+
+    Shapes:
+        x: ``[..., H]``; inds, scores: ``[..., K]``; returns ``[..., H]``
+    """
+    y = moe_experts_ops(x, inds, scores, gate_up, down, sort=sort)
+    return add_gated_shared(y, *shared_expert_ops(x, shared))
+
+
+def moe_combine_ops(y_sorted: mx.array, pos: mx.array, scores: mx.array, shared_y: mx.array,
+                    gate_logit: mx.array) -> mx.array:
+    """Portable prefill epilogue: un-sort, weight, sum over K, add the gated shared expert.
+
+    ``sum_k scores[n, k] * y_sorted[pos[n, k]] + sigmoid(gate_logit[n]) *
+    shared_y[n]``, as the sorted prefill path composes it today (the
+    reference of ``kernels/*/moe_combine``).
+
+    Args:
+        y_sorted (mx.array): expert output rows in expert order.
+        pos (mx.array): row of ``y_sorted`` holding each (token, slot)
+            (``SortedTokens.inv_order`` reshaped).
+        scores (mx.array): routing weights.
+        shared_y (mx.array): shared expert output.
+        gate_logit (mx.array): shared expert gate logit.
+
+    Returns:
+        mx.array: the promoted dtype of the inputs.
+
+    Shapes:
+        y_sorted: ``[N*K, H]``; pos, scores: ``[..., K]``;
+        shared_y: ``[..., H]``; gate_logit: ``[..., 1]``; returns ``[..., H]``
+    """
+    return add_gated_shared(_weighted_sum(y_sorted[pos], scores), shared_y, gate_logit)
+
+
+# --------------------------------------------------------------------------
 # Kernel slot and dispatcher
 # --------------------------------------------------------------------------
 
@@ -552,6 +698,170 @@ def decode_kernel_ready(x: mx.array, inds: mx.array, gate_up: ExpertWeights,
     return backend if ok else None
 
 
+# --------------------------------------------------------------------------
+# Decode with the shared expert folded in (kernels/*/moe_*_shared_gemv)
+# --------------------------------------------------------------------------
+
+
+def _q4_like(w: ExpertWeights, like: ExpertWeights, shape: tuple) -> bool:
+    # A shared-expert linear the fold kernels can read with the routed
+    # experts' code: 4-bit affine, same group size and scale/bias dtypes.
+    return (w.quantized and w.bits == 4 and w.mode == "affine" and w.biases is not None
+            and w.bias is None and w.global_scale is None and w.group_size == like.group_size
+            and w.weight.dtype == mx.uint32 and tuple(w.weight.shape) == shape
+            and w.scales.dtype == like.scales.dtype and w.biases.dtype == like.biases.dtype)
+
+
+def _fold_shapes_supported(H: int, gate_up: ExpertWeights, down: ExpertWeights,
+                           shared: SharedExpertWeights) -> bool:
+    if not _gemv_shapes_supported(H, gate_up, down):
+        return False
+    I = gate_up.weight.shape[1] // 2
+    g = shared.gate
+    return (_q4_like(shared.gate_proj, gate_up, (I, H // 8))
+            and _q4_like(shared.up_proj, gate_up, (I, H // 8))
+            and _q4_like(shared.down_proj, down, (H, I // 8))
+            and g.quantized and g.bits in (4, 8) and g.mode == "affine"
+            and g.biases is not None and g.bias is None and g.global_scale is None
+            and bool(g.group_size) and g.group_size % 32 == 0 and H % g.group_size == 0
+            and g.weight.dtype == mx.uint32 and tuple(g.weight.shape) == (1, H * g.bits // 32))
+
+
+@functools.lru_cache(maxsize=None)
+def _fold_objects(backend: str):
+    gu = build_kernel("moe_gate_up_shared_gemv", backend)
+    dn = build_kernel("moe_down_shared_gemv", backend)
+    return None if gu is None or dn is None else (gu, dn)
+
+
+def _fold_grid_x(K: int, I: int) -> int:
+    # (K + 1) * I / RPW row-pair warps and one gate-logit warp per token,
+    # rounded up to whole threadgroups (the kernels' spare warps exit).
+    threads = 32 * ((K + 1) * I // _GEMV_RPW + 1)
+    return -(-threads // _GEMV_BLOCK) * _GEMV_BLOCK
+
+
+def _moe_shared_decode_kernel_call(backend: str, x, inds, scores, gate_up: ExpertWeights,
+                                   down: ExpertWeights, shared: SharedExpertWeights) -> mx.array:
+    H = x.shape[-1]
+    K = inds.shape[-1]
+    lead = x.shape[:-1]
+    xf = x.reshape(-1, H)
+    N = xf.shape[0]
+    ind = inds.reshape(N, K).astype(mx.uint32)
+    sc = scores.reshape(N, K).astype(mx.float32)
+    I = gate_up.weight.shape[1] // 2
+    objects = _fold_objects(backend)
+    if objects is None:
+        raise RuntimeError(f"no MoE shared-expert decode kernel sources or MLX API for {backend}")
+    gu_kernel, dn_kernel = objects
+    sg, su, sd, gate = shared
+    h, logit = gu_kernel(
+        inputs=[xf, ind, gate_up.weight, gate_up.scales, gate_up.biases,
+                sg.weight, sg.scales, sg.biases, su.weight, su.scales, su.biases,
+                gate.weight, gate.scales, gate.biases],
+        template=[("OutT", x.dtype), ("H", H), ("I", I), ("K", K), ("G", gate_up.group_size),
+                  ("SGB", gate.bits), ("SGG", gate.group_size)],
+        grid=(_fold_grid_x(K, I), N, 1), threadgroup=(_GEMV_BLOCK, 1, 1),
+        output_shapes=[(N, K + 1, I), (N,)], output_dtypes=[x.dtype, mx.float32])
+    (y,) = dn_kernel(
+        inputs=[h, ind, sc, down.weight, down.scales, down.biases,
+                sd.weight, sd.scales, sd.biases, logit],
+        template=[("OutT", x.dtype), ("H", H), ("I", I), ("K", K), ("G", down.group_size)],
+        grid=(32 * H // _GEMV_RPW, N, 1), threadgroup=(_GEMV_BLOCK, 1, 1),
+        output_shapes=[(N, H)], output_dtypes=[x.dtype])
+    return y.reshape(*lead, H)
+
+
+def shared_decode_kernel_ready(x: mx.array, inds: mx.array, gate_up: ExpertWeights,
+                               down: ExpertWeights,
+                               shared: SharedExpertWeights) -> Optional[str]:
+    """The GPU backend whose shared-expert decode kernels may run this call, or None.
+
+    The fold: ``moe_gate_up_shared_gemv`` computes the K routed experts' and
+    the shared expert's SiLU-gated rows (the shared one as slot K) and the
+    shared gate's logit; ``moe_down_shared_gemv`` adds ``sigmoid(logit) *
+    down(h_shared)`` to the score-weighted routed sum. Two launches for the
+    whole block after routing. Eligible: what :func:`decode_kernel_ready`
+    accepts, plus a shared expert of the routed experts' size
+    (``I``), 4-bit affine with their group size and scale dtype, and a 4- or
+    8-bit affine shared gate with groups a multiple of 32. On the first call
+    per shape class both kernels are self-checked against
+    :func:`moe_shared_experts_ops` with these very weights; call it outside
+    ``mx.compile`` first, as ``FusedSparseMoeBlock`` does. CUDA: built only
+    once its manifest entry records a GPU verification, or with
+    ``QAB_UNVERIFIED_KERNELS=1``.
+
+    Args:
+        x (mx.array): token activations ``[..., H]``.
+        inds (mx.array): expert indices ``[..., K]``.
+        gate_up (ExpertWeights): ``[E, 2I, H]``.
+        down (ExpertWeights): ``[E, H, I]``.
+        shared (SharedExpertWeights): the shared expert and its gate.
+
+    Returns:
+        Optional[str]: ``"cuda"`` / ``"metal"``, or None (CPU, kernels
+        disabled, unsupported shapes or quantization, too many rows, or a
+        failed self-check, which also warns).
+    """
+    if envs.kernels_disabled() or inds.size >= SORT_THRESHOLD:
+        return None
+    backend = gpu_backend()
+    H, K = x.shape[-1], inds.shape[-1]
+    if (backend is None or x.dtype not in (mx.float32, mx.bfloat16, mx.float16)
+            or not _fold_shapes_supported(H, gate_up, down, shared)
+            or _fold_objects(backend) is None):
+        return None
+    E = gate_up.weight.shape[0]
+    I = gate_up.weight.shape[1] // 2
+    dtype = x.dtype
+
+    def make_inputs():
+        k1, k2, k3 = mx.random.split(mx.random.key(4321), 3)
+        xs = mx.random.normal((3, H), key=k1).astype(dtype)
+        ind = mx.argsort(mx.random.uniform(shape=(3, E), key=k2), axis=-1)[:, :K]
+        sc = mx.softmax(mx.random.normal((3, K), key=k3), axis=-1)
+        return xs, ind.astype(mx.uint32), sc, gate_up, down, shared
+
+    # Reference with float32 activations, rounded once: what is measured is
+    # the kernels' own error. float32: summation order only. bf16 / fp16: h
+    # and the output are rounded to ~3 significant digits (the routed
+    # kernels' budget).
+    def reference(xs, ind, sc, gu, dn, sw):
+        return [moe_shared_experts_ops(xs.astype(mx.float32), ind, sc, gu, dn, sw, sort=False)
+                .astype(dtype)]
+
+    rtol = 1e-4 if dtype == mx.float32 else 2e-2
+    g = shared.gate
+    key = (E, H, I, K, gate_up.group_size, down.group_size, g.bits, g.group_size,
+           str(gate_up.scales.dtype), str(g.scales.dtype), str(dtype))
+    ok = self_checked(
+        "moe_shared_decode_gemv", backend, key,
+        kernel=lambda *a: [_moe_shared_decode_kernel_call(backend, *a)],
+        reference=reference, make_inputs=make_inputs, rtol=rtol)
+    return backend if ok else None
+
+
+def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callable]:
+    """The fused GPU decode kernels with the shared expert folded in, as one function.
+
+    No self-check here: call it only after :func:`shared_decode_kernel_ready`
+    returned ``backend``.
+
+    Args:
+        backend (str | None): ``"cuda"`` / ``"metal"``; default the live GPU backend.
+
+    Returns:
+        Callable | None: ``f(x, inds, scores, gate_up, down, shared) -> y``
+        (``x``'s dtype and shape), or None when there is no GPU backend or no
+        kernel source for it.
+    """
+    backend = backend or gpu_backend()
+    if backend is None or _fold_objects(backend) is None:
+        return None
+    return functools.partial(_moe_shared_decode_kernel_call, backend)
+
+
 # Rows per tile of the grouped GEMM kernel (kernels/{cuda,metal}/moe_grouped_gemm).
 GROUPED_GEMM_BM = 64
 
@@ -609,7 +919,7 @@ def _grouped_gemm_call(backend: str, xs: mx.array, w: ExpertWeights, glu: bool,
 
 
 def _moe_grouped_gemm_experts(backend: str, x, inds, scores, gate_up: ExpertWeights,
-                              down: ExpertWeights) -> mx.array:
+                              down: ExpertWeights, shared=None) -> mx.array:
     H = x.shape[-1]
     E = gate_up.weight.shape[0]
     inds = mx.stop_gradient(inds)
@@ -617,8 +927,114 @@ def _moe_grouped_gemm_experts(backend: str, x, inds, scores, gate_up: ExpertWeig
     rows, tiles = grouped_gemm_block_map(st.inds, E)
     h = _grouped_gemm_call(backend, st.x.reshape(-1, H), gate_up, True, rows, tiles)
     y = _grouped_gemm_call(backend, h, down, False, rows, tiles)
-    y = y[st.inv_order].reshape(*inds.shape, H)
-    return _weighted_sum(y, scores)
+    pos = st.inv_order.reshape(inds.shape)
+    if shared is not None:
+        if combine_kernel_ready(backend, y, pos, scores, *shared):
+            return _combine_kernel_call(backend, y, pos, scores, *shared)
+        return moe_combine_ops(y, pos, scores, *shared)
+    return _weighted_sum(y[pos], scores)
+
+
+# --------------------------------------------------------------------------
+# Prefill epilogue: un-sort, weight, sum over K, gated shared expert
+# (kernels/*/moe_combine)
+# --------------------------------------------------------------------------
+
+# Threads per threadgroup of the combine kernel (one per output column).
+_COMBINE_BLOCK = 256
+
+
+@functools.lru_cache(maxsize=None)
+def _combine_object(backend: str):
+    return build_kernel("moe_combine", backend)
+
+
+def _combine_dtype(y_sorted, scores, shared_y, gate_logit) -> mx.Dtype:
+    # The dtype today's composition (moe_combine_ops) returns.
+    return mx.result_type(y_sorted, scores, shared_y, gate_logit)
+
+
+def _combine_kernel_call(backend: str, y_sorted: mx.array, pos: mx.array, scores: mx.array,
+                         shared_y: mx.array, gate_logit: mx.array) -> mx.array:
+    obj = _combine_object(backend)
+    if obj is None:
+        raise RuntimeError(f"no moe_combine source or MLX API for {backend}")
+    H = y_sorted.shape[-1]
+    K = pos.shape[-1]
+    N = pos.size // K
+    dtype = _combine_dtype(y_sorted, scores, shared_y, gate_logit)
+    (out,) = obj(
+        inputs=[y_sorted, pos.reshape(N, K).astype(mx.uint32), scores.reshape(N, K),
+                shared_y.reshape(N, H), gate_logit.reshape(N)],
+        template=[("OutT", dtype), ("H", H), ("K", K)],
+        grid=(-(-H // _COMBINE_BLOCK) * _COMBINE_BLOCK, N, 1),
+        threadgroup=(_COMBINE_BLOCK, 1, 1),
+        output_shapes=[(N, H)], output_dtypes=[dtype])
+    return out.reshape(*pos.shape[:-1], H)
+
+
+_FLOATS = (mx.float32, mx.bfloat16, mx.float16)
+
+
+def combine_kernel_ready(backend: Optional[str], y_sorted: mx.array, pos: mx.array,
+                         scores: mx.array, shared_y: mx.array,
+                         gate_logit: mx.array) -> bool:
+    """Whether the combine kernel may finish this prefill call on ``backend``.
+
+    ``kernels/*/moe_combine`` computes :func:`moe_combine_ops` in one launch
+    (float32 accumulation, one rounding). Used after the grouped GEMM kernel
+    (the GPU prefill path) when kernels are enabled, the arrays are float and
+    of the block's shapes, and the kernel passed its self-check for this
+    shape class (against the float32 composition, on the first call). CUDA:
+    built only once its manifest entry records a GPU verification, or with
+    ``QAB_UNVERIFIED_KERNELS=1``.
+
+    Args:
+        backend (str | None): the live GPU backend.
+        y_sorted (mx.array): ``[N*K, H]`` expert output rows in expert order.
+        pos (mx.array): ``[..., K]`` row of each (token, slot).
+        scores (mx.array): ``[..., K]`` routing weights.
+        shared_y (mx.array): ``[..., H]`` shared expert output.
+        gate_logit (mx.array): ``[..., 1]`` shared gate logit.
+
+    Returns:
+        bool: True when the kernel may run (a failed self-check also warns).
+    """
+    if backend is None or envs.kernels_disabled() or _combine_object(backend) is None:
+        return False
+    K, H = pos.shape[-1], y_sorted.shape[-1]
+    lead = pos.shape[:-1]
+    arrays = (y_sorted, scores, shared_y, gate_logit)
+    if (any(a.dtype not in _FLOATS for a in arrays) or y_sorted.ndim != 2
+            or y_sorted.shape[0] != pos.size or tuple(scores.shape) != tuple(pos.shape)
+            or tuple(shared_y.shape) != (*lead, H)
+            or tuple(gate_logit.shape) != (*lead, 1)):
+        return False
+    dtypes = tuple(a.dtype for a in arrays)
+    out_dtype = _combine_dtype(*arrays)
+
+    def make_inputs():
+        k1, k2, k3, k4, k5 = mx.random.split(mx.random.key(77), 5)
+        T = 37  # odd: no token count the kernel could tile on
+        y = mx.random.normal((T * K, H), key=k1).astype(dtypes[0])
+        ps = mx.argsort(mx.random.uniform(shape=(T * K,), key=k2)).reshape(T, K)
+        sc = mx.softmax(mx.random.normal((T, K), key=k3), axis=-1).astype(dtypes[1])
+        sy = mx.random.normal((T, H), key=k4).astype(dtypes[2])
+        lg = mx.random.normal((T, 1), key=k5).astype(dtypes[3])
+        return y, ps.astype(mx.uint32), sc, sy, lg
+
+    def reference(y, ps, sc, sy, lg):
+        f32 = mx.float32
+        out = moe_combine_ops(y.astype(f32), ps, sc.astype(f32), sy.astype(f32), lg.astype(f32))
+        return [out.astype(out_dtype)]
+
+    # float32: summation order only. bf16 / fp16 outputs are rounded once to
+    # ~3 significant digits (rel-L2 ~2e-3).
+    rtol = 1e-5 if out_dtype == mx.float32 else 1e-2
+    return self_checked(
+        "moe_combine", backend, (H, K, *map(str, dtypes)),
+        kernel=lambda *a: [_combine_kernel_call(backend, *a)],
+        reference=reference, make_inputs=make_inputs, rtol=rtol)
 
 
 def grouped_gemm_ready(x: mx.array, inds: mx.array, gate_up: ExpertWeights,
@@ -711,14 +1127,23 @@ def moe_experts(
     *,
     use_kernel: bool = True,
     dequant_gemm: bool = True,
+    shared: Optional[tuple[mx.array, mx.array]] = None,
 ) -> mx.array:
     """Routed-expert output, on the fastest path for the row count.
 
     The GPU decode kernels (:func:`moe_experts_kernel`) when ``use_kernel``
-    is true and :func:`decode_kernel_ready` says so. Otherwise, for quantized
-    experts with at least :data:`DEQUANT_GEMM_MIN_ROWS` (token, slot) rows and
-    ``dequant_gemm`` true, :func:`moe_experts_dequant_gemm`; else
-    :func:`moe_experts_ops`.
+    is true and :func:`decode_kernel_ready` says so; else, for prefill, the
+    grouped 4-bit GEMM kernel when :func:`grouped_gemm_ready` says so.
+    Otherwise, for quantized experts with at least
+    :data:`DEQUANT_GEMM_MIN_ROWS` (token, slot) rows and ``dequant_gemm``
+    true, :func:`moe_experts_dequant_gemm`; else :func:`moe_experts_ops`.
+
+    With ``shared``, the block's gated shared expert is added:
+    ``y + sigmoid(gate_logit) * shared_y``. On the grouped GEMM path that
+    happens in the combine kernel together with the un-sort and the weighted
+    sum over K, when :func:`combine_kernel_ready` says so. (Decode with the
+    shared expert's weights folded into the kernels is
+    :func:`moe_shared_experts_kernel`.)
 
     Args:
         x (mx.array): token activations.
@@ -726,15 +1151,18 @@ def moe_experts(
         scores (mx.array): routing weights from :func:`topk_route`.
         gate_up (ExpertWeights): ``[E, 2I, H]`` fused gate+up projection.
         down (ExpertWeights): ``[E, H, I]`` down projection.
-        use_kernel (bool): allow the GPU kernel. Default True.
+        use_kernel (bool): allow the GPU kernels. Default True.
         dequant_gemm (bool): allow the dequantize-then-GEMM prefill form.
             Default True.
+        shared (tuple[mx.array, mx.array] | None): ``(shared_y, gate_logit)``
+            of the block's shared expert, or None. Default None.
 
     Returns:
-        mx.array: dtype of ``x`` (promoted with ``scores``).
+        mx.array: dtype of ``x`` (promoted with ``scores`` and ``shared``).
 
     Shapes:
         x: ``[..., H]``; inds, scores: ``[..., K]``
+        shared: ``([..., H], [..., 1])``
         returns: ``[..., H]``
 
     Example:
@@ -750,11 +1178,15 @@ def moe_experts(
     if use_kernel:
         backend = decode_kernel_ready(x, inds, gate_up, down)
         if backend is not None:
-            return _moe_decode_kernel_call(backend, x, inds, scores, gate_up, down)
+            y = _moe_decode_kernel_call(backend, x, inds, scores, gate_up, down)
+            return y if shared is None else add_gated_shared(y, *shared)
         backend = grouped_gemm_ready(x, inds, gate_up, down)
         if backend is not None:
-            return _moe_grouped_gemm_experts(backend, x, inds, scores, gate_up, down)
+            return _moe_grouped_gemm_experts(backend, x, inds, scores, gate_up, down,
+                                             shared=shared)
     if (dequant_gemm and gate_up.quantized and inds.size >= DEQUANT_GEMM_MIN_ROWS
             and _dequant_gemm_runs(x)):
-        return moe_experts_dequant_gemm(x, inds, scores, gate_up, down)
-    return moe_experts_ops(x, inds, scores, gate_up, down)
+        y = moe_experts_dequant_gemm(x, inds, scores, gate_up, down)
+    else:
+        y = moe_experts_ops(x, inds, scores, gate_up, down)
+    return y if shared is None else add_gated_shared(y, *shared)

@@ -1,0 +1,137 @@
+// Decode (a few tokens), 4-bit affine: the K routed experts' gate+up rows AND
+// the shared expert's, as K + 1 slots, plus the shared expert's gate logit.
+//
+// For token n, slot k < K with expert e = inds[n, k], and r < I:
+//   h[n, k, r] = silu(x[n] . W[e, r]) * (x[n] . W[e, I + r])
+// slot K is the shared expert (its own gate_proj / up_proj arrays, [I, H]):
+//   h[n, K, r] = silu(x[n] . s_gate[r]) * (x[n] . s_up[r])
+// and one more warp per token computes the shared expert gate's logit
+//   sg_logit[n] = x[n] . sg_w[0]          (float32, no sigmoid here)
+// from its SGB-bit (4 or 8) affine row with groups of SGG inputs.
+// W is the fused [E, 2I, H] gate+up weight packed 8 nibbles per uint32 (MLX's
+// affine layout: value j of a word at bits 4j), with one scale and bias per G
+// consecutive inputs; the shared expert's gate_proj / up_proj use the same
+// packing and G (8-bit rows: 4 values per word, value j at bits 8j).
+// Dequantized dot: sum_j (s q_j + b) x_j = s * sum_j q_j x_j + b * sum_j x_j.
+// As in moe_gate_up_gemv.cu: one warp computes RPW (gate, up) row pairs; each
+// lane owns the 32-value chunks c = lane + 32 i of a row (16-byte loads,
+// coalesced across the warp) and keeps the matching x values in registers.
+// The shared slot's scales and biases must have the routed ones' dtype (one
+// pointer type for both).
+//
+// Launch: grid (32 * NW, N, 1) threads, threadgroup (256, 1, 1), with NW =
+// (K + 1) * I / RPW + 1 warps rounded up to a multiple of 8; spare warps exit.
+// Requires H % 1024 == 0, I % RPW == 0, G % 32 == 0, SGG % 32 == 0.
+// Inputs: x [N, H]; inds [N, K] uint32; w [E, 2I, H/8] uint32; scales, biases
+// [E, 2I, H/G]; s_gate_w, s_up_w [I, H/8] uint32; s_gate_scales,
+// s_gate_biases, s_up_scales, s_up_biases [I, H/G]; sg_w [1, H*SGB/32]
+// uint32; sg_scales, sg_biases [1, H/SGG].
+// Outputs: h [N, K+1, I] OutT; sg_logit [N] float32.
+
+constexpr int RPW = 2;              // row pairs per warp
+constexpr int CPL = H / 1024;       // 32-value chunks per lane
+constexpr int WPR = H / 8;          // uint32 words per 4-bit weight row
+constexpr int GPR = H / G;          // quantization groups per row
+constexpr int KS = K + 1;           // slots: K routed experts, then the shared one
+constexpr int NRW = KS * I / RPW;   // warps of row pairs; warp NRW: the gate logit
+const int lane = threadIdx.x & 31;
+const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+const int n = blockIdx.y;
+if (warp > NRW) {
+  return;
+}
+
+// x chunks of this lane, and their sums (shared by every row).
+float xr[CPL][32];
+float xsum[CPL];
+#pragma unroll
+for (int i = 0; i < CPL; ++i) {
+  const int c = lane + 32 * i;
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    xr[i][j] = static_cast<float>(x[(size_t)n * H + c * 32 + j]);
+    s += xr[i][j];
+  }
+  xsum[i] = s;
+}
+
+if (warp == NRW) {
+  // The shared expert gate's single row: a 32-value chunk is SGB words.
+  constexpr int VPW = 32 / SGB;     // values per word
+  constexpr unsigned MASK = (1u << SGB) - 1u;
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = lane + 32 * i;
+    const uint4* src = reinterpret_cast<const uint4*>(sg_w + (size_t)c * SGB);
+    float d = 0.f;
+#pragma unroll
+    for (int v = 0; v < SGB / 4; ++v) {
+      const uint4 pk = src[v];
+      const uint32_t words[4] = {pk.x, pk.y, pk.z, pk.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+#pragma unroll
+        for (int b = 0; b < VPW; ++b) {
+          d += static_cast<float>((words[q] >> (SGB * b)) & MASK) *
+               xr[i][(v * 4 + q) * VPW + b];
+        }
+      }
+    }
+    const int gi = (c * 32) / SGG;
+    acc += static_cast<float>(sg_scales[gi]) * d + static_cast<float>(sg_biases[gi]) * xsum[i];
+  }
+  acc = qab_warp_sum(acc);
+  if (lane == 0) {
+    sg_logit[n] = acc;
+  }
+  return;
+}
+
+#pragma unroll
+for (int p = 0; p < RPW; ++p) {
+  const int kr = warp * RPW + p;
+  const int k = kr / I;
+  const int r = kr - k * I;
+  const bool is_shared = k == K;
+  // Slot K reads the shared expert's own arrays; inds has no column K.
+  const size_t e = is_shared ? 0 : static_cast<size_t>(inds[(size_t)n * K + k]);
+  const size_t gate_row = e * 2 * I + r;
+  const size_t up_row = gate_row + I;
+  const uint32_t* wg = is_shared ? s_gate_w + (size_t)r * WPR : w + gate_row * WPR;
+  const uint32_t* wu = is_shared ? s_up_w + (size_t)r * WPR : w + up_row * WPR;
+  auto sgp = is_shared ? s_gate_scales + (size_t)r * GPR : scales + gate_row * GPR;
+  auto bgp = is_shared ? s_gate_biases + (size_t)r * GPR : biases + gate_row * GPR;
+  auto sup = is_shared ? s_up_scales + (size_t)r * GPR : scales + up_row * GPR;
+  auto bup = is_shared ? s_up_biases + (size_t)r * GPR : biases + up_row * GPR;
+  float acc[2] = {0.f, 0.f};
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    const uint4* wrow = reinterpret_cast<const uint4*>(t ? wu : wg);
+    auto srow = t ? sup : sgp;
+    auto brow = t ? bup : bgp;
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      const int c = lane + 32 * i;
+      const uint4 pk = wrow[c];
+      const uint32_t words[4] = {pk.x, pk.y, pk.z, pk.w};
+      float d = 0.f;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+#pragma unroll
+        for (int b = 0; b < 8; ++b) {
+          d += static_cast<float>((words[q] >> (4 * b)) & 15u) * xr[i][q * 8 + b];
+        }
+      }
+      const int gi = (c * 32) / G;
+      acc[t] += static_cast<float>(srow[gi]) * d + static_cast<float>(brow[gi]) * xsum[i];
+    }
+  }
+  const float gate = qab_warp_sum(acc[0]);
+  const float up = qab_warp_sum(acc[1]);
+  if (lane == 0) {
+    const float silu = gate / (1.f + expf(-gate));
+    h[((size_t)n * KS + k) * I + r] = static_cast<OutT>(silu * up);
+  }
+}

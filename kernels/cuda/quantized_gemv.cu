@@ -1,0 +1,141 @@
+// Dense 4-bit affine GEMV for decode: y = x W^T for M (a few) rows of x.
+//
+//   y[m, n] = sum_k x[m, k] * (s[n, k / G] * q[n, k] + b[n, k / G])
+//           = sum_chunks (s * sum_j q_j x_j + b * sum_j x_j)
+// W is packed 8 nibbles per uint32 (MLX's affine layout: value j of a word at
+// bits 4j), w [N, KD / 8]; scales, biases [N, KD / G].
+//
+// Layout of the work: a row's KD inputs form NC = KD / 32 chunks of 32 values
+// (one 16-byte load of packed weights). LPR lanes share a row, each taking
+// chunks c = l + LPR * i; a warp works on SUB = 32 / LPR rows at once and on
+// RPW such row sets per pass, issuing all RPW * CPL weight loads of a pass
+// before any arithmetic (loads in flight are what a GEMV at batch 1 lives on).
+// Warps walk the rows grid-stride, so each block stages x only once.
+// x is staged in shared memory as float, chunk-transposed
+// (xs[m][j / 4][c] holds x[m, 32 c + j .. + 3] as a float4) so that lanes
+// reading consecutive chunks hit consecutive 16-byte words (no bank
+// conflicts), with each chunk's sum xsum[m][c] beside it.
+// Nibbles become floats with the 2^23 trick (or into a float's mantissa, then
+// subtract 2^23): two integer ops and one add instead of a slow conversion.
+//
+// Launch: threadgroup (32 * WARPS, 1, 1), grid (32 * WARPS * blocks, 1, 1).
+// Requires KD % 32 == 0, NC % LPR == 0, G % 32 == 0, M * KD * 4 bytes of
+// shared memory (the dispatcher keeps it <= 32 KB).
+// Inputs: x [M, KD] OutT; w [N, KD / 8] uint32; scales, biases [N, KD / G] ST.
+// Output: y [M, N] OutT.
+
+constexpr int NC = KD / 32;       // 32-value chunks per row
+constexpr int CPL = NC / LPR;     // chunks per lane
+constexpr int SUB = 32 / LPR;     // rows per warp at once
+constexpr int WPR = KD / 8;       // uint32 words per row
+constexpr int GPR = KD / G;       // quantization groups per row
+constexpr int ROWS_PER_WARP = SUB * RPW;
+
+__shared__ float4 xs[M][8][NC];
+__shared__ float xsum[M][NC];
+
+const int tid = threadIdx.x;
+for (int i = tid; i < M * NC * 8; i += blockDim.x) {
+  const int m = i / (NC * 8);
+  const int r = i - m * NC * 8;
+  const int c = r >> 3;
+  const int j4 = r & 7;
+  const size_t base = (size_t)m * KD + c * 32 + j4 * 4;
+  xs[m][j4][c] = make_float4(static_cast<float>(x[base]), static_cast<float>(x[base + 1]),
+                             static_cast<float>(x[base + 2]), static_cast<float>(x[base + 3]));
+}
+__syncthreads();
+for (int i = tid; i < M * NC; i += blockDim.x) {
+  const int m = i / NC;
+  const int c = i - m * NC;
+  float s = 0.f;
+#pragma unroll
+  for (int j4 = 0; j4 < 8; ++j4) {
+    const float4 v = xs[m][j4][c];
+    s += (v.x + v.y) + (v.z + v.w);
+  }
+  xsum[m][c] = s;
+}
+__syncthreads();
+
+const int lane = tid & 31;
+const int sub = lane / LPR;
+const int sl = lane - sub * LPR;
+const int warps = blockDim.x >> 5;
+const int gwarp = blockIdx.x * warps + (tid >> 5);
+const int nwarps = gridDim.x * warps;
+
+for (int base = gwarp * ROWS_PER_WARP; base < N; base += nwarps * ROWS_PER_WARP) {
+  // Issue every load of this pass first.
+  uint4 wv[RPW][CPL];
+  float sc[RPW][CPL];
+  float bi[RPW][CPL];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const int row = base + r * SUB + sub;
+    const bool ok = row < N;
+    const uint4* wrow = reinterpret_cast<const uint4*>(w + (size_t)(ok ? row : 0) * WPR);
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      const int c = sl + LPR * i;
+      wv[r][i] = ok ? wrow[c] : make_uint4(0u, 0u, 0u, 0u);
+      const size_t gi = (size_t)(ok ? row : 0) * GPR + (c * 32) / G;
+      sc[r][i] = ok ? static_cast<float>(scales[gi]) : 0.f;
+      bi[r][i] = ok ? static_cast<float>(biases[gi]) : 0.f;
+    }
+  }
+
+  float acc[M][RPW];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      acc[m][r] = 0.f;
+    }
+  }
+
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = sl + LPR * i;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float xv[32];
+#pragma unroll
+      for (int j4 = 0; j4 < 8; ++j4) {
+        const float4 v = xs[m][j4][c];
+        xv[4 * j4] = v.x;
+        xv[4 * j4 + 1] = v.y;
+        xv[4 * j4 + 2] = v.z;
+        xv[4 * j4 + 3] = v.w;
+      }
+      const float xs_sum = xsum[m][c];
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        const uint32_t words[4] = {wv[r][i].x, wv[r][i].y, wv[r][i].z, wv[r][i].w};
+        float d = 0.f;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+#pragma unroll
+          for (int b = 0; b < 8; ++b) {
+            const float qv =
+                __uint_as_float(0x4B000000u | ((words[q] >> (4 * b)) & 15u)) - 8388608.f;
+            d = fmaf(qv, xv[q * 8 + b], d);
+          }
+        }
+        acc[m][r] = fmaf(sc[r][i], d, fmaf(bi[r][i], xs_sum, acc[m][r]));
+      }
+    }
+  }
+
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      const float v = qab_group_sum<LPR>(acc[m][r]);
+      const int row = base + r * SUB + sub;
+      if (sl == 0 && row < N) {
+        y[(size_t)m * N + row] = static_cast<OutT>(v);
+      }
+    }
+  }
+}

@@ -1,0 +1,60 @@
+"""``lm_head`` on the dense 4-bit decode GEMV (the ``gemv-kernel`` optimization).
+
+The text model's ``lm_head`` is the largest matrix a decode step reads (for
+Qwen3.6-35B-A3B 248,320 x 2,048 4-bit weights, ~270 MB with scales and
+biases). It is called by mlx-lm's own model code, so instead of wrapping it
+the fused model's instance gets the class :class:`DecodeQuantizedLinear`: an
+``nn.QuantizedLinear`` subclass with the same parameters and names whose
+few-row calls take :func:`qwen_apple_backend.ops.linear.linear`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..ops import linear as qlinear
+
+__all__ = ["DecodeQuantizedLinear", "install_gemv_lm_head"]
+
+
+class DecodeQuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` whose decode-sized calls run the dense GEMV kernel when ready.
+
+    Never constructed: :func:`install_gemv_lm_head` swaps an existing
+    instance's class. Larger inputs, other quantization modes and devices
+    without the kernel run ``nn.QuantizedLinear.__call__`` unchanged.
+
+    Shapes: x ``[..., K]``; returns ``[..., N]``.
+    """
+
+    _qab_gemv = True
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if qlinear.is_plain_quantized_linear(self):
+            qlinear.prepare(x, self)
+            return qlinear.linear(self, x)
+        return super().__call__(x)
+
+
+def install_gemv_lm_head(text_model: Any) -> bool:
+    """Give ``text_model.lm_head`` the class :class:`DecodeQuantizedLinear`.
+
+    Args:
+        text_model (nn.Module): the module holding ``lm_head`` (mlx-lm's
+            Qwen3.5 / Qwen3-Next text model).
+
+    Returns:
+        bool: True when installed; False when there is no ``lm_head`` (tied
+        embeddings), or it is not exactly a 4-bit affine ``nn.QuantizedLinear``
+        with biases.
+    """
+    head = getattr(text_model, "lm_head", None) if "lm_head" in text_model else None
+    if type(head) is not nn.QuantizedLinear or not qlinear.is_plain_quantized_linear(head):
+        return False
+    if head.bits != 4 or head.mode != "affine":
+        return False
+    head.__class__ = DecodeQuantizedLinear
+    return True

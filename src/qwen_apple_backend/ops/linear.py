@@ -1,0 +1,244 @@
+"""Dense 4-bit GEMV for decode: the projections and ``lm_head`` at batch 1.
+
+At decode, every projection of the model (a Gated DeltaNet's input and output
+projections, attention's q/k/v and o_proj, the shared expert, ``lm_head``)
+is a matrix-vector product over 4-bit weights, and its speed is the speed at
+which the weights stream from memory. MLX's quantized matmul on CUDA reaches
+a small fraction of HBM bandwidth there (measured ~155 GB/s for a 9.4 MB
+matrix on an H200, against ~3.2 TB/s copy bandwidth). The kernel
+``kernels/cuda/quantized_gemv.cu`` keeps every 16-byte weight load of a pass
+in flight before computing, stages the activations once per thread block in
+shared memory, and turns nibbles into floats without conversion
+instructions.
+
+Only CUDA has a kernel: MLX's Metal ``qmv`` already streams near bandwidth.
+Like every kernel of this package, it is used only after its self-check
+against ``mx.quantized_matmul`` (see :mod:`qwen_apple_backend.ops.device`).
+That check evaluates arrays, so it cannot run inside ``mx.compile``: callers
+run :func:`gemv_ready` outside any trace first (the fused modules do it at the
+top of their ``__call__``); :func:`quantized_matmul` itself only reads the
+cached verdict and otherwise takes MLX's path.
+
+This module imports only ``mlx``, the standard library and this package's
+``envs`` / ``ops.device``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .. import envs
+from .device import build_kernel, gpu_backend, self_check_passed, self_checked
+
+__all__ = [
+    "GEMV_MAX_ROWS",
+    "gemv_launch",
+    "gemv_ready",
+    "gemv_supported",
+    "is_plain_quantized_linear",
+    "linear",
+    "prepare",
+    "quantized_gemv_kernel",
+    "quantized_matmul",
+]
+
+#: Most rows (tokens x batch) the GEMV kernel takes; more go to MLX's GEMM.
+GEMV_MAX_ROWS = 4
+# Shared memory the kernel stages x in (M * K floats), bytes.
+_MAX_SMEM = 32 * 1024
+# Warps per thread block and the grid cap (warps walk rows grid-stride).
+_WARPS = 8
+_MAX_BLOCKS = 1024
+_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+
+def gemv_launch(M: int, N: int, K: int) -> dict:
+    """Launch parameters of the GEMV kernel for ``y[M, N] = x[M, K] W[N, K]^T``.
+
+    Returns:
+        dict: ``LPR`` (lanes per row: the largest power of two <= 32
+        dividing ``K / 32``), ``RPW`` (row sets per warp pass, more for
+        taller matrices so a pass keeps more loads in flight), ``blocks``,
+        ``threads`` (per block).
+    """
+    nc = K // 32
+    lpr = 32
+    while nc % lpr:
+        lpr //= 2
+    sub = 32 // lpr
+    rpw = 1 if N <= 4096 else (2 if N <= 32768 else 4)
+    rows_per_block = _WARPS * sub * rpw
+    blocks = max(1, min(_MAX_BLOCKS, -(-N // rows_per_block)))
+    return {"LPR": lpr, "RPW": rpw, "blocks": blocks, "threads": 32 * _WARPS}
+
+
+def gemv_supported(M: int, w: mx.array, scales: mx.array, biases: Optional[mx.array],
+                   group_size: int, bits: int, mode: str, dtype: mx.Dtype) -> bool:
+    """Whether the kernel's contract covers this call (no backend check).
+
+    4-bit affine weights ``[N, K / 8]`` uint32 with scales and biases
+    ``[N, K / group_size]``, ``group_size % 32 == 0``, ``K % 32 == 0``, at most
+    :data:`GEMV_MAX_ROWS` rows whose float copy fits 32 KB of shared memory,
+    activations float32 / bfloat16 / float16.
+    """
+    if (bits != 4 or mode != "affine" or biases is None or not group_size or group_size % 32
+            or dtype not in _DTYPES or w.dtype != mx.uint32 or w.ndim != 2):
+        return False
+    N, K = w.shape[0], w.shape[1] * 8
+    return (0 < M <= GEMV_MAX_ROWS and K % 32 == 0 and K % group_size == 0
+            and M * K * 4 <= _MAX_SMEM and N >= 32
+            and scales.shape == (N, K // group_size) and biases.shape == scales.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _gemv_object(backend: str):
+    return build_kernel("quantized_gemv", backend)
+
+
+def quantized_gemv_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
+                          group_size: int) -> mx.array:
+    """``x @ dequantize(w).T`` on the CUDA GEMV kernel (no self-check, no fallback).
+
+    Args:
+        x (mx.array): ``[..., K]`` float32 / bfloat16 / float16, at most
+            :data:`GEMV_MAX_ROWS` rows.
+        w (mx.array): ``[N, K / 8]`` uint32, 4-bit affine (MLX layout).
+        scales, biases (mx.array): ``[N, K / group_size]``.
+        group_size (int): a multiple of 32.
+
+    Returns:
+        mx.array: ``[..., N]``, dtype of ``x``.
+
+    Raises:
+        RuntimeError: when this MLX build or the manifest has no CUDA kernel
+            (or it is unverified and ``QAB_UNVERIFIED_KERNELS`` is unset).
+    """
+    kernel = _gemv_object("cuda")
+    if kernel is None:
+        raise RuntimeError("no CUDA quantized_gemv kernel (sources, MLX API or verification)")
+    K = x.shape[-1]
+    N = w.shape[0]
+    lead = x.shape[:-1]
+    xf = x.reshape(-1, K)
+    M = xf.shape[0]
+    p = gemv_launch(M, N, K)
+    (y,) = kernel(
+        inputs=[xf, w, scales, biases],
+        # ST: MLX caches a CUDA kernel by its template arguments alone, so the
+        # scales' dtype must be one of them.
+        template=[("OutT", x.dtype), ("ST", scales.dtype), ("KD", K), ("N", N), ("G", group_size), ("M", M),
+                  ("LPR", p["LPR"]), ("RPW", p["RPW"])],
+        grid=(p["blocks"] * p["threads"], 1, 1), threadgroup=(p["threads"], 1, 1),
+        output_shapes=[(M, N)], output_dtypes=[x.dtype])
+    return y.reshape(*lead, N)
+
+
+def _key(M, w, scales, group_size, dtype) -> tuple:
+    return (M, int(w.shape[0]), int(w.shape[1]) * 8, group_size, str(dtype), str(scales.dtype))
+
+
+def gemv_ready(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array],
+               group_size: int, bits: int = 4, mode: str = "affine") -> Optional[str]:
+    """The backend whose GEMV kernel may run ``x @ dequantize(w).T``, or None.
+
+    Call it outside ``mx.compile``: the first call per shape class (rows,
+    N, K, group size, dtypes) runs the kernel's self-check on random
+    activations with these very weights, against ``mx.quantized_matmul`` on
+    float32 activations.
+
+    Returns:
+        Optional[str]: ``"cuda"``, or None (not CUDA, all kernels disabled
+        (``QAB_DISABLE_KERNELS``), unsupported shapes / quantization, or a failed
+        self-check, which also warns).
+    """
+    if envs.kernels_disabled():
+        return None
+    M = x.size // x.shape[-1] if x.ndim else 0
+    if gpu_backend() != "cuda" or not gemv_supported(M, w, scales, biases, group_size, bits,
+                                                     mode, x.dtype):
+        return None
+    if _gemv_object("cuda") is None:
+        return None
+    dtype = x.dtype
+    K = w.shape[1] * 8
+
+    def make_inputs():
+        xs = mx.random.normal((M, K), key=mx.random.key(2718)).astype(dtype)
+        return xs, w, scales, biases
+
+    def reference(xs, w_, s_, b_):
+        y = mx.quantized_matmul(xs.astype(mx.float32), w_, s_.astype(mx.float32),
+                                b_.astype(mx.float32), transpose=True, group_size=group_size,
+                                bits=4)
+        return [y.astype(dtype)]
+
+    # float32: summation order only. bf16/fp16: the output's own rounding
+    # (~3 significant digits) dominates.
+    rtol = 1e-4 if dtype == mx.float32 else 1e-2
+    ok = self_checked(
+        "quantized_gemv", "cuda", _key(M, w, scales, group_size, dtype),
+        kernel=lambda xs, w_, s_, b_: [quantized_gemv_kernel(xs, w_, s_, b_, group_size)],
+        reference=reference, make_inputs=make_inputs, rtol=rtol)
+    return "cuda" if ok else None
+
+
+def _verdict(M, w, scales, group_size, dtype) -> bool:
+    return self_check_passed("quantized_gemv", "cuda", _key(M, w, scales, group_size, dtype))
+
+
+def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array],
+                     *, group_size: int, bits: int, mode: str = "affine") -> mx.array:
+    """``mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)``, on the GEMV kernel when allowed.
+
+    Takes the kernel only when :func:`gemv_ready` has already passed for this
+    shape class (this function never self-checks, so it is safe inside
+    ``mx.compile``); otherwise MLX's own quantized matmul.
+
+    Shapes: x ``[..., K]``, w ``[N, K * bits / 32]``; returns ``[..., N]``.
+    """
+    if (bits == 4 and mode == "affine" and biases is not None and x.ndim
+            and x.size // x.shape[-1] <= GEMV_MAX_ROWS
+            and _verdict(x.size // x.shape[-1], w, scales, group_size, x.dtype)):
+        return quantized_gemv_kernel(x, w, scales, biases, group_size)
+    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size,
+                               bits=bits, mode=mode)
+
+
+def is_plain_quantized_linear(m: Any) -> bool:
+    """Exactly MLX's ``nn.QuantizedLinear`` (or the lm_head subclass), no global scale, with biases."""
+    # Exactly MLX's QuantizedLinear (or the lm_head subclass of layers.linear):
+    # a LoRA wrapper or another subclass has its own __call__.
+    return ((type(m) is nn.QuantizedLinear or getattr(type(m), "_qab_gemv", False))
+            and getattr(m, "global_scale", None) is None and "biases" in m)
+
+
+def prepare(x: mx.array, *modules: Any) -> None:
+    """Run :func:`gemv_ready` for each plain ``nn.QuantizedLinear`` in ``modules``.
+
+    Call outside ``mx.compile`` (it may run self-checks); a no-op for more than
+    :data:`GEMV_MAX_ROWS` rows.
+    """
+    if not x.ndim or x.size // x.shape[-1] > GEMV_MAX_ROWS:
+        return
+    for m in modules:
+        if is_plain_quantized_linear(m):
+            gemv_ready(x, m["weight"], m["scales"], m["biases"], m.group_size, m.bits, m.mode)
+
+
+def linear(module: Any, x: mx.array) -> mx.array:
+    """``module(x)``, with a plain 4-bit ``nn.QuantizedLinear`` on the GEMV kernel when allowed.
+
+    Any other module (``nn.Linear``, LoRA wrappers, other quantization
+    modes) is simply called. Safe inside ``mx.compile`` (see
+    :func:`quantized_matmul`).
+    """
+    if not is_plain_quantized_linear(module):
+        return module(x)
+    y = quantized_matmul(x, module["weight"], module["scales"], module["biases"],
+                         group_size=module.group_size, bits=module.bits, mode=module.mode)
+    if "bias" in module:
+        y = y + module["bias"]
+    return y

@@ -1,0 +1,732 @@
+"""CUDA kernel bodies run on the CPU through a C++ emulation of the CUDA they use.
+
+The CUDA kernels (``kernels/cuda/*.cu``) run only on an NVIDIA GPU, rarely at
+hand where this package is developed. This test runs them first on the CPU
+(``tests/_cuda_emulation.py``: one fiber per GPU thread, block and warp
+barriers, shuffles through per-warp slots, poisoned shared memory, cp.async
+completing at its wait, bfloat16/half rounding, AddressSanitizer and UBSan),
+launched by the ops modules' own launch code (``_scan_kernel_call``,
+``_staged_kernel_call``, ``_moe_decode_kernel_call`` and the ``gated_delta``
+dispatcher with its self-check), at small and odd shapes, against the same
+portable MLX references and dtype tolerances as ``tests/test_kernels_gpu.py``.
+Every launch runs in two schedules (reverse / forward block and thread order)
+that must agree bit for bit; every output element must be written and nothing
+outside the outputs.
+
+What it catches: index arithmetic, masking, partial chunks and blocks, the
+warp and group reductions, missing barriers or cp.async waits, reads of
+unwritten shared memory, reads past an input, writes past an output, the
+48 KiB static shared-memory limit, the launch grid. What it does NOT check:
+that nvcc/NVRTC accepts the source, the real memory model and timing,
+register pressure, speed, fast-math precision. ``moe_grouped_gemm`` (tensor-core
+``mma.sync`` PTX) is out of scope. The negative tests break a kernel on
+purpose (a shuffle offset, a barrier, a cp.async wait, a row index) and
+require the harness to fail.
+
+Skipped when no C++20 compiler is on PATH.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from qwen_apple_backend.ops import device
+from qwen_apple_backend.ops import gated_delta as gd
+from qwen_apple_backend.ops import linear as lin_ops
+from qwen_apple_backend.ops import moe as moe_ops
+from qwen_apple_backend.ops._sources import kernel_source
+
+from . import _cuda_emulation as emu
+from ._metrics import mx_rel_l2
+from .test_kernels_gpu import _assert_masked_scan, _assert_scan_matches_reference, _experts, _inputs
+
+pytestmark = pytest.mark.skipif(emu.CXX is None, reason="no C++ compiler on PATH")
+
+
+def _clear_kernel_caches():
+    for module in (gd, moe_ops):
+        for name in dir(module):
+            fn = getattr(module, name)
+            if name.endswith(("_object", "_objects")) and hasattr(fn, "cache_clear"):
+                fn.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def emulated(monkeypatch):
+    """The ops modules build their CUDA kernels on the CPU emulator."""
+    emu.require()
+    monkeypatch.setattr(gd, "build_kernel", emu.build_kernel)
+    monkeypatch.setattr(moe_ops, "build_kernel", emu.build_kernel)
+    _clear_kernel_caches()
+    yield
+    _clear_kernel_caches()
+
+
+def _broken(monkeypatch, op, old, new, *, header=False):
+    """Make the ops modules build ``op`` from a copy with ``old`` replaced by ``new``."""
+    src = kernel_source(op, "cuda")
+    text = src.header if header else src.body
+    assert text.count(old) == 1, f"mutation target not found once in {op}: {old!r}"
+    text = text.replace(old, new)
+    kw = {"header": text} if header else {"source": text}
+
+    def build(name, backend, **options):
+        return emu.build_kernel(name, backend, **(kw if name == op else {}), **options)
+
+    monkeypatch.setattr(gd, "build_kernel", build)
+    monkeypatch.setattr(moe_ops, "build_kernel", build)
+    _clear_kernel_caches()
+
+
+# --------------------------------------------------------------------------
+# gated_delta_scan and gated_delta_scan_staged
+# --------------------------------------------------------------------------
+
+F32, BF16, F16 = mx.float32, mx.bfloat16, mx.float16
+
+# (B, T, Hk, Hv, Dk, Dv, dtype): GQA with 2 floats per lane and two blocks of
+# 4 rows per head, in float32 and bfloat16; one decode token in float16 with
+# Hk == Hv and Dk = 32.
+SCAN_CASES = [
+    (1, 13, 2, 4, 64, 8, F32),
+    (1, 13, 2, 4, 64, 8, BF16),
+    (1, 1, 2, 2, 32, 4, F16),
+]
+
+
+@pytest.mark.parametrize("case", SCAN_CASES, ids=lambda c: "x".join(map(str, c[:6])) + f"-{c[6]}")
+def test_gated_delta_scan_emulated(case):
+    *shape, dtype = case
+    args = _inputs(*shape, dtype, seed=sum(shape))
+    out = gd._scan_kernel_call("cuda", *args)
+    if dtype == F16:  # not in the GPU tests: y rounds to half (~3e-4 rms relative)
+        y_ref, s_ref = gd.gated_delta_sequential_ops(*[a.astype(F32) for a in args[:5]], args[5])
+        assert out[0].dtype == F16
+        assert mx_rel_l2(out[0], y_ref) <= 2e-3 and mx_rel_l2(out[1], s_ref) <= 2e-5
+    else:
+        _assert_scan_matches_reference(out, args, dtype, f"{shape} {dtype}")
+
+
+def test_gated_delta_scan_emulated_mask_batch_one_row_blocks():
+    # Batch 2, a mask, Hk == Hv, Dv = 6 (not a multiple of 4: one row per block).
+    args = _inputs(2, 9, 2, 2, 32, 6, F32, seed=5, masked=True)
+    _assert_masked_scan(gd._scan_kernel_call("cuda", *args), args)
+
+
+# (B, T, Hk, Hv, Dk, Dv, dtype, lanes per row): T = 37 over a chunk of 32
+# (the second chunk partial); T = 70 in three chunks of 32 (both buffers
+# reused) with 16 lanes per row (8 rows, two blocks per head).
+STAGED_CASES = [
+    (1, 37, 1, 2, 64, 16, F32, 8),
+    (1, 70, 2, 2, 128, 16, BF16, 16),
+]
+
+
+@pytest.mark.parametrize("case", STAGED_CASES,
+                         ids=lambda c: "x".join(map(str, c[:6])) + f"-{c[6]}-lpr{c[7]}")
+def test_gated_delta_scan_staged_emulated(case):
+    *shape, dtype, lpr = case
+    tc = gd._staged_tile(shape[4], shape[5], dtype, lpr)
+    assert tc is not None and shape[1] % tc and shape[1] > tc  # a partial last chunk
+    args = _inputs(*shape, dtype, seed=sum(shape))
+    out = gd._staged_kernel_call("cuda", *args, lpr=lpr)
+    _assert_scan_matches_reference(out, args, dtype, f"{shape} {dtype} lpr {lpr}")
+
+
+def test_gated_delta_scan_staged_emulated_mask_batch():
+    # Dk = 128 float32 halves the chunk to 16 tokens: 37 tokens in three chunks.
+    assert gd._staged_tile(128, 16, F32, gd.STAGED_LPR) == 16
+    args = _inputs(2, 37, 1, 2, 128, 16, F32, seed=9, masked=True)
+    _assert_masked_scan(gd._staged_kernel_call("cuda", *args), args)
+
+
+def test_gated_delta_dispatcher_self_checks_and_runs_the_emulated_kernel(monkeypatch):
+    # The whole GPU path of gated_delta on a faked CUDA device: the staged
+    # kernel's self-check (three chunks), then the call itself.
+    monkeypatch.setattr(gd, "gpu_backend", lambda: "cuda")
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    device.reset_self_checks()
+    try:
+        args = _inputs(1, 19, 1, 2, 64, 16, F32, seed=3)
+        y, s = gd.gated_delta(*args)
+        verdicts = device.self_check_results()
+        assert verdicts == {("gated_delta_scan_staged", "cuda", (1, 2, 64, 16, str(F32),
+                                                                  gd.STAGED_LPR)):
+                            (True, "passed")}
+        _assert_scan_matches_reference((y, s), args, F32, "dispatcher")
+    finally:
+        device.reset_self_checks()
+
+
+# --------------------------------------------------------------------------
+# MoE decode GEMVs (moe_gate_up_gemv, moe_down_gemv)
+# --------------------------------------------------------------------------
+
+# (N, E, H, I, K, dtype, group size): two tokens, 64-wide groups, float32; one
+# token in bfloat16 with H = 2048 (two chunks per lane), K = 3, 32-wide groups.
+MOE_CASES = [
+    (2, 4, 1024, 64, 2, F32, 64),
+    (1, 8, 2048, 32, 3, BF16, 32),
+]
+
+
+def _moe_problem(N, E, H, I, K, dtype, group_size):
+    gu, dn = _experts(E, H, I, dtype, seed=N + E + H + I + K, group_size=group_size)
+    kx, ki, ks = mx.random.split(mx.random.key(N * K), 3)
+    x = mx.random.normal((N, 1, H), key=kx).astype(dtype)
+    inds = mx.argsort(mx.random.uniform(shape=(N, 1, E), key=ki), axis=-1)[..., :K]
+    scores = mx.softmax(mx.random.normal((N, 1, K), key=ks), axis=-1)
+    assert moe_ops._gemv_shapes_supported(H, gu, dn)
+    return x, inds.astype(mx.uint32), scores, gu, dn
+
+
+def _assert_moe_matches_reference(x, inds, scores, gu, dn):
+    y = moe_ops._moe_decode_kernel_call("cuda", x, inds, scores, gu, dn)
+    ref = moe_ops.moe_experts_ops(x.astype(F32), inds, scores, gu, dn, sort=False)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    tol = 1e-5 if x.dtype == F32 else 3e-2  # as in tests/test_kernels_gpu.py
+    err = mx_rel_l2(y, ref)
+    assert err <= tol, f"rel-L2 {err:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("case", MOE_CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"-{c[5]}")
+def test_moe_decode_gemvs_emulated(case):
+    _assert_moe_matches_reference(*_moe_problem(*case))
+
+
+# --------------------------------------------------------------------------
+# The harness fails on broken kernels
+# --------------------------------------------------------------------------
+
+BROKEN = {
+    # The warp butterfly skips a lane distance: wrong sums.
+    "wrong shuffle offset": ("gated_delta_scan", "x += __shfl_xor_sync(0xffffffffu, x, o);\n  }\n"
+                             "  return x;\n}\n\ntemplate",
+                             "x += __shfl_xor_sync(0xffffffffu, x, o ^ 1);\n  }\n"
+                             "  return x;\n}\n\ntemplate", True),
+    # The next chunk's k/q copies overwrite the buffer other warps still read.
+    "missing __syncthreads": ("gated_delta_scan_staged",
+                              "__syncthreads();  // everyone is done with buffer p", "", False),
+    # Computes on a chunk whose cp.async copies may not have landed.
+    "cp.async wait too short": ("gated_delta_scan_staged", "qab_cp_async_wait<1>();",
+                                "qab_cp_async_wait<2>();", False),
+    # Off-by-one weight row: the last expert reads past the weights.
+    "off-by-one row": ("moe_down_gemv", "const size_t row = (size_t)e * H + o;",
+                       "const size_t row = (size_t)e * H + o + 1;", False),
+}
+
+
+@pytest.mark.parametrize("what", sorted(BROKEN))
+def test_broken_kernels_fail(monkeypatch, what):
+    op, old, new, in_header = BROKEN[what]
+    _broken(monkeypatch, op, old, new, header=in_header)
+    with pytest.raises(AssertionError) as failure:
+        if op == "gated_delta_scan":
+            args = _inputs(*SCAN_CASES[0][:6], F32, seed=1)
+            _assert_scan_matches_reference(gd._scan_kernel_call("cuda", *args), args, F32, what)
+        elif op == "gated_delta_scan_staged":
+            args = _inputs(1, 70, 1, 2, 64, 16, F32, seed=1)  # three chunks of 32
+            _assert_scan_matches_reference(gd._staged_kernel_call("cuda", *args), args, F32, what)
+        else:
+            # Every expert chosen, so the last expert's last row is read.
+            x, inds, scores, gu, dn = _moe_problem(*MOE_CASES[0])
+            inds = mx.array(np.array([[[3, 0]], [[2, 3]]], dtype=np.uint32))
+            _assert_moe_matches_reference(x, inds, scores, gu, dn)
+    # Caught by the emulator or the reference check, not by a compile error.
+    assert not isinstance(failure.value, emu.KernelCompileError), str(failure.value)
+
+
+def test_dispatcher_rejects_a_broken_emulated_kernel(monkeypatch):
+    # The self-check sees the broken staged kernel, warns, and the call still
+    # returns the right answer (from the per-warp scan kernel).
+    _broken(monkeypatch, "gated_delta_scan_staged",
+            "__syncthreads();  // everyone is done with buffer p", "")
+    monkeypatch.setattr(gd, "gpu_backend", lambda: "cuda")
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    device.reset_self_checks()
+    try:
+        args = _inputs(1, 19, 1, 2, 64, 16, F32, seed=3)
+        with pytest.warns(device.KernelSelfCheckWarning, match="gated_delta_scan_staged"):
+            y, s = gd.gated_delta(*args)
+        verdicts = device.self_check_results()
+        assert [v[0] for k, v in sorted(verdicts.items())] == [True, False]
+        _assert_scan_matches_reference((y, s), args, F32, "fallback")
+    finally:
+        device.reset_self_checks()
+
+
+def test_tensor_core_kernel_is_out_of_scope():
+    with pytest.raises(emu.NotEmulated, match="asm"):
+        emu.build_kernel("moe_grouped_gemm")
+
+
+# --------------------------------------------------------------------------
+# The emulator itself: conversions, shuffles, and what it reports
+# --------------------------------------------------------------------------
+
+PRIMITIVES = r"""
+const unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+const int lane = threadIdx.x & 31;
+if (i < unsigned(x_shape[0])) {  // the last block is partial
+  const float f = x[i];
+  bf[i] = __float2bfloat16(f);
+  hf[i] = static_cast<__half>(f);
+  back[2 * i] = __bfloat162float(bf[i]);
+  back[2 * i + 1] = static_cast<float>(hf[i]);
+}
+const int v = lane * 10 + int(blockIdx.x) * 1000;
+shf[5 * i + 0] = __shfl_xor_sync(0xffffffffu, v, 3);
+shf[5 * i + 1] = __shfl_down_sync(0xffffffffu, v, 5, 16);
+shf[5 * i + 2] = __shfl_up_sync(0xffffffffu, v, 3, 8);
+shf[5 * i + 3] = __shfl_sync(0xffffffffu, v, 7, 16);
+shf[5 * i + 4] = int(__ballot_sync(0xffffffffu, lane % 3 == 0));
+"""
+
+
+def test_emulated_conversions_and_shuffles():
+    kernel = emu.emulated_cuda_kernel("primitives", ["x"], ["bf", "hf", "back", "shf"],
+                                      PRIMITIVES)
+    rng = np.random.default_rng(0)
+    special = [0.0, -0.0, 1.0, -2.5, 65504.0, 65519.0, 65520.0, 70000.0, 1e-8, 6e-8, 3e-5,
+               1.00390625, 1.01171875, 3.0e38, 1e-40, -1e-45]
+    x = np.concatenate([special, rng.normal(size=500) * 10.0 ** rng.integers(-8, 6, 500),
+                        rng.normal(size=484)]).astype(np.float32)  # 1000: 16 blocks of 64
+    n_threads = 1024
+    bf, hf, back, shf = kernel(
+        inputs=[mx.array(x)], grid=(len(x), 1, 1), threadgroup=(64, 1, 1),
+        output_shapes=[(len(x),), (len(x),), (len(x), 2), (n_threads, 5)],
+        output_dtypes=[BF16, F16, F32, mx.int32])
+    want_bf = np.array(mx.array(x).astype(BF16).view(mx.uint16))
+    with np.errstate(over="ignore"):
+        want_hf = x.astype(np.float16)
+    assert (np.array(bf.view(mx.uint16)) == want_bf).all()
+    assert (np.array(hf).view(np.uint16) == want_hf.view(np.uint16)).all()
+    np.testing.assert_array_equal(np.array(back)[:, 0],
+                                  np.array(mx.array(x).astype(BF16).astype(F32)))
+    np.testing.assert_array_equal(np.array(back)[:, 1], want_hf.astype(np.float32))
+    lane = np.arange(n_threads) % 32
+    warp_base = np.arange(n_threads) - lane
+    v = (lane * 10 + (np.arange(n_threads) // 64) * 1000)
+
+    def at(src_lane):
+        return v[warp_base + src_lane]
+
+    base16, base8 = lane & ~15, lane & ~7
+    want = np.stack([
+        at(lane ^ 3),
+        at(np.where(lane + 5 < base16 + 16, lane + 5, lane)),
+        at(np.where(lane - 3 >= base8, lane - 3, lane)),
+        at(base16 + 7),
+        np.full(n_threads, sum(1 << l for l in range(0, 32, 3)), dtype=np.int64).astype(np.int32),
+    ], axis=1)
+    np.testing.assert_array_equal(np.array(shf), want)
+
+
+FAULTS = r"""
+__shared__ float s[64];
+const int mode = m[0];
+const int t = threadIdx.x;
+const int i = blockIdx.x * blockDim.x + t;
+if (mode == 1 && t == 0) {
+  return;
+}
+if (mode == 2 && t < 32) {
+  __syncthreads();
+} else {
+  __syncthreads();
+}
+if (mode == 3 && t == 5) {
+  return;
+}
+float v = __shfl_xor_sync(mode == 9 ? 0xffffu : 0xffffffffu, x[i], 1);
+if (mode == 4) {
+  v += s[t];
+}
+if (mode == 7) {
+  v += x[i + 1];
+}
+if (mode == 8) {
+  s[t] = v;
+  v = s[(t + 1) % 64];
+}
+if (mode == 5) {
+  out[i + 1] = v;
+} else if (!(mode == 6 && i == 0)) {
+  out[i] = v;
+}
+"""
+
+# mode -> what the emulator must report (0: runs clean).
+FAULT_MODES = {
+    0: None,
+    1: r"__syncthreads\(\) .* has returned",
+    2: r"divergent __syncthreads\(\)",
+    3: r"waits at __shfl_xor_sync but .* has returned",
+    4: r"differs between schedule A .* and schedule B",
+    5: r"wrote past the end of output `out`",
+    6: r"never wrote 1 of 128 elements of output `out`\[128\], first at \(0,\)",
+    7: r"heap-buffer-overflow",
+    8: r"differs between schedule A",
+    9: r"only the full-warp mask",
+}
+
+
+@pytest.mark.parametrize("mode", sorted(FAULT_MODES))
+def test_emulator_reports_faults(mode):
+    if mode == 7 and not emu.sanitized():
+        pytest.skip("reads past an input are reported by AddressSanitizer, not available here")
+    kernel = emu.emulated_cuda_kernel("faults", ["x", "m"], ["out"], FAULTS)
+    x = mx.arange(128, dtype=F32)
+    call = functools.partial(kernel, inputs=[x, mx.array([mode], dtype=mx.int32)],
+                             grid=(128, 1, 1), threadgroup=(64, 1, 1),
+                             output_shapes=[(128,)], output_dtypes=[F32])
+    if FAULT_MODES[mode] is None:
+        (out,) = call()
+        np.testing.assert_array_equal(np.array(out), np.arange(128) ^ 1)
+        assert kernel.stats["static_shared_bytes"] == 256
+    else:
+        with pytest.raises(emu.KernelFault, match=FAULT_MODES[mode]):
+            call()
+
+
+def test_emulator_checks_launch_limits():
+    kernel = emu.emulated_cuda_kernel("faults", ["x", "m"], ["out"], FAULTS)
+    with pytest.raises(emu.KernelFault, match="invalid CUDA launch"):
+        kernel(inputs=[mx.zeros(2048), mx.array([0], dtype=mx.int32)], grid=(2048, 1, 1),
+               threadgroup=(2048, 1, 1), output_shapes=[(2048,)], output_dtypes=[F32])
+
+
+def test_init_value_fills_outputs():
+    kernel = emu.emulated_cuda_kernel("faults", ["x", "m"], ["out"], FAULTS)
+    (out,) = kernel(inputs=[mx.arange(128, dtype=F32), mx.array([6], dtype=mx.int32)],
+                    grid=(128, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(128,)],
+                    output_dtypes=[F32], init_value=-1.0)
+    assert out[0].item() == -1.0 and out[1].item() == 0.0
+
+
+# ==========================================================================
+# MoE decode with the shared expert folded in (moe_gate_up_shared_gemv,
+# moe_down_shared_gemv) and the prefill combine (moe_combine), launched by
+# ops.moe's own launch code. (Appended block; shapes as in
+# tests/test_kernels_gpu.py's fold and combine tests, made small.)
+# ==========================================================================
+
+# (N, E, H, I, K, shared gate bits, dtype): two tokens, 64-wide groups and an
+# 8-bit shared gate in float32; one token in bfloat16 with H = 2048 (two
+# chunks per lane), K = 3, 32-wide groups and a 4-bit gate. Both grids end in
+# a threadgroup where the gate-logit warp is followed by idle warps.
+FOLD_CASES = [
+    (2, 4, 1024, 64, 2, 8, F32),
+    (1, 8, 2048, 32, 3, 4, BF16),
+]
+
+
+def _fold_problem(case):
+    from .test_kernels_gpu import _fold_case
+
+    *shape, dtype = case
+    x, inds, scores, gu, dn, sw = _fold_case(tuple(shape), dtype)
+    assert moe_ops._fold_shapes_supported(x.shape[-1], gu, dn, sw)
+    return x, inds, scores, gu, dn, sw
+
+
+def _assert_fold_matches_reference(x, inds, scores, gu, dn, sw):
+    y = moe_ops._moe_shared_decode_kernel_call("cuda", x, inds, scores, gu, dn, sw)
+    ref = moe_ops.moe_shared_experts_ops(x.astype(F32), inds, scores, gu, dn, sw, sort=False)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    tol = 1e-5 if x.dtype == F32 else 3e-2  # as in tests/test_kernels_gpu.py
+    err = mx_rel_l2(y, ref)
+    assert err <= tol, f"rel-L2 {err:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("case", FOLD_CASES,
+                         ids=lambda c: "x".join(map(str, c[:6])) + f"-{c[6]}")
+def test_moe_shared_fold_emulated(case):
+    _assert_fold_matches_reference(*_fold_problem(case))
+
+
+def test_moe_shared_fold_dispatcher_self_checks_the_emulated_kernels(monkeypatch):
+    monkeypatch.setattr(moe_ops, "gpu_backend", lambda: "cuda")
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    device.reset_self_checks()
+    try:
+        x, inds, scores, gu, dn, sw = _fold_problem(FOLD_CASES[0])
+        assert moe_ops.shared_decode_kernel_ready(x, inds, gu, dn, sw) == "cuda"
+        verdicts = device.self_check_results()
+        assert list(verdicts.values()) == [(True, "passed")]
+        assert next(iter(verdicts))[0] == "moe_shared_decode_gemv"
+    finally:
+        device.reset_self_checks()
+
+
+# (N, H, K, dtype): H not a multiple of the 256-thread group (a partial last
+# group), float32; K = 1 in bfloat16; one token at the real H in bfloat16.
+COMBINE_CASES = [
+    (7, 300, 8, F32),
+    (5, 256, 1, BF16),
+    (1, 2048, 8, BF16),
+]
+
+
+def _combine_problem(N, H, K, dtype):
+    k1, k2, k3, k4, k5 = mx.random.split(mx.random.key(N + H + K), 5)
+    y = mx.random.normal((N * K, H), key=k1).astype(dtype)
+    pos = mx.argsort(mx.random.uniform(shape=(N * K,), key=k2)).reshape(1, N, K)
+    sc = mx.softmax(mx.random.normal((1, N, K), key=k3), axis=-1).astype(dtype)
+    sy = mx.random.normal((1, N, H), key=k4).astype(dtype)
+    lg = mx.random.normal((1, N, 1), key=k5).astype(dtype)
+    return y, pos.astype(mx.uint32), sc, sy, lg
+
+
+def _assert_combine_matches_reference(y, pos, sc, sy, lg):
+    out = moe_ops._combine_kernel_call("cuda", y, pos, sc, sy, lg)
+    ref = moe_ops.moe_combine_ops(*(a.astype(F32) if a.dtype != mx.uint32 else a
+                                    for a in (y, pos, sc, sy, lg)))
+    assert out.shape == sy.shape and out.dtype == y.dtype
+    tol = 1e-6 if y.dtype == F32 else 8e-3  # one bf16 rounding of the output
+    err = mx_rel_l2(out, ref)
+    assert err <= tol, f"rel-L2 {err:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("case", COMBINE_CASES,
+                         ids=lambda c: "x".join(map(str, c[:3])) + f"-{c[3]}")
+def test_moe_combine_emulated(case):
+    _assert_combine_matches_reference(*_combine_problem(*case))
+
+
+def test_moe_combine_dispatcher_self_checks_the_emulated_kernel(monkeypatch):
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    device.reset_self_checks()
+    try:
+        assert moe_ops.combine_kernel_ready("cuda", *_combine_problem(*COMBINE_CASES[0]))
+        assert [v for k, v in device.self_check_results().items()
+                if k[0] == "moe_combine"] == [(True, "passed")]
+    finally:
+        device.reset_self_checks()
+
+
+FOLD_BROKEN = {
+    # The down kernel weights the last routed slot as the shared expert.
+    "shared slot off by one": ("moe_down_shared_gemv", "const bool is_shared = k == K;",
+                               "const bool is_shared = k == K - 1;"),
+    # The 8-bit shared gate decoded as 4-bit values.
+    "gate logit bit width": ("moe_gate_up_shared_gemv", "(words[q] >> (SGB * b)) & MASK",
+                             "(words[q] >> (4 * b)) & MASK"),
+    # The gate-logit warp never runs: sg_logit left unwritten.
+    "gate warp skipped": ("moe_gate_up_shared_gemv", "if (warp > NRW) {", "if (warp >= NRW) {"),
+    # The column guard lets the last thread of a row write one past it.
+    "combine column guard": ("moe_combine", "if (c >= H) {", "if (c > H) {"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(FOLD_BROKEN))
+def test_broken_fold_and_combine_kernels_fail(monkeypatch, what):
+    op, old, new = FOLD_BROKEN[what]
+    _broken(monkeypatch, op, old, new)
+    with pytest.raises(AssertionError):
+        if op == "moe_combine":
+            _assert_combine_matches_reference(*_combine_problem(*COMBINE_CASES[0]))
+        else:
+            _assert_fold_matches_reference(*_fold_problem(FOLD_CASES[0]))
+
+
+# --------------------------------------------------------------------------
+# gated_delta_decode: one decode token of a whole GDN layer in one launch
+# (this block: the decode kernel's tests only)
+# --------------------------------------------------------------------------
+
+# (B, Hk, Hv, Dk, Dv, Kc, conv bias, mask + lengths, dtype, BLOCK): two warps
+# with 16 state rows each; Dk = 64 (two floats per lane) with a prime Dv
+# (19 rows per warp, the second warp's last one idle), a conv bias and a live,
+# a left-padded (masked: conv state shifts in zeros) and a finished (lengths 0:
+# conv state kept) row; Hk == Hv in float16 with a 3-tap conv; the real block
+# of 256 threads (2 rows per warp) with three value heads per key head.
+GDN_DECODE_CASES = [
+    (2, 2, 4, 32, 32, 4, False, False, F32, 64),
+    (3, 2, 4, 64, 37, 4, True, True, BF16, 64),
+    (2, 3, 3, 32, 16, 3, False, False, F16, 64),
+    (3, 1, 3, 64, 16, 4, True, True, F32, 0),
+]
+
+
+def _gdn_decode_case(case, seed):
+    from .test_kernels_gpu import _decode_args
+
+    B, Hk, Hv, Dk, Dv, Kc, bias, masked, dtype, block = case
+    return _decode_args(B, Hk, Hv, Dk, Dv, Kc, dtype, seed=seed, bias=bias, masked=masked), block
+
+
+def _assert_gdn_decode_matches_reference(out, args, where):
+    # As tests/test_kernels_gpu.py (float16 like bf16: as close to the float32
+    # reference as the ops path in float16).
+    from .test_kernels_gpu import _assert_decode_matches_reference
+
+    _assert_decode_matches_reference(out, args, where)
+
+
+@pytest.mark.parametrize("case", GDN_DECODE_CASES,
+                         ids=lambda c: "x".join(map(str, c[:6])) + f"-{c[8]}-block{c[9]}")
+def test_gated_delta_decode_emulated(case):
+    args, block = _gdn_decode_case(case, seed=sum(case[:6]))
+    out = gd._decode_kernel_call("cuda", *args, block=block)
+    _assert_gdn_decode_matches_reference(out, args, str(case))
+
+
+def test_gated_delta_decode_dispatcher_self_checks_the_emulated_kernel(monkeypatch):
+    # gated_delta_decode on a faked CUDA device: the self-check of this shape
+    # class (three rows: live, left-padded, finished), then the call.
+    monkeypatch.setattr(gd, "gpu_backend", lambda: "cuda")
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    device.reset_self_checks()
+    try:
+        args, _ = _gdn_decode_case((4, 2, 4, 32, 32, 4, False, True, BF16, 0), seed=8)
+        out = gd.gated_delta_decode(*args)
+        assert device.self_check_results() == {
+            ("gated_delta_decode", "cuda", (2, 4, 32, 32, 4, str(BF16), False, True, True)):
+            (True, "passed")}
+        _assert_gdn_decode_matches_reference(out, args, "dispatcher")
+    finally:
+        device.reset_self_checks()
+
+
+@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_next"])
+def test_fused_layer_decode_on_the_emulated_kernel(monkeypatch, variant):
+    # The fused layer's decode tokens on the emulated decode kernel (its
+    # compiled step run eagerly, as the emulator needs arrays it can read)
+    # against stock mlx-lm, prefill on the portable path.
+    from mlx_lm.models.cache import ArraysCache
+
+    from qwen_apple_backend.layers import gated_delta as layer_mod
+
+    from .test_layers_gated_delta import HIDDEN, inputs, make_pair
+
+    monkeypatch.setattr(gd, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(gd, "kernel_ready", lambda *a: None)
+    monkeypatch.setattr(gd, "staged_kernel_ready", lambda *a: None)
+    monkeypatch.setattr(layer_mod, "kernel_ready", lambda *a: None)
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    calls = []
+    real = layer_mod._decode_step_kernel
+    monkeypatch.setattr(layer_mod, "_decode_step_kernel",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    device.reset_self_checks()
+    mx.disable_compile()
+    try:
+        stock, fused = make_pair(variant, BF16)
+        cs, cf = ArraysCache(size=2), ArraysCache(size=2)
+        x = inputs((2, 6, HIDDEN), BF16)
+        stock(x, cache=cs), fused(x, cache=cf)
+        for step in range(3):
+            x1 = inputs((2, 1, HIDDEN), BF16, seed=40 + step)
+            ys, yf = stock(x1, cache=cs), fused(x1, cache=cf)
+            # Both round to bf16 at the same points in different elementwise
+            # implementations (measured at Hk 16, Hv 32, Dk = Dv = 128, worst
+            # of 4 tokens: out 6.2e-3, state 3.4e-3).
+            assert mx_rel_l2(yf, ys) <= 3e-2, f"decode {step} out"
+            assert mx.array_equal(cf[0], cs[0]).item(), f"decode {step} conv state"
+            assert mx_rel_l2(cf[1], cs[1]) <= 2e-2, f"decode {step} state"
+        assert len(calls) == 3
+        assert [v for k, v in device.self_check_results().items()
+                if k[0] == "gated_delta_decode"] == [(True, "passed")]
+    finally:
+        mx.enable_compile()
+        device.reset_self_checks()
+
+
+GDN_DECODE_BROKEN = {
+    # The q/k conv state of a key head is written by no value head.
+    "q/k conv state never written": ("owner = hv % (Hv / Hk) == 0;\n  } else if",
+                                     "owner = false;\n  } else if"),
+    # Warps read the conv outputs before every thread has written them.
+    "missing __syncthreads": ("__syncthreads();\n\n// Phase 2", "\n// Phase 2"),
+    # A finished row's conv state shifts anyway.
+    "lengths ignored": ("const int from = shift ? 1 : 0;", "const int from = 1;"),
+    # The RMSNorm averages over the wrong length.
+    "norm over Dk": ("ss / static_cast<float>(Dv)", "ss / static_cast<float>(Dk)"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(GDN_DECODE_BROKEN))
+def test_broken_gated_delta_decode_fails(monkeypatch, what):
+    old, new = GDN_DECODE_BROKEN[what]
+    _broken(monkeypatch, "gated_delta_decode", old, new)
+    args, block = _gdn_decode_case(GDN_DECODE_CASES[1], seed=2)
+    with pytest.raises(AssertionError) as failure:
+        out = gd._decode_kernel_call("cuda", *args, block=block)
+        _assert_gdn_decode_matches_reference(out, args, what)
+    assert not isinstance(failure.value, emu.KernelCompileError), str(failure.value)
+
+
+# ----------------------------------------------------------------------------
+# Dense 4-bit decode GEMV (kernels/cuda/quantized_gemv.cu, ops/linear.py)
+# ----------------------------------------------------------------------------
+
+
+# (M, N, K, group, dtype): several row sets per warp and grid-stride passes
+# (N > rows per block x blocks is not reachable at small N, so N not a
+# multiple of the block's rows instead), LPR 32 / 16 / 4 / 1 (K = 2048, 512,
+# 640, 32 -> 64, 16, 20, 1 chunks), 2-4 rows, group 32 / 128, f32 and f16.
+GEMV_CASES = [
+    (1, 300, 2048, 64, "bf16"),
+    (1, 5000, 512, 64, "bf16"),
+    (3, 77, 640, 32, "f32"),
+    (2, 40, 4096, 128, "f16"),
+    (4, 33, 32, 32, "bf16"),
+]
+_DT = {"bf16": mx.bfloat16, "f32": mx.float32, "f16": mx.float16}
+
+
+@pytest.fixture
+def _emulated_gemv(monkeypatch):
+    monkeypatch.setattr(lin_ops, "build_kernel", emu.build_kernel)
+    lin_ops._gemv_object.cache_clear()
+    yield
+    lin_ops._gemv_object.cache_clear()
+
+
+@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_quantized_gemv_emulated(case, _emulated_gemv):
+    M, N, K, G, dt = case
+    dtype = _DT[dt]
+    w = (mx.random.normal((N, K), key=mx.random.key(N)) * K ** -0.5).astype(dtype)
+    wq, s, b = mx.quantize(w, group_size=G, bits=4)
+    x = mx.random.normal((M, K), key=mx.random.key(K)).astype(dtype)
+    y = lin_ops.quantized_gemv_kernel(x, wq, s, b, G)
+    ref = x.astype(mx.float32) @ mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32),
+                                               group_size=G, bits=4).T
+    assert y.shape == (M, N) and y.dtype == dtype
+    tol = 1e-5 if dtype == mx.float32 else 1e-2
+    assert mx_rel_l2(y, ref) <= tol
+
+
+def test_quantized_gemv_grid_stride_passes_emulated(_emulated_gemv, monkeypatch):
+    # Cap the grid at 2 blocks so every warp walks several row passes.
+    monkeypatch.setattr(lin_ops, "_MAX_BLOCKS", 2)
+    N, K, G = 200, 256, 64
+    w = (mx.random.normal((N, K), key=mx.random.key(9)) * K ** -0.5).astype(mx.bfloat16)
+    wq, s, b = mx.quantize(w, group_size=G, bits=4)
+    x = mx.random.normal((1, K), key=mx.random.key(10)).astype(mx.bfloat16)
+    assert lin_ops.gemv_launch(1, N, K)["blocks"] == 2
+    y = lin_ops.quantized_gemv_kernel(x, wq, s, b, G)
+    ref = x.astype(mx.float32) @ mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32),
+                                               group_size=G, bits=4).T
+    assert mx_rel_l2(y, ref) <= 1e-2
+
+
+def test_quantized_gemv_dispatcher_self_checks_the_emulated_kernel(_emulated_gemv,
+                                                                 monkeypatch):
+    from qwen_apple_backend.ops.device import reset_self_checks, self_check_results
+
+    monkeypatch.setattr(lin_ops, "gpu_backend", lambda: "cuda")
+    reset_self_checks()
+    w = (mx.random.normal((64, 512), key=mx.random.key(11)) * 512 ** -0.5).astype(mx.bfloat16)
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    x = mx.random.normal((1, 1, 512), key=mx.random.key(12)).astype(mx.bfloat16)
+    assert lin_ops.gemv_ready(x, wq, s, b, 64) == "cuda"
+    verdicts = {k: v for k, v in self_check_results().items() if k[0] == "quantized_gemv"}
+    assert list(verdicts.values()) == [(True, "passed")]
+    reset_self_checks()

@@ -1,0 +1,88 @@
+"""The CUDA dense 4-bit decode GEMV (kernels/cuda/quantized_gemv.cu) against MLX's dequantized matmul.
+
+Marked ``gpu`` and CUDA-only (Metal keeps MLX's own ``qmv``). On the GPU
+machine: ``python -m pytest -q -m gpu tests/test_kernels_gpu_linear.py``.
+The kernel is called directly (no self-check in the way) at the Qwen3.6-35B-A3B
+projection shapes and odd ones; the reference multiplies float32 activations
+by the dequantized float32 weights.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from qwen_apple_backend.ops import linear as ql
+
+from ._metrics import mx_rel_l2
+
+pytestmark = [pytest.mark.gpu, pytest.mark.cuda_only]
+
+
+@pytest.fixture(autouse=True)
+def _unverified_kernels_allowed(monkeypatch):
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    ql._gemv_object.cache_clear()
+    yield
+    ql._gemv_object.cache_clear()
+
+
+def _weights(N, K, group_size, seed, dtype=mx.bfloat16):
+    key = mx.random.key(seed)
+    w = (mx.random.normal((N, K), key=key) * K ** -0.5).astype(dtype)
+    wq, s, b = mx.quantize(w, group_size=group_size, bits=4)
+    return wq, s, b
+
+
+# (M, N, K, group_size): GDN in-projections (qkv|z|b|a), attention q|k|v,
+# GDN out_proj / attention o_proj, shared expert down, lm_head (a 32K slice of
+# the 248,320 rows: same per-row work), then odd ones: N not a multiple of any
+# block's rows, K = 640 (20 chunks: 4 lanes per row), K = 96, group 32 and 128,
+# 2-4 rows (batched decode).
+SHAPES = [
+    (1, 12352, 2048, 64),
+    (1, 9216, 2048, 64),
+    (1, 2048, 4096, 64),
+    (1, 2048, 512, 64),
+    (1, 32768, 2048, 64),
+    (1, 100, 2048, 64),
+    (1, 333, 640, 64),
+    (3, 77, 96, 32),
+    (2, 2048, 4096, 128),
+    (4, 5000, 2048, 32),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16],
+                         ids=["f32", "bf16", "f16"])
+def test_quantized_gemv_kernel(shape, dtype):
+    M, N, K, G = shape
+    wq, s, b = _weights(N, K, G, seed=N + K)
+    s, b = s.astype(dtype), b.astype(dtype)
+    x = mx.random.normal((M, 1, K), key=mx.random.key(M * N)).astype(dtype)
+    y = ql.quantized_gemv_kernel(x, wq, s, b, G)
+    wf = mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32), group_size=G, bits=4)
+    ref = x.astype(mx.float32) @ wf.T
+    assert y.shape == (M, 1, N) and y.dtype == dtype
+    # float32: summation order only. bf16 / fp16: the output's own rounding.
+    tol = 1e-5 if dtype == mx.float32 else 1e-2
+    err = mx_rel_l2(y, ref)
+    assert err <= tol, f"rel-L2 {err:.3g} > {tol} at {shape} {dtype}"
+
+
+def test_gemv_ready_passes_and_linear_takes_the_kernel():
+    from qwen_apple_backend.ops.device import self_check_results
+
+    mx.random.seed(0)
+    lin = nn.Linear(2048, 4096, bias=False)
+    lin.weight = lin.weight.astype(mx.bfloat16)
+    q = nn.QuantizedLinear.from_linear(lin, group_size=64, bits=4)
+    x = mx.random.normal((1, 1, 2048)).astype(mx.bfloat16)
+    ql.prepare(x, q)
+    verdicts = {k: v for k, v in self_check_results().items() if k[0] == "quantized_gemv"}
+    assert verdicts and all(v == (True, "passed") for v in verdicts.values()), verdicts
+    ref = x.astype(mx.float32) @ mx.dequantize(q["weight"], q["scales"].astype(mx.float32),
+                                               q["biases"].astype(mx.float32), 64, 4).T
+    assert mx_rel_l2(ql.linear(q, x), ref) <= 1e-2

@@ -1,0 +1,210 @@
+"""gemv-kernel: the dense 4-bit decode GEMV dispatcher (ops/linear.py, layers/linear.py).
+
+The CUDA kernel itself runs in tests/test_kernels_gpu.py (GPU machine) and
+tests/test_kernels_cuda_emulated.py (CPU emulation). Here: launch parameters,
+the contract check, the self-check gate with fake kernels (a wrong one is
+never used; a right one is used by the fused modules and lm_head), the exact
+MLX fallback on the CPU, and the ablation switch.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from qwen_apple_backend import get_report, load
+from qwen_apple_backend.layers.linear import DecodeQuantizedLinear, install_gemv_lm_head
+from qwen_apple_backend.ops import device
+from qwen_apple_backend.ops import linear as ql
+
+from ._metrics import mx_rel_l2
+
+
+def qlinear(N, K, group_size=64, bits=4, seed=0, dtype=mx.bfloat16):
+    mx.random.seed(seed)
+    lin = nn.Linear(K, N, bias=False)
+    lin.weight = lin.weight.astype(dtype)
+    q = nn.QuantizedLinear.from_linear(lin, group_size=group_size, bits=bits)
+    mx.eval(q.parameters())
+    return q
+
+
+@pytest.mark.parametrize("K", [96, 512, 640, 2048, 4096])
+@pytest.mark.parametrize("N", [100, 2048, 12352, 248320])
+def test_launch_covers_every_row_with_lanes_that_divide_the_row(N, K):
+    p = ql.gemv_launch(1, N, K)
+    nc = K // 32
+    assert p["LPR"] in (1, 2, 4, 8, 16, 32) and nc % p["LPR"] == 0
+    # Largest such power of two: no lane idles when a wider split divides.
+    assert p["LPR"] == 32 or nc % (2 * p["LPR"]) != 0
+    rows_per_block = (p["threads"] // 32) * (32 // p["LPR"]) * p["RPW"]
+    # Warps walk rows grid-stride: either every row has a first pass or the grid is capped.
+    assert p["blocks"] * rows_per_block >= N or p["blocks"] == 1024
+    assert p["RPW"] == (1 if N <= 4096 else 2 if N <= 32768 else 4)
+
+
+def test_contract_check():
+    q = qlinear(256, 2048)
+    w, s, b = q["weight"], q["scales"], q["biases"]
+    ok = dict(group_size=64, bits=4, mode="affine", dtype=mx.bfloat16)
+    assert ql.gemv_supported(1, w, s, b, **ok)
+    assert ql.gemv_supported(4, w, s, b, **ok)
+    assert not ql.gemv_supported(5, w, s, b, **ok)  # more rows than GEMV_MAX_ROWS
+    assert not ql.gemv_supported(0, w, s, b, **ok)
+    assert not ql.gemv_supported(1, w, s, None, **ok)  # no biases
+    assert not ql.gemv_supported(1, w, s, b, **{**ok, "dtype": mx.int32})
+    assert not ql.gemv_supported(1, w, s, b, **{**ok, "mode": "mxfp4"})
+    q8 = qlinear(256, 2048, bits=8)
+    assert not ql.gemv_supported(1, q8["weight"], q8["scales"], q8["biases"],
+                                 **{**ok, "bits": 8})
+    # x staged as float in 32 KB of shared memory: 4 rows of 4096 do not fit.
+    q4k = qlinear(64, 4096)
+    assert ql.gemv_supported(2, q4k["weight"], q4k["scales"], q4k["biases"], **ok)
+    assert not ql.gemv_supported(3, q4k["weight"], q4k["scales"], q4k["biases"], **ok)
+    tiny = qlinear(8, 2048)  # N < 32: not worth a launch (shared_expert_gate is N = 1)
+    assert not ql.gemv_supported(1, tiny["weight"], tiny["scales"], tiny["biases"], **ok)
+
+
+def test_cpu_runs_mlx_unchanged():
+    q = qlinear(256, 2048)
+    x = mx.random.normal((1, 1, 2048), key=mx.random.key(1)).astype(mx.bfloat16)
+    assert ql.gemv_ready(x, q["weight"], q["scales"], q["biases"], 64) is None
+    assert mx.array_equal(ql.linear(q, x), q(x)).item()
+
+
+def _reference_kernel(x, w, scales, biases, group_size):
+    wf = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32),
+                       group_size=group_size, bits=4)
+    return (x.astype(mx.float32) @ wf.T).astype(x.dtype)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """ops.linear on a pretend CUDA device whose kernel is ``state['kernel']``."""
+    state = {"calls": 0, "kernel": _reference_kernel}
+
+    def kernel(*a):
+        state["calls"] += 1
+        return state["kernel"](*a)
+
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    monkeypatch.setattr(ql, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(ql, "_gemv_object", lambda backend: object())
+    monkeypatch.setattr(ql, "quantized_gemv_kernel", kernel)
+    device.reset_self_checks()
+    yield state
+    device.reset_self_checks()
+
+
+def test_a_kernel_that_passes_its_self_check_is_used(fake_cuda):
+    q = qlinear(256, 2048)
+    x = mx.random.normal((2, 2048), key=mx.random.key(2)).astype(mx.bfloat16)
+    # Before the check, calls take MLX's path (safe inside mx.compile).
+    assert mx.array_equal(ql.linear(q, x), q(x)).item() and fake_cuda["calls"] == 0
+    ql.prepare(x, q)
+    assert fake_cuda["calls"] == 1  # the self-check
+    y = ql.linear(q, x)
+    assert fake_cuda["calls"] == 2
+    ref = _reference_kernel(x, q["weight"], q["scales"], q["biases"], 64)
+    assert mx.array_equal(y, ref).item()
+    # Another row count is another shape class: checked on its own.
+    x1 = x[:1]
+    assert mx.array_equal(ql.linear(q, x1), q(x1)).item() and fake_cuda["calls"] == 2
+
+
+def test_a_wrong_kernel_is_never_used(fake_cuda):
+    fake_cuda["kernel"] = lambda *a: _reference_kernel(*a) * 1.1
+    q = qlinear(256, 2048)
+    x = mx.random.normal((1, 2048), key=mx.random.key(3)).astype(mx.bfloat16)
+    with pytest.warns(device.KernelSelfCheckWarning, match="quantized_gemv.*relative L2"):
+        ql.prepare(x, q)
+    calls = fake_cuda["calls"]
+    assert mx.array_equal(ql.linear(q, x), q(x)).item()
+    assert fake_cuda["calls"] == calls
+
+
+def test_disable_kernels_env_wins(fake_cuda, monkeypatch):
+    monkeypatch.setenv("QAB_DISABLE_KERNELS", "1")
+    q = qlinear(256, 2048)
+    x = mx.random.normal((1, 2048), key=mx.random.key(4)).astype(mx.bfloat16)
+    assert ql.gemv_ready(x, q["weight"], q["scales"], q["biases"], 64) is None
+    assert fake_cuda["calls"] == 0
+
+
+def test_lm_head_class_swap_keeps_parameters_and_outputs():
+    class Text(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = qlinear(512, 256)
+
+    text = Text()
+    before = dict(tree_flatten(text.parameters()))
+    x = mx.random.normal((1, 1, 256), key=mx.random.key(5)).astype(mx.bfloat16)
+    ref = text.lm_head(x)
+    assert install_gemv_lm_head(text)
+    assert type(text.lm_head) is DecodeQuantizedLinear
+    assert isinstance(text.lm_head, nn.QuantizedLinear)
+    after = dict(tree_flatten(text.parameters()))
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    assert mx.array_equal(text.lm_head(x), ref).item()  # CPU: MLX's path
+    assert not install_gemv_lm_head(text)  # already swapped: not exactly QuantizedLinear
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(16, 8)
+
+    assert not install_gemv_lm_head(Tied())
+    text8 = Text()
+    text8.lm_head = qlinear(512, 256, bits=8)
+    assert not install_gemv_lm_head(text8)
+
+
+def test_fused_decode_takes_the_kernel_for_every_projection_and_lm_head(tiny_q4, fake_cuda,
+                                                                       monkeypatch):
+    monkeypatch.delenv("QAB_DISABLE", raising=False)
+    fused, _ = load(tiny_q4, "fused")
+    stock, _ = load(tiny_q4, "stock")
+    text = fused.language_model
+    assert type(text.lm_head) is DecodeQuantizedLinear
+    prompt = mx.array([[(i * 37) % 900 for i in range(12)]])
+    cf, cs = make_prompt_cache(fused), make_prompt_cache(stock)
+    fused(prompt, cache=cf)
+    stock(prompt, cache=cs)
+    assert fake_cuda["calls"] == 0  # prefill rows > GEMV_MAX_ROWS: MLX's path
+    tok = mx.array([[5]])
+    yf, ys = fused(tok, cache=cf), stock(tok, cache=cs)
+    checked = {k for k, v in device.self_check_results().items() if k[0] == "quantized_gemv"}
+    # GDN in-projections + out_proj, attention q/k/v + o_proj, lm_head: distinct (N, K).
+    shapes = {(k[2][1], k[2][2]) for k in checked}
+    assert len(shapes) >= 4, shapes
+    layers = text.model.layers
+    n_gdn = sum(1 for lyr in layers if hasattr(lyr, "linear_attn"))
+    n_attn = len(layers) - n_gdn
+    # First token: one self-check per shape class, then every use: a GDN
+    # layer's in-projections and out_proj, attention's q/k/v and o_proj, lm_head.
+    assert fake_cuda["calls"] == len(checked) + 2 * n_gdn + 2 * n_attn + 1
+    calls_first = fake_cuda["calls"]
+    yf2, ys2 = fused(tok, cache=cf), stock(tok, cache=cs)
+    # Later tokens: attention's q/k/v runs inside its compiled projection
+    # graph, where the (Python) fake kernel ran once, when it was traced.
+    assert fake_cuda["calls"] - calls_first == 2 * n_gdn + n_attn + 1
+    # The fake kernel computes in float32: bf16 logits close to stock's.
+    assert mx_rel_l2(yf2, ys2) <= 2e-2 and mx_rel_l2(yf, ys) <= 2e-2
+
+
+def test_ablation_switch_turns_it_off(tiny_q4, fake_cuda, monkeypatch):
+    monkeypatch.setenv("QAB_DISABLE", "gemv-kernel")
+    fused, _ = load(tiny_q4, "fused")
+    assert type(fused.language_model.lm_head) is nn.QuantizedLinear
+    assert any("gemv-kernel" in n for n in get_report(fused).notes)
+    layers = fused.language_model.model.layers
+    mixers = [lyr.linear_attn if "linear_attn" in lyr else lyr.self_attn for lyr in layers]
+    assert all(not m.use_gemv for m in mixers)
+    cache = make_prompt_cache(fused)
+    fused(mx.array([[1, 2, 3]]), cache=cache)
+    fused(mx.array([[4]]), cache=cache)
+    assert fake_cuda["calls"] == 0
