@@ -722,6 +722,7 @@ def test_quantized_gemv_dispatcher_self_checks_the_emulated_kernel(_emulated_gem
     from qwen_apple_backend.ops.device import reset_self_checks, self_check_results
 
     monkeypatch.setattr(lin_ops, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(lin_ops, "GEMV_MIN_BYTES", 0)
     reset_self_checks()
     w = (mx.random.normal((64, 512), key=mx.random.key(11)) * 512 ** -0.5).astype(mx.bfloat16)
     wq, s, b = mx.quantize(w, group_size=64, bits=4)

@@ -46,8 +46,11 @@ def test_launch_covers_every_row_with_lanes_that_divide_the_row(N, K):
     assert p["RPW"] == (1 if N <= 4096 else 2 if N <= 32768 else 4)
 
 
-def test_contract_check():
+def test_contract_check(monkeypatch):
     q = qlinear(256, 2048)
+    assert not ql.gemv_supported(1, q["weight"], q["scales"], q["biases"], 64, 4, "affine",
+                                 mx.bfloat16)  # 256 KB: below GEMV_MIN_BYTES
+    monkeypatch.setattr(ql, "GEMV_MIN_BYTES", 0)
     w, s, b = q["weight"], q["scales"], q["biases"]
     ok = dict(group_size=64, bits=4, mode="affine", dtype=mx.bfloat16)
     assert ql.gemv_supported(1, w, s, b, **ok)
@@ -94,6 +97,8 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(ql, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(ql, "_gemv_object", lambda backend: object())
     monkeypatch.setattr(ql, "quantized_gemv_kernel", kernel)
+    # Every matrix of the tiny models, not only lm_head-sized ones.
+    monkeypatch.setattr(ql, "GEMV_MIN_BYTES", 0)
     device.reset_self_checks()
     yield state
     device.reset_self_checks()

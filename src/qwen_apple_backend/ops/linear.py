@@ -1,15 +1,16 @@
-"""Dense 4-bit GEMV for decode: the projections and ``lm_head`` at batch 1.
+"""Dense 4-bit GEMV for decode: ``lm_head`` (and any projection this large) at batch 1.
 
-At decode, every projection of the model (a Gated DeltaNet's input and output
-projections, attention's q/k/v and o_proj, the shared expert, ``lm_head``)
-is a matrix-vector product over 4-bit weights, and its speed is the speed at
-which the weights stream from memory. MLX's quantized matmul on CUDA reaches
-a small fraction of HBM bandwidth there (measured ~155 GB/s for a 9.4 MB
-matrix on an H200, against ~3.2 TB/s copy bandwidth). The kernel
-``kernels/cuda/quantized_gemv.cu`` keeps every 16-byte weight load of a pass
-in flight before computing, stages the activations once per thread block in
-shared memory, and turns nibbles into floats without conversion
-instructions.
+At decode, every projection of the model is a matrix-vector product over
+4-bit weights. The kernel ``kernels/cuda/quantized_gemv.cu`` keeps every
+16-byte weight load of a pass in flight before computing, stages the
+activations once per thread block in shared memory, and turns nibbles into
+floats without conversion instructions. Measured on an H200
+(``benchmarks/profile_decode_kernels.py``): on ``lm_head`` (254 MB) it
+streams 1.9 TB/s against MLX's 0.96 TB/s; on the 1-13 MB projections both
+are bound by fixed per-call cost and MLX's own kernel is as fast or faster,
+so only matrices of at least :data:`GEMV_MIN_BYTES` take it. The fused
+modules still route their projections through :func:`linear` (the size rule
+decides).
 
 Only CUDA has a kernel: MLX's Metal ``qmv`` already streams near bandwidth.
 Like every kernel of this package, it is used only after its self-check
@@ -48,6 +49,12 @@ __all__ = [
 
 #: Most rows (tokens x batch) the GEMV kernel takes; more go to MLX's GEMM.
 GEMV_MAX_ROWS = 4
+#: Smallest packed weight (bytes) the kernel takes. Measured on an H200
+#: (benchmarks/profile_decode_kernels.py, bf16, one row): MLX's quantized
+#: matmul and this kernel tie at 6-13 MB (~575 GB/s, both bound by fixed
+#: per-call cost), MLX wins below (5.8 vs 16.2 us at 0.5 MB), the kernel wins
+#: at lm_head's 254 MB (149 vs 298 us: 1.9 vs 0.96 TB/s).
+GEMV_MIN_BYTES = 32 << 20
 # Shared memory the kernel stages x in (M * K floats), bytes.
 _MAX_SMEM = 32 * 1024
 # Warps per thread block and the grid cap (warps walk rows grid-stride).
@@ -79,7 +86,8 @@ def gemv_supported(M: int, w: mx.array, scales: mx.array, biases: Optional[mx.ar
                    group_size: int, bits: int, mode: str, dtype: mx.Dtype) -> bool:
     """Whether the kernel's contract covers this call (no backend check).
 
-    4-bit affine weights ``[N, K / 8]`` uint32 with scales and biases
+    4-bit affine weights ``[N, K / 8]`` uint32 of at least
+    :data:`GEMV_MIN_BYTES` (in practice ``lm_head``) with scales and biases
     ``[N, K / group_size]``, ``group_size % 32 == 0``, ``K % 32 == 0``, at most
     :data:`GEMV_MAX_ROWS` rows whose float copy fits 32 KB of shared memory,
     activations float32 / bfloat16 / float16.
@@ -88,7 +96,7 @@ def gemv_supported(M: int, w: mx.array, scales: mx.array, biases: Optional[mx.ar
             or dtype not in _DTYPES or w.dtype != mx.uint32 or w.ndim != 2):
         return False
     N, K = w.shape[0], w.shape[1] * 8
-    return (0 < M <= GEMV_MAX_ROWS and K % 32 == 0 and K % group_size == 0
+    return (0 < M <= GEMV_MAX_ROWS and w.nbytes >= GEMV_MIN_BYTES and K % 32 == 0 and K % group_size == 0
             and M * K * 4 <= _MAX_SMEM and N >= 32
             and scales.shape == (N, K // group_size) and biases.shape == scales.shape)
 
