@@ -13,13 +13,15 @@ OUT=${1:?usage: gpu_long.sh OUT}
 mkdir -p "$OUT"
 LOG="$OUT/long.log"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+# A step killed by its timeout prints every thread's Python stack.
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 step() { echo "=== $* ($(date -u +%T))" | tee -a "$LOG"; }
 step fused alone at 64K and 128K
-timeout 200 python3 benchmarks/run_gpu_suite.py "$OUT" --lengths 64K,128K --rounds 1 \
+timeout -s ABRT 200 python3 benchmarks/run_gpu_suite.py "$OUT" --lengths 64K,128K --rounds 1 \
   --backends fused --decode-tokens 16 --no-fidelity --max-seconds 190 --tag long-fused \
   --no-progress >> "$LOG" 2>&1
 step stock vs fused at 16K and 32K
-timeout 340 python3 benchmarks/run_gpu_suite.py "$OUT" --lengths 16K,32K --rounds 1 \
+timeout -s ABRT 340 python3 benchmarks/run_gpu_suite.py "$OUT" --lengths 16K,32K --rounds 1 \
   --backends stock,fused --decode-tokens 16 --no-fidelity --max-seconds 330 --tag long-stock \
   --no-progress >> "$LOG" 2>&1
 step done

@@ -47,7 +47,7 @@ OPTIMIZATIONS = {
     "moe-kernel": "moe",  # the GPU MoE decode kernels (moe_gate_up_gemv, moe_down_gemv)
     "decode-compile": "model",  # the compiled one-token decode step (decode.py)
     "proj-concat": "model",  # sibling input projections run as one matmul (layers/_concat.py)
-    "gemv-kernel": "model",  # the CUDA dense 4-bit GEMV for decode projections, lm_head (ops/linear.py)
+    "gemv-kernel": "model",  # the CUDA dense 4-bit decode GEMV for lm_head (ops/linear.py)
 }
 
 

@@ -29,16 +29,9 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..ops import linear as qlinear
-
 __all__ = ["ConcatProjection"]
 
 _ARRAYS = ("weight", "scales", "biases", "bias")
-
-
-def _mlx_quantized_matmul(x, w, scales, biases, *, group_size, bits, mode):
-    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size,
-                               bits=bits, mode=mode)
 
 
 def _arrays(m: nn.Module) -> dict:
@@ -144,25 +137,13 @@ class ConcatProjection:
         """
         self.views = [_arrays(c) for c in self.children]
 
-    def prepare(self, x: mx.array) -> None:
-        """Self-check the GEMV kernel for this matrix and ``x``'s rows (outside ``mx.compile``)."""
-        c = self.cat
-        if self.kind[0] == "q" and "biases" in c:
-            if x.ndim and x.size // x.shape[-1] <= qlinear.GEMV_MAX_ROWS:
-                qlinear.gemv_ready(x, c["weight"], c["scales"], c["biases"], self.kind[1],
-                                   self.kind[2], self.kind[3])
-
-    def __call__(self, x: mx.array, gemv: bool = False) -> list:
-        """Outputs of every child for input ``x``, from one matmul.
-
-        With ``gemv`` a 4-bit matrix runs on the decode GEMV kernel when
-        :meth:`prepare` has passed for these rows (``gemv-kernel``).
-        """
+    def __call__(self, x: mx.array) -> list:
+        """Outputs of every child for input ``x``, from one matmul."""
         c = self.cat
         if self.kind[0] == "q":
-            mm = qlinear.quantized_matmul if gemv else _mlx_quantized_matmul
-            y = mm(x, c["weight"], c["scales"], c.get("biases"), group_size=self.kind[1],
-                   bits=self.kind[2], mode=self.kind[3])
+            y = mx.quantized_matmul(x, c["weight"], c["scales"], c.get("biases"), transpose=True,
+                                    group_size=self.kind[1], bits=self.kind[2],
+                                    mode=self.kind[3])
         else:
             y = x @ c["weight"].T
         if "bias" in c:

@@ -19,7 +19,6 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 from qwen_apple_backend.layers._concat import ConcatProjection
-from qwen_apple_backend.ops import linear as qlinear
 from qwen_apple_backend.ops.attention import (
     RopeSpec,
     gate_output,
@@ -75,9 +74,6 @@ class FusedGQAAttention(nn.Module):
             (at most ``COMPILE_MAX_TOKENS`` tokens) as one compiled graph.
             Default True.
     """
-
-    # Decode projections on the dense GEMV kernel (``gemv-kernel``; ops/linear.py).
-    use_gemv: bool = True
 
     def __init__(
         self,
@@ -231,8 +227,6 @@ class FusedGQAAttention(nn.Module):
             if not isinstance(offset, mx.array):
                 offset = mx.array(offset, dtype=mx.int32)
             use_cat = self._use_cat()
-            if use_cat and self.use_gemv:
-                self._proj_cat.prepare(x)  # outside the trace: may self-check
             q, k, v, gate = self._compiled_project(use_cat)(x, offset)
             if use_cat:
                 self._proj_cat.refresh()  # a trace re-wraps the module's arrays
@@ -251,11 +245,7 @@ class FusedGQAAttention(nn.Module):
             out = gqa_attention(
                 q, k, v, self.scale, mask, use_kernel=self.use_kernel and not self.training
             )
-        out = gate_output(out, gate)
-        if self.use_gemv:
-            qlinear.prepare(out, self.o_proj)
-            return qlinear.linear(self.o_proj, out)
-        return self.o_proj(out)
+        return self.o_proj(gate_output(out, gate))
 
     def concat_projections(self) -> bool:
         """Run ``q_proj``, ``k_proj``, ``v_proj`` as one matmul from now on (``proj-concat``).
@@ -279,7 +269,7 @@ class FusedGQAAttention(nn.Module):
         """Projections, q/k norm and RoPE: everything before the KV cache."""
         B, L, _ = x.shape
         if use_cat:
-            qg, k, v = self._proj_cat(x, gemv=self.use_gemv)
+            qg, k, v = self._proj_cat(x)
         else:
             qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # Per head: D query features, then D gate features (stock split).

@@ -35,7 +35,6 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import sum_gradients
 
 from ._concat import ConcatProjection
-from ..ops import linear as qlinear
 from ..ops.gated_delta import (
     compute_gates,
     decode_kernel_ready,
@@ -217,8 +216,6 @@ class FusedGatedDeltaNet(nn.Module):
 
     # Allow the GPU scan and one-launch decode kernels (the ``gdn-kernel`` optimization).
     use_kernel: bool = True
-    # Decode projections on the dense GEMV kernel (``gemv-kernel``; ops/linear.py).
-    use_gemv: bool = True
 
     # Stock child modules / parameters adopted by from_stock, by name.
     _LAYOUT = "qwen3_5"
@@ -289,9 +286,7 @@ class FusedGatedDeltaNet(nn.Module):
     def _projections(self, inputs: mx.array) -> tuple:
         cat = getattr(self, "_proj_cat", None)
         if cat is not None and cat.valid(self):
-            if self.use_gemv:
-                cat.prepare(inputs)  # the first call per shape class self-checks
-            return tuple(cat(inputs, gemv=self.use_gemv))
+            return tuple(cat(inputs))
         return tuple(getattr(self, n)(inputs) for n in self._PROJECTIONS)
 
     def _decode_kernel_ready(self, projs, conv_state, conv_b, mask, lengths) -> bool:
@@ -395,12 +390,7 @@ class FusedGatedDeltaNet(nn.Module):
             cache[1] = state
             cache.advance(S)
 
-        out = out.reshape(B, S, -1)
-        if self.use_gemv:
-            qlinear.prepare(out, self.out_proj)
-            out = qlinear.linear(self.out_proj, out)
-        else:
-            out = self.out_proj(out)
+        out = self.out_proj(out.reshape(B, S, -1))
         if self.sharding_group is not None:
             out = mx.distributed.all_sum(out, group=self.sharding_group)
         return out

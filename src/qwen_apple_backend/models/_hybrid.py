@@ -355,8 +355,6 @@ class QwenHybridAdapter(Adapter):
                     fused.dequant_gemm = False
                 if "moe-kernel" in off:
                     fused.use_kernel = False
-                if "gemv-kernel" in disable and hasattr(fused, "use_gemv"):
-                    fused.use_gemv = False
                 if "proj-concat" not in disable and hasattr(fused, "concat_projections"):
                     fused.concat_projections()
                 setattr(layer, attr, fused)
@@ -367,8 +365,8 @@ class QwenHybridAdapter(Adapter):
             report.notes.append("input projections run separately (proj-concat in QAB_DISABLE / "
                                 "disable=)")
         if "gemv-kernel" in disable:
-            report.notes.append("decode projections and lm_head on MLX's quantized matmul "
-                                "(gemv-kernel in QAB_DISABLE / disable=)")
+            report.notes.append("lm_head on MLX's quantized matmul (gemv-kernel in QAB_DISABLE / "
+                                "disable=)")
         elif any(m.fused for m in report.modules):
             from ..layers.linear import install_gemv_lm_head
 

@@ -8,16 +8,17 @@ floats without conversion instructions. Measured on an H200
 (``benchmarks/profile_decode_kernels.py``): on ``lm_head`` (254 MB) it
 streams 1.9 TB/s against MLX's 0.96 TB/s; on the 1-13 MB projections both
 are bound by fixed per-call cost and MLX's own kernel is as fast or faster,
-so only matrices of at least :data:`GEMV_MIN_BYTES` take it. The fused
-modules still route their projections through :func:`linear` (the size rule
-decides).
+so only matrices of at least :data:`GEMV_MIN_BYTES` take it, and only
+``lm_head`` is routed here (``layers/linear.py``): in the one same-run decode
+measurement where every projection went through this dispatcher, decode at
+4K was slower with it on (55 vs 74 tokens/s, one sample each).
 
 Only CUDA has a kernel: MLX's Metal ``qmv`` already streams near bandwidth.
 Like every kernel of this package, it is used only after its self-check
 against ``mx.quantized_matmul`` (see :mod:`qwen_apple_backend.ops.device`).
 That check evaluates arrays, so it cannot run inside ``mx.compile``: callers
 run :func:`gemv_ready` outside any trace first (the fused modules do it at the
-top of their ``__call__``); :func:`quantized_matmul` itself only reads the
+top of their ``__call__``, as ``DecodeQuantizedLinear`` does); :func:`quantized_matmul` itself only reads the
 cached verdict and otherwise takes MLX's path.
 
 This module imports only ``mlx``, the standard library and this package's
