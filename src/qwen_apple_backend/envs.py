@@ -42,9 +42,9 @@ from .errors import EnvVarError
 FUSABLE_KINDS = ("moe", "gdn", "attn")
 # Single optimizations inside a fused module kind, switchable for ablations.
 OPTIMIZATIONS = {
-    "gdn-kernel": "gdn",  # the GPU gated delta scan kernel (else chunked MLX ops)
+    "gdn-kernel": "gdn",  # GPU gated delta scans (prefill) and one-launch decode step (else MLX ops)
     "moe-gemm": "moe",  # dequantize-then-grouped-GEMM experts for prefill
-    "moe-kernel": "moe",  # the GPU MoE decode kernels (moe_gate_up_gemv, moe_down_gemv)
+    "moe-kernel": "moe",  # GPU MoE kernels: decode GEMVs (+ shared-expert fold), grouped GEMM, combine
     "decode-compile": "model",  # the compiled one-token decode step (decode.py)
     "proj-concat": "model",  # sibling input projections run as one matmul (layers/_concat.py)
     "gemv-kernel": "model",  # the CUDA dense 4-bit decode GEMV for lm_head (ops/linear.py)
