@@ -9,7 +9,8 @@ and the MoE decode kernels for the K = 8 routed experts; the bytes counted are
 the packed weights plus scales and biases. Each entry is ``--calls``
 independent calls evaluated together (launch cost included, as in a decode
 step), median of ``--repeats``. Also the device-to-device copy bandwidth of a
-1 GiB array. Prints a table and writes ``profile-decode-kernels-<device>.json``
+1 GiB array, and the launch floor: a 2,048-element add as an MLX op and as
+an ``mx.fast.*_kernel`` (does a custom kernel cost more per call?). Prints a table and writes ``profile-decode-kernels-<device>.json``
 into OUT.
 
 Usage:
@@ -93,6 +94,31 @@ def main(argv=None) -> int:
         print(f"{name:28s} {what:22s} {seconds * 1e6:9.1f} us {gbs:8.0f} GB/s "
               f"{100 * gbs / copy_gbs:6.1f}% of copy", flush=True)
 
+    # Fixed cost per launch: a 2,048-element bf16 add in MLX vs the same as a
+    # custom kernel (the floor every decode kernel of this package pays).
+    v = mx.random.normal((2048,)).astype(dtype)
+    mx.eval(v)
+    t_mlx = _time(lambda: v + 1, 200, args.repeats)
+    line = f"launch floor: MLX elementwise {t_mlx * 1e6:.1f} us"
+    floor = {"mlx_elementwise_us": t_mlx * 1e6}
+    factory = getattr(mx.fast, f"{backend}_kernel", None) if backend else None
+    if factory is not None:
+        body = ("uint i = thread_position_in_grid.x; if (i < 2048) y[i] = x[i] + 1;"
+                if backend == "metal" else
+                "int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < 2048) "
+                "y[i] = static_cast<T>(static_cast<float>(x[i]) + 1.f);")
+        k = factory(name="qab_launch_floor", input_names=["x"], output_names=["y"], source=body)
+
+        def custom():
+            return k(inputs=[v], template=[("T", dtype)], grid=(2048, 1, 1),
+                     threadgroup=(256, 1, 1), output_shapes=[(2048,)],
+                     output_dtypes=[dtype])[0]
+
+        t_custom = _time(custom, 200, args.repeats)
+        floor["custom_kernel_us"] = t_custom * 1e6
+        line += f", custom kernel {t_custom * 1e6:.1f} us"
+    print(line, flush=True)
+
     for name, N, K in MATRICES:
         w = (mx.random.normal((N, K), key=mx.random.key(N)) * K ** -0.5).astype(dtype)
         wq, s, b = mx.quantize(w, group_size=GROUP, bits=4)
@@ -143,7 +169,8 @@ def main(argv=None) -> int:
     path = out / f"profile-decode-kernels-{tag}.json"
     path.write_text(json.dumps({"device": device, "mlx": mx.__version__,
                                 "copy_gbs": copy_gbs, "calls": args.calls,
-                                "repeats": args.repeats, "rows": rows}, indent=1))
+                                "repeats": args.repeats, "launch_floor": floor,
+                                "rows": rows}, indent=1))
     print(f"wrote {path}")
     return 0
 
