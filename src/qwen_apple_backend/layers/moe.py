@@ -53,6 +53,22 @@ def _child(module: nn.Module, name: str) -> Optional[mx.array]:
     return module[name] if name in module else getattr(module, name, None)
 
 
+def _weights_of(module: nn.Module, quantized: bool) -> ExpertWeights:
+    """The arrays (not copied) and quantization settings of a (switch) linear module."""
+    if not quantized:
+        return ExpertWeights(weight=module["weight"], bias=_child(module, "bias"))
+    return ExpertWeights(
+        weight=module["weight"],
+        scales=module["scales"],
+        biases=_child(module, "biases"),
+        bias=_child(module, "bias"),
+        group_size=module.group_size,
+        bits=module.bits,
+        mode=module.mode,
+        global_scale=_child(module, "global_scale"),
+    )
+
+
 def expert_weights(module: AnySwitchLinear) -> ExpertWeights:
     """View a ``SwitchLinear`` / ``QuantizedSwitchLinear`` as :class:`ExpertWeights`.
 
@@ -66,19 +82,8 @@ def expert_weights(module: AnySwitchLinear) -> ExpertWeights:
     Raises:
         TypeError: if ``module`` is neither type.
     """
-    if isinstance(module, QuantizedSwitchLinear):
-        return ExpertWeights(
-            weight=module["weight"],
-            scales=module["scales"],
-            biases=_child(module, "biases"),
-            bias=_child(module, "bias"),
-            group_size=module.group_size,
-            bits=module.bits,
-            mode=module.mode,
-            global_scale=_child(module, "global_scale"),
-        )
-    if isinstance(module, SwitchLinear):
-        return ExpertWeights(weight=module["weight"], bias=_child(module, "bias"))
+    if isinstance(module, (QuantizedSwitchLinear, SwitchLinear)):
+        return _weights_of(module, isinstance(module, QuantizedSwitchLinear))
     raise TypeError(
         f"expected SwitchLinear or QuantizedSwitchLinear, got {type(module).__name__}"
     )
@@ -95,19 +100,8 @@ def linear_weights(module: nn.Module) -> Optional[ExpertWeights]:
         ``[O, In]`` or packed; None for any other type (a LoRA wrapper, a
         subclass), whose call may not be a plain matmul.
     """
-    if type(module) is nn.QuantizedLinear:
-        return ExpertWeights(
-            weight=module["weight"],
-            scales=module["scales"],
-            biases=_child(module, "biases"),
-            bias=_child(module, "bias"),
-            group_size=module.group_size,
-            bits=module.bits,
-            mode=module.mode,
-            global_scale=_child(module, "global_scale"),
-        )
-    if type(module) is nn.Linear:
-        return ExpertWeights(weight=module["weight"], bias=_child(module, "bias"))
+    if type(module) in (nn.QuantizedLinear, nn.Linear):
+        return _weights_of(module, type(module) is nn.QuantizedLinear)
     return None
 
 

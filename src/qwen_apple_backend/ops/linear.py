@@ -17,8 +17,8 @@ Only CUDA has a kernel: MLX's Metal ``qmv`` already streams near bandwidth.
 Like every kernel of this package, it is used only after its self-check
 against ``mx.quantized_matmul`` (see :mod:`qwen_apple_backend.ops.device`).
 That check evaluates arrays, so it cannot run inside ``mx.compile``: callers
-run :func:`gemv_ready` outside any trace first (the fused modules do it at the
-top of their ``__call__``, as ``DecodeQuantizedLinear`` does); :func:`quantized_matmul` itself only reads the
+run :func:`gemv_ready` (or :func:`prepare`) outside any trace first, as
+``layers.linear.DecodeQuantizedLinear`` does; :func:`quantized_matmul` itself only reads the
 cached verdict and otherwise takes MLX's path.
 
 This module imports only ``mlx``, the standard library and this package's

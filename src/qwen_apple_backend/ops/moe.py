@@ -617,15 +617,20 @@ def _gemv_objects(backend: str):
     return None if gu is None or dn is None else (gu, dn)
 
 
-def _moe_decode_kernel_call(backend: str, x, inds, scores, gate_up: ExpertWeights,
-                            down: ExpertWeights) -> mx.array:
-    H = x.shape[-1]
-    K = inds.shape[-1]
-    lead = x.shape[:-1]
+def _decode_rows(x: mx.array, inds: mx.array, scores: mx.array):
+    """Token rows for the decode kernels: ``x [N, H]``, ``inds [N, K]`` uint32,
+    ``scores [N, K]`` float32, and the leading shape to restore."""
+    H, K = x.shape[-1], inds.shape[-1]
     xf = x.reshape(-1, H)
     N = xf.shape[0]
-    ind = inds.reshape(N, K).astype(mx.uint32)
-    sc = scores.reshape(N, K).astype(mx.float32)
+    return (xf, inds.reshape(N, K).astype(mx.uint32), scores.reshape(N, K).astype(mx.float32),
+            x.shape[:-1])
+
+
+def _moe_decode_kernel_call(backend: str, x, inds, scores, gate_up: ExpertWeights,
+                            down: ExpertWeights) -> mx.array:
+    xf, ind, sc, lead = _decode_rows(x, inds, scores)
+    (N, H), K = xf.shape, ind.shape[-1]
     I = gate_up.weight.shape[1] // 2
     objects = _gemv_objects(backend)
     if objects is None:
@@ -743,13 +748,8 @@ def _fold_grid_x(K: int, I: int) -> int:
 
 def _moe_shared_decode_kernel_call(backend: str, x, inds, scores, gate_up: ExpertWeights,
                                    down: ExpertWeights, shared: SharedExpertWeights) -> mx.array:
-    H = x.shape[-1]
-    K = inds.shape[-1]
-    lead = x.shape[:-1]
-    xf = x.reshape(-1, H)
-    N = xf.shape[0]
-    ind = inds.reshape(N, K).astype(mx.uint32)
-    sc = scores.reshape(N, K).astype(mx.float32)
+    xf, ind, sc, lead = _decode_rows(x, inds, scores)
+    (N, H), K = xf.shape, ind.shape[-1]
     I = gate_up.weight.shape[1] // 2
     objects = _fold_objects(backend)
     if objects is None:
