@@ -1,0 +1,276 @@
+#!/usr/bin/env python3
+"""Primitives per decode token: how many MLX operations one greedy step builds.
+
+On MLX's CUDA backend every operation costs a roughly fixed 8-11 us on the H200
+(``profile_decode_kernels.py``'s launch floor), so at batch 1 the number of
+kernel-launching primitives per token, not bandwidth, sets decode speed. This
+script builds a preset model per backend (and per ablation), prefills
+``--context`` tokens, builds ONE decode step's graph without evaluating it, and
+counts its primitives from ``mx.export_to_dot``: all of them, those that launch
+a kernel (views such as Reshape, Broadcast, Slice, Squeeze, ExpandDims,
+Transpose, AsStrided and StopGradient do not), and the kernel-launching ones by
+name. Counts depend on which kernels are ready on the device (on the CPU the
+portable paths run), not on the model's sizes, so ``--preset tiny`` shows the
+same per-layer structure as ``full`` on the CPU.
+
+``--as-gpu cuda`` (or ``metal``) counts, on any machine, the graph that GPU
+would build: the device probe answers that backend, every self-check passes and
+each custom kernel, and each ``mx.fast`` op (RMSNorm, RoPE, attention) and
+``mx.dequantize`` that the CPU would split into many primitives, is a
+stand-in whose outputs hang off one marker primitive per launch (counted back
+as ``stand-in``) and depend on its inputs. Nothing is evaluated through the stand-ins, so the
+counts, not the values, are what it shows.
+
+Writes ``decode-ops-<device>.json`` into OUT.
+
+Usage:
+    python benchmarks/count_decode_ops.py OUT [--preset tiny] [--backends stock,fused]
+        [--ablate gdn-kernel,moe-kernel] [--context 64] [--top 25] [--as-gpu cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import json
+import re
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+if SRC.is_dir() and str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))
+
+#: Primitives that make a view or nothing at all on the GPU (no kernel launch).
+VIEWS = frozenset({"Broadcast", "Reshape", "Squeeze", "ExpandDims", "Transpose", "Slice",
+                   "AsStrided", "StopGradient", "Depends", "Split", "Unflatten", "Flatten"})
+
+
+def count_primitives(outputs) -> collections.Counter:
+    """Counter of primitive names in the lazy graph that produces ``outputs``."""
+    import mlx.core as mx
+
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *outputs)
+    return collections.Counter(re.findall(r'\[label ="([^"]+)", shape=rectangle\]',
+                                          buf.getvalue()))
+
+
+class GpuStandIn:
+    """Makes this process build the graph of ``backend``'s GPU path (see the module doc)."""
+
+    #: mx.fast ops (and mx.dequantize) that are one kernel on a GPU but split
+    #: into many primitives on the CPU.
+    FAST = ("rms_norm", "layer_norm", "rope", "scaled_dot_product_attention")
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.calls: collections.Counter = collections.Counter()
+        self._undo: list = []
+
+    def _set(self, module, name, value):
+        self._undo.append((module, name, getattr(module, name)))
+        setattr(module, name, value)
+
+    def _launch(self, name, deps, shapes, dtypes):
+        """Arrays of ``shapes``/``dtypes`` made by one marked launch that depends on ``deps``."""
+        import mlx.core as mx
+
+        # One Sort marks the launch (no decode graph has another Sort, and
+        # mx.compile neither fuses nor merges it: its input is a fresh
+        # constant); further outputs hang off a CumMax marker.
+        self.calls[name] += 1
+        outs = []
+        for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+            seed = mx.array([sum(self.calls.values()) + i], dtype=dtype)
+            mark = mx.sort(seed) if i == 0 else mx.cummax(seed)
+            outs.append(mx.broadcast_to(mark, tuple(shape)))
+        deps = [d for d in deps if isinstance(d, mx.array)]
+        return mx.depends(outs, deps) if deps else outs
+
+    def __enter__(self):
+        import mlx.core as mx
+
+        from qwen_apple_backend.ops import device
+        from qwen_apple_backend.ops import gated_delta as gd
+        from qwen_apple_backend.ops import linear as lin
+        from qwen_apple_backend.ops import moe as moe_ops
+
+        def build(op, backend, **options):
+            def kernel(*, inputs, output_shapes, output_dtypes, **kw):
+                return self._launch(f"qab:{op}", inputs, output_shapes, output_dtypes)
+            return kernel
+
+        def checked(op, backend, key, kernel, reference, make_inputs, *, rtol):
+            with device._LOCK:
+                device._RESULTS[(op, backend, key)] = (True, "stand-in")
+            return True
+
+        for mod in (gd, moe_ops, lin):
+            self._set(mod, "gpu_backend", lambda: self.backend)
+            self._set(mod, "build_kernel", build)
+            self._set(mod, "self_checked", checked)
+        self._set(device, "self_checked", checked)
+        # Clear kernel objects cached by a run without the stand-in.
+        for mod in (gd, moe_ops, lin):
+            for fn in vars(mod).values():
+                if hasattr(fn, "cache_clear"):
+                    fn.cache_clear()
+
+        def one(name, deps, shape, dtype):
+            return self._launch(name, deps, [shape], [dtype])[0]
+
+        self._set(mx.fast, "rms_norm",
+                  lambda x, weight, eps, **k: one("rms_norm", [x, weight], x.shape, x.dtype))
+        self._set(mx.fast, "layer_norm",
+                  lambda x, w, b, eps, **k: one("layer_norm", [x, w, b], x.shape, x.dtype))
+        self._set(mx.fast, "rope",
+                  lambda x, dims, *a, offset=0, freqs=None, **k:
+                  one("rope", [x, offset, freqs], x.shape, x.dtype))
+        self._set(mx.fast, "scaled_dot_product_attention",
+                  lambda q, k, v, *a, scale=1.0, mask=None, sinks=None, **kw:
+                  one("sdpa", [q, k, v, mask, sinks], (*q.shape[:-1], v.shape[-1]), q.dtype))
+        deq = mx.dequantize
+
+        def dequantize(w, scales, biases=None, group_size=64, bits=4, mode="affine", **k):
+            if mode != "affine":
+                return deq(w, scales, biases, group_size, bits, mode=mode, **k)
+            shape = (*w.shape[:-1], w.shape[-1] * 32 // bits)
+            return one("dequantize", [w, scales, biases], shape, scales.dtype)
+
+        self._set(mx, "dequantize", dequantize)
+        return self
+
+    def __exit__(self, *exc):
+        from qwen_apple_backend.ops import device
+
+        for module, name, value in reversed(self._undo):
+            setattr(module, name, value)
+        self._undo.clear()
+        device.reset_self_checks()
+        return False
+
+    @staticmethod
+    def adjust(ops: collections.Counter) -> collections.Counter:
+        """``ops`` with the stand-ins' markers replaced by one launch each.
+
+        The launches appear as ``stand-in`` (custom kernels and mx.fast ops);
+        :attr:`calls` has them by name, counted when Python ran them (a
+        compiled function counts once, however often it is replayed).
+        """
+        ops = collections.Counter(ops)
+        launches = ops.pop("Sort", 0)
+        ops.pop("CumMax", None)
+        if launches:
+            ops["stand-in"] = launches
+        return ops
+
+
+def decode_step_ops(model, context: int) -> collections.Counter:
+    """Primitives of one greedy decode step after a ``context``-token prefill."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    prompt = mx.random.randint(0, 100, (1, context), key=mx.random.key(context))
+    y = mx.argmax(model(prompt, cache=cache)[:, -1], axis=-1)
+    mx.eval(y, [c.state for c in cache])
+    nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+    return count_primitives([nxt])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", help="output folder (created)")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "full"])
+    p.add_argument("--backends", default="stock,fused")
+    p.add_argument("--ablate", default="", help="comma list of optimizations to turn off, "
+                   "one fused column each")
+    p.add_argument("--context", type=int, default=64, help="prefilled tokens")
+    p.add_argument("--top", type=int, default=25, help="primitive names listed per column")
+    p.add_argument("--layers", type=int, default=None,
+                   help="keep only this many decoder layers (a multiple of 4 keeps the "
+                        "3 linear + 1 full attention pattern; counts are per layer anyway)")
+    p.add_argument("--experts", type=int, default=None,
+                   help="routed experts instead of the preset's (the count does not depend "
+                        "on it; fewer save memory when counting --preset full on a CPU)")
+    p.add_argument("--vocab", type=int, default=1024,
+                   help="vocabulary rows (default 1024; 0 = the real 248,320, whose lm_head "
+                        "takes the gemv-kernel path on CUDA)")
+    p.add_argument("--as-gpu", choices=["cuda", "metal"], default=None,
+                   help="count the graph this GPU backend would build (stand-in kernels)")
+    args = p.parse_args(argv)
+    import os
+
+    import mlx.core as mx
+
+    from qwen_apple_backend.bench.target import build_preset, clone_model_structure, fuse_in_memory
+
+    from qwen_apple_backend import checkpoint
+
+    preset = args.preset
+    if args.layers or args.experts:
+        shape = dict(checkpoint.PRESETS[preset])
+        if args.layers:
+            shape["num_hidden_layers"] = args.layers
+        if args.experts:
+            shape["num_experts"] = args.experts
+        preset = f"{preset}-{shape['num_hidden_layers']}x{shape['num_experts']}"
+        checkpoint.PRESETS[preset] = shape
+    b = build_preset(preset, seed=0, vocab_size=args.vocab or None)
+    n_layers = len(b.model.language_model.model.layers)
+    columns = [(name, "") for name in args.backends.split(",") if name]
+    columns += [("fused", opt) for opt in args.ablate.split(",") if opt]
+    rows = []
+    for backend, off in columns:
+        label = backend if not off else f"{backend} -{off}"
+        old = os.environ.get("QAB_DISABLE")
+        if off:
+            os.environ["QAB_DISABLE"] = ",".join(filter(None, [old, off]))
+        stand_in = GpuStandIn(args.as_gpu) if args.as_gpu else None
+        try:
+            model = b.model
+            if backend != "stock":
+                model = clone_model_structure(b.model)
+                fuse_in_memory(model, backend, config=b.config, disable=[off] if off else None)
+            if stand_in is None:
+                ops = decode_step_ops(model, args.context)
+            else:
+                with stand_in:
+                    ops = stand_in.adjust(decode_step_ops(model, args.context))
+        finally:
+            if off:
+                if old is None:
+                    os.environ.pop("QAB_DISABLE", None)
+                else:
+                    os.environ["QAB_DISABLE"] = old
+        kernels = collections.Counter({k: v for k, v in ops.items() if k not in VIEWS})
+        total, launches = sum(ops.values()), sum(kernels.values())
+        rows.append(dict(column=label, backend=backend, disabled=off, primitives=total,
+                         kernel_primitives=launches,
+                         kernel_primitives_per_layer=launches / n_layers,
+                         by_name=dict(kernels.most_common())))
+        print(f"{label:24s} {total:6d} primitives, {launches:6d} launch kernels "
+              f"({launches / n_layers:.1f} per layer of {n_layers})", flush=True)
+        print("    " + ", ".join(f"{k} {v}" for k, v in kernels.most_common(args.top)),
+              flush=True)
+        if backend != "stock":
+            del model
+            mx.clear_cache()
+    dev = mx.device_info().get("device_name", str(mx.default_device())) \
+        if hasattr(mx, "device_info") else str(mx.default_device())
+    slug = "".join(c if c.isalnum() else "-" for c in str(dev).lower()).strip("-") or "cpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"decode-ops-{slug}.json"
+    if args.as_gpu:
+        dev = f"{dev} as {args.as_gpu}"
+    path.write_text(json.dumps(dict(device=str(dev), preset=preset, context=args.context,
+                                    layers=n_layers, rows=rows), indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

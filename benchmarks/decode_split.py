@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Where a decode token's time goes on the host and on the GPU.
+
+For each variant (stock, fused, fused with the compiled decode step, ...) the
+script builds the preset model, prefills ``--context`` tokens and then, per
+greedy decode token, times three phases one after the other (no overlap):
+
+* ``build``: Python building the token's lazy graph (mlx-lm modules, our
+  dispatch, or the compiled step's replay);
+* ``encode``: ``mx.async_eval`` returning, i.e. MLX turning the graph into GPU
+  work (on CUDA: kernel nodes in CUDA graphs, launched every
+  ``MLX_MAX_OPS_PER_BUFFER`` operations);
+* ``wait``: until the token's id is on the host (the GPU finishing).
+
+``build + encode`` is the host's share; when it exceeds ``wait`` the GPU is not
+the bottleneck. It also counts the token graph's primitives (as
+``count_decode_ops.py``, with the real kernels of this device) and times the
+pipelined loop mlx-lm runs (step t+1 built while step t runs) for the
+tokens/s a user sees. Writes ``decode-split-<device>.json`` into OUT.
+
+Usage:
+    python benchmarks/decode_split.py OUT [--variants fused,fused+compile,stock]
+        [--preset full] [--layers 40] [--context 512] [--tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+HERE = Path(__file__).resolve().parent
+for p in (SRC, HERE):
+    if p.is_dir() and str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+#: variant -> (backend, environment while fusing and running)
+VARIANTS = {
+    "stock": ("stock", {}),
+    "fused": ("fused", {}),
+    "fused+compile": ("fused", {"QAB_ENABLE": "decode-compile"}),
+    "fused-gdn-kernel": ("fused", {"QAB_DISABLE": "gdn-kernel"}),
+    "fused-moe-kernel": ("fused", {"QAB_DISABLE": "moe-kernel"}),
+}
+
+
+def split_decode(model, context: int, tokens: int, warmup: int = 4) -> dict:
+    """Median ms per token of build / encode / wait, the pipelined ms, and the graph's ops."""
+    import mlx.core as mx
+    from count_decode_ops import VIEWS, count_primitives
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    prompt = mx.random.randint(0, 1000, (1, context), key=mx.random.key(context))
+    y = mx.argmax(model(prompt, cache=cache)[:, -1], axis=-1)
+    mx.eval(y)
+
+    def step(y):
+        return mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+
+    for _ in range(warmup):
+        y = step(y)
+        mx.eval(y)
+    ops = count_primitives([step(y)])  # built, never evaluated: the cache is unchanged
+    launches = sum(v for k, v in ops.items() if k not in VIEWS)
+    build, encode, wait = [], [], []
+    for _ in range(tokens):
+        t0 = time.perf_counter()
+        nxt = step(y)
+        t1 = time.perf_counter()
+        mx.async_eval(nxt)
+        t2 = time.perf_counter()
+        nxt.item()
+        t3 = time.perf_counter()
+        build.append(t1 - t0)
+        encode.append(t2 - t1)
+        wait.append(t3 - t2)
+        y = nxt
+    mx.synchronize()
+    t0 = time.perf_counter()
+    nxt = step(y)
+    mx.async_eval(nxt)
+    for _ in range(tokens - 1):
+        cur = nxt
+        nxt = step(cur)
+        mx.async_eval(nxt)
+        cur.item()
+    nxt.item()
+    pipelined = (time.perf_counter() - t0) / tokens
+    med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+    return dict(build_ms=med(build), encode_ms=med(encode), wait_ms=med(wait),
+                serial_ms=med([a + b + c for a, b, c in zip(build, encode, wait)]),
+                pipelined_ms=1e3 * pipelined, tok_s=1.0 / pipelined,
+                kernel_primitives=launches, by_name=dict(ops.most_common(30)))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", help="output folder (created)")
+    p.add_argument("--variants", default="fused,fused+compile,stock",
+                   help=f"comma list of: {', '.join(VARIANTS)}")
+    p.add_argument("--preset", default="full", choices=["tiny", "small", "full"])
+    p.add_argument("--layers", type=int, default=None, help="keep the first k layers")
+    p.add_argument("--context", type=int, default=512, help="prefilled tokens")
+    p.add_argument("--tokens", type=int, default=32, help="timed decode tokens per phase")
+    args = p.parse_args(argv)
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    import mlx.core as mx
+
+    from qwen_apple_backend.bench.target import build_preset, clone_model_structure, fuse_in_memory
+
+    t_start = time.perf_counter()
+
+    def stage(msg):
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
+
+    stage(f"building preset {args.preset}")
+    b = build_preset(args.preset, seed=0)
+    rows = []
+    for name in args.variants.split(","):
+        backend, env = VARIANTS[name]
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            model = b.model
+            if backend != "stock":
+                model = clone_model_structure(b.model)
+                fuse_in_memory(model, backend, config=b.config,
+                               disable=[x for x in env.get("QAB_DISABLE", "").split(",") if x])
+            layers = model.language_model.model.layers
+            full = list(layers)
+            if args.layers:
+                model.language_model.model.layers = full[:args.layers]
+            try:
+                r = split_decode(model, args.context, args.tokens)
+            finally:
+                model.language_model.model.layers = full
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        r.update(variant=name, context=args.context,
+                 mlx_env={k: os.environ[k] for k in os.environ if k.startswith("MLX_")})
+        rows.append(r)
+        stage(f"{name:18s} build {r['build_ms']:6.2f}  encode {r['encode_ms']:6.2f}  "
+              f"wait {r['wait_ms']:6.2f}  serial {r['serial_ms']:6.2f}  pipelined "
+              f"{r['pipelined_ms']:6.2f} ms/token ({r['tok_s']:6.1f} tok/s); "
+              f"{r['kernel_primitives']} kernel primitives")
+        if backend != "stock":
+            del model
+        mx.clear_cache()
+    dev = mx.device_info().get("device_name", str(mx.default_device())) \
+        if hasattr(mx, "device_info") else str(mx.default_device())
+    slug = "".join(c if c.isalnum() else "-" for c in str(dev).lower()).strip("-") or "cpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"decode-split-{slug}.json"
+    path.write_text(json.dumps(dict(device=str(dev), preset=args.preset, layers=args.layers,
+                                    rows=rows), indent=1))
+    stage(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
