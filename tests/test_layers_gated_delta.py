@@ -392,3 +392,32 @@ def test_decode_kernel_decision_inside_a_compiled_step(monkeypatch):
     for name, t, e in zip(("out", "conv state", "state"), traced, eager):
         assert_rel(t, e, F32_REL, f"traced {name}")
     assert kernel_path.calls == 3 and kernel.calls >= checks
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_prefill_cache_holds_no_view_of_the_chunk(variant):
+    # The conv state kept in the cache is the last Kc - 1 conv inputs. As a
+    # slice of the chunk's conv input it would keep that whole [B, T + Kc - 1,
+    # C] buffer alive until the next call (33.6 MB per layer at T = 2,048 for
+    # Qwen3.6, ~1 GB over 30 layers); it must be its own small array, so that
+    # after a prefill the cache costs what stock's does.
+    stock, fused = make_pair(variant)
+    x = inputs((1, 512, HIDDEN))
+    mx.eval(x)
+    held = {}
+    for name, module in (("stock", stock), ("fused", fused)):
+        mx.synchronize()
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        cache = ArraysCache(size=2)
+        mx.eval(module(x, cache=cache), cache[0], cache[1])
+        mx.synchronize()
+        held[name] = mx.get_active_memory() - before
+        del cache
+    conv_state_bytes = (KERNEL - 1) * (2 * HK * DK + HV * DV) * 4
+    chunk_bytes = 512 * (2 * HK * DK + HV * DV) * 4
+    # The layer output is live in both; anything beyond it and the states is
+    # a retained buffer. One conv input would add chunk_bytes (>= 256 KB).
+    assert held["fused"] <= held["stock"] + conv_state_bytes, (
+        f"fused prefill keeps {held['fused']} bytes alive, stock {held['stock']} "
+        f"(a retained chunk would be {chunk_bytes})")

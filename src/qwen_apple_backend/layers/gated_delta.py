@@ -114,7 +114,9 @@ def _prepare(
             positions = (ends[:, None] + mx.arange(n_keep))[..., None]
             new_conv_state = mx.take_along_axis(conv_input, positions, axis=1)
         else:
-            new_conv_state = conv_input[:, -n_keep:, :]
+            # A copy, not a slice: a view would keep the whole [B, S + n_keep,
+            # C] conv input alive in the cache until the next call.
+            new_conv_state = mx.contiguous(conv_input[:, -n_keep:, :])
     conv_out = mx.conv1d(conv_input, conv_w, 1, 0, 1, groups)
     if conv_b is not None:
         conv_out = conv_out + conv_b

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Memory of a long prefill, chunk by chunk: what grows, and which fused module grows it.
+
+Builds the preset model once; for each variant (fused, fused with one module
+kind kept stock, stock) prefills ``--length`` random tokens in chunks of
+``--chunk`` (mlx-lm's ``prefill_step_size``, cache state evaluated after each
+chunk, as ``mlx_lm.generate`` does) and records, after each chunk, MLX's
+active memory and the peak since the chunk began. Prints per variant the
+weights resident before, the KV/recurrent cache size at the end, the largest
+peak above the weights, and that peak minus the cache (the transient working
+set: the prefill target is cache + 4 GB at 128K), plus how the active memory
+above weights + cache grew from the first to the last chunk (a leak if it
+grows). Writes ``prefill-memory-<device>.json`` into OUT.
+
+Usage:
+    python benchmarks/prefill_memory.py OUT [--length 16384] [--chunk 2048]
+        [--variants fused,fused-attn,fused-gdn,fused-moe,stock] [--preset full]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+if SRC.is_dir() and str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))
+
+GB = 1e9
+
+
+def _cache_bytes(cache) -> int:
+    import mlx.core as mx
+
+    total = 0
+    for c in cache:
+        for a in c.state if isinstance(c.state, (list, tuple)) else [c.state]:
+            if isinstance(a, mx.array):
+                total += a.nbytes
+    return total
+
+
+def prefill_memory(model, length: int, chunk: int) -> dict:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    mx.synchronize()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    cache = make_prompt_cache(model)
+    ids = mx.random.randint(0, 1000, (1, length), key=mx.random.key(length))
+    mx.eval(ids)
+    rows = []
+    t0 = time.perf_counter()
+    for start in range(0, length, chunk):
+        mx.reset_peak_memory()
+        model(ids[:, start:start + chunk], cache=cache)
+        mx.eval([c.state for c in cache])
+        mx.synchronize()
+        kv = _cache_bytes(cache)
+        active = mx.get_active_memory()
+        rows.append(dict(tokens=min(start + chunk, length), active=active - before, cache=kv,
+                         peak=mx.get_peak_memory() - before))
+    seconds = time.perf_counter() - t0
+    peak = max(r["peak"] for r in rows)
+    kv = rows[-1]["cache"]
+    del cache
+    mx.clear_cache()
+    return dict(length=length, chunk=chunk, seconds=seconds, weights_bytes=before,
+                cache_bytes=kv, peak_above_weights=peak, working_bytes=peak - kv,
+                other_active_first=rows[0]["active"] - rows[0]["cache"],
+                other_active_last=rows[-1]["active"] - rows[-1]["cache"], chunks=rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", help="output folder (created)")
+    p.add_argument("--length", type=int, default=16384)
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--variants", default="fused,fused-attn,fused-gdn,fused-moe")
+    p.add_argument("--preset", default="full", choices=["tiny", "small", "full"])
+    args = p.parse_args(argv)
+    import mlx.core as mx
+
+    from qwen_apple_backend.bench.target import build_preset, clone_model_structure, fuse_in_memory
+
+    t_start = time.perf_counter()
+
+    def stage(msg):
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
+
+    stage(f"building preset {args.preset}")
+    b = build_preset(args.preset, seed=0)
+    results = []
+    for name in args.variants.split(","):
+        if name == "stock":
+            model = b.model
+        else:
+            off = name.split("-", 1)[1:] if "-" in name else []
+            model = clone_model_structure(b.model)
+            fuse_in_memory(model, "fused", config=b.config, disable=off)
+        r = prefill_memory(model, args.length, args.chunk)
+        r["variant"] = name
+        results.append(r)
+        stage(f"{name:12s} {args.length} tokens in {r['seconds']:.1f}s: weights "
+              f"{r['weights_bytes'] / GB:.2f} GB, cache {r['cache_bytes'] / GB:.2f} GB, peak above "
+              f"weights {r['peak_above_weights'] / GB:.2f} GB, working (peak - cache) "
+              f"{r['working_bytes'] / GB:.2f} GB; other active first/last chunk "
+              f"{r['other_active_first'] / GB:.2f}/{r['other_active_last'] / GB:.2f} GB")
+        if name != "stock":
+            del model
+        mx.clear_cache()
+    dev = mx.device_info().get("device_name", str(mx.default_device())) \
+        if hasattr(mx, "device_info") else str(mx.default_device())
+    slug = "".join(c if c.isalnum() else "-" for c in str(dev).lower()).strip("-") or "cpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"prefill-memory-{slug}.json"
+    path.write_text(json.dumps(dict(device=str(dev), preset=args.preset, results=results),
+                               indent=1))
+    stage(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
