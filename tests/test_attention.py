@@ -366,3 +366,82 @@ def test_compiled_decode_reads_live_parameters():
     for y, ref, e in zip(ys2, refs, eag):
         assert rel_l2(y, ref) <= 1e-5  # ...and matches stock
         assert rel_l2(y, e) <= 1e-6
+
+
+# --------------------------------------------------------------------------
+# long prompts: attention in blocks of query rows (attn-blocks)
+# --------------------------------------------------------------------------
+
+
+def test_score_block_rows():
+    # Fits: one call. Else the largest multiple of 16 rows within the budget.
+    assert attn_ops.score_block_rows(1, 16, 2048, 4096) == 2048  # 512 MiB of scores
+    assert attn_ops.score_block_rows(1, 16, 2048, 131072) == 128  # 8 GiB -> 128 rows
+    assert attn_ops.score_block_rows(1, 16, 2048, 32768, budget=1 << 20) == 16  # floor 16
+    assert attn_ops.score_block_rows(1, 16, 7, 10**7, budget=1) == 7  # T < 16
+    assert attn_ops.score_block_rows(2, 4, 100, 1000, budget=2 * 4 * 1000 * 4 * 40) == 32
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 33])
+def test_blocked_attention_equals_one_call(rows):
+    # A 37-token chunk after 20 cached positions (causal, lower-right aligned),
+    # no mask, and boolean / additive array masks of [T, S] and [B, 1, T, S].
+    B, Hq, Hk, T, S, D = 2, 6, 2, 37, 57, 32
+    q = inputs((B, Hq, T, D), seed=1)
+    k = inputs((B, Hk, S, D), seed=2)
+    v = inputs((B, Hk, S, D), seed=3)
+    causal = mx.arange(S)[None, :] <= (mx.arange(T)[:, None] + S - T)
+    masks = {"causal": "causal", "none": None, "bool": causal,
+             "additive-4d": mx.broadcast_to(mx.where(causal, 0.0, -1e9), (B, 1, T, S))}
+    for name, mask in masks.items():
+        ref = attn_ops.gqa_attention_ops(q, k, v, 0.2, mask)
+        out = attn_ops.gqa_attention_blocked(q, k, v, 0.2, mask, rows=rows)
+        assert out.shape == ref.shape
+        assert rel_l2(out, ref) <= 1e-6, name
+    # The string mask and the array it stands for give the same blocks.
+    a = attn_ops.gqa_attention_blocked(q, k, v, 0.2, "causal", rows=rows)
+    b = attn_ops.gqa_attention_blocked(q, k, v, 0.2, causal, rows=rows)
+    assert rel_l2(a, b) <= 1e-6
+
+
+def test_blocked_attention_rejects_bad_input():
+    q = inputs((1, 2, 8, 16))
+    k = v = inputs((1, 1, 4, 16))
+    with pytest.raises(ValueError, match="more queries"):
+        attn_ops.gqa_attention_blocked(q, k, v, 0.25, "causal", rows=2)
+    with pytest.raises(ValueError, match="rows must be"):
+        attn_ops.gqa_attention_blocked(q, k, v, 0.25, None, rows=0)
+    with pytest.raises(ValueError, match="unknown attention mask"):
+        attn_ops.gqa_attention_blocked(q, k, v, 0.25, "sliding", rows=2)
+
+
+def test_long_prompt_runs_in_query_blocks_and_matches_stock(monkeypatch):
+    # With a small score budget the fused layer splits a chunked prefill
+    # into blocks of 16 query rows; outputs and the cache equal stock's.
+    stock, fused = make_pair()
+    monkeypatch.setattr(attn_ops, "SCORE_BLOCK_BYTES", 16 * 16 * 64 * 4)
+    calls = []
+    real = attn_ops.gqa_attention_ops
+    monkeypatch.setattr(attn_ops, "gqa_attention_ops",
+                        lambda q, *a, **k: calls.append(q.shape[2]) or real(q, *a, **k))
+    xs = [inputs((1, n, 512), seed=s) for s, n in enumerate([40, 50, 1])]
+    ys, cf = run_steps(fused, xs, KVCache)
+    refs, cs = run_steps(stock, xs, KVCache)
+    for step, (y, ref) in enumerate(zip(ys, refs)):
+        assert rel_l2(y, ref) <= 1e-5, step
+    assert max(calls) == 16 and len(calls) > 3, calls  # blocked, not one call
+    fused.block_queries = False
+    calls.clear()
+    run_steps(fused, xs, KVCache)
+    assert calls == [40, 50, 1]
+
+
+def test_attn_blocks_switch(monkeypatch):
+    from qwen_apple_backend.bench.target import fuse_in_memory
+    from qwen_apple_backend.checkpoint import build_random_model, hf_config
+
+    for disable, expect in ((None, True), (["attn-blocks"], False)):
+        model = build_random_model("tiny", vocab_size=64)
+        fuse_in_memory(model, "fused", config=hf_config("tiny", 64), disable=disable)
+        attn = [m for _, m in model.named_modules() if isinstance(m, FusedGQAAttention)]
+        assert attn and all(m.block_queries is expect for m in attn)

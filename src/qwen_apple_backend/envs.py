@@ -9,7 +9,8 @@ Variables:
     QAB_DISABLE: comma-separated fused module kinds to keep stock
         (``moe``, ``gdn``, ``attn``, ``all``) or single optimizations to
         switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``,
-        ``decode-compile``, ``proj-concat``, ``gemv-kernel``), for ablations.
+        ``attn-blocks``, ``decode-compile``, ``proj-concat``,
+        ``gemv-kernel``), for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
         leaves kernels on. Anything else is an error.
@@ -45,6 +46,8 @@ OPTIMIZATIONS = {
     "gdn-kernel": "gdn",  # GPU gated delta scans (prefill) and one-launch decode step (else MLX ops)
     "moe-gemm": "moe",  # dequantize-then-grouped-GEMM experts for prefill
     "moe-kernel": "moe",  # GPU MoE kernels: decode GEMVs (+ shared-expert fold), grouped GEMM, combine
+    # long prompts' attention in blocks of query rows (bounded score memory)
+    "attn-blocks": "attn",
     "decode-compile": "model",  # the compiled one-token decode step (decode.py)
     "proj-concat": "model",  # sibling input projections run as one matmul (layers/_concat.py)
     "gemv-kernel": "model",  # the CUDA dense 4-bit decode GEMV for lm_head (ops/linear.py)
@@ -115,7 +118,8 @@ def disabled_kinds() -> frozenset[str]:
     Raises:
         EnvVarError: if a name is not one of ``moe``, ``gdn``, ``attn``,
             ``all`` or an optimization name (``gdn-kernel``, ``moe-gemm``,
-            ``moe-kernel``, ``decode-compile``, ``proj-concat``, ``gemv-kernel``).
+            ``moe-kernel``, ``attn-blocks``, ``decode-compile``, ``proj-concat``,
+            ``gemv-kernel``).
     """
     names = set(_names(_get("QAB_DISABLE", "") or ""))
     unknown = names - set(FUSABLE_KINDS) - set(OPTIMIZATIONS) - {"all"}

@@ -23,7 +23,9 @@ from qwen_apple_backend.ops.attention import (
     RopeSpec,
     gate_output,
     gqa_attention,
+    gqa_attention_blocked,
     prep_qk,
+    score_block_rows,
 )
 
 __all__ = ["COMPILE_MAX_TOKENS", "FusedGQAAttention", "rope_spec"]
@@ -73,6 +75,9 @@ class FusedGQAAttention(nn.Module):
         compile_decode (bool): run the pre-cache part of decode-sized calls
             (at most ``COMPILE_MAX_TOKENS`` tokens) as one compiled graph.
             Default True.
+        block_queries (bool): split a long prompt's attention into blocks of
+            query rows whose scores fit ``ops.attention.SCORE_BLOCK_BYTES``
+            (the ``attn-blocks`` optimization). Default True.
     """
 
     def __init__(
@@ -90,6 +95,7 @@ class FusedGQAAttention(nn.Module):
         head_dim: int,
         use_kernel: bool = True,
         compile_decode: bool = True,
+        block_queries: bool = True,
     ):
         super().__init__()
         self.num_key_value_heads = num_key_value_heads
@@ -105,6 +111,7 @@ class FusedGQAAttention(nn.Module):
         self.rope = rope
         self.use_kernel = use_kernel
         self.compile_decode = compile_decode
+        self.block_queries = block_queries
 
     @classmethod
     def from_stock(
@@ -242,9 +249,15 @@ class FusedGQAAttention(nn.Module):
                 q, k, v, cache=cache, scale=self.scale, mask=mask
             )
         else:
-            out = gqa_attention(
-                q, k, v, self.scale, mask, use_kernel=self.use_kernel and not self.training
-            )
+            rows = q.shape[2]
+            if self.block_queries and not self.training and rows > 1:
+                rows = score_block_rows(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            if rows < q.shape[2]:
+                out = gqa_attention_blocked(q, k, v, self.scale, mask, rows=rows)
+            else:
+                out = gqa_attention(
+                    q, k, v, self.scale, mask, use_kernel=self.use_kernel and not self.training
+                )
         return self.o_proj(gate_output(out, gate))
 
     def concat_projections(self) -> bool:

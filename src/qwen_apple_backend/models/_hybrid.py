@@ -355,6 +355,8 @@ class QwenHybridAdapter(Adapter):
                     fused.dequant_gemm = False
                 if "moe-kernel" in off:
                     fused.use_kernel = False
+                if "attn-blocks" in off:
+                    fused.block_queries = False
                 if "proj-concat" not in disable and hasattr(fused, "concat_projections"):
                     fused.concat_projections()
                 setattr(layer, attr, fused)

@@ -6,7 +6,18 @@
 * :func:`gqa_attention` — dispatcher around
   ``mx.fast.scaled_dot_product_attention``, which handles grouped-query
   attention natively: KV heads are never repeated to match query heads.
+* :func:`gqa_attention_blocked` — the same attention in blocks of query rows,
+  so that a long prompt never holds the whole ``[B, Hq, T, S]`` score matrix.
 * :func:`gate_output` — the per-head sigmoid output gate of Qwen3.5 / Qwen3-Next.
+
+About memory: where MLX has no fused attention kernel for the shape (the CPU;
+CUDA for head dims above 128, which cuDNN's SDPA does not take: Qwen3.6's
+full-attention head dim is 256), ``mx.fast.scaled_dot_product_attention``
+runs as MLX ops and materializes the scores. A 2,048-token prefill chunk at
+128K context would hold 16 x 2,048 x 131,072 scores, 8.6 GB per bf16 buffer.
+:func:`score_block_rows` picks query blocks that keep it under
+:data:`SCORE_BLOCK_BYTES`; each row's softmax is independent, so the blocked
+result is the same attention.
 
 About RoPE: Qwen3.5 configs carry ``mrope_section`` (e.g. [11, 11, 10],
 interleaved) for multimodal positions. For text, the three position streams
@@ -34,8 +45,14 @@ __all__ = [
     "gqa_attention_ops",
     "gqa_attention_kernel",
     "gqa_attention",
+    "gqa_attention_blocked",
+    "score_block_rows",
+    "SCORE_BLOCK_BYTES",
     "gate_output",
 ]
+
+#: Budget for one attention call's score matrix (float32 bytes of [B, Hq, rows, S]).
+SCORE_BLOCK_BYTES = 1 << 30
 
 Mask = Union[None, str, mx.array]
 
@@ -250,3 +267,82 @@ def gate_output(out: mx.array, gate: mx.array) -> mx.array:
     """
     b, h, t, d = out.shape
     return _sigmoid_gate(out.transpose(0, 2, 1, 3).reshape(b, t, h * d), gate)
+
+
+def score_block_rows(B: int, Hq: int, T: int, S: int,
+                     budget: Optional[int] = None) -> int:
+    """Query rows per attention call so that the scores fit the budget.
+
+    Args:
+        B (int): batch. Hq (int): query heads. T (int): query tokens.
+        S (int): key/value tokens.
+        budget (int, optional): bytes for one ``[B, Hq, rows, S]`` float32
+            score matrix. Default :data:`SCORE_BLOCK_BYTES`.
+
+    Returns:
+        int: ``T`` when the whole matrix fits (one call), else the largest
+        multiple of 16 rows that fits (at least 16, or T when T < 16).
+    """
+    budget = SCORE_BLOCK_BYTES if budget is None else budget
+    per_row = max(1, B * Hq * S * 4)
+    if T * per_row <= budget:
+        return T
+    rows = (budget // per_row) // 16 * 16
+    return min(T, max(rows, 16))
+
+
+def gqa_attention_blocked(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    mask: Mask = None,
+    *,
+    rows: int,
+) -> mx.array:
+    """:func:`gqa_attention_ops` over blocks of ``rows`` query rows.
+
+    Each block attends to the keys it may see: for ``"causal"`` (queries are
+    the last T of the S positions, as in a chunked prefill after a cache),
+    block ``[i, j)`` takes the first ``S - T + j`` keys with a causal mask;
+    an array mask is sliced to the block's rows; None keeps every key.
+    Softmax is per row, so the result equals one call's up to rounding of
+    the matmuls, while the scores held at once shrink to ``rows / T``.
+
+    Args:
+        q (mx.array): queries. k (mx.array): keys. v (mx.array): values.
+        scale (float): score scale.
+        mask (None | str | mx.array): as :func:`gqa_attention_ops`.
+        rows (int): query rows per block (>= 1).
+
+    Returns:
+        mx.array: ``[B, Hq, T, D]``, dtype of ``q``.
+
+    Raises:
+        ValueError: if ``rows < 1``, a string mask other than ``"causal"``, a
+            causal mask with ``T > S``, or head counts that do not divide.
+
+    Shapes:
+        q: ``[B, Hq, T, D]``; k, v: ``[B, Hk, S, D]``; mask: ``[..., T, S]`` or
+        broadcastable; returns ``[B, Hq, T, D]``
+    """
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    T, S = q.shape[2], k.shape[2]
+    if isinstance(mask, str) and mask != "causal":
+        raise ValueError(f"unknown attention mask {mask!r} (expected None, 'causal' or an array)")
+    if isinstance(mask, str) and T > S:
+        raise ValueError(f"causal mask with more queries ({T}) than keys ({S})")
+    if rows >= T:
+        return gqa_attention_ops(q, k, v, scale, mask)
+    outs = []
+    for i in range(0, T, rows):
+        j = min(T, i + rows)
+        qb, kb, vb, mb = q[:, :, i:j], k, v, mask
+        if isinstance(mask, str):
+            end = S - T + j
+            kb, vb = k[:, :, :end], v[:, :, :end]
+        elif mask is not None and mask.ndim >= 2 and mask.shape[-2] == T:
+            mb = mask[..., i:j, :]
+        outs.append(gqa_attention_ops(qb, kb, vb, scale, mb))
+    return mx.concatenate(outs, axis=2)
