@@ -376,7 +376,7 @@ def test_compiled_decode_reads_live_parameters():
 def test_score_block_rows():
     # Fits: one call. Else the largest multiple of 16 rows within the budget.
     assert attn_ops.score_block_rows(1, 16, 2048, 4096) == 2048  # 512 MiB of scores
-    assert attn_ops.score_block_rows(1, 16, 2048, 131072) == 128  # 8 GiB -> 128 rows
+    assert attn_ops.score_block_rows(1, 16, 2048, 131072) == 64  # 16 GiB -> 64 rows
     assert attn_ops.score_block_rows(1, 16, 2048, 32768, budget=1 << 20) == 16  # floor 16
     assert attn_ops.score_block_rows(1, 16, 7, 10**7, budget=1) == 7  # T < 16
     assert attn_ops.score_block_rows(2, 4, 100, 1000, budget=2 * 4 * 1000 * 4 * 40) == 32
@@ -445,3 +445,36 @@ def test_attn_blocks_switch(monkeypatch):
         fuse_in_memory(model, "fused", config=hf_config("tiny", 64), disable=disable)
         attn = [m for _, m in model.named_modules() if isinstance(m, FusedGQAAttention)]
         assert attn and all(m.block_queries is expect for m in attn)
+
+
+def test_blocked_attention_holds_one_block_of_scores():
+    # 8 query heads x 512 rows x 8,192 keys: 134 MB of float32 scores in one
+    # call. In blocks of 64 rows, each evaluated before the next is built,
+    # the peak is about one block's 16.8 MB (measured 18.5 MB on the CPU;
+    # left lazy it stayed at ~136 MB, every block alive together).
+    q = inputs((1, 8, 512, 64), seed=1)
+    k = inputs((1, 2, 8192, 64), seed=2)
+    v = inputs((1, 2, 8192, 64), seed=3)
+    mx.eval(q, k, v)
+    peaks = {}
+    for rows in (512, 64):
+        mx.synchronize()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        mx.eval(attn_ops.gqa_attention_blocked(q, k, v, 0.125, "causal", rows=rows))
+        mx.synchronize()
+        peaks[rows] = mx.get_peak_memory() - base
+    one_block = 8 * 64 * 8192 * 4
+    assert peaks[512] >= 8 * one_block
+    assert peaks[64] <= 2 * one_block, peaks
+
+
+def test_blocked_attention_inside_compile_stays_lazy():
+    q = inputs((1, 4, 40, 16), seed=1)
+    k = inputs((1, 2, 50, 16), seed=2)
+    v = inputs((1, 2, 50, 16), seed=3)
+    ref = attn_ops.gqa_attention_ops(q, k, v, 0.25, "causal")
+    fn = mx.compile(lambda q, k, v: attn_ops.gqa_attention_blocked(q, k, v, 0.25, "causal",
+                                                                   rows=16))
+    assert rel_l2(fn(q, k, v), ref) <= 1e-6

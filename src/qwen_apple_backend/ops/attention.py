@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 #: Budget for one attention call's score matrix (float32 bytes of [B, Hq, rows, S]).
-SCORE_BLOCK_BYTES = 1 << 30
+SCORE_BLOCK_BYTES = 1 << 29
 
 Mask = Union[None, str, mx.array]
 
@@ -299,6 +299,7 @@ def gqa_attention_blocked(
     mask: Mask = None,
     *,
     rows: int,
+    evaluate: bool = True,
 ) -> mx.array:
     """:func:`gqa_attention_ops` over blocks of ``rows`` query rows.
 
@@ -307,13 +308,20 @@ def gqa_attention_blocked(
     block ``[i, j)`` takes the first ``S - T + j`` keys with a causal mask;
     an array mask is sliced to the block's rows; None keeps every key.
     Softmax is per row, so the result equals one call's up to rounding of
-    the matmuls, while the scores held at once shrink to ``rows / T``.
+    the matmuls. With ``evaluate`` each block is evaluated before the next is
+    built, so the scores alive at once shrink to ``rows / T`` of one call's:
+    left lazy, MLX encodes every block (and every layer of the chunk) ahead
+    of the GPU and their buffers are all alive together (measured on the
+    H200: a 2,048-token chunk at 128K context still peaked 20 GB above the
+    weights with lazy blocks). Inside ``mx.compile`` the blocks stay lazy.
 
     Args:
         q (mx.array): queries. k (mx.array): keys. v (mx.array): values.
         scale (float): score scale.
         mask (None | str | mx.array): as :func:`gqa_attention_ops`.
         rows (int): query rows per block (>= 1).
+        evaluate (bool): evaluate each block before building the next (a
+            host sync per block). Default True.
 
     Returns:
         mx.array: ``[B, Hq, T, D]``, dtype of ``q``.
@@ -345,4 +353,13 @@ def gqa_attention_blocked(
         elif mask is not None and mask.ndim >= 2 and mask.shape[-2] == T:
             mb = mask[..., i:j, :]
         outs.append(gqa_attention_ops(qb, kb, vb, scale, mb))
+        if evaluate:
+            _eval_outside_traces(outs[-1])
     return mx.concatenate(outs, axis=2)
+
+
+def _eval_outside_traces(a: mx.array) -> None:
+    try:
+        mx.eval(a)
+    except ValueError:
+        pass  # inside mx.compile / vmap: no eval; the blocks stay lazy
