@@ -120,3 +120,25 @@ def test_compiled_step_sees_replaced_projection_weights(tiny_hf_f32, monkeypatch
     t_eager, lp_eager, _ = _greedy(eager, prompt, 8)
     assert t_comp == t_eager
     assert float(mx.abs(lp_comp - lp_eager).max()) <= 1e-5
+
+
+def test_replays_skip_the_concatenation_walk_and_prefill_keeps_it(tiny_hf_f32, monkeypatch):
+    # Only a call that traces re-wraps the model's arrays; replays must not
+    # pay the walk over every concatenated projection, and after decoding
+    # the eager prefill still runs its one-matmul projections.
+    import qwen_apple_backend.decode as dec
+    from qwen_apple_backend.decode import _concats
+
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    m, _ = load(tiny_hf_f32, "fused")
+    walks = []
+    monkeypatch.setattr(dec, "_concats", lambda model: walks.append(1) or _concats(model))
+    cache = make_prompt_cache(m)
+    m(mx.array([[1, 2, 3, 4]]), cache=cache)
+    for t in range(5, 15):  # first token eager, then one trace and 8 replays
+        mx.eval(m(mx.array([[t]]), cache=cache))
+    step = m.language_model.__dict__["_qab_decode"]
+    assert step.compiled_calls == 9
+    assert len(walks) == 1
+    cats = _concats(m.language_model)
+    assert cats and all(c.valid(owner) for c, owner in cats)

@@ -99,6 +99,7 @@ class _CompiledDecode:
         self._model = weakref.ref(model)
         self._call = call
         self._fn = mx.compile(self._step, inputs=model)
+        self._traced: set = set()
         self.eager_calls = 0
         self.compiled_calls = 0
 
@@ -124,11 +125,20 @@ class _CompiledDecode:
         offset = mx.array(next(c.offset for c in cache if type(c) is KVCache), dtype=mx.int32)
         # While tracing, the model's arrays are tracers, so every module takes
         # its separate projections inside the trace (never stale concatenated
-        # rows). Tracing also re-wraps those arrays in new objects: re-record
-        # the views of every concatenation that was valid before the call, so
-        # eager calls (prefill) keep their one-matmul path.
-        valid = [c for c, owner in _concats(self._model()) if c.valid(owner)]
+        # rows). Tracing also re-wraps those arrays in new objects (a replay
+        # does not): re-record the views of every concatenation that was
+        # valid before a call that traces, so eager calls (prefill) keep their
+        # one-matmul path. A call traces when its input shapes are new; the
+        # walk over the concatenations costs ~2 ms per token at 40 layers, so
+        # replays skip it.
+        key = (tokens.shape, tokens.dtype, tuple(layout),
+               tuple((a.shape, a.dtype) for pair in kv for a in pair),
+               tuple((a.shape, a.dtype) for pair in ssm for a in pair))
+        valid = []
+        if key not in self._traced:
+            valid = [c for c, owner in _concats(self._model()) if c.valid(owner)]
         logits, kv_out, ssm_out = self._fn(tokens, offset, kv, ssm, tuple(layout))
+        self._traced.add(key)
         for c in valid:
             c.refresh()
         ik = iss = 0
