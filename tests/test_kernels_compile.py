@@ -32,8 +32,8 @@ using Shape = cuda::std::array<int32_t, 8>;
 #define inf cuda::std::numeric_limits<float>::infinity()
 """
 
-T = {"bf16": "__nv_bfloat16", "f32": "float", "u32": "uint32_t", "i32": "int32_t",
-     "bool": "bool"}
+T = {"bf16": "__nv_bfloat16", "f16": "__half", "f32": "float", "u32": "uint32_t",
+     "i32": "int32_t", "bool": "bool"}
 
 # op -> (input C types in manifest order, output C types, template values):
 # the Qwen3.6-35B-A3B shapes in bf16.
@@ -73,12 +73,24 @@ CASES = {
          "f32", "bool", "i32"], ["bf16", "bf16", "f32"],
         {"InT": "bf16", "WT": "bf16", "Hk": 16, "Hv": 32, "Dk": 128, "Dv": 128, "Kc": 4,
          "BLOCK": 256, "HAS_BIAS": False, "HAS_MASK": True, "HAS_LENGTHS": True}),
+    "moe_router_topk": (["bf16"], ["u32", "bf16"],
+                        {"InT": "bf16", "E": 256, "K": 8, "NORM": True}),
 }
 
+# More template values of one op: (op, case) as in CASES.
+EXTRA_CASES = [
+    # The router at its limits: E = 1024 float32 logits (32 per lane, 8 lane
+    # groups) with K = 32; and 8 half logits (one lane group, mostly padding).
+    ("moe_router_topk", (["f32"], ["u32", "f32"], {"InT": "f32", "E": 1024, "K": 32,
+                                                   "NORM": True})),
+    ("moe_router_topk", (["f16"], ["u32", "f16"], {"InT": "f16", "E": 8, "K": 2,
+                                                   "NORM": False})),
+]
 
-def wrap(op: str) -> str:
+
+def wrap(op: str, case=None) -> str:
     src = kernel_source(op, "cuda")
-    in_types, out_types, template = CASES[op]
+    in_types, out_types, template = case or CASES[op]
     params = []
     for name, t in zip(src.inputs, in_types):
         params.append(f"const {T[t]}* {name}")
@@ -101,8 +113,19 @@ def wrap(op: str) -> str:
 
 @pytest.mark.parametrize("op", sorted(CASES))
 def test_cuda_kernel_compiles_without_spills(op, tmp_path):
+    _compile_without_spills(op, None, tmp_path)
+
+
+@pytest.mark.parametrize("op,case", EXTRA_CASES,
+                         ids=lambda c: c if isinstance(c, str)
+                         else "-".join(str(v) for v in c[2].values()))
+def test_cuda_kernel_extra_cases_compile_without_spills(op, case, tmp_path):
+    _compile_without_spills(op, case, tmp_path)
+
+
+def _compile_without_spills(op, case, tmp_path):
     cu = tmp_path / f"{op}.cu"
-    cu.write_text(wrap(op), encoding="utf-8")
+    cu.write_text(wrap(op, case), encoding="utf-8")
     r = subprocess.run([NVCC, "-arch=sm_90", "-c", "-o", str(tmp_path / f"{op}.o"),
                         "-Xptxas", "-v", str(cu)], capture_output=True, text=True, timeout=300)
     log = r.stdout + r.stderr
@@ -117,3 +140,25 @@ def test_every_cuda_op_has_a_compile_case():
     from qwen_apple_backend.ops._sources import manifest
 
     assert {op for op, e in manifest().items() if e.get("cuda")} == set(CASES)
+
+
+# --------------------------------------------------------------------------
+# add_rms_norm: residual add + RMSNorm (kernels/cuda/add_rms_norm.cu)
+# --------------------------------------------------------------------------
+
+# Qwen3.6-35B-A3B: D = 2048 in bf16, 256 threads of 8 elements.
+CASES["add_rms_norm"] = (["bf16", "bf16", "bf16", "f32"], ["bf16", "bf16"],
+                         {"T": "bf16", "D": 2048, "BLOCK": 256})
+# Also the largest row (16 float32 elements per thread at 1,024 threads) and
+# an odd D in half precision (264 in 64 threads, a partial last chunk).
+ADD_NORM_COMPILE_CASES = [
+    CASES["add_rms_norm"],
+    (["f32", "f32", "f32", "f32"], ["f32", "f32"], {"T": "f32", "D": 16384, "BLOCK": 1024}),
+    (["f16", "f16", "f16", "f32"], ["f16", "f16"], {"T": "f16", "D": 264, "BLOCK": 64}),
+]
+
+
+@pytest.mark.parametrize("case", ADD_NORM_COMPILE_CASES,
+                         ids=lambda c: "-".join(str(v) for v in c[2].values()))
+def test_add_rms_norm_compiles_without_spills(case, tmp_path):
+    _compile_without_spills("add_rms_norm", case, tmp_path)

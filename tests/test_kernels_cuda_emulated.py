@@ -731,3 +731,276 @@ def test_quantized_gemv_dispatcher_self_checks_the_emulated_kernel(_emulated_gem
     verdicts = {k: v for k, v in self_check_results().items() if k[0] == "quantized_gemv"}
     assert list(verdicts.values()) == [(True, "passed")]
     reset_self_checks()
+
+
+# --------------------------------------------------------------------------
+# MoE router: softmax + top-K + renormalisation in one launch
+# (kernels/cuda/moe_router_topk.cu), through ops.moe's launch code
+# --------------------------------------------------------------------------
+
+# (leading shape, E, K): Qwen3.6 decode (one token of 256 experts, K = 8),
+# batch 3, 17 tokens (five threadgroups of 4 rows, the last with one row);
+# 8 experts K = 2 (each lane reads 8 bf16 logits: lanes 1-31 hold only
+# padding), 64 experts K = 4, K = 1 of 16, E = 300 (two lane groups in bf16,
+# the second partial) with K = 16 (two slot chunks in the renormalisation
+# sum), E = 1024 (8 float32 lane groups) with K = 32 (every lane keeps one).
+ROUTER_EMU_CASES = [
+    ((1, 1), 256, 8),
+    ((3, 1), 256, 8),
+    ((1, 17), 256, 8),
+    ((5,), 8, 2),
+    ((2, 2), 64, 4),
+    ((6,), 16, 1),
+    ((7,), 300, 16),
+    ((3,), 1024, 32),
+]
+
+
+def _router_case_logits(lead, E, dtype, seed, scale=2.0):
+    return (scale * mx.random.normal((*lead, E), key=mx.random.key(seed))).astype(dtype)
+
+
+def _assert_router_emulated(logits, K, norm, where):
+    """The emulated kernel (ops.moe's launch) against the portable route and
+    against the stock route as MLX's GPU kernels compute it."""
+    from .test_kernels_gpu import _assert_route_is_the_gpu_route, _assert_route_matches_stock
+
+    inds, scores = moe_ops.topk_route(logits, K, norm, kernel="cuda")
+    assert inds.shape == scores.shape == (*logits.shape[:-1], K), where
+    assert inds.dtype == mx.uint32 and scores.dtype == logits.dtype, where
+    # The same experts as the portable route (MLX's CPU argpartition keeps,
+    # of equal probabilities, the higher index too), scores within dtype.
+    _assert_route_matches_stock(logits, inds, scores, K, norm, where)
+    # Against the GPU route's arithmetic: the same experts in the same slots
+    # (ascending probability, ties by ascending index) and the same scores,
+    # up to one rounding where MLX's CPU softmax (its own exp) and the
+    # kernel's round a probability differently in the last bit.
+    _assert_route_is_the_gpu_route(logits, inds, scores, K, norm, where)
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "raw"])
+@pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=["bf16", "f16", "f32"])
+@pytest.mark.parametrize("case", ROUTER_EMU_CASES,
+                         ids=lambda c: "x".join(map(str, (*c[0], c[1], c[2]))))
+def test_moe_router_emulated(case, dtype, norm):
+    lead, E, K = case
+    logits = _router_case_logits(lead, E, dtype, seed=E + K + len(lead))
+    _assert_router_emulated(logits, K, norm, f"{case} {dtype} norm={norm}")
+
+
+def _router_special_rows(E=64):
+    """Rows with exact ties, equal logits and large magnitudes (float32 numpy)."""
+    base = np.linspace(-2.0, 2.0, E).astype(np.float32)
+    tied = base.copy()
+    tied[[3, 9, 40, 57]] = 2.5  # four experts tied for the top
+    tied[[1, 20, 33]] = tied[62]  # four tied at ranks 6-9: K = 8 keeps three
+    big = 80.0 * np.sign(base) * (np.abs(base) > 1.0)  # +-80 and 0: 16 tied at +80
+    spread = np.where(np.arange(E) % 2 == 0, 80.0, -80.0) - base  # exp(-160) underflows
+    return np.stack([tied, np.zeros(E, np.float32), big, spread]).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=["bf16", "f16", "f32"])
+def test_moe_router_emulated_ties_equal_rows_and_large_logits(dtype):
+    K = 8
+    logits = mx.array(_router_special_rows()).astype(dtype)
+    for norm in (True, False):
+        _assert_router_emulated(logits, K, norm, f"special rows {dtype} norm={norm}")
+        inds, scores = moe_ops.topk_route(logits, K, norm, kernel="cuda")
+        inds, sc = np.array(inds), np.array(scores.astype(F32))
+        # Ties keep the higher index and order slots by ascending index:
+        # the four tied for the top (3, 9, 40, 57) last, before them 63 and,
+        # of the four tied at ranks 6-9 (1, 20, 33, 62), the three highest.
+        assert list(inds[0, -4:]) == [3, 9, 40, 57]
+        assert set(inds[0, :4]) == {20, 33, 62, 63}, inds[0]
+        assert list(inds[1]) == list(range(56, 64))  # all equal: the last eight experts
+        assert all(e >= 48 for e in inds[2]) and list(inds[2]) == sorted(inds[2])
+        want = 1.0 / K if norm else 1.0 / 64
+        assert np.all(sc[1] == np.float32(want))
+        assert np.isfinite(sc).all()
+        if norm:
+            assert np.allclose(sc.sum(-1), 1.0, atol=2e-2)
+
+
+def test_moe_router_dispatcher_self_checks_the_emulated_kernel(monkeypatch):
+    monkeypatch.setattr(moe_ops, "gpu_backend", lambda: "cuda")
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    device.reset_self_checks()
+    try:
+        for (E, K, norm, dtype) in [(256, 8, True, BF16), (256, 8, False, F32), (8, 2, True, F16)]:
+            assert moe_ops.router_kernel_ready(mx.zeros((1, E), dtype), K, norm) == "cuda"
+        assert set(device.self_check_results().values()) == {(True, "passed")}
+        assert moe_ops.router_kernel_ready(mx.zeros((1, 2048), BF16), 8, True) is None  # E
+        assert moe_ops.router_kernel_ready(mx.zeros((1, 64), BF16), 33, True) is None  # K
+        assert moe_ops.router_kernel_ready(mx.zeros((1, 64), mx.int32), 8, True) is None
+        monkeypatch.setenv("QAB_DISABLE_KERNELS", "1")
+        assert moe_ops.router_kernel_ready(mx.zeros((1, 256), BF16), 8, True) is None
+        assert len(device.self_check_results()) == 3
+    finally:
+        device.reset_self_checks()
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+def test_moe_block_routes_with_the_emulated_kernel(monkeypatch, dtype):
+    # The fused block on a faked CUDA device whose only kernel is the
+    # emulated router (the small test block is not eligible for the decode
+    # GEMVs; the grouped GEMM's tensor-core PTX is not emulated), its
+    # compiled decode step run eagerly, against stock mlx-lm: a decode token
+    # and a 74-token prefill.
+    from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
+
+    from .test_moe import H, inputs, make_stock, quantized
+
+    monkeypatch.setattr(moe_ops, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(moe_ops, "_grouped_gemm_object", lambda backend: None)
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    calls = []
+    real = moe_ops._router_kernel_call
+    monkeypatch.setattr(moe_ops, "_router_kernel_call",
+                        lambda *a: calls.append(a[1].shape) or real(*a))
+    device.reset_self_checks()
+    mx.disable_compile()
+    try:
+        stock = quantized(make_stock(), dtype=None if dtype == F32 else dtype)
+        fused = FusedSparseMoeBlock.from_stock(stock)
+        for shape in ((1, 1, H), (2, 37, H)):
+            x = inputs(shape, dtype=dtype)
+            y, ref = fused(x), stock(x)
+            assert calls[-1] == (*shape[:-1], 32)  # routed by the kernel (E = 32)
+            assert y.dtype == dtype
+            if dtype == F32:
+                assert mx_rel_l2(y, ref) <= 1e-5, shape  # measured 4e-8, 7e-8
+            else:
+                # The same experts; the renormalised bf16 scores add in bf16
+                # (as on the GPU) where MLX's CPU adds in float32 (measured
+                # rel-L2 0.0 decode, 1.6e-3 prefill).
+                assert mx_rel_l2(y, ref) <= 1e-2, shape
+        router = [v for k, v in device.self_check_results().items() if k[0] == "moe_router_topk"]
+        assert router == [(True, "passed")]
+        fused.use_kernel = False  # the moe-kernel optimization off: the portable route
+        n = len(calls)
+        assert mx.array_equal(fused(inputs((1, 1, H), dtype=dtype)),
+                              stock(inputs((1, 1, H), dtype=dtype))).item()
+        assert len(calls) == n
+    finally:
+        mx.enable_compile()
+        device.reset_self_checks()
+
+
+ROUTER_BROKEN = {
+    # Of equal probabilities the lower index wins inside a lane.
+    "lower index kept": ("if (key[k] > bv || (key[k] == bv && e > be)) {",
+                         "if (key[k] > bv || (key[k] == bv && e < be)) {"),
+    # The argmax butterfly skips the last lane distance: two lanes' bests.
+    "argmax butterfly": ("for (int o = 16; o > 0; o >>= 1) {\n    const float ov",
+                         "for (int o = 16; o > 1; o >>= 1) {\n    const float ov"),
+    # Slots written largest first (argpartition's order reversed).
+    "slot order": ("(size_t)row * K + (K - 1 - lane)", "(size_t)row * K + lane"),
+    # The renormalisation sum misses the last slot of each chunk.
+    "norm sum": ("const int s = VEC * lane + j;", "const int s = VEC * lane + j + 1;"),
+    # The second lane group's sum is not rescaled to the row max.
+    "group rescale": ("total = gsum[g] * __expf(gmax[g] - rmax);", "total = gsum[g];"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(ROUTER_BROKEN))
+def test_broken_router_kernel_fails(monkeypatch, what):
+    old, new = ROUTER_BROKEN[what]
+    _broken(monkeypatch, "moe_router_topk", old, new)
+    with pytest.raises(AssertionError) as failure:
+        logits = mx.array(_router_special_rows()).astype(BF16)
+        _assert_router_emulated(logits, 8, True, what)
+        # E = 300: two lane groups in bf16, the second with the row max.
+        logits = _router_case_logits((3,), 300, BF16, seed=1)
+        logits = mx.concatenate([logits[:, :256], logits[:, 256:] + 6.0], axis=-1)
+        _assert_router_emulated(logits, 16, True, what)
+    assert not isinstance(failure.value, emu.KernelCompileError), str(failure.value)
+
+
+# --------------------------------------------------------------------------
+# add_rms_norm: residual add + RMSNorm in one launch
+# (kernels/cuda/add_rms_norm.cu), through ops.norm's launch code
+# --------------------------------------------------------------------------
+
+from qwen_apple_backend.ops import norm as norm_ops  # noqa: E402
+
+# N rows x D: Qwen3.6-35B-A3B's D = 2048 (256 threads, 8 elements each), odd
+# D with a partial last chunk (100 in one warp, 4 elements per thread; 264 in
+# two warps, 5 each), 4096 (512 threads); 1, 3 and 7 rows.
+ADD_NORM_N = [1, 3, 7]
+ADD_NORM_D = [2048, 100, 264, 4096]
+
+
+@pytest.fixture
+def _emulated_norm(monkeypatch):
+    monkeypatch.setattr(norm_ops, "build_kernel", emu.build_kernel)
+    norm_ops._kernel_object.cache_clear()
+    yield
+    norm_ops._kernel_object.cache_clear()
+
+
+@pytest.mark.parametrize("dt", ["bf16", "f16", "f32"])
+@pytest.mark.parametrize("D", ADD_NORM_D)
+@pytest.mark.parametrize("N", ADD_NORM_N)
+def test_add_rms_norm_emulated(N, D, dt, _emulated_norm):
+    from .test_kernels_gpu import _add_rms_norm_inputs, _assert_add_rms_norm_matches
+
+    x, r, w, eps = _add_rms_norm_inputs((N, D), _DT[dt], seed=N * D)
+    h, y = norm_ops._kernel_call("cuda", x, r, w, eps)
+    # h bit-identical to x + r; y within two ulps of mx.fast.rms_norm on
+    # the CPU, on at most 2% of the elements (see the helper for the measured
+    # differences).
+    _assert_add_rms_norm_matches(h, y, x, r, w, eps, f"{N}x{D} {dt}")
+
+
+def test_add_rms_norm_emulated_with_a_time_axis(_emulated_norm):
+    from .test_kernels_gpu import _add_rms_norm_inputs, _assert_add_rms_norm_matches
+
+    # [B, T, D] as the decoder layer passes it (outputs take x's shape).
+    x, r, w, eps = _add_rms_norm_inputs((2, 3, 264), mx.bfloat16, seed=5)
+    h, y = norm_ops._kernel_call("cuda", x, r, w, eps)
+    _assert_add_rms_norm_matches(h, y, x, r, w, eps, "2x3x264")
+
+
+def test_add_rms_norm_dispatcher_self_checks_the_emulated_kernel(_emulated_norm, monkeypatch):
+    monkeypatch.setattr(norm_ops, "gpu_backend", lambda: "cuda")
+    device.reset_self_checks()
+    assert norm_ops.add_rms_norm_ready(2048, mx.bfloat16) == "cuda"
+    verdicts = {k: v for k, v in device.self_check_results().items() if k[0] == "add_rms_norm"}
+    assert verdicts == {("add_rms_norm", "cuda", (2048, str(mx.bfloat16))): (True, "passed")}
+    device.reset_self_checks()
+
+
+ADD_NORM_BROKEN = {
+    # Every warp takes the first warp's partial sum only.
+    "cross-warp sum": ("float total = lane < WARPS ? partial[lane] : 0.f;",
+                       "float total = lane < 1 ? partial[lane] : 0.f;"),
+    # The partials are read before every warp wrote them.
+    "barrier": ("__syncthreads();\nfloat total", "float total"),
+    # The normalised value is not rounded to T before the weight multiply.
+    "rounding point": ("static_cast<float>(static_cast<T>(hv[j] * inv))", "hv[j] * inv"),
+    # The last partial chunk of the row is dropped.
+    "row tail": ("hv[j] = i < D ? static_cast<float>(x[base + i]) : 0.f;",
+                 "hv[j] = i < D - 1 ? static_cast<float>(x[base + i]) : 0.f;"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(ADD_NORM_BROKEN))
+def test_broken_add_rms_norm_fails(monkeypatch, what):
+    from .test_kernels_gpu import _add_rms_norm_inputs, _assert_add_rms_norm_matches
+
+    old, new = ADD_NORM_BROKEN[what]
+    body = kernel_source("add_rms_norm", "cuda").body
+    assert body.count(old) == 1, f"mutation target not found once: {old!r}"
+    monkeypatch.setattr(norm_ops, "build_kernel",
+                        lambda op, backend, **o: emu.build_kernel(op, backend,
+                                                                  source=body.replace(old, new),
+                                                                  **o))
+    norm_ops._kernel_object.cache_clear()
+    try:
+        with pytest.raises(AssertionError) as failure:
+            x, r, w, eps = _add_rms_norm_inputs((3, 2048), mx.bfloat16, seed=11)
+            h, y = norm_ops._kernel_call("cuda", x, r, w, eps)
+            _assert_add_rms_norm_matches(h, y, x, r, w, eps, what)
+        assert not isinstance(failure.value, emu.KernelCompileError), str(failure.value)
+    finally:
+        norm_ops._kernel_object.cache_clear()

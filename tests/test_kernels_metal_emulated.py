@@ -717,3 +717,152 @@ def test_gated_delta_decode_metal_emulated(gdn_decode_exe, case):
         assert (out[1:] == 0).all(), "masked rows must output zeros"
         assert np.array_equal(got[2].reshape(B, Hv, Dv, Dk)[1:],
                               np.array(state[1:], dtype=np.float64)), "masked rows keep the state"
+
+
+# --------------------------------------------------------------------------
+# moe_router_topk: softmax + top-K + renormalisation, one SIMD group per row
+# --------------------------------------------------------------------------
+
+# What the router body uses beyond the prelude: simd_shuffle_xor /
+# simd_shuffle (each lane publishes its value, a SIMD-group barrier, each
+# reads its source lane's, another barrier), as_type, metal::fast::exp,
+# metal::isnan, and logits_shape[0] (N, read from QAB_ROUTER_N).
+ROUTER_PRELUDE = r"""
+typedef unsigned short ushort;
+static unsigned char qab_rt_slots[64][32][8];
+template <typename T>
+T qab_rt_exchange(T v, int src) {
+  std::memcpy(qab_rt_slots[qab_sg][qab_lane], &v, sizeof(T));
+  simdgroup_barrier(mem_flags::mem_none);
+  T out;
+  std::memcpy(&out, qab_rt_slots[qab_sg][src & 31], sizeof(T));
+  simdgroup_barrier(mem_flags::mem_none);
+  return out;
+}
+template <typename T>
+T simd_shuffle_xor(T v, ushort mask) { return qab_rt_exchange(v, qab_lane ^ mask); }
+template <typename T>
+T simd_shuffle(T v, ushort lane) { return qab_rt_exchange(v, lane); }
+template <typename T, typename U> T as_type(U u) {
+  static_assert(sizeof(T) == sizeof(U));
+  T t;
+  std::memcpy(&t, &u, sizeof(T));
+  return t;
+}
+namespace metal {
+namespace fast { inline float exp(float x) { return std::exp(x); } }
+inline bool isnan(float x) { return std::isnan(x); }
+}
+static int logits_shape[1] = {std::atoi(std::getenv("QAB_ROUTER_N"))};
+"""
+
+# (N, E, K, NORM): Qwen3.6 decode (one token, the other 3 SIMD groups of the
+# threadgroup idle), 5 tokens (two threadgroups), 8 experts K = 2, E = 300
+# (two lane groups in bf16, the second partial) with K = 16, and K = 1.
+ROUTER_METAL_CASES = [
+    (1, 256, 8, True),
+    (5, 256, 8, False),
+    (6, 8, 2, True),
+    (3, 300, 16, True),
+    (4, 16, 1, False),
+]
+
+
+@pytest.fixture(scope="module", params=["f32", "bf16"])
+def router_exe(request, tmp_path_factory):
+    t = request.param
+    tmp = tmp_path_factory.mktemp(f"metal_router_{t}")
+    inst = [{"InT": C_OUT[t], "E": e, "K": k, "NORM": norm}
+            for _, e, k, norm in ROUTER_METAL_CASES]
+    prog = _program("moe_router_topk", [t], ["u32", t], inst)
+    prog = prog.replace(PRELUDE, PRELUDE + ROUTER_PRELUDE, 1)
+    prog = prog.replace("template <int InT,", "template <typename InT,", 1)
+    (tmp / "k.cpp").write_text(prog, encoding="utf-8")
+    exe = tmp / "k"
+    proc = subprocess.run([CXX, "-std=c++20", "-O2", "-pthread", "-w", str(tmp / "k.cpp"),
+                           "-o", str(exe)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return t, tmp, exe
+
+
+@pytest.mark.parametrize("case", range(len(ROUTER_METAL_CASES)))
+def test_moe_router_metal_emulated(router_exe, case, monkeypatch):
+    from .test_kernels_gpu import _assert_route_is_the_gpu_route, _assert_route_matches_stock
+
+    t, tmp, exe = router_exe
+    N, E, K, norm = ROUTER_METAL_CASES[case]
+    dtype = mx.float32 if t == "f32" else mx.bfloat16
+    logits = (2.0 * mx.random.normal((N, E), key=mx.random.key(600 + case))).astype(dtype)
+    monkeypatch.setenv("QAB_ROUTER_N", str(N))
+    rows = -(-N // 4) * 4
+    (ind_bits, score_bits), peak = _run(exe, tmp, case, [_as_input(logits, t)],
+                                        [(N * K, np.uint32), (N * K, OUT_NP[t])],
+                                        grid=(32 * rows, 1, 1), threadgroup=(128, 1, 1))
+    assert peak == 0  # no threadgroup memory
+    inds = ind_bits.reshape(N, K)
+    scores = _out_values(score_bits, t).astype(np.float32).reshape(N, K)
+    assert (inds < E).all(), "some indices were never written"
+    where = f"{ROUTER_METAL_CASES[case]} {t}"
+    _assert_route_matches_stock(logits, mx.array(inds), mx.array(scores), K, norm, where)
+    # The GPU route's slots and scores, as for the CUDA body.
+    _assert_route_is_the_gpu_route(logits, mx.array(inds), mx.array(scores), K, norm, where)
+
+
+# --------------------------------------------------------------------------
+# add_rms_norm: residual add + RMSNorm in one launch
+# (kernels/metal/add_rms_norm.metal)
+# --------------------------------------------------------------------------
+
+# What the body uses beyond the prelude and SIMD_PRELUDE.
+ADD_NORM_PRELUDE = r"""
+namespace metal { namespace precise {
+inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+} }
+"""
+# (N, D), launched as ops.norm launches them: D = 2048 (8 SIMD groups of 8
+# elements per thread), odd D with a partial last chunk (100 in one SIMD
+# group, 264 in two), D = 1.
+ADD_NORM_METAL_CASES = [(3, 2048), (7, 100), (2, 264), (2, 1)]
+ADD_NORM_C = {"f32": ("float", mx.float32, np.uint32), "bf16": ("bfloat16_t", mx.bfloat16,
+                                                                np.uint16)}
+
+
+@pytest.fixture(scope="module", params=["f32", "bf16"])
+def add_norm_metal_exe(request, tmp_path_factory):
+    from qwen_apple_backend.ops.norm import add_rms_norm_launch
+
+    t = request.param
+    tmp = tmp_path_factory.mktemp(f"metal_add_norm_{t}")
+    instances = [{"T": ADD_NORM_C[t][0], "D": D, "BLOCK": add_rms_norm_launch(D)["BLOCK"]}
+                 for _, D in ADD_NORM_METAL_CASES]
+    prog = _program("add_rms_norm", [t, t, t, "f32"], [t, t], instances)
+    prog = prog.replace(PRELUDE, PRELUDE + SIMD_PRELUDE + ADD_NORM_PRELUDE, 1)
+    prog = prog.replace("template <int T,", "template <typename T,", 1)
+    (tmp / "k.cpp").write_text(prog, encoding="utf-8")
+    exe = tmp / "k"
+    proc = subprocess.run([CXX, "-std=c++20", "-O2", "-pthread", "-w", str(tmp / "k.cpp"),
+                           "-o", str(exe)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return exe, tmp, t
+
+
+@pytest.mark.parametrize("case", range(len(ADD_NORM_METAL_CASES)))
+def test_add_rms_norm_metal_emulated(add_norm_metal_exe, case):
+    from qwen_apple_backend.ops.norm import add_rms_norm_launch
+
+    from .test_kernels_gpu import _add_rms_norm_inputs, _assert_add_rms_norm_matches
+
+    exe, tmp, t = add_norm_metal_exe
+    N, D = ADD_NORM_METAL_CASES[case]
+    _, dtype, out_np = ADD_NORM_C[t]
+    x, r, w, eps = _add_rms_norm_inputs((N, D), dtype, seed=N * D + 1)
+    block = add_rms_norm_launch(D)["BLOCK"]
+    ins = [np.array(a.view(mx.uint16)) if t == "bf16" else np.array(a) for a in (x, r, w)]
+    (h_bits, y_bits), peak = _run(exe, tmp, case, [*ins, np.array([eps], dtype=np.float32)],
+                                  [(N * D, out_np), (N * D, out_np)],
+                                  grid=(block * N, 1, 1), threadgroup=(block, 1, 1))
+    assert peak <= THREADGROUP_MEMORY_LIMIT
+    h, y = (mx.array(b).view(dtype).reshape(N, D) for b in (h_bits, y_bits))
+    # Same bounds as the CUDA body: h bit-identical to x + r, y within two
+    # ulps of mx.fast.rms_norm on a few elements (see the helper).
+    _assert_add_rms_norm_matches(h, y, x, r, w, eps, f"{N}x{D} {t}")

@@ -638,6 +638,9 @@ def _fake_metal_grouped_gemm(monkeypatch, kernel):
     monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
     monkeypatch.setattr(moe_ops, "gpu_backend", lambda: "metal")
     monkeypatch.setattr(moe_ops, "_grouped_gemm_object", lambda backend: kernel)
+    # Only the grouped GEMM is faked: no router kernel (the real Metal one
+    # cannot run here and would warn from the block's routing).
+    monkeypatch.setattr(moe_ops, "_router_object", lambda backend: None)
 
 
 def _grouped_gemm_inputs(T=16):
@@ -1111,3 +1114,137 @@ def test_block_prefill_uses_the_combine_and_matches_stock(monkeypatch):
     ref32 = moe_ops.moe_shared_experts_ops(x.astype(mx.float32), inds,
                                            scores.astype(mx.float32), gu, dn, sw)
     assert rel_l2(y, ref32) <= 3e-2
+
+
+# --------------------------------------------------------------------------
+# Router kernel (kernels/*/moe_router_topk): dispatch and fallback with a
+# stand-in kernel object (tests/test_kernels_cuda_emulated.py runs the CUDA
+# body itself)
+# --------------------------------------------------------------------------
+
+
+class FakeRouter:
+    """Stand-in for the ``mx.fast.*_kernel`` object of moe_router_topk.
+
+    Checks the launch the dispatcher passes and computes the contract with
+    the portable route; ``wrong`` swaps each row's last kept expert for the
+    least likely one, like a selection bug.
+    """
+
+    def __init__(self, wrong=False):
+        self.wrong = wrong
+        self.calls = []
+
+    def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        (x,) = inputs
+        t = dict(template)
+        N, E = x.shape
+        k, norm = t["K"], t["NORM"]
+        self.calls.append(N)
+        assert x.ndim == 2 and t["InT"] == x.dtype and t["E"] == E and isinstance(norm, bool)
+        assert threadgroup == (128, 1, 1) and grid == (32 * (-(-N // 4) * 4), 1, 1)
+        assert output_shapes == [(N, k), (N, k)] and output_dtypes == [mx.uint32, x.dtype]
+        inds, scores = moe_ops._route_fn(k, norm)(x)
+        if self.wrong:
+            last = mx.argmin(x, axis=-1, keepdims=True).astype(inds.dtype)
+            inds = mx.concatenate([inds[:, :-1], last], axis=-1)
+        return [inds.astype(mx.uint32), scores]
+
+
+def _fake_router(monkeypatch, router):
+    from qwen_apple_backend.ops import device
+
+    device.reset_self_checks()
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    monkeypatch.setattr(moe_ops, "gpu_backend", lambda: "fakegpu")
+    monkeypatch.setattr(moe_ops, "_router_object", lambda backend: router)
+
+
+def test_no_router_kernel_on_cpu():
+    assert moe_ops.router_kernel_ready(mx.zeros((1, E)), K, True) is None
+    with pytest.raises(RuntimeError, match="moe_router_topk"):
+        moe_ops.topk_route(mx.zeros((1, E)), K, True, kernel="nogpu")
+
+
+def test_router_kernel_used_after_passing_its_self_check(monkeypatch):
+    from qwen_apple_backend.ops.device import self_check_results
+
+    router = FakeRouter()
+    _fake_router(monkeypatch, router)
+    stock = make_stock()
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    x = inputs((1, 1, H))
+    y = fused(x)
+    # The self-check (37 rows of this dtype, E and K), then the compiled
+    # decode step's trace.
+    assert router.calls == [37, 1]
+    assert self_check_results()[("moe_router_topk", "fakegpu", (E, K, True, str(mx.float32)))] \
+        == (True, "passed")
+    assert mx.array_equal(y, stock(x)).item()
+    assert (False, None, "fakegpu") in fused._compiled  # the routing path is in the cache key
+    fused(inputs((1, 1, H), seed=2))  # verdict cached, graph reused: nothing new
+    assert router.calls == [37, 1]
+    y = fused(inputs((2, 37, H)))  # prefill runs eagerly, also on the kernel
+    assert router.calls == [37, 1, 74]
+    assert rel_l2(y, stock(inputs((2, 37, H)))) <= 1e-6
+
+    fused.use_kernel = False  # the moe-kernel optimization off
+    fused(inputs((1, 3, H)))
+    fused.use_kernel = True
+    fused.train()
+    fused(inputs((1, 4, H)))
+    fused.eval()
+    monkeypatch.setenv("QAB_DISABLE_KERNELS", "1")
+    fused(inputs((1, 5, H)))
+    assert router.calls == [37, 1, 74]
+
+
+def test_router_kernel_only_for_the_checked_logits_dtype(monkeypatch):
+    # bfloat16 activations through a float32 gate give float32 logits: the
+    # block checked the kernel for bf16 logits, so it routes the portable way.
+    router = FakeRouter()
+    _fake_router(monkeypatch, router)
+    stock = make_stock()
+    fused = FusedSparseMoeBlock.from_stock(stock, compile_decode=False)
+    x = inputs((1, 2, H), dtype=mx.bfloat16)
+    assert fused.gate(x).dtype == mx.float32
+    y = fused(x)
+    assert router.calls == [37]  # the self-check only
+    assert mx.array_equal(y, stock(x)).item()
+
+
+def test_wrong_router_kernel_is_rejected(monkeypatch):
+    from qwen_apple_backend.ops.device import KernelSelfCheckWarning, self_check_results
+
+    router = FakeRouter(wrong=True)
+    _fake_router(monkeypatch, router)
+    stock = make_stock()
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    x = inputs((1, 1, H))
+    with pytest.warns(KernelSelfCheckWarning, match="moe_router_topk failed its self-check"):
+        y = fused(x)
+    passed, message = self_check_results()[("moe_router_topk", "fakegpu",
+                                            (E, K, True, str(mx.float32)))]
+    assert not passed and "output 0 relative L2 error" in message  # the expert sets
+    assert mx.array_equal(y, stock(x)).item()  # the portable route ran
+    assert router.calls == [37]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the verdict is cached: no second warning
+        fused(inputs((1, 2, H)))
+    assert router.calls == [37]
+
+
+def test_router_kernel_gates(monkeypatch):
+    router = FakeRouter()
+    _fake_router(monkeypatch, router)
+    ok = mx.zeros((1, 256), mx.bfloat16)
+    assert moe_ops.router_kernel_ready(ok, 8, True) == "fakegpu"
+    assert moe_ops.router_kernel_ready(mx.zeros((3, 5, 1024), mx.float16), 32, False) == "fakegpu"
+    for logits, k in ((mx.zeros((1, 1025)), 8), (mx.zeros((1, 64)), 33), (mx.zeros((1, 4)), 5),
+                      (mx.zeros((1, 64), mx.int32), 8), (ok, 0)):
+        assert moe_ops.router_kernel_ready(logits, k, True) is None
+    monkeypatch.setenv("QAB_DISABLE_KERNELS", "1")
+    assert moe_ops.router_kernel_ready(ok, 8, True) is None
+    assert router.calls == [37, 37]  # two shape classes checked, once each

@@ -10,7 +10,7 @@ Variables:
         (``moe``, ``gdn``, ``attn``, ``all``) or single optimizations to
         switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``,
         ``attn-blocks``, ``decode-compile``, ``proj-concat``,
-        ``gemv-kernel``), for ablations.
+        ``gemv-kernel``, ``add-norm``), for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
         leaves kernels on. Anything else is an error.
@@ -45,12 +45,15 @@ FUSABLE_KINDS = ("moe", "gdn", "attn")
 OPTIMIZATIONS = {
     "gdn-kernel": "gdn",  # GPU gated delta scans (prefill) and one-launch decode step (else MLX ops)
     "moe-gemm": "moe",  # dequantize-then-grouped-GEMM experts for prefill
-    "moe-kernel": "moe",  # GPU MoE kernels: decode GEMVs (+ shared-expert fold), grouped GEMM, combine
+    # GPU MoE kernels: the router (softmax + top-k + renormalisation in one launch),
+    # decode GEMVs (+ shared-expert fold), prefill grouped GEMM and combine
+    "moe-kernel": "moe",
     # long prompts' attention in blocks of query rows (bounded score memory)
     "attn-blocks": "attn",
     "decode-compile": "model",  # the compiled one-token decode step (decode.py)
     "proj-concat": "model",  # sibling input projections run as one matmul (layers/_concat.py)
     "gemv-kernel": "model",  # the CUDA dense 4-bit decode GEMV for lm_head (ops/linear.py)
+    "add-norm": "model",  # residual add + post-attention RMSNorm as one kernel (ops/norm.py)
 }
 
 
@@ -119,7 +122,7 @@ def disabled_kinds() -> frozenset[str]:
         EnvVarError: if a name is not one of ``moe``, ``gdn``, ``attn``,
             ``all`` or an optimization name (``gdn-kernel``, ``moe-gemm``,
             ``moe-kernel``, ``attn-blocks``, ``decode-compile``, ``proj-concat``,
-            ``gemv-kernel``).
+            ``gemv-kernel``, ``add-norm``).
     """
     names = set(_names(_get("QAB_DISABLE", "") or ""))
     unknown = names - set(FUSABLE_KINDS) - set(OPTIMIZATIONS) - {"all"}

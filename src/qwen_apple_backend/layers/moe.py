@@ -10,7 +10,7 @@ needs one gathered matmul for both.
 
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 from typing import Optional, Union
 
 import mlx.core as mx
@@ -34,6 +34,7 @@ from qwen_apple_backend.ops.moe import (
     decode_kernel_ready,
     moe_experts,
     moe_shared_experts_kernel,
+    router_kernel_ready,
     shared_decode_kernel_ready,
     swiglu_experts_ops,
     topk_route,
@@ -45,6 +46,13 @@ AnySwitchLinear = Union[SwitchLinear, QuantizedSwitchLinear]
 
 # Shared-expert classes whose call is down_proj(swiglu(gate_proj(x), up_proj(x))).
 _SWIGLU_MLPS = tuple(c for c in (Qwen3NextMLP, getattr(_qwen3_5, "MLP", None)) if c is not None)
+
+
+@lru_cache(maxsize=None)
+def _logits_stand_in(dtype: mx.Dtype, num_experts: int) -> mx.array:
+    # What router_kernel_ready reads of the logits (dtype and E), without
+    # running the gate: never evaluated.
+    return mx.zeros((1, num_experts), dtype=dtype)
 
 
 def _child(module: nn.Module, name: str) -> Optional[mx.array]:
@@ -268,7 +276,10 @@ class FusedSparseMoeBlock(nn.Module):
     size and quantization, they are folded into those same two kernels
     (:func:`~qwen_apple_backend.ops.moe.shared_decode_kernel_ready`), each
     path only after its self-check passed. Prefill on the grouped GEMM
-    kernel adds the gated shared expert in its combine kernel.
+    kernel adds the gated shared expert in its combine kernel. Routing (any
+    number of tokens) is one kernel launch instead of about six once
+    :func:`~qwen_apple_backend.ops.moe.router_kernel_ready` passed for the
+    logits' dtype; it picks the experts the stock route picks on the GPU.
     """
 
     dequant_gemm: bool = True
@@ -480,9 +491,23 @@ class FusedSparseMoeBlock(nn.Module):
             decode_kernel_ready(x, probe, gu, dn)
         return fold
 
+    def _router_ready(self, x: mx.array) -> Optional[str]:
+        """The backend whose router kernel may route this call, or None.
+
+        Checked (and on first use self-checked) for logits of ``x``'s dtype,
+        which is what the gate returns for every mlx-lm checkpoint layout
+        (plain or quantized weights of the activations' dtype); ``_forward``
+        routes the portable way when the logits turn out otherwise.
+        """
+        return router_kernel_ready(_logits_stand_in(x.dtype, self.num_experts), self.top_k,
+                                   self.norm_topk_prob)
+
     def _forward(self, x: mx.array, use_cat: bool = False,
-                 fold: Optional[str] = None) -> mx.array:
-        inds, scores = topk_route(self.gate(x), self.top_k, self.norm_topk_prob)
+                 fold: Optional[str] = None, router: Optional[str] = None) -> mx.array:
+        logits = self.gate(x)
+        if router is not None and logits.dtype != x.dtype:
+            router = None  # not the dtype the router kernel was checked for
+        inds, scores = topk_route(logits, self.top_k, self.norm_topk_prob, kernel=router)
         gate_up = expert_weights(self.switch_mlp.gate_up_proj)
         down = expert_weights(self.switch_mlp.down_proj)
         shared = self._shared_weights() if fold is not None else None
@@ -500,15 +525,18 @@ class FusedSparseMoeBlock(nn.Module):
             shared=(self._shared(x, use_cat), self.shared_expert_gate(x)),
         )
 
-    def _compiled_forward(self, use_cat: bool = False, fold: Optional[str] = None):
+    def _compiled_forward(self, use_cat: bool = False, fold: Optional[str] = None,
+                          router: Optional[str] = None):
         fns = self.__dict__.setdefault("_compiled", {})
-        fn = fns.get((use_cat, fold))
+        key = (use_cat, fold, router)
+        fn = fns.get(key)
         if fn is None:
             # The module itself is the captured input tree, so parameters
             # replaced after fusing (load_weights, update) are read live;
-            # one trace per shared-expert path.
-            fn = mx.compile(partial(self._forward, use_cat=use_cat, fold=fold), inputs=self)
-            fns[(use_cat, fold)] = fn
+            # one trace per shared-expert and routing path.
+            fn = mx.compile(partial(self._forward, use_cat=use_cat, fold=fold, router=router),
+                            inputs=self)
+            fns[key] = fn
         return fn
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -533,18 +561,20 @@ class FusedSparseMoeBlock(nn.Module):
             x = sum_gradients(self.sharding_group)(x)
 
         rows = (x.size // x.shape[-1]) * self.top_k
-        fold = None
-        if self.use_kernel and not self.training and rows < SORT_THRESHOLD:
+        fold = router = None
+        if self.use_kernel and not self.training:
             # Decided here, outside mx.compile: the first call per shape class
-            # self-checks the decode kernels, which evaluates arrays.
-            fold = self._fold_ready(x)
+            # self-checks the kernels, which evaluates arrays.
+            router = self._router_ready(x)
+            if rows < SORT_THRESHOLD:
+                fold = self._fold_ready(x)
         use_cat = self._use_cat()
         if self.compile_decode and not self.training and rows < SORT_THRESHOLD:
-            y = self._compiled_forward(use_cat, fold)(x)
+            y = self._compiled_forward(use_cat, fold, router)(x)
             if use_cat:
                 self._shared_cat.refresh()  # a trace re-wraps the module's arrays
         else:
-            y = self._forward(x, use_cat, fold)
+            y = self._forward(x, use_cat, fold, router)
 
         if self.sharding_group is not None:
             y = mx.distributed.all_sum(y, group=self.sharding_group)

@@ -373,6 +373,13 @@ class QwenHybridAdapter(Adapter):
             from ..layers.linear import install_gemv_lm_head
 
             install_gemv_lm_head(getattr(model, "language_model", model))
+        if "add-norm" in disable:
+            report.notes.append("residual add and post-attention RMSNorm run as two MLX ops "
+                                "(add-norm in QAB_DISABLE / disable=)")
+        elif any(m.fused for m in report.modules):
+            from ..layers.norm import install_add_norm
+
+            install_add_norm(model)
         if "decode-compile" not in enabled_experimental():
             pass  # experimental: on only with QAB_ENABLE=decode-compile
         elif "decode-compile" in disable:

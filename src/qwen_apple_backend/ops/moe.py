@@ -3,7 +3,10 @@
 The pieces, following the kernel / reference / dispatcher pattern:
 
 * :func:`topk_route` — router softmax and top-k selection as one compiled
-  graph that picks exactly the experts stock mlx-lm picks.
+  graph that picks exactly the experts stock mlx-lm picks; with ``kernel``,
+  one GPU kernel for the whole route (``kernels/{cuda,metal}/moe_router_topk``)
+  that repeats the stock route's GPU arithmetic step for step, used after
+  :func:`router_kernel_ready`.
 * :func:`moe_experts_ops` — the portable gathered SwiGLU expert computation:
   one gathered matmul over the concatenated gate+up weights ``[E, 2I, H]``,
   SiLU(gate) * up, the down projection and the score-weighted sum over K.
@@ -53,6 +56,9 @@ __all__ = [
     "ExpertWeights",
     "SortedTokens",
     "topk_route",
+    "router_kernel_ready",
+    "ROUTER_MAX_E",
+    "ROUTER_MAX_K",
     "sort_by_expert",
     "gathered_matmul",
     "swiglu_experts_ops",
@@ -173,27 +179,47 @@ def _route_fn(top_k: int, norm_topk_prob: bool) -> Callable:
 
 
 def topk_route(
-    logits: mx.array, top_k: int, norm_topk_prob: bool
+    logits: mx.array, top_k: int, norm_topk_prob: bool, kernel: Optional[str] = None
 ) -> tuple[mx.array, mx.array]:
     """Select the top-k experts per token from router logits.
 
-    Softmax over experts (accumulated in float32), top-k by argpartition, and
-    renormalisation of the k kept probabilities when ``norm_topk_prob``.
-    Matches ``Qwen3NextSparseMoeBlock`` bit for bit, including the order of
-    the K slots.
+    Softmax over experts (accumulated in float32, rounded to the logits
+    dtype), top-k by argpartition, and renormalisation of the k kept
+    probabilities when ``norm_topk_prob``. Matches ``Qwen3NextSparseMoeBlock``
+    bit for bit, including the order of the K slots.
+
+    With ``kernel`` (a backend that :func:`router_kernel_ready` returned for
+    this dtype, E, K and ``norm_topk_prob``) the route is one launch of
+    ``kernels/<backend>/moe_router_topk`` instead of about six MLX kernels.
+    It repeats what the stock route computes with MLX's GPU kernels, as
+    read from MLX's sources (see the kernel file), to give the same experts,
+    the same slot order (ascending probability; of equal probabilities the
+    higher expert index is kept and comes later, as the last K of MLX's
+    stable GPU sort) and the same scores, except where its float32 softmax
+    rounds a probability differently in the last bit
+    (``tests/test_kernels_gpu.py`` measures how often on a GPU). No
+    self-check and no host synchronisation happen here, so the call may sit
+    inside ``mx.compile``; the kernel has no gradient.
 
     Args:
-        logits (mx.array): router logits.
-        top_k (int): experts per token, ``1 <= top_k <= E``.
+        logits (mx.array): router logits (float32, bfloat16 or float16 for
+            the kernel).
+        top_k (int): experts per token, ``1 <= top_k <= E``
+            (``<= ROUTER_MAX_K`` for the kernel).
         norm_topk_prob (bool): renormalise the kept probabilities to sum 1.
+        kernel (str | None): ``"cuda"`` / ``"metal"`` to route with the GPU
+            kernel; None (default) for the portable compiled graph.
 
     Returns:
         tuple[mx.array, mx.array]: ``(inds, scores)``. ``inds`` uint32 expert
-        indices (slot order unspecified but identical to stock); ``scores``
-        routing weights in the dtype of ``logits``.
+        indices (slot order: as stock; on the GPU ascending probability);
+        ``scores`` routing weights in the dtype of ``logits``.
 
     Raises:
         ValueError: if ``top_k`` is outside ``[1, E]``.
+        RuntimeError: if ``kernel`` names a backend without a router kernel
+            (no source, no MLX API, or an unverified CUDA kernel without
+            ``QAB_UNVERIFIED_KERNELS=1``).
 
     Shapes:
         logits: ``[..., E]``
@@ -202,8 +228,135 @@ def topk_route(
     num_experts = logits.shape[-1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
-    inds, scores = _route_fn(int(top_k), bool(norm_topk_prob))(logits)
+    if kernel is not None and logits.size > 0:
+        inds, scores = _router_kernel_call(kernel, logits, int(top_k), bool(norm_topk_prob))
+    else:
+        inds, scores = _route_fn(int(top_k), bool(norm_topk_prob))(logits)
     return mx.stop_gradient(inds), scores
+
+
+# --------------------------------------------------------------------------
+# Router kernel (kernels/*/moe_router_topk)
+# --------------------------------------------------------------------------
+
+# Largest E and K of the router kernel: one warp / SIMD group per row holds
+# E / 32 logits per lane in registers, and lane r keeps the r-th expert.
+ROUTER_MAX_E = 1024
+ROUTER_MAX_K = 32
+
+# Rows (one warp / SIMD group each) per threadgroup of the router kernel.
+_ROUTER_ROWS = 4
+
+# Token rows of the router self-check: odd, so the last threadgroup is partial.
+_ROUTER_CHECK_ROWS = 37
+
+
+@functools.lru_cache(maxsize=None)
+def _router_object(backend: str):
+    return build_kernel("moe_router_topk", backend)
+
+
+def _router_kernel_call(backend: str, logits: mx.array, top_k: int,
+                        norm_topk_prob: bool) -> tuple[mx.array, mx.array]:
+    obj = _router_object(backend)
+    if obj is None:
+        raise RuntimeError(f"no moe_router_topk source or MLX API for {backend}")
+    E = logits.shape[-1]
+    lead = logits.shape[:-1]
+    x = logits.reshape(-1, E)
+    N = x.shape[0]
+    rows = -(-N // _ROUTER_ROWS) * _ROUTER_ROWS
+    inds, scores = obj(
+        inputs=[x],
+        template=[("InT", logits.dtype), ("E", E), ("K", top_k), ("NORM", norm_topk_prob)],
+        grid=(32 * rows, 1, 1), threadgroup=(32 * _ROUTER_ROWS, 1, 1),
+        output_shapes=[(N, top_k), (N, top_k)], output_dtypes=[mx.uint32, logits.dtype])
+    return inds.reshape(*lead, top_k), scores.reshape(*lead, top_k)
+
+
+def _route_by_expert(inds: mx.array, scores: mx.array, num_experts: int) -> list[mx.array]:
+    """A route in a form independent of slot order: ``[N, E]`` float32 membership
+    (1 for each chosen expert) and the scores scattered to their experts."""
+    K = inds.shape[-1]
+    ind = inds.reshape(-1, K).astype(mx.uint32)
+    zeros = mx.zeros((ind.shape[0], num_experts), dtype=mx.float32)
+    member = mx.put_along_axis(zeros, ind, mx.ones(ind.shape, dtype=mx.float32), axis=-1)
+    dense = mx.put_along_axis(zeros, ind, scores.reshape(-1, K).astype(mx.float32), axis=-1)
+    return [member, dense]
+
+
+def _router_check_logits(T: int, E: int, dtype: mx.Dtype) -> mx.array:
+    """Self-check logits whose K largest rounded probabilities are far apart.
+
+    Each row gives its experts the ranks of a random permutation, logit
+    ``offset - rank * step`` with ``step`` in {1/16, 1/8, 1/4, 1}: adjacent
+    ranks' probabilities differ by at least 6 %, far above a bf16 rounding
+    step, and the logits of the top ranks are exact in every dtype. So any
+    correct top-K picks the same experts whatever its tie rule or the last
+    bits of its softmax, and a wrong pick shows as a wrong expert.
+    """
+    perm = mx.argsort(mx.random.uniform(shape=(T, E), key=mx.random.key(E * 37 + T)), axis=-1)
+    steps = mx.array([0.0625, 0.125, 0.25, 1.0])[mx.arange(T) % 4][:, None]
+    offsets = mx.array([0.0, 3.0, -5.0, 1.5, 0.0])[mx.arange(T) % 5][:, None]
+    return (offsets - perm.astype(mx.float32) * steps).astype(dtype)
+
+
+def router_kernel_ready(logits: mx.array, top_k: int, norm_topk_prob: bool) -> Optional[str]:
+    """The GPU backend whose router kernel may route these logits, or None.
+
+    ``kernels/{cuda,metal}/moe_router_topk``: softmax, top-K and optional
+    renormalisation of each row in one launch (one warp / SIMD group per
+    row), replacing the ~6 kernels of the portable route; see
+    :func:`topk_route`. Eligible: float32 / bfloat16 / float16 logits,
+    ``1 <= E <= ROUTER_MAX_E`` and ``1 <= K <= min(E, ROUTER_MAX_K)``. On the
+    first call per shape class (dtype, E, K, ``norm_topk_prob``) the kernel
+    is self-checked against the portable route on seeded random logits of
+    that class: the same SET of experts in every row exactly (inputs built
+    so that no two of the top ranks are close: the check does not depend on
+    tie rules) and the scores, compared per expert, within a dtype tolerance.
+    Only ``logits.dtype`` and ``logits.shape[-1]`` are read (nothing is
+    evaluated), so a stand-in of the same dtype and E will do; call it
+    outside ``mx.compile``, as ``FusedSparseMoeBlock`` does. CUDA: built only
+    once its manifest entry records a GPU verification, or with
+    ``QAB_UNVERIFIED_KERNELS=1``.
+
+    Args:
+        logits (mx.array): router logits ``[..., E]`` (or a stand-in).
+        top_k (int): experts per token (K).
+        norm_topk_prob (bool): renormalise the kept probabilities.
+
+    Returns:
+        Optional[str]: ``"cuda"`` / ``"metal"``, or None (CPU, kernels
+        disabled, unsupported dtype, E or K, no kernel for the backend, or a
+        failed self-check, which also warns).
+    """
+    if envs.kernels_disabled():
+        return None
+    backend = gpu_backend()
+    E, K, dtype = logits.shape[-1], int(top_k), logits.dtype
+    if (backend is None or dtype not in (mx.float32, mx.bfloat16, mx.float16)
+            or not 1 <= E <= ROUTER_MAX_E or not 1 <= K <= min(E, ROUTER_MAX_K)
+            or _router_object(backend) is None):
+        return None
+    norm = bool(norm_topk_prob)
+
+    # Outputs in slot-order-free form; a wrong expert in one row moves the
+    # membership's relative L2 by >= sqrt(2 / (T * K)) >= 0.041 (T = 37,
+    # K <= 32), above every tolerance here, so the expert sets must match.
+    # Scores: float32 differs only in summation order and exp's last bits;
+    # bf16 / fp16 probabilities are the same rounding, but with
+    # renormalisation a reference that adds the K scores in another order
+    # or precision (MLX's CPU route: float32) may see a sum one ulp apart.
+    # Measured with the CUDA body on the CPU emulator against the CPU route,
+    # E in {8, 16, 64, 256, 300, 1024}: bf16 <= 3.0e-3, fp16 <= 3.9e-4,
+    # float32 <= 1.7e-7 rel-L2.
+    rtol = {mx.float32: 1e-5, mx.bfloat16: 1e-2, mx.float16: 2e-3}[dtype]
+    ok = self_checked(
+        "moe_router_topk", backend, (E, K, norm, str(dtype)),
+        kernel=lambda lg: _route_by_expert(*_router_kernel_call(backend, lg, K, norm), E),
+        reference=lambda lg: _route_by_expert(*_route_fn(K, norm)(lg), E),
+        make_inputs=lambda: (_router_check_logits(_ROUTER_CHECK_ROWS, E, dtype),), rtol=rtol)
+    return backend if ok else None
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,171 @@
+"""Decoder layers whose residual add and post-attention RMSNorm are one kernel (``add-norm``).
+
+mlx-lm's Qwen3.5 decoder layer (``qwen3_5.DecoderLayer``, also built by
+``qwen3_5_moe``) and Qwen3-Next's (``qwen3_next.Qwen3NextDecoderLayer``) run
+
+    r = mixer(input_layernorm(x)); h = x + r; out = h + mlp(post_attention_layernorm(h))
+
+They are called by mlx-lm's own model code, so instead of wrapping them the
+fused model's instances get a subclass (:func:`install_add_norm`) whose
+``__call__`` is that code with ``h = x + r`` and the norm replaced by one
+:func:`qwen_apple_backend.ops.norm.add_rms_norm` call when the kernel is ready
+for the call's dtype and width: one MLX operation instead of two per layer.
+Parameters, names and the state dict are the stock ones. Whether the kernel is
+ready is decided on a layer's first call per (dtypes, width), outside any
+trace, and kept in a small per-layer dict, so each later call (also inside
+``mx.compile``) costs one dict lookup. Training mode, another norm class, a
+shape that needs broadcasting or a device without the kernel run the stock
+code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3_5, qwen3_next
+
+from ..ops.norm import add_rms_norm, add_rms_norm_ready
+
+__all__ = [
+    "AddNormDecoderLayer",
+    "AddNormQwen3NextDecoderLayer",
+    "add_norm_installed",
+    "install_add_norm",
+    "uninstall_add_norm",
+]
+
+# (x dtype, r dtype, weight dtype, D) -> backend or None, per layer instance.
+_VERDICTS = "_qab_add_norm_verdicts"
+
+
+class _AddNorm:
+    """The ``add-norm`` ``__call__``; mixed into a subclass of each stock decoder layer.
+
+    Never constructed: :func:`install_add_norm` swaps an existing instance's
+    class.
+
+    Shapes: x ``[B, T, hidden_size]`` (any T: prefill and decode); returns
+    the same.
+    """
+
+    _qab_add_norm = True
+    _qab_stock_class: type = nn.Module
+
+    def _add_norm_backend(self, x: mx.array, r: mx.array, norm: Any) -> Optional[str]:
+        # The per-call cost of this path matters (decode is host-bound): a
+        # few attribute reads and one dict lookup once the verdict is known.
+        if self._training or type(norm) is not nn.RMSNorm or r.shape != x.shape:
+            return None
+        w = norm["weight"]
+        key = (x.dtype, r.dtype, w.dtype, x.shape[-1])
+        verdicts = self.__dict__.get(_VERDICTS)
+        if verdicts is None:
+            verdicts = {}
+            object.__setattr__(self, _VERDICTS, verdicts)
+        try:
+            return verdicts[key]
+        except KeyError:
+            pass
+        # First call for these dtypes and width: outside any trace (the
+        # model's first call is an eager prefill or decode token), so the
+        # kernel's self-check may run here.
+        D = x.shape[-1]
+        backend = None
+        if x.dtype == r.dtype == w.dtype and w.shape == (D,):
+            backend = add_rms_norm_ready(D, x.dtype, w.dtype, eps=norm.eps)
+        verdicts[key] = backend
+        return backend
+
+    def __call__(self, x: mx.array, mask: Optional[mx.array] = None,
+                 cache: Optional[Any] = None) -> mx.array:
+        # The stock DecoderLayer.__call__ of qwen3_5 and qwen3_next, with the
+        # residual add and the post-attention norm as one call when ready.
+        if self.is_linear:
+            r = self.linear_attn(self.input_layernorm(x), mask, cache)
+        else:
+            r = self.self_attn(self.input_layernorm(x), mask, cache)
+        norm = self.post_attention_layernorm
+        backend = self._add_norm_backend(x, r, norm)
+        if backend is None:
+            h = x + r
+            return h + self.mlp(norm(h))
+        h, y = add_rms_norm(x, r, norm["weight"], norm.eps, backend=backend)
+        return h + self.mlp(y)
+
+    def to_stock(self) -> nn.Module:
+        """Give this layer back its stock mlx-lm class (in place) and return it."""
+        self.__dict__.pop(_VERDICTS, None)
+        self.__class__ = self._qab_stock_class
+        return self
+
+
+class AddNormDecoderLayer(_AddNorm, qwen3_5.DecoderLayer):
+    """``mlx_lm.models.qwen3_5.DecoderLayer`` with the ``add-norm`` call (see the module doc)."""
+
+    _qab_stock_class = qwen3_5.DecoderLayer
+
+
+class AddNormQwen3NextDecoderLayer(_AddNorm, qwen3_next.Qwen3NextDecoderLayer):
+    """``mlx_lm.models.qwen3_next.Qwen3NextDecoderLayer`` with the ``add-norm`` call."""
+
+    _qab_stock_class = qwen3_next.Qwen3NextDecoderLayer
+
+
+_CLASSES = {qwen3_5.DecoderLayer: AddNormDecoderLayer,
+            qwen3_next.Qwen3NextDecoderLayer: AddNormQwen3NextDecoderLayer}
+
+
+def _add_norm_class_for(layer: Any) -> Optional[type]:
+    # Exactly the stock class (a subclass may have its own __call__), with the
+    # attributes the replacement __call__ reads.
+    cls = _CLASSES.get(type(layer))
+    if cls is None or not all(n in layer for n in ("input_layernorm", "post_attention_layernorm",
+                                                   "mlp")):
+        return None
+    if type(layer["post_attention_layernorm"]) is not nn.RMSNorm:
+        return None
+    return cls
+
+
+def install_add_norm(model: Any) -> int:
+    """Give each stock decoder layer of ``model`` its ``add-norm`` subclass.
+
+    Args:
+        model (nn.Module): an mlx-lm Qwen3.5 / Qwen3.5-MoE / Qwen3-Next model
+            (anything with ``layers``: the decoder layers).
+
+    Returns:
+        int: the number of layers swapped (0 when none is exactly a stock
+        ``qwen3_5.DecoderLayer`` / ``qwen3_next.Qwen3NextDecoderLayer`` with an
+        ``nn.RMSNorm`` post-attention norm, or all already were).
+    """
+    n = 0
+    for layer in getattr(model, "layers", ()):
+        cls = _add_norm_class_for(layer)
+        if cls is not None:
+            layer.__class__ = cls
+            object.__setattr__(layer, _VERDICTS, {})
+            n += 1
+    return n
+
+
+def uninstall_add_norm(model: Any) -> int:
+    """Undo :func:`install_add_norm`: every swapped layer gets its stock class back.
+
+    Returns:
+        int: the number of layers restored.
+    """
+    n = 0
+    for layer in getattr(model, "layers", ()):
+        if getattr(type(layer), "_qab_add_norm", False):
+            layer.to_stock()
+            n += 1
+    return n
+
+
+def add_norm_installed(model: Any) -> bool:
+    """Whether any decoder layer of ``model`` has its ``add-norm`` subclass."""
+    return any(getattr(type(layer), "_qab_add_norm", False)
+               for layer in getattr(model, "layers", ()))
