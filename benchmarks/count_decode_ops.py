@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import collections
 import io
-import json
 import re
 import sys
 from pathlib import Path
@@ -83,7 +82,11 @@ class GpuStandIn:
         self.calls[name] += 1
         outs = []
         for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
-            seed = mx.array([sum(self.calls.values()) + i], dtype=dtype)
+            # Integer outputs (expert indices) are 0, a valid index for the
+            # real ops that consume them (the prefill is evaluated);
+            # distinct float values keep the markers distinct.
+            value = 0 if mx.issubdtype(dtype, mx.integer) else sum(self.calls.values()) + i
+            seed = mx.array([value], dtype=dtype)
             mark = mx.sort(seed) if i == 0 else mx.cummax(seed)
             outs.append(mx.broadcast_to(mark, tuple(shape)))
         deps = [d for d in deps if isinstance(d, mx.array)]
@@ -96,6 +99,7 @@ class GpuStandIn:
         from qwen_apple_backend.ops import gated_delta as gd
         from qwen_apple_backend.ops import linear as lin
         from qwen_apple_backend.ops import moe as moe_ops
+        from qwen_apple_backend.ops import norm as norm_ops
 
         def build(op, backend, **options):
             def kernel(*, inputs, output_shapes, output_dtypes, **kw):
@@ -107,13 +111,13 @@ class GpuStandIn:
                 device._RESULTS[(op, backend, key)] = (True, "stand-in")
             return True
 
-        for mod in (gd, moe_ops, lin):
+        for mod in (gd, moe_ops, lin, norm_ops):
             self._set(mod, "gpu_backend", lambda: self.backend)
             self._set(mod, "build_kernel", build)
             self._set(mod, "self_checked", checked)
         self._set(device, "self_checked", checked)
         # Clear kernel objects cached by a run without the stand-in.
-        for mod in (gd, moe_ops, lin):
+        for mod in (gd, moe_ops, lin, norm_ops):
             for fn in vars(mod).values():
                 if hasattr(fn, "cache_clear"):
                     fn.cache_clear()
@@ -258,17 +262,12 @@ def main(argv=None) -> int:
         if backend != "stock":
             del model
             mx.clear_cache()
-    dev = mx.device_info().get("device_name", str(mx.default_device())) \
-        if hasattr(mx, "device_info") else str(mx.default_device())
-    slug = "".join(c if c.isalnum() else "-" for c in str(dev).lower()).strip("-") or "cpu"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"decode-ops-{slug}.json"
-    if args.as_gpu:
-        dev = f"{dev} as {args.as_gpu}"
-    path.write_text(json.dumps(dict(device=str(dev), preset=preset, context=args.context,
-                                    layers=n_layers, rows=rows), indent=1))
-    print(f"wrote {path}")
+    from _common import device_name, write_result
+
+    dev = device_name() + (f" as {args.as_gpu}" if args.as_gpu else "")
+    path = write_result(args.out, "decode-ops", dict(preset=preset, context=args.context,
+                                                     layers=n_layers, rows=rows), device=dev)
+    print(f"wrote {path}", flush=True)
     return 0
 
 

@@ -26,7 +26,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -52,6 +51,7 @@ VARIANTS = {
 def split_decode(model, context: int, tokens: int, warmup: int = 4) -> dict:
     """Median ms per token of build / encode / wait, the pipelined ms, and the graph's ops."""
     import mlx.core as mx
+    from _common import pipelined_ms
     from count_decode_ops import VIEWS, count_primitives
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -81,17 +81,7 @@ def split_decode(model, context: int, tokens: int, warmup: int = 4) -> dict:
         encode.append(t2 - t1)
         wait.append(t3 - t2)
         y = nxt
-    mx.synchronize()
-    t0 = time.perf_counter()
-    nxt = step(y)
-    mx.async_eval(nxt)
-    for _ in range(tokens - 1):
-        cur = nxt
-        nxt = step(cur)
-        mx.async_eval(nxt)
-        cur.item()
-    nxt.item()
-    pipelined = (time.perf_counter() - t0) / tokens
+    pipelined = pipelined_ms(step, y, tokens) / 1e3
     med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
     return dict(build_ms=med(build), encode_ms=med(encode), wait_ms=med(wait),
                 serial_ms=med([a + b + c for a, b, c in zip(build, encode, wait)]),
@@ -158,14 +148,10 @@ def main(argv=None) -> int:
         if backend != "stock":
             del model
         mx.clear_cache()
-    dev = mx.device_info().get("device_name", str(mx.default_device())) \
-        if hasattr(mx, "device_info") else str(mx.default_device())
-    slug = "".join(c if c.isalnum() else "-" for c in str(dev).lower()).strip("-") or "cpu"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"decode-split-{slug}.json"
-    path.write_text(json.dumps(dict(device=str(dev), preset=args.preset, layers=args.layers,
-                                    rows=rows), indent=1))
+    from _common import write_result
+
+    path = write_result(args.out, "decode-split",
+                        dict(preset=args.preset, layers=args.layers, rows=rows))
     stage(f"wrote {path}")
     return 0
 

@@ -20,7 +20,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ if SRC.is_dir() and str(SRC) not in sys.path:
 def decode_ms_per_token(model, context: int, tokens: int, warmup: int = 4, log=None) -> float:
     """Median-free simple timing: ``tokens`` greedy steps after ``warmup`` steps."""
     import mlx.core as mx
+    from _common import pipelined_ms
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
@@ -49,18 +49,7 @@ def decode_ms_per_token(model, context: int, tokens: int, warmup: int = 4, log=N
     for _ in range(warmup):
         y = step(y)
         mx.eval(y)
-    mx.synchronize()
-    t0 = time.perf_counter()
-    nxt = step(y)
-    mx.async_eval(nxt)
-    for _ in range(tokens - 1):
-        cur = nxt
-        nxt = step(cur)
-        mx.async_eval(nxt)
-        cur.item()
-    nxt.item()
-    mx.synchronize()
-    return 1e3 * (time.perf_counter() - t0) / tokens
+    return pipelined_ms(step, y, tokens)
 
 
 def main(argv=None) -> int:
@@ -116,13 +105,9 @@ def main(argv=None) -> int:
         if backend != "stock":
             del model
             mx.clear_cache()
-    dev = mx.device_info().get("device_name", str(mx.default_device())) \
-        if hasattr(mx, "device_info") else str(mx.default_device())
-    slug = "".join(c if c.isalnum() else "-" for c in str(dev).lower()).strip("-")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"decode-trace-{slug}.json"
-    path.write_text(json.dumps(dict(device=dev, preset=args.preset, rows=rows), indent=1))
+    from _common import write_result
+
+    path = write_result(args.out, "decode-trace", dict(preset=args.preset, rows=rows))
     print(f"wrote {path}")
     return 0
 

@@ -20,7 +20,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -113,14 +112,9 @@ def main(argv=None) -> int:
         if name != "stock":
             del model
         mx.clear_cache()
-    dev = mx.device_info().get("device_name", str(mx.default_device())) \
-        if hasattr(mx, "device_info") else str(mx.default_device())
-    slug = "".join(c if c.isalnum() else "-" for c in str(dev).lower()).strip("-") or "cpu"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"prefill-memory-{slug}.json"
-    path.write_text(json.dumps(dict(device=str(dev), preset=args.preset, results=results),
-                               indent=1))
+    from _common import write_result
+
+    path = write_result(args.out, "prefill-memory", dict(preset=args.preset, results=results))
     stage(f"wrote {path}")
     return 0
 

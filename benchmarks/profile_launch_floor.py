@@ -104,15 +104,10 @@ def main(argv=None) -> int:
         rows.append(dict(setting=label, env=env, us_per_op=res))
         print(f"{label:16s} " + "  ".join(f"{k} {v:6.2f} us/op" for k, v in res.items()),
               flush=True)
-    import mlx.core as mx
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import write_result
 
-    dev = mx.device_info().get("device_name", str(mx.default_device())) \
-        if hasattr(mx, "device_info") else str(mx.default_device())
-    slug = "".join(c if c.isalnum() else "-" for c in str(dev).lower()).strip("-") or "cpu"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"launch-floor-{slug}.json"
-    path.write_text(json.dumps(dict(device=str(dev), rows=rows), indent=1))
+    path = write_result(args.out, "launch-floor", dict(rows=rows))
     print(f"wrote {path}")
     return 0
 

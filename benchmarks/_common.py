@@ -1,0 +1,50 @@
+"""Helpers shared by the benchmark scripts in this folder (not part of the package)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+if SRC.is_dir() and str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))
+
+
+def device_name() -> str:
+    """The MLX default device's name (e.g. ``NVIDIA H200``), as the bench reports print it."""
+    from qwen_apple_backend.bench.report import device_info
+
+    return device_info()["name"]
+
+
+def write_result(out: str | Path, stem: str, payload: dict, *, device: str | None = None) -> Path:
+    """Write ``payload`` (plus ``device``) as ``OUT/<stem>-<device slug>.json``; return the path."""
+    from qwen_apple_backend.bench.report import slug
+
+    dev = device or device_name()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}-{slug(dev.split(' as ')[0])}.json"
+    path.write_text(json.dumps({"device": dev, **payload}, indent=1))
+    return path
+
+
+def pipelined_ms(step: Callable[[Any], Any], y: Any, tokens: int) -> float:
+    """ms per token of mlx-lm's decode loop: step t+1 is enqueued before token t is read."""
+    import mlx.core as mx
+
+    mx.synchronize()
+    t0 = time.perf_counter()
+    nxt = step(y)
+    mx.async_eval(nxt)
+    for _ in range(tokens - 1):
+        cur = nxt
+        nxt = step(cur)
+        mx.async_eval(nxt)
+        cur.item()
+    nxt.item()
+    mx.synchronize()
+    return 1e3 * (time.perf_counter() - t0) / tokens
