@@ -48,3 +48,44 @@ def pipelined_ms(step: Callable[[Any], Any], y: Any, tokens: int) -> float:
     nxt.item()
     mx.synchronize()
     return 1e3 * (time.perf_counter() - t0) / tokens
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def layer_count(text: str) -> int:
+    """argparse type: a positive multiple of 4 (3 linear-attention layers, then 1 full)."""
+    import argparse
+
+    value = positive_int(text)
+    if value % 4:
+        raise argparse.ArgumentTypeError(
+            f"expected a multiple of 4 (the 3 linear + 1 full attention pattern; mlx-lm's "
+            f"model indexes its first full-attention layer), got {value}")
+    return value
+
+
+def check_disable_names(parser, names) -> None:
+    """``parser.error`` unless every name is one ``QAB_DISABLE`` accepts."""
+    from qwen_apple_backend.envs import check_disable
+
+    try:
+        check_disable(names)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def check_out(parser, out: str | Path) -> None:
+    """``parser.error`` when OUT exists and is not a folder (checked before any work)."""
+    if Path(out).exists() and not Path(out).is_dir():
+        parser.error(f"OUT {str(out)!r} exists and is not a folder")

@@ -10,8 +10,11 @@ counts its primitives from ``mx.export_to_dot``: all of them, those that launch
 a kernel (views such as Reshape, Broadcast, Slice, Squeeze, ExpandDims,
 Transpose, AsStrided and StopGradient do not), and the kernel-launching ones by
 name. Counts depend on which kernels are ready on the device (on the CPU the
-portable paths run), not on the model's sizes, so ``--preset tiny`` shows the
-same per-layer structure as ``full`` on the CPU.
+portable paths run) and on which kernels accept the shapes: the MoE decode
+kernels need a hidden size that is a multiple of 1,024, so count Qwen3.6's
+structure with ``--preset full --layers 4 --experts 16 --context 4`` (about a
+minute on a CPU); the default ``tiny`` preset shows the structure of a small
+model, whose MoE layers keep MLX's gathered matmul.
 
 ``--as-gpu cuda`` (or ``metal``) counts, on any machine, the graph that GPU
 would build: the device probe answers that backend, every self-check passes and
@@ -36,6 +39,8 @@ import io
 import re
 import sys
 from pathlib import Path
+
+from _common import layer_count, positive_int
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 if SRC.is_dir() and str(SRC) not in sys.path:
@@ -191,12 +196,12 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="stock,fused")
     p.add_argument("--ablate", default="", help="comma list of optimizations to turn off, "
                    "one fused column each")
-    p.add_argument("--context", type=int, default=64, help="prefilled tokens")
-    p.add_argument("--top", type=int, default=25, help="primitive names listed per column")
-    p.add_argument("--layers", type=int, default=None,
+    p.add_argument("--context", type=positive_int, default=64, help="prefilled tokens")
+    p.add_argument("--top", type=positive_int, default=25, help="primitive names listed per column")
+    p.add_argument("--layers", type=layer_count, default=None,
                    help="keep only this many decoder layers (a multiple of 4 keeps the "
                         "3 linear + 1 full attention pattern; counts are per layer anyway)")
-    p.add_argument("--experts", type=int, default=None,
+    p.add_argument("--experts", type=positive_int, default=None,
                    help="routed experts instead of the preset's (the count does not depend "
                         "on it; fewer save memory when counting --preset full on a CPU)")
     p.add_argument("--vocab", type=int, default=1024,
@@ -205,6 +210,15 @@ def main(argv=None) -> int:
     p.add_argument("--as-gpu", choices=["cuda", "metal"], default=None,
                    help="count the graph this GPU backend would build (stand-in kernels)")
     args = p.parse_args(argv)
+    from _common import check_disable_names, check_out
+
+    check_out(p, args.out)
+    if args.vocab < 0:
+        p.error(f"--vocab must be >= 0, got {args.vocab}")
+    unknown = [b for b in args.backends.split(",") if b and b not in ("stock", "fused")]
+    if unknown:
+        p.error(f"unknown backend(s) {unknown}; choose from stock, fused")
+    check_disable_names(p, [a for a in args.ablate.split(",") if a])
     import os
 
     import mlx.core as mx

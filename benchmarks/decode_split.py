@@ -86,22 +86,31 @@ def split_decode(model, context: int, tokens: int, warmup: int = 4) -> dict:
     return dict(build_ms=med(build), encode_ms=med(encode), wait_ms=med(wait),
                 serial_ms=med([a + b + c for a, b, c in zip(build, encode, wait)]),
                 pipelined_ms=1e3 * pipelined, tok_s=1.0 / pipelined,
-                kernel_primitives=launches, by_name=dict(ops.most_common(30)))
+                kernel_primitives=launches,
+                by_name={k: v for k, v in ops.most_common() if k not in VIEWS})
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from _common import layer_count, positive_int
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("out", help="output folder (created)")
     p.add_argument("--variants", default="fused,fused+compile,stock",
                    help=f"comma list of: {', '.join(VARIANTS)}")
     p.add_argument("--preset", default="full", choices=["tiny", "small", "full"])
-    p.add_argument("--layers", type=int, default=None, help="keep the first k layers")
-    p.add_argument("--context", type=int, default=512, help="prefilled tokens")
-    p.add_argument("--tokens", type=int, default=32, help="timed decode tokens per phase")
+    p.add_argument("--layers", type=layer_count, default=None,
+                   help="keep the first k layers (a multiple of 4)")
+    p.add_argument("--context", type=positive_int, default=512, help="prefilled tokens")
+    p.add_argument("--tokens", type=positive_int, default=32,
+                   help="timed decode tokens per phase")
     args = p.parse_args(argv)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    from _common import check_out
+
+    check_out(p, args.out)
     import mlx.core as mx
 
     from qwen_apple_backend.bench.target import build_preset, clone_model_structure, fuse_in_memory

@@ -75,13 +75,26 @@ def prefill_memory(model, length: int, chunk: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from _common import check_disable_names, check_out, positive_int
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("out", help="output folder (created)")
-    p.add_argument("--length", type=int, default=16384)
-    p.add_argument("--chunk", type=int, default=2048)
-    p.add_argument("--variants", default="fused,fused-attn,fused-gdn,fused-moe")
+    p.add_argument("--length", type=positive_int, default=16384, help="prompt tokens")
+    p.add_argument("--chunk", type=positive_int, default=2048,
+                   help="tokens per prefill step (mlx-lm's prefill_step_size)")
+    p.add_argument("--variants", default="fused,fused-attn,fused-gdn,fused-moe",
+                   help="comma list: stock, fused, or fused-NAME with NAME a module kind "
+                        "(attn, gdn, moe) or an optimization (e.g. attn-blocks, gdn-kernel) "
+                        "kept stock / off")
     p.add_argument("--preset", default="full", choices=["tiny", "small", "full"])
     args = p.parse_args(argv)
+    check_out(p, args.out)
+    variants = [v for v in args.variants.split(",") if v]
+    for v in variants:
+        if v not in ("stock", "fused") and not v.startswith("fused-"):
+            p.error(f"unknown variant {v!r}: expected stock, fused or fused-NAME")
+    check_disable_names(p, [v.split("-", 1)[1] for v in variants if v.startswith("fused-")])
     import mlx.core as mx
 
     from qwen_apple_backend.bench.target import build_preset, clone_model_structure, fuse_in_memory
@@ -94,7 +107,7 @@ def main(argv=None) -> int:
     stage(f"building preset {args.preset}")
     b = build_preset(args.preset, seed=0)
     results = []
-    for name in args.variants.split(","):
+    for name in variants:
         if name == "stock":
             model = b.model
         else:
@@ -105,10 +118,10 @@ def main(argv=None) -> int:
         r["variant"] = name
         results.append(r)
         stage(f"{name:12s} {args.length} tokens in {r['seconds']:.1f}s: weights "
-              f"{r['weights_bytes'] / GB:.2f} GB, cache {r['cache_bytes'] / GB:.2f} GB, peak above "
-              f"weights {r['peak_above_weights'] / GB:.2f} GB, working (peak - cache) "
-              f"{r['working_bytes'] / GB:.2f} GB; other active first/last chunk "
-              f"{r['other_active_first'] / GB:.2f}/{r['other_active_last'] / GB:.2f} GB")
+              f"{r['weights_bytes'] / GB:.3f} GB, cache {r['cache_bytes'] / GB:.3f} GB, peak above "
+              f"weights {r['peak_above_weights'] / GB:.3f} GB, working (peak - cache) "
+              f"{r['working_bytes'] / GB:.3f} GB; other active first/last chunk "
+              f"{r['other_active_first'] / GB:.3f}/{r['other_active_last'] / GB:.3f} GB")
         if name != "stock":
             del model
         mx.clear_cache()

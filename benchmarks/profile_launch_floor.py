@@ -81,10 +81,17 @@ def _child(repeats: int) -> dict:
     return out
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", nargs="?", help="output folder (created)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=_positive, default=5)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:

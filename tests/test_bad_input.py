@@ -303,3 +303,21 @@ def test_bad_boolean_and_list_variables_name_themselves(monkeypatch):
         envs.validate()
     monkeypatch.setenv("QAB_DISABLE", "all")
     assert envs.disabled_kinds() == frozenset({"moe", "gdn", "attn"})
+
+
+def test_disable_argument_is_checked_like_the_variable():
+    # load(disable=...) / fuse_in_memory(disable=...) take QAB_DISABLE's names;
+    # a misspelt one is an error naming the argument, not a silent no-op.
+    from qwen_apple_backend import envs
+    from qwen_apple_backend.bench.target import fuse_in_memory
+    from qwen_apple_backend.checkpoint import build_random_model, hf_config
+    from qwen_apple_backend.errors import EnvVarError
+
+    assert envs.check_disable(["MOE", " attn-blocks "]) == frozenset({"moe", "attn-blocks"})
+    assert envs.check_disable(["all", "add-norm"]) == frozenset({"moe", "gdn", "attn", "add-norm"})
+    with pytest.raises(EnvVarError, match=r"^disable=: unknown optimizations 'attn_blocks', 'mo' "
+                                          r"\(known: moe, gdn, attn, all, "):
+        envs.check_disable(["attn_blocks", "mo"])
+    model = build_random_model("tiny", vocab_size=64)
+    with pytest.raises(ValueError, match="unknown optimization 'add_norm'"):
+        fuse_in_memory(model, "fused", config=hf_config("tiny", 64), disable=["add_norm"])

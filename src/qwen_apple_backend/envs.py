@@ -134,6 +134,31 @@ def disabled_kinds() -> frozenset[str]:
     return frozenset(names)
 
 
+def check_disable(names: Iterable[str]) -> frozenset[str]:
+    """Validate a ``disable=`` argument as ``QAB_DISABLE`` is validated.
+
+    Args:
+        names (Iterable[str]): module kinds (``moe``, ``gdn``, ``attn``,
+            ``all``) and/or optimization names (any case).
+
+    Returns:
+        frozenset[str]: the lower-cased names, ``all`` expanded to every kind.
+
+    Raises:
+        EnvVarError: (a ``ValueError``) naming ``disable=``, the unknown names
+            and the accepted ones.
+    """
+    if isinstance(names, str):
+        names = [names]
+    got = {str(n).strip().lower() for n in names if str(n).strip()}
+    unknown = got - set(FUSABLE_KINDS) - set(OPTIMIZATIONS) - {"all"}
+    if unknown:
+        raise _unknown("disable=", "optimization", unknown, [*FUSABLE_KINDS, "all", *OPTIMIZATIONS])
+    if "all" in got:
+        got = (got - {"all"}) | set(FUSABLE_KINDS)
+    return frozenset(got)
+
+
 def kernels_disabled() -> bool:
     """``QAB_DISABLE_KERNELS``: force the portable path of every op.
 

@@ -187,15 +187,16 @@ def load_model(model_path: Union[str, Path], backend: Optional[str] = None, *, l
         model_config (dict, optional): config overrides, as in mlx-lm.
         trust_remote_code (bool): as in mlx-lm. Default False.
         use_fallback (bool): keep a module stock when it cannot be fused. Default True.
-        disable (frozenset[str], optional): module kinds to keep stock; default
-            from ``QAB_DISABLE``.
+        disable (frozenset[str], optional): module kinds to keep stock and/or
+            optimizations to switch off (the names ``QAB_DISABLE`` takes);
+            default from ``QAB_DISABLE``.
 
     Returns:
         tuple[nn.Module, dict, FuseReport]: model, config, and what was replaced.
 
     Raises:
         MissingCheckpointFileError, CheckpointError, UnsupportedConfigError, FuseError,
-        UnknownBackendError.
+        UnknownBackendError, EnvVarError (an unknown ``disable`` name).
     """
     from mlx_lm import utils as mlx_utils
 
@@ -256,7 +257,7 @@ def load_model(model_path: Union[str, Path], backend: Optional[str] = None, *, l
             raise CheckpointError(f"{model_path}: weights do not match the model built from "
                                   f"config.json: {exc}") from exc
     if backend in ("auto", "fused"):
-        kinds = envs.disabled_kinds() if disable is None else frozenset(disable)
+        kinds = envs.disabled_kinds() if disable is None else envs.check_disable(disable)
         adapter.fuse(model, config, disable=kinds, use_fallback=use_fallback, report=report)
     else:
         why = "backend=stock: stock mlx-lm modules (loader fixes only)"
@@ -416,7 +417,8 @@ def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
         use_fallback (bool): keep a module stock when it cannot be fused (True), or
             raise ``FuseError`` naming the layer and reason (False). Default True.
         disable (Iterable[str], optional): module kinds to keep stock (``moe``,
-            ``gdn``, ``attn``); default from ``QAB_DISABLE``.
+            ``gdn``, ``attn``, ``all``) and/or optimizations to switch off (the
+            names ``QAB_DISABLE`` takes); default from ``QAB_DISABLE``.
 
     Returns:
         ``(model, tokenizer)`` or ``(model, tokenizer, config)``; what was replaced
@@ -428,7 +430,8 @@ def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
             unsupported ``model_type`` or a missing required config field.
         UnsupportedConfigError: a config the model cannot be built from.
         UnknownBackendError: an unknown backend name.
-        EnvVarError: a bad ``QAB_*`` environment variable.
+        EnvVarError: a bad ``QAB_*`` environment variable or an unknown
+            ``disable`` name.
 
     Example:
         >>> from qwen_apple_backend import load, get_report

@@ -80,7 +80,7 @@ class MLXBackend:
         from ..bench.target import MLXTarget, fuse_in_memory
 
         # None: the kinds QAB_DISABLE names, as load() does.
-        kinds = envs.disabled_kinds() if disable is None else frozenset(disable)
+        kinds = envs.disabled_kinds() if disable is None else envs.check_disable(disable)
         if self.mlx_backend == "stock":
             kinds = frozenset()
         if isinstance(path_or_model, (str, Path)):

@@ -389,6 +389,7 @@ def fuse_in_memory(model: Any, backend: str = "fused", *, config: Optional[dict]
 
     Raises:
         FuseError: when ``use_fallback`` is False and a module cannot be fused.
+        EnvVarError: (a ``ValueError``) for an unknown ``disable`` name.
 
     Example:
         >>> from qwen_apple_backend.checkpoint import build_random_model, hf_config
@@ -419,7 +420,9 @@ def fuse_in_memory(model: Any, backend: str = "fused", *, config: Optional[dict]
             obj = entry.load()
             adapter = obj() if isinstance(obj, type) else obj
             report.architecture, report.adapter, report.plugin = name, entry.target, entry.plugin
-            adapter.fuse(model, config, disable=frozenset(disable or ()),
+            from ..envs import check_disable
+
+            adapter.fuse(model, config, disable=check_disable(disable or ()),
                          use_fallback=use_fallback, report=report)
     model.qab_report = report
     return report
