@@ -267,13 +267,18 @@ int main(int argc, char** argv) {
 """
 
 
-def _build(tmp: Path, op: str, in_types, out_types, instances) -> Path:
-    (tmp / "k.cpp").write_text(_program(op, in_types, out_types, instances), encoding="utf-8")
+def _compile(tmp: Path, prog: str) -> Path:
+    """Compile the C++ program ``prog`` in ``tmp``; the executable's path."""
+    (tmp / "k.cpp").write_text(prog, encoding="utf-8")
     exe = tmp / "k"
     proc = subprocess.run([CXX, "-std=c++20", "-O2", "-pthread", "-w", str(tmp / "k.cpp"),
                            "-o", str(exe)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return exe
+
+
+def _build(tmp: Path, op: str, in_types, out_types, instances) -> Path:
+    return _compile(tmp, _program(op, in_types, out_types, instances))
 
 
 def _run(exe: Path, tmp: Path, which: int, inputs, outputs, grid, threadgroup):
@@ -390,11 +395,7 @@ def _build_typed(tmp: Path, op: str, in_types, out_types, instances) -> Path:
     prog = _program(op, in_types, out_types, instances)
     prog = prog.replace(PRELUDE, PRELUDE + SIMD_PRELUDE, 1)
     prog = prog.replace("template <int OutT,", "template <typename OutT,", 1)
-    (tmp / "k.cpp").write_text(prog, encoding="utf-8")
-    exe = tmp / "k"
-    proc = subprocess.run([CXX, "-std=c++20", "-O2", "-pthread", "-w", str(tmp / "k.cpp"),
-                           "-o", str(exe)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    exe = _compile(tmp, prog)
     return exe
 
 
@@ -640,11 +641,7 @@ def gdn_decode_exe(request, tmp_path_factory):
                     [_gdn_decode_instance(c, t) for c in GDN_DECODE_CASES])
     prog = prog.replace(PRELUDE, PRELUDE + GDN_DECODE_PRELUDE, 1)
     prog = prog.replace("template <int InT, int WT,", "template <typename InT, typename WT,", 1)
-    (tmp / "k.cpp").write_text(prog, encoding="utf-8")
-    exe = tmp / "k"
-    proc = subprocess.run([CXX, "-std=c++20", "-O2", "-pthread", "-w", str(tmp / "k.cpp"),
-                           "-o", str(exe)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    exe = _compile(tmp, prog)
     return exe, tmp, t
 
 
@@ -777,11 +774,7 @@ def router_exe(request, tmp_path_factory):
     prog = _program("moe_router_topk", [t], ["u32", t], inst)
     prog = prog.replace(PRELUDE, PRELUDE + ROUTER_PRELUDE, 1)
     prog = prog.replace("template <int InT,", "template <typename InT,", 1)
-    (tmp / "k.cpp").write_text(prog, encoding="utf-8")
-    exe = tmp / "k"
-    proc = subprocess.run([CXX, "-std=c++20", "-O2", "-pthread", "-w", str(tmp / "k.cpp"),
-                           "-o", str(exe)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    exe = _compile(tmp, prog)
     return t, tmp, exe
 
 
@@ -838,11 +831,7 @@ def add_norm_metal_exe(request, tmp_path_factory):
     prog = _program("add_rms_norm", [t, t, t, "f32"], [t, t], instances)
     prog = prog.replace(PRELUDE, PRELUDE + SIMD_PRELUDE + ADD_NORM_PRELUDE, 1)
     prog = prog.replace("template <int T,", "template <typename T,", 1)
-    (tmp / "k.cpp").write_text(prog, encoding="utf-8")
-    exe = tmp / "k"
-    proc = subprocess.run([CXX, "-std=c++20", "-O2", "-pthread", "-w", str(tmp / "k.cpp"),
-                           "-o", str(exe)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    exe = _compile(tmp, prog)
     return exe, tmp, t
 
 
