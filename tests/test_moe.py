@@ -1248,3 +1248,37 @@ def test_router_kernel_gates(monkeypatch):
     monkeypatch.setenv("QAB_DISABLE_KERNELS", "1")
     assert moe_ops.router_kernel_ready(ok, 8, True) is None
     assert router.calls == [37, 37]  # two shape classes checked, once each
+
+
+def test_kernel_choice_is_kept_per_shape_and_weights(monkeypatch):
+    # The readiness checks run once per shape class; a replaced weight or a
+    # changed kernel switch decides again; outputs are unchanged.
+    stock = make_stock()
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    calls = []
+    real_router, real_fold = fused._router_ready, fused._fold_ready
+    monkeypatch.setattr(fused, "_router_ready", lambda x: calls.append("router") or real_router(x),
+                        raising=False)
+    monkeypatch.setattr(fused, "_fold_ready", lambda x: calls.append("fold") or real_fold(x),
+                        raising=False)
+    x = mx.random.normal((1, 1, H), key=mx.random.key(3))
+    ref = stock(x)
+    # The first call decides, and traces the compiled decode graph, which
+    # re-wraps the module's arrays (new identities): the second decides
+    # once more; from then on the choice is reused.
+    fused(x)
+    fused(x)
+    del calls[:]
+    for _ in range(3):
+        assert mx.allclose(fused(x), ref, atol=1e-5).item()
+    assert calls == []
+    fused(mx.random.normal((1, 40, H), key=mx.random.key(5)))  # prefill: routing only
+    assert calls == ["router"]
+    del calls[:]
+    fused.switch_mlp.down_proj.weight = fused.switch_mlp.down_proj.weight * 1.0
+    fused(x)
+    assert calls == ["router", "fold"]
+    del calls[:]
+    monkeypatch.setenv("QAB_DISABLE_KERNELS", "1")
+    fused(x)
+    assert calls == ["router", "fold"]

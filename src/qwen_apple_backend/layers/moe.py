@@ -26,6 +26,7 @@ from mlx_lm.models.switch_layers import (
     SwitchLinear,
 )
 
+from qwen_apple_backend import envs
 from qwen_apple_backend.layers._concat import ConcatProjection
 from qwen_apple_backend.ops.moe import (
     SORT_THRESHOLD,
@@ -502,6 +503,50 @@ class FusedSparseMoeBlock(nn.Module):
         return router_kernel_ready(_logits_stand_in(x.dtype, self.num_experts), self.top_k,
                                    self.norm_topk_prob)
 
+    def _weights_signature(self) -> tuple:
+        """Identity, shape and dtype of every array the kernel choice depends on."""
+        # Plain dict reads (an nn.Module is a dict of its children and
+        # arrays): this runs on every call, and Module.__getattr__ would
+        # double its cost.
+        get = dict.get
+        sm, se = get(self, "switch_mlp", {}), get(self, "shared_expert", {})
+        sig = []
+        for m in (get(self, "gate"), get(sm, "gate_up_proj"), get(sm, "down_proj"),
+                  get(self, "shared_expert_gate"), get(se, "gate_proj"), get(se, "up_proj"),
+                  get(se, "down_proj")):
+            if not isinstance(m, dict):
+                sig.append(type(m))
+                continue
+            for name in ("weight", "scales"):
+                a = get(m, name)
+                sig.append(None if a is None else (id(a), a.shape, a.dtype))
+            sig.append(type(m))
+        return tuple(sig)
+
+    def _kernel_choice(self, x: mx.array, decode: bool) -> tuple:
+        """``(router, fold)`` backends for this call (see :meth:`_router_ready`, :meth:`_fold_ready`).
+
+        Decode is bound by the host, and building the weight descriptions
+        for the readiness checks cost more Python than the rest of the
+        block's call. The answer depends only on the call's shape class, the
+        kernel switches in the environment and the weights' identity, shape
+        and dtype, so it is kept per module under that key (at most 64
+        entries) and recomputed when a weight array is replaced.
+        """
+        key = (x.shape, x.dtype, decode, envs.kernels_disabled(),
+               envs.unverified_kernels_allowed(), self._weights_signature())
+        cache = self.__dict__.get("_choices")
+        if cache is None:
+            cache = {}
+            object.__setattr__(self, "_choices", cache)
+        hit = cache.get(key)
+        if hit is None:
+            hit = (self._router_ready(x), self._fold_ready(x) if decode else None)
+            if len(cache) >= 64:
+                cache.clear()
+            cache[key] = hit
+        return hit
+
     def _forward(self, x: mx.array, use_cat: bool = False,
                  fold: Optional[str] = None, router: Optional[str] = None) -> mx.array:
         logits = self.gate(x)
@@ -565,9 +610,7 @@ class FusedSparseMoeBlock(nn.Module):
         if self.use_kernel and not self.training:
             # Decided here, outside mx.compile: the first call per shape class
             # self-checks the kernels, which evaluates arrays.
-            router = self._router_ready(x)
-            if rows < SORT_THRESHOLD:
-                fold = self._fold_ready(x)
+            router, fold = self._kernel_choice(x, rows < SORT_THRESHOLD)
         use_cat = self._use_cat()
         if self.compile_decode and not self.training and rows < SORT_THRESHOLD:
             y = self._compiled_forward(use_cat, fold, router)(x)
