@@ -15,6 +15,7 @@ This module imports only ``mlx.core``, the standard library, ``envs`` and
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
@@ -27,6 +28,7 @@ from ._sources import KernelSource, kernel_source
 __all__ = [
     "KernelSelfCheckWarning",
     "build_kernel",
+    "f32_scalar",
     "gpu_backend",
     "self_checked",
     "self_check_passed",
@@ -77,6 +79,13 @@ def build_kernel(op: str, backend: str, **options: Any) -> Optional[Callable[...
     return factory(name=src.name, input_names=list(src.inputs),
                    output_names=list(src.outputs), source=src.body, header=src.header,
                    **options)
+
+
+@functools.lru_cache(maxsize=None)
+def f32_scalar(value: float) -> mx.array:
+    """A cached float32 ``[1]`` array holding ``value`` (a kernel's scalar input, e.g. an
+    epsilon): one device array per value, no new array or fill per call."""
+    return mx.array([value], dtype=mx.float32)
 
 
 # (op, backend, shape key) -> (passed, message)

@@ -45,7 +45,7 @@ from typing import Callable, Optional, Tuple
 import mlx.core as mx
 
 from .. import envs
-from .device import build_kernel, gpu_backend, self_checked
+from .device import build_kernel, f32_scalar, gpu_backend, self_checked
 
 __all__ = [
     "DECODE_QK_EPS",
@@ -993,12 +993,6 @@ def _decode_kernel_object(backend: str):
     return build_kernel("gated_delta_decode", backend)
 
 
-@functools.lru_cache(maxsize=None)
-def _f32_scalar(value: float) -> mx.array:
-    # One cached device array per epsilon: no new array (or fill) per call.
-    return mx.array([value], dtype=mx.float32)
-
-
 def _decode_supported(Dk: int, Dv: int, Kc: int, dtype: mx.Dtype, block: int = 0) -> bool:
     block = block or _DECODE_BLOCK
     rows_per_warp = -(-Dv // (block // 32))
@@ -1027,7 +1021,7 @@ def _decode_kernel_call(backend: str, qkv, z, b, a, conv_state, conv_w, conv_b, 
     out, new_conv_state, new_state = obj(
         inputs=[qkv, z.astype(dt), b.astype(dt), a.astype(dt), conv_state.astype(dt), conv_w,
                 conv_b.astype(wt) if has_bias else conv_w, A, dt_bias.astype(wt),
-                norm_w.astype(wt), _f32_scalar(float(norm_eps)), state.astype(f32),
+                norm_w.astype(wt), f32_scalar(float(norm_eps)), state.astype(f32),
                 mask.astype(mx.bool_) if has_mask else A,
                 lengths.astype(mx.int32) if has_lengths else A],
         template=[("InT", dt), ("WT", wt), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv),

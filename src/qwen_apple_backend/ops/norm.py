@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from .. import envs
-from .device import build_kernel, gpu_backend, self_checked
+from .device import build_kernel, f32_scalar, gpu_backend, self_checked
 
 __all__ = [
     "ADD_RMS_NORM_MAX_D",
@@ -107,12 +107,6 @@ def _kernel_object(backend: str):
     return build_kernel("add_rms_norm", backend)
 
 
-@functools.lru_cache(maxsize=None)
-def _f32_scalar(value: float) -> mx.array:
-    # One cached device array per epsilon: no new array (or fill) per call.
-    return mx.array([value], dtype=mx.float32)
-
-
 def _kernel_call(backend: str, x: mx.array, r: mx.array, w: mx.array,
                  eps: float) -> Tuple[mx.array, mx.array]:
     obj = _kernel_object(backend)
@@ -124,7 +118,7 @@ def _kernel_call(backend: str, x: mx.array, r: mx.array, w: mx.array,
     # Outputs take x's shape directly: no reshape operations around the launch.
     # MLX caches a CUDA kernel by its template arguments alone: T fixes the
     # dtype of x, r, w, h and y (eps is always float32).
-    h, y = obj(inputs=[x, r, w, _f32_scalar(float(eps))],
+    h, y = obj(inputs=[x, r, w, f32_scalar(float(eps))],
                template=[("T", x.dtype), ("D", D), ("BLOCK", block)],
                grid=(block * N, 1, 1), threadgroup=(block, 1, 1),
                output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
