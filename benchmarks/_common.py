@@ -32,6 +32,33 @@ def write_result(out: str | Path, stem: str, payload: dict, *, device: str | Non
     return path
 
 
+def stage_logger() -> Callable[[str], None]:
+    """``stage(msg)`` prints ``[  12.3s] msg``: seconds since this call, flushed."""
+    t0 = time.perf_counter()
+
+    def stage(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
+
+    return stage
+
+
+def variant_model(build: Any, backend: str, disable=()) -> Any:
+    """The preset's stock model, or a fused clone of it with ``disable`` switched off.
+
+    Args:
+        build: a :class:`qwen_apple_backend.bench.target.PresetBuild`.
+        backend (str): ``"stock"`` or ``"fused"``.
+        disable (Iterable[str]): module kinds / optimizations kept stock (fused only).
+    """
+    if backend == "stock":
+        return build.model
+    from qwen_apple_backend.bench.target import clone_model_structure, fuse_in_memory
+
+    model = clone_model_structure(build.model)
+    fuse_in_memory(model, backend, config=build.config, disable=list(disable))
+    return model
+
+
 def pipelined_ms(step: Callable[[Any], Any], y: Any, tokens: int) -> float:
     """ms per token of mlx-lm's decode loop: step t+1 is enqueued before token t is read."""
     import mlx.core as mx
@@ -50,22 +77,11 @@ def pipelined_ms(step: Callable[[Any], Any], y: Any, tokens: int) -> float:
     return 1e3 * (time.perf_counter() - t0) / tokens
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def layer_count(text: str) -> int:
     """argparse type: a positive multiple of 4 (3 linear-attention layers, then 1 full)."""
     import argparse
+
+    from qwen_apple_backend.argtypes import positive_int
 
     value = positive_int(text)
     if value % 4:

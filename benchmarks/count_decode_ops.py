@@ -40,7 +40,9 @@ import re
 import sys
 from pathlib import Path
 
-from _common import layer_count, positive_int
+from _common import layer_count, variant_model
+
+from qwen_apple_backend.argtypes import nonnegative_int, positive_int
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 if SRC.is_dir() and str(SRC) not in sys.path:
@@ -204,7 +206,7 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=positive_int, default=None,
                    help="routed experts instead of the preset's (the count does not depend "
                         "on it; fewer save memory when counting --preset full on a CPU)")
-    p.add_argument("--vocab", type=int, default=1024,
+    p.add_argument("--vocab", type=nonnegative_int, default=1024,
                    help="vocabulary rows (default 1024; 0 = the real 248,320, whose lm_head "
                         "takes the gemv-kernel path on CUDA)")
     p.add_argument("--as-gpu", choices=["cuda", "metal"], default=None,
@@ -213,8 +215,6 @@ def main(argv=None) -> int:
     from _common import check_disable_names, check_out
 
     check_out(p, args.out)
-    if args.vocab < 0:
-        p.error(f"--vocab must be >= 0, got {args.vocab}")
     unknown = [b for b in args.backends.split(",") if b and b not in ("stock", "fused")]
     if unknown:
         p.error(f"unknown backend(s) {unknown}; choose from stock, fused")
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
 
     import mlx.core as mx
 
-    from qwen_apple_backend.bench.target import build_preset, clone_model_structure, fuse_in_memory
+    from qwen_apple_backend.bench.target import build_preset
 
     from qwen_apple_backend import checkpoint
 
@@ -248,10 +248,7 @@ def main(argv=None) -> int:
             os.environ["QAB_DISABLE"] = ",".join(filter(None, [old, off]))
         stand_in = GpuStandIn(args.as_gpu) if args.as_gpu else None
         try:
-            model = b.model
-            if backend != "stock":
-                model = clone_model_structure(b.model)
-                fuse_in_memory(model, backend, config=b.config, disable=[off] if off else None)
+            model = variant_model(b, backend, [off] if off else [])
             if stand_in is None:
                 ops = decode_step_ops(model, args.context)
             else:

@@ -91,7 +91,9 @@ def split_decode(model, context: int, tokens: int, warmup: int = 4) -> dict:
 
 
 def main(argv=None) -> int:
-    from _common import layer_count, positive_int
+    from _common import layer_count
+
+    from qwen_apple_backend.argtypes import positive_int
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -113,13 +115,11 @@ def main(argv=None) -> int:
     check_out(p, args.out)
     import mlx.core as mx
 
-    from qwen_apple_backend.bench.target import build_preset, clone_model_structure, fuse_in_memory
+    from _common import stage_logger, variant_model
 
-    t_start = time.perf_counter()
+    from qwen_apple_backend.bench.target import build_preset
 
-    def stage(msg):
-        print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
-
+    stage = stage_logger()
     stage(f"building preset {args.preset}")
     b = build_preset(args.preset, seed=0)
     rows = []
@@ -128,11 +128,8 @@ def main(argv=None) -> int:
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            model = b.model
-            if backend != "stock":
-                model = clone_model_structure(b.model)
-                fuse_in_memory(model, backend, config=b.config,
-                               disable=[x for x in env.get("QAB_DISABLE", "").split(",") if x])
+            model = variant_model(b, backend,
+                                  [x for x in env.get("QAB_DISABLE", "").split(",") if x])
             layers = model.language_model.model.layers
             full = list(layers)
             if args.layers:

@@ -63,7 +63,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import mlx.core as mx
 
-    from qwen_apple_backend.bench.target import build_preset, clone_model_structure, fuse_in_memory
+    from _common import variant_model
+
+    from qwen_apple_backend.bench.target import build_preset
 
     t_start = time.perf_counter()
 
@@ -74,10 +76,7 @@ def main(argv=None) -> int:
     b = build_preset(args.preset, seed=0)
     rows = []
     for backend in args.backends.split(","):
-        model = b.model
-        if backend != "stock":
-            model = clone_model_structure(b.model)
-            fuse_in_memory(model, backend, config=b.config)
+        model = variant_model(b, backend)
         stage(f"{backend}: built; timing decode (first run pays the GPU JIT)")
         layers = model.language_model.model.layers
         full = list(layers)

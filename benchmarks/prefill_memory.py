@@ -75,7 +75,9 @@ def prefill_memory(model, length: int, chunk: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from _common import check_disable_names, check_out, positive_int
+    from _common import check_disable_names, check_out
+
+    from qwen_apple_backend.argtypes import positive_int
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -97,23 +99,16 @@ def main(argv=None) -> int:
     check_disable_names(p, [v.split("-", 1)[1] for v in variants if v.startswith("fused-")])
     import mlx.core as mx
 
-    from qwen_apple_backend.bench.target import build_preset, clone_model_structure, fuse_in_memory
+    from _common import stage_logger, variant_model
 
-    t_start = time.perf_counter()
+    from qwen_apple_backend.bench.target import build_preset
 
-    def stage(msg):
-        print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
-
+    stage = stage_logger()
     stage(f"building preset {args.preset}")
     b = build_preset(args.preset, seed=0)
     results = []
     for name in variants:
-        if name == "stock":
-            model = b.model
-        else:
-            off = name.split("-", 1)[1:] if "-" in name else []
-            model = clone_model_structure(b.model)
-            fuse_in_memory(model, "fused", config=b.config, disable=off)
+        model = variant_model(b, name.split("-", 1)[0], name.split("-", 1)[1:])
         r = prefill_memory(model, args.length, args.chunk)
         r["variant"] = name
         results.append(r)

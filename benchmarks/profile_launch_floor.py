@@ -27,7 +27,10 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from _common import write_result
+
+from qwen_apple_backend.argtypes import positive_int
 
 SETTINGS = [
     ("default", {}),
@@ -81,17 +84,10 @@ def _child(repeats: int) -> dict:
     return out
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", nargs="?", help="output folder (created)")
-    p.add_argument("--repeats", type=_positive, default=5)
+    p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -111,9 +107,6 @@ def main(argv=None) -> int:
         rows.append(dict(setting=label, env=env, us_per_op=res))
         print(f"{label:16s} " + "  ".join(f"{k} {v:6.2f} us/op" for k, v in res.items()),
               flush=True)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _common import write_result
-
     path = write_result(args.out, "launch-floor", dict(rows=rows))
     print(f"wrote {path}")
     return 0
