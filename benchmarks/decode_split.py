@@ -21,6 +21,7 @@ tokens/s a user sees. Writes ``decode-split-<device>.json`` into OUT.
 Usage:
     python benchmarks/decode_split.py OUT [--variants fused,fused+compile,stock]
         [--preset full] [--layers 40] [--context 512] [--tokens 32]
+        [--prefill-step 2048]
 """
 
 from __future__ import annotations
@@ -48,8 +49,13 @@ VARIANTS = {
 }
 
 
-def split_decode(model, context: int, tokens: int, warmup: int = 4) -> dict:
-    """Median ms per token of build / encode / wait, the pipelined ms, and the graph's ops."""
+def split_decode(model, context: int, tokens: int, warmup: int = 4,
+                 prefill_step: int = 2048) -> dict:
+    """Median ms per token of build / encode / wait, the pipelined ms, and the graph's ops.
+
+    The context is prefilled in chunks of ``prefill_step`` tokens, each
+    evaluated, as mlx-lm's ``generate_step`` does (``prefill_step_size``).
+    """
     import mlx.core as mx
     from _common import pipelined_ms
     from count_decode_ops import VIEWS, count_primitives
@@ -57,7 +63,10 @@ def split_decode(model, context: int, tokens: int, warmup: int = 4) -> dict:
 
     cache = make_prompt_cache(model)
     prompt = mx.random.randint(0, 1000, (1, context), key=mx.random.key(context))
-    y = mx.argmax(model(prompt, cache=cache)[:, -1], axis=-1)
+    for start in range(0, context - 1, prefill_step):
+        model(prompt[:, start:min(start + prefill_step, context - 1)], cache=cache)
+        mx.eval([c.state for c in cache])
+    y = mx.argmax(model(prompt[:, -1:], cache=cache)[:, -1], axis=-1)
     mx.eval(y)
 
     def step(y):
@@ -106,6 +115,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=positive_int, default=512, help="prefilled tokens")
     p.add_argument("--tokens", type=positive_int, default=32,
                    help="timed decode tokens per phase")
+    p.add_argument("--prefill-step", type=positive_int, default=2048,
+                   help="tokens per prefill chunk (mlx-lm's prefill_step_size)")
     args = p.parse_args(argv)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
@@ -135,7 +146,8 @@ def main(argv=None) -> int:
             if args.layers:
                 model.language_model.model.layers = full[:args.layers]
             try:
-                r = split_decode(model, args.context, args.tokens)
+                r = split_decode(model, args.context, args.tokens,
+                                 prefill_step=args.prefill_step)
             finally:
                 model.language_model.model.layers = full
         finally:
@@ -144,7 +156,7 @@ def main(argv=None) -> int:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        r.update(variant=name, context=args.context,
+        r.update(variant=name, context=args.context, prefill_step=args.prefill_step,
                  mlx_env={k: os.environ[k] for k in os.environ if k.startswith("MLX_")})
         rows.append(r)
         stage(f"{name:18s} build {r['build_ms']:6.2f}  encode {r['encode_ms']:6.2f}  "
