@@ -436,6 +436,44 @@ def test_long_prompt_runs_in_query_blocks_and_matches_stock(monkeypatch):
     assert calls == [40, 50, 1]
 
 
+def test_long_single_block_call_is_evaluated_to_bound_run_ahead(monkeypatch):
+    # A prefill chunk whose scores fit one call is still evaluated at the
+    # attention layer once it has RUNAHEAD_EVAL_ROWS query rows (the first
+    # chunks of a long prompt peaked 8-8.7 GB above weights + cache on the
+    # H200 without it); decode steps and the switch-off path are not.
+    import qwen_apple_backend.layers.attention as layer_mod
+
+    stock, fused = make_pair()
+    monkeypatch.setattr(layer_mod, "RUNAHEAD_EVAL_ROWS", 32)
+    evaluated = []
+    real = layer_mod.eval_outside_traces
+    monkeypatch.setattr(layer_mod, "eval_outside_traces",
+                        lambda a: evaluated.append(a.shape[2]) or real(a))
+    xs = [inputs((1, n, 512), seed=s) for s, n in enumerate([40, 20, 50, 1])]
+    ys, _ = run_steps(fused, xs, KVCache)
+    refs, _ = run_steps(stock, xs, KVCache)
+    for step, (y, ref) in enumerate(zip(ys, refs)):
+        assert rel_l2(y, ref) <= 1e-5, step
+    assert evaluated == [40, 50]
+    fused.block_queries = False
+    evaluated.clear()
+    run_steps(fused, xs, KVCache)
+    assert evaluated == []
+
+
+def test_eval_outside_traces_is_lazy_inside_compile():
+    seen = []
+
+    def f(x):
+        y = x * 2
+        seen.append(attn_ops.eval_outside_traces(y))
+        return y + 1
+
+    assert attn_ops.eval_outside_traces(mx.ones((3,))) is True
+    out = mx.compile(f)(mx.ones((3,)))
+    assert seen == [False] and out.tolist() == [3.0, 3.0, 3.0]
+
+
 def test_attn_blocks_switch(monkeypatch):
     from qwen_apple_backend.bench.target import fuse_in_memory
     from qwen_apple_backend.checkpoint import build_random_model, hf_config

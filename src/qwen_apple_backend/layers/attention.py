@@ -20,7 +20,9 @@ from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 from qwen_apple_backend.layers._concat import ConcatProjection
 from qwen_apple_backend.ops.attention import (
+    RUNAHEAD_EVAL_ROWS,
     RopeSpec,
+    eval_outside_traces,
     gate_output,
     gqa_attention,
     gqa_attention_blocked,
@@ -76,8 +78,11 @@ class FusedGQAAttention(nn.Module):
             (at most ``COMPILE_MAX_TOKENS`` tokens) as one compiled graph.
             Default True.
         block_queries (bool): split a long prompt's attention into blocks of
-            query rows whose scores fit ``ops.attention.SCORE_BLOCK_BYTES``
-            (the ``attn-blocks`` optimization). Default True.
+            query rows whose scores fit ``ops.attention.SCORE_BLOCK_BYTES``,
+            each evaluated, and evaluate the output of any call of at least
+            ``ops.attention.RUNAHEAD_EVAL_ROWS`` query rows (the
+            ``attn-blocks`` optimization: it bounds a long prefill's memory).
+            Default True.
     """
 
     def __init__(
@@ -258,6 +263,9 @@ class FusedGQAAttention(nn.Module):
                 out = gqa_attention(
                     q, k, v, self.scale, mask, use_kernel=self.use_kernel and not self.training
                 )
+                if (self.block_queries and not self.training
+                        and q.shape[2] >= RUNAHEAD_EVAL_ROWS):
+                    eval_outside_traces(out)  # see RUNAHEAD_EVAL_ROWS
         return self.o_proj(gate_output(out, gate))
 
     def concat_projections(self) -> bool:

@@ -54,6 +54,14 @@ __all__ = [
 #: Budget for one attention call's score matrix (float32 bytes of [B, Hq, rows, S]).
 SCORE_BLOCK_BYTES = 1 << 29
 
+#: Query rows from which a fused attention layer evaluates its output outside
+#: traces even when the scores fit one call (``attn-blocks``): a prefill chunk
+#: then runs at most one attention interval (4 layers in Qwen3.5/3.6) ahead of
+#: the GPU. Measured on the H200 (128K prompt, 2,048-token chunks): without it
+#: the first two chunks, whose scores fit one call, peaked 8.0-8.7 GB above
+#: weights + KV cache; the later, blocked chunks 2.8-3.0 GB.
+RUNAHEAD_EVAL_ROWS = 512
+
 Mask = Union[None, str, mx.array]
 
 
@@ -354,12 +362,26 @@ def gqa_attention_blocked(
             mb = mask[..., i:j, :]
         outs.append(gqa_attention_ops(qb, kb, vb, scale, mb))
         if evaluate:
-            _eval_outside_traces(outs[-1])
+            eval_outside_traces(outs[-1])
     return mx.concatenate(outs, axis=2)
 
 
-def _eval_outside_traces(a: mx.array) -> None:
+def eval_outside_traces(a: mx.array) -> bool:
+    """Evaluate ``a`` now unless a function transformation is tracing it.
+
+    Bounds how far MLX's host runs ahead of the GPU (every buffer of the work
+    encoded ahead stays alive until the GPU reaches it). Inside
+    ``mx.compile`` / ``mx.vmap`` MLX refuses to evaluate (``ValueError``) and
+    ``a`` stays lazy.
+
+    Args:
+        a (mx.array): any array.
+
+    Returns:
+        bool: True when ``a`` was evaluated, False inside a trace.
+    """
     try:
         mx.eval(a)
+        return True
     except ValueError:
-        pass  # inside mx.compile / vmap: no eval; the blocks stay lazy
+        return False
