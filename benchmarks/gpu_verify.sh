@@ -5,7 +5,7 @@
 #   1. every GPU kernel test, unverified CUDA kernels included;
 #   2. the gated delta rule op by path and length (plain and staged scan at
 #      each lanes-per-row, chunked ops);
-#   3. fused with the experimental compiled decode step on, with ablation
+#   3. fused (the compiled decode step is on by default on a GPU), with ablation
 #      columns for it, the kernels and proj-concat, at 512 and 4K.
 # benchmarks/decode_trace.py (decode ms/token by layer count) and
 # benchmarks/gpu_long.sh (16K-128K) are separate commands.
@@ -25,7 +25,7 @@ step gated delta profile
 QAB_UNVERIFIED_KERNELS=1 timeout 50 python3 benchmarks/profile_gdn.py "$OUT" \
   --lengths 1,512,4096 --repeats 3 >> "$LOG" 2>&1
 step fused suite with ablations
-QAB_ENABLE=decode-compile timeout 190 python3 benchmarks/run_gpu_suite.py \
+timeout 190 python3 benchmarks/run_gpu_suite.py \
   "$OUT" --lengths 512,4K --rounds 2 --backends fused \
   --ablate decode-compile,moe-kernel,gdn-kernel,proj-concat --decode-tokens 64 --no-fidelity \
   --max-seconds 180 --tag verify --no-progress >> "$LOG" 2>&1

@@ -1,4 +1,4 @@
-"""The compiled one-token decode step (QAB_ENABLE=decode-compile) against the eager path."""
+"""The compiled one-token decode step (decode-compile: default on a GPU, QAB_ENABLE on the CPU) against the eager path."""
 
 from __future__ import annotations
 
@@ -71,6 +71,26 @@ def test_disable_and_bad_enable(tiny_hf_f32, monkeypatch):
     monkeypatch.setenv("QAB_ENABLE", "warp-drive")
     with pytest.raises(ValueError, match="QAB_ENABLE: unknown optimization"):
         load(tiny_hf_f32, "fused")
+
+
+def test_compiled_step_is_the_default_on_a_gpu_only(tiny_hf_f32, monkeypatch):
+    import qwen_apple_backend.models._hybrid as hybrid
+
+    monkeypatch.delenv("QAB_ENABLE", raising=False)
+    cpu, _ = load(tiny_hf_f32, "fused")
+    assert not compiled_decode_installed(cpu.language_model)
+    assert any("eagerly on the CPU" in n for n in cpu.qab_report.notes)
+    # The same load where the default device is a GPU backend.
+    monkeypatch.setattr(hybrid, "gpu_backend", lambda: "cuda")
+    gpu, _ = load(tiny_hf_f32, "fused")
+    assert compiled_decode_installed(gpu.language_model)
+    assert any("compiled step" in n for n in gpu.qab_report.notes)
+    monkeypatch.setenv("QAB_DISABLE", "decode-compile")
+    off, _ = load(tiny_hf_f32, "fused")
+    assert not compiled_decode_installed(off.language_model)
+    assert any("compiled decode step off" in n for n in off.qab_report.notes)
+    stock, _ = load(tiny_hf_f32, "stock")
+    assert not compiled_decode_installed(getattr(stock, "language_model", stock))
 
 
 def _host_loop(model, prompt, n):
