@@ -112,6 +112,40 @@ def test_bad_environment_stops_demo_and_compare_too(tmp_path):
         assert out.stderr.startswith("qab: error: QAB_GDN_CHUNK: expected a positive integer")
 
 
+def test_unknown_plugin_in_qab_plugins_lists_the_available_ones(tmp_path):
+    from importlib.metadata import entry_points
+
+    available = sorted({ep.name for ep in entry_points(group="qwen_apple_backend")} | {"qwen"})
+    for value, unknown in (("nonexistent", "plugin 'nonexistent'"),
+                           ("qwen,nope,nada", "plugins 'nada', 'nope'")):
+        message = (f"qab: error: QAB_PLUGINS: unknown {unknown} "
+                   f"(available: {', '.join(available)})")
+        for args in (["generate", "--model", str(tmp_path / "missing"), "--prompt", "x"],
+                     ["demo"], ["backends"]):
+            out = _qab(*args, env={"QAB_PLUGINS": value})
+            assert out.returncode == 2, (args, out.stderr)
+            assert out.stderr.strip() == message, (args, out.stderr)
+
+
+def test_unusable_cache_dir_is_one_line_naming_the_variable(tmp_path, monkeypatch):
+    from qwen_apple_backend.demo import ensure_default_model
+    from qwen_apple_backend.errors import EnvVarError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cache = blocker / "cache"  # cannot be created: its parent is a file (even for root)
+    message = (f"QAB_CACHE_DIR: cannot create or write the cache directory {str(cache)!r}: "
+               "Not a directory; set QAB_CACHE_DIR to a writable directory")
+    for args in (["demo", "--max-tokens", "1"], ["generate", "--prompt", "x"]):
+        out = _qab(*args, env={"QAB_CACHE_DIR": str(cache)})
+        assert out.returncode == 2, (args, out.stderr)
+        assert out.stderr.strip() == f"qab: error: {message}", (args, out.stderr)
+    monkeypatch.setenv("QAB_CACHE_DIR", str(cache))
+    with pytest.raises(EnvVarError) as info:
+        ensure_default_model()
+    assert str(info.value) == message and not blocker.read_text()
+
+
 def test_unknown_backend_flag_lists_the_available_ones(tmp_path):
     out = _qab("generate", "--model", str(tmp_path), "--backend", "turbo", "--prompt", "x")
     assert out.returncode == 2

@@ -188,3 +188,34 @@ def test_optimization_switches_reach_the_fused_modules(tiny_hf_f32, monkeypatch)
     stock, _ = load(tiny_hf_f32, "stock")
     ids = _ids(50, seed=11)
     assert rel_l2(_logits(model, ids), _logits(stock, ids)) <= 1e-5
+
+
+_OFF_NOTES = {
+    "attn-blocks": "a long prompt's attention runs as one call over all query rows, not in "
+                   "blocks of query rows each evaluated before the next (attn-blocks in "
+                   "QAB_DISABLE / disable=)",
+    "gdn-kernel": "Gated DeltaNet scans and decode steps run as MLX ops, without the GPU "
+                  "gated-delta kernels (gdn-kernel in QAB_DISABLE / disable=)",
+    "moe-kernel": "MoE routing and experts run as MLX ops, without the GPU MoE kernels for "
+                  "the router, decode GEMVs and grouped 4-bit GEMM (moe-kernel in QAB_DISABLE "
+                  "/ disable=)",
+    "moe-gemm": "quantized MoE experts' prefill runs MLX's gathered quantized matmul, not "
+                "dequantize-then-GEMM (moe-gemm in QAB_DISABLE / disable=)",
+}
+
+
+@pytest.mark.parametrize("opt", sorted(_OFF_NOTES))
+def test_switched_off_optimization_is_a_report_note(tiny_q4, opt, monkeypatch):
+    # Like add-norm or proj-concat, a module kind's optimization switched off says in the
+    # report's notes what runs instead; only the one switched off, and only once.
+    monkeypatch.delenv("QAB_DISABLE", raising=False)
+    notes = get_report(load(tiny_q4, "fused", disable=[opt])[0]).notes
+    assert [n for n in notes if n in _OFF_NOTES.values()] == [_OFF_NOTES[opt]]
+    monkeypatch.setenv("QAB_DISABLE", opt)
+    assert _OFF_NOTES[opt] in get_report(load(tiny_q4, "fused")[0]).notes
+    monkeypatch.delenv("QAB_DISABLE")
+    # No note when nothing of that kind was fused, nor when nothing is switched off.
+    kind = opt.split("-")[0]
+    notes = get_report(load(tiny_q4, "fused", disable=[kind, opt])[0]).notes
+    assert _OFF_NOTES[opt] not in notes
+    assert not set(get_report(load(tiny_q4, "fused")[0]).notes) & set(_OFF_NOTES.values())

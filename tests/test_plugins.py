@@ -207,9 +207,24 @@ def test_allowlist_and_broken_entry_point(tmp_path, example_site):
 
 
 def test_allowlist_naming_a_missing_plugin_raises(monkeypatch):
+    from importlib.metadata import entry_points
+
+    from qwen_apple_backend.errors import EnvVarError
+
+    available = sorted({ep.name for ep in entry_points(group=plugins.ENTRY_POINT_GROUP)}
+                       | {"qwen"})
     monkeypatch.setenv("QAB_PLUGINS", "qwen,not_installed_anywhere")
-    with pytest.raises(PluginLoadError, match="not_installed_anywhere"):
+    with pytest.raises(PluginLoadError) as info:
         plugins.load_plugins(force=True)
+    # Also an EnvVarError: the message names the variable, the unknown name and the
+    # available plugins.
+    assert isinstance(info.value, EnvVarError)
+    assert str(info.value) == ("QAB_PLUGINS: unknown plugin 'not_installed_anywhere' "
+                               f"(available: {', '.join(available)})")
+    with pytest.raises(EnvVarError):
+        plugins.check_allowlist()
+    monkeypatch.setenv("QAB_PLUGINS", "qwen")
+    assert plugins.check_allowlist() == frozenset({"qwen"})
 
 
 class _PluginBackends:

@@ -12,7 +12,9 @@ Subcommands (each imported lazily):
 
 Bad input ends a command before any work with one ``error:`` line: the ``QAB_*``
 environment variables and ``--backend`` (exit status 2), non-positive token counts
-(argparse, exit status 2), a missing or broken checkpoint (exit status 1).
+(argparse, exit status 2), a missing or broken checkpoint (exit status 1). A
+variable found unusable only at run time (a ``QAB_CACHE_DIR`` that cannot be
+written) is the same one ``qab: error: VAR: ...`` line, exit status 2.
 """
 
 from __future__ import annotations
@@ -125,8 +127,10 @@ def _check_environment(command: str) -> None:
     """Validate every QAB_* variable before any work (one line, exit status 2)."""
     from . import envs
     from .errors import EnvVarError
+    from .plugins import check_allowlist
 
     try:
+        check_allowlist()
         backends = _usable_backends()[0] if command in PASSTHROUGH else None
         envs.validate(backends=backends)
     except EnvVarError as exc:
@@ -367,14 +371,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _main(argv: Sequence[str]) -> int:
-    if argv and argv[0] in PASSTHROUGH:
-        from .errors import QABError
+    from .errors import EnvVarError, QABError
 
+    if argv and argv[0] in PASSTHROUGH:
         try:
             return _run_passthrough(argv[0], argv[1:])
         except UsageError as exc:
             print(f"qab {argv[0]}: error: {exc}" if str(exc).startswith("--")
                   else f"qab: error: {exc}", file=sys.stderr)
+            return 2
+        except EnvVarError as exc:  # found at run time, e.g. an unusable QAB_CACHE_DIR
+            print(f"qab: error: {exc}", file=sys.stderr)
             return 2
         except (QABError, FileNotFoundError) as exc:
             print(f"qab {argv[0]}: error: {exc}", file=sys.stderr)
@@ -391,10 +398,11 @@ def _main(argv: Sequence[str]) -> int:
         except UsageError as exc:
             print(f"qab: error: {exc}", file=sys.stderr)
             return 2
-    from .errors import QABError
-
     try:
         return func(args)
+    except EnvVarError as exc:  # found at run time: QAB_PLUGINS, QAB_CACHE_DIR
+        print(f"qab: error: {exc}", file=sys.stderr)
+        return 2
     except (QABError, ValueError, FileNotFoundError, FileExistsError) as exc:
         print(f"qab {args.command}: error: {exc}", file=sys.stderr)
         return 1

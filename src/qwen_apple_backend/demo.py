@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import envs
+from .errors import EnvVarError
 
 #: Files of the shipped demo model that make up a loadable checkpoint (with the tokenizer).
 DEMO_FILES = ("config.json", "model.safetensors", "generation_config.json")
@@ -67,6 +68,8 @@ def ensure_default_model(rebuild: bool = False) -> Path:
 
     Raises:
         FileNotFoundError: if the package was installed without its demo model.
+        EnvVarError: (a ``ValueError``) naming ``QAB_CACHE_DIR``, the directory and
+            the reason, if the cache directory cannot be created or written.
 
     Example:
         >>> from qwen_apple_backend import load
@@ -78,10 +81,15 @@ def ensure_default_model(rebuild: bool = False) -> Path:
     complete = all((path / n).is_file() for n in (*DEMO_FILES, *TOKENIZER_FILES))
     if complete and not rebuild:
         return path
-    print(f"preparing the demo model in {path} (once) ...", file=sys.stderr)
-    path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
-    staging.mkdir()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+    except OSError as exc:
+        raise EnvVarError(
+            f"QAB_CACHE_DIR: cannot create or write the cache directory {str(path.parent)!r}: "
+            f"{exc.strerror or exc}; set QAB_CACHE_DIR to a writable directory") from None
+    print(f"preparing the demo model in {path} (once) ...", file=sys.stderr)
     try:
         for name in DEMO_FILES:
             shutil.copy2(shipped_model_dir() / name, staging / name)

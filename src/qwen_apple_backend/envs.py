@@ -23,11 +23,14 @@ Variables:
         (``verified`` missing in kernels/MANIFEST.toml); they still pass the
         self-check first. For developing kernels.
     QAB_PLUGINS: comma-separated allowlist of plugin (entry-point) names to
-        load; unset loads all. The built-in plugin is named ``qwen``.
+        load; unset loads all. The built-in plugin is named ``qwen``. A name
+        no installed plugin has is an error (checked in ``plugins.py``, which
+        knows the installed names).
     QAB_GDN_CHUNK: chunk size of the chunked Gated DeltaNet prefill (a positive
         integer). Default 64.
     QAB_CACHE_DIR: where ``make demo`` caches its checkpoint. Default
-        ``~/.cache/qwen-apple-backend``.
+        ``~/.cache/qwen-apple-backend``. One that cannot be created or written
+        is an error when the demo model is first copied there (``demo.py``).
 
 A bad value raises :class:`~qwen_apple_backend.errors.EnvVarError` (a
 ``ValueError``) whose message starts with the variable's name; :func:`validate`

@@ -36,6 +36,13 @@ class PluginLoadError(QABError, ImportError):
     """A plugin the user asked for by name could not be imported."""
 
 
+class UnknownPluginError(PluginLoadError, EnvVarError):
+    """``QAB_PLUGINS`` names a plugin that no installed distribution provides.
+
+    The message names the variable, the unknown names and the available plugins.
+    """
+
+
 class CheckpointError(QABError, ValueError):
     """A checkpoint's files, keys or config are missing, corrupt or inconsistent.
 

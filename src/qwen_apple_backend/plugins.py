@@ -5,7 +5,10 @@ group ``qwen_apple_backend`` and are loaded one by one with pluggy's
 ``load_setuptools_entrypoints(group, name=...)``, so a plugin that fails to
 import is logged, recorded in :attr:`PluginState.failed` and skipped — unless
 the user asked for it by name in ``QAB_PLUGINS``, in which case
-:class:`~qwen_apple_backend.errors.PluginLoadError` is raised.
+:class:`~qwen_apple_backend.errors.PluginLoadError` is raised. A name in
+``QAB_PLUGINS`` that no installed plugin has raises
+:class:`~qwen_apple_backend.errors.UnknownPluginError` (an ``EnvVarError`` too),
+listing the available plugins.
 
 If the package runs from a source tree without installed metadata, the built-in
 plugin is registered from its module name as a last resort (recorded as
@@ -24,7 +27,7 @@ from typing import Optional
 import pluggy
 
 from . import envs, hookspecs
-from .errors import PluginLoadError
+from .errors import PluginLoadError, UnknownPluginError
 from .registry import Registry, candidate_architectures
 
 logger = logging.getLogger(__name__)
@@ -105,17 +108,18 @@ def load_plugins(force: bool = False) -> PluginState:
         PluginState: the plugin manager, registry, loaded and failed plugins.
 
     Raises:
-        PluginLoadError: if a plugin named in ``QAB_PLUGINS`` is missing or fails
-            to import.
+        UnknownPluginError: (a ``PluginLoadError`` and an ``EnvVarError``) if
+            ``QAB_PLUGINS`` names a plugin that is not installed.
+        PluginLoadError: if a plugin named in ``QAB_PLUGINS`` fails to import.
     """
     global _state
     with _lock:
         if _state is not None and not force:
             return _state
-        allow = envs.plugin_allowlist()
+        eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        allow = check_allowlist(eps)
         pm = _new_manager()
         state = PluginState(manager=pm, registry=Registry())
-        eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
         seen = set()
         for ep in sorted(eps, key=lambda e: e.name):
             if ep.name in seen:
@@ -137,12 +141,6 @@ def load_plugins(force: bool = False) -> PluginState:
                 continue
             dist, version = _dist_of(ep)
             state.plugins[ep.name] = PluginInfo(ep.name, "entry point", ep.value, dist, version)
-        if allow is not None:
-            missing = sorted(set(allow) - seen - ({BUILTIN_NAME} if BUILTIN_NAME in allow else set()))
-            if missing:
-                raise PluginLoadError(
-                    f"QAB_PLUGINS names plugin(s) {missing} but no installed distribution "
-                    f"provides them in entry-point group {ENTRY_POINT_GROUP!r}")
         if BUILTIN_NAME not in state.plugins and (allow is None or BUILTIN_NAME in allow):
             if pm.get_plugin(BUILTIN_NAME) is None:
                 pm.register(importlib.import_module(BUILTIN_MODULE), name=BUILTIN_NAME)
@@ -150,6 +148,36 @@ def load_plugins(force: bool = False) -> PluginState:
         _collect(state)
         _state = state
         return state
+
+
+def check_allowlist(eps=None) -> Optional[frozenset[str]]:
+    """``QAB_PLUGINS`` checked against the installed plugin names, importing no plugin.
+
+    Args:
+        eps (Iterable[importlib.metadata.EntryPoint], optional): the entry points
+            of group ``qwen_apple_backend``; default: discovered here.
+
+    Returns:
+        frozenset[str] | None: the allowlist, or None when ``QAB_PLUGINS`` is unset.
+
+    Raises:
+        UnknownPluginError: (an ``EnvVarError``) naming ``QAB_PLUGINS``, the names
+            no installed distribution provides and the available plugins.
+    """
+    allow = envs.plugin_allowlist()
+    if allow is None:
+        return None
+    if eps is None:
+        eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    # The built-in plugin is always available (from its module name, as a last resort).
+    available = sorted({ep.name for ep in eps} | {BUILTIN_NAME})
+    missing = sorted(allow - set(available))
+    if missing:
+        names = ", ".join(repr(n) for n in missing)
+        plural = "s" if len(missing) > 1 else ""
+        raise UnknownPluginError(
+            f"QAB_PLUGINS: unknown plugin{plural} {names} (available: {', '.join(available)})")
+    return allow
 
 
 def register_plugin(plugin: object, name: Optional[str] = None) -> str:
@@ -224,6 +252,7 @@ def reset() -> None:
 
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "PluginInfo", "PluginState", "get_plugin_manager", "get_registry",
-    "load_plugins", "register_plugin", "resolve_architecture", "reset", "unregister_plugin",
+    "ENTRY_POINT_GROUP", "PluginInfo", "PluginState", "check_allowlist", "get_plugin_manager",
+    "get_registry", "load_plugins", "register_plugin", "resolve_architecture", "reset",
+    "unregister_plugin",
 ]

@@ -316,8 +316,24 @@ class QwenHybridAdapter(Adapter):
                 ("self_attn", "attn", attn_cls),
                 ("mlp", "moe", moe_cls)]
 
+    #: Report note for each optimization of a fused module kind switched off by
+    #: ``QAB_DISABLE`` / ``disable=``: what runs instead.
+    OFF_NOTES = {
+        "attn-blocks": "a long prompt's attention runs as one call over all query rows, not "
+                       "in blocks of query rows each evaluated before the next (attn-blocks "
+                       "in QAB_DISABLE / disable=)",
+        "gdn-kernel": "Gated DeltaNet scans and decode steps run as MLX ops, without the GPU "
+                      "gated-delta kernels (gdn-kernel in QAB_DISABLE / disable=)",
+        "moe-kernel": "MoE routing and experts run as MLX ops, without the GPU MoE kernels "
+                      "for the router, decode GEMVs and grouped 4-bit GEMM (moe-kernel in "
+                      "QAB_DISABLE / disable=)",
+        "moe-gemm": "quantized MoE experts' prefill runs MLX's gathered quantized matmul, not "
+                    "dequantize-then-GEMM (moe-gemm in QAB_DISABLE / disable=)",
+    }
+
     def fuse(self, model, config, *, disable=frozenset(), use_fallback=True, report):
         names = {id(m): n for n, m in model.named_modules()}
+        switched_off: set[str] = set()  # optimizations off in at least one fused module
         for layer in model.layers:
             base = names.get(id(layer), "layers.?")
             for attr, kind, pick in self.swaps():
@@ -358,12 +374,14 @@ class QwenHybridAdapter(Adapter):
                     fused.use_kernel = False
                 if "attn-blocks" in off:
                     fused.block_queries = False
+                switched_off.update(off)
                 if "proj-concat" not in disable and hasattr(fused, "concat_projections"):
                     fused.concat_projections()
                 setattr(layer, attr, fused)
                 report.modules.append(ModuleRecord(
                     path, kind, type(stock).__name__, type(fused).__name__,
                     f"without {', '.join(off)} (QAB_DISABLE / disable=)" if off else ""))
+        report.notes.extend(note for o, note in self.OFF_NOTES.items() if o in switched_off)
         if "proj-concat" in disable:
             report.notes.append("input projections run separately (proj-concat in QAB_DISABLE / "
                                 "disable=)")
