@@ -179,13 +179,21 @@ class GpuStandIn:
 
 
 def decode_step_ops(model, context: int) -> collections.Counter:
-    """Primitives of one greedy decode step after a ``context``-token prefill."""
+    """Primitives of one greedy decode step after a ``context``-token prefill.
+
+    The counted step is the second decode token: the first one runs eagerly
+    (kernel self-checks, and the compiled decode step installs from the
+    second token on), so with ``decode-compile`` on, the count is the
+    compiled step's replayed graph.
+    """
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     prompt = mx.random.randint(0, 100, (1, context), key=mx.random.key(context))
     y = mx.argmax(model(prompt, cache=cache)[:, -1], axis=-1)
+    mx.eval(y, [c.state for c in cache])
+    y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
     mx.eval(y, [c.state for c in cache])
     nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
     return count_primitives([nxt])

@@ -162,3 +162,26 @@ def test_replays_skip_the_concatenation_walk_and_prefill_keeps_it(tiny_hf_f32, m
     assert len(walks) == 1
     cats = _concats(m.language_model)
     assert cats and all(c.valid(owner) for c, owner in cats)
+
+
+def test_op_counter_counts_the_compiled_step(tiny_hf_f32, monkeypatch):
+    # benchmarks/count_decode_ops.py counts the second decode token, so with
+    # decode-compile on it sees the compiled step's graph (the KV written at an
+    # array offset: DynamicSliceUpdate), not the eager first token.
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    monkeypatch.syspath_prepend(bench)
+    if "count_decode_ops" in sys.modules:
+        monkeypatch.delitem(sys.modules, "count_decode_ops")
+    from count_decode_ops import decode_step_ops
+
+    monkeypatch.delenv("QAB_ENABLE", raising=False)
+    eager, _ = load(tiny_hf_f32, "fused")
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    comp, _ = load(tiny_hf_f32, "fused")
+    ops_eager, ops_comp = decode_step_ops(eager, 8), decode_step_ops(comp, 8)
+    assert ops_comp["DynamicSliceUpdate"] > 0 and ops_eager["DynamicSliceUpdate"] == 0
+    step = comp.language_model.__dict__["_qab_decode"]
+    assert (step.eager_calls, step.compiled_calls) == (1, 1)  # the counted token was compiled
