@@ -159,9 +159,31 @@ def test_replays_skip_the_concatenation_walk_and_prefill_keeps_it(tiny_hf_f32, m
         mx.eval(m(mx.array([[t]]), cache=cache))
     step = m.language_model.__dict__["_qab_decode"]
     assert step.compiled_calls == 9
-    assert len(walks) == 1
+    assert len(walks) == 1 and step.builds == 1  # when the step was built, not per replay
     cats = _concats(m.language_model)
     assert cats and all(c.valid(owner) for c, owner in cats)
+
+
+def test_compiled_step_runs_the_concatenated_projections(tiny_hf_f32, monkeypatch):
+    # Inside the trace each module takes its one-matmul path (proj-concat), so
+    # the compiled step has no more projection matmuls than an eager token.
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    if "count_decode_ops" in sys.modules:
+        monkeypatch.delitem(sys.modules, "count_decode_ops")
+    from count_decode_ops import decode_step_ops
+
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    comp, _ = load(tiny_hf_f32, "fused")
+    monkeypatch.delenv("QAB_ENABLE")
+    eager, _ = load(tiny_hf_f32, "fused")
+    oc, oe = decode_step_ops(comp, 8), decode_step_ops(eager, 8)
+    matmuls = ("Matmul", "QuantizedMatmul", "AddMM")
+    assert sum(oc[k] for k in matmuls) == sum(oe[k] for k in matmuls) > 0, (oc, oe)
+    step = comp.language_model.__dict__["_qab_decode"]
+    assert step._uses and all(not c.tracing for c in step._uses)
 
 
 def test_op_counter_counts_the_compiled_step(tiny_hf_f32, monkeypatch):

@@ -95,15 +95,57 @@ def _concats(model: Any) -> list:
 
 
 class _CompiledDecode:
-    """The traced step of one text model (held weakly, so the model can be freed)."""
+    """The traced step of one text model (held weakly, so the model can be freed).
+
+    The concatenated input projections (``proj-concat``) valid when the step
+    is built are compile inputs too (their arrays live outside the module
+    tree), so the trace runs one matmul per concatenation, as eager calls do.
+    Every call first checks, by identity, that each of them still holds: a
+    child replaced or given new arrays since (``load_weights``, ``update``)
+    rebuilds the compiled function without that concatenation.
+    """
 
     def __init__(self, model: Any, call):
         self._model = weakref.ref(model)
         self._call = call
-        self._fn = mx.compile(self._step, inputs=model)
+        self._fn = None
+        self._uses: list = []
+        self._owners: list = []
+        self._checks: list = []
         self._traced: set = set()
         self.eager_calls = 0
         self.compiled_calls = 0
+        self.builds = 0
+
+    def _build(self) -> None:
+        """Compile the step with the concatenations that are valid now as inputs."""
+        model = self._model()
+        pairs = [(c, owner) for c, owner in _concats(model) if c.valid(owner)]
+        self._uses = [c for c, _ in pairs]
+        self._owners = [owner for _, owner in pairs]
+        self._fn = mx.compile(self._step, inputs=[model, [c.cat for c in self._uses]])
+        self._traced = set()
+        self._record()
+        self.builds += 1
+
+    def _record(self) -> None:
+        # (owner dict, child name, child, child type, [(array name, view), ...])
+        # per child of every concatenation the step reads: checked by identity
+        # before every call (a few hundred dict lookups, not the generic walk).
+        self._checks = [
+            (owner, name, child, t, list(views.items()))
+            for c, owner in zip(self._uses, self._owners)
+            for name, child, t, views in zip(c.names, c.children, c.types, c.views)
+        ]
+
+    def _still_valid(self) -> bool:
+        for owner, name, child, t, views in self._checks:
+            if dict.get(owner, name) is not child or type(child) is not t:
+                return False
+            for n, v in views:
+                if dict.get(child, n) is not v:
+                    return False
+        return True
 
     def _step(self, tokens, offset, kv, ssm, layout):
         caches, ik, iss = [], 0, 0
@@ -125,24 +167,30 @@ class _CompiledDecode:
         kv = [(c.keys, c.values) for c in cache if type(c) is KVCache]
         ssm = [(c[0], c[1]) for c in cache if type(c) is ArraysCache]
         offset = mx.array(next(c.offset for c in cache if type(c) is KVCache), dtype=mx.int32)
-        # While tracing, the model's arrays are tracers, so every module takes
-        # its separate projections inside the trace (never stale concatenated
-        # rows). Tracing also re-wraps those arrays in new objects (a replay
-        # does not): re-record the views of every concatenation that was
-        # valid before a call that traces, so eager calls (prefill) keep their
-        # one-matmul path. A call traces when its input shapes are new; the
-        # walk over the concatenations costs ~2 ms per token at 40 layers, so
-        # replays skip it.
+        if self._fn is None or not self._still_valid():
+            self._build()
+        # While tracing, the model's arrays are tracers: the concatenations the
+        # step reads are marked so their owners still take the one-matmul path
+        # (their arrays are compile inputs, so replays read the current ones).
+        # Tracing also re-wraps the model's arrays in new objects (a replay
+        # does not): re-record the children's views after a call that traces
+        # (new input shapes).
         key = (tokens.shape, tokens.dtype, tuple(layout),
                tuple((a.shape, a.dtype) for pair in kv for a in pair),
                tuple((a.shape, a.dtype) for pair in ssm for a in pair))
-        valid = []
-        if key not in self._traced:
-            valid = [c for c, owner in _concats(self._model()) if c.valid(owner)]
-        logits, kv_out, ssm_out = self._fn(tokens, offset, kv, ssm, tuple(layout))
-        self._traced.add(key)
-        for c in valid:
-            c.refresh()
+        tracing = key not in self._traced
+        for c in self._uses:
+            c.tracing = tracing
+        try:
+            logits, kv_out, ssm_out = self._fn(tokens, offset, kv, ssm, tuple(layout))
+        finally:
+            for c in self._uses:
+                c.tracing = False
+        if tracing:
+            self._traced.add(key)
+            for c in self._uses:
+                c.refresh()
+            self._record()
         ik = iss = 0
         for c in cache:
             if type(c) is KVCache:

@@ -15,7 +15,9 @@ holds exactly those views and is still of the type it had: once a child's
 arrays are replaced (``load_weights``, ``update``, ``shard()``) or the child
 itself is (LoRA wrappers), calls go back to the separate projections.
 (Owners that run compiled graphs with ``inputs=module`` call :meth:`refresh`
-after such a call, since tracing re-wraps the same arrays in new objects.)
+after such a call, since tracing re-wraps the same arrays in new objects.
+The compiled decode step passes :attr:`cat` among its compile inputs and sets
+:attr:`tracing` while it traces, so a trace takes the one-matmul path too.)
 
 Row-stacking is exact for quantized weights too: quantization groups run
 along the input axis, so each output row keeps its own packed words, scales
@@ -72,6 +74,10 @@ class ConcatProjection:
         self.kind = kind
         self.views = [_arrays(c) for c in children]
         self.types = [type(c) for c in children]
+        #: Set by a compiled step around a tracing call that found this
+        #: concatenation valid just before and passes :attr:`cat` as a compile
+        #: input: the children's arrays are tracers then, not the views.
+        self.tracing = False
         offs, total = [], 0
         for n in sizes[:-1]:
             total += n
@@ -122,6 +128,8 @@ class ConcatProjection:
         for child_name, c, t, views in zip(self.names, self.children, self.types, self.views):
             if getattr(owner, child_name, None) is not c or type(c) is not t:
                 return False
+            if self.tracing:
+                continue
             for name, v in views.items():
                 if name not in c or c[name] is not v:
                     return False
