@@ -100,9 +100,10 @@ class _CompiledDecode:
     The concatenated input projections (``proj-concat``) valid when the step
     is built are compile inputs too (their arrays live outside the module
     tree), so the trace runs one matmul per concatenation, as eager calls do.
-    Every call first checks, by identity, that each of them still holds: a
-    child replaced or given new arrays since (``load_weights``, ``update``)
-    rebuilds the compiled function without that concatenation.
+    Every call first checks (:meth:`ConcatProjection.valid`) that each of
+    them still holds: a child replaced or given new arrays since
+    (``load_weights``, ``update``) rebuilds the compiled function without
+    that concatenation.
     """
 
     def __init__(self, model: Any, call):
@@ -111,7 +112,6 @@ class _CompiledDecode:
         self._fn = None
         self._uses: list = []
         self._owners: list = []
-        self._checks: list = []
         self._traced: set = set()
         self.eager_calls = 0
         self.compiled_calls = 0
@@ -125,27 +125,10 @@ class _CompiledDecode:
         self._owners = [owner for _, owner in pairs]
         self._fn = mx.compile(self._step, inputs=[model, [c.cat for c in self._uses]])
         self._traced = set()
-        self._record()
         self.builds += 1
 
-    def _record(self) -> None:
-        # (owner dict, child name, child, child type, [(array name, view), ...])
-        # per child of every concatenation the step reads: checked by identity
-        # before every call (a few hundred dict lookups, not the generic walk).
-        self._checks = [
-            (owner, name, child, t, list(views.items()))
-            for c, owner in zip(self._uses, self._owners)
-            for name, child, t, views in zip(c.names, c.children, c.types, c.views)
-        ]
-
     def _still_valid(self) -> bool:
-        for owner, name, child, t, views in self._checks:
-            if dict.get(owner, name) is not child or type(child) is not t:
-                return False
-            for n, v in views:
-                if dict.get(child, n) is not v:
-                    return False
-        return True
+        return all(c.valid(owner) for c, owner in zip(self._uses, self._owners))
 
     def _step(self, tokens, offset, kv, ssm, layout):
         caches, ik, iss = [], 0, 0
@@ -190,7 +173,6 @@ class _CompiledDecode:
             self._traced.add(key)
             for c in self._uses:
                 c.refresh()
-            self._record()
         ik = iss = 0
         for c in cache:
             if type(c) is KVCache:

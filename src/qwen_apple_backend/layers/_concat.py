@@ -125,13 +125,15 @@ class ConcatProjection:
 
     def valid(self, owner: nn.Module) -> bool:
         """True while ``owner`` still has these children, of their type, holding their views."""
+        # Plain dict lookups (modules are dicts): eager calls and the compiled
+        # decode step run this before every call of every layer.
         for child_name, c, t, views in zip(self.names, self.children, self.types, self.views):
-            if getattr(owner, child_name, None) is not c or type(c) is not t:
+            if dict.get(owner, child_name) is not c or type(c) is not t:
                 return False
             if self.tracing:
                 continue
             for name, v in views.items():
-                if name not in c or c[name] is not v:
+                if dict.get(c, name) is not v:
                     return False
         return True
 
