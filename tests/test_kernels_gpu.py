@@ -16,6 +16,7 @@ import pytest
 from qwen_apple_backend.ops import gated_delta as gd
 
 from ._metrics import mx_rel_l2
+from ._qwen3_next import small_qwen3_next
 
 pytestmark = pytest.mark.gpu
 
@@ -1001,25 +1002,8 @@ def test_add_rms_norm_passes_its_self_check(_norm_kernel):
 
 def _next_model(hidden, dtype):
     # A few Qwen3-Next layers at a real hidden size, small everywhere else.
-    from mlx_lm.models import qwen3_next
-
-    mx.random.seed(3)
-    args = qwen3_next.ModelArgs(
-        model_type="qwen3_next", hidden_size=hidden, num_hidden_layers=4, intermediate_size=256,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4,
-        num_experts_per_tok=2, decoder_sparse_step=1, shared_expert_intermediate_size=128,
-        mlp_only_layers=[], moe_intermediate_size=128, vocab_size=512, rope_theta=1e4,
-        partial_rotary_factor=0.25, max_position_embeddings=4096, linear_num_value_heads=4,
-        linear_num_key_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
-        linear_conv_kernel_dim=4, rms_norm_eps=1e-6, full_attention_interval=4,
-        tie_word_embeddings=False)
-    model = qwen3_next.Model(args)
-    for layer in model.layers:
-        layer.post_attention_layernorm.weight = 1.0 + 0.2 * mx.random.normal((hidden,))
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    model.eval()
-    return model
+    return small_qwen3_next(dtype, hidden=hidden, head_dim=64, linear_head_dim=64, ffn=128,
+                            vocab=512, max_positions=4096)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])

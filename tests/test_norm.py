@@ -28,6 +28,7 @@ from qwen_apple_backend.ops import norm as norm_ops
 
 from . import _cuda_emulation as emu
 from ._metrics import mx_rel_l2
+from ._qwen3_next import small_qwen3_next
 
 DTYPES = {"f32": mx.float32, "bf16": mx.bfloat16, "f16": mx.float16}
 
@@ -177,24 +178,7 @@ def _tiny(**fuse):
 
 def _tiny_next(dtype=mx.float32):
     # A small Qwen3-Next (its own DecoderLayer class), random weights.
-    mx.random.seed(3)
-    args = qwen3_next.ModelArgs(
-        model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-        num_experts_per_tok=2, decoder_sparse_step=1, shared_expert_intermediate_size=64,
-        mlp_only_layers=[], moe_intermediate_size=64, vocab_size=128, rope_theta=1e4,
-        partial_rotary_factor=0.25, max_position_embeddings=512, linear_num_value_heads=4,
-        linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
-        linear_conv_kernel_dim=4, rms_norm_eps=1e-6, full_attention_interval=4,
-        tie_word_embeddings=False)
-    model = qwen3_next.Model(args)
-    # Norm weights away from 1, so a wrong weight multiply would show.
-    for layer in model.layers:
-        layer.post_attention_layernorm.weight = 1.0 + 0.2 * mx.random.normal((64,))
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    model.eval()
-    return model
+    return small_qwen3_next(dtype)
 
 
 def test_fused_layers_get_the_subclass_with_the_same_parameters():
