@@ -17,8 +17,9 @@ installs the step on the text model by default on a GPU (``decode-compile``;
 on the H200, full Qwen3.6-35B-A3B shape: 64.6 -> 128.2 tokens/s at a 4K
 context, 92.1 -> 102.3 at 32K, ``benchmarks/decode_split.py``); on the CPU,
 where it measured no faster, only with ``QAB_ENABLE=decode-compile``. Each new
-trace, once per 256 tokens, costs a compile (about 10 ms per 8 layers
-measured on a CPU host). ``QAB_DISABLE=decode-compile`` switches it off and
+trace, once per 256 tokens, costs a compile (a Python pass over every layer
+plus MLX's graph compile; its cost over a long generation is not yet
+measured on a GPU). ``QAB_DISABLE=decode-compile`` switches it off and
 makes the ablation column of ``qab bench``. It runs only for one-token
 calls whose caches are plain ``KVCache`` / ``ArraysCache`` objects with room
 for one more position; everything else, and the first decode token of a model
