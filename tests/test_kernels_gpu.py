@@ -259,14 +259,17 @@ def test_moe_block_decode_uses_the_kernel_and_matches_stock(monkeypatch):
 # MoE prefill grouped 4-bit GEMM (kernels/{cuda,metal}/moe_grouped_gemm), either GPU
 # --------------------------------------------------------------------------
 
-# (T, E, H, I, K): Qwen3.6 prefill chunk (all 256 experts busy), a prime T
-# (partial tiles, idle experts), every row on one expert (K = 1, E = 1... one
-# expert of 4 chosen by a fixed routing), and a single tile.
+# (T, E, H, I, K): Qwen3.6 prefill chunk (all 256 experts busy, 16 rows each
+# on average: 16- and 32-row tiles), a prime T (partial tiles, idle experts),
+# every row on one expert (K = 1, E = 1... one expert of 4 chosen by a fixed
+# routing: 64-row tiles), a single tile, and ~40 rows per expert (32- and
+# 64-row tiles side by side).
 GEMM_SHAPES = [
     (512, 256, 2048, 512, 8),
     (37, 64, 2048, 512, 8),
     (300, 4, 1024, 128, 1),
     (8, 8, 1024, 64, 2),
+    (640, 32, 1024, 128, 2),
 ]
 
 
@@ -291,6 +294,11 @@ def test_moe_grouped_gemm_kernel(shape):
     # bf16 operands (x, dequantized weights, h) with float32 accumulation.
     err = mx_rel_l2(y, ref)
     assert err <= 3e-2, f"rel-L2 {err:.3g} at {shape}"
+    # Tile heights by expert load change which warp multiplies which rows,
+    # not any element's accumulation order: bit for bit what 64-row tiles give.
+    y64 = moe_ops._moe_grouped_gemm_experts(gd.gpu_backend(), x, inds, scores, gu, dn,
+                                            tile_rows=(64,))
+    assert mx.array_equal(y, y64), f"{shape}: tile heights by load differ from 64-row tiles"
 
 
 # --------------------------------------------------------------------------
@@ -1021,8 +1029,11 @@ def test_fused_model_add_norm_uses_the_kernel_and_matches(_norm_kernel, monkeypa
     monkeypatch.setattr(_norm_kernel, "_kernel_call", lambda *a: calls.append(a[1].shape)
                         or real(*a))
     on, off, stock = (_next_model(2048, dtype) for _ in range(3))
-    fuse_in_memory(on, "fused", config={"model_type": "qwen3_next"})
-    fuse_in_memory(off, "fused", config={"model_type": "qwen3_next"}, disable=["add-norm"])
+    # Eager decode (the compiled step, on by default on a GPU, replays its
+    # trace without calling _kernel_call; it is tested below).
+    fuse_in_memory(on, "fused", config={"model_type": "qwen3_next"}, disable=["decode-compile"])
+    fuse_in_memory(off, "fused", config={"model_type": "qwen3_next"},
+                   disable=["add-norm", "decode-compile"])
     assert all(type(layer) is AddNormQwen3NextDecoderLayer for layer in on.layers)
     prompt = mx.array([[(i * 37) % 500 for i in range(9)]])
     caches = [make_prompt_cache(m) for m in (on, off, stock)]

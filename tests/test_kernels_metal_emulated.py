@@ -178,8 +178,9 @@ def _program(op: str, in_types, out_types, instances) -> str:
     params += [f"{'uint3' if a in UINT3_ATTRS else 'uint'} {a}" for a in attrs]
     tparams = ", ".join(f"{'bool' if isinstance(v, bool) else 'int'} {k}"
                         for k, v in instances[0].items())
-    kernel = (f"template <{tparams}>\nvoid qab_kernel({', '.join(params)}) {{\n"
-              + _translate(src.header + src.body) + "\n}\n")
+    # As MLX does: the header before the generated function, the body inside it.
+    kernel = (_translate(src.header) + f"\ntemplate <{tparams}>\nvoid qab_kernel("
+              f"{', '.join(params)}) {{\n" + _translate(src.body) + "\n}\n")
     call_args = [*src.inputs, *src.outputs, *(ATTR_VALUES[a] for a in attrs)]
     cases = []
     for i, inst in enumerate(instances):
@@ -310,12 +311,14 @@ def _bf16_values(bits: np.ndarray) -> np.ndarray:
 # moe_grouped_gemm
 # --------------------------------------------------------------------------
 
-# (rows per expert, KDIM, NOUT, GLU): a partial tile, an idle expert, a full
-# tile, a one-row expert; the down projection (no GLU, two column blocks);
-# every row on the last of three experts (two tiles, the second partial).
+# (rows per expert, KDIM, NOUT, GLU): every tile height (16, 32, 64 rows by
+# the expert's load): 64-row tiles full and partial, an idle expert, one-row
+# and 15-row experts on 16-row tiles, 17 and 24 rows on 32-row tiles, 33 on a
+# partial 64-row tile; the down projection (no GLU, two column blocks); every
+# row on the last of three experts (three 64-row tiles, the last partial).
 GEMM_CASES = [
-    ((70, 0, 64, 1, 15), 128, 64, True),
-    ((70, 0, 64, 1, 15), 128, 128, False),
+    ((70, 0, 64, 1, 15, 24, 17, 33), 128, 64, True),
+    ((70, 0, 64, 1, 15, 24, 17, 33), 128, 128, False),
     ((0, 0, 130), 64, 128, True),
 ]
 
@@ -324,7 +327,7 @@ GEMM_CASES = [
 def grouped_gemm_exe(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("metal_emulated")
     instances = [{"KDIM": k, "NOUT": n, "E": len(c), "GLU": glu} for c, k, n, glu in GEMM_CASES]
-    return _build(tmp, "moe_grouped_gemm", ["bf16", "u32", "bf16", "bf16", "i32", "i32"],
+    return _build(tmp, "moe_grouped_gemm", ["bf16", "u32", "bf16", "bf16", "i32", "i32", "i32"],
                   ["bf16"], instances), tmp
 
 
@@ -340,12 +343,14 @@ def test_moe_grouped_gemm_metal_emulated(grouped_gemm_exe, case):
     w, scales, biases = mx.quantize(wf, group_size=64, bits=4)
     x = mx.random.normal((M, kdim), key=kx).astype(mx.bfloat16)
     inds = np.repeat(np.arange(E), counts)
-    rows, tiles = moe_ops.grouped_gemm_block_map(mx.array(inds, dtype=mx.uint32), E)
+    rows, tiles, height = moe_ops.grouped_gemm_block_map(mx.array(inds, dtype=mx.uint32), E)
+    if case == 0:
+        assert sorted(set(np.array(height).tolist())) == [16, 32, 64]
     n_tiles = M // moe_ops.GROUPED_GEMM_BM + E
     (y_bits,), peak = _run(
         exe, tmp, case,
         [_bf16_bits(x), np.array(w), _bf16_bits(scales), _bf16_bits(biases),
-         np.array(rows), np.array(tiles)],
+         np.array(rows), np.array(tiles), np.array(height)],
         [(M * nout, np.uint16)], grid=(128 * n_tiles, nout // 64, 1), threadgroup=(128, 1, 1))
     assert peak <= THREADGROUP_MEMORY_LIMIT, f"{peak} bytes of threadgroup memory"
 

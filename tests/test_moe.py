@@ -563,28 +563,48 @@ def test_dequant_gemm_only_where_measured(monkeypatch):
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("M,E", [(296, 16), (64, 4), (1, 8), (4096, 256)])
-def test_grouped_gemm_block_map_covers_every_row_once(M, E):
+@pytest.mark.parametrize("M,E", [(296, 16), (64, 4), (1, 8), (4096, 256), (640, 8)])
+@pytest.mark.parametrize("heights", [(16, 32, 64), (64,), (32,)])
+def test_grouped_gemm_block_map_covers_every_row_once(M, E, heights):
     # Emulates the kernel's tile -> (expert, rows) search: every row in exactly
-    # one tile of its own expert; at most M // 64 + E tiles are launched.
+    # one tile of its own expert; at most M // max(heights) + E tiles are launched.
     rng = np.random.default_rng(M + E)
     inds = np.sort(rng.integers(0, max(1, E // 2), M))  # half the experts get no rows
-    rows, tiles = moe_ops.grouped_gemm_block_map(mx.array(inds, dtype=mx.uint32), E)
-    rows, tiles = np.array(rows), np.array(tiles)
+    rows, tiles, height = moe_ops.grouped_gemm_block_map(mx.array(inds, dtype=mx.uint32), E,
+                                                         heights)
+    rows, tiles, height = np.array(rows), np.array(tiles), np.array(height)
     counts = np.bincount(inds, minlength=E)
     assert rows.tolist() == [0, *np.cumsum(counts).tolist()]
-    bm = moe_ops.GROUPED_GEMM_BM
-    assert tiles[-1] == sum(-(-c // bm) for c in counts) <= M // bm + E
+    want = [next((h for h in heights if c <= h), heights[-1]) for c in counts]
+    assert height.tolist() == want
+    bound = M // heights[-1] + E
+    assert tiles[-1] == sum(-(-c // h) for c, h in zip(counts, want)) <= bound
     seen = np.zeros(M, dtype=int)
-    for t in range(M // bm + E):
+    for t in range(bound):
         if t >= tiles[-1]:
             continue
         e = int(np.searchsorted(tiles, t, side="right") - 1)
-        r0 = rows[e] + (t - tiles[e]) * bm
-        r1 = min(r0 + bm, rows[e + 1])
+        r0 = rows[e] + (t - tiles[e]) * height[e]
+        r1 = min(r0 + height[e], rows[e + 1])
         assert r1 > r0 and (inds[r0:r1] == e).all()
         seen[r0:r1] += 1
     assert (seen == 1).all()
+
+
+def test_grouped_gemm_tile_height_follows_expert_load():
+    counts = [0, 5, 16, 17, 32, 33, 64, 65, 200]
+    inds = mx.array(np.repeat(np.arange(len(counts)), counts), dtype=mx.uint32)
+    rows, tiles, height = moe_ops.grouped_gemm_block_map(inds, len(counts))
+    assert np.array(height).tolist() == [16, 16, 16, 32, 32, 64, 64, 64, 64]
+    assert np.diff(np.array(tiles)).tolist() == [0, 1, 1, 1, 1, 1, 1, 2, 4]
+    assert np.array(rows).tolist() == [0, *np.cumsum(counts).tolist()]
+
+
+def test_grouped_gemm_rejects_tile_heights_the_kernel_lacks():
+    x, inds, scores, gu, dn = _grouped_gemm_inputs()
+    for bad in [(), (64, 32), (16, 48), (128,)]:
+        with pytest.raises(ValueError, match="tile_rows"):
+            moe_ops._moe_grouped_gemm_experts("cuda", x, inds, scores, gu, dn, tile_rows=bad)
 
 
 def test_grouped_gemm_not_used_on_cpu_or_unverified():
@@ -615,13 +635,15 @@ class FakeGroupedGemm:
         self.calls.append(t["GLU"])
         if self.fail:
             raise RuntimeError("program_source: error (fake Metal compiler)")
-        x, w, scales, biases, rows, tiles = inputs
+        x, w, scales, biases, rows, tiles, height = inputs
         M, nout, E = x.shape[0], t["NOUT"], t["E"]
         assert t["KDIM"] == x.shape[1] and w.shape[:2] == (E, 2 * nout if t["GLU"] else nout)
         assert grid == (128 * (M // moe_ops.GROUPED_GEMM_BM + E), nout // 64, 1)
         assert threadgroup == (128, 1, 1)
         assert output_shapes == [(M, nout)] and output_dtypes == [mx.bfloat16]
-        assert rows.dtype == tiles.dtype == mx.int32 and rows.shape == tiles.shape == (E + 1,)
+        assert rows.dtype == tiles.dtype == height.dtype == mx.int32
+        assert rows.shape == tiles.shape == (E + 1,) and height.shape == (E,)
+        assert set(np.array(height).tolist()) <= set(moe_ops.GROUPED_GEMM_TILE_ROWS)
         expert = np.searchsorted(np.array(rows), np.arange(M), side="right") - 1
         wd = mx.dequantize(w, scales, biases, group_size=64, bits=4).astype(mx.float32)
         acc = mx.gather_mm(x.astype(mx.float32)[:, None, :], wd.swapaxes(-1, -2),

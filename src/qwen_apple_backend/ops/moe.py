@@ -43,7 +43,7 @@ E experts, K experts per token. ``...`` stands for any leading token axes
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
@@ -1015,36 +1015,55 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
     return functools.partial(_moe_shared_decode_kernel_call, backend)
 
 
-# Rows per tile of the grouped GEMM kernel (kernels/{cuda,metal}/moe_grouped_gemm).
-GROUPED_GEMM_BM = 64
+# Tile heights of the grouped GEMM kernel (kernels/{cuda,metal}/moe_grouped_gemm):
+# each expert's tiles are the smallest of these that holds its rows, or the
+# largest (its row count by expert load, ``grouped_gemm_block_map``).
+GROUPED_GEMM_TILE_ROWS = (16, 32, 64)
+# The largest tile height: the launch bound is M // GROUPED_GEMM_BM + E tiles.
+GROUPED_GEMM_BM = max(GROUPED_GEMM_TILE_ROWS)
 
 # Backends with a grouped GEMM kernel source (kernels/MANIFEST.toml).
 GROUPED_GEMM_BACKENDS = frozenset({"cuda", "metal"})
 
 
-def grouped_gemm_block_map(sorted_inds: mx.array, num_experts: int) -> tuple[mx.array, mx.array]:
-    """Row and tile offsets of each expert for the grouped GEMM, computed on the device.
+def grouped_gemm_block_map(sorted_inds: mx.array, num_experts: int,
+                           tile_rows: Sequence[int] = GROUPED_GEMM_TILE_ROWS
+                           ) -> tuple[mx.array, mx.array, mx.array]:
+    """Row offsets, tile offsets and tile height of each expert, computed on the device.
 
-    A per-expert histogram (scatter-add), then exclusive prefix sums of the
-    row counts and of the tile counts ``ceil(rows / GROUPED_GEMM_BM)``. No
-    host synchronisation: the kernel launches ``M / BM + E`` tiles (an upper
-    bound) and each finds its expert by binary search in ``tile_offsets``.
+    A per-expert histogram (scatter-add), then each expert's tile height by
+    its load: the smallest of ``tile_rows`` that holds all its rows, else the
+    largest (so an expert with 5 rows runs one 16-row tile, not a 64-row tile
+    of mostly zero rows, and a busy expert keeps the 64-row tiles that reuse
+    each dequantized weight tile most), and exclusive prefix sums of the row
+    counts and of the tile counts ``ceil(rows_e / height_e)``. No host
+    synchronisation: the kernel launches ``M // max(tile_rows) + E`` tiles
+    (an upper bound: an expert up to the largest height has one tile) and
+    each finds its expert by binary search in ``tile_offsets``.
 
     Args:
         sorted_inds (mx.array): expert of each row, ascending.
         num_experts (int): E.
+        tile_rows (Sequence[int]): the tile heights the kernel has, ascending
+            (default :data:`GROUPED_GEMM_TILE_ROWS`; ``(64,)`` gives every
+            expert 64-row tiles, for comparison).
 
     Returns:
-        tuple[mx.array, mx.array]: ``(row_offsets, tile_offsets)``, int32.
+        tuple[mx.array, mx.array, mx.array]: ``(row_offsets, tile_offsets,
+        tile_height)``, int32.
 
     Shapes:
-        sorted_inds: ``[M]``; returns two ``[E + 1]`` arrays.
+        sorted_inds: ``[M]``; returns ``[E + 1]``, ``[E + 1]`` and ``[E]``.
     """
     counts = mx.zeros((num_experts,), dtype=mx.int32).at[sorted_inds].add(1)
     zero = mx.zeros((1,), dtype=mx.int32)
     rows = mx.concatenate([zero, mx.cumsum(counts)])
-    tiles = (counts + GROUPED_GEMM_BM - 1) // GROUPED_GEMM_BM
-    return rows.astype(mx.int32), mx.concatenate([zero, mx.cumsum(tiles)]).astype(mx.int32)
+    height = mx.full((num_experts,), tile_rows[-1], dtype=mx.int32)
+    for h in reversed(tile_rows[:-1]):
+        height = mx.where(counts <= h, h, height)
+    tiles = (counts + height - 1) // height
+    return (rows.astype(mx.int32), mx.concatenate([zero, mx.cumsum(tiles)]).astype(mx.int32),
+            height.astype(mx.int32))
 
 
 @functools.lru_cache(maxsize=None)
@@ -1053,18 +1072,20 @@ def _grouped_gemm_object(backend: str):
 
 
 def _grouped_gemm_call(backend: str, xs: mx.array, w: ExpertWeights, glu: bool,
-                       row_offsets: mx.array, tile_offsets: mx.array) -> mx.array:
+                       row_offsets: mx.array, tile_offsets: mx.array,
+                       tile_height: mx.array, max_height: int = GROUPED_GEMM_BM) -> mx.array:
     obj = _grouped_gemm_object(backend)
     if obj is None:
         raise RuntimeError(f"no moe_grouped_gemm source or MLX API for {backend}")
     M, kdim = xs.shape
     E, R = w.weight.shape[:2]
     nout = R // 2 if glu else R
-    n_tiles = M // GROUPED_GEMM_BM + E
+    n_tiles = M // max_height + E  # upper bound (grouped_gemm_block_map)
     # One launch configuration for both backends: mx.fast.cuda_kernel and
     # mx.fast.metal_kernel both count the grid in threads, so this is
     # n_tiles x (nout / 64) threadgroups of 128 threads (4 warps / SIMD groups).
-    (y,) = obj(inputs=[xs, w.weight, w.scales, w.biases, row_offsets, tile_offsets],
+    (y,) = obj(inputs=[xs, w.weight, w.scales, w.biases, row_offsets, tile_offsets,
+                       tile_height],
                template=[("KDIM", kdim), ("NOUT", nout), ("E", E), ("GLU", glu)],
                grid=(128 * n_tiles, nout // 64, 1), threadgroup=(128, 1, 1),
                output_shapes=[(M, nout)], output_dtypes=[mx.bfloat16])
@@ -1072,14 +1093,20 @@ def _grouped_gemm_call(backend: str, xs: mx.array, w: ExpertWeights, glu: bool,
 
 
 def _moe_grouped_gemm_experts(backend: str, x, inds, scores, gate_up: ExpertWeights,
-                              down: ExpertWeights, shared=None) -> mx.array:
+                              down: ExpertWeights, shared=None,
+                              tile_rows: Sequence[int] = GROUPED_GEMM_TILE_ROWS) -> mx.array:
+    if not tile_rows or list(tile_rows) != sorted(set(tile_rows)) or not set(tile_rows) <= set(
+            GROUPED_GEMM_TILE_ROWS):
+        raise ValueError(f"tile_rows {tuple(tile_rows)}: ascending heights out of "
+                         f"{GROUPED_GEMM_TILE_ROWS}")
     H = x.shape[-1]
     E = gate_up.weight.shape[0]
     inds = mx.stop_gradient(inds)
     st = sort_by_expert(x, inds)
-    rows, tiles = grouped_gemm_block_map(st.inds, E)
-    h = _grouped_gemm_call(backend, st.x.reshape(-1, H), gate_up, True, rows, tiles)
-    y = _grouped_gemm_call(backend, h, down, False, rows, tiles)
+    rows, tiles, height = grouped_gemm_block_map(st.inds, E, tile_rows)
+    top = tile_rows[-1]
+    h = _grouped_gemm_call(backend, st.x.reshape(-1, H), gate_up, True, rows, tiles, height, top)
+    y = _grouped_gemm_call(backend, h, down, False, rows, tiles, height, top)
     pos = st.inv_order.reshape(inds.shape)
     if shared is not None:
         if combine_kernel_ready(backend, y, pos, scores, *shared):
@@ -1227,9 +1254,16 @@ def grouped_gemm_ready(x: mx.array, inds: mx.array, gate_up: ExpertWeights,
 
     def make_inputs():
         k1, k2, k3 = mx.random.split(mx.random.key(2024), 3)
-        T = 37  # 296 rows: partial tiles, experts with no rows
+        # Every tile height the kernel has: expert 0 takes every token (80
+        # rows: two 64-row tiles, the second partial), expert 1 too (K >= 2),
+        # expert 2 the first 24 tokens and a few more (a 32-row tile, K >= 3),
+        # the rest a few rows each (16-row tiles) or none.
+        T = 80
         xs = mx.random.normal((T, H), key=k1).astype(mx.bfloat16)
-        ind = mx.argsort(mx.random.uniform(shape=(T, E), key=k2), axis=-1)[:, :K]
+        e, t = mx.arange(E)[None, :], mx.arange(T)[:, None]
+        first = 3 * (e == 0) + 2 * (e == 1) + (e == 2) * (t < 24)
+        ind = mx.argsort(-(first + 0.5 * mx.random.uniform(shape=(T, E), key=k2)),
+                         axis=-1)[:, :K]
         sc = mx.softmax(mx.random.normal((T, K), key=k3), axis=-1).astype(mx.bfloat16)
         return xs, ind.astype(mx.uint32), sc, gate_up, down
 
