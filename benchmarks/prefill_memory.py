@@ -12,9 +12,14 @@ set: the prefill target is cache + 4 GB at 128K), plus how the active memory
 above weights + cache grew from the first to the last chunk (a leak if it
 grows). Writes ``prefill-memory-<device>.json`` into OUT.
 
+``--max-seconds`` caps each variant's prefill (stock's per-token Gated
+DeltaNet loop needs more than ten minutes for 128K tokens on an H200): the
+result then records how many tokens the variant reached in that time.
+
 Usage:
     python benchmarks/prefill_memory.py OUT [--length 16384] [--chunk 2048]
         [--variants fused,fused-attn,fused-gdn,fused-moe,stock] [--preset full]
+        [--max-seconds 0] [--warmup 1]
 """
 
 from __future__ import annotations
@@ -42,10 +47,23 @@ def _cache_bytes(cache) -> int:
     return total
 
 
-def prefill_memory(model, length: int, chunk: int) -> dict:
+def prefill_memory(model, length: int, chunk: int, max_seconds: float = 0.0,
+                   warmup: int = 1) -> dict:
+    """Prefill ``length`` tokens in chunks, recording memory per chunk.
+
+    ``warmup`` chunks are first prefilled into a throwaway cache (MLX's kernel
+    compiles stay out of the timing); with ``max_seconds`` > 0 the prefill
+    stops after the first chunk that ends past it (``completed`` False,
+    ``tokens_done`` says how far it got).
+    """
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    for _ in range(warmup):
+        c = make_prompt_cache(model)
+        model(mx.zeros((1, min(chunk, length)), dtype=mx.int32), cache=c)
+        mx.eval([x.state for x in c])
+        del c
     mx.synchronize()
     mx.clear_cache()
     before = mx.get_active_memory()
@@ -62,13 +80,18 @@ def prefill_memory(model, length: int, chunk: int) -> dict:
         kv = _cache_bytes(cache)
         active = mx.get_active_memory()
         rows.append(dict(tokens=min(start + chunk, length), active=active - before, cache=kv,
-                         peak=mx.get_peak_memory() - before))
+                         peak=mx.get_peak_memory() - before,
+                         seconds=time.perf_counter() - t0))
+        if max_seconds > 0 and rows[-1]["seconds"] > max_seconds and start + chunk < length:
+            break
     seconds = time.perf_counter() - t0
     peak = max(r["peak"] for r in rows)
     kv = rows[-1]["cache"]
     del cache
     mx.clear_cache()
-    return dict(length=length, chunk=chunk, seconds=seconds, weights_bytes=before,
+    done = rows[-1]["tokens"]
+    return dict(length=length, chunk=chunk, seconds=seconds, tokens_done=done,
+                completed=done == length, tokens_per_s=done / seconds, weights_bytes=before,
                 cache_bytes=kv, peak_above_weights=peak, working_bytes=peak - kv,
                 other_active_first=rows[0]["active"] - rows[0]["cache"],
                 other_active_last=rows[-1]["active"] - rows[-1]["cache"], chunks=rows)
@@ -90,6 +113,11 @@ def main(argv=None) -> int:
                         "(attn, gdn, moe) or an optimization (e.g. attn-blocks, gdn-kernel) "
                         "kept stock / off")
     p.add_argument("--preset", default="full", choices=["tiny", "small", "full"])
+    p.add_argument("--max-seconds", type=float, default=0.0,
+                   help="stop a variant's prefill after the chunk that ends past this many "
+                        "seconds (0 = never); the result records how many tokens it reached")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="chunks prefilled into a throwaway cache first, per variant")
     args = p.parse_args(argv)
     check_out(p, args.out)
     variants = [v for v in args.variants.split(",") if v]
@@ -109,10 +137,14 @@ def main(argv=None) -> int:
     results = []
     for name in variants:
         model = variant_model(b, name.split("-", 1)[0], name.split("-", 1)[1:])
-        r = prefill_memory(model, args.length, args.chunk)
+        r = prefill_memory(model, args.length, args.chunk, args.max_seconds, args.warmup)
         r["variant"] = name
         results.append(r)
-        stage(f"{name:12s} {args.length} tokens in {r['seconds']:.1f}s: weights "
+        if not r["completed"]:
+            stage(f"{name:12s} STOPPED at --max-seconds: {r['tokens_done']} of {args.length} "
+                  f"tokens in {r['seconds']:.1f}s ({r['tokens_per_s']:.1f} tok/s)")
+        stage(f"{name:12s} {r['tokens_done']} tokens in {r['seconds']:.1f}s "
+              f"({r['tokens_per_s']:.1f} tok/s): weights "
               f"{r['weights_bytes'] / GB:.3f} GB, cache {r['cache_bytes'] / GB:.3f} GB, peak above "
               f"weights {r['peak_above_weights'] / GB:.3f} GB, working (peak - cache) "
               f"{r['working_bytes'] / GB:.3f} GB; other active first/last chunk "

@@ -600,6 +600,24 @@ def test_grouped_gemm_tile_height_follows_expert_load():
     assert np.array(rows).tolist() == [0, *np.cumsum(counts).tolist()]
 
 
+def test_grouped_gemm_tile_heights_by_load_only_for_light_experts(monkeypatch):
+    # Heights by load where the mean load is <= 16 rows per expert (measured
+    # faster there on the H200), 64-row tiles above it (measured no faster).
+    seen = []
+    real = moe_ops.grouped_gemm_block_map
+    monkeypatch.setattr(moe_ops, "grouped_gemm_block_map",
+                        lambda inds, n, rows: seen.append(tuple(rows)) or real(inds, n, rows))
+    monkeypatch.setattr(moe_ops, "_grouped_gemm_call",  # [M, NOUT] zeros
+                        lambda b, xs, w, glu, *a: mx.zeros(
+                            (xs.shape[0], w.weight.shape[1] // (2 if glu else 1)), mx.bfloat16))
+    monkeypatch.setattr(moe_ops, "combine_kernel_ready", lambda *a: False)
+    limit = moe_ops.GROUPED_GEMM_BY_LOAD_MAX_MEAN_ROWS * E // K  # tokens at the limit
+    for T in (limit, limit + 1):
+        x, inds, scores, gu, dn = _grouped_gemm_inputs(T)
+        moe_ops._moe_grouped_gemm_experts("cuda", x, inds, scores, gu, dn)
+    assert seen == [moe_ops.GROUPED_GEMM_TILE_ROWS, (64,)]
+
+
 def test_grouped_gemm_rejects_tile_heights_the_kernel_lacks():
     x, inds, scores, gu, dn = _grouped_gemm_inputs()
     for bad in [(), (64, 32), (16, 48), (128,)]:
