@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Decode attention at long context: where one full-attention layer's time goes.
+
+One query token against S cached keys at the Qwen3.6-35B-A3B full-attention
+shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
+
+* ``sdpa``: ``mx.fast.scaled_dot_product_attention`` as the fused layer calls
+  it in eager decode (no mask, S exact);
+* ``sdpa-mask``: the same with the boolean mask over a KV buffer 256
+  positions longer, as the compiled decode step calls it;
+* ``qk``, ``softmax``, ``pv``: the three MLX ops of the portable form alone
+  (``q k^T`` with the 8 query heads of a KV head as rows, the float32 softmax,
+  ``p v``);
+* ``pv-split``: ``p v`` as a batched matmul over fixed blocks of 1,024 keys
+  plus a sum over blocks (split-K in MLX ops).
+
+Median of ``--repeats`` synchronised runs after two warm-ups, in ms, and the
+KV bytes read per ms (GB/s). Writes ``profile-attention-decode-<device>.json``
+into OUT.
+
+Usage:
+    python benchmarks/profile_attention_decode.py OUT [--lengths 4096,32768,131072]
+        [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+HERE = Path(__file__).resolve().parent
+for p in (SRC, HERE):
+    if p.is_dir() and str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+B, HQ, HK, D = 1, 16, 2, 256
+SPLIT = 1024
+
+
+def main(argv=None) -> int:
+    from qwen_apple_backend.argtypes import positive_int
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("out", help="output folder (created)")
+    p.add_argument("--lengths", default="4096,32768,131072", help="comma-separated S")
+    p.add_argument("--repeats", type=positive_int, default=20)
+    args = p.parse_args(argv)
+    from _common import check_out, write_result
+
+    check_out(p, args.out)
+    import mlx.core as mx
+    from profile_modules import timeit
+
+    scale = D ** -0.5
+    G = HQ // HK
+    rows = []
+    for S in (int(s) for s in args.lengths.split(",")):
+        kq, kk, kv = mx.random.split(mx.random.key(S), 3)
+        q = mx.random.normal((B, HQ, 1, D), key=kq).astype(mx.bfloat16)
+        kbuf = mx.random.normal((B, HK, S + 256, D), key=kk).astype(mx.bfloat16)
+        vbuf = mx.random.normal((B, HK, S + 256, D), key=kv).astype(mx.bfloat16)
+        k, v = kbuf[:, :, :S], vbuf[:, :, :S]
+        mask = (mx.arange(S + 256) < S).reshape(1, 1, 1, -1)
+        qg = q.reshape(B, HK, G, D)
+        scores = (qg @ k.swapaxes(-1, -2)).astype(mx.float32) * scale
+        probs = mx.softmax(scores, axis=-1).astype(mx.bfloat16)
+        mx.eval(q, kbuf, vbuf, k, v, mask, scores, probs)
+        n = S // SPLIT * SPLIT
+
+        def pv_split():
+            pb = probs[..., :n].reshape(B, HK, n // SPLIT, G, SPLIT)
+            vb = v[:, :, :n].reshape(B, HK, n // SPLIT, SPLIT, D)
+            out = (pb @ vb).astype(mx.float32).sum(axis=2)
+            if n < S:
+                out = out + (probs[..., n:] @ v[:, :, n:]).astype(mx.float32)
+            return out
+
+        forms = {
+            "sdpa": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale),
+            "sdpa-mask": lambda: mx.fast.scaled_dot_product_attention(q, kbuf, vbuf, scale=scale,
+                                                                      mask=mask),
+            "qk": lambda: qg @ k.swapaxes(-1, -2),
+            "softmax": lambda: mx.softmax(scores, axis=-1),
+            "pv": lambda: probs @ v,
+            "pv-split": pv_split,
+        }
+        kv_bytes = 2 * B * HK * S * D * 2
+        row = dict(S=S, kv_bytes=kv_bytes)
+        for name, fn in forms.items():
+            row[name + "_ms"] = 1e3 * timeit(fn, args.repeats)
+        ref = (probs @ v).astype(mx.float32)
+        row["pv_split_max_abs_diff"] = float(mx.abs(pv_split() - ref).max())
+        rows.append(row)
+        print(f"S {S:7d}: " + "  ".join(f"{k[:-3]} {row[k]:.3f}" for k in row if k.endswith("_ms"))
+              + f" ms; KV {kv_bytes / 1e6:.0f} MB -> sdpa {kv_bytes / row['sdpa_ms'] / 1e6:.0f} GB/s",
+              flush=True)
+    path = write_result(args.out, "profile-attention-decode",
+                        dict(B=B, Hq=HQ, Hk=HK, D=D, split=SPLIT, repeats=args.repeats, rows=rows))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
