@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         n = S // SPLIT * SPLIT
 
         def pv_split():
-            pb = probs[..., :n].reshape(B, HK, n // SPLIT, G, SPLIT)
+            pb = probs[..., :n].reshape(B, HK, G, n // SPLIT, SPLIT).swapaxes(2, 3)
             vb = v[:, :, :n].reshape(B, HK, n // SPLIT, SPLIT, D)
             out = (pb @ vb).astype(mx.float32).sum(axis=2)
             if n < S:

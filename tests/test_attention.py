@@ -516,3 +516,91 @@ def test_blocked_attention_inside_compile_stays_lazy():
     fn = mx.compile(lambda q, k, v: attn_ops.gqa_attention_blocked(q, k, v, 0.25, "causal",
                                                                    rows=16))
     assert rel_l2(fn(q, k, v), ref) <= 1e-6
+
+
+# --------------------------------------------------------------------------
+# split-K decode attention over long KV caches (attn-split)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("S,block", [(57, 16), (64, 16), (10, 16), (300, 128)])
+@pytest.mark.parametrize("T", [1, 2])
+def test_split_attention_equals_one_call(S, block, T):
+    # Keys a multiple of the block, with a remainder, fewer than one block;
+    # no mask, a boolean mask over a longer buffer (the compiled decode step's
+    # form), additive [B, 1, T, S] and per-head boolean masks.
+    B, Hq, Hk, D = 2, 6, 2, 32
+    q = inputs((B, Hq, T, D), seed=1)
+    k = inputs((B, Hk, S, D), seed=2)
+    v = inputs((B, Hk, S, D), seed=3)
+    written = mx.arange(S) < S - 3
+    per_head = mx.random.uniform(shape=(B, Hq, T, S), key=mx.random.key(4)) > 0.3
+    masks = {"none": None, "bool-buffer": written.reshape(1, 1, 1, S),
+             "additive-4d": mx.broadcast_to(mx.where(written, 0.0, -1e9), (B, 1, T, S)),
+             "bool-per-head": per_head | (mx.arange(S) == 0)}
+    for name, mask in masks.items():
+        ref = attn_ops.gqa_attention_ops(q, k, v, 0.2, mask)
+        out = attn_ops.gqa_attention_split(q, k, v, 0.2, mask, block=block)
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        # float32 throughout: only the summation order differs (measured <= 3e-7)
+        assert rel_l2(out, ref) <= 1e-6, name
+    if T == 1:
+        a = attn_ops.gqa_attention_split(q, k, v, 0.2, "causal", block=block)
+        assert rel_l2(a, attn_ops.gqa_attention_ops(q, k, v, 0.2, None)) <= 1e-6
+    else:
+        with pytest.raises(ValueError, match="only 'causal' with one row"):
+            attn_ops.gqa_attention_split(q, k, v, 0.2, "causal", block=block)
+
+
+def test_split_attention_bf16_error_against_float32_like_sdpa():
+    # bf16 q/k/v at the real head shape over 3,000 keys: the split form's
+    # error against a float32 reference is within 1.1x of the one-call form's
+    # (its probabilities enter p v in bf16, as FlashAttention's do).
+    B, Hq, Hk, D, S = 1, 16, 2, 256, 3000
+    q, k, v = (inputs(s, seed=i, dtype=mx.bfloat16)
+               for i, s in enumerate([(B, Hq, 1, D), (B, Hk, S, D), (B, Hk, S, D)]))
+    ref = attn_ops.gqa_attention_ops(*(a.astype(mx.float32) for a in (q, k, v)), D ** -0.5)
+    one = attn_ops.gqa_attention_ops(q, k, v, D ** -0.5)
+    split = attn_ops.gqa_attention_split(q, k, v, D ** -0.5)
+    assert split.dtype == mx.bfloat16
+    e_one, e_split = rel_l2(one, ref), rel_l2(split, ref)
+    assert e_split <= 1.1 * e_one + 1e-3, (e_split, e_one)
+
+
+def test_long_decode_takes_split_attention_on_a_gpu_and_matches_stock(monkeypatch):
+    # Decode with more cached keys than SPLIT_KV_MIN_KEYS (lowered here) on a
+    # GPU (the probe patched) takes the split form; outputs equal stock's.
+    stock, fused = make_pair()
+    monkeypatch.setattr(attn_ops, "SPLIT_KV_MIN_KEYS", 32)
+    monkeypatch.setattr(attn_ops, "SPLIT_KV_BLOCK", 16)
+    monkeypatch.setattr(attn_ops, "gpu_backend", lambda: "cuda")
+    calls = []
+    real = attn_ops.gqa_attention_split
+    monkeypatch.setattr("qwen_apple_backend.layers.attention.gqa_attention_split",
+                        lambda q, k, *a, **kw: calls.append(k.shape[2]) or real(q, k, *a, **kw))
+    xs = [inputs((1, n, 512), seed=s) for s, n in enumerate([30, 1, 1, 1])]
+    ys, cf = run_steps(fused, xs, KVCache)
+    refs, cs = run_steps(stock, xs, KVCache)
+    for step, (y, ref) in enumerate(zip(ys, refs)):
+        assert rel_l2(y, ref) <= 1e-5, step
+    assert calls == [32, 33], calls  # the decode steps with >= 32 keys
+    fused.split_keys = False
+    calls.clear()
+    run_steps(fused, xs, KVCache)
+    assert calls == []
+    monkeypatch.setattr(attn_ops, "gpu_backend", lambda: None)  # the CPU: never
+    fused.split_keys = True
+    run_steps(fused, xs, KVCache)
+    assert calls == []
+
+
+def test_attn_split_switch():
+    from qwen_apple_backend.bench.target import fuse_in_memory
+    from qwen_apple_backend.checkpoint import build_random_model, hf_config
+
+    for disable, expect in ((None, True), (["attn-split"], False)):
+        model = build_random_model("tiny", vocab_size=64)
+        report = fuse_in_memory(model, "fused", config=hf_config("tiny", 64), disable=disable)
+        attn = [m for _, m in model.named_modules() if isinstance(m, FusedGQAAttention)]
+        assert attn and all(m.split_keys is expect for m in attn)
+        assert any("attn-split" in n for n in report.notes) is (not expect)

@@ -9,7 +9,7 @@ Variables:
     QAB_DISABLE: comma-separated fused module kinds to keep stock
         (``moe``, ``gdn``, ``attn``, ``all``) or single optimizations to
         switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``,
-        ``attn-blocks``, ``decode-compile``, ``proj-concat``,
+        ``attn-blocks``, ``attn-split``, ``decode-compile``, ``proj-concat``,
         ``gemv-kernel``, ``add-norm``), for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
@@ -55,6 +55,8 @@ OPTIMIZATIONS = {
     "moe-kernel": "moe",
     # long prompts' attention in blocks of query rows (bounded score memory)
     "attn-blocks": "attn",
+    # decode attention over >= 32K cached keys with p v split over key blocks (GPU)
+    "attn-split": "attn",
     "decode-compile": "model",  # the compiled one-token decode step (decode.py)
     "proj-concat": "model",  # sibling input projections run as one matmul (layers/_concat.py)
     "gemv-kernel": "model",  # the CUDA dense 4-bit decode GEMV for lm_head (ops/linear.py)
@@ -126,8 +128,8 @@ def disabled_kinds() -> frozenset[str]:
     Raises:
         EnvVarError: if a name is not one of ``moe``, ``gdn``, ``attn``,
             ``all`` or an optimization name (``gdn-kernel``, ``moe-gemm``,
-            ``moe-kernel``, ``attn-blocks``, ``decode-compile``, ``proj-concat``,
-            ``gemv-kernel``, ``add-norm``).
+            ``moe-kernel``, ``attn-blocks``, ``attn-split``, ``decode-compile``,
+            ``proj-concat``, ``gemv-kernel``, ``add-norm``).
     """
     names = set(_names(_get("QAB_DISABLE", "") or ""))
     unknown = names - set(FUSABLE_KINDS) - set(OPTIMIZATIONS) - {"all"}

@@ -19,12 +19,14 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 from qwen_apple_backend.layers._concat import ConcatProjection
+from qwen_apple_backend.ops import attention as attn_ops
 from qwen_apple_backend.ops.attention import (
     RUNAHEAD_EVAL_ROWS,
     RopeSpec,
     eval_outside_traces,
     gate_output,
     gqa_attention,
+    gqa_attention_split,
     gqa_attention_blocked,
     prep_qk,
     score_block_rows,
@@ -83,6 +85,10 @@ class FusedGQAAttention(nn.Module):
             ``ops.attention.RUNAHEAD_EVAL_ROWS`` query rows (the
             ``attn-blocks`` optimization: it bounds a long prefill's memory).
             Default True.
+        split_keys (bool): on a GPU, run a one-token query over at least
+            ``ops.attention.SPLIT_KV_MIN_KEYS`` cached keys as
+            ``ops.attention.gqa_attention_split`` (the ``attn-split``
+            optimization: ``p v`` split over blocks of keys). Default True.
     """
 
     def __init__(
@@ -101,6 +107,7 @@ class FusedGQAAttention(nn.Module):
         use_kernel: bool = True,
         compile_decode: bool = True,
         block_queries: bool = True,
+        split_keys: bool = True,
     ):
         super().__init__()
         self.num_key_value_heads = num_key_value_heads
@@ -117,6 +124,7 @@ class FusedGQAAttention(nn.Module):
         self.use_kernel = use_kernel
         self.compile_decode = compile_decode
         self.block_queries = block_queries
+        self.split_keys = split_keys
 
     @classmethod
     def from_stock(
@@ -259,6 +267,10 @@ class FusedGQAAttention(nn.Module):
                 rows = score_block_rows(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
             if rows < q.shape[2]:
                 out = gqa_attention_blocked(q, k, v, self.scale, mask, rows=rows)
+            elif (self.split_keys and not self.training and q.shape[2] == 1
+                  and k.shape[2] >= attn_ops.SPLIT_KV_MIN_KEYS
+                  and attn_ops.gpu_backend() is not None):
+                out = gqa_attention_split(q, k, v, self.scale, mask)
             else:
                 out = gqa_attention(
                     q, k, v, self.scale, mask, use_kernel=self.use_kernel and not self.training

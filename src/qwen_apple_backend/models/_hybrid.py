@@ -322,6 +322,8 @@ class QwenHybridAdapter(Adapter):
         "attn-blocks": "a long prompt's attention runs as one call over all query rows, not "
                        "in blocks of query rows each evaluated before the next (attn-blocks "
                        "in QAB_DISABLE / disable=)",
+        "attn-split": "decode attention over long KV caches runs as one fused SDPA call, not "
+                      "with p v split over blocks of keys (attn-split in QAB_DISABLE / disable=)",
         "gdn-kernel": "Gated DeltaNet scans and decode steps run as MLX ops, without the GPU "
                       "gated-delta kernels (gdn-kernel in QAB_DISABLE / disable=)",
         "moe-kernel": "MoE routing and experts run as MLX ops, without the GPU MoE kernels "
@@ -374,6 +376,8 @@ class QwenHybridAdapter(Adapter):
                     fused.use_kernel = False
                 if "attn-blocks" in off:
                     fused.block_queries = False
+                if "attn-split" in off:
+                    fused.split_keys = False
                 switched_off.update(off)
                 if "proj-concat" not in disable and hasattr(fused, "concat_projections"):
                     fused.concat_projections()

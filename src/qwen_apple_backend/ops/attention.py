@@ -8,6 +8,8 @@
   attention natively: KV heads are never repeated to match query heads.
 * :func:`gqa_attention_blocked` — the same attention in blocks of query rows,
   so that a long prompt never holds the whole ``[B, Hq, T, S]`` score matrix.
+* :func:`gqa_attention_split` — decode attention over a long KV cache with
+  ``p v`` split over fixed blocks of keys (``attn-split``).
 * :func:`gate_output` — the per-head sigmoid output gate of Qwen3.5 / Qwen3-Next.
 
 About memory: where MLX has no fused attention kernel for the shape (the CPU;
@@ -38,6 +40,7 @@ from typing import Callable, NamedTuple, Optional, Union
 import mlx.core as mx
 
 from qwen_apple_backend import envs
+from qwen_apple_backend.ops.device import gpu_backend
 
 __all__ = [
     "RopeSpec",
@@ -46,6 +49,9 @@ __all__ = [
     "gqa_attention_kernel",
     "gqa_attention",
     "gqa_attention_blocked",
+    "gqa_attention_split",
+    "SPLIT_KV_MIN_KEYS",
+    "SPLIT_KV_BLOCK",
     "score_block_rows",
     "SCORE_BLOCK_BYTES",
     "gate_output",
@@ -61,6 +67,19 @@ SCORE_BLOCK_BYTES = 1 << 29
 #: the first two chunks, whose scores fit one call, peaked 8.0-8.7 GB above
 #: weights + KV cache; the later, blocked chunks 2.8-3.0 GB.
 RUNAHEAD_EVAL_ROWS = 512
+
+#: Keys from which a one-token query takes :func:`gqa_attention_split`
+#: (``attn-split``, GPU only), and the key block of its split p v product.
+#: Measured on the H200, one Qwen3.6 full-attention decode layer (Hq = 16,
+#: Hk = 2, D = 256, bf16 KV; ``benchmarks/profile_attention_decode.py``, same
+#: run): ``mx.fast.scaled_dot_product_attention`` 0.170 / 0.487 / 0.992 ms at
+#: 4K / 32K / 128K keys; its MLX ops q k^T + softmax + p v split over blocks of
+#: 1,024 keys 0.067 + 0.054 + 0.135 = 0.256 / 0.081 + 0.072 + 0.144 = 0.297 /
+#: 0.147 + 0.113 + 0.179 = 0.439 ms. The single p v matmul (0.094 / 0.166 /
+#: 0.328 ms) reduces over all S keys in too few thread blocks; split, each
+#: block of keys is its own batch entry.
+SPLIT_KV_MIN_KEYS = 32768
+SPLIT_KV_BLOCK = 1024
 
 Mask = Union[None, str, mx.array]
 
@@ -252,6 +271,70 @@ def gqa_attention(
             _check_gqa(q, k, v)
             return kernel(q, k, v, scale, mask)
     return gqa_attention_ops(q, k, v, scale, mask)
+
+
+def gqa_attention_split(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask = None,
+    *, block: int = SPLIT_KV_BLOCK
+) -> mx.array:
+    """Grouped-query attention of a few query rows over a long KV cache, split-K in MLX ops.
+
+    ``softmax(q k^T * scale + mask) v`` as three steps: the scores of the
+    ``Hq / Hk`` query heads that share a KV head against that head's keys (K
+    read once per KV head, never repeated), a float32 softmax, and ``p v``
+    as a batched matmul over fixed blocks of ``block`` keys plus a float32
+    sum over the blocks (flash-decoding's split over keys, with the softmax
+    done once over all keys instead of per block). The probabilities enter
+    ``p v`` in the dtype of ``v``, as in FlashAttention's second product.
+
+    Args:
+        q (mx.array): queries.
+        k (mx.array): keys.
+        v (mx.array): values.
+        scale (float): score scale.
+        mask (None | str | mx.array): None, ``"causal"`` (for one query row
+            at the end of the cache: no key masked), or a boolean (True =
+            attend) / additive array broadcastable to ``[B, Hq, T, S]``.
+        block (int): keys per block of ``p v``. Default
+            :data:`SPLIT_KV_BLOCK`.
+
+    Returns:
+        mx.array: attention output, dtype of ``q``.
+
+    Raises:
+        ValueError: if the head counts do not divide, or for ``"causal"``
+            with more than one query row.
+
+    Shapes:
+        q: ``[B, Hq, T, D]``; k, v: ``[B, Hk, S, D]``; returns ``[B, Hq, T, D]``
+    """
+    _check_gqa(q, k, v)
+    B, Hq, T, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    G = Hq // Hk
+    if isinstance(mask, str):
+        if mask != "causal" or T != 1:
+            raise ValueError(f"gqa_attention_split: mask {mask!r} with {T} query rows; "
+                             "only 'causal' with one row (no key masked)")
+        mask = None
+    scores = (q.reshape(B, Hk, G * T, D) @ k.swapaxes(-1, -2)).astype(mx.float32) * scale
+    if mask is not None:
+        m = mx.broadcast_to(mask, (B, Hq, T, S)).reshape(B, Hk, G * T, S)
+        if m.dtype == mx.bool_:
+            scores = mx.where(m, scores, -float("inf"))
+        else:
+            scores = scores + m.astype(mx.float32)
+    p = mx.softmax(scores, axis=-1).astype(v.dtype)  # [B, Hk, G T, S]
+    n = S // block * block
+    out = None
+    if n:
+        pb = p[..., :n].reshape(B, Hk, G * T, n // block, block).swapaxes(2, 3)
+        vb = v[:, :, :n].reshape(B, Hk, n // block, block, v.shape[-1])
+        out = (pb @ vb).astype(mx.float32).sum(axis=2)
+    if n < S:
+        rest = (p[..., n:] @ v[:, :, n:]).astype(mx.float32)
+        out = rest if out is None else out + rest
+    return out.astype(q.dtype).reshape(B, Hq, T, v.shape[-1])
 
 
 @functools.partial(mx.compile, shapeless=True)
