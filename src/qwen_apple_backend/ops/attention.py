@@ -75,9 +75,11 @@ RUNAHEAD_EVAL_ROWS = 512
 #: run): ``mx.fast.scaled_dot_product_attention`` 0.170 / 0.487 / 0.992 ms at
 #: 4K / 32K / 128K keys; its MLX ops q k^T + softmax + p v split over blocks of
 #: 1,024 keys 0.067 + 0.054 + 0.135 = 0.256 / 0.081 + 0.072 + 0.144 = 0.297 /
-#: 0.147 + 0.113 + 0.179 = 0.439 ms. The single p v matmul (0.094 / 0.166 /
-#: 0.328 ms) reduces over all S keys in too few thread blocks; split, each
-#: block of keys is its own batch entry.
+#: 0.147 + 0.113 + 0.179 = 0.439 ms (the split p v timed with the blocks'
+#: rows in another order: same shapes and bytes; this order adds a transpose
+#: of p, 2 MB at 128K). The single p v matmul (0.094 / 0.166 / 0.328 ms)
+#: reduces over all S keys in too few thread blocks; split, each block of
+#: keys is its own batch entry. End-to-end decode with it: not yet measured.
 SPLIT_KV_MIN_KEYS = 32768
 SPLIT_KV_BLOCK = 1024
 
