@@ -49,6 +49,7 @@ VARIANTS = {
     "fused-decode-compile": ("fused", {"QAB_DISABLE": "decode-compile"}),
     "fused-gdn-kernel": ("fused", {"QAB_DISABLE": "gdn-kernel"}),
     "fused-moe-kernel": ("fused", {"QAB_DISABLE": "moe-kernel"}),
+    "fused-attn-split": ("fused", {"QAB_DISABLE": "attn-split"}),
 }
 
 
