@@ -49,7 +49,7 @@ CASES = {
         ["bf16", "u32", "u32", "bf16", "bf16"], ["bf16"],
         {"OutT": "bf16", "H": 2048, "I": 512, "K": 8, "G": 64}),
     "moe_grouped_gemm": (
-        ["bf16", "u32", "bf16", "bf16", "i32", "i32"], ["bf16"],
+        ["bf16", "u32", "bf16", "bf16", "i32", "i32", "i32"], ["bf16"],
         {"KDIM": 2048, "NOUT": 512, "E": 256, "GLU": True}),
     "moe_down_gemv": (
         ["bf16", "u32", "f32", "u32", "bf16", "bf16"], ["bf16"],
@@ -85,12 +85,17 @@ EXTRA_CASES = [
                                                    "NORM": True})),
     ("moe_router_topk", (["f16"], ["u32", "f16"], {"InT": "f16", "E": 8, "K": 2,
                                                    "NORM": False})),
+    # The grouped GEMM's down projection (no GLU epilogue, 2,048 output columns).
+    ("moe_grouped_gemm", (["bf16", "u32", "bf16", "bf16", "i32", "i32", "i32"], ["bf16"],
+                          {"KDIM": 512, "NOUT": 2048, "E": 256, "GLU": False})),
 ]
 
 
 def wrap(op: str, case=None) -> str:
     src = kernel_source(op, "cuda")
     in_types, out_types, template = case or CASES[op]
+    assert (len(in_types), len(out_types)) == (len(src.inputs), len(src.outputs)), (
+        f"{op}: a type per manifest input and output")
     params = []
     for name, t in zip(src.inputs, in_types):
         params.append(f"const {T[t]}* {name}")
