@@ -16,17 +16,22 @@ greedy decode token, times three phases one after the other (no overlap):
 the bottleneck. It also counts the token graph's primitives (as
 ``count_decode_ops.py``, with the real kernels of this device) and times the
 pipelined loop mlx-lm runs (step t+1 built while step t runs) for the
-tokens/s a user sees. Writes ``decode-split-<device>.json`` into OUT.
+tokens/s a user sees. With ``--rounds R`` every variant is measured R times,
+variants alternating (all models and caches alive at once), so host and clock
+drift hit every variant alike; rows report medians and the tokens/s spread
+(decode on MLX's CUDA backend is host-bound and varies 1.5x between runs of
+the same build). Writes ``decode-split-<device>.json`` into OUT.
 
 Usage:
     python benchmarks/decode_split.py OUT [--variants fused,fused-decode-compile,stock]
         [--preset full] [--layers 40] [--context 512] [--tokens 32]
-        [--prefill-step 2048]
+        [--prefill-step 2048] [--rounds 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -53,54 +58,57 @@ VARIANTS = {
 }
 
 
-def split_decode(model, context: int, tokens: int, warmup: int = 4,
-                 prefill_step: int = 2048) -> dict:
-    """Median ms per token of build / encode / wait, the pipelined ms, and the graph's ops.
+class _Decoder:
+    """One variant's model with its context prefilled, decoding greedily."""
 
-    The context is prefilled in chunks of ``prefill_step`` tokens, each
-    evaluated, as mlx-lm's ``generate_step`` does (``prefill_step_size``).
-    """
-    import mlx.core as mx
-    from _common import pipelined_ms
-    from count_decode_ops import VIEWS, count_primitives
-    from mlx_lm.models.cache import make_prompt_cache
+    def __init__(self, model, context: int, warmup: int = 4, prefill_step: int = 2048):
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
 
-    cache = make_prompt_cache(model)
-    prompt = mx.random.randint(0, 1000, (1, context), key=mx.random.key(context))
-    for start in range(0, context - 1, prefill_step):
-        model(prompt[:, start:min(start + prefill_step, context - 1)], cache=cache)
-        mx.eval([c.state for c in cache])
-    y = mx.argmax(model(prompt[:, -1:], cache=cache)[:, -1], axis=-1)
-    mx.eval(y)
+        self.cache = cache = make_prompt_cache(model)
+        prompt = mx.random.randint(0, 1000, (1, context), key=mx.random.key(context))
+        for start in range(0, context - 1, prefill_step):
+            model(prompt[:, start:min(start + prefill_step, context - 1)], cache=cache)
+            mx.eval([c.state for c in cache])
+        self.y = mx.argmax(model(prompt[:, -1:], cache=cache)[:, -1], axis=-1)
+        mx.eval(self.y)
+        self.step = lambda y: mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+        for _ in range(warmup):
+            self.y = self.step(self.y)
+            mx.eval(self.y)
 
-    def step(y):
-        return mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+    def count_ops(self):
+        from count_decode_ops import VIEWS, count_primitives
 
-    for _ in range(warmup):
-        y = step(y)
-        mx.eval(y)
-    ops = count_primitives([step(y)])  # built, never evaluated: the cache is unchanged
-    launches = sum(v for k, v in ops.items() if k not in VIEWS)
-    build, encode, wait = [], [], []
-    for _ in range(tokens):
-        t0 = time.perf_counter()
-        nxt = step(y)
-        t1 = time.perf_counter()
-        mx.async_eval(nxt)
-        t2 = time.perf_counter()
-        nxt.item()
-        t3 = time.perf_counter()
-        build.append(t1 - t0)
-        encode.append(t2 - t1)
-        wait.append(t3 - t2)
-        y = nxt
-    pipelined = pipelined_ms(step, y, tokens) / 1e3
-    med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
-    return dict(build_ms=med(build), encode_ms=med(encode), wait_ms=med(wait),
-                serial_ms=med([a + b + c for a, b, c in zip(build, encode, wait)]),
-                pipelined_ms=1e3 * pipelined, tok_s=1.0 / pipelined,
-                kernel_primitives=launches,
-                by_name={k: v for k, v in ops.most_common() if k not in VIEWS})
+        ops = count_primitives([self.step(self.y)])  # built, never evaluated
+        return (sum(v for k, v in ops.items() if k not in VIEWS),
+                {k: v for k, v in ops.most_common() if k not in VIEWS})
+
+    def phases(self, tokens: int) -> dict:
+        """Median ms per token of build / encode / wait (serial), and the pipelined ms."""
+        import mlx.core as mx
+        from _common import pipelined_ms
+
+        build, encode, wait = [], [], []
+        y = self.y
+        for _ in range(tokens):
+            t0 = time.perf_counter()
+            nxt = self.step(y)
+            t1 = time.perf_counter()
+            mx.async_eval(nxt)
+            t2 = time.perf_counter()
+            nxt.item()
+            t3 = time.perf_counter()
+            build.append(t1 - t0)
+            encode.append(t2 - t1)
+            wait.append(t3 - t2)
+            y = nxt
+        self.y = y
+        pipelined = pipelined_ms(self.step, y, tokens) / 1e3
+        med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+        return dict(build_ms=med(build), encode_ms=med(encode), wait_ms=med(wait),
+                    serial_ms=med([a + b + c for a, b, c in zip(build, encode, wait)]),
+                    pipelined_ms=1e3 * pipelined, tok_s=1.0 / pipelined)
 
 
 def main(argv=None) -> int:
@@ -121,6 +129,10 @@ def main(argv=None) -> int:
                    help="timed decode tokens per phase")
     p.add_argument("--prefill-step", type=positive_int, default=2048,
                    help="tokens per prefill chunk (mlx-lm's prefill_step_size)")
+    p.add_argument("--rounds", type=positive_int, default=1,
+                   help="timed rounds per variant, variants alternating (from 2, every "
+                        "variant's model and cache stay alive; rows report the medians and the "
+                        "tok/s spread)")
     args = p.parse_args(argv)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
@@ -137,39 +149,68 @@ def main(argv=None) -> int:
     stage = stage_logger()
     stage(f"building preset {args.preset}")
     b = build_preset(args.preset, seed=0)
-    rows = []
-    for name in args.variants.split(","):
-        backend, env = VARIANTS[name]
+
+    @contextlib.contextmanager
+    def variant_env(name):
+        env = VARIANTS[name][1]
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            model = variant_model(b, backend,
-                                  [x for x in env.get("QAB_DISABLE", "").split(",") if x])
-            layers = model.language_model.model.layers
-            full = list(layers)
-            if args.layers:
-                model.language_model.model.layers = full[:args.layers]
-            try:
-                r = split_decode(model, args.context, args.tokens,
-                                 prefill_step=args.prefill_step)
-            finally:
-                model.language_model.model.layers = full
+            yield
         finally:
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+
+    def show(name, r, tag=""):
+        stage(f"{name:18s}{tag} build {r['build_ms']:6.2f}  encode {r['encode_ms']:6.2f}  "
+              f"wait {r['wait_ms']:6.2f}  serial {r['serial_ms']:6.2f}  pipelined "
+              f"{r['pipelined_ms']:6.2f} ms/token ({r['tok_s']:6.1f} tok/s)")
+
+    names = args.variants.split(",")
+    rows, live = [], []
+    for name in names:
+        backend, env = VARIANTS[name]
+        with variant_env(name):
+            model = variant_model(b, backend,
+                                  [x for x in env.get("QAB_DISABLE", "").split(",") if x])
+            full = list(model.language_model.model.layers)
+            if args.layers:
+                model.language_model.model.layers = full[:args.layers]
+            d = _Decoder(model, args.context, prefill_step=args.prefill_step)
+            launches, by_name = d.count_ops()
+            r = d.phases(args.tokens)
         r.update(variant=name, context=args.context, prefill_step=args.prefill_step,
+                 kernel_primitives=launches, by_name=by_name, rounds=[dict(r)],
                  mlx_env={k: os.environ[k] for k in os.environ if k.startswith("MLX_")})
         rows.append(r)
-        stage(f"{name:18s} build {r['build_ms']:6.2f}  encode {r['encode_ms']:6.2f}  "
-              f"wait {r['wait_ms']:6.2f}  serial {r['serial_ms']:6.2f}  pipelined "
-              f"{r['pipelined_ms']:6.2f} ms/token ({r['tok_s']:6.1f} tok/s); "
-              f"{r['kernel_primitives']} kernel primitives")
-        if backend != "stock":
-            del model
-        mx.clear_cache()
+        show(name, r, f" r1/{args.rounds}")
+        stage(f"{name:18s} {launches} kernel primitives")
+        if args.rounds > 1:
+            live.append((model, full, d))
+        else:
+            model.language_model.model.layers = full
+            del model, d
+            mx.clear_cache()
+    for rnd in range(2, args.rounds + 1):
+        for name, r, (model, full, d) in zip(names, rows, live):
+            with variant_env(name):
+                x = d.phases(args.tokens)
+            r["rounds"].append(x)
+            show(name, x, f" r{rnd}/{args.rounds}")
+    if args.rounds > 1:
+        for name, r in zip(names, rows):
+            for key in ("build_ms", "encode_ms", "wait_ms", "serial_ms", "pipelined_ms"):
+                r[key] = statistics.median(x[key] for x in r["rounds"])
+            r["tok_s"] = 1e3 / r["pipelined_ms"]
+            speeds = [x["tok_s"] for x in r["rounds"]]
+            r["tok_s_min"], r["tok_s_max"] = min(speeds), max(speeds)
+            show(name, r, " median")
+            stage(f"{name:18s} tok/s over {args.rounds} rounds: {min(speeds):.1f}..{max(speeds):.1f}")
+        for model, full, _ in live:
+            model.language_model.model.layers = full
     from _common import write_result
 
     path = write_result(args.out, "decode-split",
