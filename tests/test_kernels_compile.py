@@ -28,6 +28,7 @@ PRELUDE = """#include <cuda_bf16.h>
 #include <cooperative_groups.h>
 namespace mlx { namespace core { namespace cu {
 using Shape = cuda::std::array<int32_t, 8>;
+using Strides = cuda::std::array<int64_t, 8>;
 }}}
 #define inf cuda::std::numeric_limits<float>::infinity()
 """
@@ -48,6 +49,11 @@ CASES = {
     "moe_gate_up_gemv": (
         ["bf16", "u32", "u32", "bf16", "bf16"], ["bf16"],
         {"OutT": "bf16", "H": 2048, "I": 512, "K": 8, "G": 64}),
+    # Qwen3.6 full attention at decode: 8 query heads per KV head, D = 256.
+    "gqa_decode_partial": (
+        ["bf16", "bf16", "bf16", "bool", "f32"], ["f32", "f32"],
+        {"InT": "bf16", "D": 256, "G": 8, "BLOCK": 256, "HAS_MASK": True}),
+    "gqa_decode_combine": (["f32", "f32"], ["bf16"], {"OutT": "bf16", "D": 256}),
     "moe_grouped_gemm": (
         ["bf16", "u32", "bf16", "bf16", "i32", "i32", "i32"], ["bf16"],
         {"KDIM": 2048, "NOUT": 512, "E": 256, "GLU": True}),
@@ -101,6 +107,8 @@ def wrap(op: str, case=None) -> str:
         params.append(f"const {T[t]}* {name}")
         if f"{name}_shape" in src.body:
             params.append(f"const __grid_constant__ Shape {name}_shape")
+        if f"{name}_strides" in src.body:
+            params.append(f"const __grid_constant__ Strides {name}_strides")
     params += [f"{T[t]}* {name}" for name, t in zip(src.outputs, out_types)]
     consts = []
     for name, value in template.items():

@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from qwen_apple_backend.ops import attention as attn_ops
 from qwen_apple_backend.ops import device
 from qwen_apple_backend.ops import gated_delta as gd
 from qwen_apple_backend.ops import linear as lin_ops
@@ -48,7 +49,7 @@ pytestmark = pytest.mark.skipif(emu.CXX is None, reason="no C++ compiler on PATH
 
 
 def _clear_kernel_caches():
-    for module in (gd, moe_ops):
+    for module in (gd, moe_ops, attn_ops):
         for name in dir(module):
             fn = getattr(module, name)
             if name.endswith(("_object", "_objects")) and hasattr(fn, "cache_clear"):
@@ -61,6 +62,7 @@ def emulated(monkeypatch):
     emu.require()
     monkeypatch.setattr(gd, "build_kernel", emu.build_kernel)
     monkeypatch.setattr(moe_ops, "build_kernel", emu.build_kernel)
+    monkeypatch.setattr(attn_ops, "build_kernel", emu.build_kernel)
     _clear_kernel_caches()
     yield
     _clear_kernel_caches()
@@ -79,6 +81,7 @@ def _broken(monkeypatch, op, old, new, *, header=False):
 
     monkeypatch.setattr(gd, "build_kernel", build)
     monkeypatch.setattr(moe_ops, "build_kernel", build)
+    monkeypatch.setattr(attn_ops, "build_kernel", build)
     _clear_kernel_caches()
 
 
@@ -1009,3 +1012,63 @@ def test_broken_add_rms_norm_fails(monkeypatch, what):
         assert not isinstance(failure.value, emu.KernelCompileError), str(failure.value)
     finally:
         norm_ops._kernel_object.cache_clear()
+
+
+# --------------------------------------------------------------------------
+# split-K decode attention (gqa_decode_partial + gqa_decode_combine)
+# --------------------------------------------------------------------------
+
+# (B, Hq, Hk, D, S, dtype, masked): Qwen3.6's 8 query heads per KV head at a
+# smaller D with a partial last key block, batch 2 with MQA, bf16 and f16.
+SPLIT_CASES = [
+    (1, 16, 2, 64, 150, F32, False),
+    (1, 16, 2, 64, 150, F32, True),
+    (2, 3, 1, 32, 70, BF16, True),
+    (1, 4, 2, 256, 65, F16, False),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: "x".join(map(str, c[:5]))
+                         + f"-{c[5]}-{'mask' if c[6] else 'nomask'}")
+def test_split_decode_attention_emulated(case, monkeypatch):
+    B, Hq, Hk, D, S, dtype, masked = case
+    monkeypatch.setattr(attn_ops, "_SPLIT_KERNEL_WARPS", 4)  # several key blocks per head
+    kq, kk, kv, km = mx.random.split(mx.random.key(S + D), 4)
+    q = mx.random.normal((B, Hq, 1, D), key=kq).astype(dtype)
+    # The KV cache's form: a view of the first S positions of a longer buffer.
+    k = mx.random.normal((B, Hk, S + 9, D), key=kk).astype(dtype)[:, :, :S]
+    v = mx.random.normal((B, Hk, S + 9, D), key=kv).astype(dtype)[:, :, :S]
+    mask = None
+    if masked:
+        mask = (mx.random.uniform(shape=(B, 1, 1, S), key=km) > 0.3) | (mx.arange(S) == 5)
+    assert attn_ops._split_kernel_block(B, Hk, S) == 512 or -(-S // 64) > 1
+    out = attn_ops._split_kernel_call("cuda", q, k, v, D ** -0.5, mask)
+    ref = attn_ops.gqa_attention_ops(q.astype(F32), k.astype(F32), v.astype(F32), D ** -0.5,
+                                     mask)
+    assert out.shape == (B, Hq, 1, D) and out.dtype == dtype
+    # float32 partials and merge; bf16 / f16 inputs and one output rounding.
+    tol = 1e-5 if dtype == F32 else (1e-2 if dtype == BF16 else 2e-3)
+    assert mx_rel_l2(out, ref) <= tol
+
+
+def test_split_decode_attention_dispatch_and_self_check(monkeypatch):
+    # gqa_attention_split takes the kernel pair once its self-check (a
+    # strided cache-like view, masked keys) passed, on "cuda".
+    monkeypatch.setattr(attn_ops, "gpu_backend", lambda: "cuda")
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    calls = []
+    real = attn_ops._split_kernel_call
+    monkeypatch.setattr(attn_ops, "_split_kernel_call",
+                        lambda *a: calls.append(a[2].shape[2]) or real(*a))
+    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(1))
+    k = mx.random.normal((1, 2, 100, 32), key=mx.random.key(2))
+    v = mx.random.normal((1, 2, 100, 32), key=mx.random.key(3))
+    out = attn_ops.gqa_attention_split(q, k, v, 0.3, None)
+    verdicts = {key: val for key, val in device.self_check_results().items()
+                if key[0] == "gqa_decode_attention"}
+    assert list(verdicts.values()) == [(True, "passed")], verdicts
+    assert calls == [777, 100]  # the self-check's inputs, then the call
+    assert mx_rel_l2(out, attn_ops.gqa_attention_ops(q, k, v, 0.3, None)) <= 1e-5
+    attn_ops.gqa_attention_split(q, k, v, 0.3, None, use_kernel=False)
+    assert calls == [777, 100]
+

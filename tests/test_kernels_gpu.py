@@ -28,9 +28,11 @@ def _unverified_kernels_allowed(monkeypatch):
     from qwen_apple_backend.ops import moe as moe_ops
 
     monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    from qwen_apple_backend.ops import attention as attn_ops
+
     caches = (gd._scan_kernel_object, gd._staged_kernel_object, moe_ops._gemv_objects,
               moe_ops._grouped_gemm_object, moe_ops._fold_objects, moe_ops._combine_object,
-              gd._decode_kernel_object, moe_ops._router_object)
+              gd._decode_kernel_object, moe_ops._router_object, attn_ops._split_objects)
     for fn in caches:
         fn.cache_clear()
     yield
@@ -1096,3 +1098,42 @@ def test_compiled_decode_with_add_norm_matches_eager(_norm_kernel, tiny_hf_f32, 
     d = float(mx.abs(lp_comp - lp_eager).max())
     print(f"compiled with add-norm vs eager without: max |log-prob difference| {d:.3g}")
     assert d <= 2e-3
+
+
+# --------------------------------------------------------------------------
+# Split-K decode attention (kernels/cuda/gqa_decode_{partial,combine}), CUDA
+# --------------------------------------------------------------------------
+
+# (S, dtype, masked): Qwen3.6 full attention (Hq 16, Hk 2, D 256) over a KV
+# cache view at 4K + 1 and 128K + 100 keys (partial last blocks), float32 and
+# bf16, with the compiled decode step's boolean mask over a longer buffer.
+SPLIT_SHAPES = [(4097, mx.float32, False), (4097, mx.bfloat16, True),
+                (131172, mx.bfloat16, False), (131172, mx.bfloat16, True)]
+
+
+@pytest.mark.parametrize("S,dtype,masked", SPLIT_SHAPES,
+                         ids=lambda v: str(v).replace("mlx.core.", ""))
+def test_split_decode_attention_kernel(S, dtype, masked):
+    from qwen_apple_backend.ops import attention as attn_ops
+
+    if attn_ops.gpu_backend() != "cuda":
+        pytest.skip("CUDA kernel")
+    kq, kk, kv, km = mx.random.split(mx.random.key(S), 4)
+    q = mx.random.normal((1, 16, 1, 256), key=kq).astype(dtype)
+    k = mx.random.normal((1, 2, S + 156, 256), key=kk).astype(dtype)
+    v = mx.random.normal((1, 2, S + 156, 256), key=kv).astype(dtype)
+    if masked:  # the buffer, positions < S written
+        mask = (mx.arange(S + 156) < S).reshape(1, 1, 1, -1)
+    else:
+        k, v, mask = k[:, :, :S], v[:, :, :S], None
+    assert attn_ops.split_kernel_ready(q, k, v, mask) == "cuda"
+    out = attn_ops._split_kernel_call("cuda", q, k, v, 256 ** -0.5, mask)
+    ref = attn_ops.gqa_attention_ops(q.astype(mx.float32), k.astype(mx.float32),
+                                     v.astype(mx.float32), 256 ** -0.5, mask)
+    one = attn_ops.gqa_attention_ops(q, k, v, 256 ** -0.5, mask)
+    err, err_one = mx_rel_l2(out, ref), mx_rel_l2(one, ref)
+    print(f"S={S} {dtype} mask={masked}: kernel {err:.3g}, MLX SDPA {err_one:.3g} vs float32")
+    if dtype == mx.float32:
+        assert err <= 1e-4  # TF32 in MLX's own matmuls: the reference is float32 ops
+    else:
+        assert err <= 1.1 * err_one + 1e-3

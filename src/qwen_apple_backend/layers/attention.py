@@ -270,7 +270,8 @@ class FusedGQAAttention(nn.Module):
             elif (self.split_keys and not self.training and q.shape[2] == 1
                   and k.shape[2] >= attn_ops.SPLIT_KV_MIN_KEYS
                   and attn_ops.gpu_backend() is not None):
-                out = gqa_attention_split(q, k, v, self.scale, mask)
+                out = gqa_attention_split(q, k, v, self.scale, mask,
+                                          use_kernel=self.use_kernel)
             else:
                 out = gqa_attention(
                     q, k, v, self.scale, mask, use_kernel=self.use_kernel and not self.training

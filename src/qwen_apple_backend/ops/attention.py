@@ -40,7 +40,7 @@ from typing import Callable, NamedTuple, Optional, Union
 import mlx.core as mx
 
 from qwen_apple_backend import envs
-from qwen_apple_backend.ops.device import gpu_backend
+from qwen_apple_backend.ops.device import build_kernel, f32_scalar, gpu_backend, self_checked
 
 __all__ = [
     "RopeSpec",
@@ -277,7 +277,7 @@ def gqa_attention(
 
 def gqa_attention_split(
     q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask = None,
-    *, block: int = SPLIT_KV_BLOCK
+    *, block: int = SPLIT_KV_BLOCK, use_kernel: bool = True
 ) -> mx.array:
     """Grouped-query attention of a few query rows over a long KV cache, split-K in MLX ops.
 
@@ -299,6 +299,8 @@ def gqa_attention_split(
             attend) / additive array broadcastable to ``[B, Hq, T, S]``.
         block (int): keys per block of ``p v``. Default
             :data:`SPLIT_KV_BLOCK`.
+        use_kernel (bool): run the split-K CUDA kernel pair instead when
+            :func:`split_kernel_ready` says so (one query row). Default True.
 
     Returns:
         mx.array: attention output, dtype of ``q``.
@@ -314,6 +316,11 @@ def gqa_attention_split(
     B, Hq, T, D = q.shape
     Hk, S = k.shape[1], k.shape[2]
     G = Hq // Hk
+    if use_kernel and T == 1:
+        km = None if isinstance(mask, str) and mask == "causal" else mask
+        backend = split_kernel_ready(q, k, v, km)
+        if backend is not None:
+            return _split_kernel_call(backend, q, k, v, scale, km)
     if isinstance(mask, str):
         if mask != "causal" or T != 1:
             raise ValueError(f"gqa_attention_split: mask {mask!r} with {T} query rows; "
@@ -337,6 +344,100 @@ def gqa_attention_split(
         rest = (p[..., n:] @ v[:, :, n:]).astype(mx.float32)
         out = rest if out is None else out + rest
     return out.astype(q.dtype).reshape(B, Hq, T, v.shape[-1])
+
+
+# --------------------------------------------------------------------------
+# Split-K decode attention kernel (kernels/cuda/gqa_decode_{partial,combine})
+# --------------------------------------------------------------------------
+
+#: Most warps one split-K launch aims for: keys per warp are the smallest of
+#: 64..512 that keeps ``B * Hk * ceil(S / block)`` within it.
+_SPLIT_KERNEL_WARPS = 1024
+
+
+def _split_kernel_block(B: int, Hk: int, S: int) -> int:
+    for block in (64, 128, 256):
+        if B * Hk * -(-S // block) <= _SPLIT_KERNEL_WARPS:
+            return block
+    return 512
+
+
+@functools.lru_cache(maxsize=None)
+def _split_objects(backend: str):
+    # CUDA only: no Metal source yet (Metal runs gqa_attention_split's MLX ops).
+    part = build_kernel("gqa_decode_partial", backend, ensure_row_contiguous=False)
+    comb = build_kernel("gqa_decode_combine", backend)
+    return None if part is None or comb is None else (part, comb)
+
+
+def _split_kernel_call(backend: str, q, k, v, scale: float, mask) -> mx.array:
+    part, comb = _split_objects(backend)
+    B, Hq, _, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    block = _split_kernel_block(B, Hk, S)
+    nb = -(-S // block)
+    has_mask = mask is not None
+    m = (mx.contiguous(mx.broadcast_to(mask, (B, 1, 1, S)).reshape(B, S)) if has_mask
+         else mx.zeros((1,), dtype=mx.bool_))
+    o, ml = part(inputs=[q, k, v, m, f32_scalar(float(scale))],
+                 template=[("InT", q.dtype), ("D", D), ("G", Hq // Hk), ("BLOCK", block),
+                           ("HAS_MASK", has_mask)],
+                 grid=(32 * nb, Hk, B), threadgroup=(32, 1, 1),
+                 output_shapes=[(B, Hq, nb, D), (B, Hq, nb, 2)],
+                 output_dtypes=[mx.float32, mx.float32])
+    (out,) = comb(inputs=[o, ml], template=[("OutT", q.dtype), ("D", D)],
+                  grid=(D, Hq, B), threadgroup=(D, 1, 1),
+                  output_shapes=[(B, Hq, 1, D)], output_dtypes=[q.dtype])
+    return out
+
+
+def split_kernel_ready(q: mx.array, k: mx.array, v: mx.array, mask: Mask) -> Optional[str]:
+    """The GPU backend whose split-K decode attention kernel may run this call, or None.
+
+    One query row, ``Hq / Hk`` at most 16, ``D`` a multiple of 32 up to 256
+    for q, k and v, float32 / bf16 / f16, no mask or a boolean one. CUDA only
+    (``kernels/cuda/gqa_decode_{partial,combine}.cu``), built only once its
+    manifest entry records a GPU verification or with
+    ``QAB_UNVERIFIED_KERNELS=1``, and self-checked against
+    :func:`gqa_attention_ops` on a KV-cache-like strided view first.
+
+    Returns:
+        Optional[str]: ``"cuda"``, or None.
+    """
+    if envs.kernels_disabled():
+        return None
+    backend = gpu_backend()
+    if backend != "cuda" or q.shape[2] != 1 or q.ndim != 4:
+        return None
+    B, Hq, _, D = q.shape
+    Hk = k.shape[1]
+    if (Hq % Hk or Hq // Hk > 16 or D % 32 or D > 256 or k.shape[-1] != D
+            or v.shape[-1] != D or q.dtype not in (mx.float32, mx.bfloat16, mx.float16)
+            or k.dtype != q.dtype or v.dtype != q.dtype):
+        return None
+    if isinstance(mask, str) or (mask is not None and mask.dtype != mx.bool_):
+        return None
+    if _split_objects(backend) is None:
+        return None
+    has_mask = mask is not None
+    key = (Hq, Hk, D, str(q.dtype), has_mask)
+
+    def make_inputs():
+        kq, kk, kv, km = mx.random.split(mx.random.key(7), 4)
+        S = 777  # a partial last block; the cache's view: [:, :, :S] of a longer buffer
+        q_ = mx.random.normal((1, Hq, 1, D), key=kq).astype(q.dtype)
+        k_ = mx.random.normal((1, Hk, S + 256, D), key=kk).astype(q.dtype)[:, :, :S]
+        v_ = mx.random.normal((1, Hk, S + 256, D), key=kv).astype(q.dtype)[:, :, :S]
+        m_ = (mx.random.uniform(shape=(1, 1, 1, S), key=km) > 0.2) if has_mask else None
+        return q_, k_, v_, m_
+
+    tol = 1e-4 if q.dtype == mx.float32 else 2e-2
+    ok = self_checked(
+        "gqa_decode_attention", backend, key,
+        kernel=lambda q_, k_, v_, m_: [_split_kernel_call(backend, q_, k_, v_, D ** -0.5, m_)],
+        reference=lambda q_, k_, v_, m_: [gqa_attention_ops(q_, k_, v_, D ** -0.5, m_)],
+        make_inputs=make_inputs, rtol=tol)
+    return backend if ok else None
 
 
 @functools.partial(mx.compile, shapeless=True)
