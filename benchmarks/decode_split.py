@@ -120,7 +120,9 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("out", help="output folder (created)")
     p.add_argument("--variants", default="fused,fused-decode-compile,stock",
-                   help=f"comma list of: {', '.join(VARIANTS)}")
+                   help=f"comma list of: {', '.join(VARIANTS)} (fused = this package's "
+                        "defaults; fused-NAME = fused with NAME switched off through "
+                        "QAB_DISABLE; fused+compile = the compiled decode step also on a CPU)")
     p.add_argument("--preset", default="full", choices=["tiny", "small", "full"])
     p.add_argument("--layers", type=layer_count, default=None,
                    help="keep the first k layers (a multiple of 4)")

@@ -100,7 +100,7 @@ def prefill_memory(model, length: int, chunk: int, max_seconds: float = 0.0,
 def main(argv=None) -> int:
     from _common import check_disable_names, check_out
 
-    from qwen_apple_backend.argtypes import positive_int
+    from qwen_apple_backend.argtypes import nonnegative_float, nonnegative_int, positive_int
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -113,10 +113,10 @@ def main(argv=None) -> int:
                         "(attn, gdn, moe) or an optimization (e.g. attn-blocks, gdn-kernel) "
                         "kept stock / off")
     p.add_argument("--preset", default="full", choices=["tiny", "small", "full"])
-    p.add_argument("--max-seconds", type=float, default=0.0,
+    p.add_argument("--max-seconds", type=nonnegative_float, default=0.0,
                    help="stop a variant's prefill after the chunk that ends past this many "
                         "seconds (0 = never); the result records how many tokens it reached")
-    p.add_argument("--warmup", type=int, default=1,
+    p.add_argument("--warmup", type=nonnegative_int, default=1,
                    help="chunks prefilled into a throwaway cache first, per variant")
     args = p.parse_args(argv)
     check_out(p, args.out)

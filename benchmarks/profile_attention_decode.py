@@ -40,13 +40,14 @@ SPLIT = 1024
 
 
 def main(argv=None) -> int:
-    from qwen_apple_backend.argtypes import positive_int
+    from qwen_apple_backend.argtypes import positive_int, token_lengths
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("out", help="output folder (created)")
-    p.add_argument("--lengths", default="4096,32768,131072", help="comma-separated S")
-    p.add_argument("--repeats", type=positive_int, default=20)
+    p.add_argument("--lengths", type=token_lengths, default="4096,32768,131072",
+                   help="comma-separated cached keys S (K = 1024)")
+    p.add_argument("--repeats", type=positive_int, default=20, help="timed runs per form")
     args = p.parse_args(argv)
     from _common import check_out, write_result
 
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
     scale = D ** -0.5
     G = HQ // HK
     rows = []
-    for S in (int(s) for s in args.lengths.split(",")):
+    for S in args.lengths:
         kq, kk, kv = mx.random.split(mx.random.key(S), 3)
         q = mx.random.normal((B, HQ, 1, D), key=kq).astype(mx.bfloat16)
         kbuf = mx.random.normal((B, HK, S + 256, D), key=kk).astype(mx.bfloat16)
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
         row["pv_split_max_abs_diff"] = float(mx.abs(pv_split() - ref).max())
         rows.append(row)
         print(f"S {S:7d}: " + "  ".join(f"{k[:-3]} {row[k]:.3f}" for k in row if k.endswith("_ms"))
-              + f" ms; KV {kv_bytes / 1e6:.0f} MB -> sdpa {kv_bytes / row['sdpa_ms'] / 1e6:.0f} GB/s",
+              + f" ms; KV {kv_bytes / 1e6:.1f} MB -> sdpa {kv_bytes / row['sdpa_ms'] / 1e6:.1f} GB/s",
               flush=True)
     path = write_result(args.out, "profile-attention-decode",
                         dict(B=B, Hq=HQ, Hk=HK, D=D, split=SPLIT, repeats=args.repeats, rows=rows))

@@ -45,13 +45,14 @@ def _routing(T: int, skewed: bool, key):
 
 
 def main(argv=None) -> int:
-    from qwen_apple_backend.argtypes import positive_int
+    from qwen_apple_backend.argtypes import positive_int, token_lengths
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("out", help="output folder (created)")
-    p.add_argument("--lengths", default="256,512,1024,2048,4096", help="comma-separated T")
-    p.add_argument("--repeats", type=positive_int, default=10)
+    p.add_argument("--lengths", type=token_lengths, default="256,512,1024,2048,4096",
+                   help="comma-separated prompt tokens T (K = 1024)")
+    p.add_argument("--repeats", type=positive_int, default=10, help="timed runs per form")
     args = p.parse_args(argv)
     from _common import check_out, write_result
 
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     gate_up = moe_ops.ExpertWeights(*gu, group_size=64, bits=4)
     down = moe_ops.ExpertWeights(*dn, group_size=64, bits=4)
     rows = []
-    for T in (int(t) for t in args.lengths.split(",")):
+    for T in args.lengths:
         x = mx.random.normal((1, T, H), key=kx).astype(mx.bfloat16)
         scores = mx.softmax(mx.random.normal((1, T, K), key=kx), axis=-1).astype(mx.bfloat16)
         for routing in ("uniform", "skewed"):

@@ -321,3 +321,23 @@ def test_disable_argument_is_checked_like_the_variable():
     model = build_random_model("tiny", vocab_size=64)
     with pytest.raises(ValueError, match="unknown optimization 'add_norm'"):
         fuse_in_memory(model, "fused", config=hf_config("tiny", 64), disable=["add_norm"])
+
+
+@pytest.mark.parametrize("script,args,message", [
+    ("profile_attention_decode.py", ["--lengths", "abc"], "'abc' is not a length (use e.g. 512, 4K)"),
+    ("profile_grouped_gemm.py", ["--lengths", "0"], "0 is too short (at least 2 tokens)"),
+    ("prefill_memory.py", ["--max-seconds", "nan"], "must be a number >= 0, got nan"),
+    ("prefill_memory.py", ["--warmup", "-1"], "must be an integer >= 0, got -1"),
+    ("decode_split.py", ["--rounds", "0"], "must be a positive integer, got 0"),
+])
+def test_benchmark_scripts_reject_bad_arguments_in_one_line(script, args, message, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / script), str(tmp_path / "o"),
+                        *args], capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "o").exists()  # nothing written

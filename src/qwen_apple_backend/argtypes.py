@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 __all__ = ["nonnegative_float", "nonnegative_int", "positive_float", "positive_int",
-           "probability"]
+           "probability", "token_lengths"]
 
 
 def _parse(text: str, convert, ok, what: str):
@@ -47,3 +47,13 @@ def nonnegative_float(text: str) -> float:
 def probability(text: str) -> float:
     """A number in [0, 1] (top-p, min-p)."""
     return _parse(text, float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+
+
+def token_lengths(text: str) -> list:
+    """Comma-separated token counts, ``K`` = 1,024 (``"256,1K,4K"``), sorted and unique, each >= 2."""
+    from .bench.harness import parse_lengths
+
+    try:
+        return parse_lengths(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--lengths: ")) from None
