@@ -1041,7 +1041,7 @@ def test_split_decode_attention_emulated(case, monkeypatch):
     mask = None
     if masked:
         mask = (mx.random.uniform(shape=(B, 1, 1, S), key=km) > 0.3) | (mx.arange(S) == 5)
-    assert attn_ops._split_kernel_block(B, Hk, S) == 512 or -(-S // 64) > 1
+    assert -(-S // attn_ops._split_kernel_block(B, Hk, S)) >= 2  # several key blocks
     out = attn_ops._split_kernel_call("cuda", q, k, v, D ** -0.5, mask)
     ref = attn_ops.gqa_attention_ops(q.astype(F32), k.astype(F32), v.astype(F32), D ** -0.5,
                                      mask)

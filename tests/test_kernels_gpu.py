@@ -1137,3 +1137,20 @@ def test_split_decode_attention_kernel(S, dtype, masked):
         assert err <= 1e-4  # TF32 in MLX's own matmuls: the reference is float32 ops
     else:
         assert err <= 1.1 * err_one + 1e-3
+
+
+def test_split_decode_attention_kernel_reads_any_strides():
+    # K and V whose last axis is not contiguous (stored [B, Hk, D, S]) and a
+    # transposed q: the kernel indexes every axis by its stride (the CPU
+    # emulation hands kernels row-contiguous inputs, so only a GPU checks this).
+    from qwen_apple_backend.ops import attention as attn_ops
+
+    if attn_ops.gpu_backend() != "cuda":
+        pytest.skip("CUDA kernel")
+    kq, kk, kv = mx.random.split(mx.random.key(11), 3)
+    q = mx.random.normal((1, 1, 16, 256), key=kq).swapaxes(1, 2)
+    k = mx.random.normal((1, 2, 256, 5000), key=kk).swapaxes(2, 3)
+    v = mx.random.normal((1, 2, 256, 5000), key=kv).swapaxes(2, 3)
+    out = attn_ops._split_kernel_call("cuda", q, k, v, 256 ** -0.5, None)
+    ref = attn_ops.gqa_attention_ops(q, k, v, 256 ** -0.5, None)
+    assert mx_rel_l2(out, ref) <= 1e-4  # float32 (TF32 in MLX's own matmuls)

@@ -12,14 +12,12 @@
 // One warp per (b, h, j); lane i holds the D / 32 elements i * D / 32 ..
 // of each row (q of the G heads in registers). Each key: the warp reads the
 // K row (coalesced), reduces G dot products by butterflies, updates the
-// online softmax, reads the V row and accumulates. K and V are read through
-// their strides (the KV cache's views are not contiguous over heads); the
-// last axis must have stride 1 (checked by the dispatcher's self-check
-// inputs, which use such a view).
+// online softmax, reads the V row and accumulates. q, K and V are read
+// through their strides (the KV cache's views are not contiguous over heads).
 //
 // Launch: grid (32 * NB, Hk, B) threads, threadgroup (32, 1, 1), NB =
 // ceil(S / BLOCK). Inputs: q [B, Hq, 1, D], k, v [B, Hk, S, D] (InT, any
-// strides, last stride 1), mask [B, S] bool (read only if HAS_MASK), scale [1]
+// strides), mask [B, S] bool (read only if HAS_MASK), scale [1]
 // float32. Outputs: o_part [B, Hq, NB, D], ml [B, Hq, NB, 2] float32.
 // Requires D % 32 == 0 and D <= 256.
 
@@ -52,8 +50,10 @@ for (int g = 0; g < G; ++g) {
 #pragma unroll
   for (int e = 0; e < EPL; ++e) o[g][e] = 0.f;
 }
-const size_t kb = (size_t)b * k_strides[0] + (size_t)h * k_strides[1] + lane * EPL;
-const size_t vb = (size_t)b * v_strides[0] + (size_t)h * v_strides[1] + lane * EPL;
+const size_t kb = (size_t)b * k_strides[0] + (size_t)h * k_strides[1] +
+                  (size_t)lane * EPL * k_strides[3];
+const size_t vb = (size_t)b * v_strides[0] + (size_t)h * v_strides[1] +
+                  (size_t)lane * EPL * v_strides[3];
 for (int s = s0; s < s1; ++s) {
   if (HAS_MASK && !mask[(size_t)b * S + s]) {
     continue;  // the same s for the whole warp: no divergence
@@ -61,8 +61,8 @@ for (int s = s0; s < s1; ++s) {
   float kf[EPL], vf[EPL];
 #pragma unroll
   for (int e = 0; e < EPL; ++e) {
-    kf[e] = static_cast<float>(k[kb + (size_t)s * k_strides[2] + e]);
-    vf[e] = static_cast<float>(v[vb + (size_t)s * v_strides[2] + e]);
+    kf[e] = static_cast<float>(k[kb + (size_t)s * k_strides[2] + (size_t)e * k_strides[3]]);
+    vf[e] = static_cast<float>(v[vb + (size_t)s * v_strides[2] + (size_t)e * v_strides[3]]);
   }
 #pragma unroll
   for (int g = 0; g < G; ++g) {

@@ -219,9 +219,10 @@ def gqa_attention_ops(
 def gqa_attention_kernel() -> Optional[Callable]:
     """Build (once) a GPU GQA attention kernel for the current backend.
 
-    No GPU kernel ships yet (GQA packing and split-KV attention come later);
-    a returned callable must accept the arguments of
-    :func:`gqa_attention_ops`.
+    No general GPU attention kernel ships (MLX's fused SDPA runs); a
+    returned callable must accept the arguments of :func:`gqa_attention_ops`.
+    The split-K decode kernel (GQA-packed, one query row over a long KV
+    cache) is reached through :func:`gqa_attention_split` instead.
 
     Returns:
         Callable | None: the kernel, or None when none is available.
@@ -407,7 +408,7 @@ def split_kernel_ready(q: mx.array, k: mx.array, v: mx.array, mask: Mask) -> Opt
     if envs.kernels_disabled():
         return None
     backend = gpu_backend()
-    if backend != "cuda" or q.shape[2] != 1 or q.ndim != 4:
+    if backend != "cuda" or q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or q.shape[2] != 1:
         return None
     B, Hq, _, D = q.shape
     Hk = k.shape[1]

@@ -1105,7 +1105,7 @@ def _moe_grouped_gemm_experts(backend: str, x, inds, scores, gate_up: ExpertWeig
     if tile_rows is None:
         light = inds.size <= GROUPED_GEMM_BY_LOAD_MAX_MEAN_ROWS * gate_up.weight.shape[0]
         tile_rows = GROUPED_GEMM_TILE_ROWS if light else (GROUPED_GEMM_BM,)
-    if not tile_rows or list(tile_rows) != sorted(set(tile_rows)) or not set(tile_rows) <= set(
+    elif not tile_rows or list(tile_rows) != sorted(set(tile_rows)) or not set(tile_rows) <= set(
             GROUPED_GEMM_TILE_ROWS):
         raise ValueError(f"tile_rows {tuple(tile_rows)}: ascending heights out of "
                          f"{GROUPED_GEMM_TILE_ROWS}")
