@@ -12,7 +12,18 @@ shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
   (``q k^T`` with the 8 query heads of a KV head as rows, the float32 softmax,
   ``p v``);
 * ``pv-split``: ``p v`` as a batched matmul over fixed blocks of 1,024 keys
-  plus a sum over blocks (split-K in MLX ops).
+  plus a sum over blocks (split-K in MLX ops);
+* ``split-ops``: the whole split-K attention in MLX ops
+  (``gqa_attention_split(..., use_kernel=False)``) over the masked buffer;
+* ``split-kernel``: the same through the split-K kernel pair where this
+  device has it (``split_kernel_ready``), else absent;
+* ``kv-update``: the compiled decode step's cache write alone: one
+  ``mx.slice_update`` of a new key and value row into the K and V buffers
+  at an array offset, compiled, each call's outputs replacing the buffers
+  (as ``decode.py`` does): near zero when MLX updates the buffers in place,
+  a copy of both buffers when it cannot;
+* ``kv-update-kept``: the same with the previous buffers still referenced,
+  which forces the copy (the reference point for ``kv-update``).
 
 Median of ``--repeats`` synchronised runs after two warm-ups, in ms, and the
 KV bytes read per ms (GB/s). Writes ``profile-attention-decode-<device>.json``
@@ -79,6 +90,24 @@ def main(argv=None) -> int:
                 out = out + (probs[..., n:] @ v[:, :, n:]).astype(mx.float32)
             return out
 
+        from qwen_apple_backend.ops import attention as attn_ops
+
+        upd_k = mx.random.normal((B, HK, 1, D), key=kq).astype(mx.bfloat16)
+        write = mx.compile(lambda kb, vb, off: (
+            mx.slice_update(kb, upd_k, off, axes=(2,)), mx.slice_update(vb, upd_k, off, axes=(2,))))
+        live = {"k": mx.array(kbuf), "v": mx.array(vbuf)}
+        kept = []
+        offset = mx.array([S - 1], dtype=mx.int32)
+        mx.eval(live, offset)
+
+        def kv_update(keep: bool):
+            old = (live["k"], live["v"])
+            live["k"], live["v"] = write(live["k"], live["v"], offset)
+            if keep:
+                kept[:] = [old]
+            del old
+            return live["k"], live["v"]
+
         forms = {
             "sdpa": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale),
             "sdpa-mask": lambda: mx.fast.scaled_dot_product_attention(q, kbuf, vbuf, scale=scale,
@@ -87,7 +116,14 @@ def main(argv=None) -> int:
             "softmax": lambda: mx.softmax(scores, axis=-1),
             "pv": lambda: probs @ v,
             "pv-split": pv_split,
+            "split-ops": lambda: attn_ops.gqa_attention_split(q, kbuf, vbuf, scale, mask,
+                                                              use_kernel=False),
+            "kv-update": lambda: kv_update(False),
+            "kv-update-kept": lambda: kv_update(True),
         }
+        if attn_ops.split_kernel_ready(q, kbuf, vbuf, mask) is not None:
+            forms["split-kernel"] = lambda: attn_ops.gqa_attention_split(q, kbuf, vbuf, scale,
+                                                                         mask)
         kv_bytes = 2 * B * HK * S * D * 2
         row = dict(S=S, kv_bytes=kv_bytes)
         for name, fn in forms.items():
