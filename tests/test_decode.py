@@ -207,3 +207,66 @@ def test_op_counter_counts_the_compiled_step(tiny_hf_f32, monkeypatch):
     assert ops_comp["DynamicSliceUpdate"] > 0 and ops_eager["DynamicSliceUpdate"] == 0
     step = comp.language_model.__dict__["_qab_decode"]
     assert (step.eager_calls, step.compiled_calls) == (1, 1)  # the counted token was compiled
+
+
+def test_in_place_kv_writes_own_private_buffers(tiny_hf_f32, monkeypatch):
+    # With an in-place KV write backend (faked here: the CPU has none; the
+    # real kernels are tested on a GPU in tests/test_kernels_gpu.py), the
+    # compiled step first gives each cache private K/V buffers (a copy), then
+    # keeps writing those same arrays; a deep copy of the cache, whose arrays
+    # share memory with the original's, gets its own copy before any write.
+    import copy
+
+    from qwen_apple_backend import decode
+    from qwen_apple_backend.ops import attention as attn_ops
+
+    writes = []
+
+    def fake_write(backend, k_new, v_new, k_buf, v_buf, offset):
+        writes.append((backend, k_buf.shape))
+        return attn_ops.kv_cache_write_ops(k_new, v_new, k_buf, v_buf, offset)[2]
+
+    monkeypatch.setattr(decode, "kv_write_ready", lambda probe, k: "fake")
+    monkeypatch.setattr(decode, "kv_cache_write", fake_write)
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    m, _ = load(tiny_hf_f32, "fused")
+    step = m.language_model.__dict__["_qab_decode"]
+    cache = make_prompt_cache(m)
+    m(mx.array([[1, 2, 3, 4]]), cache=cache)
+    m(mx.array([[5]]), cache=cache)  # eager first token
+    kv = [c for c in cache if hasattr(c, "offset")]
+    before = [(c.keys, c.values) for c in kv]
+    m(mx.array([[6]]), cache=cache)
+    assert step.compiled_calls == 1 and writes and all(b == "fake" for b, _ in writes)
+    owned = [(c.keys, c.values) for c in kv]
+    for (k0, v0), (k1, v1) in zip(before, owned):
+        assert k1 is not k0 and v1 is not v0  # privatized once
+        assert mx.array_equal(k1, k0).item()  # a copy (nothing written by the fake)
+    m(mx.array([[7]]), cache=cache)
+    assert all(c.keys is k and c.values is v for c, (k, v) in zip(kv, owned))
+    assert [c.offset for c in kv] == [7] * len(kv)
+    dup = copy.deepcopy(cache)
+    m(mx.array([[8]]), cache=dup)
+    dkv = [c for c in dup if hasattr(c, "offset")]
+    assert all(d.keys is not k for d, (k, _) in zip(dkv, owned))
+    assert all(c.keys is k for c, (k, _) in zip(kv, owned))
+    assert [c.offset for c in kv] == [7] * len(kv) and [d.offset for d in dkv] == [8] * len(dkv)
+
+
+def test_in_place_kv_write_reference():
+    # kv_cache_write_ops, the portable contract of the in-place kernel: row
+    # `offset` replaced in both buffers, the mask s <= offset.
+    from qwen_apple_backend.ops import attention as attn_ops
+
+    k_buf = mx.arange(2 * 3 * 6 * 4, dtype=mx.float32).reshape(2, 3, 6, 4)
+    v_buf = -k_buf
+    k_new = mx.full((2, 3, 1, 4), 0.5)
+    v_new = mx.full((2, 3, 1, 4), -0.5)
+    kb, vb, mask = attn_ops.kv_cache_write_ops(k_new, v_new, k_buf, v_buf,
+                                               mx.array([4], dtype=mx.int32))
+    assert mx.array_equal(kb[:, :, 4], k_new[:, :, 0]).item()
+    assert mx.array_equal(vb[:, :, 4], v_new[:, :, 0]).item()
+    assert mx.array_equal(kb[:, :, :4], k_buf[:, :, :4]).item()
+    assert mx.array_equal(kb[:, :, 5:], k_buf[:, :, 5:]).item()
+    assert mask.tolist() == [[[[True] * 5 + [False]]]]
+    assert attn_ops.kv_write_ready(k_new, k_buf) is None  # no GPU here

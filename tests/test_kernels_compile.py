@@ -54,6 +54,8 @@ CASES = {
         ["bf16", "bf16", "bf16", "bool", "f32"], ["f32", "f32"],
         {"InT": "bf16", "D": 256, "G": 8, "BLOCK": 256, "HAS_MASK": True}),
     "gqa_decode_combine": (["f32", "f32"], ["bf16"], {"OutT": "bf16", "D": 256}),
+    # The compiled decode step's in-place KV cache write.
+    "kv_cache_write": (["bf16", "bf16", "bf16", "bf16", "i32"], ["bool"], {"InT": "bf16"}),
     "moe_grouped_gemm": (
         ["bf16", "u32", "bf16", "bf16", "i32", "i32", "i32"], ["bf16"],
         {"KDIM": 2048, "NOUT": 512, "E": 256, "GLU": True}),

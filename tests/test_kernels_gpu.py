@@ -32,7 +32,8 @@ def _unverified_kernels_allowed(monkeypatch):
 
     caches = (gd._scan_kernel_object, gd._staged_kernel_object, moe_ops._gemv_objects,
               moe_ops._grouped_gemm_object, moe_ops._fold_objects, moe_ops._combine_object,
-              gd._decode_kernel_object, moe_ops._router_object, attn_ops._split_objects)
+              gd._decode_kernel_object, moe_ops._router_object, attn_ops._split_objects,
+              attn_ops._kv_write_object)
     for fn in caches:
         fn.cache_clear()
     yield
@@ -1154,3 +1155,95 @@ def test_split_decode_attention_kernel_reads_any_strides():
     out = attn_ops._split_kernel_call("cuda", q, k, v, 256 ** -0.5, None)
     ref = attn_ops.gqa_attention_ops(q, k, v, 256 ** -0.5, None)
     assert mx_rel_l2(out, ref) <= 1e-4  # float32 (TF32 in MLX's own matmuls)
+
+
+# --------------------------------------------------------------------------
+# In-place KV cache write (kernels/{cuda,metal}/kv_cache_write)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16],
+                         ids=lambda v: str(v).replace("mlx.core.", ""))
+@pytest.mark.parametrize("view", [False, True], ids=["buffer", "view"])
+def test_kv_cache_write_kernel_writes_one_row_in_place(dtype, view):
+    # Qwen3.6 full attention (B 1, Hk 2, D 256) and batch 3 with D 128: the
+    # row at `offset` of both buffers becomes the new one, nothing else of
+    # either buffer changes, and the mask is s <= offset.
+    from qwen_apple_backend.ops import attention as attn_ops
+
+    if attn_ops.gpu_backend() is None:
+        pytest.skip("GPU kernel")
+    for B, Hk, D, S, off in ((1, 2, 256, 4352, 4100), (3, 4, 128, 777, 0), (1, 2, 256, 512, 511)):
+        keys = mx.random.split(mx.random.key(S + D + off), 4)
+        k_new = mx.random.normal((B, Hk, 1, D), key=keys[0]).astype(dtype)
+        v_new = mx.random.normal((B, Hk, 1, D), key=keys[1]).astype(dtype)
+        extra = 64 if view else 0
+        k_full = mx.random.normal((B, Hk, S + extra, D), key=keys[2]).astype(dtype)
+        v_full = mx.random.normal((B, Hk, S + extra, D), key=keys[3]).astype(dtype)
+        mx.eval(k_full, v_full)
+        k_before, v_before = np.array(k_full.astype(mx.float32)), np.array(v_full.astype(mx.float32))
+        k_buf, v_buf = (k_full[:, :, :S], v_full[:, :, :S]) if view else (k_full, v_full)
+        assert attn_ops.kv_write_ready(k_new, k_buf) is not None
+        mask = attn_ops.kv_cache_write(attn_ops.gpu_backend(), k_new, v_new, k_buf, v_buf,
+                                       mx.array([off], dtype=mx.int32))
+        mx.eval(mask)
+        k_after, v_after = np.array(k_full.astype(mx.float32)), np.array(v_full.astype(mx.float32))
+        k_before[:, :, off] = np.array(k_new.astype(mx.float32))[:, :, 0]
+        v_before[:, :, off] = np.array(v_new.astype(mx.float32))[:, :, 0]
+        np.testing.assert_array_equal(k_after, k_before)
+        np.testing.assert_array_equal(v_after, v_before)
+        assert mask.shape == (1, 1, 1, S) and mask.dtype == mx.bool_
+        np.testing.assert_array_equal(np.array(mask).reshape(-1), np.arange(S) <= off)
+
+
+def test_compiled_decode_writes_the_kv_cache_in_place(tiny_hf_f32, monkeypatch):
+    # The compiled step on a GPU writes each full-attention layer's K/V row in
+    # place (no buffer copy per token) and decodes what the eager path does;
+    # a deep copy of a cache (which shares its arrays' memory) is never
+    # written through.
+    import copy
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from qwen_apple_backend import load
+    from qwen_apple_backend.ops import attention as attn_ops
+
+    if attn_ops.gpu_backend() is None:
+        pytest.skip("GPU")
+    prompt = mx.array([[(i * 37) % 1000 for i in range(200)]])
+    monkeypatch.setenv("QAB_DISABLE", "decode-compile")
+    eager, _ = load(tiny_hf_f32, "fused")
+    monkeypatch.delenv("QAB_DISABLE")
+    comp, _ = load(tiny_hf_f32, "fused")
+    step = comp.language_model.__dict__["_qab_decode"]
+
+    def run(model, cache, y, n):
+        toks = []
+        for _ in range(n):
+            logits = model(y, cache=cache)
+            y = mx.argmax(logits[:, -1], axis=-1)[:, None]
+            toks.append(int(y.item()))
+        return toks, y
+
+    ce, cc = make_prompt_cache(eager), make_prompt_cache(comp)
+    ye = mx.argmax(eager(prompt, cache=ce)[:, -1], axis=-1)[:, None]
+    yc = mx.argmax(comp(prompt, cache=cc)[:, -1], axis=-1)[:, None]
+    t_e, ye = run(eager, ce, ye, 20)
+    t_c, yc = run(comp, cc, yc, 20)
+    assert t_c == t_e
+    assert step.compiled_calls >= 18 and any(v is not None for v in step._in_place.values())
+    kv = [c for c in cc if hasattr(c, "offset")]
+    held = [(c.keys, c.values) for c in kv]
+    snap = [np.array(c.keys.astype(mx.float32)) for c in kv]
+    dup = copy.deepcopy(cc)
+    t_dup, _ = run(comp, dup, yc, 8)  # writes only the copy's own buffers
+    for c, s_, (k, v) in zip(kv, snap, held):
+        assert c.keys is k and c.values is v
+        np.testing.assert_array_equal(np.array(c.keys.astype(mx.float32)), s_)
+    t_more, _ = run(comp, cc, yc, 8)  # the original goes on in place
+    assert t_more == t_dup
+    for a, b in zip(cc, ce):
+        if hasattr(a, "offset"):
+            n = b.offset
+            assert a.offset == n + 8
+            assert mx.allclose(a.keys[..., :n, :], b.keys[..., :n, :], atol=1e-5).item()

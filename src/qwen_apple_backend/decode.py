@@ -35,14 +35,27 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from .ops.attention import kv_cache_write, kv_write_ready
+
 __all__ = ["install_compiled_decode", "compiled_decode_installed"]
 
 
 class _StepKV:
-    """``KVCache`` stand-in inside the traced step: whole buffer, array offset."""
+    """``KVCache`` stand-in inside the traced step: whole buffer, array offset.
 
-    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
+    With ``in_place`` (a GPU backend whose ``kv_cache_write`` kernel passed
+    its self-check), :meth:`write_in_place` writes the token's row into the
+    buffers without copying them and returns the mask the attention must
+    read; otherwise attention layers call :meth:`update_and_fetch`, a
+    ``slice_update`` that MLX turns into a copy of the whole buffer whenever
+    the previous token still holds it (every pipelined token on CUDA).
+    """
+
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array,
+                 in_place: Optional[str] = None):
         self.keys, self.values, self.offset = keys, values, offset
+        self.in_place = in_place
+        self.written = False
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         start = self.offset.reshape(1)
@@ -50,6 +63,16 @@ class _StepKV:
         self.values = mx.slice_update(self.values, values.astype(self.values.dtype), start,
                                       axes=(2,))
         return self.keys, self.values
+
+    def write_in_place(self, keys: mx.array, values: mx.array):
+        """``(keys buffer, values buffer, mask)`` after an in-place write, or None when off."""
+        if self.in_place is None:
+            return None
+        mask = kv_cache_write(self.in_place, keys.astype(self.keys.dtype),
+                              values.astype(self.values.dtype), self.keys, self.values,
+                              self.offset)
+        self.written = True
+        return self.keys, self.values, mask
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         # The query is at position `offset`; keys 0..offset are written.
@@ -113,7 +136,10 @@ class _CompiledDecode:
         self._fn = None
         self._uses: list = []
         self._owners: list = []
-        self._traced: set = set()
+        self._traced: dict = {}  # trace key -> indices of the KV caches returned copied
+        self._copied: list = []
+        self._in_place: dict = {}  # (B, Hk, D, dtype) -> backend or None
+        self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.eager_calls = 0
         self.compiled_calls = 0
         self.builds = 0
@@ -125,17 +151,17 @@ class _CompiledDecode:
         self._uses = [c for c, _ in pairs]
         self._owners = [owner for _, owner in pairs]
         self._fn = mx.compile(self._step, inputs=[model, [c.cat for c in self._uses]])
-        self._traced = set()
+        self._traced = {}
         self.builds += 1
 
     def _still_valid(self) -> bool:
         return all(c.valid(owner) for c, owner in zip(self._uses, self._owners))
 
-    def _step(self, tokens, offset, kv, ssm, layout):
+    def _step(self, tokens, offset, kv, ssm, layout, in_place):
         caches, ik, iss = [], 0, 0
         for kind in layout:
             if kind == "kv":
-                caches.append(_StepKV(kv[ik][0], kv[ik][1], offset))
+                caches.append(_StepKV(kv[ik][0], kv[ik][1], offset, in_place))
                 ik += 1
             else:
                 c = ArraysCache(size=2)
@@ -143,14 +169,53 @@ class _CompiledDecode:
                 caches.append(c)
                 iss += 1
         logits = self._call(self._model(), tokens, cache=caches)
-        kv_out = [(c.keys, c.values) for c in caches if isinstance(c, _StepKV)]
+        steps = [c for c in caches if isinstance(c, _StepKV)]
+        # Buffers written in place are not outputs (the cache keeps them);
+        # which ones were is known only while tracing: kept per trace.
+        self._copied = [i for i, c in enumerate(steps) if not c.written]
+        kv_out = [(steps[i].keys, steps[i].values) for i in self._copied]
         ssm_out = [(c[0], c[1]) for c in caches if isinstance(c, ArraysCache)]
         return logits, kv_out, ssm_out
 
+    def _in_place_backend(self, kvs: list) -> Optional[str]:
+        """The backend writing this call's KV rows in place (self-checked once per shape class)."""
+        k = kvs[0].keys
+        key = (k.shape[0], k.shape[1], k.shape[3], k.dtype)
+        hit = self._in_place.get(key, False)
+        if hit is False:
+            probe = mx.zeros((k.shape[0], k.shape[1], 1, k.shape[3]), dtype=k.dtype)
+            hit = self._in_place[key] = kv_write_ready(probe, k)
+        if hit is not None and any(
+                (c.keys.shape[0], c.keys.shape[1], c.keys.shape[3], c.keys.dtype) != key
+                or c.values.dtype != c.keys.dtype or c.values.shape != c.keys.shape
+                for c in kvs):
+            return None
+        return hit
+
+    def _own(self, kvs: list) -> None:
+        """Give each cache private K/V buffers before the first in-place write to them.
+
+        An array's memory may be shared (``copy.deepcopy`` of a cache, as
+        mlx-lm's server does with prompt caches, shares it; so do views), and
+        writing in place must not change another array. A cache whose arrays
+        are the ones recorded here after a copy keeps them (only this step
+        writes them while they stay the cache's); any other array, a grown
+        buffer or a copied cache's, is copied once first.
+        """
+        for c in kvs:
+            owned = self._owned.get(c)
+            if owned is None or owned[0] is not c.keys or owned[1] is not c.values:
+                c.keys, c.values = c.keys * 1, c.values * 1
+                self._owned[c] = (c.keys, c.values)
+
     def __call__(self, tokens, cache, layout):
-        kv = [(c.keys, c.values) for c in cache if type(c) is KVCache]
+        kvs = [c for c in cache if type(c) is KVCache]
+        in_place = self._in_place_backend(kvs)
+        if in_place is not None:
+            self._own(kvs)
+        kv = [(c.keys, c.values) for c in kvs]
         ssm = [(c[0], c[1]) for c in cache if type(c) is ArraysCache]
-        offset = mx.array(next(c.offset for c in cache if type(c) is KVCache), dtype=mx.int32)
+        offset = mx.array(kvs[0].offset, dtype=mx.int32)
         if self._fn is None or not self._still_valid():
             self._build()
         # While tracing, the model's arrays are tracers: the concatenations the
@@ -159,28 +224,28 @@ class _CompiledDecode:
         # Tracing also re-wraps the model's arrays in new objects (a replay
         # does not): re-record the children's views after a call that traces
         # (new input shapes).
-        key = (tokens.shape, tokens.dtype, tuple(layout),
+        key = (tokens.shape, tokens.dtype, tuple(layout), in_place,
                tuple((a.shape, a.dtype) for pair in kv for a in pair),
                tuple((a.shape, a.dtype) for pair in ssm for a in pair))
         tracing = key not in self._traced
         for c in self._uses:
             c.tracing = tracing
         try:
-            logits, kv_out, ssm_out = self._fn(tokens, offset, kv, ssm, tuple(layout))
+            logits, kv_out, ssm_out = self._fn(tokens, offset, kv, ssm, tuple(layout), in_place)
         finally:
             for c in self._uses:
                 c.tracing = False
         if tracing:
-            self._traced.add(key)
+            self._traced[key] = self._copied
             for c in self._uses:
                 c.refresh()
-        ik = iss = 0
+        for i, pair in zip(self._traced[key], kv_out):
+            kvs[i].keys, kvs[i].values = pair
+        for c in kvs:
+            c.offset += tokens.shape[1]
+        iss = 0
         for c in cache:
-            if type(c) is KVCache:
-                c.keys, c.values = kv_out[ik]
-                c.offset += tokens.shape[1]
-                ik += 1
-            else:
+            if type(c) is ArraysCache:
                 c[0], c[1] = ssm_out[iss]
                 iss += 1
         self.compiled_calls += 1

@@ -254,7 +254,14 @@ class FusedGQAAttention(nn.Module):
             q, k, v, gate = self._project(x, offset, self._use_cat())
 
         if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
+            # The compiled decode step's cache may write in place: then its
+            # mask must be the one attention reads (see ops.attention.kv_cache_write).
+            write = getattr(cache, "write_in_place", None)
+            written = write(k, v) if write is not None else None
+            if written is not None:
+                k, v, mask = written
+            else:
+                k, v = cache.update_and_fetch(k, v)
 
         if hasattr(cache, "bits"):
             # Quantized KV cache: mlx-lm's own quantized attention path.
@@ -270,8 +277,9 @@ class FusedGQAAttention(nn.Module):
             elif (self.split_keys and not self.training and q.shape[2] == 1
                   and k.shape[2] >= attn_ops.SPLIT_KV_MIN_KEYS
                   and attn_ops.gpu_backend() is not None):
-                out = gqa_attention_split(q, k, v, self.scale, mask,
-                                          use_kernel=self.use_kernel)
+                out = gqa_attention_split(
+                    q, k, v, self.scale, mask,
+                    use_kernel=self.use_kernel and attn_ops.SPLIT_KERNEL_IN_LAYERS)
             else:
                 out = gqa_attention(
                     q, k, v, self.scale, mask, use_kernel=self.use_kernel and not self.training

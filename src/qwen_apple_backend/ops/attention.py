@@ -55,6 +55,9 @@ __all__ = [
     "score_block_rows",
     "SCORE_BLOCK_BYTES",
     "gate_output",
+    "kv_cache_write",
+    "kv_cache_write_ops",
+    "kv_write_ready",
 ]
 
 #: Budget for one attention call's score matrix (float32 bytes of [B, Hq, rows, S]).
@@ -81,6 +84,15 @@ RUNAHEAD_EVAL_ROWS = 512
 #: reduces over all S keys in too few thread blocks; split, each block of
 #: keys is its own batch entry. End-to-end decode with it: not yet measured.
 SPLIT_KV_MIN_KEYS = 32768
+#: Whether attention layers let :func:`gqa_attention_split` take the split-K
+#: CUDA kernel pair (when ready). Off: on the H200 (MLX 0.32.4,
+#: ``benchmarks/profile_attention_decode.py``, one Qwen3.6 layer over the
+#: compiled step's masked buffer) the kernel took 0.262 / 0.469 / 0.860 ms at
+#: 4K / 32K / 128K keys against 0.257 / 0.312 / 0.486 ms for the MLX-ops split
+#: (and 0.149 / 0.508 / 1.176 ms for MLX's SDPA): correct (its GPU tests pass,
+#: bf16 error 0.0017 vs SDPA's 0.0046 against float32) but latency-bound, one
+#: warp walking 256 keys one after another with every load waited for.
+SPLIT_KERNEL_IN_LAYERS = False
 SPLIT_KV_BLOCK = 1024
 
 Mask = Union[None, str, mx.array]
@@ -439,6 +451,137 @@ def split_kernel_ready(q: mx.array, k: mx.array, v: mx.array, mask: Mask) -> Opt
         reference=lambda q_, k_, v_, m_: [gqa_attention_ops(q_, k_, v_, D ** -0.5, m_)],
         make_inputs=make_inputs, rtol=tol)
     return backend if ok else None
+
+
+# --------------------------------------------------------------------------
+# In-place KV cache write for the compiled decode step (kernels/*/kv_cache_write)
+# --------------------------------------------------------------------------
+
+
+def kv_cache_write_ops(k_new: mx.array, v_new: mx.array, k_buf: mx.array, v_buf: mx.array,
+                       offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Portable reference of :func:`kv_cache_write`: new buffers instead of in-place writes.
+
+    Args:
+        k_new (mx.array): the token's keys. v_new (mx.array): its values.
+        k_buf (mx.array): key buffer. v_buf (mx.array): value buffer.
+        offset (mx.array): ``[1]`` int32 position written (``< S``).
+
+    Returns:
+        tuple[mx.array, mx.array, mx.array]: ``(k_buf', v_buf', mask)`` with
+        row ``offset`` replaced and the bool mask ``s <= offset``.
+
+    Shapes:
+        k_new, v_new: ``[B, Hk, 1, D]``; k_buf, v_buf: ``[B, Hk, S, D]``;
+        mask: ``[1, 1, 1, S]``
+    """
+    start = offset.reshape(1)
+    kb = mx.slice_update(k_buf, k_new.astype(k_buf.dtype), start, axes=(2,))
+    vb = mx.slice_update(v_buf, v_new.astype(v_buf.dtype), start, axes=(2,))
+    mask = (mx.arange(k_buf.shape[2]) <= offset.reshape(())).reshape(1, 1, 1, -1)
+    return kb, vb, mask
+
+
+@functools.lru_cache(maxsize=None)
+def _kv_write_object(backend: str):
+    return build_kernel("kv_cache_write", backend, ensure_row_contiguous=False)
+
+
+def _kv_write_call(backend: str, k_new, v_new, k_buf, v_buf, offset) -> mx.array:
+    S = k_buf.shape[2]
+    B, Hk, _, D = k_new.shape
+    n = max(S, B * Hk * D)
+    (mask,) = _kv_write_object(backend)(
+        inputs=[mx.contiguous(k_new), mx.contiguous(v_new), k_buf, v_buf,
+                offset.reshape(1).astype(mx.int32)],
+        template=[("InT", k_buf.dtype)],
+        grid=(-(-n // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(1, 1, 1, S)], output_dtypes=[mx.bool_])
+    return mask
+
+
+def kv_write_ready(k_new: mx.array, k_buf: mx.array) -> Optional[str]:
+    """The GPU backend whose in-place KV cache write kernel may run, or None.
+
+    Four-dimensional ``[B, Hk, 1, D]`` new rows and ``[B, Hk, S, D]`` buffers
+    of one float dtype. CUDA (built once its manifest entry records a GPU
+    verification, or with ``QAB_UNVERIFIED_KERNELS=1``) and Metal, each after
+    a self-check against :func:`kv_cache_write_ops` on its own buffers (a
+    strided view with rows around the written one). Call it outside
+    ``mx.compile`` (the check evaluates arrays).
+
+    Returns:
+        Optional[str]: ``"cuda"`` / ``"metal"``, or None.
+    """
+    if envs.kernels_disabled():
+        return None
+    backend = gpu_backend()
+    if (backend is None or k_new.ndim != 4 or k_buf.ndim != 4 or k_new.shape[2] != 1
+            or k_new.shape[:2] != k_buf.shape[:2] or k_new.shape[3] != k_buf.shape[3]
+            or k_buf.dtype not in (mx.float32, mx.bfloat16, mx.float16)):
+        return None
+    if _kv_write_object(backend) is None:
+        return None
+    dtype = k_buf.dtype
+
+    S = 300  # the buffers' view: [:, :, :S] of a longer buffer (strides not packed)
+
+    def make_inputs():
+        kk, kv, kb, vb = mx.random.split(mx.random.key(5), 4)
+        B, Hk, D = 2, 2, 64
+        k_new = mx.random.normal((B, Hk, 1, D), key=kk).astype(dtype)
+        v_new = mx.random.normal((B, Hk, 1, D), key=kv).astype(dtype)
+        k_full = mx.random.normal((B, Hk, S + 40, D), key=kb).astype(dtype)
+        v_full = mx.random.normal((B, Hk, S + 40, D), key=vb).astype(dtype)
+        return k_new, v_new, k_full, v_full, mx.array([257], dtype=mx.int32)
+
+    def kernel(k_new, v_new, k_full, v_full, offset):
+        # Private copies (the kernel writes its buffers), evaluated first.
+        kf, vf = k_full * 1, v_full * 1
+        mx.eval(kf, vf)
+        kb, vb = kf[:, :, :S], vf[:, :, :S]
+        mask = _kv_write_call(backend, k_new, v_new, kb, vb, offset)
+        mx.eval(mask)
+        return [kb, vb, mask.astype(mx.float32)]
+
+    def reference(k_new, v_new, k_full, v_full, offset):
+        kb, vb, mask = kv_cache_write_ops(k_new, v_new, k_full[:, :, :S], v_full[:, :, :S],
+                                          offset)
+        return [kb, vb, mask.astype(mx.float32)]
+
+    ok = self_checked("kv_cache_write", backend, (str(dtype),), kernel=kernel,
+                      reference=reference, make_inputs=make_inputs, rtol=0.0)
+    return backend if ok else None
+
+
+def kv_cache_write(backend: str, k_new: mx.array, v_new: mx.array, k_buf: mx.array,
+                   v_buf: mx.array, offset: mx.array) -> mx.array:
+    """Write one token's keys and values into the KV cache buffers IN PLACE; return the mask.
+
+    ``k_buf[:, :, offset] = k_new`` and ``v_buf[:, :, offset] = v_new`` with
+    no copy of the buffers (``kernels/{cuda,metal}/kv_cache_write``): MLX's
+    ``slice_update`` copies a buffer it cannot donate, and in a pipelined
+    decode the previous token's attention still holds it, so every token
+    copied every full-attention layer's buffers (on the H200 at 128K keys,
+    ~1 ms per layer). MLX does not know the buffers change, so:
+
+    * the caller must own ``k_buf`` / ``v_buf`` exclusively (no other array
+      may share their memory; ``decode.py`` makes a private copy first), and
+    * the returned mask must be an input of every op that reads the buffers
+      in this step (the only dependency ordering the reads after the write).
+
+    Call only after :func:`kv_write_ready` returned ``backend``.
+
+    Args:
+        backend (str): ``"cuda"`` / ``"metal"``.
+        k_new (mx.array): keys, dtype of ``k_buf``. v_new (mx.array): values.
+        k_buf (mx.array): key buffer (written). v_buf (mx.array): value buffer (written).
+        offset (mx.array): int32 position of the new row (``< S``), one element.
+
+    Returns:
+        mx.array: bool mask ``s <= offset``, ``[1, 1, 1, S]``.
+    """
+    return _kv_write_call(backend, k_new, v_new, k_buf, v_buf, offset)
 
 
 @functools.partial(mx.compile, shapeless=True)
