@@ -24,9 +24,10 @@ def test_compiled_step_equals_eager_for_64_tokens_across_a_kv_block(tiny_hf_f32,
     # 230 prompt tokens + 64 decoded: the KV buffer grows at 256 mid-way, so
     # the step is traced twice and the grow itself runs eagerly.
     prompt = mx.array([(i * 37) % 1000 for i in range(230)])
-    monkeypatch.delenv("QAB_ENABLE", raising=False)
+    monkeypatch.setenv("QAB_DISABLE", "decode-compile")  # eager on any device
     eager, _ = load(tiny_hf_f32, "fused")
     assert not compiled_decode_installed(eager.language_model)
+    monkeypatch.delenv("QAB_DISABLE")
     monkeypatch.setenv("QAB_ENABLE", "decode-compile")
     comp, _ = load(tiny_hf_f32, "fused")
     assert compiled_decode_installed(comp.language_model)
@@ -77,6 +78,8 @@ def test_compiled_step_is_the_default_on_a_gpu_only(tiny_hf_f32, monkeypatch):
     import qwen_apple_backend.models._hybrid as hybrid
 
     monkeypatch.delenv("QAB_ENABLE", raising=False)
+    # The load where the default device is the CPU (also on a GPU machine).
+    monkeypatch.setattr(hybrid, "gpu_backend", lambda: None)
     cpu, _ = load(tiny_hf_f32, "fused")
     assert not compiled_decode_installed(cpu.language_model)
     assert any("eagerly on the CPU" in n for n in cpu.qab_report.notes)
