@@ -58,6 +58,13 @@ VARIANTS = {
 }
 
 
+def _mlx_settings() -> dict:
+    """The MLX_* environment settings of this run (tuning knobs; path settings such as a
+    kernel cache folder are left out: they name this machine, not the measurement)."""
+    return {k: v for k, v in os.environ.items()
+            if k.startswith("MLX_") and not k.endswith(("_DIR", "_FILE", "_PATH"))}
+
+
 class _Decoder:
     """One variant's model with its context prefilled, decoding greedily."""
 
@@ -186,7 +193,7 @@ def main(argv=None) -> int:
             r = d.phases(args.tokens)
         r.update(variant=name, context=args.context, prefill_step=args.prefill_step,
                  kernel_primitives=launches, by_name=by_name, rounds=[dict(r)],
-                 mlx_env={k: os.environ[k] for k in os.environ if k.startswith("MLX_")})
+                 mlx_env=_mlx_settings())
         rows.append(r)
         show(name, r, f" r1/{args.rounds}")
         stage(f"{name:18s} {launches} kernel primitives")

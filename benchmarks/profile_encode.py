@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Host cost per MLX operation: building and encoding chains of one operation kind.
+
+Decode at batch 1 on MLX's CUDA backend is bound by the host (see
+``decode_split.py``). This script times, per operation kind, a chain of
+``--ops`` dependent calls on one small activation row: ``build`` (Python
+building the lazy graph), ``encode`` (``mx.async_eval`` returning: MLX turning
+the graph into GPU work) and ``wait`` (the GPU finishing after that), each in
+microseconds per operation, eagerly and as one ``mx.compile``-d function. The
+kinds: an elementwise add, RMSNorm, a 4-bit 2048x2048 quantized matmul
+(GEMV), and (CUDA) a custom kernel with a short source, the same with a
+10 KB source (MLX hashes a kernel's source on every encode), and one with a
+134 MB input (inputs count whole towards MLX's per-graph MB limit). Best of
+``--repeats`` after two warm-ups. Writes ``profile-encode-<device>.json`` into OUT.
+
+Usage:
+    python benchmarks/profile_encode.py OUT [--ops 400] [--repeats 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+HERE = Path(__file__).resolve().parent
+for p in (SRC, HERE):
+    if p.is_dir() and str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+_BODY = """
+  unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < 2048) { out[i] = x[i] + InT(1); }
+"""
+
+
+def main(argv=None) -> int:
+    from qwen_apple_backend.argtypes import positive_int
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("out", help="output folder (created)")
+    p.add_argument("--ops", type=positive_int, default=400, help="operations per chain")
+    p.add_argument("--repeats", type=positive_int, default=6, help="timed chains per form")
+    args = p.parse_args(argv)
+    from _common import check_out, write_result
+
+    check_out(p, args.out)
+    import mlx.core as mx
+
+    x0 = mx.random.normal((1, 2048)).astype(mx.bfloat16)
+    wq, sq, bq = mx.quantize(mx.random.normal((2048, 2048)).astype(mx.bfloat16),
+                             group_size=64, bits=4)
+    mx.eval(x0, wq, sq, bq)
+    chains = {
+        "add": lambda x: x + 1,
+        "rmsnorm": lambda x: mx.fast.rms_norm(x, None, 1e-6),
+        "qmm_gemv": lambda x: mx.quantized_matmul(x, wq, sq, bq, transpose=True,
+                                                  group_size=64, bits=4),
+    }
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        big = mx.random.normal((256, 1024, 256)).astype(mx.bfloat16)
+        mx.eval(big)
+
+        def kernel(name, body, inputs):
+            return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=["out"],
+                                       source=body)
+
+        pad = ("// " + "x" * 76 + "\n") * 120
+        ks = kernel("probe_small", _BODY, ["x"])
+        kb = kernel("probe_10kb", pad + _BODY, ["x"])
+        ki = kernel("probe_big_input", _BODY, ["x", "w"])
+
+        def call(k, x, extra=()):
+            return k(inputs=[x, *extra], template=[("InT", x.dtype)], grid=(2048, 1, 1),
+                     threadgroup=(256, 1, 1), output_shapes=[x.shape],
+                     output_dtypes=[x.dtype])[0]
+
+        chains["custom_small"] = lambda x: call(ks, x)
+        chains["custom_10kb"] = lambda x: call(kb, x)
+        chains["custom_134mb_input"] = lambda x: call(ki, x, (big,))
+
+    def run(fn, y):
+        for _ in range(args.ops):
+            y = fn(y)
+        return y
+
+    rows = []
+    for name, f in chains.items():
+        comp = mx.compile(lambda x, f=f: run(f, x))
+        for mode, g in (("eager", lambda f=f: run(f, x0)), ("compiled", lambda: comp(x0))):
+            best = None
+            for rep in range(args.repeats + 2):
+                mx.synchronize()
+                t0 = time.perf_counter()
+                y = g()
+                t1 = time.perf_counter()
+                mx.async_eval(y)
+                t2 = time.perf_counter()
+                mx.eval(y)
+                t3 = time.perf_counter()
+                r = [(b - a) * 1e6 / args.ops for a, b in ((t0, t1), (t1, t2), (t2, t3))]
+                if rep >= 2 and (best is None or r[1] < best[1]):
+                    best = r
+            rows.append(dict(op=name, mode=mode, build_us=best[0], encode_us=best[1],
+                             wait_us=best[2]))
+            print(f"{name:20s} {mode:9s} build {best[0]:6.2f}  encode {best[1]:6.2f}  "
+                  f"wait {best[2]:6.2f} us/op", flush=True)
+    path = write_result(args.out, "profile-encode", dict(ops=args.ops, repeats=args.repeats,
+                                                         rows=rows))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
