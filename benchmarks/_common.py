@@ -102,6 +102,14 @@ def check_disable_names(parser, names) -> None:
 
 
 def check_out(parser, out: str | Path) -> None:
-    """``parser.error`` when OUT exists and is not a folder (checked before any work)."""
+    """``parser.error`` when OUT exists and is not a folder, or a ``QAB_*`` variable has a
+    bad value (both checked before any work, as the ``qab`` commands do)."""
+    from qwen_apple_backend import envs
+    from qwen_apple_backend.errors import EnvVarError
+
     if Path(out).exists() and not Path(out).is_dir():
         parser.error(f"OUT {str(out)!r} exists and is not a folder")
+    try:
+        envs.validate()
+    except EnvVarError as exc:
+        parser.error(str(exc))

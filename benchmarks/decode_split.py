@@ -129,7 +129,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="fused,fused-decode-compile,stock",
                    help=f"comma list of: {', '.join(VARIANTS)} (fused = this package's "
                         "defaults; fused-NAME = fused with NAME switched off through "
-                        "QAB_DISABLE; fused+compile = the compiled decode step also on a CPU)")
+                        "QAB_DISABLE, added to any QAB_DISABLE of yours; fused+compile = the compiled decode "
+                        "step also on a CPU)")
     p.add_argument("--preset", default="full", choices=["tiny", "small", "full"])
     p.add_argument("--layers", type=layer_count, default=None,
                    help="keep the first k layers (a multiple of 4)")
@@ -161,8 +162,11 @@ def main(argv=None) -> int:
 
     @contextlib.contextmanager
     def variant_env(name):
-        env = VARIANTS[name][1]
+        env = dict(VARIANTS[name][1])
         saved = {k: os.environ.get(k) for k in env}
+        for k, v in env.items():  # added to the user's own switches, not instead of them
+            if saved[k]:
+                env[k] = f"{saved[k]},{v}"
         os.environ.update(env)
         try:
             yield

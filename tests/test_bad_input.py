@@ -329,15 +329,40 @@ def test_disable_argument_is_checked_like_the_variable():
     ("prefill_memory.py", ["--max-seconds", "nan"], "must be a number >= 0, got nan"),
     ("prefill_memory.py", ["--warmup", "-1"], "must be an integer >= 0, got -1"),
     ("decode_split.py", ["--rounds", "0"], "must be a positive integer, got 0"),
+    ("profile_encode.py", ["--ops", "-3"], "must be a positive integer, got -3"),
+    # QAB_* variables are checked before any model is built, as qab's commands do.
+    ("decode_split.py", ["--preset", "tiny", "QAB_ENABLE=bogus"],
+     "QAB_ENABLE: unknown optimization 'bogus' (known: decode-compile)"),
+    ("profile_attention_decode.py", ["QAB_DISABLE=warp"], "QAB_DISABLE: unknown optimization"),
 ])
 def test_benchmark_scripts_reject_bad_arguments_in_one_line(script, args, message, tmp_path):
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ)
+    env.update(a.split("=", 1) for a in args if a.startswith("QAB_"))
+    args = [a for a in args if not a.startswith("QAB_")]
     r = subprocess.run([sys.executable, str(root / "benchmarks" / script), str(tmp_path / "o"),
-                        *args], capture_output=True, text=True, timeout=120, cwd=root)
+                        *args], capture_output=True, text=True, timeout=120, cwd=root, env=env)
     assert r.returncode == 2, r.stderr[-2000:]
     assert message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "o").exists()  # nothing written
+
+
+def test_bench_rejects_an_out_file_before_any_work(tmp_path):
+    # qab bench checks --out before building a model (it used to fail after
+    # the whole sweep with a raw errno message).
+    import subprocess
+    import sys
+
+    f = tmp_path / "afile"
+    f.write_text("x")
+    r = subprocess.run([sys.executable, "-m", "qwen_apple_backend.cli", "bench", "--preset", "tiny",
+                        "--vocab-size", "64", "--quick", "--out", str(f)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"qab bench: error: --out '{f}' exists and is not a folder" in r.stderr
+    assert "round 1" not in r.stderr and "Traceback" not in r.stderr

@@ -395,3 +395,15 @@ def test_time_budget_stops_between_whole_rounds(tiny_hf_f32):
     assert result["alternation"]["order_per_round"] == [["stock", "fused"]]
     assert len(result["runs"]) == len(result["alternation"]["sequence"]) == 4
     assert all(r["n"] == 1 for r in result["results"])
+
+
+def test_environment_records_the_program_by_name_only(monkeypatch):
+    # A result file names the program, never the machine path it ran from.
+    from qwen_apple_backend.bench import report
+
+    monkeypatch.setattr("sys.argv", ["/some/venv/bin/qab", "bench", "--quick"])
+    env = report.environment()
+    assert env["process_argv"] == ["qab", "bench", "--quick"]
+    assert env["argv"] == ["qab", "bench", "--quick"]
+    assert env["command_line"] == "qab bench --quick"
+    assert report.environment(["qab", "bench"])["process_argv"] == ["qab", "bench", "--quick"]

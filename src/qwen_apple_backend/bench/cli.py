@@ -242,6 +242,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .report import format_table
 
     problem = _usage_problem(args)
+    if not problem and Path(args.out).exists() and not Path(args.out).is_dir():
+        problem = f"--out {args.out!r} exists and is not a folder"
     if problem:
         return _usage_error("bench", problem)
 

@@ -136,11 +136,13 @@ def environment(argv: Optional[Sequence[str]] = None) -> dict:
     Args:
         argv (Sequence[str], optional): the command's arguments, starting with the
             program and subcommand (``["qab", "bench", "--quick", ...]``); default
-            ``sys.argv``. The process's own ``sys.argv`` is recorded beside it.
+            ``sys.argv``. The process's own ``sys.argv`` is recorded beside it, its
+            program by file name only (results carry no machine paths).
     """
     import mlx.core as mx
 
-    argv = list(sys.argv if argv is None else argv)
+    process = [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv else []
+    argv = list(process if argv is None else argv)
     return {
         "device": device_info(),
         "versions": {
@@ -154,7 +156,7 @@ def environment(argv: Optional[Sequence[str]] = None) -> dict:
         "git": git_revision(),
         "command_line": " ".join(shlex.quote(str(a)) for a in argv),
         "argv": argv,
-        "process_argv": list(sys.argv),
+        "process_argv": process,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
