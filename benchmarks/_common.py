@@ -91,6 +91,17 @@ def layer_count(text: str) -> int:
     return value
 
 
+def check_layers(parser, layers, preset: str) -> None:
+    """``parser.error`` when ``--layers`` asks for more layers than the preset has."""
+    if layers is None:
+        return
+    from qwen_apple_backend.checkpoint import hf_config
+
+    total = hf_config(preset)["text_config"]["num_hidden_layers"]
+    if layers > total:
+        parser.error(f"--layers {layers}: preset {preset!r} has {total} layers")
+
+
 def check_disable_names(parser, names) -> None:
     """``parser.error`` unless every name is one ``QAB_DISABLE`` accepts."""
     from qwen_apple_backend.envs import check_disable

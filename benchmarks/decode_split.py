@@ -147,9 +147,10 @@ def main(argv=None) -> int:
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
-    from _common import check_out
+    from _common import check_layers, check_out
 
     check_out(p, args.out)
+    check_layers(p, args.layers, args.preset)
     import mlx.core as mx
 
     from _common import stage_logger, variant_model

@@ -330,6 +330,8 @@ def test_disable_argument_is_checked_like_the_variable():
     ("prefill_memory.py", ["--warmup", "-1"], "must be an integer >= 0, got -1"),
     ("decode_split.py", ["--rounds", "0"], "must be a positive integer, got 0"),
     ("profile_encode.py", ["--ops", "-3"], "must be a positive integer, got -3"),
+    ("decode_split.py", ["--preset", "tiny", "--layers", "400"],
+     "--layers 400: preset 'tiny' has 4 layers"),
     # QAB_* variables are checked before any model is built, as qab's commands do.
     ("decode_split.py", ["--preset", "tiny", "QAB_ENABLE=bogus"],
      "QAB_ENABLE: unknown optimization 'bogus' (known: decode-compile)"),
