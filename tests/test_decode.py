@@ -277,3 +277,31 @@ def test_in_place_kv_write_reference():
     assert mask.tolist() == [[[[True] * 5 + [False]]]]
     if attn_ops.gpu_backend() is None:
         assert attn_ops.kv_write_ready(k_new, k_buf) is None  # no kernel on the CPU
+
+
+def test_kv_in_place_switch(tiny_hf_f32, monkeypatch):
+    # QAB_DISABLE=kv-in-place keeps the compiled step on slice_update even where
+    # the in-place kernel is ready (faked here), and says so in the report.
+    from qwen_apple_backend import decode
+
+    writes = []
+    monkeypatch.setattr(decode, "kv_write_ready", lambda probe, k: "fake")
+    monkeypatch.setattr(decode, "kv_cache_write", lambda *a: writes.append(a) or None)
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    monkeypatch.setenv("QAB_DISABLE", "kv-in-place")
+    m, _ = load(tiny_hf_f32, "fused")
+    assert any("kv-in-place in QAB_DISABLE" in n for n in m.qab_report.notes)
+    step = m.language_model.__dict__["_qab_decode"]
+    assert step.allow_in_place is False
+    cache = make_prompt_cache(m)
+    m(mx.array([[1, 2, 3, 4]]), cache=cache)
+    m(mx.array([[5]]), cache=cache)
+    before = [c.keys for c in cache if hasattr(c, "offset")]
+    m(mx.array([[6]]), cache=cache)
+    assert step.compiled_calls == 1 and writes == []
+    after = [c.keys for c in cache if hasattr(c, "offset")]
+    assert all(a is not b for a, b in zip(after, before))  # new slice_update outputs
+    monkeypatch.delenv("QAB_DISABLE")
+    m2, _ = load(tiny_hf_f32, "fused")
+    assert m2.language_model.__dict__["_qab_decode"].allow_in_place is True
+    assert not any("kv-in-place" in n for n in m2.qab_report.notes)

@@ -144,8 +144,9 @@ class _CompiledDecode:
     that concatenation.
     """
 
-    def __init__(self, model: Any, call):
+    def __init__(self, model: Any, call, in_place: bool = True):
         self._model = weakref.ref(model)
+        self.allow_in_place = in_place
         self._call = call
         self._fn = None
         self._uses: list = []
@@ -193,6 +194,8 @@ class _CompiledDecode:
 
     def _in_place_backend(self, kvs: list) -> Optional[str]:
         """The backend writing this call's KV rows in place (self-checked once per shape class)."""
+        if not self.allow_in_place:
+            return None
         k = kvs[0].keys
         key = (k.shape[0], k.shape[1], k.shape[3], k.dtype)
         hit = self._in_place.get(key, False)
@@ -288,7 +291,7 @@ def _decode_class(base: type) -> type:
                                         "_qab_compiled_decode": True})
 
 
-def install_compiled_decode(text_model: Any) -> bool:
+def install_compiled_decode(text_model: Any, in_place: bool = True) -> bool:
     """Route ``text_model``'s one-token calls through a compiled decode step.
 
     The instance's class is swapped for a subclass that adds the compiled
@@ -298,6 +301,9 @@ def install_compiled_decode(text_model: Any) -> bool:
         text_model (nn.Module): an mlx-lm Qwen3.5 / Qwen3-Next text model (the
             module with ``model`` and ``lm_head``, called as
             ``text_model(inputs, cache)``).
+        in_place (bool): let the step write K/V rows into the cache in place
+            where the ``kv_cache_write`` kernel is ready (``kv-in-place``;
+            False: ``slice_update``, which copies the buffers). Default True.
 
     Returns:
         bool: True when installed (False if it already was).
@@ -307,7 +313,7 @@ def install_compiled_decode(text_model: Any) -> bool:
     base = type(text_model)
     text_model.__class__ = _decode_class(base)
     object.__setattr__(text_model, "_qab_decode",
-                       _CompiledDecode(text_model, base.__call__))
+                       _CompiledDecode(text_model, base.__call__, in_place))
     return True
 
 

@@ -61,6 +61,8 @@ OPTIMIZATIONS = {
     "proj-concat": "model",  # sibling input projections run as one matmul (layers/_concat.py)
     "gemv-kernel": "model",  # the CUDA dense 4-bit decode GEMV for lm_head (ops/linear.py)
     "add-norm": "model",  # residual add + post-attention RMSNorm as one kernel (ops/norm.py)
+    # the compiled decode step writes each token's K/V rows into the cache in place (decode.py)
+    "kv-in-place": "model",
 }
 
 

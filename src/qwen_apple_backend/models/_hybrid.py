@@ -414,8 +414,13 @@ class QwenHybridAdapter(Adapter):
         else:
             from ..decode import install_compiled_decode
 
-            install_compiled_decode(getattr(model, "language_model", model))
+            in_place = "kv-in-place" not in disable
+            install_compiled_decode(getattr(model, "language_model", model), in_place=in_place)
             report.notes.append("one-token decode runs as a compiled step (decode-compile)")
+            if not in_place:
+                report.notes.append("the compiled decode step writes the KV cache with "
+                                    "slice_update, a copy of the buffers per token, not in place "
+                                    "(kv-in-place in QAB_DISABLE / disable=)")
         return None
 
 
