@@ -49,7 +49,7 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from .ops.attention import kv_cache_write, kv_write_ready
+from .ops.attention import decode_kv_mask, kv_cache_write, kv_cache_write_ops, kv_write_ready
 
 __all__ = ["install_compiled_decode", "compiled_decode_installed"]
 
@@ -72,10 +72,9 @@ class _StepKV:
         self.written = False
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        start = self.offset.reshape(1)
-        self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), start, axes=(2,))
-        self.values = mx.slice_update(self.values, values.astype(self.values.dtype), start,
-                                      axes=(2,))
+        # The mask it also builds is unused here (make_mask serves it): not traced into the step.
+        self.keys, self.values, _ = kv_cache_write_ops(keys, values, self.keys, self.values,
+                                                       self.offset)
         return self.keys, self.values
 
     def write_in_place(self, keys: mx.array, values: mx.array):
@@ -90,7 +89,7 @@ class _StepKV:
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         # The query is at position `offset`; keys 0..offset are written.
-        return (mx.arange(self.keys.shape[2]) <= self.offset).reshape(1, 1, 1, -1)
+        return decode_kv_mask(self.keys.shape[2], self.offset)
 
 
 def _layout(cache: Any) -> Optional[list]:
@@ -153,7 +152,7 @@ class _CompiledDecode:
         self._owners: list = []
         self._traced: dict = {}  # trace key -> indices of the KV caches returned copied
         self._copied: list = []
-        self._in_place: dict = {}  # (B, Hk, D, dtype) -> backend or None
+        self._in_place: dict = {}  # K/V shapes and dtypes -> backend or None
         self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.eager_calls = 0
         self.compiled_calls = 0
@@ -192,21 +191,23 @@ class _CompiledDecode:
         ssm_out = [(c[0], c[1]) for c in caches if isinstance(c, ArraysCache)]
         return logits, kv_out, ssm_out
 
-    def _in_place_backend(self, kvs: list) -> Optional[str]:
-        """The backend writing this call's KV rows in place (self-checked once per shape class)."""
+    def _in_place_backend(self, kvs: list, kv_sig: tuple) -> Optional[str]:
+        """The backend writing this call's KV rows in place, or None.
+
+        Decided once per ``kv_sig`` (every K/V buffer's shape and dtype, as in
+        the trace key): every buffer of one ``(B, Hk, D, dtype)``, each cache's
+        keys and values of one shape, the kernel self-checked for it.
+        """
         if not self.allow_in_place:
             return None
-        k = kvs[0].keys
-        key = (k.shape[0], k.shape[1], k.shape[3], k.dtype)
-        hit = self._in_place.get(key, False)
+        hit = self._in_place.get(kv_sig, False)
         if hit is False:
+            k = kvs[0].keys
+            cls = (k.shape[:2], k.shape[3], k.dtype)
+            uniform = (all((s[:2], s[3], d) == cls for s, d in kv_sig)
+                       and all(k_[0] == v_[0] for k_, v_ in zip(kv_sig[0::2], kv_sig[1::2])))
             probe = mx.zeros((k.shape[0], k.shape[1], 1, k.shape[3]), dtype=k.dtype)
-            hit = self._in_place[key] = kv_write_ready(probe, k)
-        if hit is not None and any(
-                (c.keys.shape[0], c.keys.shape[1], c.keys.shape[3], c.keys.dtype) != key
-                or c.values.dtype != c.keys.dtype or c.values.shape != c.keys.shape
-                for c in kvs):
-            return None
+            hit = self._in_place[kv_sig] = kv_write_ready(probe, k) if uniform else None
         return hit
 
     def _own(self, kvs: list) -> None:
@@ -227,9 +228,10 @@ class _CompiledDecode:
 
     def __call__(self, tokens, cache, layout):
         kvs = [c for c in cache if type(c) is KVCache]
-        in_place = self._in_place_backend(kvs)
+        kv_sig = tuple((a.shape, a.dtype) for c in kvs for a in (c.keys, c.values))
+        in_place = self._in_place_backend(kvs, kv_sig)
         if in_place is not None:
-            self._own(kvs)
+            self._own(kvs)  # same shapes and dtypes: kv_sig still holds
         kv = [(c.keys, c.values) for c in kvs]
         ssm = [(c[0], c[1]) for c in cache if type(c) is ArraysCache]
         offset = mx.array(kvs[0].offset, dtype=mx.int32)
@@ -241,8 +243,7 @@ class _CompiledDecode:
         # Tracing also re-wraps the model's arrays in new objects (a replay
         # does not): re-record the children's views after a call that traces
         # (new input shapes).
-        key = (tokens.shape, tokens.dtype, tuple(layout), in_place,
-               tuple((a.shape, a.dtype) for pair in kv for a in pair),
+        key = (tokens.shape, tokens.dtype, tuple(layout), in_place, kv_sig,
                tuple((a.shape, a.dtype) for pair in ssm for a in pair))
         tracing = key not in self._traced
         for c in self._uses:

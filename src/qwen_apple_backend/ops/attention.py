@@ -55,6 +55,7 @@ __all__ = [
     "score_block_rows",
     "SCORE_BLOCK_BYTES",
     "gate_output",
+    "decode_kv_mask",
     "kv_cache_write",
     "kv_cache_write_ops",
     "kv_write_ready",
@@ -461,6 +462,12 @@ def split_kernel_ready(q: mx.array, k: mx.array, v: mx.array, mask: Mask) -> Opt
 # --------------------------------------------------------------------------
 
 
+def decode_kv_mask(S: int, offset: mx.array) -> mx.array:
+    """Bool mask ``s <= offset`` over a KV buffer of ``S`` positions, ``[1, 1, 1, S]``: the
+    keys a one-token query at position ``offset`` attends (the rows written so far)."""
+    return (mx.arange(S) <= offset.reshape(())).reshape(1, 1, 1, -1)
+
+
 def kv_cache_write_ops(k_new: mx.array, v_new: mx.array, k_buf: mx.array, v_buf: mx.array,
                        offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """Portable reference of :func:`kv_cache_write`: new buffers instead of in-place writes.
@@ -481,26 +488,12 @@ def kv_cache_write_ops(k_new: mx.array, v_new: mx.array, k_buf: mx.array, v_buf:
     start = offset.reshape(1)
     kb = mx.slice_update(k_buf, k_new.astype(k_buf.dtype), start, axes=(2,))
     vb = mx.slice_update(v_buf, v_new.astype(v_buf.dtype), start, axes=(2,))
-    mask = (mx.arange(k_buf.shape[2]) <= offset.reshape(())).reshape(1, 1, 1, -1)
-    return kb, vb, mask
+    return kb, vb, decode_kv_mask(k_buf.shape[2], offset)
 
 
 @functools.lru_cache(maxsize=None)
 def _kv_write_object(backend: str):
     return build_kernel("kv_cache_write", backend, ensure_row_contiguous=False)
-
-
-def _kv_write_call(backend: str, k_new, v_new, k_buf, v_buf, offset) -> mx.array:
-    S = k_buf.shape[2]
-    B, Hk, _, D = k_new.shape
-    n = max(S, B * Hk * D)
-    (mask,) = _kv_write_object(backend)(
-        inputs=[mx.contiguous(k_new), mx.contiguous(v_new), k_buf, v_buf,
-                offset.reshape(1).astype(mx.int32)],
-        template=[("InT", k_buf.dtype)],
-        grid=(-(-n // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
-        output_shapes=[(1, 1, 1, S)], output_dtypes=[mx.bool_])
-    return mask
 
 
 def kv_write_ready(k_new: mx.array, k_buf: mx.array) -> Optional[str]:
@@ -543,7 +536,7 @@ def kv_write_ready(k_new: mx.array, k_buf: mx.array) -> Optional[str]:
         kf, vf = k_full * 1, v_full * 1
         mx.eval(kf, vf)
         kb, vb = kf[:, :, :S], vf[:, :, :S]
-        mask = _kv_write_call(backend, k_new, v_new, kb, vb, offset)
+        mask = kv_cache_write(backend, k_new, v_new, kb, vb, offset)
         mx.eval(mask)
         return [kb, vb, mask.astype(mx.float32)]
 
@@ -584,7 +577,16 @@ def kv_cache_write(backend: str, k_new: mx.array, v_new: mx.array, k_buf: mx.arr
     Returns:
         mx.array: bool mask ``s <= offset``, ``[1, 1, 1, S]``.
     """
-    return _kv_write_call(backend, k_new, v_new, k_buf, v_buf, offset)
+    S = k_buf.shape[2]
+    B, Hk, _, D = k_new.shape
+    n = max(S, B * Hk * D)
+    (mask,) = _kv_write_object(backend)(
+        inputs=[mx.contiguous(k_new), mx.contiguous(v_new), k_buf, v_buf,
+                offset.reshape(1).astype(mx.int32)],
+        template=[("InT", k_buf.dtype)],
+        grid=(-(-n // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(1, 1, 1, S)], output_dtypes=[mx.bool_])
+    return mask
 
 
 @functools.partial(mx.compile, shapeless=True)
