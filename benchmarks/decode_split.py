@@ -89,8 +89,9 @@ class _Decoder:
         from count_decode_ops import VIEWS, count_primitives
 
         ops = count_primitives([self.step(self.y)])  # built, never evaluated
-        return (sum(v for k, v in ops.items() if k not in VIEWS),
-                {k: v for k, v in ops.most_common() if k not in VIEWS})
+        return (sum(v for k, v in ops.items() if k not in VIEWS), sum(ops.values()),
+                {k: v for k, v in ops.most_common() if k not in VIEWS},
+                {k: v for k, v in ops.most_common() if k in VIEWS})
 
     def phases(self, tokens: int) -> dict:
         """Median ms per token of build / encode / wait (serial), and the pipelined ms."""
@@ -195,14 +196,15 @@ def main(argv=None) -> int:
             if args.layers:
                 model.language_model.model.layers = full[:args.layers]
             d = _Decoder(model, args.context, prefill_step=args.prefill_step)
-            launches, by_name = d.count_ops()
+            launches, total, by_name, views = d.count_ops()
             r = d.phases(args.tokens)
         r.update(variant=name, context=args.context, prefill_step=args.prefill_step,
-                 kernel_primitives=launches, by_name=by_name, rounds=[dict(r)],
+                 kernel_primitives=launches, primitives=total, by_name=by_name,
+                 views_by_name=views, rounds=[dict(r)],
                  mlx_env=_mlx_settings())
         rows.append(r)
         show(name, r, f" r1/{args.rounds}")
-        stage(f"{name:18s} {launches} kernel primitives")
+        stage(f"{name:18s} {launches} kernel primitives, {total} in all (views included)")
         if args.rounds > 1:
             live.append((model, full, d))
         else:
