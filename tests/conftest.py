@@ -9,6 +9,12 @@ import pytest
 # Tests never talk to a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# MLX computes float32 matmuls in TF32 on CUDA (and on Metal GPUs with tensor
+# units) unless MLX_ENABLE_TF32=0, read once per process. Tests that hold the
+# fused path to stock mlx-lm's float32 tokens need true float32 on both sides:
+# on the H200 with TF32, stock's gathered expert matmuls alone moved the tiny
+# float32 model's first greedy token (the fused MoE kernels are float32).
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 
 def pytest_collection_modifyitems(config, items):

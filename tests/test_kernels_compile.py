@@ -4,8 +4,9 @@ No GPU needed, only ``nvcc`` on PATH (skipped otherwise): this catches syntax
 and type errors in kernels that can only run on the GPU machine, and checks
 that none spills registers to local memory at the template values the model
 uses. The wrapper mirrors ``mx.fast.cuda_kernel``'s generated source: each
-input as ``const T* name`` (plus ``name_shape`` when the body uses it), each
-output as ``T* name``, template ints/bools as constexpr, dtypes as ``using``.
+input as ``const T* name`` (plus ``name_shape`` / ``name_strides`` /
+``name_ndim`` when the body uses them), each output as ``T* name``, template
+ints/bools as constexpr, dtypes as ``using``.
 MLX's own device header is replaced by the CUDA headers it pulls in.
 """
 
@@ -111,6 +112,8 @@ def wrap(op: str, case=None) -> str:
             params.append(f"const __grid_constant__ Shape {name}_shape")
         if f"{name}_strides" in src.body:
             params.append(f"const __grid_constant__ Strides {name}_strides")
+        if f"{name}_ndim" in src.body:
+            params.append(f"const __grid_constant__ int {name}_ndim")
     params += [f"{T[t]}* {name}" for name, t in zip(src.outputs, out_types)]
     consts = []
     for name, value in template.items():

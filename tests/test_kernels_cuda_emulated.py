@@ -182,14 +182,14 @@ def _moe_problem(N, E, H, I, K, dtype, group_size):
     kx, ki, ks = mx.random.split(mx.random.key(N * K), 3)
     x = mx.random.normal((N, 1, H), key=kx).astype(dtype)
     inds = mx.argsort(mx.random.uniform(shape=(N, 1, E), key=ki), axis=-1)[..., :K]
-    scores = mx.softmax(mx.random.normal((N, 1, K), key=ks), axis=-1)
+    scores = mx.softmax(mx.random.normal((N, 1, K), key=ks), axis=-1).astype(dtype)  # router's
     assert moe_ops._gemv_shapes_supported(H, gu, dn)
     return x, inds.astype(mx.uint32), scores, gu, dn
 
 
 def _assert_moe_matches_reference(x, inds, scores, gu, dn):
     y = moe_ops._moe_decode_kernel_call("cuda", x, inds, scores, gu, dn)
-    ref = moe_ops.moe_experts_ops(x.astype(F32), inds, scores, gu, dn, sort=False)
+    ref = moe_ops.moe_experts_ops(x.astype(F32), inds, scores.astype(F32), gu, dn, sort=False)
     assert y.shape == x.shape and y.dtype == x.dtype
     tol = 1e-5 if x.dtype == F32 else 3e-2  # as in tests/test_kernels_gpu.py
     err = mx_rel_l2(y, ref)
@@ -444,7 +444,8 @@ def _fold_problem(case):
 
 def _assert_fold_matches_reference(x, inds, scores, gu, dn, sw):
     y = moe_ops._moe_shared_decode_kernel_call("cuda", x, inds, scores, gu, dn, sw)
-    ref = moe_ops.moe_shared_experts_ops(x.astype(F32), inds, scores, gu, dn, sw, sort=False)
+    ref = moe_ops.moe_shared_experts_ops(x.astype(F32), inds, scores.astype(F32), gu, dn, sw,
+                                         sort=False)
     assert y.shape == x.shape and y.dtype == x.dtype
     tol = 1e-5 if x.dtype == F32 else 3e-2  # as in tests/test_kernels_gpu.py
     err = mx_rel_l2(y, ref)

@@ -214,10 +214,13 @@ def test_moe_decode_kernels(shape, dtype):
     x = mx.random.normal((N, 1, H), key=kx).astype(dtype)
     inds = mx.argsort(mx.random.uniform(shape=(N, 1, E), key=ki), axis=-1)[..., :K]
     inds = inds.astype(mx.uint32)
-    scores = mx.softmax(mx.random.normal((N, 1, K), key=ks), axis=-1)
+    # Scores in the activations' dtype, as the router gives them (the down
+    # kernel reads them as they are, no cast op).
+    scores = mx.softmax(mx.random.normal((N, 1, K), key=ks), axis=-1).astype(dtype)
     assert moe_ops._gemv_shapes_supported(H, gu, dn)
     y = moe_ops._moe_decode_kernel_call(gd.gpu_backend(), x, inds, scores, gu, dn)
-    ref = moe_ops.moe_experts_ops(x.astype(mx.float32), inds, scores, gu, dn, sort=False)
+    ref = moe_ops.moe_experts_ops(x.astype(mx.float32), inds, scores.astype(mx.float32), gu, dn,
+                                  sort=False)
     assert y.shape == (N, 1, H) and y.dtype == dtype
     # float32: summation order only. bf16: x and h rounded to bf16 as in the
     # model (the reference keeps float32 activations), ~1e-2 relative.
@@ -334,7 +337,8 @@ def _fold_case(shape, dtype):
     kx, ki, ks = mx.random.split(mx.random.key(N * K + 1), 3)
     x = mx.random.normal((N, 1, H), key=kx).astype(dtype)
     inds = mx.argsort(mx.random.uniform(shape=(N, 1, E), key=ki), axis=-1)[..., :K]
-    scores = mx.softmax(mx.random.normal((N, 1, K), key=ks), axis=-1)
+    # Scores in the activations' dtype, as the router gives them.
+    scores = mx.softmax(mx.random.normal((N, 1, K), key=ks), axis=-1).astype(dtype)
     return x, inds.astype(mx.uint32), scores, gu, dn, sw
 
 
@@ -374,8 +378,8 @@ def test_moe_shared_decode_kernels(shape, dtype, monkeypatch):
     gate_up, down = (_Sentinel(k) for k in moe_ops._fold_objects(backend))
     monkeypatch.setattr(moe_ops, "_fold_objects", lambda b: (gate_up, down))
     y = moe_ops._moe_shared_decode_kernel_call(backend, x, inds, scores, gu, dn, sw)
-    ref = moe_ops.moe_shared_experts_ops(x.astype(mx.float32), inds, scores, gu, dn, sw,
-                                         sort=False)
+    ref = moe_ops.moe_shared_experts_ops(x.astype(mx.float32), inds, scores.astype(mx.float32),
+                                         gu, dn, sw, sort=False)
     assert y.shape == x.shape and y.dtype == dtype
     (h, logit), (yk,) = gate_up.outputs[0], down.outputs[0]
     # Every output element written (NaN sentinels).

@@ -485,8 +485,9 @@ def fold_exes(request, tmp_path_factory):
     gu = _build_typed(tmp / "gu", "moe_gate_up_shared_gemv",
                       [t, "u32", "u32", t, t, "u32", t, t, "u32", t, t, "u32", t, t],
                       [t, "f32"], gu_inst)
+    # Scores in the activations' type, as the router gives them (read as float).
     dn = _build_typed(tmp / "dn", "moe_down_shared_gemv",
-                      [t, "u32", "f32", "u32", t, t, "u32", t, t, "f32"], [t], dn_inst)
+                      [t, "u32", t, "u32", t, t, "u32", t, t, "f32"], [t], dn_inst)
     return t, tmp, gu, dn
 
 
@@ -521,11 +522,11 @@ def test_moe_shared_fold_metal_emulated(fold_exes, case):
     assert np.isfinite(logit).all()
     assert np.allclose(logit, logit_ref, rtol=1e-5, atol=1e-5 * np.abs(logit_ref).max())
 
-    # The down kernel on the h the first one wrote.
-    sc = np.array(scores, dtype=np.float32)
+    # The down kernel on the h the first one wrote, scores in the activations' type.
+    sc = _values(scores, t)
     (y_bits,), _ = _run(
         dn_exe, tmp / "dn", case,
-        [h_bits, inds, sc, *qin(dn), *qin(sd), logit_bits.view(np.float32)],
+        [h_bits, inds, _as_input(scores, t), *qin(dn), *qin(sd), logit_bits.view(np.float32)],
         [(N * H, OUT_NP[t])], grid=(32 * H // moe_ops._GEMV_RPW, N, 1),
         threadgroup=(256, 1, 1))
     routed_y = np.einsum("nki,nkoi->nko", h[:, :K], dn[3][inds])
@@ -728,7 +729,7 @@ def test_gated_delta_decode_metal_emulated(gdn_decode_exe, case):
 # What the router body uses beyond the prelude: simd_shuffle_xor /
 # simd_shuffle (each lane publishes its value, a SIMD-group barrier, each
 # reads its source lane's, another barrier), as_type, metal::fast::exp,
-# metal::isnan, and logits_shape[0] (N, read from QAB_ROUTER_N).
+# metal::isnan, logits_shape[0] (N, read from QAB_ROUTER_N) and logits_ndim (2).
 ROUTER_PRELUDE = r"""
 typedef unsigned short ushort;
 static unsigned char qab_rt_slots[64][32][8];
@@ -756,6 +757,7 @@ namespace fast { inline float exp(float x) { return std::exp(x); } }
 inline bool isnan(float x) { return std::isnan(x); }
 }
 static int logits_shape[1] = {std::atoi(std::getenv("QAB_ROUTER_N"))};
+static const int logits_ndim = 2;
 """
 
 # (N, E, K, NORM): Qwen3.6 decode (one token, the other 3 SIMD groups of the

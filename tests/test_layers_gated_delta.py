@@ -314,7 +314,22 @@ def _fake_decode_kernel(monkeypatch):
     monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
     monkeypatch.setattr(gd, "gpu_backend", lambda: "fakegpu")
     monkeypatch.setattr(gd, "_decode_kernel_object", lambda backend: object())
-    kernel = _Counted(lambda backend, *args, **kw: gd.gated_delta_decode_ops(*args, **kw))
+    def contract(backend, qkv, z, b, a, *rest, **kw):
+        # The kernel's contract on the portable reference: the layer passes its
+        # projections with their token axis, [B, 1, ...] (and the mask
+        # [B, 1]), and takes out as [B, 1, Hv * Dv]; rows of [B, ...] give
+        # [B, Hv, Dv].
+        B = qkv.shape[0]
+        token_axis = qkv.ndim == 3
+        if token_axis:
+            qkv, z, b, a = (x.reshape(B, -1) for x in (qkv, z, b, a))
+            rest = list(rest)
+            if len(rest) > 7 and rest[7] is not None:
+                rest[7] = rest[7].reshape(B)
+        out, conv_state, state = gd.gated_delta_decode_ops(qkv, z, b, a, *rest, **kw)
+        return (out.reshape(B, 1, -1) if token_axis else out), conv_state, state
+
+    kernel = _Counted(contract)
     monkeypatch.setattr(gd, "_decode_kernel_call", kernel)
     kernel_path = _Counted(layer_mod._decode_step_kernel)
     compiled_path = _Counted(layer_mod._decode_step)

@@ -9,6 +9,7 @@ the dtype budgets of STYLE.md, not the measured drift.
 from __future__ import annotations
 
 import inspect
+import math
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -426,8 +427,10 @@ def test_decode_kernel_used_after_passing_its_self_check(monkeypatch):
     fused = FusedSparseMoeBlock.from_stock(stock)
     x = inputs((1, 1, KH))
     y = fused(x)
-    # The self-check call (3 random tokens), then the real one.
-    assert calls == [(3, KH), (1, 1, KH)]
+    # The self-check calls (3 random tokens as [3, 1, H]; scores in the
+    # activations' dtype, then float32: a down kernel per scores dtype), then
+    # the real one.
+    assert calls == [(3, 1, KH), (3, 1, KH), (1, 1, KH)]
     assert rel_l2(y, stock(x)) <= 1e-6
     fused(x)  # verdict cached, compiled graph reused: no second check
     assert calls[2:] in ([], [(1, 1, KH)])
@@ -781,10 +784,13 @@ class FakeFoldGateUp:
         (x, inds, w, scales, biases, sg_w, sg_s, sg_b, su_w, su_s, su_b,
          g_w, g_s, g_b) = inputs
         t = dict(template)
-        N, Hx = x.shape
+        # Token rows over any leading axes (the layer's [B, T, H], no reshape).
+        Hx = x.shape[-1]
+        N = x.size // Hx
         K, I, G = t["K"], t["I"], t["G"]
         self.calls.append(N)
-        assert t["H"] == Hx and inds.shape == (N, K) and inds.dtype == mx.uint32
+        assert t["H"] == Hx and inds.shape == (*x.shape[:-1], K) and inds.dtype == mx.uint32
+        x, inds = x.reshape(N, Hx), inds.reshape(N, K)
         assert w.shape[1] == 2 * I and sg_w.shape == su_w.shape == (I, Hx // 8)
         assert g_w.shape == (1, Hx * t["SGB"] // 32) and t["SGB"] in (4, 8)
         warps = (K + 1) * I // 2 + 1
@@ -812,16 +818,22 @@ class FakeFoldDown:
         t = dict(template)
         N, K, Hx, I, G = h.shape[0], t["K"], t["H"], t["I"], t["G"]
         self.calls.append(N)
-        assert h.shape == (N, K + 1, I) and inds.shape == scores.shape == (N, K)
-        assert scores.dtype == logit.dtype == mx.float32 and logit.shape == (N,)
+        # Routes as the router made them ([..., K], scores in their own dtype:
+        # the kernel is built per scores dtype, template ST); y in x's shape.
+        assert h.shape == (N, K + 1, I) and inds.shape == scores.shape
+        assert inds.size == N * K and t["ST"] == scores.dtype
+        assert logit.dtype == mx.float32 and logit.shape == (N,)
         assert sd_w.shape == (Hx, I // 8) and w.shape[1:] == (Hx, I // 8)
         assert grid == (32 * Hx // 2, N, 1) and threadgroup == (256, 1, 1)
-        assert output_shapes == [(N, Hx)] and output_dtypes == [t["OutT"]]
+        (out_shape,) = output_shapes
+        assert out_shape[-1] == Hx and math.prod(out_shape) == N * Hx
+        assert output_dtypes == [t["OutT"]]
+        inds, scores = inds.reshape(N, K), _f32(scores).reshape(N, K)
         hf = _f32(h)
         routed = (_deq(w, scales, biases, G, 4)[inds] @ hf[:, :K, :, None])[..., 0]
         y = (routed * scores[..., None]).sum(axis=1)
         y = y + mx.sigmoid(logit)[:, None] * (hf[:, K] @ _deq(sd_w, sd_s, sd_b, G, 4).T)
-        return [y.astype(t["OutT"])]
+        return [y.astype(t["OutT"]).reshape(out_shape)]
 
 
 def _fake_fold_gpu(monkeypatch, gate_up=None, down=None):
@@ -900,15 +912,16 @@ def test_shared_fold_used_after_its_self_check(monkeypatch):
     fused = FusedSparseMoeBlock.from_stock(stock)
     x = inputs((1, 1, KH))
     y = fused(x)
-    # The self-check (3 random tokens), then the real call; never the routed-only kernel.
-    assert gate_up.calls == [3, 1] and down.calls == [3, 1] and routed == []
+    # The self-check (3 random tokens; scores in x's dtype, then float32: two
+    # calls), then the real call; never the routed-only kernel.
+    assert gate_up.calls == [3, 3, 1] and down.calls == [3, 3, 1] and routed == []
     verdicts = {k: v for k, v in self_check_results().items() if k[0] == "moe_shared_decode_gemv"}
     assert list(verdicts.values()) == [(True, "passed")]
     assert not any(k[0] == "moe_decode_gemv" for k in self_check_results())
     # float32 dequantized weights instead of quantized matmuls: summation order only
     assert rel_l2(y, stock(x)) <= 1e-5
     fused(x)  # verdict cached, compiled graph reused: no second check
-    assert gate_up.calls[2:] in ([], [1])
+    assert gate_up.calls[3:] in ([], [1])
     y2 = fused(inputs((2, 3, KH), seed=5))  # batch 2, 3 tokens: 48 rows, still decode
     assert gate_up.calls[-1] == 6
     assert rel_l2(y2, stock(inputs((2, 3, KH), seed=5))) <= 1e-5
@@ -927,7 +940,7 @@ def test_shared_fold_with_concatenated_projections(monkeypatch):
     assert fused.concat_projections()
     x = inputs((1, 1, KH))
     assert rel_l2(fused(x), stock(x)) <= 1e-5
-    assert gate_up.calls == [3, 1] and routed == []
+    assert gate_up.calls == [3, 3, 1] and routed == []
     assert fused._use_cat()  # the views are still recorded after the compiled call
 
 
@@ -981,7 +994,8 @@ def test_shared_fold_gates_fall_back_to_routed_kernels(monkeypatch, case):
     assert moe_ops.shared_decode_kernel_ready(x, mx.zeros((1, 1, K), mx.uint32), gu, dn,
                                               sw) is None
     assert rel_l2(fused(x), stock(x)) <= 1e-6
-    assert gate_up.calls == [] and routed == [1, 1]  # routed kernel: self-check, call
+    # routed kernel: self-check (two calls, one per scores dtype), call
+    assert gate_up.calls == [] and routed == [1, 1, 1]
 
 
 def test_wrong_shared_fold_is_rejected(monkeypatch):
@@ -998,7 +1012,7 @@ def test_wrong_shared_fold_is_rejected(monkeypatch):
     x = inputs((1, 1, KH))
     with pytest.warns(KernelSelfCheckWarning, match="moe_shared_decode_gemv failed"):
         y = fused(x)
-    assert gate_up.calls == [3] and routed == [1, 1]  # fell back to the routed kernels
+    assert gate_up.calls == [3, 3] and routed == [1, 1, 1]  # fell back to the routed kernels
     assert rel_l2(y, stock(x)) <= 1e-6
 
 
@@ -1015,7 +1029,7 @@ def test_failing_shared_fold_build_falls_back(monkeypatch):
     x = inputs((1, 1, KH))
     with pytest.warns(KernelSelfCheckWarning, match="fake Metal compiler"):
         y = fused(x)
-    assert rel_l2(y, stock(x)) <= 1e-6 and routed == [1, 1]
+    assert rel_l2(y, stock(x)) <= 1e-6 and routed == [1, 1, 1]
 
 
 def test_moe_shared_experts_kernel_lookup(monkeypatch):
@@ -1178,17 +1192,21 @@ class FakeRouter:
     def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
         (x,) = inputs
         t = dict(template)
-        N, E = x.shape
+        E = x.shape[-1]
+        N = x.size // E  # rows over any leading axes (the gate's [B, T, E])
         k, norm = t["K"], t["NORM"]
         self.calls.append(N)
-        assert x.ndim == 2 and t["InT"] == x.dtype and t["E"] == E and isinstance(norm, bool)
+        assert t["InT"] == x.dtype and t["E"] == E and isinstance(norm, bool)
         assert threadgroup == (128, 1, 1) and grid == (32 * (-(-N // 4) * 4), 1, 1)
-        assert output_shapes == [(N, k), (N, k)] and output_dtypes == [mx.uint32, x.dtype]
+        lead = x.shape[:-1]
+        assert output_shapes == [(*lead, k), (*lead, k)]
+        assert output_dtypes == [mx.uint32, x.dtype]
+        x = x.reshape(N, E)
         inds, scores = moe_ops._route_fn(k, norm)(x)
         if self.wrong:
             last = mx.argmin(x, axis=-1, keepdims=True).astype(inds.dtype)
             inds = mx.concatenate([inds[:, :-1], last], axis=-1)
-        return [inds.astype(mx.uint32), scores]
+        return [inds.astype(mx.uint32).reshape(*lead, k), scores.reshape(*lead, k)]
 
 
 def _fake_router(monkeypatch, router):

@@ -17,9 +17,11 @@
 //   mask[s] = s <= offset                          (s < S)
 //
 // Launch: grid (N, 1, 1) threads, threadgroup (256, 1, 1), with N =
-// max(S, B * Hk * D) rounded up to a multiple of 256. Inputs: k_new, v_new [B, Hk, 1, D] InT (row
-// contiguous); k_buf, v_buf [B, Hk, S, D] InT, any strides (read through
-// them, written through them); offset [1] int32 (0 <= offset < S).
+// max(S, B * Hk * D) rounded up to a multiple of 256. Inputs: k_new, v_new [B, Hk, 1, D] InT,
+// any strides (read through them: RoPE's output arrives transposed, and an
+// explicit contiguous copy was a primitive per layer and token); k_buf, v_buf
+// [B, Hk, S, D] InT, any strides (read through them, written through them);
+// offset: one int32 element, any shape (0 <= offset < S).
 // Output: mask [1, 1, 1, S] bool.
 
 const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -38,6 +40,8 @@ if (i < (long)k_buf_shape[0] * Hk * D) {
                   + d * k_buf_strides[3];
   const long vo = b * v_buf_strides[0] + h * v_buf_strides[1] + off * v_buf_strides[2]
                   + d * v_buf_strides[3];
-  const_cast<InT*>(k_buf)[ko] = k_new[i];
-  const_cast<InT*>(v_buf)[vo] = v_new[i];
+  const long kn = b * k_new_strides[0] + h * k_new_strides[1] + d * k_new_strides[3];
+  const long vn = b * v_new_strides[0] + h * v_new_strides[1] + d * v_new_strides[3];
+  const_cast<InT*>(k_buf)[ko] = k_new[kn];
+  const_cast<InT*>(v_buf)[vo] = v_new[vn];
 }

@@ -11,8 +11,11 @@
 //
 // Launch: grid (32 * H / RPW, N, 1) threads, threadgroup (256, 1, 1).
 // Requires I % 32 == 0, H % RPW == 0, G % 32 == 0.
-// Inputs: h [N, K, I]; inds [N, K] uint32; scores [N, K] float32; w [E, H,
-// I/8] uint32; scales, biases [E, H, I/G]. Output: y [N, H] OutT.
+// Template: OutT (y), H, I, K, G (group size), ST (scores' dtype: float,
+// bfloat16 or float16, read as float; the router's own dtype, so no cast op).
+// Inputs: h [N, K, I]; inds [N, K] uint32; scores [N, K] ST; w [E, H,
+// I/8] uint32; scales, biases [E, H, I/G]. Output: y [N, H] OutT (any
+// leading axes with N rows: the caller's [B, T, H]). Row-contiguous inputs.
 
 constexpr int RPW = 2;              // output rows per warp
 constexpr int CPR = I / 32;         // 32-value chunks per weight row
@@ -47,7 +50,7 @@ for (int p = 0; p < RPW; ++p) {
       }
     }
     const size_t gi = row * GPR + (c * 32) / G;
-    acc += scores[(size_t)n * K + k] *
+    acc += static_cast<float>(scores[(size_t)n * K + k]) *
         (static_cast<float>(scales[gi]) * d + static_cast<float>(biases[gi]) * hs);
   }
   acc = qab_warp_sum(acc);

@@ -16,10 +16,12 @@
 //
 // Launch: grid (32 * H / RPW, N, 1) threads, threadgroup (256, 1, 1).
 // Requires I % 32 == 0, H % RPW == 0, G % 32 == 0.
-// Inputs: h [N, K+1, I]; inds [N, K] uint32; scores [N, K] float32; w [E, H,
+// Template: OutT (y), H, I, K, G (group size), ST (scores' dtype: float,
+// bfloat16 or float16, read as float; the router's own dtype, so no cast op).
+// Inputs: h [N, K+1, I]; inds [N, K] uint32; scores [N, K] ST; w [E, H,
 // I/8] uint32; scales, biases [E, H, I/G]; s_down_w [H, I/8] uint32;
 // s_down_scales, s_down_biases [H, I/G]; sg_logit [N] float32.
-// Output: y [N, H] OutT.
+// Output: y [N, H] OutT (any leading axes with N rows: the caller's [B, T, H]).
 
 constexpr int RPW = 2;              // output rows per warp
 constexpr int CPR = I / 32;         // 32-value chunks per weight row
@@ -47,7 +49,7 @@ for (int p = 0; p < RPW; ++p) {
     const uint32_t* wrow = is_shared ? s_down_w + row * WPR : w + row * WPR;
     auto srow = is_shared ? s_down_scales + row * GPR : scales + row * GPR;
     auto brow = is_shared ? s_down_biases + row * GPR : biases + row * GPR;
-    const float weight = is_shared ? shared_weight : scores[(size_t)n * K + k];
+    const float weight = is_shared ? shared_weight : static_cast<float>(scores[(size_t)n * K + k]);
     const uint4 pk = reinterpret_cast<const uint4*>(wrow)[c];
     const uint32_t words[4] = {pk.x, pk.y, pk.z, pk.w};
     const size_t hb = ((size_t)n * KS + k) * I + c * 32;

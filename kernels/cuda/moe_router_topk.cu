@@ -39,8 +39,9 @@
 // Launch: grid (32 * NR, 1, 1) threads, threadgroup (128, 1, 1), with NR = N rounded up to a multiple of 4; warps past row N exit.
 // Template: InT (logits dtype: float, bfloat16 or float16), E (experts,
 // <= 1024), K (1 <= K <= min(E, 32)), NORM (bool).
-// Input: logits [N, E] InT, row-contiguous. Outputs: inds [N, K] uint32 and
-// scores [N, K] InT.
+// Input: logits [..., E] InT, row-contiguous, N rows (the product of the
+// leading axes: decode passes [B, 1, E] as the gate projection made it, with no
+// reshape). Outputs: inds [..., K] uint32 and scores [..., K] InT.
 
 constexpr int VEC = 16 / int(sizeof(InT));
 constexpr int NG = (E + 32 * VEC - 1) / (32 * VEC);  // 32-thread groups of MLX's softmax
@@ -52,7 +53,10 @@ const float NEG_INF = __uint_as_float(0xff800000u);
 const float POS_INF = __uint_as_float(0x7f800000u);
 const float TAKEN = -2.0f;  // below every probability and the empty-lane key -1
 
-const int N = logits_shape[0];
+int N = 1;
+for (int d = 0; d + 1 < logits_ndim; ++d) {
+  N *= logits_shape[d];
+}
 const int row = int((blockIdx.x * blockDim.x + threadIdx.x) / 32);
 const int lane = int(threadIdx.x & 31);
 if (row >= N) {

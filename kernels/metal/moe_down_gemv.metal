@@ -4,6 +4,7 @@
 // passes.
 //
 // Launch: grid (32 * H / RPW, N, 1) threads, threadgroup (256, 1, 1).
+// Template adds ST, the scores' dtype (read as float).
 
 constexpr int RPW = 2;
 constexpr int CPR = I / 32;
@@ -35,7 +36,7 @@ for (int p = 0; p < RPW; ++p) {
       }
     }
     const size_t gi = row * GPR + (c * 32) / G;
-    acc += scores[size_t(n) * K + k] *
+    acc += static_cast<float>(scores[size_t(n) * K + k]) *
         (static_cast<float>(scales[gi]) * d + static_cast<float>(biases[gi]) * hs);
   }
   acc = simd_sum(acc);

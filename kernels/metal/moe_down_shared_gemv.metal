@@ -5,6 +5,7 @@
 // its on-device self-check passes.
 //
 // Launch: grid (32 * H / RPW, N, 1) threads, threadgroup (256, 1, 1).
+// Template adds ST, the scores' dtype (read as float).
 
 constexpr int RPW = 2;
 constexpr int CPR = I / 32;
@@ -30,7 +31,7 @@ for (int p = 0; p < RPW; ++p) {
     const device uint* wrow = is_shared ? s_down_w + row * WPR : w + row * WPR;
     auto srow = is_shared ? s_down_scales + row * GPR : scales + row * GPR;
     auto brow = is_shared ? s_down_biases + row * GPR : biases + row * GPR;
-    const float weight = is_shared ? shared_weight : scores[size_t(n) * K + k];
+    const float weight = is_shared ? shared_weight : static_cast<float>(scores[size_t(n) * K + k]);
     const uint4 pk = ((const device uint4*)wrow)[c];
     const size_t hb = (size_t(n) * KS + k) * I + c * 32;
     float d = 0.0f, hs = 0.0f;

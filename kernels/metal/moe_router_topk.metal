@@ -13,8 +13,9 @@
 //
 // Launch: grid (32 * NR, 1, 1) threads, threadgroup (128, 1, 1), with NR = N rounded up to a multiple of 4; warps past row N exit.
 // Template: InT (float, bfloat16_t or half), E (<= 1024), K (1 <= K <=
-// min(E, 32)), NORM (bool). Input: logits [N, E] InT, row-contiguous.
-// Outputs: inds [N, K] uint32 and scores [N, K] InT.
+// min(E, 32)), NORM (bool). Input: logits [..., E] InT, row-contiguous, N
+// rows (the product of the leading axes). Outputs: inds [..., K] uint32 and
+// scores [..., K] InT.
 // This file cannot be compiled where the package is developed (no Apple GPU):
 // on first use on a Metal device it is checked against the portable path and
 // used only if it passes.
@@ -26,7 +27,10 @@ const float NEG_INF = as_type<float>(0xff800000u);
 const float POS_INF = as_type<float>(0x7f800000u);
 const float TAKEN = -2.0f;
 
-const int N = int(logits_shape[0]);
+int N = 1;
+for (int d = 0; d + 1 < int(logits_ndim); ++d) {
+  N *= int(logits_shape[d]);
+}
 const int row = int(thread_position_in_grid.x / 32);
 const ushort lane = ushort(thread_index_in_simdgroup);
 if (row >= N) {

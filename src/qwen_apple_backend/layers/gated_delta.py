@@ -168,12 +168,14 @@ def _decode_step_kernel(
     Only the (Qwen3-Next) reordering of the projections runs before it; call
     it only after ``decode_kernel_ready`` said yes for these shapes.
     """
-    qkv, z, b, a = _split_projections(layout, projs, Hk, Hv, Dk, Dv)
-    B = qkv.shape[0]
+    # Qwen3.5's four projections go in as they are, [B, 1, ...] (the kernel
+    # reads rows flatly; every reshape would be a primitive encoded per token),
+    # and out comes back as [B, 1, Hv * Dv] for the output projection.
+    qkv, z, b, a = (projs if layout == "qwen3_5"
+                    else _split_projections(layout, projs, Hk, Hv, Dk, Dv))
     out, new_conv_state, state = gated_delta_decode_kernel(
-        qkv.reshape(B, -1), z.reshape(B, Hv * Dv), b.reshape(B, Hv), a.reshape(B, Hv),
-        conv_state, conv_w, conv_b, A_log, dt_bias, norm_w, state,
-        None if mask is None else mask.reshape(B), lengths, norm_eps=norm_eps,
+        qkv, z, b, a, conv_state, conv_w, conv_b, A_log, dt_bias, norm_w, state,
+        mask, lengths, norm_eps=norm_eps,
     )
     return out, new_conv_state, state
 

@@ -525,11 +525,12 @@ def kv_write_ready(k_new: mx.array, k_buf: mx.array) -> Optional[str]:
     def make_inputs():
         kk, kv, kb, vb = mx.random.split(mx.random.key(5), 4)
         B, Hk, D = 2, 2, 64
-        k_new = mx.random.normal((B, Hk, 1, D), key=kk).astype(dtype)
-        v_new = mx.random.normal((B, Hk, 1, D), key=kv).astype(dtype)
+        # New rows as RoPE leaves them: [B, 1, Hk, D] transposed (strided).
+        k_new = mx.random.normal((B, 1, Hk, D), key=kk).astype(dtype).transpose(0, 2, 1, 3)
+        v_new = mx.random.normal((B, 1, Hk, D), key=kv).astype(dtype).transpose(0, 2, 1, 3)
         k_full = mx.random.normal((B, Hk, S + 40, D), key=kb).astype(dtype)
         v_full = mx.random.normal((B, Hk, S + 40, D), key=vb).astype(dtype)
-        return k_new, v_new, k_full, v_full, mx.array([257], dtype=mx.int32)
+        return k_new, v_new, k_full, v_full, mx.array(257, dtype=mx.int32)
 
     def kernel(k_new, v_new, k_full, v_full, offset):
         # Private copies (the kernel writes its buffers), evaluated first.
@@ -570,9 +571,10 @@ def kv_cache_write(backend: str, k_new: mx.array, v_new: mx.array, k_buf: mx.arr
 
     Args:
         backend (str): ``"cuda"`` / ``"metal"``.
-        k_new (mx.array): keys, dtype of ``k_buf``. v_new (mx.array): values.
+        k_new (mx.array): keys, dtype of ``k_buf``, any strides. v_new (mx.array): values.
         k_buf (mx.array): key buffer (written). v_buf (mx.array): value buffer (written).
-        offset (mx.array): int32 position of the new row (``< S``), one element.
+        offset (mx.array): integer position of the new row (``< S``), one element
+            of any shape (a 0-d array in the compiled step).
 
     Returns:
         mx.array: bool mask ``s <= offset``, ``[1, 1, 1, S]``.
@@ -580,9 +582,15 @@ def kv_cache_write(backend: str, k_new: mx.array, v_new: mx.array, k_buf: mx.arr
     S = k_buf.shape[2]
     B, Hk, _, D = k_new.shape
     n = max(S, B * Hk * D)
+    # Rows and offset go in as they come (the kernel reads through strides):
+    # a contiguous copy or reshape would be one more primitive per layer that
+    # the host encodes every token. A 0-d offset reaches a CUDA kernel as a
+    # pointer, but a Metal kernel as a reference, so Metal gets it as [1].
+    offset = offset.astype(mx.int32)
+    if backend == "metal" and offset.ndim != 1:
+        offset = offset.reshape(1)
     (mask,) = _kv_write_object(backend)(
-        inputs=[mx.contiguous(k_new), mx.contiguous(v_new), k_buf, v_buf,
-                offset.reshape(1).astype(mx.int32)],
+        inputs=[k_new, v_new, k_buf, v_buf, offset],
         template=[("InT", k_buf.dtype)],
         grid=(-(-n // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(1, 1, 1, S)], output_dtypes=[mx.bool_])

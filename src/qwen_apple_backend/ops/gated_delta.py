@@ -40,6 +40,7 @@ the kernel plumbing in ``ops.device``.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
@@ -836,15 +837,31 @@ _DECODE_BLOCK = 256
 _DECODE_MAX_STATE_PER_LANE = 64
 
 
+def _token_rows(x: mx.array, B: int, width: int) -> bool:
+    # [B, width], or [B, 1, ...] whose trailing axes flatten to width (the
+    # layer's projections with their token axis: the same memory, no reshape).
+    if x.ndim == 2:
+        return tuple(x.shape) == (B, width)
+    return (x.ndim >= 3 and x.shape[0] == B and x.shape[1] == 1
+            and math.prod(x.shape[2:]) == width)
+
+
 def _check_decode(qkv, z, b, a, conv_state, conv_w, conv_b, A_log, dt_bias, norm_w, state,
-                  mask, lengths) -> Tuple[int, int, int, int, int]:
-    """Validate the decode-step shapes; return ``(Hk, Hv, Dk, Dv, Kc)``."""
+                  mask, lengths, token_axis: bool = False) -> Tuple[int, int, int, int, int]:
+    """Validate the decode-step shapes; return ``(Hk, Hv, Dk, Dv, Kc)``.
+
+    With ``token_axis`` (the kernel path), ``qkv``, ``z``, ``b``, ``a`` may
+    also come as ``[B, 1, ...]`` and ``mask`` as ``[B, 1]``.
+    """
     if state.ndim != 4:
         raise ValueError(f"state must be [B, Hv, Dv, Dk]; got {state.shape}")
     B, Hv, Dv, Dk = state.shape
-    if qkv.ndim != 2 or qkv.shape[0] != B:
+    if token_axis and qkv.ndim == 3 and qkv.shape[:2] == (B, 1):
+        C = qkv.shape[2]
+    elif qkv.ndim != 2 or qkv.shape[0] != B:
         raise ValueError(f"qkv must be [B={B}, conv_dim]; got {qkv.shape}")
-    C = qkv.shape[1]
+    else:
+        C = qkv.shape[1]
     key2 = C - Hv * Dv
     if key2 <= 0 or key2 % (2 * Dk) or Hv % (key2 // (2 * Dk)):
         raise ValueError(f"qkv width {C} is not 2 * Hk * Dk + Hv * Dv with Hv ({Hv}) a "
@@ -856,10 +873,22 @@ def _check_decode(qkv, z, b, a, conv_state, conv_w, conv_b, A_log, dt_bias, norm
     Kc = conv_w.shape[1]
     if Kc < 2:
         raise ValueError(f"conv kernel size must be at least 2; got {Kc}")
-    expected = (("z", z, (B, Hv * Dv)), ("b", b, (B, Hv)), ("a", a, (B, Hv)),
-                ("conv_state", conv_state, (B, Kc - 1, C)), ("A_log", A_log, (Hv,)),
+    token_rows = [("z", z, Hv * Dv), ("b", b, Hv), ("a", a, Hv)]
+    if mask is not None and mask.ndim != 1:
+        token_rows.append(("mask", mask, 1))
+    expected = [("conv_state", conv_state, (B, Kc - 1, C)), ("A_log", A_log, (Hv,)),
                 ("dt_bias", dt_bias, (Hv,)), ("norm_w", norm_w, (Dv,)),
-                ("conv_b", conv_b, (C,)), ("mask", mask, (B,)), ("lengths", lengths, (B,)))
+                ("conv_b", conv_b, (C,)), ("lengths", lengths, (B,))]
+    if mask is not None and mask.ndim == 1:
+        expected.append(("mask", mask, (B,)))
+    if token_axis:
+        for name, x, width in token_rows:
+            if not _token_rows(x, B, width):
+                raise ValueError(f"{name} must be [{B}, {width}] or [{B}, 1, ...] of "
+                                 f"{width} values; got {list(x.shape)}")
+    else:
+        expected += [(name, x, (B, width) if name != "mask" else (B,))
+                     for name, x, width in token_rows]
     for name, x, shape in expected:
         if x is not None and tuple(x.shape) != shape:
             raise ValueError(f"{name} must be {list(shape)}; got {list(x.shape)}")
@@ -1005,12 +1034,17 @@ def _decode_kernel_call(backend: str, qkv, z, b, a, conv_state, conv_w, conv_b, 
                         norm_w, state, mask=None, lengths=None, *, norm_eps: float = 1e-6,
                         block: int = 0):
     Hk, Hv, Dk, Dv, Kc = _check_decode(qkv, z, b, a, conv_state, conv_w, conv_b, A_log,
-                                       dt_bias, norm_w, state, mask, lengths)
+                                       dt_bias, norm_w, state, mask, lengths, token_axis=True)
     obj = _decode_kernel_object(backend)
     if obj is None:
         raise RuntimeError(f"no gated_delta_decode source or MLX API for {backend}")
     block = block or _DECODE_BLOCK
-    B, C = qkv.shape
+    B, C = qkv.shape[0], qkv.shape[-1]
+    # The kernel reads rows flatly: [B, 1, ...] inputs (the layer's projections)
+    # go in without a reshape, and then out comes as [B, 1, Hv * Dv], the
+    # shape the output projection takes (each reshape is a primitive the host
+    # encodes every decode token).
+    out_shape = (B, 1, Hv * Dv) if qkv.ndim == 3 else (B, Hv, Dv)
     dt, wt = qkv.dtype, conv_w.dtype
     f32 = mx.float32
     # Absent optional inputs are stood in for by an array of a fixed dtype:
@@ -1029,7 +1063,7 @@ def _decode_kernel_call(backend: str, qkv, z, b, a, conv_state, conv_w, conv_b, 
                   ("HAS_MASK", has_mask), ("HAS_LENGTHS", has_lengths)],
         grid=(block, B * Hv, 1),
         threadgroup=(block, 1, 1),
-        output_shapes=[(B, Hv, Dv), (B, Kc - 1, C), (B, Hv, Dv, Dk)],
+        output_shapes=[out_shape, (B, Kc - 1, C), (B, Hv, Dv, Dk)],
         output_dtypes=[dt, dt, f32],
     )
     return out, new_conv_state, new_state
@@ -1150,7 +1184,10 @@ def gated_delta_decode_kernel(
 
     Args, Shapes and algorithm: as :func:`gated_delta_decode_ops` (``Dk`` a
     multiple of 32, at most 256; ``ceil(Dv / 8) * Dk / 32 <= 64``; ``Kc >= 2``;
-    float32, bfloat16 or float16).
+    float32, bfloat16 or float16). Also accepted, with no reshape: ``qkv``,
+    ``z``, ``b``, ``a`` with their token axis, ``[B, 1, ...]`` (``z`` e.g.
+    ``[B, 1, Hv, Dv]``), and ``mask`` ``[B, 1]``; then ``out`` is
+    ``[B, 1, Hv * Dv]``.
 
     Returns:
         Tuple[mx.array, mx.array, mx.array]: ``(out, conv_state, state)``;
