@@ -145,6 +145,32 @@ def test_compiled_step_sees_replaced_projection_weights(tiny_hf_f32, monkeypatch
     assert float(mx.abs(lp_comp - lp_eager).max()) <= 1e-5
 
 
+def test_parameters_are_trace_constants_checked_per_call(tiny_hf_f32, monkeypatch):
+    # The step's parameters are constants of the trace (no per-call flattening
+    # of the model); every call checks that each is still the array traced, so
+    # replacing one outside the concatenated projections (the final norm, a
+    # layer's expert weights) rebuilds the step, once, and decoding follows it.
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    comp, _ = load(tiny_hf_f32, "fused")
+    monkeypatch.delenv("QAB_ENABLE")
+    monkeypatch.setenv("QAB_DISABLE", "decode-compile")
+    eager, _ = load(tiny_hf_f32, "fused")
+    prompt = mx.array([(i * 29) % 900 for i in range(20)])
+    _greedy(comp, prompt, 12)
+    step = comp.language_model.__dict__["_qab_decode"]
+    assert step.builds == 1 and step.compiled_calls >= 10  # replays did not rebuild
+    for m in (comp, eager):
+        lm = m.language_model.model
+        lm.norm.weight = lm.norm.weight * 0.5 + 0.3
+        mlp = lm.layers[0].mlp
+        mlp.switch_mlp.down_proj.weight = mlp.switch_mlp.down_proj.weight * -1.0
+    t_comp, lp_comp, _ = _greedy(comp, prompt, 8)
+    t_eager, lp_eager, _ = _greedy(eager, prompt, 8)
+    assert step.builds == 2
+    assert t_comp == t_eager
+    assert float(mx.abs(lp_comp - lp_eager).max()) <= 1e-5
+
+
 def test_replays_skip_the_concatenation_walk_and_prefill_keeps_it(tiny_hf_f32, monkeypatch):
     # Only a call that traces re-wraps the model's arrays; replays must not
     # pay the walk over every concatenated projection, and after decoding
