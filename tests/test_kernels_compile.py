@@ -60,16 +60,19 @@ CASES = {
     "moe_grouped_gemm": (
         ["bf16", "u32", "bf16", "bf16", "i32", "i32", "i32"], ["bf16"],
         {"KDIM": 2048, "NOUT": 512, "E": 256, "GLU": True}),
+    # Scores in the router's dtype (bf16), read as float.
     "moe_down_gemv": (
-        ["bf16", "u32", "f32", "u32", "bf16", "bf16"], ["bf16"],
-        {"OutT": "bf16", "H": 2048, "I": 512, "K": 8, "G": 64}),
+        ["bf16", "u32", "bf16", "u32", "bf16", "bf16"], ["bf16"],
+        {"OutT": "bf16", "H": 2048, "I": 512, "K": 8, "G": 64, "ST": "bf16"}),
     "moe_gate_up_shared_gemv": (
         ["bf16", "u32", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "u32", "bf16", "bf16",
          "u32", "bf16", "bf16"], ["bf16", "f32"],
         {"OutT": "bf16", "H": 2048, "I": 512, "K": 8, "G": 64, "SGB": 8, "SGG": 64}),
+    # The decode layers' build: bf16 scores, the residual added in the epilogue.
     "moe_down_shared_gemv": (
-        ["bf16", "u32", "f32", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "f32"], ["bf16"],
-        {"OutT": "bf16", "H": 2048, "I": 512, "K": 8, "G": 64}),
+        ["bf16", "u32", "bf16", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "f32", "bf16"],
+        ["bf16"],
+        {"OutT": "bf16", "H": 2048, "I": 512, "K": 8, "G": 64, "ST": "bf16", "HAS_RES": True}),
     "moe_combine": (
         ["bf16", "u32", "bf16", "bf16", "bf16"], ["bf16"], {"OutT": "bf16", "H": 2048, "K": 8}),
     # The longest matrix rows (GDN out_proj / o_proj, K = 4096), 2 row sets per warp.
@@ -94,6 +97,11 @@ EXTRA_CASES = [
                                                    "NORM": True})),
     ("moe_router_topk", (["f16"], ["u32", "f16"], {"InT": "f16", "E": 8, "K": 2,
                                                    "NORM": False})),
+    # The fold's down kernel with float32 scores and no residual.
+    ("moe_down_shared_gemv", (
+        ["bf16", "u32", "f32", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "f32", "bf16"],
+        ["bf16"],
+        {"OutT": "bf16", "H": 2048, "I": 512, "K": 8, "G": 64, "ST": "f32", "HAS_RES": False})),
     # The grouped GEMM's down projection (no GLU epilogue, 2,048 output columns).
     ("moe_grouped_gemm", (["bf16", "u32", "bf16", "bf16", "i32", "i32", "i32"], ["bf16"],
                           {"KDIM": 512, "NOUT": 2048, "E": 256, "GLU": False})),

@@ -458,6 +458,20 @@ def test_moe_shared_fold_emulated(case):
     _assert_fold_matches_reference(*_fold_problem(case))
 
 
+@pytest.mark.parametrize("case", FOLD_CASES,
+                         ids=lambda c: "x".join(map(str, c[:6])) + f"-{c[6]}")
+def test_moe_shared_fold_adds_the_residual_emulated(case):
+    # HAS_RES: the decoder layer's residual added in the epilogue, exactly as
+    # the stock layer adds it to the block's rounded output.
+    x, inds, scores, gu, dn, sw = _fold_problem(case)
+    res = (3.0 * mx.random.normal(x.shape, key=mx.random.key(11))).astype(x.dtype)
+    y = moe_ops._moe_shared_decode_kernel_call("cuda", x, inds, scores, gu, dn, sw)
+    y_res = moe_ops._moe_shared_decode_kernel_call("cuda", x, inds, scores, gu, dn, sw,
+                                                   residual=res)
+    assert y_res.shape == x.shape and y_res.dtype == x.dtype
+    assert mx.array_equal(y_res, res + y).item()
+
+
 def test_moe_shared_fold_dispatcher_self_checks_the_emulated_kernels(monkeypatch):
     monkeypatch.setattr(moe_ops, "gpu_backend", lambda: "cuda")
     monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)

@@ -399,6 +399,17 @@ def test_moe_shared_decode_kernels(shape, dtype, monkeypatch):
     h_ref = moe_ops._swiglu(moe_ops._linear(xf, sw.gate_proj), moe_ops._linear(xf, sw.up_proj))
     h_tol = 1e-5 if dtype == mx.float32 else 8e-3  # one bf16 rounding of h
     assert mx_rel_l2(h[:, -1], h_ref) <= h_tol
+    # With the decoder layer's residual added in the epilogue: the stock
+    # layer's h + y (float32: bit-exact; bf16: the kernel adds in float32 and
+    # rounds once, MLX's bf16 add may differ by one rounding step).
+    res = (3.0 * mx.random.normal(x.shape, key=mx.random.key(11))).astype(dtype)
+    y_res = moe_ops._moe_shared_decode_kernel_call(backend, x, inds, scores, gu, dn, sw,
+                                                   residual=res)
+    assert y_res.shape == x.shape and y_res.dtype == dtype
+    if dtype == mx.float32:
+        assert mx.array_equal(y_res, res + y).item()
+    else:
+        assert mx.allclose(y_res, res + y, rtol=2.0 ** -7, atol=0.0).item()
 
 
 def _qwen_predicate(path, module):

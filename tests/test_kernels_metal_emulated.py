@@ -478,8 +478,9 @@ def fold_exes(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"metal_fold_{t}")
     gu_inst = [{"OutT": C_OUT[t], "H": c[2], "I": c[3], "K": c[4], "G": c[5], "SGB": c[6],
                 "SGG": c[7]} for c in FOLD_CASES]
-    dn_inst = [{"OutT": C_OUT[t], "H": c[2], "I": c[3], "K": c[4], "G": c[5]}
-               for c in FOLD_CASES]
+    # Each case twice: without (even ids) and with (odd) the residual in the epilogue.
+    dn_inst = [{"OutT": C_OUT[t], "H": c[2], "I": c[3], "K": c[4], "G": c[5], "HAS_RES": r}
+               for c in FOLD_CASES for r in (False, True)]
     (tmp / "gu").mkdir()
     (tmp / "dn").mkdir()
     gu = _build_typed(tmp / "gu", "moe_gate_up_shared_gemv",
@@ -487,7 +488,7 @@ def fold_exes(request, tmp_path_factory):
                       [t, "f32"], gu_inst)
     # Scores in the activations' type, as the router gives them (read as float).
     dn = _build_typed(tmp / "dn", "moe_down_shared_gemv",
-                      [t, "u32", t, "u32", t, t, "u32", t, t, "f32"], [t], dn_inst)
+                      [t, "u32", t, "u32", t, t, "u32", t, t, "f32", t], [t], dn_inst)
     return t, tmp, gu, dn
 
 
@@ -524,17 +525,23 @@ def test_moe_shared_fold_metal_emulated(fold_exes, case):
 
     # The down kernel on the h the first one wrote, scores in the activations' type.
     sc = _values(scores, t)
-    (y_bits,), _ = _run(
-        dn_exe, tmp / "dn", case,
-        [h_bits, inds, _as_input(scores, t), *qin(dn), *qin(sd), logit_bits.view(np.float32)],
-        [(N * H, OUT_NP[t])], grid=(32 * H // moe_ops._GEMV_RPW, N, 1),
-        threadgroup=(256, 1, 1))
+    res = (3.0 * mx.random.normal((N, H), key=mx.random.key(11))).astype(dtype)
+    dn_inputs = [h_bits, inds, _as_input(scores, t), *qin(dn), *qin(sd),
+                 logit_bits.view(np.float32), _as_input(res, t)]
+    (y_bits,), _ = _run(dn_exe, tmp / "dn", 2 * case, dn_inputs, [(N * H, OUT_NP[t])],
+                        grid=(32 * H // moe_ops._GEMV_RPW, N, 1), threadgroup=(256, 1, 1))
+    (yr_bits,), _ = _run(dn_exe, tmp / "dn", 2 * case + 1, dn_inputs, [(N * H, OUT_NP[t])],
+                         grid=(32 * H // moe_ops._GEMV_RPW, N, 1), threadgroup=(256, 1, 1))
     routed_y = np.einsum("nki,nkoi->nko", h[:, :K], dn[3][inds])
     y_ref = (routed_y * sc[..., None]).sum(axis=1)
     y_ref += (1.0 / (1.0 + np.exp(-logit)))[:, None] * (h[:, K] @ sd[3].T)
     y = _out_values(y_bits, t).reshape(N, H)
     assert np.isfinite(y).all(), "some outputs were never written"
     _bound_check(y, y_ref, rounding, "y")
+    # HAS_RES: the residual plus the rounded block output, rounded once more.
+    y_out = mx.array(y.astype(np.float32)).astype(dtype)
+    expect = np.array((res + y_out).astype(mx.float32), dtype=np.float64)
+    assert np.array_equal(_out_values(yr_bits, t).reshape(N, H), expect)
 
 
 # (N, H, K): H not a multiple of the 256-thread group (the last one partial),

@@ -294,10 +294,26 @@ def test_parameter_keys_and_attributes(quant):
     assert fused.switch_mlp.down_proj is stock.switch_mlp.down_proj
 
 
-def test_call_signature_equals_stock():
-    ours = inspect.signature(FusedSparseMoeBlock.__call__)
-    theirs = inspect.signature(Qwen3NextSparseMoeBlock.__call__)
-    assert list(ours.parameters) == list(theirs.parameters)
+def test_call_signature_extends_stock():
+    # A drop-in: stock's parameters in stock's order; the one extra, the
+    # decoder layer's residual (layers/norm.py), is optional.
+    ours = list(inspect.signature(FusedSparseMoeBlock.__call__).parameters.values())
+    theirs = list(inspect.signature(Qwen3NextSparseMoeBlock.__call__).parameters)
+    assert [p.name for p in ours[:len(theirs)]] == theirs
+    extra = ours[len(theirs):]
+    assert [p.name for p in extra] == ["residual"] and extra[0].default is None
+
+
+def test_residual_is_added_as_the_stock_layer_adds_it():
+    # CPU path (no kernel): block(x, residual=h) == h + block(x), bit for bit.
+    stock = quantized(make_stock())
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    x, h = inputs((2, 1, H), seed=1), inputs((2, 1, H), seed=2)
+    assert mx.array_equal(fused(x, residual=h), h + fused(x)).item()
+    assert mx.array_equal(fused(x, residual=h), h + stock(x)).item()
+    # A residual that needs a broadcast is added after the block.
+    h1 = inputs((1, 1, H), seed=3)
+    assert mx.array_equal(fused(x, residual=h1), h1 + fused(x)).item()
 
 
 @pytest.mark.parametrize("quant", [False, True])
@@ -812,12 +828,14 @@ class FakeFoldDown:
 
     def __init__(self):
         self.calls = []
+        self.has_res = []
 
     def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-        h, inds, scores, w, scales, biases, sd_w, sd_s, sd_b, logit = inputs
+        h, inds, scores, w, scales, biases, sd_w, sd_s, sd_b, logit, res = inputs
         t = dict(template)
         N, K, Hx, I, G = h.shape[0], t["K"], t["H"], t["I"], t["G"]
         self.calls.append(N)
+        self.has_res.append(t["HAS_RES"])
         # Routes as the router made them ([..., K], scores in their own dtype:
         # the kernel is built per scores dtype, template ST); y in x's shape.
         assert h.shape == (N, K + 1, I) and inds.shape == scores.shape
@@ -833,7 +851,11 @@ class FakeFoldDown:
         routed = (_deq(w, scales, biases, G, 4)[inds] @ hf[:, :K, :, None])[..., 0]
         y = (routed * scores[..., None]).sum(axis=1)
         y = y + mx.sigmoid(logit)[:, None] * (hf[:, K] @ _deq(sd_w, sd_s, sd_b, G, 4).T)
-        return [y.astype(t["OutT"]).reshape(out_shape)]
+        y = y.astype(t["OutT"]).reshape(out_shape)
+        if t["HAS_RES"]:  # the layer's residual, added as the stock layer adds it
+            assert res.shape == out_shape and res.dtype == t["OutT"]
+            y = res + y
+        return [y]
 
 
 def _fake_fold_gpu(monkeypatch, gate_up=None, down=None):
@@ -912,16 +934,16 @@ def test_shared_fold_used_after_its_self_check(monkeypatch):
     fused = FusedSparseMoeBlock.from_stock(stock)
     x = inputs((1, 1, KH))
     y = fused(x)
-    # The self-check (3 random tokens; scores in x's dtype, then float32: two
-    # calls), then the real call; never the routed-only kernel.
-    assert gate_up.calls == [3, 3, 1] and down.calls == [3, 3, 1] and routed == []
+    # The self-check (3 random tokens; scores in x's dtype, then float32, then
+    # with a residual: three calls), then the real call; never the routed-only kernel.
+    assert gate_up.calls == [3, 3, 3, 1] and down.calls == [3, 3, 3, 1] and routed == []
     verdicts = {k: v for k, v in self_check_results().items() if k[0] == "moe_shared_decode_gemv"}
     assert list(verdicts.values()) == [(True, "passed")]
     assert not any(k[0] == "moe_decode_gemv" for k in self_check_results())
     # float32 dequantized weights instead of quantized matmuls: summation order only
     assert rel_l2(y, stock(x)) <= 1e-5
     fused(x)  # verdict cached, compiled graph reused: no second check
-    assert gate_up.calls[3:] in ([], [1])
+    assert gate_up.calls[4:] in ([], [1])
     y2 = fused(inputs((2, 3, KH), seed=5))  # batch 2, 3 tokens: 48 rows, still decode
     assert gate_up.calls[-1] == 6
     assert rel_l2(y2, stock(inputs((2, 3, KH), seed=5))) <= 1e-5
@@ -929,6 +951,18 @@ def test_shared_fold_used_after_its_self_check(monkeypatch):
     n = len(gate_up.calls)
     assert rel_l2(eager(x), y) <= 1e-6
     assert len(gate_up.calls) == n + 1
+
+
+def test_shared_fold_adds_the_residual_in_the_down_kernel(monkeypatch):
+    gate_up, down, routed = _fake_fold_gpu(monkeypatch)
+    stock = kernel_block()
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    x, h = inputs((1, 1, KH)), inputs((1, 1, KH), seed=7)
+    y = fused(x, residual=h)
+    # Self-check builds (scores x2, residual), then the call, with the residual inside.
+    assert down.has_res == [False, False, True, True] and routed == []
+    assert rel_l2(y, h + stock(x)) <= 1e-5
+    assert rel_l2(fused(x), stock(x)) <= 1e-5 and down.has_res[-1] is False
 
 
 def test_shared_fold_with_concatenated_projections(monkeypatch):
@@ -940,7 +974,7 @@ def test_shared_fold_with_concatenated_projections(monkeypatch):
     assert fused.concat_projections()
     x = inputs((1, 1, KH))
     assert rel_l2(fused(x), stock(x)) <= 1e-5
-    assert gate_up.calls == [3, 3, 1] and routed == []
+    assert gate_up.calls == [3, 3, 3, 1] and routed == []
     assert fused._use_cat()  # the views are still recorded after the compiled call
 
 
@@ -1012,7 +1046,7 @@ def test_wrong_shared_fold_is_rejected(monkeypatch):
     x = inputs((1, 1, KH))
     with pytest.warns(KernelSelfCheckWarning, match="moe_shared_decode_gemv failed"):
         y = fused(x)
-    assert gate_up.calls == [3, 3] and routed == [1, 1, 1]  # fell back to the routed kernels
+    assert gate_up.calls == [3, 3, 3] and routed == [1, 1, 1]  # fell back to the routed kernels
     assert rel_l2(y, stock(x)) <= 1e-6
 
 
@@ -1239,7 +1273,8 @@ def test_router_kernel_used_after_passing_its_self_check(monkeypatch):
     assert self_check_results()[("moe_router_topk", "fakegpu", (E, K, True, str(mx.float32)))] \
         == (True, "passed")
     assert mx.array_equal(y, stock(x)).item()
-    assert (False, None, "fakegpu") in fused._compiled  # the routing path is in the cache key
+    # the routing path (and whether a residual goes in) is in the cache key
+    assert (False, None, "fakegpu", False) in fused._compiled
     fused(inputs((1, 1, H), seed=2))  # verdict cached, graph reused: nothing new
     assert router.calls == [37, 1]
     y = fused(inputs((2, 37, H)))  # prefill runs eagerly, also on the kernel

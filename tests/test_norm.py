@@ -242,6 +242,29 @@ def test_cpu_fused_model_is_unchanged_by_the_switch(on_cpu):
                for v in (layer.__dict__[layer_norm._VERDICTS] for layer in on.layers))
 
 
+def test_fused_moe_block_gets_the_layers_residual(on_cpu, monkeypatch):
+    # The add-norm layer hands h to the fused MoE block (which adds it, on the
+    # GPU decode path in its last kernel); the result is the stock layer's.
+    from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
+
+    seen = []
+    real = FusedSparseMoeBlock.__call__
+
+    def spy(self, x, residual=None):
+        seen.append(residual is not None and residual.shape == x.shape)
+        return real(self, x, residual=residual)
+
+    monkeypatch.setattr(FusedSparseMoeBlock, "__call__", spy)
+    on, off = _tiny(), _tiny(disable=["add-norm"])
+    ids = mx.array([[5, 9, 200, 7]])
+    seen.clear()
+    y_on = on(ids)
+    assert seen == [True] * len(on.layers)
+    seen.clear()
+    assert mx.array_equal(y_on, off(ids)).item()
+    assert seen == [False] * len(off.layers)  # the stock layer adds h itself
+
+
 def test_ablation_switch_keeps_the_stock_class(tiny_q4, monkeypatch):
     monkeypatch.setenv("QAB_DISABLE", "add-norm")
     fused, _ = load(tiny_q4, "fused")

@@ -13,14 +13,19 @@
 // weight loads; h read through L1, where every warp of the block shares it);
 // each lane weights its partial dot products by the slot's weight, and one
 // warp reduction per row finishes the sum. Float32 throughout; y rounded once.
+// With HAS_RES the decoder layer's residual is added in the epilogue, as the
+// stock layer adds it (`h + mlp(...)`: the block output rounded to OutT, then
+// the sum rounded), which saves the model one Add launch per layer and token.
 //
 // Launch: grid (32 * H / RPW, N, 1) threads, threadgroup (256, 1, 1).
 // Requires I % 32 == 0, H % RPW == 0, G % 32 == 0.
 // Template: OutT (y), H, I, K, G (group size), ST (scores' dtype: float,
-// bfloat16 or float16, read as float; the router's own dtype, so no cast op).
+// bfloat16 or float16, read as float; the router's own dtype, so no cast op),
+// HAS_RES (bool: add res).
 // Inputs: h [N, K+1, I]; inds [N, K] uint32; scores [N, K] ST; w [E, H,
 // I/8] uint32; scales, biases [E, H, I/G]; s_down_w [H, I/8] uint32;
-// s_down_scales, s_down_biases [H, I/G]; sg_logit [N] float32.
+// s_down_scales, s_down_biases [H, I/G]; sg_logit [N] float32; res [N, H]
+// OutT (the residual; without HAS_RES any OutT array, not read).
 // Output: y [N, H] OutT (any leading axes with N rows: the caller's [B, T, H]).
 
 constexpr int RPW = 2;              // output rows per warp
@@ -68,6 +73,12 @@ for (int p = 0; p < RPW; ++p) {
   }
   acc = qab_warp_sum(acc);
   if (lane == 0) {
-    y[(size_t)n * H + o] = static_cast<OutT>(acc);
+    const size_t i = (size_t)n * H + o;
+    if (HAS_RES) {
+      y[i] = static_cast<OutT>(static_cast<float>(res[i]) +
+                               static_cast<float>(static_cast<OutT>(acc)));
+    } else {
+      y[i] = static_cast<OutT>(acc);
+    }
   }
 }

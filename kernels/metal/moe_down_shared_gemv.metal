@@ -5,7 +5,8 @@
 // its on-device self-check passes.
 //
 // Launch: grid (32 * H / RPW, N, 1) threads, threadgroup (256, 1, 1).
-// Template adds ST, the scores' dtype (read as float).
+// Template adds ST, the scores' dtype (read as float), and HAS_RES: the
+// residual res [N, H] OutT added in the epilogue as the stock layer adds it.
 
 constexpr int RPW = 2;
 constexpr int CPR = I / 32;
@@ -48,6 +49,12 @@ for (int p = 0; p < RPW; ++p) {
   }
   acc = simd_sum(acc);
   if (lane == 0) {
-    y[size_t(n) * H + o] = static_cast<OutT>(acc);
+    const size_t i = size_t(n) * H + o;
+    if (HAS_RES) {
+      y[i] = static_cast<OutT>(static_cast<float>(res[i]) +
+                               static_cast<float>(static_cast<OutT>(acc)));
+    } else {
+      y[i] = static_cast<OutT>(acc);
+    }
   }
 }

@@ -283,6 +283,9 @@ class FusedSparseMoeBlock(nn.Module):
     logits' dtype; it picks the experts the stock route picks on the GPU.
     """
 
+    #: ``__call__`` takes the decoder layer's residual (``layers/norm.py``).
+    takes_residual = True
+
     dequant_gemm: bool = True
 
     def __init__(
@@ -547,7 +550,7 @@ class FusedSparseMoeBlock(nn.Module):
             cache[key] = hit
         return hit
 
-    def _forward(self, x: mx.array, use_cat: bool = False,
+    def _forward(self, x: mx.array, residual: Optional[mx.array] = None, use_cat: bool = False,
                  fold: Optional[str] = None, router: Optional[str] = None) -> mx.array:
         logits = self.gate(x)
         if router is not None and logits.dtype != x.dtype:
@@ -557,9 +560,11 @@ class FusedSparseMoeBlock(nn.Module):
         down = expert_weights(self.switch_mlp.down_proj)
         shared = self._shared_weights() if fold is not None else None
         if shared is not None:
-            # Routed and shared experts and the shared gate: two kernels.
-            return moe_shared_experts_kernel(fold)(x, inds, scores, gate_up, down, shared)
-        return moe_experts(
+            # Routed and shared experts and the shared gate: two kernels, the
+            # residual added in the second one's epilogue.
+            return moe_shared_experts_kernel(fold)(x, inds, scores, gate_up, down, shared,
+                                                   residual=residual)
+        y = moe_experts(
             x,
             inds,
             scores,
@@ -569,11 +574,12 @@ class FusedSparseMoeBlock(nn.Module):
             dequant_gemm=self.dequant_gemm,
             shared=(self._shared(x, use_cat), self.shared_expert_gate(x)),
         )
+        return y if residual is None else residual + y
 
     def _compiled_forward(self, use_cat: bool = False, fold: Optional[str] = None,
-                          router: Optional[str] = None):
+                          router: Optional[str] = None, residual: bool = False):
         fns = self.__dict__.setdefault("_compiled", {})
-        key = (use_cat, fold, router)
+        key = (use_cat, fold, router, residual)
         fn = fns.get(key)
         if fn is None:
             # The module itself is the captured input tree, so parameters
@@ -584,8 +590,8 @@ class FusedSparseMoeBlock(nn.Module):
             fns[key] = fn
         return fn
 
-    def __call__(self, x: mx.array) -> mx.array:
-        """Routed experts plus the gated shared expert.
+    def __call__(self, x: mx.array, residual: Optional[mx.array] = None) -> mx.array:
+        """Routed experts plus the gated shared expert (plus ``residual`` when given).
 
         Decode-sized inputs (fewer than ``SORT_THRESHOLD`` token-expert rows)
         run as one shape-specialised compiled graph when ``compile_decode``
@@ -595,12 +601,17 @@ class FusedSparseMoeBlock(nn.Module):
 
         Args:
             x (mx.array): hidden states.
+            residual (mx.array | None): the decoder layer's residual stream.
+                When given, returns ``residual + block(x)`` as the stock layer
+                computes it; on the GPU decode path with the shared expert
+                folded in, the sum happens in the last kernel's epilogue (one
+                Add launch less per layer and token). Default None.
 
         Returns:
             mx.array: block output, dtype of ``x``.
 
         Shapes:
-            x: ``[B, T, H]`` (any leading axes); returns the same shape.
+            x: ``[B, T, H]`` (any leading axes); residual: same; returns the same shape.
         """
         if self.sharding_group is not None:
             x = sum_gradients(self.sharding_group)(x)
@@ -611,14 +622,22 @@ class FusedSparseMoeBlock(nn.Module):
             # Decided here, outside mx.compile: the first call per shape class
             # self-checks the kernels, which evaluates arrays.
             router, fold = self._kernel_choice(x, rows < SORT_THRESHOLD)
+        # The residual goes inside only where nothing happens after the block
+        # (no cross-rank sum) and it needs no broadcast or promotion.
+        inner = residual if (residual is not None and self.sharding_group is None
+                             and residual.shape == x.shape
+                             and residual.dtype == x.dtype) else None
         use_cat = self._use_cat()
         if self.compile_decode and not self.training and rows < SORT_THRESHOLD:
-            y = self._compiled_forward(use_cat, fold, router)(x)
+            fn = self._compiled_forward(use_cat, fold, router, inner is not None)
+            y = fn(x) if inner is None else fn(x, inner)
             if use_cat:
                 self._shared_cat.refresh()  # a trace re-wraps the module's arrays
         else:
-            y = self._forward(x, use_cat, fold, router)
+            y = self._forward(x, inner, use_cat=use_cat, fold=fold, router=router)
 
         if self.sharding_group is not None:
             y = mx.distributed.all_sum(y, group=self.sharding_group)
+        if residual is not None and inner is None:
+            y = residual + y
         return y

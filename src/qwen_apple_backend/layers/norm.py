@@ -10,6 +10,8 @@ fused model's instances get a subclass (:func:`install_add_norm`) whose
 ``__call__`` is that code with ``h = x + r`` and the norm replaced by one
 :func:`qwen_apple_backend.ops.norm.add_rms_norm` call when the kernel is ready
 for the call's dtype and width: one MLX operation instead of two per layer.
+A fused MoE block (``takes_residual``) also gets ``h`` and returns
+``h + mlp(...)`` itself, on the GPU decode path from its last kernel.
 Parameters, names and the state dict are the stock ones. Whether the kernel is
 ready is decided on a layer's first call per (dtypes, width), outside any
 trace, and kept in a small per-layer dict, so each later call (also inside
@@ -90,8 +92,13 @@ class _AddNorm:
         backend = self._add_norm_backend(x, r, norm)
         if backend is None:
             h = x + r
-            return h + self.mlp(norm(h))
-        h, y = add_rms_norm(x, r, norm["weight"], norm.eps, backend=backend)
+            y = norm(h)
+        else:
+            h, y = add_rms_norm(x, r, norm["weight"], norm.eps, backend=backend)
+        if getattr(self.mlp, "takes_residual", False):
+            # The fused MoE block adds h itself (on the GPU decode path in its
+            # last kernel: one Add launch less per layer and token).
+            return self.mlp(y, residual=h)
         return h + self.mlp(y)
 
     def to_stock(self) -> nn.Module:

@@ -922,8 +922,12 @@ def _fold_grid_x(K: int, I: int) -> int:
 
 
 def _moe_shared_decode_kernel_call(backend: str, x, inds, scores, gate_up: ExpertWeights,
-                                   down: ExpertWeights, shared: SharedExpertWeights) -> mx.array:
+                                   down: ExpertWeights, shared: SharedExpertWeights,
+                                   residual: Optional[mx.array] = None) -> mx.array:
     xf, ind, sc, N = _decode_rows(x, inds, scores)
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {residual.shape} {residual.dtype} must have x's shape "
+                         f"{x.shape} and dtype {x.dtype}")
     H, K = x.shape[-1], ind.shape[-1]
     I = gate_up.weight.shape[1] // 2
     objects = _fold_objects(backend)
@@ -939,11 +943,12 @@ def _moe_shared_decode_kernel_call(backend: str, x, inds, scores, gate_up: Exper
                   ("SGB", gate.bits), ("SGG", gate.group_size)],
         grid=(_fold_grid_x(K, I), N, 1), threadgroup=(_GEMV_BLOCK, 1, 1),
         output_shapes=[(N, K + 1, I), (N,)], output_dtypes=[x.dtype, mx.float32])
+    # Without a residual, h stands in for the unread input (any OutT array).
     (y,) = dn_kernel(
         inputs=[h, ind, sc, down.weight, down.scales, down.biases,
-                sd.weight, sd.scales, sd.biases, logit],
+                sd.weight, sd.scales, sd.biases, logit, h if residual is None else residual],
         template=[("OutT", x.dtype), ("H", H), ("I", I), ("K", K), ("G", down.group_size),
-                  ("ST", sc.dtype)],
+                  ("ST", sc.dtype), ("HAS_RES", residual is not None)],
         grid=(32 * H // _GEMV_RPW, N, 1), threadgroup=(_GEMV_BLOCK, 1, 1),
         output_shapes=[x.shape], output_dtypes=[x.dtype])
     return y
@@ -993,27 +998,30 @@ def shared_decode_kernel_ready(x: mx.array, inds: mx.array, gate_up: ExpertWeigh
     dtype = x.dtype
 
     def make_inputs():
-        k1, k2, k3 = mx.random.split(mx.random.key(4321), 3)
+        k1, k2, k3, k4 = mx.random.split(mx.random.key(4321), 4)
         # Three tokens as [3, 1, H]: rows over leading axes, as decode passes them.
         xs = mx.random.normal((3, 1, H), key=k1).astype(dtype)
         ind = mx.argsort(mx.random.uniform(shape=(3, 1, E), key=k2), axis=-1)[..., :K]
         sc = mx.softmax(mx.random.normal((3, 1, K), key=k3), axis=-1).astype(dtype)
-        return xs, ind.astype(mx.uint32), sc, gate_up, down, shared
+        res = mx.random.normal((3, 1, H), key=k4).astype(dtype)
+        return xs, ind.astype(mx.uint32), sc, gate_up, down, shared, res
 
-    # Scores in the activations' dtype (the router's) and in float32: the
-    # down kernel is built per scores dtype, and both builds are checked.
-    def kernel(xs, ind, sc, gu, dn, sw):
+    # Every build the layers use: scores in the activations' dtype (the
+    # router's) and in float32 (the down kernel is built per scores dtype),
+    # and with the decoder layer's residual added in the epilogue.
+    def kernel(xs, ind, sc, gu, dn, sw, res):
         return [_moe_shared_decode_kernel_call(backend, xs, ind, s, gu, dn, sw)
-                for s in (sc, sc.astype(mx.float32))]
+                for s in (sc, sc.astype(mx.float32))] + [
+                _moe_shared_decode_kernel_call(backend, xs, ind, sc, gu, dn, sw, residual=res)]
 
     # Reference with float32 activations, rounded once: what is measured is
     # the kernels' own error. float32: summation order only. bf16 / fp16: h
     # and the output are rounded to ~3 significant digits (the routed
-    # kernels' budget).
-    def reference(xs, ind, sc, gu, dn, sw):
+    # kernels' budget). The residual is added as the stock layer adds it.
+    def reference(xs, ind, sc, gu, dn, sw, res):
         y = moe_shared_experts_ops(xs.astype(mx.float32), ind, sc.astype(mx.float32), gu, dn, sw,
                                    sort=False).astype(dtype)
-        return [y, y]
+        return [y, y, res + y]
 
     rtol = 1e-4 if dtype == mx.float32 else 2e-2
     g = shared.gate
@@ -1035,9 +1043,11 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
         backend (str | None): ``"cuda"`` / ``"metal"``; default the live GPU backend.
 
     Returns:
-        Callable | None: ``f(x, inds, scores, gate_up, down, shared) -> y``
-        (``x``'s dtype and shape), or None when there is no GPU backend or no
-        kernel source for it.
+        Callable | None: ``f(x, inds, scores, gate_up, down, shared,
+        residual=None) -> y`` (``x``'s dtype and shape; with ``residual``, of
+        ``x``'s shape and dtype, ``residual + y`` added in the down kernel's
+        epilogue exactly as the stock decoder layer adds it), or None when
+        there is no GPU backend or no kernel source for it.
     """
     backend = backend or gpu_backend()
     if backend is None or _fold_objects(backend) is None:
