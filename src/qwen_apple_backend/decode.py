@@ -17,7 +17,8 @@ key/value row is written into the buffers IN PLACE instead
 copies a buffer MLX cannot donate, and with two tokens in flight the
 previous token's attention still holds it, so every token copied every
 full-attention layer's K and V (H200, 128K context: 19.6 vs 10.0 ms of GPU
-per token; 46.5 -> 72.7 tokens/s with the in-place write). Each cache gets
+per token; 59.5 -> 115.3 tokens/s with the in-place write, same run,
+``decode-split-nvidia-h200-128k-ablation.json``). Each cache gets
 private buffers (one copy) before the first in-place write, since an
 array's memory may be shared (``copy.deepcopy`` of a cache shares it), and
 the buffers then stay the cache's arrays from token to token. Views of a
