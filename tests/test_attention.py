@@ -537,7 +537,8 @@ def test_split_attention_equals_one_call(S, block, T):
     per_head = mx.random.uniform(shape=(B, Hq, T, S), key=mx.random.key(4)) > 0.3
     masks = {"none": None, "bool-buffer": written.reshape(1, 1, 1, S),
              "additive-4d": mx.broadcast_to(mx.where(written, 0.0, -1e9), (B, 1, T, S)),
-             "bool-per-head": per_head | (mx.arange(S) == 0)}
+             "bool-per-head": per_head | (mx.arange(S) == 0),
+             "bool-1d": written, "bool-2d": mx.broadcast_to(written, (T, S))}
     for name, mask in masks.items():
         ref = attn_ops.gqa_attention_ops(q, k, v, 0.2, mask)
         out = attn_ops.gqa_attention_split(q, k, v, 0.2, mask, block=block)
@@ -550,6 +551,34 @@ def test_split_attention_equals_one_call(S, block, T):
     else:
         with pytest.raises(ValueError, match="only 'causal' with one row"):
             attn_ops.gqa_attention_split(q, k, v, 0.2, "causal", block=block)
+
+
+def test_split_attention_takes_a_row_of_keys_mask_as_it_is():
+    # The compiled decode step's [1, 1, 1, S] mask broadcasts against the
+    # [B, Hk, G, S] scores directly: no broadcast to [B, Hq, 1, S] and reshape
+    # (a copy on the GPU) per layer and token; results equal.
+    import io
+    import re
+
+    def prims(out):
+        buf = io.StringIO()
+        mx.export_to_dot(buf, out)
+        return re.findall(r'label ="([^"]+)", shape=rectangle', buf.getvalue())
+
+    B, Hq, Hk, D, S = 2, 6, 2, 32, 300
+    q, k, v = inputs((B, Hq, 1, D), seed=1), inputs((B, Hk, S, D), seed=2), inputs((B, Hk, S, D),
+                                                                                   seed=3)
+    row = (mx.arange(S) < 200).reshape(1, 1, 1, S)
+    full = mx.broadcast_to(row, (B, Hq, 1, S)) & (mx.ones((B, Hq, 1, S)) > 0)  # per head
+    mx.eval(q, k, v, row, full)
+    a = attn_ops.gqa_attention_split(q, k, v, 0.2, row, use_kernel=False)
+    b = attn_ops.gqa_attention_split(q, k, v, 0.2, full, use_kernel=False)
+    c = attn_ops.gqa_attention_split(q, k, v, 0.2, None, use_kernel=False)
+    pa, pc = prims(a), prims(c)  # before evaluating (that detaches the graphs)
+    assert mx.array_equal(a, b).item()
+    # The mask adds only the select (and where's own broadcasts), no reshape.
+    assert pa.count("Reshape") == pc.count("Reshape")
+    assert len(pa) - len(pc) <= 3
 
 
 def test_split_attention_bf16_error_against_float32_like_sdpa():

@@ -345,7 +345,14 @@ def gqa_attention_split(
         mask = None
     scores = (q.reshape(B, Hk, G * T, D) @ k.swapaxes(-1, -2)).astype(mx.float32) * scale
     if mask is not None:
-        m = mx.broadcast_to(mask, (B, Hq, T, S)).reshape(B, Hk, G * T, S)
+        if all(d == 1 for d in mask.shape[-3:-1]):
+            # One row of keys for every head and query (the compiled decode
+            # step's [1, 1, 1, S]): it broadcasts against the scores as it is.
+            # Reshaping its broadcast would copy it, an op and a buffer per
+            # layer and token.
+            m = mask
+        else:
+            m = mx.broadcast_to(mask, (B, Hq, T, S)).reshape(B, Hk, G * T, S)
         if m.dtype == mx.bool_:
             scores = mx.where(m, scores, -float("inf"))
         else:
