@@ -25,7 +25,7 @@ the same build). Writes ``decode-split-<device>.json`` into OUT.
 Usage:
     python benchmarks/decode_split.py OUT [--variants fused,fused-decode-compile,stock]
         [--preset full] [--layers 40] [--context 512] [--tokens 32]
-        [--prefill-step 2048] [--rounds 1]
+        [--prefill-step 2048] [--rounds 1] [--dot]
 """
 
 from __future__ import annotations
@@ -85,10 +85,18 @@ class _Decoder:
             self.y = self.step(self.y)
             mx.eval(self.y)
 
-    def count_ops(self):
+    def count_ops(self, dot: Path | None = None):
+        """(kernel-launching primitives, all primitives, launching by name, views by name)
+        of one decode token's graph; with ``dot``, the graph is also written there
+        (Graphviz, ``mx.export_to_dot``)."""
+        import mlx.core as mx
         from count_decode_ops import VIEWS, count_primitives
 
-        ops = count_primitives([self.step(self.y)])  # built, never evaluated
+        out = self.step(self.y)  # built, never evaluated
+        if dot is not None:
+            with open(dot, "w") as f:
+                mx.export_to_dot(f, out)
+        ops = count_primitives([out])
         return (sum(v for k, v in ops.items() if k not in VIEWS), sum(ops.values()),
                 {k: v for k, v in ops.most_common() if k not in VIEWS},
                 {k: v for k, v in ops.most_common() if k in VIEWS})
@@ -141,6 +149,9 @@ def main(argv=None) -> int:
                    help="timed decode tokens per phase")
     p.add_argument("--prefill-step", type=positive_int, default=2048,
                    help="tokens per prefill chunk (mlx-lm's prefill_step_size)")
+    p.add_argument("--dot", action="store_true",
+                   help="also write each variant's decode-token graph as OUT/decode-step-"
+                        "<variant>.dot (every primitive, views included)")
     p.add_argument("--rounds", type=positive_int, default=1,
                    help="timed rounds per variant, variants alternating (from 2, every "
                         "variant's model and cache stay alive; rows report the medians and the "
@@ -196,7 +207,11 @@ def main(argv=None) -> int:
             if args.layers:
                 model.language_model.model.layers = full[:args.layers]
             d = _Decoder(model, args.context, prefill_step=args.prefill_step)
-            launches, total, by_name, views = d.count_ops()
+            dot = None
+            if args.dot:
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                dot = Path(args.out) / f"decode-step-{name}.dot"
+            launches, total, by_name, views = d.count_ops(dot)
             r = d.phases(args.tokens)
         r.update(variant=name, context=args.context, prefill_step=args.prefill_step,
                  kernel_primitives=launches, primitives=total, by_name=by_name,

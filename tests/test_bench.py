@@ -407,3 +407,36 @@ def test_environment_records_the_program_by_name_only(monkeypatch):
     assert env["argv"] == ["qab", "bench", "--quick"]
     assert env["command_line"] == "qab bench --quick"
     assert report.environment(["qab", "bench"])["process_argv"] == ["qab", "bench", "--quick"]
+
+
+def test_decode_split_counts_every_primitive_and_writes_the_graph(tmp_path):
+    # benchmarks/decode_split.py records all of a token's primitives (views
+    # too: each costs the host time to encode) and, with --dot, the graph.
+    import json
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "o"
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "decode_split.py"), str(out),
+                        "--preset", "tiny", "--variants", "fused,stock", "--context", "8",
+                        "--tokens", "2", "--dot"],
+                       capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (result,) = out.glob("decode-split-*.json")
+    rows = json.loads(result.read_text())["rows"]
+    assert [row["variant"] for row in rows] == ["fused", "stock"]
+    for row in rows:
+        assert row["primitives"] == (row["kernel_primitives"]
+                                     + sum(row["views_by_name"].values()))
+        assert sum(row["by_name"].values()) == row["kernel_primitives"]
+        assert set(row["views_by_name"]) <= {"Broadcast", "Reshape", "Squeeze", "ExpandDims",
+                                             "Transpose", "Slice", "AsStrided", "StopGradient",
+                                             "Depends", "Split", "Unflatten", "Flatten"}
+        dot = (out / f"decode-step-{row['variant']}.dot").read_text()
+        assert dot.startswith("digraph")
+        assert len(re.findall(r"shape=rectangle", dot)) == row["primitives"]
+    # The fused step has fewer primitives than stock's.
+    assert rows[0]["primitives"] < rows[1]["primitives"]
