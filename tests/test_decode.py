@@ -169,6 +169,19 @@ def test_parameters_are_trace_constants_checked_per_call(tiny_hf_f32, monkeypatc
     assert step.builds == 2
     assert t_comp == t_eager
     assert float(mx.abs(lp_comp - lp_eager).max()) <= 1e-5
+    # A whole child module replaced (its arrays are new objects in a new dict).
+    import mlx.nn as nn
+
+    for m in (comp, eager):
+        lm = m.language_model.model
+        old = lm.norm
+        lm.norm = nn.RMSNorm(old.weight.shape[0], eps=old.eps)
+        lm.norm.weight = old.weight * 2.0
+    t_comp, lp_comp, _ = _greedy(comp, prompt, 8)
+    t_eager, lp_eager, _ = _greedy(eager, prompt, 8)
+    assert step.builds == 3
+    assert t_comp == t_eager
+    assert float(mx.abs(lp_comp - lp_eager).max()) <= 1e-5
 
 
 def test_replays_skip_the_concatenation_walk_and_prefill_keeps_it(tiny_hf_f32, monkeypatch):

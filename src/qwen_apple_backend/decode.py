@@ -134,31 +134,33 @@ def _concats(model: Any) -> list:
 
 
 def _param_slots(tree: Any) -> tuple:
-    """Every array of a module tree with where it sits: ``(containers, keys, arrays)``.
+    """Every array and child of a module tree with where it sits: ``(containers, keys, values)``.
 
-    Modules are dicts; their children, lists and dicts are walked. Used to
-    notice a replaced parameter (``load_weights``, ``update``, assignment):
-    the slot then holds another object.
+    Modules are dicts; their children, lists and dicts are walked, and each
+    is a slot too, so replacing a parameter (``load_weights``, ``update``,
+    assignment) or a whole child module (a new ``nn.Linear`` in place of a
+    projection) is noticed: the slot then holds another object. (Items added
+    to a list after the step was built are not.)
     """
-    containers, keys, arrays = [], [], []
+    containers, keys, values = [], [], []
     stack = [tree]
     while stack:
         node = stack.pop()
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for k, v in items:
-            if isinstance(v, mx.array):
+            if isinstance(v, (mx.array, dict, list, tuple)):
                 containers.append(node)
                 keys.append(k)
-                arrays.append(v)
-            elif isinstance(v, (dict, list, tuple)):
-                stack.append(v)
-    return containers, keys, arrays
+                values.append(v)
+                if not isinstance(v, mx.array):
+                    stack.append(v)
+    return containers, keys, values
 
 
 def _slots_hold(slots: tuple) -> bool:
-    """Whether every slot of :func:`_param_slots` still holds its array (C-level loop)."""
-    containers, keys, arrays = slots
-    return all(map(operator.is_, map(operator.getitem, containers, keys), arrays))
+    """Whether every slot of :func:`_param_slots` still holds its object (C-level loop)."""
+    containers, keys, values = slots
+    return all(map(operator.is_, map(operator.getitem, containers, keys), values))
 
 
 class _CompiledDecode:
@@ -168,11 +170,11 @@ class _CompiledDecode:
     an ``mx.compile`` input tree is flattened on every call, which for
     Qwen3.6-35B-A3B's ~2,000 arrays cost ~0.3 us each per token (measured on
     the CPU; decode is host-bound). Instead every call checks, in one C-level
-    pass over the recorded slots, that each parameter is still the array
-    the trace saw; a replaced one (``load_weights``, ``update``,
-    assignment) rebuilds the compiled function, as does a concatenated input
-    projection (``proj-concat``) that no longer holds
-    (:meth:`ConcatProjection.valid`). The concatenations valid when the
+    pass over the recorded slots, that each parameter and child module is
+    still the object the trace saw; a replaced one (``load_weights``,
+    ``update``, assignment, a new child module) rebuilds the compiled
+    function, as does a concatenated input projection (``proj-concat``) that
+    no longer holds (:meth:`ConcatProjection.valid`). The concatenations valid when the
     step is built are compile inputs (their arrays live outside the module
     tree), so the trace runs one matmul per concatenation, as eager calls do.
     """
