@@ -184,6 +184,41 @@ def test_parameters_are_trace_constants_checked_per_call(tiny_hf_f32, monkeypatc
     assert float(mx.abs(lp_comp - lp_eager).max()) <= 1e-5
 
 
+def test_tree_snapshot_notices_replaced_parameters_modules_and_classes():
+    import mlx.nn as nn
+
+    from qwen_apple_backend.decode import _snapshot_holds, _tree_snapshot
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [nn.Linear(4, 4), nn.RMSNorm(4)]
+            self.head = nn.Linear(4, 2)
+
+    net = Net()
+    snap = _tree_snapshot(net)
+    assert _snapshot_holds(snap)
+    net.layers[0].weight = net.layers[0].weight * 1.0  # same values, new array
+    assert not _snapshot_holds(snap)
+    snap = _tree_snapshot(net)
+    net.layers[1] = nn.RMSNorm(4)  # a new module in the list
+    net.layers[1].weight = mx.full((4,), 2.0)
+    assert not _snapshot_holds(snap)
+    snap = _tree_snapshot(net)
+    net.head.bias = mx.array([5.0, 6.0])
+    assert not _snapshot_holds(snap)
+    snap = _tree_snapshot(net)
+
+    class Other(nn.Linear):
+        pass
+
+    net.head.__class__ = Other  # a swapped class (another __call__)
+    assert not _snapshot_holds(snap)
+    snap = _tree_snapshot(net)
+    net.update(dict(net.parameters()))  # the same arrays written back: unchanged
+    assert _snapshot_holds(snap)
+
+
 def test_replays_skip_the_concatenation_walk_and_prefill_keeps_it(tiny_hf_f32, monkeypatch):
     # Only a call that traces re-wraps the model's arrays; replays must not
     # pay the walk over every concatenated projection, and after decoding
