@@ -194,10 +194,12 @@ def test_tree_snapshot_notices_replaced_parameters_modules_and_classes():
             super().__init__()
             self.layers = [nn.Linear(4, 4), nn.RMSNorm(4)]
             self.head = nn.Linear(4, 2)
+            self.sections = (2, 1, 1)  # a tuple item (kept as a tuple in the copy)
+            self.extra = {"scale": [1, 2]}
 
     net = Net()
     snap = _tree_snapshot(net)
-    assert _snapshot_holds(snap)
+    assert _snapshot_holds(snap) and _snapshot_holds(snap)
     net.layers[0].weight = net.layers[0].weight * 1.0  # same values, new array
     assert not _snapshot_holds(snap)
     snap = _tree_snapshot(net)

@@ -150,7 +150,9 @@ def _tree_snapshot(tree: Any) -> tuple:
         containers.append(node)
         values = node.values() if isinstance(node, dict) else node
         stack.extend(v for v in values if isinstance(v, (dict, list, tuple)))
-    copies = [dict(c) if isinstance(c, dict) else list(c) for c in containers]
+    # Copies of the container's own kind: a tuple never equals a list.
+    copies = [dict(c) if isinstance(c, dict) else tuple(c) if isinstance(c, tuple) else list(c)
+              for c in containers]
     return containers, copies, [type(c) for c in containers]
 
 
