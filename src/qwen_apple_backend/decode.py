@@ -44,7 +44,6 @@ Results equal the eager path's (tests/test_decode.py).
 
 from __future__ import annotations
 
-import operator
 import weakref
 from typing import Any, Optional
 
@@ -133,67 +132,23 @@ def _concats(model: Any) -> list:
     return out
 
 
-def _tree_snapshot(tree: Any) -> tuple:
-    """What :func:`_snapshot_holds` compares: every dict and list of a module tree.
-
-    Returns ``(containers, copies, types)``: the containers (modules are
-    dicts; their children, lists and dicts), a shallow copy and the type of
-    each.
-    """
-    containers = []
-    seen, stack = set(), [tree]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        containers.append(node)
-        values = node.values() if isinstance(node, dict) else node
-        stack.extend(v for v in values if isinstance(v, (dict, list, tuple)))
-    # Copies of the container's own kind: a tuple never equals a list.
-    copies = [dict(c) if isinstance(c, dict) else tuple(c) if isinstance(c, tuple) else list(c)
-              for c in containers]
-    return containers, copies, [type(c) for c in containers]
-
-
-def _snapshot_holds(snap: tuple) -> bool:
-    """Whether the module tree still holds the parameters of :func:`_tree_snapshot`.
-
-    Two C-level passes (decode is host-bound; on the development CPU ~0.2 ms
-    for ~850 containers and ~2,500 arrays, against ~0.7 ms for a Python
-    walk over every parameter and each concatenation's own check): each
-    container's type, then each container equal to its copy, which for
-    unchanged entries is Python's identity shortcut. A replaced array is
-    compared by value: an error (several elements) or False means changed; a
-    one-element array of the same value counts as unchanged (the trace's
-    constant has that value). A replaced child module is compared entry by
-    entry the same way, so one holding the same arrays counts as unchanged
-    (module attributes such as ``eps`` are trace constants either way).
-    """
-    containers, copies, types = snap
-    if not all(map(operator.is_, map(type, containers), types)):
-        return False
-    try:
-        return all(map(operator.eq, containers, copies))
-    except Exception:  # noqa: BLE001 - an array compared by value: it was replaced
-        return False
-
-
 class _CompiledDecode:
     """The traced step of one text model (held weakly, so the model can be freed).
 
-    The model's parameters are constants of the trace, not compile inputs:
-    an ``mx.compile`` input tree is flattened on every call, which for
-    Qwen3.6-35B-A3B's ~2,000 arrays cost ~0.3 us each per token (measured on
-    the CPU; decode is host-bound). Instead every call checks
-    (:func:`_snapshot_holds`) that the module tree still holds the objects
-    the trace saw; a replaced parameter or child module (``load_weights``,
-    ``update``, assignment, a new child, a swapped class) rebuilds the
-    compiled function. That also covers the concatenated input projections
-    (``proj-concat``): their children and the children's row views are in
-    the tree. The concatenations valid when the step is built are compile
-    inputs (their arrays live outside the module tree), so the trace runs one
-    matmul per concatenation, as eager calls do.
+    The model is a compile input (``inputs=[model, ...]``): replaced
+    parameters are read live. Its tree is flattened on every call (measured
+    on the CPU: ~0.3 us per array, ~0.6 ms per token for Qwen3.6's ~2,000
+    arrays), but making the parameters trace constants needs a check that
+    they were not replaced, and MLX re-wraps a module's arrays in new Python
+    objects whenever a compiled layer (``inputs=self``) traces a new shape,
+    so an identity check would rebuild the step after such prompts.
+    The concatenated input projections (``proj-concat``) valid when the step
+    is built are compile inputs too (their arrays live outside the module
+    tree), so the trace runs one matmul per concatenation, as eager calls do.
+    Every call first checks (:meth:`ConcatProjection.valid`) that each of
+    them still holds: a child replaced or given new arrays since
+    (``load_weights``, ``update``) rebuilds the compiled function without
+    that concatenation.
     """
 
     def __init__(self, model: Any, call, in_place: bool = True):
@@ -202,6 +157,7 @@ class _CompiledDecode:
         self._call = call
         self._fn = None
         self._uses: list = []
+        self._owners: list = []
         self._traced: dict = {}  # trace key -> indices of the KV caches returned copied
         self._copied: list = []
         self._in_place: dict = {}  # K/V shapes and dtypes -> backend or None
@@ -215,13 +171,13 @@ class _CompiledDecode:
         model = self._model()
         pairs = [(c, owner) for c, owner in _concats(model) if c.valid(owner)]
         self._uses = [c for c, _ in pairs]
-        self._snap = _tree_snapshot(model)
-        self._fn = mx.compile(self._step, inputs=[c.cat for c in self._uses])
+        self._owners = [owner for _, owner in pairs]
+        self._fn = mx.compile(self._step, inputs=[model, [c.cat for c in self._uses]])
         self._traced = {}
         self.builds += 1
 
     def _still_valid(self) -> bool:
-        return _snapshot_holds(self._snap)
+        return all(c.valid(owner) for c, owner in zip(self._uses, self._owners))
 
     def _step(self, tokens, offset, kv, ssm, layout, in_place):
         caches, ik, iss = [], 0, 0
@@ -309,9 +265,6 @@ class _CompiledDecode:
             self._traced[key] = self._copied
             for c in self._uses:
                 c.refresh()
-            # Compiled layers (inputs=module) re-wrap their arrays while tracing;
-            # this call started valid, so the new objects are the same parameters.
-            self._snap = _tree_snapshot(self._model())
         for i, pair in zip(self._traced[key], kv_out):
             kvs[i].keys, kvs[i].values = pair
         for c in kvs:
