@@ -216,13 +216,15 @@ def test_chat_ends_cleanly_on_ctrl_c(tiny_hf_f32):
     import signal
     import time
 
-    # SIGINT at its default in the chat process, as in a terminal: a test run
-    # started in the background of a non-interactive shell inherits it ignored
-    # (seen in a CI run: the chat then ended only at EOF, status 0).
-    proc = subprocess.Popen([sys.executable, "-m", "qwen_apple_backend.cli", "chat", "--model",
-                             str(tiny_hf_f32)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # Ctrl-C raising KeyboardInterrupt in the chat process, as in a terminal:
+    # a test run started in the background of a non-interactive shell
+    # inherits SIGINT ignored (seen in a CI run: the chat then ended only at
+    # EOF, status 0), so the child installs Python's handler itself.
+    boot = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "sys.argv = ['qab'] + sys.argv[1:]; "
+            "runpy.run_module('qwen_apple_backend.cli', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", boot, "chat", "--model", str(tiny_hf_f32)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     # Wait for the input prompt (the model is loaded), then interrupt.
     deadline, seen = time.monotonic() + 300, b""
     while "›".encode() not in seen and time.monotonic() < deadline:

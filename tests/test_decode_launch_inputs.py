@@ -48,6 +48,16 @@ class _Recorder:
         return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
 
 
+def test_the_check_sees_ops():
+    # Positive control: _same notices a reshape, a cast and a copy.
+    x = mx.zeros((2, 3))
+    mx.eval(x)
+    assert _same(x, x)
+    assert not _same(x.reshape(2, 3, 1), x)
+    assert not _same(x.astype(mx.float16), x)
+    assert not _same(mx.contiguous(x.T).T, x)
+
+
 def test_router_takes_the_logits_and_returns_routes_in_their_shape(monkeypatch):
     rec = _Recorder()
     monkeypatch.setattr(moe_ops, "_router_object", lambda backend: rec)

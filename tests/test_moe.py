@@ -934,16 +934,17 @@ def test_shared_fold_used_after_its_self_check(monkeypatch):
     fused = FusedSparseMoeBlock.from_stock(stock)
     x = inputs((1, 1, KH))
     y = fused(x)
-    # The self-check (3 random tokens; scores in x's dtype, then float32, then
-    # with a residual: three calls), then the real call; never the routed-only kernel.
-    assert gate_up.calls == [3, 3, 3, 1] and down.calls == [3, 3, 3, 1] and routed == []
+    # The self-check (3 random tokens; scores in x's dtype and float32, each
+    # without and with a residual: four calls), then the real call; never the
+    # routed-only kernel.
+    assert gate_up.calls == [3, 3, 3, 3, 1] and down.calls == [3, 3, 3, 3, 1] and routed == []
     verdicts = {k: v for k, v in self_check_results().items() if k[0] == "moe_shared_decode_gemv"}
     assert list(verdicts.values()) == [(True, "passed")]
     assert not any(k[0] == "moe_decode_gemv" for k in self_check_results())
     # float32 dequantized weights instead of quantized matmuls: summation order only
     assert rel_l2(y, stock(x)) <= 1e-5
     fused(x)  # verdict cached, compiled graph reused: no second check
-    assert gate_up.calls[4:] in ([], [1])
+    assert gate_up.calls[5:] in ([], [1])
     y2 = fused(inputs((2, 3, KH), seed=5))  # batch 2, 3 tokens: 48 rows, still decode
     assert gate_up.calls[-1] == 6
     assert rel_l2(y2, stock(inputs((2, 3, KH), seed=5))) <= 1e-5
@@ -959,8 +960,9 @@ def test_shared_fold_adds_the_residual_in_the_down_kernel(monkeypatch):
     fused = FusedSparseMoeBlock.from_stock(stock)
     x, h = inputs((1, 1, KH)), inputs((1, 1, KH), seed=7)
     y = fused(x, residual=h)
-    # Self-check builds (scores x2, residual), then the call, with the residual inside.
-    assert down.has_res == [False, False, True, True] and routed == []
+    # Self-check builds (scores x2, each without and with a residual), then the
+    # call, with the residual inside.
+    assert down.has_res == [False, False, True, True, True] and routed == []
     assert rel_l2(y, h + stock(x)) <= 1e-5
     assert rel_l2(fused(x), stock(x)) <= 1e-5 and down.has_res[-1] is False
 
@@ -974,7 +976,7 @@ def test_shared_fold_with_concatenated_projections(monkeypatch):
     assert fused.concat_projections()
     x = inputs((1, 1, KH))
     assert rel_l2(fused(x), stock(x)) <= 1e-5
-    assert gate_up.calls == [3, 3, 3, 1] and routed == []
+    assert gate_up.calls == [3, 3, 3, 3, 1] and routed == []
     assert fused._use_cat()  # the views are still recorded after the compiled call
 
 
@@ -1046,7 +1048,7 @@ def test_wrong_shared_fold_is_rejected(monkeypatch):
     x = inputs((1, 1, KH))
     with pytest.warns(KernelSelfCheckWarning, match="moe_shared_decode_gemv failed"):
         y = fused(x)
-    assert gate_up.calls == [3, 3, 3] and routed == [1, 1, 1]  # fell back to the routed kernels
+    assert gate_up.calls == [3, 3, 3, 3] and routed == [1, 1, 1]  # fell back to the routed kernels
     assert rel_l2(y, stock(x)) <= 1e-6
 
 
@@ -1375,3 +1377,16 @@ def test_kernel_choice_is_kept_per_shape_and_weights(monkeypatch):
     monkeypatch.setenv("QAB_DISABLE_KERNELS", "1")
     fused(x)
     assert calls == ["router", "fold"]
+
+
+def test_a_subclass_with_its_own_call_is_not_handed_the_residual():
+    # layers/norm.py passes residual= only to blocks whose __call__ takes it.
+    class Mine(FusedSparseMoeBlock):
+        def __call__(self, x):
+            return super().__call__(x)
+
+    class Same(FusedSparseMoeBlock):
+        pass
+
+    assert FusedSparseMoeBlock.takes_residual and Same.takes_residual
+    assert not Mine.takes_residual

@@ -286,6 +286,12 @@ class FusedSparseMoeBlock(nn.Module):
     #: ``__call__`` takes the decoder layer's residual (``layers/norm.py``).
     takes_residual = True
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A subclass with its own __call__ may not take ``residual``.
+        if "__call__" in cls.__dict__ and "takes_residual" not in cls.__dict__:
+            cls.takes_residual = False
+
     dequant_gemm: bool = True
 
     def __init__(

@@ -532,9 +532,14 @@ def kv_write_ready(k_new: mx.array, k_buf: mx.array) -> Optional[str]:
     def make_inputs():
         kk, kv, kb, vb = mx.random.split(mx.random.key(5), 4)
         B, Hk, D = 2, 2, 64
-        # New rows as RoPE leaves them: [B, 1, Hk, D] transposed (strided).
-        k_new = mx.random.normal((B, 1, Hk, D), key=kk).astype(dtype).transpose(0, 2, 1, 3)
-        v_new = mx.random.normal((B, 1, Hk, D), key=kv).astype(dtype).transpose(0, 2, 1, 3)
+        # New rows as the layer makes them: slices of one concatenated
+        # projection [B, 1, 3 Hk D] (proj-concat), split into heads and
+        # transposed; with B = 2 their strides are not the packed ones.
+        def rows(key):
+            proj = mx.random.normal((B, 1, 3 * Hk * D), key=key).astype(dtype)
+            return mx.split(proj, 3, axis=-1)[1].reshape(B, 1, Hk, D).transpose(0, 2, 1, 3)
+
+        k_new, v_new = rows(kk), rows(kv)
         k_full = mx.random.normal((B, Hk, S + 40, D), key=kb).astype(dtype)
         v_full = mx.random.normal((B, Hk, S + 40, D), key=vb).astype(dtype)
         return k_new, v_new, k_full, v_full, mx.array(257, dtype=mx.int32)

@@ -357,7 +357,9 @@ def router_kernel_ready(logits: mx.array, top_k: int, norm_topk_prob: bool) -> O
         "moe_router_topk", backend, (E, K, norm, str(dtype)),
         kernel=lambda lg: _route_by_expert(*_router_kernel_call(backend, lg, K, norm), E),
         reference=lambda lg: _route_by_expert(*_route_fn(K, norm)(lg), E),
-        make_inputs=lambda: (_router_check_logits(_ROUTER_CHECK_ROWS, E, dtype),), rtol=rtol)
+        # [N, 1, E]: the kernel counts rows over the leading axes, as decode passes them.
+        make_inputs=lambda: (_router_check_logits(_ROUTER_CHECK_ROWS, E, dtype)
+                             .reshape(_ROUTER_CHECK_ROWS, 1, E),), rtol=rtol)
     return backend if ok else None
 
 
@@ -1010,9 +1012,8 @@ def shared_decode_kernel_ready(x: mx.array, inds: mx.array, gate_up: ExpertWeigh
     # router's) and in float32 (the down kernel is built per scores dtype),
     # and with the decoder layer's residual added in the epilogue.
     def kernel(xs, ind, sc, gu, dn, sw, res):
-        return [_moe_shared_decode_kernel_call(backend, xs, ind, s, gu, dn, sw)
-                for s in (sc, sc.astype(mx.float32))] + [
-                _moe_shared_decode_kernel_call(backend, xs, ind, sc, gu, dn, sw, residual=res)]
+        return [_moe_shared_decode_kernel_call(backend, xs, ind, s, gu, dn, sw, residual=r)
+                for r in (None, res) for s in (sc, sc.astype(mx.float32))]
 
     # Reference with float32 activations, rounded once: what is measured is
     # the kernels' own error. float32: summation order only. bf16 / fp16: h
@@ -1021,7 +1022,7 @@ def shared_decode_kernel_ready(x: mx.array, inds: mx.array, gate_up: ExpertWeigh
     def reference(xs, ind, sc, gu, dn, sw, res):
         y = moe_shared_experts_ops(xs.astype(mx.float32), ind, sc.astype(mx.float32), gu, dn, sw,
                                    sort=False).astype(dtype)
-        return [y, y, res + y]
+        return [y, y, res + y, res + y]
 
     rtol = 1e-4 if dtype == mx.float32 else 2e-2
     g = shared.gate
