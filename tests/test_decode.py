@@ -20,6 +20,14 @@ def _greedy(model, prompt, n):
     return toks, mx.stack(lps), cache
 
 
+def _assert_same_decoding(comp, eager, prompt, n=8):
+    """The compiled and the eager model decode the same greedy tokens (float32 logprobs within 1e-5)."""
+    t_comp, lp_comp, _ = _greedy(comp, prompt, n)
+    t_eager, lp_eager, _ = _greedy(eager, prompt, n)
+    assert t_comp == t_eager
+    assert float(mx.abs(lp_comp - lp_eager).max()) <= 1e-5
+
+
 def test_compiled_step_equals_eager_for_64_tokens_across_a_kv_block(tiny_hf_f32, monkeypatch):
     # 230 prompt tokens + 64 decoded: the KV buffer grows at 256 mid-way, so
     # the step is traced twice and the grow itself runs eagerly.
@@ -139,10 +147,7 @@ def test_compiled_step_sees_replaced_projection_weights(tiny_hf_f32, monkeypatch
     for m in (comp, eager):
         gdn = m.language_model.model.layers[0].linear_attn
         gdn.in_proj_z.weight = gdn.in_proj_z.weight * 3.0
-    t_comp, lp_comp, _ = _greedy(comp, prompt, 8)
-    t_eager, lp_eager, _ = _greedy(eager, prompt, 8)
-    assert t_comp == t_eager
-    assert float(mx.abs(lp_comp - lp_eager).max()) <= 1e-5
+    _assert_same_decoding(comp, eager, prompt)
 
 
 def test_compiled_step_reads_replaced_parameters(tiny_hf_f32, monkeypatch):
@@ -163,19 +168,13 @@ def test_compiled_step_reads_replaced_parameters(tiny_hf_f32, monkeypatch):
         lm.norm.weight = lm.norm.weight * 0.5 + 0.3
         mlp = lm.layers[0].mlp
         mlp.switch_mlp.down_proj.weight = mlp.switch_mlp.down_proj.weight * -1.0
-    t_comp, lp_comp, _ = _greedy(comp, prompt, 8)
-    t_eager, lp_eager, _ = _greedy(eager, prompt, 8)
-    assert t_comp == t_eager
-    assert float(mx.abs(lp_comp - lp_eager).max()) <= 1e-5
+    _assert_same_decoding(comp, eager, prompt)
     for m in (comp, eager):
         lm = m.language_model.model
         old = lm.norm
         lm.norm = nn.RMSNorm(old.weight.shape[0], eps=old.eps)
         lm.norm.weight = old.weight * 2.0
-    t_comp, lp_comp, _ = _greedy(comp, prompt, 8)
-    t_eager, lp_eager, _ = _greedy(eager, prompt, 8)
-    assert t_comp == t_eager
-    assert float(mx.abs(lp_comp - lp_eager).max()) <= 1e-5
+    _assert_same_decoding(comp, eager, prompt)
 
 
 def test_new_short_prompts_do_not_rebuild_the_step(tiny_hf_f32, monkeypatch):
