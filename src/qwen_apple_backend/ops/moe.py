@@ -775,9 +775,9 @@ def _gemv_objects(backend: str):
 
 
 def _decode_rows(x: mx.array, inds: mx.array, scores: mx.array):
-    """The decode kernels' inputs as they come: ``x [..., H]``, ``inds [..., K]``
-    uint32, ``scores [..., K]`` (any float dtype, read as float32 by the down
-    kernel), and ``N``, the number of token rows.
+    """The decode kernels' routes as they come, ``inds [..., K]`` uint32 and
+    ``scores [..., K]`` (any float dtype, read as float32 by the down kernel),
+    and ``N``, the number of token rows of ``x [..., H]`` (passed unchanged).
 
     The kernels index rows flatly, so nothing is reshaped or cast here: on
     MLX's CUDA backend each view or cast is a primitive the host encodes
@@ -792,12 +792,12 @@ def _decode_rows(x: mx.array, inds: mx.array, scores: mx.array):
                          f"x {x.shape} and K = {K} slots")
     if not mx.issubdtype(scores.dtype, mx.floating):
         scores = scores.astype(mx.float32)
-    return x, inds.astype(mx.uint32), scores, N
+    return inds.astype(mx.uint32), scores, N
 
 
 def _moe_decode_kernel_call(backend: str, x, inds, scores, gate_up: ExpertWeights,
                             down: ExpertWeights) -> mx.array:
-    xf, ind, sc, N = _decode_rows(x, inds, scores)
+    ind, sc, N = _decode_rows(x, inds, scores)
     H, K = x.shape[-1], ind.shape[-1]
     I = gate_up.weight.shape[1] // 2
     objects = _gemv_objects(backend)
@@ -805,7 +805,7 @@ def _moe_decode_kernel_call(backend: str, x, inds, scores, gate_up: ExpertWeight
         raise RuntimeError(f"no MoE decode kernel sources or MLX API for {backend}")
     gu_kernel, dn_kernel = objects
     (h,) = gu_kernel(
-        inputs=[xf, ind, gate_up.weight, gate_up.scales, gate_up.biases],
+        inputs=[x, ind, gate_up.weight, gate_up.scales, gate_up.biases],
         template=[("OutT", x.dtype), ("H", H), ("I", I), ("K", K), ("G", gate_up.group_size)],
         grid=(32 * K * I // _GEMV_RPW, N, 1), threadgroup=(_GEMV_BLOCK, 1, 1),
         output_shapes=[(N, K, I)], output_dtypes=[x.dtype])
@@ -926,7 +926,7 @@ def _fold_grid_x(K: int, I: int) -> int:
 def _moe_shared_decode_kernel_call(backend: str, x, inds, scores, gate_up: ExpertWeights,
                                    down: ExpertWeights, shared: SharedExpertWeights,
                                    residual: Optional[mx.array] = None) -> mx.array:
-    xf, ind, sc, N = _decode_rows(x, inds, scores)
+    ind, sc, N = _decode_rows(x, inds, scores)
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual {residual.shape} {residual.dtype} must have x's shape "
                          f"{x.shape} and dtype {x.dtype}")
@@ -938,7 +938,7 @@ def _moe_shared_decode_kernel_call(backend: str, x, inds, scores, gate_up: Exper
     gu_kernel, dn_kernel = objects
     sg, su, sd, gate = shared
     h, logit = gu_kernel(
-        inputs=[xf, ind, gate_up.weight, gate_up.scales, gate_up.biases,
+        inputs=[x, ind, gate_up.weight, gate_up.scales, gate_up.biases,
                 sg.weight, sg.scales, sg.biases, su.weight, su.scales, su.biases,
                 gate.weight, gate.scales, gate.biases],
         template=[("OutT", x.dtype), ("H", H), ("I", I), ("K", K), ("G", gate_up.group_size),
