@@ -55,6 +55,7 @@ VARIANTS = {
     "fused-gdn-kernel": ("fused", {"QAB_DISABLE": "gdn-kernel"}),
     "fused-moe-kernel": ("fused", {"QAB_DISABLE": "moe-kernel"}),
     "fused-attn-split": ("fused", {"QAB_DISABLE": "attn-split"}),
+    "fused-attn-kernel": ("fused", {"QAB_DISABLE": "attn-kernel"}),
     "fused-kv-in-place": ("fused", {"QAB_DISABLE": "kv-in-place"}),
 }
 

@@ -624,6 +624,19 @@ def test_long_decode_takes_split_attention_on_a_gpu_and_matches_stock(monkeypatc
     assert calls == []
 
 
+def test_attn_kernel_switch():
+    from qwen_apple_backend.bench.target import fuse_in_memory
+    from qwen_apple_backend.checkpoint import build_random_model, hf_config
+
+    for disable, expect in ((None, True), (["attn-kernel"], False)):
+        model = build_random_model("tiny", vocab_size=64)
+        report = fuse_in_memory(model, "fused", config=hf_config("tiny", 64), disable=disable)
+        attn = [m for _, m in model.named_modules() if isinstance(m, FusedGQAAttention)]
+        assert attn and all(m.decode_kernel is expect for m in attn)
+        assert all(m.split_keys for m in attn)
+        assert any("attn-kernel" in n for n in report.notes) is (not expect)
+
+
 def test_attn_split_switch():
     from qwen_apple_backend.bench.target import fuse_in_memory
     from qwen_apple_backend.checkpoint import build_random_model, hf_config

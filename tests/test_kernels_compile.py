@@ -54,7 +54,9 @@ CASES = {
     "gqa_decode_partial": (
         ["bf16", "bf16", "bf16", "bool", "f32"], ["f32", "f32"],
         {"InT": "bf16", "D": 256, "G": 8, "BLOCK": 256, "HAS_MASK": True}),
-    "gqa_decode_combine": (["f32", "f32"], ["bf16"], {"OutT": "bf16", "D": 256}),
+    # The layer's build: the sigmoid output gate in the epilogue.
+    "gqa_decode_combine": (["f32", "f32", "bf16"], ["bf16"],
+                           {"OutT": "bf16", "D": 256, "HAS_GATE": True}),
     # The compiled decode step's in-place KV cache write.
     "kv_cache_write": (["bf16", "bf16", "bf16", "bf16", "i32"], ["bool"], {"InT": "bf16"}),
     "moe_grouped_gemm": (
@@ -102,6 +104,12 @@ EXTRA_CASES = [
         ["bf16", "u32", "f32", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "f32", "bf16"],
         ["bf16"],
         {"OutT": "bf16", "H": 2048, "I": 512, "K": 8, "G": 64, "ST": "f32", "HAS_RES": False})),
+    # Split-K attention in float32 at D = 128 (4 elements per lane: 16-byte
+    # vectors), no mask; the ungated second pass.
+    ("gqa_decode_partial", (["f32", "f32", "f32", "bool", "f32"], ["f32", "f32"],
+                            {"InT": "f32", "D": 128, "G": 16, "BLOCK": 32, "HAS_MASK": False})),
+    ("gqa_decode_combine", (["f32", "f32", "f32"], ["f32"],
+                            {"OutT": "f32", "D": 128, "HAS_GATE": False})),
     # The grouped GEMM's down projection (no GLU epilogue, 2,048 output columns).
     ("moe_grouped_gemm", (["bf16", "u32", "bf16", "bf16", "i32", "i32", "i32"], ["bf16"],
                           {"KDIM": 512, "NOUT": 2048, "E": 256, "GLU": False})),

@@ -1033,37 +1033,111 @@ def test_broken_add_rms_norm_fails(monkeypatch, what):
 # split-K decode attention (gqa_decode_partial + gqa_decode_combine)
 # --------------------------------------------------------------------------
 
-# (B, Hq, Hk, D, S, dtype, masked): Qwen3.6's 8 query heads per KV head at a
-# smaller D with a partial last key block, batch 2 with MQA, bf16 and f16.
+# (B, Hq, Hk, D, S, dtype, mask): Qwen3.6's 8 query heads per KV head at a
+# smaller D with a partial last key block, batch 2 with MQA, bf16 and f16;
+# mask None, one row per batch row ("rows", [B, 1, 1, S]) or one row for
+# every batch row ("row", [1, 1, 1, S]: the compiled decode step's).
 SPLIT_CASES = [
-    (1, 16, 2, 64, 150, F32, False),
-    (1, 16, 2, 64, 150, F32, True),
-    (2, 3, 1, 32, 70, BF16, True),
-    (1, 4, 2, 256, 65, F16, False),
+    (1, 16, 2, 64, 150, F32, None),
+    (1, 16, 2, 64, 150, F32, "rows"),
+    (2, 3, 1, 32, 70, BF16, "rows"),
+    (2, 4, 1, 32, 90, F32, "row"),
+    (1, 4, 2, 256, 65, F16, None),
 ]
 
 
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: "x".join(map(str, c[:5]))
-                         + f"-{c[5]}-{'mask' if c[6] else 'nomask'}")
-def test_split_decode_attention_emulated(case, monkeypatch):
-    B, Hq, Hk, D, S, dtype, masked = case
-    monkeypatch.setattr(attn_ops, "_SPLIT_KERNEL_WARPS", 4)  # several key blocks per head
-    kq, kk, kv, km = mx.random.split(mx.random.key(S + D), 4)
+def _split_inputs(B, Hq, Hk, D, S, dtype, mask_form):
+    kq, kk, kv, km, kg = mx.random.split(mx.random.key(S + D), 5)
     q = mx.random.normal((B, Hq, 1, D), key=kq).astype(dtype)
     # The KV cache's form: a view of the first S positions of a longer buffer.
     k = mx.random.normal((B, Hk, S + 9, D), key=kk).astype(dtype)[:, :, :S]
     v = mx.random.normal((B, Hk, S + 9, D), key=kv).astype(dtype)[:, :, :S]
     mask = None
-    if masked:
-        mask = (mx.random.uniform(shape=(B, 1, 1, S), key=km) > 0.3) | (mx.arange(S) == 5)
+    if mask_form is not None:
+        rows = B if mask_form == "rows" else 1
+        mask = (mx.random.uniform(shape=(rows, 1, 1, S), key=km) > 0.3) | (mx.arange(S) == 5)
+    gate = mx.split(mx.random.normal((B, 1, Hq, 2 * D), key=kg).astype(dtype), 2, axis=-1)[1]
+    return q, k, v, mask, gate
+
+
+def _split_tol(dtype):
+    # float32 partials and merge; bf16 / f16 inputs and one output rounding.
+    return 1e-5 if dtype == F32 else (1e-2 if dtype == BF16 else 2e-3)
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: "x".join(map(str, c[:5]))
+                         + f"-{c[5]}-{c[6] or 'nomask'}")
+def test_split_decode_attention_emulated(case, monkeypatch):
+    B, Hq, Hk, D, S, dtype, mask_form = case
+    monkeypatch.setattr(attn_ops, "_SPLIT_KERNEL_WARPS", 4)  # several key blocks per head
+    q, k, v, mask, _ = _split_inputs(*case)
     assert -(-S // attn_ops._split_kernel_block(B, Hk, S)) >= 2  # several key blocks
     out = attn_ops._split_kernel_call("cuda", q, k, v, D ** -0.5, mask)
     ref = attn_ops.gqa_attention_ops(q.astype(F32), k.astype(F32), v.astype(F32), D ** -0.5,
                                      mask)
     assert out.shape == (B, Hq, 1, D) and out.dtype == dtype
-    # float32 partials and merge; bf16 / f16 inputs and one output rounding.
-    tol = 1e-5 if dtype == F32 else (1e-2 if dtype == BF16 else 2e-3)
-    assert mx_rel_l2(out, ref) <= tol
+    assert mx_rel_l2(out, ref) <= _split_tol(dtype)
+
+
+@pytest.mark.parametrize("case", [SPLIT_CASES[1], SPLIT_CASES[2], SPLIT_CASES[3]],
+                         ids=lambda c: "x".join(map(str, c[:5])) + f"-{c[5]}-{c[6]}")
+def test_split_decode_attention_gated_emulated(case, monkeypatch):
+    # The second pass multiplies by the sigmoid gate and writes [B, 1, Hq * D],
+    # the layout o_proj reads: the same values as attention, then
+    # gate_output's `out * mx.sigmoid(gate)` in the same dtype.
+    B, Hq, Hk, D, S, dtype, _ = case
+    monkeypatch.setattr(attn_ops, "_SPLIT_KERNEL_WARPS", 4)
+    q, k, v, mask, gate = _split_inputs(*case)
+    out = attn_ops._split_kernel_call("cuda", q, k, v, D ** -0.5, mask, gate)
+    plain = attn_ops._split_kernel_call("cuda", q, k, v, D ** -0.5, mask)
+    assert out.shape == (B, 1, Hq * D) and out.dtype == dtype
+    same_rounding = attn_ops.gate_output(plain, gate)
+    if dtype == F32:
+        assert mx_rel_l2(out, same_rounding) <= 1e-6
+    else:
+        # each rounding step of MLX's sigmoid in the kernel; MLX's exp of a
+        # bf16 value may differ from expf in its last bit: one bf16 step.
+        assert mx.max(mx.abs(out.astype(F32) - same_rounding.astype(F32))).item() <= 2 ** -7
+    ref = attn_ops.gate_output(
+        attn_ops.gqa_attention_ops(q.astype(F32), k.astype(F32), v.astype(F32), D ** -0.5, mask),
+        gate.astype(F32))
+    assert mx_rel_l2(out, ref) <= 2 * _split_tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_attention_layer_decodes_through_the_kernel_pair(dtype, monkeypatch):
+    # FusedGQAAttention at Qwen3.6's heads (16 q / 2 kv, D 256) over a KV cache:
+    # each decode token's attention and output gate run as the kernel pair
+    # (gate handed over as q_proj's strided half), and the outputs are stock
+    # Qwen3NextAttention's; with attn-kernel off (decode_kernel False) the
+    # MLX path runs.
+    from mlx_lm.models.cache import KVCache
+
+    from .test_attention import inputs, make_pair, run_steps
+
+    monkeypatch.setattr(attn_ops, "gpu_backend", lambda: "cuda")
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    gated = []
+    real = attn_ops._split_kernel_call
+    monkeypatch.setattr(attn_ops, "_split_kernel_call",
+                        lambda *a: gated.append((a[2].shape[2], len(a) > 6)) or real(*a))
+    device.reset_self_checks()
+    stock, fused = make_pair(dtype=dtype)
+    xs = [inputs((1, n, 512), seed=s).astype(dtype) for s, n in enumerate([20, 1, 1])]
+    ys, _ = run_steps(fused, xs, KVCache)
+    refs, _ = run_steps(stock, xs, KVCache)
+    # The self-check's three launches, then the two decode tokens, gated.
+    assert gated == [(777, False), (777, False), (777, True), (21, True), (22, True)], gated
+    tol = 1e-5 if dtype == F32 else 2e-2  # bf16: p v in float32 vs MLX's bf16 steps
+    for step, (y, ref) in enumerate(zip(ys, refs)):
+        assert y.dtype == ref.dtype and mx_rel_l2(y, ref) <= tol, step
+    gated.clear()
+    fused.decode_kernel = False
+    ys_off, _ = run_steps(fused, xs, KVCache)
+    assert gated == []
+    for y, ref in zip(ys_off, refs):
+        assert mx_rel_l2(y, ref) <= tol
+    device.reset_self_checks()  # no verdict for the shapes of the tests that follow
 
 
 def test_split_decode_attention_dispatch_and_self_check(monkeypatch):
@@ -1082,8 +1156,22 @@ def test_split_decode_attention_dispatch_and_self_check(monkeypatch):
     verdicts = {key: val for key, val in device.self_check_results().items()
                 if key[0] == "gqa_decode_attention"}
     assert list(verdicts.values()) == [(True, "passed")], verdicts
-    assert calls == [777, 100]  # the self-check's inputs, then the call
+    # The self-check's inputs (unmasked, masked, masked and gated), then the call.
+    assert calls == [777, 777, 777, 100]
     assert mx_rel_l2(out, attn_ops.gqa_attention_ops(q, k, v, 0.3, None)) <= 1e-5
     attn_ops.gqa_attention_split(q, k, v, 0.3, None, use_kernel=False)
-    assert calls == [777, 100]
+    assert calls == [777, 777, 777, 100]
+    # One verdict per (Hq, Hk, D, dtype): a masked, gated call does not check again.
+    gate = mx.random.normal((1, 1, 4, 32), key=mx.random.key(4))
+    row = mx.arange(100).reshape(1, 1, 1, 100) < 90
+    gated = attn_ops.gqa_decode_attention_gated(q, k, v, 0.3, row, gate)
+    assert calls == [777, 777, 777, 100, 100] and gated.shape == (1, 1, 128)
+    ref = attn_ops.gate_output(attn_ops.gqa_attention_ops(q, k, v, 0.3, row), gate)
+    assert mx_rel_l2(gated, ref) <= 1e-5
+    # Forms the kernel does not take: None, and the caller runs MLX ops.
+    per_head = mx.broadcast_to(row, (1, 4, 1, 100))
+    assert attn_ops.gqa_decode_attention_gated(q, k, v, 0.3, per_head, gate) is None
+    assert attn_ops.gqa_decode_attention_gated(q, k, v, 0.3, row.astype(F32), gate) is None
+    assert attn_ops.gqa_decode_attention_gated(q, k, v, 0.3, row, gate.astype(BF16)) is None
+    assert calls == [777, 777, 777, 100, 100]
 

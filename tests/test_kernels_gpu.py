@@ -1155,6 +1155,37 @@ def test_split_decode_attention_kernel(S, dtype, masked):
         assert err <= 1.1 * err_one + 1e-3
 
 
+@pytest.mark.parametrize("S", [300, 4097, 131172])
+def test_gated_decode_attention_kernel_matches_the_layer_ops(S):
+    # The attention layer's decode path on the kernel pair (compiled step's
+    # mask over a longer buffer, the gate as q_proj's strided half) against
+    # the MLX ops it replaces (gqa_attention_split's at >= 32K keys, SDPA
+    # below) and both against float32, bf16 as Qwen3.6 runs.
+    from qwen_apple_backend.ops import attention as attn_ops
+
+    if attn_ops.gpu_backend() != "cuda":
+        pytest.skip("CUDA kernel")
+    bf = mx.bfloat16
+    kq, kk, kv, kg = mx.random.split(mx.random.key(S + 1), 4)
+    q = mx.random.normal((1, 16, 1, 256), key=kq).astype(bf)
+    k = mx.random.normal((1, 2, S + 156, 256), key=kk).astype(bf)
+    v = mx.random.normal((1, 2, S + 156, 256), key=kv).astype(bf)
+    mask = (mx.arange(S + 156) < S).reshape(1, 1, 1, -1)
+    gate = mx.split(mx.random.normal((1, 1, 16, 512), key=kg).astype(bf), 2, axis=-1)[1]
+    out = attn_ops.gqa_decode_attention_gated(q, k, v, 256 ** -0.5, mask, gate)
+    assert out is not None and out.shape == (1, 1, 4096) and out.dtype == bf
+    if S >= attn_ops.SPLIT_KV_MIN_KEYS:
+        ops = attn_ops.gqa_attention_split(q, k, v, 256 ** -0.5, mask, use_kernel=False)
+    else:
+        ops = attn_ops.gqa_attention_ops(q, k, v, 256 ** -0.5, mask)
+    ops = attn_ops.gate_output(ops, gate)
+    f32 = [a.astype(mx.float32) for a in (q, k, v, gate)]
+    ref = attn_ops.gate_output(attn_ops.gqa_attention_ops(*f32[:3], 256 ** -0.5, mask), f32[3])
+    err, err_ops = mx_rel_l2(out, ref), mx_rel_l2(ops, ref)
+    print(f"S={S}: kernel {err:.3g}, MLX ops {err_ops:.3g} vs float32")
+    assert err <= 1.1 * err_ops + 1e-3
+
+
 def test_split_decode_attention_kernel_reads_any_strides():
     # K and V whose last axis is not contiguous (stored [B, Hk, D, S]) and a
     # transposed q: the kernel indexes every axis by its stride (the CPU

@@ -36,3 +36,34 @@ __device__ __forceinline__ void qab_cp_async_wait() {
   // Wait until at most N committed groups of this thread are still in flight.
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+
+constexpr int qab_vec_align(int elem, int n) {
+  // Alignment of n contiguous elements of elem bytes read as one vector:
+  // their size when it is a power of two (at most 16), 16 above, else elem.
+  return n * elem >= 16 ? 16 : ((n * elem) & (n * elem - 1)) ? elem : n * elem;
+}
+
+template <typename T, int N>
+struct alignas(qab_vec_align(sizeof(T), N)) QabVec {
+  // N contiguous elements, loaded with vector instructions when aligned.
+  T v[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ bool qab_vec_aligned(const T* p) {
+  return reinterpret_cast<uintptr_t>(p) % alignof(QabVec<T, N>) == 0;
+}
+
+template <typename T, int N>
+__device__ __forceinline__ QabVec<T, N> qab_load_vec(const T* p, int64_t stride, bool vec) {
+  // Elements p[0], p[stride], ..., p[(N - 1) * stride]: one vector load when
+  // vec (stride 1 and p aligned, see qab_vec_aligned), else N scalar loads.
+  QabVec<T, N> r;
+  if (vec) {
+    r = *reinterpret_cast<const QabVec<T, N>*>(p);
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) r.v[e] = p[(int64_t)e * stride];
+  }
+  return r;
+}

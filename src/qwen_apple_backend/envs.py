@@ -9,7 +9,7 @@ Variables:
     QAB_DISABLE: comma-separated fused module kinds to keep stock
         (``moe``, ``gdn``, ``attn``, ``all``) or single optimizations to
         switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``,
-        ``attn-blocks``, ``attn-split``, ``decode-compile``, ``proj-concat``,
+        ``attn-blocks``, ``attn-split``, ``attn-kernel``, ``decode-compile``, ``proj-concat``,
         ``gemv-kernel``, ``add-norm``), for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
@@ -57,6 +57,8 @@ OPTIMIZATIONS = {
     "attn-blocks": "attn",
     # decode attention over >= 32K cached keys with p v split over key blocks (GPU)
     "attn-split": "attn",
+    # one decode token's attention + output gate in the split-K CUDA kernel pair
+    "attn-kernel": "attn",
     "decode-compile": "model",  # the compiled one-token decode step (decode.py)
     "proj-concat": "model",  # sibling input projections run as one matmul (layers/_concat.py)
     "gemv-kernel": "model",  # the CUDA dense 4-bit decode GEMV for lm_head (ops/linear.py)
@@ -130,7 +132,7 @@ def disabled_kinds() -> frozenset[str]:
     Raises:
         EnvVarError: if a name is not one of ``moe``, ``gdn``, ``attn``,
             ``all`` or an optimization name (``gdn-kernel``, ``moe-gemm``,
-            ``moe-kernel``, ``attn-blocks``, ``attn-split``, ``decode-compile``,
+            ``moe-kernel``, ``attn-blocks``, ``attn-split``, ``attn-kernel``, ``decode-compile``,
             ``proj-concat``, ``gemv-kernel``, ``add-norm``).
     """
     names = set(_names(_get("QAB_DISABLE", "") or ""))

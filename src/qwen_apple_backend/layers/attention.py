@@ -28,6 +28,7 @@ from qwen_apple_backend.ops.attention import (
     gqa_attention,
     gqa_attention_split,
     gqa_attention_blocked,
+    gqa_decode_attention_gated,
     prep_qk,
     score_block_rows,
 )
@@ -89,6 +90,11 @@ class FusedGQAAttention(nn.Module):
             ``ops.attention.SPLIT_KV_MIN_KEYS`` cached keys as
             ``ops.attention.gqa_attention_split`` (the ``attn-split``
             optimization: ``p v`` split over blocks of keys). Default True.
+        decode_kernel (bool): on CUDA, run a one-token query's attention
+            and output gate as ``ops.attention.gqa_decode_attention_gated``
+            (the ``attn-kernel`` optimization: the split-K kernel pair, two
+            launches instead of about six MLX ops and their views) when its
+            self-check passed. Default True.
     """
 
     def __init__(
@@ -108,6 +114,7 @@ class FusedGQAAttention(nn.Module):
         compile_decode: bool = True,
         block_queries: bool = True,
         split_keys: bool = True,
+        decode_kernel: bool = True,
     ):
         super().__init__()
         self.num_key_value_heads = num_key_value_heads
@@ -125,6 +132,7 @@ class FusedGQAAttention(nn.Module):
         self.compile_decode = compile_decode
         self.block_queries = block_queries
         self.split_keys = split_keys
+        self.decode_kernel = decode_kernel
 
     @classmethod
     def from_stock(
@@ -269,6 +277,11 @@ class FusedGQAAttention(nn.Module):
                 q, k, v, cache=cache, scale=self.scale, mask=mask
             )
         else:
+            if (self.decode_kernel and self.use_kernel and not self.training
+                    and q.shape[2] == 1):
+                gated = gqa_decode_attention_gated(q, k, v, self.scale, mask, gate)
+                if gated is not None:
+                    return self.o_proj(gated)
             rows = q.shape[2]
             if self.block_queries and not self.training and rows > 1:
                 rows = score_block_rows(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
@@ -277,9 +290,7 @@ class FusedGQAAttention(nn.Module):
             elif (self.split_keys and not self.training and q.shape[2] == 1
                   and k.shape[2] >= attn_ops.SPLIT_KV_MIN_KEYS
                   and attn_ops.gpu_backend() is not None):
-                out = gqa_attention_split(
-                    q, k, v, self.scale, mask,
-                    use_kernel=self.use_kernel and attn_ops.SPLIT_KERNEL_IN_LAYERS)
+                out = gqa_attention_split(q, k, v, self.scale, mask, use_kernel=False)
             else:
                 out = gqa_attention(
                     q, k, v, self.scale, mask, use_kernel=self.use_kernel and not self.training
@@ -316,7 +327,6 @@ class FusedGQAAttention(nn.Module):
             qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # Per head: D query features, then D gate features (stock split).
         q, gate = mx.split(qg.reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
-        gate = gate.reshape(B, L, -1)
         k = k.reshape(B, L, self.num_key_value_heads, -1)
         v = v.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
 

@@ -324,6 +324,8 @@ class QwenHybridAdapter(Adapter):
                        "in QAB_DISABLE / disable=)",
         "attn-split": "decode attention over long KV caches runs as one fused SDPA call, not "
                       "with p v split over blocks of keys (attn-split in QAB_DISABLE / disable=)",
+        "attn-kernel": "decode attention and its output gate run as MLX ops, not in the "
+                       "split-K CUDA kernel pair (attn-kernel in QAB_DISABLE / disable=)",
         "gdn-kernel": "Gated DeltaNet scans and decode steps run as MLX ops, without the GPU "
                       "gated-delta kernels (gdn-kernel in QAB_DISABLE / disable=)",
         "moe-kernel": "MoE routing and experts run as MLX ops, without the GPU MoE kernels "
@@ -378,6 +380,8 @@ class QwenHybridAdapter(Adapter):
                     fused.block_queries = False
                 if "attn-split" in off:
                     fused.split_keys = False
+                if "attn-kernel" in off:
+                    fused.decode_kernel = False
                 switched_off.update(off)
                 if "proj-concat" not in disable and hasattr(fused, "concat_projections"):
                     fused.concat_projections()

@@ -50,6 +50,7 @@ __all__ = [
     "gqa_attention",
     "gqa_attention_blocked",
     "gqa_attention_split",
+    "gqa_decode_attention_gated",
     "SPLIT_KV_MIN_KEYS",
     "SPLIT_KV_BLOCK",
     "score_block_rows",
@@ -88,15 +89,6 @@ RUNAHEAD_EVAL_ROWS = 512
 #: 43.2 tok/s with SDPA, 47.8 with the split; 16K and the exact switch point
 #: are not yet measured.
 SPLIT_KV_MIN_KEYS = 32768
-#: Whether attention layers let :func:`gqa_attention_split` take the split-K
-#: CUDA kernel pair (when ready). Off: on the H200 (MLX 0.32.4,
-#: ``benchmarks/profile_attention_decode.py``, one Qwen3.6 layer over the
-#: compiled step's masked buffer) the kernel took 0.262 / 0.469 / 0.860 ms at
-#: 4K / 32K / 128K keys against 0.257 / 0.312 / 0.486 ms for the MLX-ops split
-#: (and 0.149 / 0.508 / 1.176 ms for MLX's SDPA): correct (its GPU tests pass,
-#: bf16 error 0.0017 vs SDPA's 0.0046 against float32) but latency-bound, one
-#: warp walking 256 keys one after another with every load waited for.
-SPLIT_KERNEL_IN_LAYERS = False
 SPLIT_KV_BLOCK = 1024
 
 Mask = Union[None, str, mx.array]
@@ -334,10 +326,9 @@ def gqa_attention_split(
     Hk, S = k.shape[1], k.shape[2]
     G = Hq // Hk
     if use_kernel and T == 1:
-        km = None if isinstance(mask, str) and mask == "causal" else mask
-        backend = split_kernel_ready(q, k, v, km)
+        backend = split_kernel_ready(q, k, v, mask)
         if backend is not None:
-            return _split_kernel_call(backend, q, k, v, scale, km)
+            return _split_kernel_call(backend, q, k, v, scale, _row_mask(mask, B, S)[1])
     if isinstance(mask, str):
         if mask != "causal" or T != 1:
             raise ValueError(f"gqa_attention_split: mask {mask!r} with {T} query rows; "
@@ -375,55 +366,85 @@ def gqa_attention_split(
 # --------------------------------------------------------------------------
 
 #: Most warps one split-K launch aims for: keys per warp are the smallest of
-#: 64..512 that keeps ``B * Hk * ceil(S / block)`` within it.
+#: 32..1024 that keeps ``B * Hk * ceil(S / block)`` within it (about 8 warps
+#: per H200 SM: enough loads in flight, few partials for the second pass).
 _SPLIT_KERNEL_WARPS = 1024
+#: Warps per thread block of the first pass (each its own block of keys).
+_SPLIT_CTA_WARPS = 4
 
 
 def _split_kernel_block(B: int, Hk: int, S: int) -> int:
-    for block in (64, 128, 256):
+    for block in (32, 64, 128, 256, 512):
         if B * Hk * -(-S // block) <= _SPLIT_KERNEL_WARPS:
             return block
-    return 512
+    return 1024
 
 
 @functools.lru_cache(maxsize=None)
 def _split_objects(backend: str):
     # CUDA only: no Metal source yet (Metal runs gqa_attention_split's MLX ops).
     part = build_kernel("gqa_decode_partial", backend, ensure_row_contiguous=False)
-    comb = build_kernel("gqa_decode_combine", backend)
+    comb = build_kernel("gqa_decode_combine", backend, ensure_row_contiguous=False)
     return None if part is None or comb is None else (part, comb)
 
 
-def _split_kernel_call(backend: str, q, k, v, scale: float, mask) -> mx.array:
+def _row_mask(mask: Mask, B: int, S: int) -> tuple[bool, Optional[mx.array]]:
+    """(usable, mask) for the kernel pair: None, or a boolean mask with one row of
+    ``S`` keys per batch row (``[1 or B, 1, ..., 1, S]``), read as it is."""
+    if mask is None or (isinstance(mask, str) and mask == "causal"):
+        return True, None  # one query row at the end of the cache: no key masked
+    if isinstance(mask, str) or mask.dtype != mx.bool_ or mask.ndim < 2:
+        return False, None
+    if mask.shape[-1] != S or mask.shape[0] not in (1, B) or any(d != 1 for d in mask.shape[1:-1]):
+        return False, None
+    return True, mask
+
+
+def _split_kernel_call(backend: str, q, k, v, scale: float, mask, gate=None) -> mx.array:
     part, comb = _split_objects(backend)
     B, Hq, _, D = q.shape
     Hk, S = k.shape[1], k.shape[2]
     block = _split_kernel_block(B, Hk, S)
     nb = -(-S // block)
     has_mask = mask is not None
-    m = (mx.contiguous(mx.broadcast_to(mask, (B, 1, 1, S)).reshape(B, S)) if has_mask
-         else mx.zeros((1,), dtype=mx.bool_))
+    m = mask if has_mask else _dummy(mx.bool_)
+    warps = _SPLIT_CTA_WARPS
     o, ml = part(inputs=[q, k, v, m, f32_scalar(float(scale))],
                  template=[("InT", q.dtype), ("D", D), ("G", Hq // Hk), ("BLOCK", block),
                            ("HAS_MASK", has_mask)],
-                 grid=(32 * nb, Hk, B), threadgroup=(32, 1, 1),
+                 grid=(32 * warps * -(-nb // warps), Hk, B), threadgroup=(32 * warps, 1, 1),
                  output_shapes=[(B, Hq, nb, D), (B, Hq, nb, 2)],
                  output_dtypes=[mx.float32, mx.float32])
-    (out,) = comb(inputs=[o, ml], template=[("OutT", q.dtype), ("D", D)],
+    has_gate = gate is not None
+    (out,) = comb(inputs=[o, ml, gate if has_gate else _dummy(q.dtype)],
+                  template=[("OutT", q.dtype), ("D", D), ("HAS_GATE", has_gate)],
                   grid=(D, Hq, B), threadgroup=(D, 1, 1),
-                  output_shapes=[(B, Hq, 1, D)], output_dtypes=[q.dtype])
+                  output_shapes=[(B, 1, Hq * D) if has_gate else (B, Hq, 1, D)],
+                  output_dtypes=[q.dtype])
     return out
 
 
-def split_kernel_ready(q: mx.array, k: mx.array, v: mx.array, mask: Mask) -> Optional[str]:
+@functools.lru_cache(maxsize=None)
+def _dummy(dtype: mx.Dtype) -> mx.array:
+    # A cached [1] stand-in for an input a kernel build does not read.
+    return mx.zeros((1,), dtype=dtype)
+
+
+def split_kernel_ready(q: mx.array, k: mx.array, v: mx.array, mask: Mask,
+                       gate: Optional[mx.array] = None) -> Optional[str]:
     """The GPU backend whose split-K decode attention kernel may run this call, or None.
 
     One query row, ``Hq / Hk`` at most 16, ``D`` a multiple of 32 up to 256
-    for q, k and v, float32 / bf16 / f16, no mask or a boolean one. CUDA only
-    (``kernels/cuda/gqa_decode_{partial,combine}.cu``), built only once its
-    manifest entry records a GPU verification or with
-    ``QAB_UNVERIFIED_KERNELS=1``, and self-checked against
-    :func:`gqa_attention_ops` on a KV-cache-like strided view first.
+    for q, k and v, float32 / bf16 / f16, no mask or a boolean one with one
+    row of keys per batch row (``[1 or B, 1, 1, S]``: mlx-lm's decode and the
+    compiled step's), and an output ``gate`` (``[B, 1, Hq, D]``, dtype of q)
+    or none. CUDA only (``kernels/cuda/gqa_decode_{partial,combine}.cu``),
+    built only once its manifest entry records a GPU verification or with
+    ``QAB_UNVERIFIED_KERNELS=1``, and self-checked once per (Hq, Hk, D,
+    dtype) against :func:`gqa_attention_ops` (and :func:`gate_output`) on a
+    KV-cache-like strided view, without a mask, with one and with the gate,
+    so the compiled decode step (masked, gated) never self-checks inside its
+    trace after an eager first token (unmasked).
 
     Returns:
         Optional[str]: ``"cuda"``, or None.
@@ -434,34 +455,86 @@ def split_kernel_ready(q: mx.array, k: mx.array, v: mx.array, mask: Mask) -> Opt
     if backend != "cuda" or q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or q.shape[2] != 1:
         return None
     B, Hq, _, D = q.shape
-    Hk = k.shape[1]
+    Hk, S = k.shape[1], k.shape[2]
     if (Hq % Hk or Hq // Hk > 16 or D % 32 or D > 256 or k.shape[-1] != D
             or v.shape[-1] != D or q.dtype not in (mx.float32, mx.bfloat16, mx.float16)
-            or k.dtype != q.dtype or v.dtype != q.dtype):
+            or k.dtype != q.dtype or v.dtype != q.dtype or k.shape[0] != B or v.shape[:3] != k.shape[:3]):
         return None
-    if isinstance(mask, str) or (mask is not None and mask.dtype != mx.bool_):
+    if not _row_mask(mask, B, S)[0]:
+        return None
+    if gate is not None and (gate.shape != (B, 1, Hq, D) or gate.dtype != q.dtype):
         return None
     if _split_objects(backend) is None:
         return None
-    has_mask = mask is not None
-    key = (Hq, Hk, D, str(q.dtype), has_mask)
+    key = (Hq, Hk, D, str(q.dtype))
 
     def make_inputs():
-        kq, kk, kv, km = mx.random.split(mx.random.key(7), 4)
-        S = 777  # a partial last block; the cache's view: [:, :, :S] of a longer buffer
+        kq, kk, kv, km, kg = mx.random.split(mx.random.key(7), 5)
+        S_ = 777  # a partial last block; the cache's view: [:, :, :S] of a longer buffer
         q_ = mx.random.normal((1, Hq, 1, D), key=kq).astype(q.dtype)
-        k_ = mx.random.normal((1, Hk, S + 256, D), key=kk).astype(q.dtype)[:, :, :S]
-        v_ = mx.random.normal((1, Hk, S + 256, D), key=kv).astype(q.dtype)[:, :, :S]
-        m_ = (mx.random.uniform(shape=(1, 1, 1, S), key=km) > 0.2) if has_mask else None
-        return q_, k_, v_, m_
+        k_ = mx.random.normal((1, Hk, S_ + 256, D), key=kk).astype(q.dtype)[:, :, :S_]
+        v_ = mx.random.normal((1, Hk, S_ + 256, D), key=kv).astype(q.dtype)[:, :, :S_]
+        m_ = mx.random.uniform(shape=(1, 1, 1, S_), key=km) > 0.2
+        # The layer's gate: the second half of each head's q_proj output (strided).
+        g_ = mx.split(mx.random.normal((1, 1, Hq, 2 * D), key=kg).astype(q.dtype), 2, axis=-1)[1]
+        return q_, k_, v_, m_, g_
+
+    def kernel(q_, k_, v_, m_, g_):
+        return [_split_kernel_call(backend, q_, k_, v_, D ** -0.5, None),
+                _split_kernel_call(backend, q_, k_, v_, D ** -0.5, m_),
+                _split_kernel_call(backend, q_, k_, v_, D ** -0.5, m_, g_)]
+
+    def reference(q_, k_, v_, m_, g_):
+        masked = gqa_attention_ops(q_, k_, v_, D ** -0.5, m_)
+        return [gqa_attention_ops(q_, k_, v_, D ** -0.5, None), masked,
+                gate_output(masked, g_)]
 
     tol = 1e-4 if q.dtype == mx.float32 else 2e-2
-    ok = self_checked(
-        "gqa_decode_attention", backend, key,
-        kernel=lambda q_, k_, v_, m_: [_split_kernel_call(backend, q_, k_, v_, D ** -0.5, m_)],
-        reference=lambda q_, k_, v_, m_: [gqa_attention_ops(q_, k_, v_, D ** -0.5, m_)],
-        make_inputs=make_inputs, rtol=tol)
+    ok = self_checked("gqa_decode_attention", backend, key, kernel=kernel, reference=reference,
+                      make_inputs=make_inputs, rtol=tol)
     return backend if ok else None
+
+
+def gqa_decode_attention_gated(q: mx.array, k: mx.array, v: mx.array, scale: float,
+                               mask: Mask, gate: mx.array) -> Optional[mx.array]:
+    """One decode token's gated attention in two launches, or None where the kernel cannot run.
+
+    ``gate_output(gqa_attention_ops(q, k, v, scale, mask), gate)``, i.e.
+    Qwen3-Next's full attention between its projections and ``o_proj``, as
+    the split-K kernel pair (``kernels/cuda/gqa_decode_{partial,combine}``):
+    the first pass reads each K and V row once for the ``Hq / Hk`` query
+    heads sharing it (GQA packing) over blocks of keys, online softmax in
+    float32; the second merges the blocks and multiplies by the sigmoid gate,
+    rounding as mlx-lm's ``out * mx.sigmoid(gate)``. Inputs are read through
+    their strides (the KV cache's views, the gate's half of ``q_proj``), so
+    no copy or transpose runs around the two launches. The algorithm is
+    flash-decoding (Dao et al., "Flash-Decoding for long-context inference",
+    2023) with GQA packing.
+
+    Args:
+        q (mx.array): the token's queries after RoPE.
+        k (mx.array): cached keys (the new one written).
+        v (mx.array): cached values.
+        scale (float): score scale.
+        mask (None | str | mx.array): None, ``"causal"`` (one row: nothing
+            masked) or a boolean row of keys per batch row.
+        gate (mx.array): gate logits, dtype of q.
+
+    Returns:
+        mx.array | None: the gated output, dtype of q; None when
+        :func:`split_kernel_ready` declines (no CUDA, another mask form,
+        shapes or dtypes the kernel does not take, a failed self-check):
+        the caller runs the MLX path.
+
+    Shapes:
+        q: ``[B, Hq, 1, D]``; k, v: ``[B, Hk, S, D]``; gate: ``[B, 1, Hq, D]``;
+        mask: ``[1 or B, 1, 1, S]``; returns ``[B, 1, Hq * D]``
+    """
+    backend = split_kernel_ready(q, k, v, mask, gate)
+    if backend is None:
+        return None
+    return _split_kernel_call(backend, q, k, v, scale, _row_mask(mask, q.shape[0], k.shape[2])[1],
+                              gate)
 
 
 # --------------------------------------------------------------------------
@@ -626,9 +699,12 @@ def gate_output(out: mx.array, gate: mx.array) -> mx.array:
         mx.array: gated output, promoted dtype of ``out`` and ``gate``.
 
     Shapes:
-        out: ``[B, Hq, T, D]``; gate: ``[B, T, Hq * D]``; returns ``[B, T, Hq * D]``
+        out: ``[B, Hq, T, D]``; gate: ``[B, T, Hq * D]`` or ``[B, T, Hq, D]``;
+        returns ``[B, T, Hq * D]``
     """
     b, h, t, d = out.shape
+    if gate.ndim == 4:
+        gate = gate.reshape(b, t, h * d)
     return _sigmoid_gate(out.transpose(0, 2, 1, 3).reshape(b, t, h * d), gate)
 
 
