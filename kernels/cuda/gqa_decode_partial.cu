@@ -12,10 +12,11 @@
 // One warp per (b, h, j), WARPS = blockDim.x / 32 warps (consecutive key
 // blocks) per thread block; lane i holds the D / 32 elements i * D / 32 .. of
 // each row (q of the G heads in registers). The warp walks its keys U = 2 at
-// a time: both K and both V rows are loaded first (one 16-byte vector load
-// per lane and row for bf16 at D = 256 when the rows are contiguous and
-// aligned, strided scalar loads otherwise), then G dot products per key are
-// reduced by butterflies and folded into the online softmax. A masked key
+// a time, the next two keys' K and V rows loaded before the current ones are
+// used (one 16-byte vector load per lane and row for bf16 at D = 256 when
+// the rows are contiguous and aligned, strided scalar loads otherwise); G
+// dot products per key are reduced by butterflies and folded into the
+// online softmax. A masked key
 // (or the padding key past the block's end) is loaded but weighs 0, so the
 // loads never wait on the mask. q, K, V and the mask are read through their
 // strides (the KV cache's views are not contiguous over heads; the compiled
@@ -75,19 +76,32 @@ if (HAS_MASK) {
   ms = mask_strides[mask_ndim - 1];
 }
 
+// Software pipelining: the next U keys' rows are loaded before the current
+// ones are used, so a warp always has 4 rows' loads in flight.
+QabVec<InT, EPL> kr[U], vr[U];
+bool ok[U];
+#pragma unroll
+for (int u = 0; u < U; ++u) {
+  const int t = min(s0 + u, s1 - 1);  // always a row of this block
+  ok[u] = s0 + u < s1 && (!HAS_MASK || mp[(int64_t)t * ms]);
+  kr[u] = qab_load_vec<InT, EPL>(kp + (int64_t)t * ks, k_strides[3], vec);
+  vr[u] = qab_load_vec<InT, EPL>(vp + (int64_t)t * vs, v_strides[3], vec);
+}
 for (int s = s0; s < s1; s += U) {
-  QabVec<InT, EPL> kr[U], vr[U];
-  bool ok[U];
+  QabVec<InT, EPL> kn[U], vn[U];
+  bool okn[U];
+  const int sn = s + U;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const int t = min(s + u, s1 - 1);  // always a row of this block
-    ok[u] = s + u < s1;
-    kr[u] = qab_load_vec<InT, EPL>(kp + (int64_t)t * ks, k_strides[3], vec);
-    vr[u] = qab_load_vec<InT, EPL>(vp + (int64_t)t * vs, v_strides[3], vec);
-  }
-  if (HAS_MASK) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) ok[u] = ok[u] && mp[(int64_t)min(s + u, s1 - 1) * ms];
+    const int t = min(sn + u, s1 - 1);
+    okn[u] = sn + u < s1 && (!HAS_MASK || mp[(int64_t)t * ms]);
+    if (sn < s1) {  // warp-uniform
+      kn[u] = qab_load_vec<InT, EPL>(kp + (int64_t)t * ks, k_strides[3], vec);
+      vn[u] = qab_load_vec<InT, EPL>(vp + (int64_t)t * vs, v_strides[3], vec);
+    } else {
+      kn[u] = kr[u];  // past the block: never used
+      vn[u] = vr[u];
+    }
   }
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -117,6 +131,12 @@ for (int s = s0; s < s1; s += U) {
 #pragma unroll
       for (int e = 0; e < EPL; ++e) o[g][e] += p * static_cast<float>(vr[u].v[e]);
     }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    kr[u] = kn[u];
+    vr[u] = vn[u];
+    ok[u] = okn[u];
   }
 }
 #pragma unroll

@@ -371,6 +371,9 @@ def gqa_attention_split(
 _SPLIT_KERNEL_WARPS = 1024
 #: Warps per thread block of the first pass (each its own block of keys).
 _SPLIT_CTA_WARPS = 4
+#: Warps of the second pass's thread block per query head (at most 16): they
+#: share its key blocks' partials, so even 512 blocks are 16 steps of loads.
+_COMBINE_WARPS = 16
 
 
 def _split_kernel_block(B: int, Hk: int, S: int) -> int:
@@ -418,7 +421,7 @@ def _split_kernel_call(backend: str, q, k, v, scale: float, mask, gate=None) -> 
     has_gate = gate is not None
     (out,) = comb(inputs=[o, ml, gate if has_gate else _dummy(q.dtype)],
                   template=[("OutT", q.dtype), ("D", D), ("HAS_GATE", has_gate)],
-                  grid=(D, Hq, B), threadgroup=(D, 1, 1),
+                  grid=(32 * _COMBINE_WARPS, Hq, B), threadgroup=(32 * _COMBINE_WARPS, 1, 1),
                   output_shapes=[(B, 1, Hq * D) if has_gate else (B, Hq, 1, D)],
                   output_dtypes=[q.dtype])
     return out
