@@ -366,11 +366,11 @@ def gqa_attention_split(
 # --------------------------------------------------------------------------
 
 #: Most warps one split-K launch aims for: keys per warp are the smallest of
-#: 32..1024 that keeps ``B * Hk * ceil(S / block)`` within it (about 8 warps
+#: 32..1024 that keeps ``B * Hk * ceil(S / block)`` within it (about 16 warps
 #: per H200 SM: enough loads in flight, few partials for the second pass).
-_SPLIT_KERNEL_WARPS = 1024
+_SPLIT_KERNEL_WARPS = 3072
 #: Warps per thread block of the first pass (each its own block of keys).
-_SPLIT_CTA_WARPS = 4
+_SPLIT_CTA_WARPS = 2
 #: Warps of the second pass's thread block per query head (at most 16): they
 #: share its key blocks' partials, so even 512 blocks are 16 steps of loads.
 _COMBINE_WARPS = 16
