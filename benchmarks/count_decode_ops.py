@@ -102,6 +102,7 @@ class GpuStandIn:
     def __enter__(self):
         import mlx.core as mx
 
+        from qwen_apple_backend.ops import attention as attn_ops
         from qwen_apple_backend.ops import device
         from qwen_apple_backend.ops import gated_delta as gd
         from qwen_apple_backend.ops import linear as lin
@@ -118,13 +119,13 @@ class GpuStandIn:
                 device._RESULTS[(op, backend, key)] = (True, "stand-in")
             return True
 
-        for mod in (gd, moe_ops, lin, norm_ops):
+        for mod in (gd, moe_ops, lin, norm_ops, attn_ops):
             self._set(mod, "gpu_backend", lambda: self.backend)
             self._set(mod, "build_kernel", build)
             self._set(mod, "self_checked", checked)
         self._set(device, "self_checked", checked)
         # Clear kernel objects cached by a run without the stand-in.
-        for mod in (gd, moe_ops, lin, norm_ops):
+        for mod in (gd, moe_ops, lin, norm_ops, attn_ops):
             for fn in vars(mod).values():
                 if hasattr(fn, "cache_clear"):
                     fn.cache_clear()

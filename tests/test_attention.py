@@ -624,6 +624,40 @@ def test_long_decode_takes_split_attention_on_a_gpu_and_matches_stock(monkeypatc
     assert calls == []
 
 
+def test_compiled_projections_take_the_qk_prep_kernel(monkeypatch):
+    # With the q/k preparation kernel ready (checked outside the trace), the
+    # compiled decode projections call prep_qk_decode (here a traceable
+    # stand-in with the kernel's contract: [B, 1, H, D] in, [B, H, 1, D] out)
+    # and keep prep_qk for prompts; outputs stay stock's. attn-kernel off,
+    # or a prompt, keeps prep_qk.
+    import qwen_apple_backend.layers.attention as layer_mod
+
+    calls = []
+
+    def stand_in(q, k, qw, kw, *, q_eps, k_eps, rope, offset):
+        calls.append((q.shape, offset.ndim))
+        return attn_ops.prep_qk(q, k, qw, kw, q_eps=q_eps, k_eps=k_eps, rope=rope, offset=offset)
+
+    ready = []
+    monkeypatch.setattr(attn_ops, "qk_prep_kernel_ready",
+                        lambda *a: ready.append(a[:3]) or "cuda")
+    monkeypatch.setattr(layer_mod, "prep_qk_decode", stand_in)
+    stock, fused = make_pair()
+    xs = [inputs((1, n, 512), seed=s) for s, n in enumerate([5, 1, 1])]
+    ys, _ = run_steps(fused, xs, KVCache)
+    refs, _ = run_steps(stock, xs, KVCache)
+    for y, ref in zip(ys, refs):
+        assert rel_l2(y, ref) <= 1e-6
+    # Traced once for the decode tokens (the stand-in runs at trace time).
+    assert calls == [((1, 1, 16, 256), 0)], calls
+    assert ready == [(16, 2, 256), (16, 2, 256)], ready  # decode tokens only
+    assert (True, True) in fused._compiled or (False, True) in fused._compiled
+    calls.clear()
+    fused.decode_kernel = False
+    run_steps(fused, xs, KVCache)
+    assert calls == []
+
+
 def test_attn_kernel_switch():
     from qwen_apple_backend.bench.target import fuse_in_memory
     from qwen_apple_backend.checkpoint import build_random_model, hf_config

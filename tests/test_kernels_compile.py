@@ -57,6 +57,9 @@ CASES = {
     # The layer's build: the sigmoid output gate in the epilogue.
     "gqa_decode_combine": (["f32", "f32", "bf16"], ["bf16"],
                            {"OutT": "bf16", "D": 256, "HAS_GATE": True}),
+    # Qwen3.6's decode q/k preparation: 64 of 256 dims rotated ("rotate half").
+    "qk_norm_rope": (["bf16", "bf16", "bf16", "bf16", "f32", "i32"], ["bf16", "bf16"],
+                     {"InT": "bf16", "D": 256, "R": 64, "TRAD": False}),
     # The compiled decode step's in-place KV cache write.
     "kv_cache_write": (["bf16", "bf16", "bf16", "bf16", "i32"], ["bool"], {"InT": "bf16"}),
     "moe_grouped_gemm": (
@@ -110,6 +113,9 @@ EXTRA_CASES = [
                             {"InT": "f32", "D": 128, "G": 16, "BLOCK": 32, "HAS_MASK": False})),
     ("gqa_decode_combine", (["f32", "f32", "f32"], ["f32"],
                             {"OutT": "f32", "D": 128, "HAS_GATE": False})),
+    # Traditional (adjacent-pair) RoPE in float32 at D = 128.
+    ("qk_norm_rope", (["f32", "f32", "f32", "f32", "f32", "i32"], ["f32", "f32"],
+                      {"InT": "f32", "D": 128, "R": 32, "TRAD": True})),
     # The grouped GEMM's down projection (no GLU epilogue, 2,048 output columns).
     ("moe_grouped_gemm", (["bf16", "u32", "bf16", "bf16", "i32", "i32", "i32"], ["bf16"],
                           {"KDIM": 512, "NOUT": 2048, "E": 256, "GLU": False})),

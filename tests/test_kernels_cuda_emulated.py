@@ -1117,27 +1117,142 @@ def test_attention_layer_decodes_through_the_kernel_pair(dtype, monkeypatch):
 
     monkeypatch.setattr(attn_ops, "gpu_backend", lambda: "cuda")
     monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
-    gated = []
+    gated, preps = [], []
     real = attn_ops._split_kernel_call
     monkeypatch.setattr(attn_ops, "_split_kernel_call",
                         lambda *a: gated.append((a[2].shape[2], len(a) > 6)) or real(*a))
+    real_prep = attn_ops._qk_prep_call
+    monkeypatch.setattr(attn_ops, "_qk_prep_call",
+                        lambda *a: preps.append(a[1].shape[0]) or real_prep(*a))
     device.reset_self_checks()
     stock, fused = make_pair(dtype=dtype)
+    # The emulator evaluates its inputs, which an mx.compile trace forbids:
+    # the projections run eagerly here (test_attention covers the compiled
+    # projections' routing with a traceable stand-in).
+    fused.compile_decode = False
     xs = [inputs((1, n, 512), seed=s).astype(dtype) for s, n in enumerate([20, 1, 1])]
     ys, _ = run_steps(fused, xs, KVCache)
     refs, _ = run_steps(stock, xs, KVCache)
     # The self-check's three launches, then the two decode tokens, gated.
     assert gated == [(777, False), (777, False), (777, True), (21, True), (22, True)], gated
+    # q/k preparation: its self-check (batch 2), then one launch per decode token.
+    assert preps == [2, 1, 1], preps
     tol = 1e-5 if dtype == F32 else 2e-2  # bf16: p v in float32 vs MLX's bf16 steps
     for step, (y, ref) in enumerate(zip(ys, refs)):
         assert y.dtype == ref.dtype and mx_rel_l2(y, ref) <= tol, step
+    # Over more than ATTN_KERNEL_MAX_KEYS keys the MLX path runs.
     gated.clear()
+    limit = attn_ops.ATTN_KERNEL_MAX_KEYS
+    monkeypatch.setattr(attn_ops, "ATTN_KERNEL_MAX_KEYS", 21)
+    ys_long, _ = run_steps(fused, xs, KVCache)
+    assert gated == [(21, True)], gated
+    assert mx_rel_l2(ys_long[-1], refs[-1]) <= tol
+    monkeypatch.setattr(attn_ops, "ATTN_KERNEL_MAX_KEYS", limit)
+    run_steps(fused, xs, KVCache)
+    assert gated == [(21, True), (21, True), (22, True)], gated
+    assert preps == [2, 1, 1, 1, 1, 1, 1], preps
+    gated.clear()
+    preps.clear()
     fused.decode_kernel = False
     ys_off, _ = run_steps(fused, xs, KVCache)
-    assert gated == []
+    assert gated == [] and preps == []
     for y, ref in zip(ys_off, refs):
         assert mx_rel_l2(y, ref) <= tol
     device.reset_self_checks()  # no verdict for the shapes of the tests that follow
+
+
+# (Hq, Hk, D, R, traditional, dtype, offset): Qwen3.6's full attention (16 / 2
+# heads, D 256, 64 rotary dims), a smaller "rotate half" with 2 elements per
+# lane (partner 8 lanes away), and a traditional RoPE; bf16, f16, float32.
+QK_PREP_CASES = [
+    (16, 2, 256, 64, False, BF16, 4097),
+    (16, 2, 256, 64, False, F32, 131071),
+    (3, 1, 64, 32, False, F16, 7),
+    (4, 2, 64, 16, True, BF16, 300),
+]
+
+
+@pytest.mark.parametrize("case", QK_PREP_CASES, ids=lambda c: "x".join(map(str, c[:4]))
+                         + f"-{'trad' if c[4] else 'half'}-{c[5]}")
+def test_qk_norm_rope_emulated(case):
+    # One launch = prep_qk's rms_norm, transpose and rope for q and k, read
+    # through strides (q as the first half of each head of q_proj's output).
+    Hq, Hk, D, R, trad, dtype, pos = case
+    rope = attn_ops.RopeSpec(R, trad, 1e7 if not trad else 1e4, 1.0)
+    kq, kk, kw = mx.random.split(mx.random.key(D + R), 3)
+    B = 2
+    q = mx.split(mx.random.normal((B, 1, Hq, 2 * D), key=kq).astype(dtype), 2, axis=-1)[0]
+    k = mx.random.normal((B, 1, Hk, D), key=kk).astype(dtype)
+    w = (1.0 + 0.2 * mx.random.normal((2, D), key=kw)).astype(dtype)
+    offset = mx.array(pos, dtype=mx.int32)
+    q_out, k_out = attn_ops._qk_prep_call("cuda", q, k, w[0], w[1], 1e-6, 1e-5, rope, offset)
+    q_ref, k_ref = attn_ops.prep_qk(q, k, w[0], w[1], q_eps=1e-6, k_eps=1e-5, rope=rope,
+                                    offset=offset)
+    exact = _qk_prep_reference(q, k, w[0], w[1], (1e-6, 1e-5), rope, pos)
+    for out, ref, cuda_ref in ((q_out, q_ref, exact[0]), (k_out, k_ref, exact[1])):
+        assert out.shape == ref.shape and out.dtype == dtype
+        # MLX's CPU ops (the self-check's reference on a GPU is its CUDA ops):
+        # its RMSNorm and RoPE compute theta and the normaliser in another
+        # order, a last-bit difference that RoPE's large angles (4,097 rad)
+        # amplify in float32 (one float32 step of a 131,071 rad angle is
+        # 0.008 rad) and move across a rounding boundary in bf16.
+        assert mx_rel_l2(out, ref) <= (1e-4 if dtype == F32 else 1e-2)
+        # The formula of MLX's CUDA kernels, step by step in float32 with the
+        # same roundings: in bf16 / f16 equal but where this CPU's cos / sin
+        # land on the other side of a rounding boundary than CUDA's would; in
+        # float32 the sum of squares' order (butterflies vs numpy's pairwise
+        # sum) moves the last bit.
+        if dtype != F32:
+            same = mx.mean((out == cuda_ref).astype(F32)).item()
+            assert same >= 0.99, same
+        assert mx_rel_l2(out, cuda_ref) <= (1e-6 if dtype == F32 else 2e-3)
+
+
+def _qk_prep_reference(q, k, q_w, k_w, eps, rope, pos):
+    """qk_norm_rope's documented formula (MLX's CUDA rms_norm and rope), in numpy
+    float32 with every rounding to the input dtype done by MLX."""
+    dtype = q.dtype
+    rnd = lambda a: np.array(mx.array(a.astype(np.float32)).astype(dtype).astype(F32))  # noqa: E731
+    R, half = rope.dims, rope.dims // 2
+    log2_base = np.log2(np.float32(rope.base), dtype=np.float32)
+    i = np.arange(half, dtype=np.float32)
+    theta = np.float32(rope.scale * pos) * np.exp2(-(i / np.float32(half)) * log2_base)
+    c, s_ = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+    outs = []
+    for x, w, e in ((q, q_w, eps[0]), (k, k_w, eps[1])):
+        x = np.array(x.astype(F32)).transpose(0, 2, 1, 3)  # [B, H, 1, D]
+        ss = (x * x).sum(-1, keepdims=True, dtype=np.float32)
+        norm = np.float32(1) / np.sqrt(ss / np.float32(x.shape[-1]) + np.float32(e))
+        n = rnd(np.array(w.astype(F32)) * rnd(x * norm))
+        out = n.copy()
+        if rope.traditional:
+            a, b = n[..., 0:R:2], n[..., 1:R:2]
+            out[..., 0:R:2], out[..., 1:R:2] = rnd(a * c - b * s_), rnd(a * s_ + b * c)
+        else:
+            a, b = n[..., :half], n[..., half:R]
+            out[..., :half], out[..., half:R] = rnd(a * c - b * s_), rnd(a * s_ + b * c)
+        outs.append(mx.array(out).astype(dtype))
+    return outs
+
+
+def test_qk_prep_readiness(monkeypatch):
+    # Ready on "cuda" for the shapes the kernel takes (self-checked once per
+    # class), None for the others, before any build.
+    monkeypatch.setattr(attn_ops, "gpu_backend", lambda: "cuda")
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    device.reset_self_checks()
+    rope = attn_ops.RopeSpec(64, False, 1e7, 1.0)
+    assert attn_ops.qk_prep_kernel_ready(16, 2, 256, BF16, BF16, rope) == "cuda"
+    verdicts = {k: v for k, v in device.self_check_results().items() if k[0] == "qk_norm_rope"}
+    assert list(verdicts.values()) == [(True, "passed")], verdicts
+    assert attn_ops.qk_prep_kernel_ready(16, 2, 256, BF16, BF16, None) is None  # other RoPE
+    assert attn_ops.qk_prep_kernel_ready(16, 2, 72, BF16, BF16, rope) is None  # D % 32
+    assert attn_ops.qk_prep_kernel_ready(16, 2, 256, BF16, F32, rope) is None  # weight dtype
+    odd = attn_ops.RopeSpec(18, False, 1e7, 1.0)  # 9 pairs: not a lane multiple
+    assert attn_ops.qk_prep_kernel_ready(16, 2, 256, BF16, BF16, odd) is None
+    monkeypatch.setattr(attn_ops, "gpu_backend", lambda: None)
+    assert attn_ops.qk_prep_kernel_ready(16, 2, 256, BF16, BF16, rope) is None
+    device.reset_self_checks()
 
 
 def test_split_decode_attention_dispatch_and_self_check(monkeypatch):

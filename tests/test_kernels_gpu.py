@@ -1186,6 +1186,36 @@ def test_gated_decode_attention_kernel_matches_the_layer_ops(S):
     assert err <= 1.1 * err_ops + 1e-3
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+@pytest.mark.parametrize("pos", [0, 4097, 131071])
+def test_qk_norm_rope_kernel_matches_mlx(dtype, pos):
+    # Qwen3.6's decode q/k preparation (16 / 2 heads, D 256, 64 rotary dims,
+    # base 1e7) in one launch against MLX's rms_norm + transpose + rope on the
+    # same GPU: the same formula, so equal but for the sum of squares' order
+    # (float32's last bit) and rare rounding-boundary cases (bf16).
+    from qwen_apple_backend.ops import attention as attn_ops
+
+    if attn_ops.gpu_backend() != "cuda":
+        pytest.skip("CUDA kernel")
+    rope = attn_ops.RopeSpec(64, False, 1e7, 1.0)
+    assert attn_ops.qk_prep_kernel_ready(16, 2, 256, dtype, dtype, rope) == "cuda"
+    kq, kk, kw = mx.random.split(mx.random.key(pos + 3), 3)
+    q = mx.split(mx.random.normal((1, 1, 16, 512), key=kq).astype(dtype), 2, axis=-1)[0]
+    k = mx.random.normal((1, 1, 2, 256), key=kk).astype(dtype)
+    w = (1.0 + 0.2 * mx.random.normal((2, 256), key=kw)).astype(dtype)
+    off = mx.array(pos, dtype=mx.int32)
+    got = attn_ops.prep_qk_decode(q, k, w[0], w[1], q_eps=1e-6, k_eps=1e-6, rope=rope, offset=off)
+    ref = attn_ops.prep_qk(q, k, w[0], w[1], q_eps=1e-6, k_eps=1e-6, rope=rope, offset=off)
+    for a, r in zip(got, ref):
+        assert a.shape == r.shape and a.dtype == dtype
+        if dtype == mx.float32:
+            assert mx_rel_l2(a, r) <= 1e-5
+        else:
+            same = mx.mean((a == r).astype(mx.float32)).item()
+            print(f"pos {pos}: {same:.4f} of bf16 outputs equal")
+            assert same >= 0.99 and mx_rel_l2(a, r) <= 2e-3
+
+
 def test_split_decode_attention_kernel_reads_any_strides():
     # K and V whose last axis is not contiguous (stored [B, Hk, D, S]) and a
     # transposed q: the kernel indexes every axis by its stride (the CPU

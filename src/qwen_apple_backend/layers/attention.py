@@ -30,6 +30,7 @@ from qwen_apple_backend.ops.attention import (
     gqa_attention_blocked,
     gqa_decode_attention_gated,
     prep_qk,
+    prep_qk_decode,
     score_block_rows,
 )
 
@@ -91,10 +92,13 @@ class FusedGQAAttention(nn.Module):
             ``ops.attention.gqa_attention_split`` (the ``attn-split``
             optimization: ``p v`` split over blocks of keys). Default True.
         decode_kernel (bool): on CUDA, run a one-token query's attention
-            and output gate as ``ops.attention.gqa_decode_attention_gated``
+            over at most ``ops.attention.ATTN_KERNEL_MAX_KEYS`` cached keys,
+            and its output gate, as ``ops.attention.gqa_decode_attention_gated``
             (the ``attn-kernel`` optimization: the split-K kernel pair, two
-            launches instead of about six MLX ops and their views) when its
-            self-check passed. Default True.
+            launches instead of about eight MLX ops and their views), and its
+            q/k RMSNorm and RoPE as ``ops.attention.prep_qk_decode`` (one
+            launch instead of four), each when its self-check passed.
+            Default True.
     """
 
     def __init__(
@@ -255,11 +259,13 @@ class FusedGQAAttention(nn.Module):
             if not isinstance(offset, mx.array):
                 offset = mx.array(offset, dtype=mx.int32)
             use_cat = self._use_cat()
-            q, k, v, gate = self._compiled_project(use_cat)(x, offset)
+            prep = self._prep_kernel_ready(x, offset)
+            q, k, v, gate = self._compiled_project(use_cat, prep)(x, offset)
             if use_cat:
                 self._proj_cat.refresh()  # a trace re-wraps the module's arrays
         else:
-            q, k, v, gate = self._project(x, offset, self._use_cat())
+            q, k, v, gate = self._project(x, offset, self._use_cat(),
+                                          self._prep_kernel_ready(x, offset))
 
         if cache is not None:
             # The compiled decode step's cache may write in place: then its
@@ -278,7 +284,7 @@ class FusedGQAAttention(nn.Module):
             )
         else:
             if (self.decode_kernel and self.use_kernel and not self.training
-                    and q.shape[2] == 1):
+                    and q.shape[2] == 1 and k.shape[2] <= attn_ops.ATTN_KERNEL_MAX_KEYS):
                 gated = gqa_decode_attention_gated(q, k, v, self.scale, mask, gate)
                 if gated is not None:
                     return self.o_proj(gated)
@@ -318,8 +324,24 @@ class FusedGQAAttention(nn.Module):
         cat = getattr(self, "_proj_cat", None)
         return cat is not None and cat.valid(self)
 
-    def _project(self, x: mx.array, offset, use_cat: bool = False):
-        """Projections, q/k norm and RoPE: everything before the KV cache."""
+    def _prep_kernel_ready(self, x: mx.array, offset) -> bool:
+        """Whether a one-token call's q/k norm and RoPE run as the CUDA kernel
+        (``attn-kernel``); checked before any compiled trace (its self-check
+        evaluates)."""
+        if (not (self.decode_kernel and self.use_kernel) or self.training or x.shape[1] != 1
+                or (isinstance(offset, mx.array) and offset.ndim != 0)):
+            return False
+        qw, kw = self.q_norm["weight"], self.k_norm["weight"]
+        if qw.dtype != kw.dtype or qw.shape != (self.head_dim,) or kw.shape != qw.shape:
+            return False
+        return attn_ops.qk_prep_kernel_ready(
+            self.num_attention_heads, self.num_key_value_heads, self.head_dim, qw.dtype,
+            kw.dtype, rope_spec(self.rope)) is not None
+
+    def _project(self, x: mx.array, offset, use_cat: bool = False, prep_kernel: bool = False):
+        """Projections, q/k norm and RoPE: everything before the KV cache
+        (``prep_kernel``: norm and RoPE of a one-token call in one CUDA launch,
+        when :meth:`_prep_kernel_ready` said so)."""
         B, L, _ = x.shape
         if use_cat:
             qg, k, v = self._proj_cat(x)
@@ -331,6 +353,13 @@ class FusedGQAAttention(nn.Module):
         v = v.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
 
         spec = rope_spec(self.rope)
+        qw = self.q_norm["weight"]
+        if prep_kernel and q.dtype == qw.dtype and k.dtype == qw.dtype:
+            if not isinstance(offset, mx.array):
+                offset = mx.array(offset, dtype=mx.int32)
+            q, k = prep_qk_decode(q, k, qw, self.k_norm["weight"], q_eps=self.q_norm.eps,
+                                  k_eps=self.k_norm.eps, rope=spec, offset=offset)
+            return q, k, v, gate
         q, k = prep_qk(
             q,
             k,
@@ -346,14 +375,15 @@ class FusedGQAAttention(nn.Module):
             k = self.rope(k, offset=offset)
         return q, k, v, gate
 
-    def _compiled_project(self, use_cat: bool = False):
+    def _compiled_project(self, use_cat: bool = False, prep_kernel: bool = False):
         fns = self.__dict__.setdefault("_compiled", {})
-        fn = fns.get(use_cat)
+        fn = fns.get((use_cat, prep_kernel))
         if fn is None:
             # The module is the captured input tree, so parameters replaced
             # after fusing (load_weights, update) are read live; one trace
             # per projection path (the concatenated one is taken only while
-            # the children still hold its views).
-            fn = mx.compile(partial(self._project, use_cat=use_cat), inputs=self)
-            fns[use_cat] = fn
+            # the children still hold its views) and q/k preparation.
+            fn = mx.compile(partial(self._project, use_cat=use_cat, prep_kernel=prep_kernel),
+                            inputs=self)
+            fns[(use_cat, prep_kernel)] = fn
         return fn

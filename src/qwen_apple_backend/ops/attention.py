@@ -45,6 +45,8 @@ from qwen_apple_backend.ops.device import build_kernel, f32_scalar, gpu_backend,
 __all__ = [
     "RopeSpec",
     "prep_qk",
+    "prep_qk_decode",
+    "qk_prep_kernel_ready",
     "gqa_attention_ops",
     "gqa_attention_kernel",
     "gqa_attention",
@@ -53,6 +55,7 @@ __all__ = [
     "gqa_decode_attention_gated",
     "SPLIT_KV_MIN_KEYS",
     "SPLIT_KV_BLOCK",
+    "ATTN_KERNEL_MAX_KEYS",
     "score_block_rows",
     "SCORE_BLOCK_BYTES",
     "gate_output",
@@ -90,6 +93,20 @@ RUNAHEAD_EVAL_ROWS = 512
 #: are not yet measured.
 SPLIT_KV_MIN_KEYS = 32768
 SPLIT_KV_BLOCK = 1024
+#: Most cached keys for which attention layers run a one-token query as
+#: :func:`gqa_decode_attention_gated` (``attn-kernel``, CUDA). H200, one
+#: Qwen3.6 layer, each call synchronised (launch and wait included;
+#: ``benchmarks/profile_attention_decode.py``,
+#: ``profile-attention-decode-nvidia-h200-attn-kernel.json``): the kernel pair
+#: 0.187 / 0.324 / 0.551 ms at 4K / 32K / 128K keys, MLX's SDPA 0.218 / 0.347 /
+#: 1.049, the MLX-ops split 0.393 / 0.351 / 0.378. Past 32K the split's GPU
+#: time grows more slowly (0.28 vs 2.4 us per 1,000 keys), but the pair
+#: launches 2 kernels instead of about 8 plus some 14 views per layer and token
+#: (about 0.14 ms of host time per layer at the measured ~8 us per primitive),
+#: which is worth more while decode is host-bound: the two meet near 110K keys
+#: by that arithmetic. 64K is a cautious switch inside that range: 64K itself
+#: is not measured end to end.
+ATTN_KERNEL_MAX_KEYS = 65536
 
 Mask = Union[None, str, mx.array]
 
@@ -177,6 +194,128 @@ def prep_qk(
     if not isinstance(offset, mx.array):
         offset = mx.array(offset, dtype=mx.int32)
     return _prep_fn(float(q_eps), float(k_eps), rope)(q, k, q_weight, k_weight, offset)
+
+
+# --------------------------------------------------------------------------
+# Decode q/k preparation kernel (kernels/cuda/qk_norm_rope.cu)
+# --------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _qk_prep_object(backend: str):
+    # CUDA only: no Metal source yet (Metal runs prep_qk's mx.fast ops).
+    return build_kernel("qk_norm_rope", backend, ensure_row_contiguous=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _qk_prep_params(q_eps: float, k_eps: float, scale: float, base: float) -> mx.array:
+    # MLX's rope takes log2(base) computed in float32 (std::log2 of a float).
+    import numpy as np
+
+    log2_base = float(np.log2(np.float32(base), dtype=np.float32))
+    return mx.array([q_eps, k_eps, scale, log2_base], dtype=mx.float32)
+
+
+def _qk_prep_call(backend: str, q, k, q_weight, k_weight, q_eps: float, k_eps: float,
+                  rope: RopeSpec, offset: mx.array):
+    B, _, Hq, D = q.shape
+    Hk = k.shape[2]
+    heads = Hq + Hk
+    return _qk_prep_object(backend)(
+        inputs=[q, k, q_weight, k_weight,
+                _qk_prep_params(float(q_eps), float(k_eps), float(rope.scale), float(rope.base)),
+                offset],
+        template=[("InT", q.dtype), ("D", D), ("R", rope.dims), ("TRAD", rope.traditional)],
+        grid=(128 * -(-heads // 4), B, 1), threadgroup=(128, 1, 1),
+        output_shapes=[(B, Hq, 1, D), (B, Hk, 1, D)], output_dtypes=[q.dtype, q.dtype])
+
+
+def qk_prep_kernel_ready(Hq: int, Hk: int, D: int, dtype: mx.Dtype, weight_dtype: mx.Dtype,
+                         rope: Optional[RopeSpec]) -> Optional[str]:
+    """The GPU backend whose decode q/k preparation kernel may run, or None.
+
+    :func:`prep_qk_decode` needs a plain RoPE (``rope`` not None) over R
+    even dims with ``(R / 2) % (D / 32) == 0`` (traditional: ``D / 32``
+    even), ``D`` a multiple of 32 up to 256, float32 / bf16 / f16 inputs and
+    norm weights of the same dtype. CUDA only
+    (``kernels/cuda/qk_norm_rope.cu``), built only once its manifest entry
+    records a GPU verification or with ``QAB_UNVERIFIED_KERNELS=1``, and
+    self-checked once per shape class against :func:`prep_qk` on strided
+    inputs (q as the first half of each head of a ``q_proj`` output). Call it
+    outside ``mx.compile`` traces: the self-check evaluates.
+
+    Returns:
+        Optional[str]: ``"cuda"``, or None.
+    """
+    if envs.kernels_disabled() or rope is None:
+        return None
+    backend = gpu_backend()
+    if backend != "cuda":
+        return None
+    epl = D // 32
+    R = rope.dims
+    if (D % 32 or D > 256 or R % 2 or R <= 0 or R > D
+            or (epl % 2 if rope.traditional else (R // 2) % epl)
+            or dtype not in (mx.float32, mx.bfloat16, mx.float16) or weight_dtype != dtype):
+        return None
+    if _qk_prep_object(backend) is None:
+        return None
+    key = (Hq, Hk, D, str(dtype), rope)
+
+    def make_inputs():
+        kq, kk, kw, kx = mx.random.split(mx.random.key(11), 4)
+        B = 2
+        qg = mx.random.normal((B, 1, Hq, 2 * D), key=kq).astype(dtype)
+        q_ = mx.split(qg, 2, axis=-1)[0]
+        k_ = mx.random.normal((B, 1, Hk, D), key=kk).astype(dtype)
+        w = (1.0 + 0.2 * mx.random.normal((2, D), key=kw)).astype(dtype)
+        off = mx.array(4097, dtype=mx.int32)
+        return q_, k_, w[0], w[1], off
+
+    def kernel(q_, k_, qw, kw_, off):
+        return list(_qk_prep_call(backend, q_, k_, qw, kw_, 1e-6, 1e-5, rope, off))
+
+    def reference(q_, k_, qw, kw_, off):
+        return list(prep_qk(q_, k_, qw, kw_, q_eps=1e-6, k_eps=1e-5, rope=rope, offset=off))
+
+    # float32: RoPE at position 4,097 turns a last-bit difference in the angle
+    # between two formulas into ~1e-5 (the kernel follows MLX's CUDA rope).
+    tol = 1e-4 if dtype == mx.float32 else 1e-2
+    ok = self_checked("qk_norm_rope", backend, key, kernel=kernel, reference=reference,
+                      make_inputs=make_inputs, rtol=tol)
+    return backend if ok else None
+
+
+def prep_qk_decode(
+    q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.array, *,
+    q_eps: float, k_eps: float, rope: RopeSpec, offset: mx.array,
+) -> tuple[mx.array, mx.array]:
+    """:func:`prep_qk` for one token in one CUDA launch (``kernels/cuda/qk_norm_rope.cu``).
+
+    Per head RMSNorm then RoPE, rounded as ``mx.fast.rms_norm`` and
+    ``mx.fast.rope`` on MLX's CUDA backend; q and k are read through their
+    strides (q is the first half of each head of ``q_proj``'s output), so
+    none of :func:`prep_qk`'s 4 launches and 2 transposes runs. Only after
+    :func:`qk_prep_kernel_ready` said ``"cuda"`` for these shapes (the caller
+    checks, outside any ``mx.compile`` trace).
+
+    Args:
+        q (mx.array): the token's query heads.
+        k (mx.array): its key heads.
+        q_weight (mx.array): ``[D]`` query RMSNorm weight, dtype of q.
+        k_weight (mx.array): ``[D]`` key RMSNorm weight, dtype of q.
+        q_eps (float): query RMSNorm epsilon.
+        k_eps (float): key RMSNorm epsilon.
+        rope (RopeSpec): the plain RoPE's parameters.
+        offset (mx.array): the token's position, int32, 0-d.
+
+    Returns:
+        tuple[mx.array, mx.array]: ``(q, k)``, dtype of q.
+
+    Shapes:
+        q: ``[B, 1, Hq, D]`` -> ``[B, Hq, 1, D]``; k: ``[B, 1, Hk, D]`` -> ``[B, Hk, 1, D]``
+    """
+    return tuple(_qk_prep_call("cuda", q, k, q_weight, k_weight, q_eps, k_eps, rope, offset))
 
 
 def _check_gqa(q: mx.array, k: mx.array, v: mx.array) -> None:
