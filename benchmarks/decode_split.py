@@ -20,11 +20,13 @@ tokens/s a user sees. With ``--rounds R`` every variant is measured R times,
 variants alternating (all models and caches alive at once), so host and clock
 drift hit every variant alike; rows report medians and the tokens/s spread
 (decode on MLX's CUDA backend is host-bound and varies 1.5x between runs of
-the same build). Writes ``decode-split-<device>.json`` into OUT.
+the same build). Several ``--context`` lengths share one built preset (a
+minute or more at the full shape), one context after the other. Writes
+``decode-split-<device>.json`` into OUT.
 
 Usage:
     python benchmarks/decode_split.py OUT [--variants fused,fused-decode-compile,stock]
-        [--preset full] [--layers 40] [--context 512] [--tokens 32]
+        [--preset full] [--layers 40] [--context 512 | 4K,128K] [--tokens 32]
         [--prefill-step 2048] [--rounds 1] [--dot]
 """
 
@@ -129,10 +131,68 @@ class _Decoder:
                     pipelined_ms=1e3 * pipelined, tok_s=1.0 / pipelined)
 
 
+def _run_context(context, names, args, b, variant_env, show, stage) -> list:
+    """Rows of every variant at one context length (rounds alternating variants)."""
+    import mlx.core as mx
+
+    from _common import variant_model
+
+    rows, live = [], []
+    for name in names:
+        backend, env = VARIANTS[name]
+        with variant_env(name):
+            model = variant_model(b, backend,
+                                  [x for x in env.get("QAB_DISABLE", "").split(",") if x])
+            full = list(model.language_model.model.layers)
+            if args.layers:
+                model.language_model.model.layers = full[:args.layers]
+            d = _Decoder(model, context, prefill_step=args.prefill_step)
+            dot = None
+            if args.dot:
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                tag = f"-{context}" if len(args.context) > 1 else ""
+                dot = Path(args.out) / f"decode-step-{name}{tag}.dot"
+            launches, total, by_name, views = d.count_ops(dot)
+            r = d.phases(args.tokens)
+        r.update(variant=name, context=context, prefill_step=args.prefill_step,
+                 kernel_primitives=launches, primitives=total, by_name=by_name,
+                 views_by_name=views, rounds=[dict(r)],
+                 mlx_env=_mlx_settings())
+        rows.append(r)
+        show(name, r, f" r1/{args.rounds}")
+        stage(f"{name:18s} @{context}: {launches} kernel primitives, {total} in all (views included)")
+        if args.rounds > 1:
+            live.append((model, full, d))
+        else:
+            model.language_model.model.layers = full
+            del model, d
+            mx.clear_cache()
+    for rnd in range(2, args.rounds + 1):
+        for name, r, (model, full, d) in zip(names, rows, live):
+            with variant_env(name):
+                x = d.phases(args.tokens)
+            r["rounds"].append(x)
+            show(name, x, f" r{rnd}/{args.rounds}")
+    if args.rounds > 1:
+        for name, r in zip(names, rows):
+            for key in ("build_ms", "encode_ms", "wait_ms", "serial_ms", "pipelined_ms"):
+                r[key] = statistics.median(x[key] for x in r["rounds"])
+            r["tok_s"] = 1e3 / r["pipelined_ms"]
+            speeds = [x["tok_s"] for x in r["rounds"]]
+            r["tok_s_min"], r["tok_s_max"] = min(speeds), max(speeds)
+            show(name, r, " median")
+            stage(f"{name:18s} @{context}: tok/s over {args.rounds} rounds: {min(speeds):.1f}..{max(speeds):.1f}")
+        for model, full, _ in live:
+            model.language_model.model.layers = full
+    del live
+    mx.clear_cache()
+    return rows
+
+
 def main(argv=None) -> int:
     from _common import layer_count
 
-    from qwen_apple_backend.argtypes import positive_int
+    from qwen_apple_backend.argtypes import positive_int, token_lengths
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -145,7 +205,9 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="full", choices=["tiny", "small", "full"])
     p.add_argument("--layers", type=layer_count, default=None,
                    help="keep the first k layers (a multiple of 4)")
-    p.add_argument("--context", type=positive_int, default=512, help="prefilled tokens")
+    p.add_argument("--context", type=token_lengths, default="512",
+                   help="prefilled tokens, or a comma list (K = 1,024: 4K,128K): each context "
+                        "runs all variants and rounds in turn on the one built preset")
     p.add_argument("--tokens", type=positive_int, default=32,
                    help="timed decode tokens per phase")
     p.add_argument("--prefill-step", type=positive_int, default=2048,
@@ -167,7 +229,7 @@ def main(argv=None) -> int:
     check_layers(p, args.layers, args.preset)
     import mlx.core as mx
 
-    from _common import stage_logger, variant_model
+    from _common import stage_logger
 
     from qwen_apple_backend.bench.target import build_preset
 
@@ -198,52 +260,9 @@ def main(argv=None) -> int:
               f"{r['pipelined_ms']:6.2f} ms/token ({r['tok_s']:6.1f} tok/s)")
 
     names = args.variants.split(",")
-    rows, live = [], []
-    for name in names:
-        backend, env = VARIANTS[name]
-        with variant_env(name):
-            model = variant_model(b, backend,
-                                  [x for x in env.get("QAB_DISABLE", "").split(",") if x])
-            full = list(model.language_model.model.layers)
-            if args.layers:
-                model.language_model.model.layers = full[:args.layers]
-            d = _Decoder(model, args.context, prefill_step=args.prefill_step)
-            dot = None
-            if args.dot:
-                Path(args.out).mkdir(parents=True, exist_ok=True)
-                dot = Path(args.out) / f"decode-step-{name}.dot"
-            launches, total, by_name, views = d.count_ops(dot)
-            r = d.phases(args.tokens)
-        r.update(variant=name, context=args.context, prefill_step=args.prefill_step,
-                 kernel_primitives=launches, primitives=total, by_name=by_name,
-                 views_by_name=views, rounds=[dict(r)],
-                 mlx_env=_mlx_settings())
-        rows.append(r)
-        show(name, r, f" r1/{args.rounds}")
-        stage(f"{name:18s} {launches} kernel primitives, {total} in all (views included)")
-        if args.rounds > 1:
-            live.append((model, full, d))
-        else:
-            model.language_model.model.layers = full
-            del model, d
-            mx.clear_cache()
-    for rnd in range(2, args.rounds + 1):
-        for name, r, (model, full, d) in zip(names, rows, live):
-            with variant_env(name):
-                x = d.phases(args.tokens)
-            r["rounds"].append(x)
-            show(name, x, f" r{rnd}/{args.rounds}")
-    if args.rounds > 1:
-        for name, r in zip(names, rows):
-            for key in ("build_ms", "encode_ms", "wait_ms", "serial_ms", "pipelined_ms"):
-                r[key] = statistics.median(x[key] for x in r["rounds"])
-            r["tok_s"] = 1e3 / r["pipelined_ms"]
-            speeds = [x["tok_s"] for x in r["rounds"]]
-            r["tok_s_min"], r["tok_s_max"] = min(speeds), max(speeds)
-            show(name, r, " median")
-            stage(f"{name:18s} tok/s over {args.rounds} rounds: {min(speeds):.1f}..{max(speeds):.1f}")
-        for model, full, _ in live:
-            model.language_model.model.layers = full
+    rows = []
+    for context in args.context:
+        rows += _run_context(context, names, args, b, variant_env, show, stage)
     from _common import write_result
 
     path = write_result(args.out, "decode-split",

@@ -440,3 +440,28 @@ def test_decode_split_counts_every_primitive_and_writes_the_graph(tmp_path):
         assert len(re.findall(r"shape=rectangle", dot)) == row["primitives"]
     # The fused step has fewer primitives than stock's.
     assert rows[0]["primitives"] < rows[1]["primitives"]
+
+
+def test_decode_split_runs_several_contexts_on_one_preset(tmp_path):
+    # --context 8,16: every variant at each length (one preset build), rows in
+    # context order, the graphs named by context.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "o"
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "decode_split.py"), str(out),
+                        "--preset", "tiny", "--variants", "fused,stock", "--context", "16,8",
+                        "--tokens", "2", "--dot"],
+                       capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("building preset") == 1
+    (result,) = out.glob("decode-split-*.json")
+    rows = json.loads(result.read_text())["rows"]
+    assert [(row["variant"], row["context"]) for row in rows] == [
+        ("fused", 8), ("stock", 8), ("fused", 16), ("stock", 16)]
+    assert sorted(p.name for p in out.glob("*.dot")) == [
+        "decode-step-fused-16.dot", "decode-step-fused-8.dot",
+        "decode-step-stock-16.dot", "decode-step-stock-8.dot"]
