@@ -160,7 +160,8 @@ def _run_context(context, names, args, b, variant_env, show, stage) -> list:
                  mlx_env=_mlx_settings())
         rows.append(r)
         show(name, r, f" r1/{args.rounds}")
-        stage(f"{name:18s} @{context}: {launches} kernel primitives, {total} in all (views included)")
+        stage(f"{name:18s} @{context}: {launches} kernel primitives, {total} in all "
+              "(views included)")
         if args.rounds > 1:
             live.append((model, full, d))
         else:
@@ -181,7 +182,8 @@ def _run_context(context, names, args, b, variant_env, show, stage) -> list:
             speeds = [x["tok_s"] for x in r["rounds"]]
             r["tok_s_min"], r["tok_s_max"] = min(speeds), max(speeds)
             show(name, r, " median")
-            stage(f"{name:18s} @{context}: tok/s over {args.rounds} rounds: {min(speeds):.1f}..{max(speeds):.1f}")
+            stage(f"{name:18s} @{context}: tok/s over {args.rounds} rounds: "
+                  f"{min(speeds):.1f}..{max(speeds):.1f}")
         for model, full, _ in live:
             model.language_model.model.layers = full
     del live

@@ -20,7 +20,7 @@ and the Python ``mx.fast.cuda_kernel`` call):
   ``float``, ...), followed by ``const Shape name_shape`` / ``const Strides
   name_strides`` / ``const int name_ndim`` when the BODY contains that text and
   the input has ``ndim > 0`` (``Shape`` is ``std::array<int32_t, 10>``,
-  ``Strides`` ``std::array<int64_t, 10>``, row-contiguous element strides);
+  ``Strides`` ``std::array<int64_t, 10>``, element strides);
   then each output ``T* name``;
 * template arguments are NOT C++ template parameters: MLX emits them at the
   top of the body as ``constexpr int N = 4;``, ``constexpr bool B = true;``,
@@ -29,8 +29,13 @@ and the Python ``mx.fast.cuda_kernel`` call):
   the threads of a partial last block run (the kernel must guard them);
   launch limits are checked (1024 threads per block, z <= 64, y, z blocks <=
   65535);
-* outputs are uninitialised unless ``init_value`` is given; inputs are always
-  passed row-contiguous (as with ``ensure_row_contiguous=True``).
+* outputs are uninitialised unless ``init_value`` is given; inputs are passed
+  row-contiguous with ``ensure_row_contiguous=True`` (MLX's default), and as
+  the views they are with ``False``: the bytes the view spans (from the
+  16-byte boundary below its first element, so vector-load alignment is as
+  on the device) with the view's element strides (0 for a broadcast axis)
+  and the first element's offset, so a kernel that reads past the view or
+  assumes contiguity or alignment is caught.
 
 The emulation (one C++ fiber, i.e. a user-space thread, per GPU thread of a
 block; blocks run one after another):
@@ -161,6 +166,7 @@ helper in a header needs an emulated version in ``SUBSTITUTES``.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import hashlib
 import os
 import platform
@@ -981,7 +987,7 @@ int main(int argc, char** argv) {
              &grid_dim[0], &grid_dim[1], &grid_dim[2], &block_dim[0], &block_dim[1], &block_dim[2],
              &dyn_bytes, &schedules, &n_in) != 9) return 3;
   nthreads = block_dim[0] * block_dim[1] * block_dim[2];
-  std::vector<void*> inputs(n_in);
+  std::vector<void*> inputs(n_in), input_bases(n_in);
   shapes.resize(n_in);
   for (unsigned int i = 0; i < n_in; ++i) {
     size_t nbytes = 0;
@@ -990,16 +996,21 @@ int main(int argc, char** argv) {
     s.strides.fill(0);
     if (fscanf(spec, "%zu %d", &nbytes, &s.ndim) != 2) return 3;
     for (int d = 0; d < s.ndim; ++d) if (fscanf(spec, "%d", &s.shape[size_t(d)]) != 1) return 3;
-    int64_t stride = 1;
-    for (int d = s.ndim - 1; d >= 0; --d) {
-      s.strides[size_t(d)] = stride;
-      stride *= s.shape[size_t(d)];
+    for (int d = 0; d < s.ndim; ++d) {
+      long long st = 0;
+      if (fscanf(spec, "%lld", &st) != 1) return 3;
+      s.strides[size_t(d)] = st;
     }
+    size_t offset = 0;  // bytes from the buffer's start to the first element
+    if (fscanf(spec, "%zu", &offset) != 1) return 3;
     std::vector<unsigned char> data = read_file(path_of("in", i));
     if (data.size() != nbytes) return 4;
     // Exact size: the sanitizer reports reads past the end.
-    if (posix_memalign(&inputs[i], 256, nbytes ? nbytes : 1)) return 5;
-    if (nbytes) memcpy(inputs[i], data.data(), nbytes);
+    void* base = nullptr;
+    if (posix_memalign(&base, 256, nbytes ? nbytes : 1)) return 5;
+    if (nbytes) memcpy(base, data.data(), nbytes);
+    input_bases[i] = base;
+    inputs[i] = static_cast<unsigned char*>(base) + offset;
   }
   if (fscanf(spec, " outputs %u", &n_out) != 1) return 3;
   std::vector<size_t> out_bytes(n_out), guard(n_out);
@@ -1051,7 +1062,7 @@ int main(int argc, char** argv) {
     }
   }
   for (Fiber& f : fibers) free(f.stack);
-  for (void* p : inputs) free(p);
+  for (void* p : input_bases) free(p);
   printf("qab-emu static_shared_bytes %zu\n", static_peak);
   return 0;
 }
@@ -1398,6 +1409,27 @@ def _to_numpy(a: mx.array) -> np.ndarray:
     return np.ascontiguousarray(np.array(a))
 
 
+def _view_bytes(a: mx.array) -> tuple[bytes, list, int]:
+    """(bytes, element strides, offset) of the memory the view ``a`` spans, from
+    the 16-byte boundary at or below its lowest element (MLX buffers are at
+    least 16-byte aligned, so nothing outside its buffer is read)."""
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    elif a.dtype not in _NP_TYPES:
+        raise NotEmulated(f"input dtype {a.dtype} is not emulated")
+    n = np.asarray(a)  # MLX's own strides and offset, no copy
+    item = n.itemsize
+    if n.size == 0:
+        return b"", [0] * n.ndim, 0
+    ptr = n.__array_interface__["data"][0]
+    lo = sum(min(0, (d - 1) * st) for d, st in zip(n.shape, n.strides))
+    hi = sum(max(0, (d - 1) * st) for d, st in zip(n.shape, n.strides)) + item
+    start = ptr + lo
+    start -= start % 16
+    data = ctypes.string_at(start, ptr + hi - start)
+    return data, [st // item for st in n.strides], ptr - start
+
+
 def _from_numpy(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
     out = mx.array(a)
     return out.view(mx.bfloat16) if dtype == mx.bfloat16 else out
@@ -1423,6 +1455,7 @@ class EmulatedCudaKernel:
         self.source = source
         self.header = header
         self.shared_memory = int(shared_memory)
+        self.ensure_row_contiguous = bool(ensure_row_contiguous)
         self.stats: dict = {}
         # (file name, text) pairs; #line directives keep compiler and
         # sanitizer reports pointing at the real files.
@@ -1508,9 +1541,15 @@ class EmulatedCudaKernel:
                 f"dynamic_shared {self.shared_memory}", f"schedules {int(schedules)}",
                 f"inputs {len(inputs)}"]
         for i, x in enumerate(inputs):
-            a = _to_numpy(x)
-            a.tofile(tmp / f"in{i}.bin")
-            spec.append(f"{a.nbytes} {x.ndim} " + " ".join(str(d) for d in x.shape))
+            if self.ensure_row_contiguous:
+                a = _to_numpy(x)
+                strides = [int(np.prod(x.shape[d + 1:], dtype=np.int64)) for d in range(x.ndim)]
+                data, offset = a.tobytes(), 0
+            else:
+                data, strides, offset = _view_bytes(x)
+            (tmp / f"in{i}.bin").write_bytes(data)
+            spec.append(f"{len(data)} {x.ndim} " + " ".join(str(d) for d in x.shape) + " "
+                        + " ".join(str(d) for d in strides) + f" {offset}")
         spec.append(f"outputs {len(shapes)}")
         out_np = []
         for j, (shape, dt) in enumerate(zip(shapes, dtypes)):

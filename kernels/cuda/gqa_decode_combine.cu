@@ -2,7 +2,8 @@
 // gqa_decode_partial.cu for each (b, query head): with M = max_j m_j (log2
 // units) and w_j = exp2(m_j - M), out = sum_j w_j o_j / sum_j w_j l_j, in
 // float32, rounded once to OutT. Blocks with no allowed key (m = -inf, l = 0)
-// weigh 0. With HAS_GATE, Qwen3-Next's output gate follows in the same
+// weigh 0; a head with no allowed key at all gives NaN (0 / 0; never in
+// decode, where the new key is allowed). With HAS_GATE, Qwen3-Next's output gate follows in the same
 // launch, rounded as mlx-lm's `out * mx.sigmoid(gate)` in OutT: each step of
 // MLX's sigmoid (y = 1 / (1 + exp(|x|)), x < 0 ? y : 1 - y) and the product
 // rounded to OutT.

@@ -312,9 +312,24 @@ def prep_qk_decode(
     Returns:
         tuple[mx.array, mx.array]: ``(q, k)``, dtype of q.
 
+    Raises:
+        ValueError: for more than one token, 4-D shapes that disagree, dtypes
+            other than q's, or an offset that is not a 0-d array.
+
     Shapes:
         q: ``[B, 1, Hq, D]`` -> ``[B, Hq, 1, D]``; k: ``[B, 1, Hk, D]`` -> ``[B, Hk, 1, D]``
     """
+    if (q.ndim != 4 or k.ndim != 4 or q.shape[1] != 1 or k.shape[:2] != q.shape[:2]
+            or k.shape[3] != q.shape[3] or q_weight.shape != (q.shape[3],)
+            or k_weight.shape != q_weight.shape):
+        raise ValueError(f"prep_qk_decode expects q [B, 1, Hq, D], k [B, 1, Hk, D] and [D] "
+                         f"weights, got {q.shape}, {k.shape}, {q_weight.shape}, "
+                         f"{k_weight.shape}")
+    if not (k.dtype == q_weight.dtype == k_weight.dtype == q.dtype):
+        raise ValueError(f"prep_qk_decode expects one dtype, got q {q.dtype}, k {k.dtype}, "
+                         f"weights {q_weight.dtype} / {k_weight.dtype}")
+    if not isinstance(offset, mx.array) or offset.ndim != 0:
+        raise ValueError("prep_qk_decode expects the position as a 0-d int32 array")
     return tuple(_qk_prep_call("cuda", q, k, q_weight, k_weight, q_eps, k_eps, rope, offset))
 
 
@@ -535,18 +550,20 @@ def _row_mask(mask: Mask, B: int, S: int) -> tuple[bool, Optional[mx.array]]:
     ``S`` keys per batch row (``[1 or B, 1, ..., 1, S]``), read as it is."""
     if mask is None or (isinstance(mask, str) and mask == "causal"):
         return True, None  # one query row at the end of the cache: no key masked
-    if isinstance(mask, str) or mask.dtype != mx.bool_ or mask.ndim < 2:
+    # Rank 4 only: under broadcasting a lower rank's first axis is not the batch.
+    if isinstance(mask, str) or mask.dtype != mx.bool_ or mask.ndim != 4:
         return False, None
     if mask.shape[-1] != S or mask.shape[0] not in (1, B) or any(d != 1 for d in mask.shape[1:-1]):
         return False, None
     return True, mask
 
 
-def _split_kernel_call(backend: str, q, k, v, scale: float, mask, gate=None) -> mx.array:
+def _split_kernel_call(backend: str, q, k, v, scale: float, mask, gate=None,
+                       block: Optional[int] = None) -> mx.array:
     part, comb = _split_objects(backend)
     B, Hq, _, D = q.shape
     Hk, S = k.shape[1], k.shape[2]
-    block = _split_kernel_block(B, Hk, S)
+    block = block or _split_kernel_block(B, Hk, S)
     nb = -(-S // block)
     has_mask = mask is not None
     m = mask if has_mask else _dummy(mx.bool_)
@@ -584,9 +601,12 @@ def split_kernel_ready(q: mx.array, k: mx.array, v: mx.array, mask: Mask,
     built only once its manifest entry records a GPU verification or with
     ``QAB_UNVERIFIED_KERNELS=1``, and self-checked once per (Hq, Hk, D,
     dtype) against :func:`gqa_attention_ops` (and :func:`gate_output`) on a
-    KV-cache-like strided view, without a mask, with one and with the gate,
-    so the compiled decode step (masked, gated) never self-checks inside its
-    trace after an eager first token (unmasked).
+    KV-cache-like strided view with batch 2: without a mask, with a row per
+    batch row, with one row for both and the gate, and with several key tiles
+    per warp, so the compiled decode step (masked, gated) never self-checks
+    inside its trace after an eager first token (unmasked). A row whose keys
+    are all masked gives NaN (MLX's SDPA gives the mean of V); decode never
+    has one (the new key is always allowed).
 
     Returns:
         Optional[str]: ``"cuda"``, or None.
@@ -600,7 +620,8 @@ def split_kernel_ready(q: mx.array, k: mx.array, v: mx.array, mask: Mask,
     Hk, S = k.shape[1], k.shape[2]
     if (Hq % Hk or Hq // Hk > 16 or D % 32 or D > 256 or k.shape[-1] != D
             or v.shape[-1] != D or q.dtype not in (mx.float32, mx.bfloat16, mx.float16)
-            or k.dtype != q.dtype or v.dtype != q.dtype or k.shape[0] != B or v.shape[:3] != k.shape[:3]):
+            or k.dtype != q.dtype or v.dtype != q.dtype or k.shape[0] != B
+            or v.shape[:3] != k.shape[:3]):
         return None
     if not _row_mask(mask, B, S)[0]:
         return None
@@ -613,23 +634,26 @@ def split_kernel_ready(q: mx.array, k: mx.array, v: mx.array, mask: Mask,
     def make_inputs():
         kq, kk, kv, km, kg = mx.random.split(mx.random.key(7), 5)
         S_ = 777  # a partial last block; the cache's view: [:, :, :S] of a longer buffer
-        q_ = mx.random.normal((1, Hq, 1, D), key=kq).astype(q.dtype)
-        k_ = mx.random.normal((1, Hk, S_ + 256, D), key=kk).astype(q.dtype)[:, :, :S_]
-        v_ = mx.random.normal((1, Hk, S_ + 256, D), key=kv).astype(q.dtype)[:, :, :S_]
-        m_ = mx.random.uniform(shape=(1, 1, 1, S_), key=km) > 0.2
+        q_ = mx.random.normal((2, Hq, 1, D), key=kq).astype(q.dtype)
+        k_ = mx.random.normal((2, Hk, S_ + 256, D), key=kk).astype(q.dtype)[:, :, :S_]
+        v_ = mx.random.normal((2, Hk, S_ + 256, D), key=kv).astype(q.dtype)[:, :, :S_]
+        # A row of keys per batch row, and the compiled step's one row for all.
+        m_ = mx.random.uniform(shape=(2, 1, 1, S_), key=km) > 0.2
         # The layer's gate: the second half of each head's q_proj output (strided).
-        g_ = mx.split(mx.random.normal((1, 1, Hq, 2 * D), key=kg).astype(q.dtype), 2, axis=-1)[1]
+        g_ = mx.split(mx.random.normal((2, 1, Hq, 2 * D), key=kg).astype(q.dtype), 2, axis=-1)[1]
         return q_, k_, v_, m_, g_
 
     def kernel(q_, k_, v_, m_, g_):
         return [_split_kernel_call(backend, q_, k_, v_, D ** -0.5, None),
                 _split_kernel_call(backend, q_, k_, v_, D ** -0.5, m_),
-                _split_kernel_call(backend, q_, k_, v_, D ** -0.5, m_, g_)]
+                _split_kernel_call(backend, q_, k_, v_, D ** -0.5, m_[:1], g_),
+                # Several 32-key tiles per warp, as long caches run.
+                _split_kernel_call(backend, q_, k_, v_, D ** -0.5, m_, block=128)]
 
     def reference(q_, k_, v_, m_, g_):
         masked = gqa_attention_ops(q_, k_, v_, D ** -0.5, m_)
         return [gqa_attention_ops(q_, k_, v_, D ** -0.5, None), masked,
-                gate_output(masked, g_)]
+                gate_output(gqa_attention_ops(q_, k_, v_, D ** -0.5, m_[:1]), g_), masked]
 
     tol = 1e-4 if q.dtype == mx.float32 else 2e-2
     ok = self_checked("gqa_decode_attention", backend, key, kernel=kernel, reference=reference,
