@@ -658,26 +658,18 @@ def test_compiled_projections_take_the_qk_prep_kernel(monkeypatch):
     assert calls == []
 
 
-def test_attn_kernel_switch():
+@pytest.mark.parametrize("name,attr,other", [("attn-kernel", "decode_kernel", "split_keys"),
+                                              ("attn-split", "split_keys", "decode_kernel")])
+def test_attention_optimization_switches(name, attr, other):
+    # Each switch turns off its own attribute on every fused attention layer,
+    # leaves the other one on, and leaves a note in the fusion report.
     from qwen_apple_backend.bench.target import fuse_in_memory
     from qwen_apple_backend.checkpoint import build_random_model, hf_config
 
-    for disable, expect in ((None, True), (["attn-kernel"], False)):
+    for disable, expect in ((None, True), ([name], False)):
         model = build_random_model("tiny", vocab_size=64)
         report = fuse_in_memory(model, "fused", config=hf_config("tiny", 64), disable=disable)
         attn = [m for _, m in model.named_modules() if isinstance(m, FusedGQAAttention)]
-        assert attn and all(m.decode_kernel is expect for m in attn)
-        assert all(m.split_keys for m in attn)
-        assert any("attn-kernel" in n for n in report.notes) is (not expect)
-
-
-def test_attn_split_switch():
-    from qwen_apple_backend.bench.target import fuse_in_memory
-    from qwen_apple_backend.checkpoint import build_random_model, hf_config
-
-    for disable, expect in ((None, True), (["attn-split"], False)):
-        model = build_random_model("tiny", vocab_size=64)
-        report = fuse_in_memory(model, "fused", config=hf_config("tiny", 64), disable=disable)
-        attn = [m for _, m in model.named_modules() if isinstance(m, FusedGQAAttention)]
-        assert attn and all(m.split_keys is expect for m in attn)
-        assert any("attn-split" in n for n in report.notes) is (not expect)
+        assert attn and all(getattr(m, attr) is expect for m in attn)
+        assert all(getattr(m, other) for m in attn)
+        assert any(name in n for n in report.notes) is (not expect)

@@ -409,24 +409,31 @@ def test_environment_records_the_program_by_name_only(monkeypatch):
     assert report.environment(["qab", "bench"])["process_argv"] == ["qab", "bench", "--quick"]
 
 
-def test_decode_split_counts_every_primitive_and_writes_the_graph(tmp_path):
-    # benchmarks/decode_split.py records all of a token's primitives (views
-    # too: each costs the host time to encode) and, with --dot, the graph.
+def _decode_split(out, context):
+    """Run benchmarks/decode_split.py on the tiny preset (fused, stock, --dot);
+    returns (the process, its result rows)."""
     import json
-    import re
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "o"
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "decode_split.py"), str(out),
-                        "--preset", "tiny", "--variants", "fused,stock", "--context", "8",
+                        "--preset", "tiny", "--variants", "fused,stock", "--context", context,
                         "--tokens", "2", "--dot"],
                        capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stderr[-2000:]
     (result,) = out.glob("decode-split-*.json")
-    rows = json.loads(result.read_text())["rows"]
+    return r, json.loads(result.read_text())["rows"]
+
+
+def test_decode_split_counts_every_primitive_and_writes_the_graph(tmp_path):
+    # benchmarks/decode_split.py records all of a token's primitives (views
+    # too: each costs the host time to encode) and, with --dot, the graph.
+    import re
+
+    out = tmp_path / "o"
+    _, rows = _decode_split(out, "8")
     assert [row["variant"] for row in rows] == ["fused", "stock"]
     for row in rows:
         assert row["primitives"] == (row["kernel_primitives"]
@@ -443,23 +450,11 @@ def test_decode_split_counts_every_primitive_and_writes_the_graph(tmp_path):
 
 
 def test_decode_split_runs_several_contexts_on_one_preset(tmp_path):
-    # --context 8,16: every variant at each length (one preset build), rows in
+    # --context 16,8: every variant at each length (one preset build), rows in
     # context order, the graphs named by context.
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "o"
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "decode_split.py"), str(out),
-                        "--preset", "tiny", "--variants", "fused,stock", "--context", "16,8",
-                        "--tokens", "2", "--dot"],
-                       capture_output=True, text=True, timeout=300, cwd=root)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r, rows = _decode_split(out, "16,8")
     assert r.stdout.count("building preset") == 1
-    (result,) = out.glob("decode-split-*.json")
-    rows = json.loads(result.read_text())["rows"]
     assert [(row["variant"], row["context"]) for row in rows] == [
         ("fused", 8), ("stock", 8), ("fused", 16), ("stock", 16)]
     assert sorted(p.name for p in out.glob("*.dot")) == [
