@@ -208,15 +208,17 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=layer_count, default=None,
                    help="keep the first k layers (a multiple of 4)")
     p.add_argument("--context", type=token_lengths, default="512",
-                   help="prefilled tokens, or a comma list (K = 1,024: 4K,128K): each context "
-                        "runs all variants and rounds in turn on the one built preset")
+                   help="prefilled tokens, or a comma list (K = 1,024: 4K,128K): each context, "
+                        "shortest first, runs all variants and rounds in turn on the one built "
+                        "preset")
     p.add_argument("--tokens", type=positive_int, default=32,
                    help="timed decode tokens per phase")
     p.add_argument("--prefill-step", type=positive_int, default=2048,
                    help="tokens per prefill chunk (mlx-lm's prefill_step_size)")
     p.add_argument("--dot", action="store_true",
                    help="also write each variant's decode-token graph as OUT/decode-step-"
-                        "<variant>.dot (every primitive, views included)")
+                        "<variant>.dot, or decode-step-<variant>-<context>.dot with several "
+                        "contexts (every primitive, views included)")
     p.add_argument("--rounds", type=positive_int, default=1,
                    help="timed rounds per variant, variants alternating (from 2, every "
                         "variant's model and cache stay alive; rows report the medians and the "
@@ -225,6 +227,9 @@ def main(argv=None) -> int:
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    twice = sorted({v for v in args.variants.split(",") if args.variants.split(",").count(v) > 1})
+    if twice:
+        p.error(f"variant(s) {twice} named more than once")
     from _common import check_layers, check_out
 
     check_out(p, args.out)

@@ -249,6 +249,12 @@ def test_parse_lengths_and_specs():
         harness.parse_lengths("abc")
     with pytest.raises(ValueError):
         harness.parse_lengths("")
+    assert harness.parse_lengths("1.5K") == [1536]
+    for bad, message in (("4K,", "empty entry"), ("4K,,8K", "empty entry"),
+                         ("inf", "'inf' is not a length"), ("1e400", "'1e400' is not a length"),
+                         ("2.5", "'2.5' is not a whole number"), ("4Kk", "'4Kk' is not a length")):
+        with pytest.raises(ValueError, match=message):
+            harness.parse_lengths(bad)
     specs = parse_backend_specs("stock,fused", "moe,attn")
     assert [s.label for s in specs] == ["stock", "fused", "fused-no-moe", "fused-no-attn"]
     assert specs[2] == BackendSpec("fused-no-moe", "fused", frozenset({"moe"}), "moe")

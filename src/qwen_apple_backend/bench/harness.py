@@ -62,20 +62,27 @@ def parse_lengths(text: str) -> list[int]:
     """Parse ``"256,1K,4k,128K"`` into sorted unique token counts (K = 1024).
 
     Raises:
-        ValueError: for an empty list, a non-number or a length < 2.
+        ValueError: for an empty list or entry (``"4K,"``), a non-number (``inf``
+            too), a count that is not whole (``2.5``; ``1.5K`` is 1,536) or a
+            length < 2.
     """
     out = []
-    for part in str(text).split(","):
-        part = part.strip()
-        if not part:
+    parts = [p.strip() for p in str(text).split(",")]
+    if len(parts) > 1 and not all(parts):
+        raise ValueError(f"--lengths: {text!r} has an empty entry (use e.g. 512,4K)")
+    for typed in parts:
+        if not typed:
             continue
-        mult = 1
+        part, mult = typed, 1
         if part[-1] in "kK":
             mult, part = K, part[:-1]
         try:
-            value = int(float(part) * mult)
-        except ValueError:
-            raise ValueError(f"--lengths: {part!r} is not a length (use e.g. 512, 4K)") from None
+            number = float(part) * mult
+            value = int(number)
+        except (ValueError, OverflowError):
+            raise ValueError(f"--lengths: {typed!r} is not a length (use e.g. 512, 4K)") from None
+        if value != number:
+            raise ValueError(f"--lengths: {typed!r} is not a whole number of tokens")
         if value < 2:
             raise ValueError(f"--lengths: {value} is too short (at least 2 tokens)")
         out.append(value)
