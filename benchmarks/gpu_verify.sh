@@ -7,8 +7,9 @@
 #      router's self-check; then the compiled decode step against eager
 #      decoding and the GPU-resident handoff (tests/test_decode.py);
 #   2. benchmarks/profile_attention_decode.py at 4K / 32K / 128K keys;
-#   3. benchmarks/decode_split.py: fused against fused without attn-kernel at
-#      4K, 64K and 128K on one built preset (the full preset takes ~90 s to
+#   3. benchmarks/decode_split.py: fused, fused with the staged attention
+#      first pass (QAB_ENABLE=attn-staged) and fused without attn-kernel at
+#      4K and 128K on one built preset (the full preset takes ~90 s to
 #      build), kernels not yet verified included.
 # The whole tests/test_kernels_gpu.py takes more than 5 minutes: select with
 # -k. Stock's 128K prefill alone takes minutes (its Gated DeltaNet prefill is a
@@ -23,7 +24,7 @@ LOG="$OUT/verify.log"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" QAB_UNVERIFIED_KERNELS=1
 step() { echo "=== $* ($(date -u +%T))" | tee -a "$LOG"; }
 step decode kernel GPU tests
-K="qk_norm_rope or split_decode or gated_decode or kv_cache_write or writes_the_kv"
+K="qk_norm_rope or split_decode or gated_decode or staged or kv_cache_write or writes_the_kv"
 timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_kernels_gpu.py \
   -k "$K or router_kernel_passes" \
   2>&1 | grep -E "passed|failed|FAILED|ERROR|Error|vs float32|equal" | tail -40 >> "$LOG"
@@ -35,8 +36,8 @@ step attention profile
 timeout 40 python3 benchmarks/profile_attention_decode.py "$OUT" \
   --lengths 4096,32768,131072 --repeats 20 2>&1 | tail -4 >> "$LOG"
 step decode split
-timeout 210 python3 benchmarks/decode_split.py "$OUT" --variants fused,fused-attn-kernel \
-  --context 4K,64K,128K --tokens 24 --rounds 2 2>&1 | grep -E "median|rounds|primitives|wrote" \
+timeout 210 python3 benchmarks/decode_split.py "$OUT" \
+  --variants fused,fused+attn-staged,fused-attn-kernel --context 4K,128K --tokens 24 --rounds 2 2>&1 | grep -E "median|rounds|primitives|wrote" \
   >> "$LOG"
 step done
 tail -80 "$LOG"
