@@ -227,10 +227,11 @@ def main(argv=None) -> int:
                         "variant's model and cache stay alive; rows report the medians and the "
                         "tok/s spread)")
     args = p.parse_args(argv)
-    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    names = args.variants.split(",")
+    unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
-    twice = sorted({v for v in args.variants.split(",") if args.variants.split(",").count(v) > 1})
+    twice = sorted({v for v in names if names.count(v) > 1})
     if twice:
         p.error(f"variant(s) {twice} named more than once")
     from _common import check_layers, check_out
@@ -269,7 +270,6 @@ def main(argv=None) -> int:
               f"wait {r['wait_ms']:6.2f}  serial {r['serial_ms']:6.2f}  pipelined "
               f"{r['pipelined_ms']:6.2f} ms/token ({r['tok_s']:6.1f} tok/s)")
 
-    names = args.variants.split(",")
     rows = []
     for context in args.context:
         rows += _run_context(context, names, args, b, variant_env, show, stage)

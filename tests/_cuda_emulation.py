@@ -1401,23 +1401,24 @@ def _program(source_text: str) -> Path:
 # --------------------------------------------------------------------------
 
 
-def _to_numpy(a: mx.array) -> np.ndarray:
+def _numpy_compatible(a: mx.array) -> mx.array:
+    """``a`` in a dtype numpy has (bf16 as its uint16 bits, same strides)."""
     if a.dtype == mx.bfloat16:
-        return np.ascontiguousarray(np.array(a.view(mx.uint16)))
+        return a.view(mx.uint16)
     if a.dtype not in _NP_TYPES:
         raise NotEmulated(f"input dtype {a.dtype} is not emulated")
-    return np.ascontiguousarray(np.array(a))
+    return a
+
+
+def _to_numpy(a: mx.array) -> np.ndarray:
+    return np.ascontiguousarray(np.array(_numpy_compatible(a)))
 
 
 def _view_bytes(a: mx.array) -> tuple[bytes, list, int]:
     """(bytes, element strides, offset) of the memory the view ``a`` spans, from
     the 16-byte boundary at or below its lowest element (MLX buffers are at
     least 16-byte aligned, so nothing outside its buffer is read)."""
-    if a.dtype == mx.bfloat16:
-        a = a.view(mx.uint16)
-    elif a.dtype not in _NP_TYPES:
-        raise NotEmulated(f"input dtype {a.dtype} is not emulated")
-    n = np.asarray(a)  # MLX's own strides and offset, no copy
+    n = np.asarray(_numpy_compatible(a))  # MLX's own strides and offset, no copy
     item = n.itemsize
     if n.size == 0:
         return b"", [0] * n.ndim, 0
