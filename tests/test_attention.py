@@ -628,8 +628,8 @@ def test_compiled_projections_take_the_qk_prep_kernel(monkeypatch):
     # With the q/k preparation kernel ready (checked outside the trace), the
     # compiled decode projections call prep_qk_decode (here a traceable
     # stand-in with the kernel's contract: [B, 1, H, D] in, [B, H, 1, D] out)
-    # and keep prep_qk for prompts; outputs stay stock's. attn-kernel off,
-    # or a prompt, keeps prep_qk.
+    # and keep prep_qk for prompts; outputs stay stock's. qk-prep off
+    # (prep_kernel False), or a prompt, keeps prep_qk.
     import qwen_apple_backend.layers.attention as layer_mod
 
     calls = []
@@ -653,16 +653,20 @@ def test_compiled_projections_take_the_qk_prep_kernel(monkeypatch):
     assert ready == [(16, 2, 256), (16, 2, 256)], ready  # decode tokens only
     assert (True, True) in fused._compiled or (False, True) in fused._compiled
     calls.clear()
-    fused.decode_kernel = False
+    fused.prep_kernel = False
     run_steps(fused, xs, KVCache)
     assert calls == []
 
 
-@pytest.mark.parametrize("name,attr,other", [("attn-kernel", "decode_kernel", "split_keys"),
-                                              ("attn-split", "split_keys", "decode_kernel")])
-def test_attention_optimization_switches(name, attr, other):
+_ATTN_SWITCHES = {"attn-kernel": "decode_kernel", "attn-split": "split_keys",
+                  "qk-prep": "prep_kernel"}
+
+
+@pytest.mark.parametrize("name", list(_ATTN_SWITCHES))
+def test_attention_optimization_switches(name):
     # Each switch turns off its own attribute on every fused attention layer,
-    # leaves the other one on, and leaves a note in the fusion report.
+    # leaves the others on, and leaves a note in the fusion report.
+    attr = _ATTN_SWITCHES[name]
     from qwen_apple_backend.bench.target import fuse_in_memory
     from qwen_apple_backend.checkpoint import build_random_model, hf_config
 
@@ -671,5 +675,6 @@ def test_attention_optimization_switches(name, attr, other):
         report = fuse_in_memory(model, "fused", config=hf_config("tiny", 64), disable=disable)
         attn = [m for _, m in model.named_modules() if isinstance(m, FusedGQAAttention)]
         assert attn and all(getattr(m, attr) is expect for m in attn)
-        assert all(getattr(m, other) for m in attn)
+        assert all(getattr(m, other) for m in attn for other in _ATTN_SWITCHES.values()
+                   if other != attr)
         assert any(name in n for n in report.notes) is (not expect)

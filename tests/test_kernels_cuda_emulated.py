@@ -1186,7 +1186,7 @@ def test_attention_layer_decodes_through_the_kernel_pair(dtype, monkeypatch):
     # each decode token's attention and output gate run as the kernel pair
     # (gate handed over as q_proj's strided half), and the outputs are stock
     # Qwen3NextAttention's; with attn-kernel off (decode_kernel False) the
-    # MLX path runs.
+    # MLX path runs (likewise qk-prep for the q/k preparation kernel).
     from mlx_lm.models.cache import KVCache
 
     from .test_attention import inputs, make_pair, run_steps
@@ -1229,13 +1229,16 @@ def test_attention_layer_decodes_through_the_kernel_pair(dtype, monkeypatch):
     run_steps(fused, xs, KVCache)
     assert gated == [(21, True), (21, True), (22, True)], gated
     assert preps == [2, 1, 1, 1, 1, 1, 1], preps
-    gated.clear()
-    preps.clear()
-    fused.decode_kernel = False
-    ys_off, _ = run_steps(fused, xs, KVCache)
-    assert gated == [] and preps == []
-    for y, ref in zip(ys_off, refs):
-        assert mx_rel_l2(y, ref) <= tol
+    # Each switch alone: attn-kernel off keeps q/k preparation's launch, qk-prep
+    # off keeps the kernel pair; both off, the MLX path runs.
+    for decode_kernel, prep_kernel in ((False, True), (True, False), (False, False)):
+        gated.clear()
+        preps.clear()
+        fused.decode_kernel, fused.prep_kernel = decode_kernel, prep_kernel
+        ys_off, _ = run_steps(fused, xs, KVCache)
+        assert bool(gated) is decode_kernel and bool(preps) is prep_kernel, (gated, preps)
+        for y, ref in zip(ys_off, refs):
+            assert mx_rel_l2(y, ref) <= tol
     device.reset_self_checks()  # no verdict for the shapes of the tests that follow
 
 

@@ -9,8 +9,8 @@ Variables:
     QAB_DISABLE: comma-separated fused module kinds to keep stock
         (``moe``, ``gdn``, ``attn``, ``all``) or single optimizations to
         switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``,
-        ``attn-blocks``, ``attn-split``, ``attn-kernel``, ``decode-compile``, ``proj-concat``,
-        ``gemv-kernel``, ``add-norm``), for ablations.
+        ``attn-blocks``, ``attn-split``, ``attn-kernel``, ``qk-prep``, ``decode-compile``,
+        ``proj-concat``, ``gemv-kernel``, ``add-norm``, ``kv-in-place``), for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
         leaves kernels on. Anything else is an error.
@@ -61,6 +61,8 @@ OPTIMIZATIONS = {
     "attn-split": "attn",
     # one decode token's attention + output gate in the split-K CUDA kernel pair
     "attn-kernel": "attn",
+    # a one-token call's q/k RMSNorm + RoPE in one CUDA launch (qk_norm_rope)
+    "qk-prep": "attn",
     "decode-compile": "model",  # the compiled one-token decode step (decode.py)
     "proj-concat": "model",  # sibling input projections run as one matmul (layers/_concat.py)
     "gemv-kernel": "model",  # the CUDA dense 4-bit decode GEMV for lm_head (ops/linear.py)

@@ -95,10 +95,12 @@ class FusedGQAAttention(nn.Module):
             over at most ``ops.attention.ATTN_KERNEL_MAX_KEYS`` cached keys,
             and its output gate, as ``ops.attention.gqa_decode_attention_gated``
             (the ``attn-kernel`` optimization: the split-K kernel pair, two
-            launches instead of about eight MLX ops and their views), and its
-            q/k RMSNorm and RoPE as ``ops.attention.prep_qk_decode`` (one
-            launch instead of four), each when its self-check passed.
-            Default True.
+            launches instead of about eight MLX ops and their views) when its
+            self-check passed. Default True.
+        prep_kernel (bool): on CUDA, run a one-token call's q/k RMSNorm and
+            RoPE as ``ops.attention.prep_qk_decode`` (the ``qk-prep``
+            optimization: one launch instead of four, and no transposes) when
+            its self-check passed. Default True.
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class FusedGQAAttention(nn.Module):
         block_queries: bool = True,
         split_keys: bool = True,
         decode_kernel: bool = True,
+        prep_kernel: bool = True,
     ):
         super().__init__()
         self.num_key_value_heads = num_key_value_heads
@@ -137,6 +140,7 @@ class FusedGQAAttention(nn.Module):
         self.block_queries = block_queries
         self.split_keys = split_keys
         self.decode_kernel = decode_kernel
+        self.prep_kernel = prep_kernel
 
     @classmethod
     def from_stock(
@@ -326,9 +330,9 @@ class FusedGQAAttention(nn.Module):
 
     def _prep_kernel_ready(self, x: mx.array, offset) -> bool:
         """Whether a one-token call's q/k norm and RoPE run as the CUDA kernel
-        (``attn-kernel``); checked before any compiled trace (its self-check
+        (``qk-prep``); checked before any compiled trace (its self-check
         evaluates)."""
-        if (not (self.decode_kernel and self.use_kernel) or self.training or x.shape[1] != 1
+        if (not (self.prep_kernel and self.use_kernel) or self.training or x.shape[1] != 1
                 or (isinstance(offset, mx.array) and offset.ndim != 0)):
             return False
         qw, kw = self.q_norm["weight"], self.k_norm["weight"]

@@ -326,6 +326,8 @@ class QwenHybridAdapter(Adapter):
                       "with p v split over blocks of keys (attn-split in QAB_DISABLE / disable=)",
         "attn-kernel": "decode attention and its output gate run as MLX ops, not in the "
                        "split-K CUDA kernel pair (attn-kernel in QAB_DISABLE / disable=)",
+        "qk-prep": "a decode token's q/k RMSNorm and RoPE run as four MLX ops, not one CUDA "
+                   "launch (qk-prep in QAB_DISABLE / disable=)",
         "gdn-kernel": "Gated DeltaNet scans and decode steps run as MLX ops, without the GPU "
                       "gated-delta kernels (gdn-kernel in QAB_DISABLE / disable=)",
         "moe-kernel": "MoE routing and experts run as MLX ops, without the GPU MoE kernels "
@@ -382,6 +384,8 @@ class QwenHybridAdapter(Adapter):
                     fused.split_keys = False
                 if "attn-kernel" in off:
                     fused.decode_kernel = False
+                if "qk-prep" in off:
+                    fused.prep_kernel = False
                 switched_off.update(off)
                 if "proj-concat" not in disable and hasattr(fused, "concat_projections"):
                     fused.concat_projections()
