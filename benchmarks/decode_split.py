@@ -59,9 +59,6 @@ VARIANTS = {
     "fused-attn-split": ("fused", {"QAB_DISABLE": "attn-split"}),
     "fused-attn-kernel": ("fused", {"QAB_DISABLE": "attn-kernel"}),
     "fused-qk-prep": ("fused", {"QAB_DISABLE": "qk-prep"}),
-    # The staged first pass of the attention kernel (a candidate; not yet
-    # verified, so run with QAB_UNVERIFIED_KERNELS=1).
-    "fused+attn-staged": ("fused", {"QAB_ENABLE": "attn-staged"}),
     "fused-kv-in-place": ("fused", {"QAB_DISABLE": "kv-in-place"}),
 }
 

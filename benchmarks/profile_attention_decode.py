@@ -17,9 +17,6 @@ shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
   (``gqa_attention_split(..., use_kernel=False)``) over the masked buffer;
 * ``split-kernel``: the same through the split-K kernel pair where this
   device has it (``split_kernel_ready``), else absent;
-* ``split-kernel-staged``: the same with the staged first pass
-  (``QAB_ENABLE=attn-staged``; built only with ``QAB_UNVERIFIED_KERNELS=1``
-  until verified), else absent;
 * ``kv-update``: the compiled decode step's cache write alone: one
   ``mx.slice_update`` of a new key and value row into the K and V buffers
   at an array offset, compiled, each call's outputs replacing the buffers
@@ -40,8 +37,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import sys
 from pathlib import Path
 
@@ -53,20 +48,6 @@ for p in (SRC, HERE):
 
 B, HQ, HK, D = 1, 16, 2, 256
 SPLIT = 1024
-
-
-@contextlib.contextmanager
-def _staged():
-    """``QAB_ENABLE=attn-staged`` for the duration (the kernel pair reads it per call)."""
-    old = os.environ.get("QAB_ENABLE")
-    os.environ["QAB_ENABLE"] = ",".join(x for x in ((old or ""), "attn-staged") if x)
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["QAB_ENABLE"]
-        else:
-            os.environ["QAB_ENABLE"] = old
 
 
 def main(argv=None) -> int:
@@ -143,16 +124,6 @@ def main(argv=None) -> int:
         if attn_ops.split_kernel_ready(q, kbuf, vbuf, mask) is not None:
             forms["split-kernel"] = lambda: attn_ops.gqa_attention_split(q, kbuf, vbuf, scale,
                                                                          mask)
-            with _staged():
-                staged = (attn_ops._use_staged("cuda", q.dtype, G, D)
-                          and attn_ops.split_kernel_ready(q, kbuf, vbuf, mask) is not None)
-            if staged:
-
-                def split_staged():
-                    with _staged():
-                        return attn_ops.gqa_attention_split(q, kbuf, vbuf, scale, mask)
-
-                forms["split-kernel-staged"] = split_staged
         kv_bytes = 2 * B * HK * S * D * 2
         row = dict(S=S, kv_bytes=kv_bytes)
         for name, fn in forms.items():

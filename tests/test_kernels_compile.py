@@ -54,10 +54,6 @@ CASES = {
     "gqa_decode_partial": (
         ["bf16", "bf16", "bf16", "bool", "f32"], ["f32", "f32"],
         {"InT": "bf16", "D": 256, "G": 8, "BLOCK": 256, "HAS_MASK": True}),
-    # The staged first pass (QAB_ENABLE=attn-staged) at Qwen3.6's shape.
-    "gqa_decode_partial_staged": (
-        ["bf16", "bf16", "bf16", "bool", "f32"], ["f32", "f32"],
-        {"InT": "bf16", "D": 256, "G": 8, "BLOCK": 128, "HAS_MASK": True}),
     # The layer's build: the sigmoid output gate in the epilogue.
     "gqa_decode_combine": (["f32", "f32", "bf16"], ["bf16"],
                            {"OutT": "bf16", "D": 256, "HAS_GATE": True}),

@@ -1138,36 +1138,6 @@ def test_split_decode_attention_reads_any_strides_emulated(dtype, monkeypatch):
         assert mx_rel_l2(out, ref) <= _split_tol(dtype), what
 
 
-@pytest.mark.parametrize("case", [c for c in SPLIT_CASES if c[5] != F32]
-                         + [(1, 8, 1, 256, 100, BF16, "row")],
-                         ids=lambda c: "x".join(map(str, c[:5])) + f"-{c[5]}-{c[6] or 'nomask'}")
-def test_staged_first_pass_emulated(case, monkeypatch):
-    # QAB_ENABLE=attn-staged: the first pass copies each warp's K tiles into
-    # shared memory with cp.async (double-buffered); same results as the
-    # default first pass, cache-like views, strided and unaligned K too.
-    B, Hq, Hk, D, S, dtype, _ = case
-    monkeypatch.setattr(attn_ops, "_SPLIT_KERNEL_WARPS", 4)
-    monkeypatch.setenv("QAB_ENABLE", "attn-staged")
-    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
-    q, k, v, mask, gate = _split_inputs(*case)
-    layouts = [("cache view", q, k, v)]
-    if case == SPLIT_CASES[2]:  # once: K the staged copy cannot take 16 bytes at a time
-        layouts += _odd_layouts(dtype)
-    for what, q_, k_, v_ in layouts:
-        D = q_.shape[-1]
-        m = mask if what == "cache view" else None
-        assert attn_ops._use_staged("cuda", dtype, q_.shape[1] // k_.shape[1], D), what
-        staged = attn_ops._split_kernel_call("cuda", q_, k_, v_, D ** -0.5, m)
-        monkeypatch.setenv("QAB_ENABLE", "")
-        plain = attn_ops._split_kernel_call("cuda", q_, k_, v_, D ** -0.5, m)
-        monkeypatch.setenv("QAB_ENABLE", "attn-staged")
-        ref = attn_ops.gqa_attention_ops(q_.astype(F32), k_.astype(F32), v_.astype(F32),
-                                         D ** -0.5, m)
-        assert mx_rel_l2(staged, ref) <= _split_tol(dtype), what
-        # Same tiles, same order of operations: within float32 rounding.
-        assert mx_rel_l2(staged, plain) <= 1e-3, what
-
-
 def test_split_decode_attention_checks_alignment_emulated(monkeypatch):
     # Negative control: without the alignment test, the first pass's 16-byte
     # K loads of rows that start one element into their buffer are misaligned,

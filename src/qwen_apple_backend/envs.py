@@ -17,9 +17,7 @@ Variables:
     QAB_ENABLE: comma-separated optimizations to switch on where they are
         off by default (``decode-compile``, the compiled one-token decode
         step: on by default on a GPU, off on the CPU, where it measured no
-        faster; ``attn-staged``, a candidate first pass of the CUDA decode
-        attention kernel that stages K tiles in shared memory, for bf16 /
-        f16 caches; it also needs ``QAB_UNVERIFIED_KERNELS`` until verified).
+        faster).
     QAB_UNVERIFIED_KERNELS: a boolean like ``QAB_DISABLE_KERNELS``; on, it also
         uses CUDA kernels whose GPU tests have not yet passed on a GPU
         (``verified`` missing in kernels/MANIFEST.toml); they still pass the
@@ -185,10 +183,8 @@ def kernels_disabled() -> bool:
 
 # Optimizations that are not on everywhere by default and that QAB_ENABLE can
 # switch on: decode-compile is on by default on a GPU only (host-bound decode:
-# measured on the H200) and off on the CPU (measured no faster there);
-# attn-staged is a candidate first pass of the decode attention kernel (K tiles
-# staged in shared memory by cp.async), off until measured against the default.
-OPT_IN = ("decode-compile", "attn-staged")
+# measured on the H200) and off on the CPU (measured no faster there).
+OPT_IN = ("decode-compile",)
 
 
 def enabled_opt_in() -> frozenset[str]:

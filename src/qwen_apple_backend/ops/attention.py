@@ -545,20 +545,6 @@ def _split_objects(backend: str):
     return None if part is None or comb is None else (part, comb)
 
 
-@functools.lru_cache(maxsize=None)
-def _staged_object(backend: str):
-    # The cp.async-staged first pass (QAB_ENABLE=attn-staged), CUDA only.
-    return build_kernel("gqa_decode_partial_staged", backend, ensure_row_contiguous=False)
-
-
-def _use_staged(backend: str, dtype: mx.Dtype, G: int, D: int) -> bool:
-    """Whether the first pass runs as the staged candidate: asked for with
-    ``QAB_ENABLE=attn-staged``, 2-byte K/V, ``G * D <= 2048`` (its shared
-    memory), and built (verified, or ``QAB_UNVERIFIED_KERNELS``)."""
-    return ("attn-staged" in envs.enabled_opt_in() and dtype in (mx.bfloat16, mx.float16)
-            and G * D <= 2048 and _staged_object(backend) is not None)
-
-
 def _row_mask(mask: Mask, B: int, S: int) -> tuple[bool, Optional[mx.array]]:
     """(usable, mask) for the kernel pair: None, or a boolean mask with one row of
     ``S`` keys per batch row (``[1 or B, 1, ..., 1, S]``), read as it is."""
@@ -582,8 +568,6 @@ def _split_kernel_call(backend: str, q, k, v, scale: float, mask, gate=None,
     has_mask = mask is not None
     m = mask if has_mask else _dummy(mx.bool_)
     warps = _SPLIT_CTA_WARPS
-    if _use_staged(backend, q.dtype, Hq // Hk, D):
-        part, warps = _staged_object(backend), 1  # one warp per thread block
     o, ml = part(inputs=[q, k, v, m, f32_scalar(float(scale))],
                  template=[("InT", q.dtype), ("D", D), ("G", Hq // Hk), ("BLOCK", block),
                            ("HAS_MASK", has_mask)],
@@ -645,8 +629,7 @@ def split_kernel_ready(q: mx.array, k: mx.array, v: mx.array, mask: Mask,
         return None
     if _split_objects(backend) is None:
         return None
-    # The staged first pass (QAB_ENABLE=attn-staged) is checked on its own.
-    key = (Hq, Hk, D, str(q.dtype), _use_staged(backend, q.dtype, Hq // Hk, D))
+    key = (Hq, Hk, D, str(q.dtype))
 
     def make_inputs():
         kq, kk, kv, km, kg = mx.random.split(mx.random.key(7), 5)
