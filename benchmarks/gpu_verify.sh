@@ -7,12 +7,11 @@
 #      router's self-check; then the compiled decode step against eager
 #      decoding and the GPU-resident handoff (tests/test_decode.py);
 #   2. benchmarks/profile_attention_decode.py at 4K / 32K / 64K / 128K keys
-#      (the kernel pair with either first pass against SDPA and the MLX-ops
-#      split: where ATTN_KERNEL_MAX_KEYS belongs);
+#      (the kernel pair against SDPA and the MLX-ops split);
 #   3. benchmarks/decode_split.py: fused, fused without the q/k preparation
-#      kernel (qk-prep) and fused with the staged attention first pass
-#      (QAB_ENABLE=attn-staged) at 4K and 128K on one built preset (the full
-#      preset takes ~90 s to build), kernels not yet verified included.
+#      kernel (qk-prep) and without the attention kernel pair (attn-kernel)
+#      at 4K and 128K on one built preset (the full preset takes ~90 s to
+#      build), kernels not yet verified included.
 # The whole tests/test_kernels_gpu.py takes more than 5 minutes: select with
 # -k. Stock's 128K prefill alone takes minutes (its Gated DeltaNet prefill is a
 # per-token loop), so stock is left out here; compare it at 4K separately.
@@ -26,7 +25,7 @@ LOG="$OUT/verify.log"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" QAB_UNVERIFIED_KERNELS=1
 step() { echo "=== $* ($(date -u +%T))" | tee -a "$LOG"; }
 step decode kernel GPU tests
-K="qk_norm_rope or split_decode or gated_decode or staged or kv_cache_write or writes_the_kv"
+K="qk_norm_rope or split_decode or gated_decode or kv_cache_write or writes_the_kv"
 timeout 170 python3 -m pytest -q -s -p no:cacheprovider tests/test_kernels_gpu.py \
   -k "$K or router_kernel_passes" \
   2>&1 | tee "$OUT/kernel-tests.txt" | grep -E "passed|failed|FAILED|ERROR|Error|vs float32|equal" | tail -40 >> "$LOG"
@@ -39,7 +38,7 @@ timeout 60 python3 benchmarks/profile_attention_decode.py "$OUT" \
   --lengths 4096,32768,65536,131072 --repeats 20 2>&1 | tail -6 >> "$LOG"
 step decode split
 timeout 220 python3 benchmarks/decode_split.py "$OUT" \
-  --variants fused,fused-qk-prep,fused+attn-staged --context 4K,128K --tokens 24 --rounds 2 2>&1 | tee "$OUT/decode-split.txt" | grep -E "median|rounds|primitives|wrote" \
+  --variants fused,fused-qk-prep,fused-attn-kernel --context 4K,128K --tokens 24 --rounds 4 2>&1 | tee "$OUT/decode-split.txt" | grep -E "median|rounds|primitives|wrote" \
   >> "$LOG"
 step done
 tail -80 "$LOG"

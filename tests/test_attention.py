@@ -604,6 +604,7 @@ def test_long_decode_takes_split_attention_on_a_gpu_and_matches_stock(monkeypatc
     monkeypatch.setattr(attn_ops, "SPLIT_KV_BLOCK", 16)
     monkeypatch.setattr(attn_ops, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(attn_ops, "_split_objects", lambda backend: None)  # the MLX-ops form
+    monkeypatch.setattr(attn_ops, "_qk_prep_object", lambda backend: None)  # MLX's norm + RoPE
     calls = []
     real = attn_ops.gqa_attention_split
     monkeypatch.setattr("qwen_apple_backend.layers.attention.gqa_attention_split",

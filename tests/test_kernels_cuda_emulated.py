@@ -1188,17 +1188,13 @@ def test_attention_layer_decodes_through_the_kernel_pair(dtype, monkeypatch):
     tol = 1e-5 if dtype == F32 else 2e-2  # bf16: p v in float32 vs MLX's bf16 steps
     for step, (y, ref) in enumerate(zip(ys, refs)):
         assert y.dtype == ref.dtype and mx_rel_l2(y, ref) <= tol, step
-    # Over more than ATTN_KERNEL_MAX_KEYS keys the MLX path runs.
+    # Past SPLIT_KV_MIN_KEYS too (lowered here), the kernel pair runs.
     gated.clear()
-    limit = attn_ops.ATTN_KERNEL_MAX_KEYS
-    monkeypatch.setattr(attn_ops, "ATTN_KERNEL_MAX_KEYS", 21)
+    monkeypatch.setattr(attn_ops, "SPLIT_KV_MIN_KEYS", 16)
     ys_long, _ = run_steps(fused, xs, KVCache)
-    assert gated == [(21, True)], gated
+    assert gated == [(21, True), (22, True)], gated
     assert mx_rel_l2(ys_long[-1], refs[-1]) <= tol
-    monkeypatch.setattr(attn_ops, "ATTN_KERNEL_MAX_KEYS", limit)
-    run_steps(fused, xs, KVCache)
-    assert gated == [(21, True), (21, True), (22, True)], gated
-    assert preps == [2, 1, 1, 1, 1, 1, 1], preps
+    assert preps == [2, 1, 1, 1, 1], preps
     # Each switch alone: attn-kernel off keeps q/k preparation's launch, qk-prep
     # off keeps the kernel pair; both off, the MLX path runs.
     for decode_kernel, prep_kernel in ((False, True), (True, False), (False, False)):

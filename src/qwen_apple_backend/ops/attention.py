@@ -55,7 +55,6 @@ __all__ = [
     "gqa_decode_attention_gated",
     "SPLIT_KV_MIN_KEYS",
     "SPLIT_KV_BLOCK",
-    "ATTN_KERNEL_MAX_KEYS",
     "score_block_rows",
     "SCORE_BLOCK_BYTES",
     "gate_output",
@@ -93,20 +92,6 @@ RUNAHEAD_EVAL_ROWS = 512
 #: are not yet measured.
 SPLIT_KV_MIN_KEYS = 32768
 SPLIT_KV_BLOCK = 1024
-#: Most cached keys for which attention layers run a one-token query as
-#: :func:`gqa_decode_attention_gated` (``attn-kernel``, CUDA). H200, one
-#: Qwen3.6 layer, each call synchronised (launch and wait included;
-#: ``benchmarks/profile_attention_decode.py``,
-#: ``profile-attention-decode-nvidia-h200-attn-kernel.json``): the kernel pair
-#: 0.187 / 0.324 / 0.551 ms at 4K / 32K / 128K keys, MLX's SDPA 0.218 / 0.347 /
-#: 1.049, the MLX-ops split 0.393 / 0.351 / 0.378. Past 32K the split's GPU
-#: time grows more slowly (0.28 vs 2.4 us per 1,000 keys), but the pair
-#: launches 2 kernels instead of about 8 plus some 14 views per layer and token
-#: (about 0.14 ms of host time per layer at the measured ~8 us per primitive),
-#: which is worth more while decode is host-bound: the two meet near 110K keys
-#: by that arithmetic. 64K is a cautious switch inside that range: 64K itself
-#: is not measured end to end.
-ATTN_KERNEL_MAX_KEYS = 65536
 
 Mask = Union[None, str, mx.array]
 

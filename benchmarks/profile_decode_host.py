@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Host time of the compiled decode step's call, and what it saves by not taking the model as input.
+
+The compiled one-token step (``decode.py``) traces the model's parameters as
+constants and checks per call that none was replaced (``_Snapshot.holds``:
+one identity pass over every module's and list's entries) instead of taking
+the model as a compile input, which MLX flattens on every call. On a fused
+preset model (real layer count and widths; fewer routed experts, which only
+changes the experts' sizes, not the number of arrays) this times, per call,
+median of ``--repeats``:
+
+* ``step_build``: the whole step call (graph built, not evaluated): checks,
+  cache bookkeeping and MLX's replay;
+* ``model_as_input``: a compiled identity function with the model as its
+  captured input tree (``mx.compile(f, inputs=model)``): the per-call cost
+  the step no longer pays;
+* ``snapshot``: the identity check that replaces it; ``concats``: the
+  concatenated projections' validity checks.
+
+Writes ``profile-decode-host-<device>.json`` into OUT.
+
+Usage:
+    python benchmarks/profile_decode_host.py OUT [--preset full] [--experts 8]
+        [--repeats 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+import _common  # noqa: E402,F401  (puts src/ on the path)
+
+
+def _median_ms(fn, repeats: int) -> float:
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(ts)
+
+
+def main(argv=None) -> int:
+    from qwen_apple_backend.argtypes import positive_int
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("out", help="output folder (created)")
+    p.add_argument("--preset", choices=["tiny", "small", "full"], default="full")
+    p.add_argument("--experts", type=positive_int, default=8,
+                   help="routed experts per layer (at least the preset's experts per token)")
+    p.add_argument("--repeats", type=positive_int, default=200, help="timed calls per form")
+    args = p.parse_args(argv)
+    from _common import check_out, variant_model, write_result
+
+    check_out(p, args.out)
+    os.environ.setdefault("QAB_ENABLE", "decode-compile")  # the CPU too
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from qwen_apple_backend import checkpoint
+    from qwen_apple_backend.bench.target import build_preset
+
+    shape = dict(checkpoint.PRESETS[args.preset])
+    if args.experts < shape["num_experts_per_tok"]:
+        p.error(f"--experts {args.experts}: at least num_experts_per_tok "
+                f"({shape['num_experts_per_tok']}) of preset {args.preset}")
+    shape["num_experts"] = args.experts
+    name = f"{args.preset}-x{args.experts}"
+    checkpoint.PRESETS[name] = shape
+    b = build_preset(name, seed=0, vocab_size=1024)
+    model = variant_model(b, "fused")
+    text = model.language_model
+    step = text.__dict__.get("_qab_decode")
+    if step is None:
+        p.error("the compiled decode step is not installed (QAB_DISABLE=decode-compile?)")
+    cache = make_prompt_cache(model)
+    model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=cache)
+    y = mx.array([[9]])
+    for _ in range(3):  # the eager first token, the trace, a replay
+        y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
+        mx.eval(y)
+    n_arrays = len(tree_flatten(text.parameters()))
+    as_input = mx.compile(lambda x: x + 1, inputs=text)
+    x = mx.array(1)
+    mx.eval(as_input(x))
+    rows = dict(
+        arrays=n_arrays,
+        # Built, never evaluated: each call appends one token's graph.
+        step_build_ms=_median_ms(lambda: model(y, cache=cache), args.repeats),
+        model_as_input_ms=_median_ms(lambda: as_input(x), args.repeats),
+        snapshot_ms=_median_ms(step._snapshot.holds, args.repeats),
+        concats_ms=_median_ms(step._still_valid, args.repeats) - 0.0,
+    )
+    rows["concats_ms"] = max(0.0, rows["concats_ms"] - rows["snapshot_ms"])
+    print(f"{n_arrays} arrays: step call {rows['step_build_ms']:.3f} ms; model as compile input "
+          f"{rows['model_as_input_ms']:.3f} ms per call, the identity check instead "
+          f"{rows['snapshot_ms']:.3f} ms (+ concatenations {rows['concats_ms']:.3f} ms)",
+          flush=True)
+    path = write_result(args.out, "profile-decode-host",
+                        dict(preset=args.preset, experts=args.experts, repeats=args.repeats,
+                             layers=len(text.model.layers), **rows))
+    print(f"wrote {path}")
+    os._exit(0)  # the built, unevaluated graphs are dropped, not evaluated
+
+
+if __name__ == "__main__":
+    sys.exit(main())
