@@ -5,8 +5,8 @@ The compiled one-token step (``decode.py``) traces the model's parameters as
 constants and checks per call that none was replaced (``_Snapshot.holds``:
 one identity pass over every module's and list's entries) instead of taking
 the model as a compile input, which MLX flattens on every call. On a fused
-preset model (real layer count and widths; fewer routed experts, which only
-changes the experts' sizes, not the number of arrays) this times, per call,
+preset model (real layer count and widths; ``--experts`` fewer routed
+experts changes the experts' sizes, not the number of arrays) this times, per call,
 median of ``--repeats``:
 
 * ``step_build``: the whole step call (graph built, not evaluated): checks,
@@ -17,10 +17,13 @@ median of ``--repeats``:
 * ``snapshot``: the identity check that replaces it; ``concats``: the
   concatenated projections' validity checks.
 
+The first decode token self-checks every kernel (JIT-compiling them on a
+GPU the first time): allow a few minutes on a fresh machine.
+
 Writes ``profile-decode-host-<device>.json`` into OUT.
 
 Usage:
-    python benchmarks/profile_decode_host.py OUT [--preset full] [--experts 8]
+    python benchmarks/profile_decode_host.py OUT [--preset full] [--experts N]
         [--repeats 200]
 """
 
@@ -55,8 +58,9 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("out", help="output folder (created)")
     p.add_argument("--preset", choices=["tiny", "small", "full"], default="full")
-    p.add_argument("--experts", type=positive_int, default=8,
-                   help="routed experts per layer (at least the preset's experts per token)")
+    p.add_argument("--experts", type=positive_int, default=None,
+                   help="routed experts per layer instead of the preset's (at least its experts "
+                        "per token; fewer build faster on a CPU)")
     p.add_argument("--repeats", type=positive_int, default=200, help="timed calls per form")
     args = p.parse_args(argv)
     from _common import check_out, variant_model, write_result
@@ -71,6 +75,7 @@ def main(argv=None) -> int:
     from qwen_apple_backend.bench.target import build_preset
 
     shape = dict(checkpoint.PRESETS[args.preset])
+    args.experts = args.experts or shape["num_experts"]
     if args.experts < shape["num_experts_per_tok"]:
         p.error(f"--experts {args.experts}: at least num_experts_per_tok "
                 f"({shape['num_experts_per_tok']}) of preset {args.preset}")
