@@ -234,7 +234,7 @@ def test_compiled_step_runs_the_concatenated_projections(tiny_hf_f32, monkeypatc
     matmuls = ("Matmul", "QuantizedMatmul", "AddMM")
     assert sum(oc[k] for k in matmuls) == sum(oe[k] for k in matmuls) > 0, (oc, oe)
     step = comp.language_model.__dict__["_qab_decode"]
-    assert step._uses
+    assert step._uses and all(not c.tracing for c in step._uses)
 
 
 def test_op_counter_counts_the_compiled_step(tiny_hf_f32, monkeypatch):
@@ -353,3 +353,20 @@ def test_kv_in_place_switch(tiny_hf_f32, monkeypatch):
     m2, _ = load(tiny_hf_f32, "fused")
     assert m2.language_model.__dict__["_qab_decode"].allow_in_place is True
     assert not any("kv-in-place" in n for n in m2.qab_report.notes)
+
+
+def test_compiled_step_reads_parameters_changed_in_place(tiny_hf_f32, monkeypatch):
+    # MLX's in-place operators (`w *= c`, `w[...] = v`) keep the Python object
+    # and swap the array it wraps: no identity check sees them. The model is
+    # a compile input, so the step reads the new values, as eager decoding.
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    comp, _ = load(tiny_hf_f32, "fused")
+    monkeypatch.delenv("QAB_ENABLE")
+    monkeypatch.setenv("QAB_DISABLE", "decode-compile")
+    eager, _ = load(tiny_hf_f32, "fused")
+    prompt = mx.array([(i * 29) % 900 for i in range(20)])
+    _greedy(comp, prompt, 12)
+    for m in (comp, eager):
+        m.language_model.model.norm.weight *= -1.0
+        m.language_model.model.layers[0].mlp.switch_mlp.down_proj.weight[...] = 0
+    _assert_same_decoding(comp, eager, prompt)

@@ -44,16 +44,12 @@ Results equal the eager path's (tests/test_decode.py).
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from itertools import chain
-from operator import is_not
 from typing import Any, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from .layers._compiled import outer_trace
 from .ops.attention import decode_kv_mask, kv_cache_write, kv_cache_write_ops, kv_write_ready
 
 __all__ = ["install_compiled_decode", "compiled_decode_installed"]
@@ -136,60 +132,23 @@ def _concats(model: Any) -> list:
     return out
 
 
-class _Snapshot:
-    """Every container (module, dict, list) of a text model and what it held, by identity.
-
-    :meth:`holds` answers "is every array and child still the one the step
-    was traced with?" in one C-level pass: the containers' entries chained
-    into one tuple and compared object by object (``operator.is_not``), no
-    Python loop per array (Qwen3.6: ~800 containers, ~2,000 entries). The
-    root is held weakly (it owns the compiled step).
-    """
-
-    def __init__(self, root: Any):
-        self._root = weakref.ref(root)
-        self._dicts: list = []
-        self._lists: list = []
-        stack = list(dict.values(root))
-        while stack:
-            v = stack.pop()
-            if isinstance(v, dict):
-                self._dicts.append(v)
-                stack.extend(dict.values(v))
-            elif isinstance(v, (list, tuple)):
-                self._lists.append(v)
-                stack.extend(v)
-        self._held = self._entries(root)
-
-    def _entries(self, root: Any) -> tuple:
-        return tuple(chain(dict.values(root), chain.from_iterable(map(dict.values, self._dicts)),
-                           chain.from_iterable(self._lists)))
-
-    def holds(self) -> bool:
-        """True while no array, child module or list entry of the model was replaced."""
-        root = self._root()
-        if root is None:
-            return False
-        now = self._entries(root)
-        return len(now) == len(self._held) and not any(map(is_not, now, self._held))
-
-
 class _CompiledDecode:
     """The traced step of one text model (held weakly, so the model can be freed).
 
-    The model's parameters are trace constants: nothing of the model is
-    flattened per call (as a compile input, MLX walked its ~2,000 arrays on
-    every token, about 0.1 ms per layer on the CPU here; ``build_ms`` of
-    ``benchmarks/decode_split.py``). Instead every call first checks, in one
-    C-level identity pass (:class:`_Snapshot`), that every array, child
-    module and list entry is still the one the step was traced with, and
-    (:meth:`ConcatProjection.valid`) that each concatenated input projection
-    (``proj-concat``) still holds: a parameter or module replaced since
-    (``load_weights``, ``update``, assignment) rebuilds the compiled function
-    and retraces, so the next token reads the new weights, as eager calls do.
-    The layers' own compiled functions put the model's array objects back as
-    they were (``FusedGQAAttention``), so short prompts tracing those do not
-    look like replaced parameters.
+    The model is a compile input (``inputs=[model, ...]``): replaced
+    parameters are read live. Its tree is flattened on every call (measured
+    on the CPU: ~0.3 us per array, ~0.6 ms per token for Qwen3.6's ~2,000
+    arrays), but making the parameters trace constants needs a check that
+    they were not replaced, and MLX re-wraps a module's arrays in new Python
+    objects whenever a compiled layer (``inputs=self``) traces a new shape,
+    so an identity check would rebuild the step after such prompts.
+    The concatenated input projections (``proj-concat``) valid when the step
+    is built are compile inputs too (their arrays live outside the module
+    tree), so the trace runs one matmul per concatenation, as eager calls do.
+    Every call first checks (:meth:`ConcatProjection.valid`) that each of
+    them still holds: a child replaced or given new arrays since
+    (``load_weights``, ``update``) rebuilds the compiled function without
+    that concatenation.
     """
 
     def __init__(self, model: Any, call, in_place: bool = True):
@@ -208,24 +167,17 @@ class _CompiledDecode:
         self.builds = 0
 
     def _build(self) -> None:
-        """Compile the step over the model as it is now (parameters as trace constants)."""
+        """Compile the step with the concatenations that are valid now as inputs."""
         model = self._model()
         pairs = [(c, owner) for c, owner in _concats(model) if c.valid(owner)]
         self._uses = [c for c, _ in pairs]
         self._owners = [owner for _, owner in pairs]
-        ref = weakref.ref(self)  # the compiled function must not keep this object alive
-
-        def step(*args):
-            return ref()._step(*args)
-
-        self._fn = mx.compile(step)
-        self._snapshot = _Snapshot(model)
+        self._fn = mx.compile(self._step, inputs=[model, [c.cat for c in self._uses]])
         self._traced = {}
         self.builds += 1
 
     def _still_valid(self) -> bool:
-        return (self._snapshot.holds()
-                and all(c.valid(owner) for c, owner in zip(self._uses, self._owners)))
+        return all(c.valid(owner) for c, owner in zip(self._uses, self._owners))
 
     def _step(self, tokens, offset, kv, ssm, layout, in_place):
         caches, ik, iss = [], 0, 0
@@ -293,16 +245,26 @@ class _CompiledDecode:
         offset = mx.array(kvs[0].offset, dtype=mx.int32)
         if self._fn is None or not self._still_valid():
             self._build()
+        # While tracing, the model's arrays are tracers: the concatenations the
+        # step reads are marked so their owners still take the one-matmul path
+        # (their arrays are compile inputs, so replays read the current ones).
+        # Tracing also re-wraps the model's arrays in new objects (a replay
+        # does not): re-record the children's views after a call that traces
+        # (new input shapes).
         key = (tokens.shape, tokens.dtype, tuple(layout), in_place, kv_sig,
                tuple((a.shape, a.dtype) for pair in ssm for a in pair))
         tracing = key not in self._traced
-        with outer_trace() if tracing else contextlib.nullcontext():
+        for c in self._uses:
+            c.tracing = tracing
+        try:
             logits, kv_out, ssm_out = self._fn(tokens, offset, kv, ssm, tuple(layout), in_place)
+        finally:
+            for c in self._uses:
+                c.tracing = False
         if tracing:
             self._traced[key] = self._copied
-            # Nothing but the trace ran since the check: record the model as it
-            # is now (in case a compiled function inside re-wrapped arrays).
-            self._snapshot = _Snapshot(self._model())
+            for c in self._uses:
+                c.refresh()
         for i, pair in zip(self._traced[key], kv_out):
             kvs[i].keys, kvs[i].values = pair
         for c in kvs:

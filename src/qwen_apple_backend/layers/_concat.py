@@ -14,10 +14,10 @@ are unchanged. The concatenated path is taken only while every child still
 holds exactly those views and is still of the type it had: once a child's
 arrays are replaced (``load_weights``, ``update``, ``shard()``) or the child
 itself is (LoRA wrappers), calls go back to the separate projections.
-(Owners that run compiled graphs with ``inputs=module`` do so through
-``layers._compiled.ModuleCompiled``, which keeps the array objects a trace
-would re-wrap; the compiled decode step traces with the model's arrays,
-this concatenation's among them, as constants.)
+(Owners that run compiled graphs with ``inputs=module`` call :meth:`refresh`
+after such a call, since tracing re-wraps the same arrays in new objects.
+The compiled decode step passes :attr:`cat` among its compile inputs and sets
+:attr:`tracing` while it traces, so a trace takes the one-matmul path too.)
 
 Row-stacking is exact for quantized weights too: quantization groups run
 along the input axis, so each output row keeps its own packed words, scales
@@ -74,6 +74,10 @@ class ConcatProjection:
         self.kind = kind
         self.views = [_arrays(c) for c in children]
         self.types = [type(c) for c in children]
+        #: Set by a compiled step around a tracing call that found this
+        #: concatenation valid just before and passes :attr:`cat` as a compile
+        #: input: the children's arrays are tracers then, not the views.
+        self.tracing = False
         offs, total = [], 0
         for n in sizes[:-1]:
             total += n
@@ -126,10 +130,22 @@ class ConcatProjection:
         for child_name, c, t, views in zip(self.names, self.children, self.types, self.views):
             if dict.get(owner, child_name) is not c or type(c) is not t:
                 return False
+            if self.tracing:
+                continue
             for name, v in views.items():
                 if dict.get(c, name) is not v:
                     return False
         return True
+
+    def refresh(self) -> None:
+        """Re-record the children's arrays after a call that was valid when it started.
+
+        ``mx.compile(..., inputs=module)`` swaps a module's arrays for tracers
+        while tracing and puts back new Python objects for the same arrays;
+        the owner calls this right after such a call, which started with
+        :meth:`valid` true, so no user change can have happened in between.
+        """
+        self.views = [_arrays(c) for c in self.children]
 
     def __call__(self, x: mx.array) -> list:
         """Outputs of every child for input ``x``, from one matmul."""

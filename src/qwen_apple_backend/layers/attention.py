@@ -18,7 +18,6 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
-from qwen_apple_backend.layers._compiled import ModuleCompiled
 from qwen_apple_backend.layers._concat import ConcatProjection
 from qwen_apple_backend.ops import attention as attn_ops
 from qwen_apple_backend.ops.attention import (
@@ -93,7 +92,8 @@ class FusedGQAAttention(nn.Module):
             ``ops.attention.gqa_attention_split`` (the ``attn-split``
             optimization: ``p v`` split over blocks of keys). Default True.
         decode_kernel (bool): on CUDA, run a one-token query's attention
-            (any number of cached keys) and its output gate as ``ops.attention.gqa_decode_attention_gated``
+            (any number of cached keys) and its output gate as
+            ``ops.attention.gqa_decode_attention_gated``
             (the ``attn-kernel`` optimization: the split-K kernel pair, two
             launches instead of about eight MLX ops and their views) when its
             self-check passed. Default True.
@@ -265,6 +265,8 @@ class FusedGQAAttention(nn.Module):
             use_cat = self._use_cat()
             prep = self._prep_kernel_ready(x, offset)
             q, k, v, gate = self._compiled_project(use_cat, prep)(x, offset)
+            if use_cat:
+                self._proj_cat.refresh()  # a trace re-wraps the module's arrays
         else:
             q, k, v, gate = self._project(x, offset, self._use_cat(),
                                           self._prep_kernel_ready(x, offset))
@@ -384,9 +386,8 @@ class FusedGQAAttention(nn.Module):
             # The module is the captured input tree, so parameters replaced
             # after fusing (load_weights, update) are read live; one trace
             # per projection path (the concatenated one is taken only while
-            # the children still hold its views) and q/k preparation. Its
-            # array objects stay the same across traces (ModuleCompiled).
-            fn = ModuleCompiled(self, partial(self._project, use_cat=use_cat,
-                                              prep_kernel=prep_kernel))
+            # the children still hold its views) and q/k preparation.
+            fn = mx.compile(partial(self._project, use_cat=use_cat, prep_kernel=prep_kernel),
+                            inputs=self)
             fns[(use_cat, prep_kernel)] = fn
         return fn

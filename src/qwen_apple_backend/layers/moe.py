@@ -27,7 +27,6 @@ from mlx_lm.models.switch_layers import (
 )
 
 from qwen_apple_backend import envs
-from qwen_apple_backend.layers._compiled import ModuleCompiled
 from qwen_apple_backend.layers._concat import ConcatProjection
 from qwen_apple_backend.ops.moe import (
     SORT_THRESHOLD,
@@ -591,10 +590,9 @@ class FusedSparseMoeBlock(nn.Module):
         if fn is None:
             # The module itself is the captured input tree, so parameters
             # replaced after fusing (load_weights, update) are read live;
-            # one trace per shared-expert and routing path. Its array objects
-            # stay the same across traces (ModuleCompiled).
-            fn = ModuleCompiled(self, partial(self._forward, use_cat=use_cat, fold=fold,
-                                              router=router))
+            # one trace per shared-expert and routing path.
+            fn = mx.compile(partial(self._forward, use_cat=use_cat, fold=fold, router=router),
+                            inputs=self)
             fns[key] = fn
         return fn
 
@@ -639,6 +637,8 @@ class FusedSparseMoeBlock(nn.Module):
         if self.compile_decode and not self.training and rows < SORT_THRESHOLD:
             fn = self._compiled_forward(use_cat, fold, router, inner is not None)
             y = fn(x) if inner is None else fn(x, inner)
+            if use_cat:
+                self._shared_cat.refresh()  # a trace re-wraps the module's arrays
         else:
             y = self._forward(x, inner, use_cat=use_cat, fold=fold, router=router)
 
