@@ -13,7 +13,10 @@ same buffer), so parameter names, ``parameters()``, saving and ``to_stock``
 are unchanged. The concatenated path is taken only while every child still
 holds exactly those views and is still of the type it had: once a child's
 arrays are replaced (``load_weights``, ``update``, ``shard()``) or the child
-itself is (LoRA wrappers), calls go back to the separate projections.
+itself is (LoRA wrappers), calls go back to the separate projections. An
+array changed in place (``w *= c``, ``w[...] = v``: MLX swaps the array inside
+the same Python object) is not seen, since validity is checked by identity:
+the one matmul keeps the old rows.
 (Owners that run compiled graphs with ``inputs=module`` call :meth:`refresh`
 after such a call, since tracing re-wraps the same arrays in new objects.
 The compiled decode step passes :attr:`cat` among its compile inputs and sets
