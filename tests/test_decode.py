@@ -360,4 +360,3 @@ def test_kv_in_place_switch(tiny_hf_f32, monkeypatch):
     m2, _ = load(tiny_hf_f32, "fused")
     assert m2.language_model.__dict__["_qab_decode"].allow_in_place is True
     assert not any("kv-in-place" in n for n in m2.qab_report.notes)
-

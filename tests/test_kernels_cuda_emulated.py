@@ -1255,11 +1255,16 @@ def test_qk_norm_rope_emulated(case):
         assert mx_rel_l2(out, cuda_ref) <= (1e-6 if dtype == F32 else 2e-3)
 
 
+def _rounded_as(a: np.ndarray, dtype) -> np.ndarray:
+    """``a`` rounded to ``dtype`` by MLX, back as float32 numpy (one rounding step)."""
+    return np.array(mx.array(a.astype(np.float32)).astype(dtype).astype(F32))
+
+
 def _qk_prep_reference(q, k, q_w, k_w, eps, rope, pos):
     """qk_norm_rope's documented formula (MLX's CUDA rms_norm and rope), in numpy
     float32 with every rounding to the input dtype done by MLX."""
     dtype = q.dtype
-    rnd = lambda a: np.array(mx.array(a.astype(np.float32)).astype(dtype).astype(F32))  # noqa: E731
+    rnd = functools.partial(_rounded_as, dtype=dtype)
     R, half = rope.dims, rope.dims // 2
     log2_base = np.log2(np.float32(rope.base), dtype=np.float32)
     i = np.arange(half, dtype=np.float32)
@@ -1306,7 +1311,7 @@ def _cuda_sigmoid_gate(out, gate):
     """``out * sigmoid(gate)`` as MLX's CUDA ops round it in ``out``'s dtype:
     [B, Hq, 1, D] attention, [B, 1, Hq, D] gate -> [B, 1, Hq * D]."""
     dtype = out.dtype
-    rnd = lambda a: np.array(mx.array(a.astype(np.float32)).astype(dtype).astype(F32))  # noqa: E731
+    rnd = functools.partial(_rounded_as, dtype=dtype)
     x = np.array(gate.astype(F32))
     r = rnd(np.float32(1) / rnd(np.float32(1) + rnd(np.exp(np.abs(x)))))
     sg = np.where(x < 0, r, rnd(np.float32(1) - r))
