@@ -7,7 +7,9 @@ uses. The wrapper mirrors ``mx.fast.cuda_kernel``'s generated source: each
 input as ``const T* name`` (plus ``name_shape`` / ``name_strides`` /
 ``name_ndim`` when the body uses them), each output as ``T* name``, template
 ints/bools as constexpr, dtypes as ``using``.
-MLX's own device header is replaced by the CUDA headers it pulls in.
+MLX's own device header is replaced by the CUDA headers it pulls in. The
+text compiled is what ``build_kernel`` hands MLX (compacted: no comments or
+indentation); the compacted and the commented sources give the same PTX.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import subprocess
 
 import pytest
 
-from qwen_apple_backend.ops._sources import kernel_source
+from qwen_apple_backend.ops._sources import compact, kernel_source
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
@@ -122,8 +124,10 @@ EXTRA_CASES = [
 ]
 
 
-def wrap(op: str, case=None) -> str:
+def wrap(op: str, case=None, raw: bool = False) -> str:
+    """The kernel as MLX's generated source (``raw``: the files' text, not compacted)."""
     src = kernel_source(op, "cuda")
+    header, body = (src.header, src.body) if raw else (compact(src.header), compact(src.body))
     in_types, out_types, template = case or CASES[op]
     assert (len(in_types), len(out_types)) == (len(src.inputs), len(src.outputs)), (
         f"{op}: a type per manifest input and output")
@@ -145,10 +149,10 @@ def wrap(op: str, case=None) -> str:
             consts.append(f"  constexpr int {name} = {value};")
         else:
             consts.append(f"  using {name} = {T[value]};")
-    return (PRELUDE + src.header + "namespace mlx { namespace core { namespace cu {\n"
+    return (PRELUDE + header + "namespace mlx { namespace core { namespace cu {\n"
             "namespace cg = cooperative_groups;\n"
             f"__global__ void {src.name}(\n    " + ",\n    ".join(params) + ") {\n"
-            + "\n".join(consts) + "\n" + src.body + "\n}\n}}}\n")
+            + "\n".join(consts) + "\n" + body + "\n}\n}}}\n")
 
 
 @pytest.mark.parametrize("op", sorted(CASES))
@@ -174,6 +178,25 @@ def _compile_without_spills(op, case, tmp_path):
     assert spills and max(spills) == 0, log[-2000:]
     regs = [int(m) for m in re.findall(r"Used (\d+) registers", log)]
     assert regs and max(regs) <= 255, log[-2000:]
+
+
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_compacted_source_gives_the_same_ptx(op, tmp_path):
+    # compact() drops comments and indentation only: nvcc must emit the same PTX.
+    # (Same file name in both builds; internal symbols still carry a hash of the file.)
+    ptx = []
+    for raw in (True, False):
+        folder = tmp_path / ("raw" if raw else "compact")
+        folder.mkdir()
+        cu = folder / f"{op}.cu"
+        cu.write_text(wrap(op, raw=raw), encoding="utf-8")
+        r = subprocess.run([NVCC, "-arch=sm_90", "-ptx", "-o", str(folder / "k.ptx"), str(cu)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        ptx.append(re.sub(r"_INTERNAL_[0-9a-f]+_", "_INTERNAL_",
+                          (folder / "k.ptx").read_text(encoding="utf-8")))
+    assert len(compact(kernel_source(op, "cuda").body)) < len(kernel_source(op, "cuda").body)
+    assert ptx[0] == ptx[1]
 
 
 def test_every_cuda_op_has_a_compile_case():

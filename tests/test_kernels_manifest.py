@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from qwen_apple_backend.ops._sources import BACKENDS, kernel_dir, kernel_source, manifest
+from qwen_apple_backend.ops._sources import BACKENDS, compact, kernel_dir, kernel_source, manifest
 
 
 def test_every_listed_file_exists_and_every_file_is_listed():
@@ -123,5 +123,21 @@ def test_metal_kernels_are_built_without_opt_in(monkeypatch):
         src = kernel_source(op, "metal")
         kw = device.build_kernel(op, "metal")
         assert kw is built[src.name]
-        assert kw["source"] == src.body and kw["header"] == src.header
+        assert kw["source"] == compact(src.body) and kw["header"] == compact(src.header)
         assert kw["input_names"] == list(src.inputs) and kw["output_names"] == list(src.outputs)
+
+
+def test_compact_drops_comments_and_indentation_only():
+    code = ('// file comment\n'
+            '#define N 4  // four\n'
+            '  int a/**/b = 1; /* a block\n  over lines */ int c;\n'
+            '\n'
+            '    asm volatile("x // not a comment;\\n" ::);\n'
+            "    char q = '\\'', s = '/';  \n")
+    assert compact(code) == ('#define N 4\n'
+                             'int a b = 1;   int c;\n'
+                             'asm volatile("x // not a comment;\\n" ::);\n'
+                             "char q = '\\'', s = '/';\n")
+    assert compact("") == "" and compact("// only\n\n") == ""
+    with pytest.raises(ValueError, match="unterminated"):
+        compact("int a; /* open")

@@ -42,7 +42,7 @@ import numpy as np
 import pytest
 
 from qwen_apple_backend.ops import moe as moe_ops
-from qwen_apple_backend.ops._sources import kernel_source
+from qwen_apple_backend.ops._sources import compact, kernel_source
 
 CXX = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler on PATH")
@@ -178,9 +178,10 @@ def _program(op: str, in_types, out_types, instances) -> str:
     params += [f"{'uint3' if a in UINT3_ATTRS else 'uint'} {a}" for a in attrs]
     tparams = ", ".join(f"{'bool' if isinstance(v, bool) else 'int'} {k}"
                         for k, v in instances[0].items())
-    # As MLX does: the header before the generated function, the body inside it.
-    kernel = (_translate(src.header) + f"\ntemplate <{tparams}>\nvoid qab_kernel("
-              f"{', '.join(params)}) {{\n" + _translate(src.body) + "\n}\n")
+    # As MLX does: the header before the generated function, the body inside it,
+    # compacted as build_kernel hands them over.
+    kernel = (_translate(compact(src.header)) + f"\ntemplate <{tparams}>\nvoid qab_kernel("
+              f"{', '.join(params)}) {{\n" + _translate(compact(src.body)) + "\n}\n")
     call_args = [*src.inputs, *src.outputs, *(ATTR_VALUES[a] for a in attrs)]
     cases = []
     for i, inst in enumerate(instances):

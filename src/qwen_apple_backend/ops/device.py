@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .. import envs
-from ._sources import KernelSource, kernel_source
+from ._sources import KernelSource, compact, kernel_source
 
 __all__ = [
     "KernelSelfCheckWarning",
@@ -56,6 +56,9 @@ def gpu_backend() -> Optional[str]:
 def build_kernel(op: str, backend: str, **options: Any) -> Optional[Callable[..., Any]]:
     """Compile-on-first-call kernel object for ``op`` on ``backend`` from its sources.
 
+    The sources go to MLX compacted (:func:`._sources.compact`: MLX hashes a
+    kernel's text at every launch it encodes).
+
     Args:
         op (str): manifest key (``kernels/MANIFEST.toml``).
         backend (str): ``"cuda"`` or ``"metal"``.
@@ -77,8 +80,8 @@ def build_kernel(op: str, backend: str, **options: Any) -> Optional[Callable[...
     if factory is None:
         return None
     return factory(name=src.name, input_names=list(src.inputs),
-                   output_names=list(src.outputs), source=src.body, header=src.header,
-                   **options)
+                   output_names=list(src.outputs), source=compact(src.body),
+                   header=compact(src.header), **options)
 
 
 @functools.lru_cache(maxsize=None)
