@@ -115,6 +115,34 @@ def test_replaced_weights_or_children_fall_back_to_separate_projections(monkeypa
     assert not mx.allclose(out, fused2(x)).item()
 
 
+def _flat_valid(cat, owner) -> bool:
+    # As the compiled decode step runs identity_checks (decode._CompiledDecode._still_valid).
+    containers, keys, expected, children, types = cat.identity_checks(owner)
+    return (all(dict.get(c, k) is e for c, k, e in zip(containers, keys, expected))
+            and all(type(c) is t for c, t in zip(children, types)))
+
+
+def test_flattened_identity_checks_agree_with_valid():
+    class Sub(nn.QuantizedLinear):
+        pass
+
+    changes = {
+        "replaced array": lambda f: f.in_proj_z.update({"scales": f.in_proj_z["scales"] * 2}),
+        "replaced child": lambda f: setattr(f, "in_proj_b", f.in_proj_b.__class__(
+            H, f.in_proj_b["weight"].shape[0], bias=False, group_size=64, bits=4)),
+        "child's class swapped": lambda f: setattr(f.in_proj_a, "__class__", Sub),
+        "array removed": lambda f: f.in_proj_qkv.pop("biases"),
+    }
+    for what, change in changes.items():
+        fused = FusedGatedDeltaNet.from_stock(gdn_stock(quantize=True))
+        assert fused.concat_projections()
+        cat = fused._proj_cat
+        assert cat.valid(fused) and _flat_valid(cat, fused), what
+        change(fused)
+        assert not cat.valid(fused), what
+        assert not _flat_valid(cat, fused), what
+
+
 def test_mismatched_projections_are_left_separate():
     stock = gdn_stock(quantize=False)
     # One projection quantized, the others not: nothing to stack.

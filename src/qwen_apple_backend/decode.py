@@ -44,12 +44,14 @@ Results equal the eager path's (tests/test_decode.py).
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from .layers._concat import ConcatProjection
 from .ops.attention import decode_kv_mask, kv_cache_write, kv_cache_write_ops, kv_write_ready
 
 __all__ = ["install_compiled_decode", "compiled_decode_installed"]
@@ -157,6 +159,8 @@ class _CompiledDecode:
         self._call = call
         self._fn = None
         self._uses: list = []
+        self._checks: list = [[], [], [], [], []]
+        self._checks_at = -1
         self._owners: list = []
         self._traced: dict = {}  # trace key -> indices of the KV caches returned copied
         self._copied: list = []
@@ -172,12 +176,30 @@ class _CompiledDecode:
         pairs = [(c, owner) for c, owner in _concats(model) if c.valid(owner)]
         self._uses = [c for c, _ in pairs]
         self._owners = [owner for _, owner in pairs]
+        self._record_checks()
         self._fn = mx.compile(self._step, inputs=[model, [c.cat for c in self._uses]])
         self._traced = {}
         self.builds += 1
 
+    def _record_checks(self) -> None:
+        """Flatten every used concatenation's :meth:`ConcatProjection.valid` test."""
+        checks = [[], [], [], [], []]
+        for c, owner in zip(self._uses, self._owners):
+            for into, part in zip(checks, c.identity_checks(owner)):
+                into.extend(part)
+        self._checks = checks
+        self._checks_at = ConcatProjection.refreshes
+
     def _still_valid(self) -> bool:
-        return all(c.valid(owner) for c, owner in zip(self._uses, self._owners))
+        """Every used concatenation still :meth:`~ConcatProjection.valid`, in two C-level
+        passes (~80 concatenations, ~900 identities: 0.19 -> 0.08 ms per token on a CPU,
+        against 80 Python calls); re-recorded first if any concatenation was refreshed
+        since (an eager compiled layer that traced re-wraps its arrays)."""
+        if self._checks_at != ConcatProjection.refreshes:
+            self._record_checks()
+        containers, keys, expected, children, types = self._checks
+        return (all(map(operator.is_, map(dict.get, containers, keys), expected))
+                and all(map(operator.is_, map(type, children), types)))
 
     def _step(self, tokens, offset, kv, ssm, layout, in_place):
         caches, ik, iss = [], 0, 0

@@ -68,6 +68,10 @@ class ConcatProjection:
         of output sizes ``N_i``.
     """
 
+    #: How many :meth:`refresh` calls so far, all instances together: a
+    #: copy of :meth:`identity_checks` taken at another count may be stale.
+    refreshes = 0
+
     def __init__(self, names: Sequence[str], children: Sequence[nn.Module], cat: dict,
                  sizes: list, kind: tuple):
         self.names = list(names)
@@ -140,6 +144,26 @@ class ConcatProjection:
                     return False
         return True
 
+    def identity_checks(self, owner: nn.Module) -> tuple:
+        """What :meth:`valid` checks, flattened for a C-level pass over many concatenations.
+
+        Returns:
+            tuple: ``(containers, keys, expected, children, types)``: :meth:`valid`
+            (not tracing) is true exactly when ``dict.get(containers[i], keys[i])
+            is expected[i]`` for every i and ``type(children[j]) is types[j]``
+            for every j. Stale after :meth:`refresh` (see :attr:`refreshes`).
+        """
+        containers, keys, expected = [], [], []
+        for child_name, c, views in zip(self.names, self.children, self.views):
+            containers.append(owner)
+            keys.append(child_name)
+            expected.append(c)
+            for name, v in views.items():
+                containers.append(c)
+                keys.append(name)
+                expected.append(v)
+        return containers, keys, expected, list(self.children), list(self.types)
+
     def refresh(self) -> None:
         """Re-record the children's arrays after a call that was valid when it started.
 
@@ -149,6 +173,7 @@ class ConcatProjection:
         :meth:`valid` true, so no user change can have happened in between.
         """
         self.views = [_arrays(c) for c in self.children]
+        ConcatProjection.refreshes += 1
 
     def __call__(self, x: mx.array) -> list:
         """Outputs of every child for input ``x``, from one matmul."""
