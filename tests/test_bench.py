@@ -466,3 +466,178 @@ def test_decode_split_runs_several_contexts_on_one_preset(tmp_path):
     assert sorted(p.name for p in out.glob("*.dot")) == [
         "decode-step-fused-16.dot", "decode-step-fused-8.dot",
         "decode-step-stock-16.dot", "decode-step-stock-8.dot"]
+
+
+# ---- --shared-prefill: every backend decodes from one backend's prefilled context -----------
+
+_SHARED = dict(preset="tiny", vocab_size=1024, dtype="float32", quantize=False)
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    """A decode-only sweep: fused prefills 16 and 300 tokens once (300 fills two 256-row
+    KV blocks), stock and fused decode from copies, two rounds."""
+    out = tmp_path_factory.mktemp("shared-out")
+    result = harness.run_bench(harness.BenchConfig(
+        **_SHARED, backends=["stock", "fused"], lengths=[16, 300], rounds=2, decode_tokens=5,
+        fidelity=False, bandwidth_gbs=10.0, progress=False, shared_prefill="fused"))
+    files = harness.write_outputs(result, out, tag="shared")
+    return result, files
+
+
+def test_shared_prefill_decodes_every_backend_from_one_context(shared_run):
+    result, files = shared_run
+    assert result["settings"]["shared_prefill"] == "fused"
+    assert {r["phase"] for r in result["results"]} == {"decode"}  # no prefill rows
+    assert sorted((r["backend"], r["length"]) for r in result["summary"]) == [
+        ("fused", 16), ("fused", 300), ("stock", 16), ("stock", 300)]
+    for rec in result["results"]:
+        assert rec["n"] == 2 and rec["context_from"] == "fused" and rec["decode_ids_consistent"]
+    assert all(r["ratio_vs_stock"] > 0 for r in result["summary"])
+    section = result["shared_prefill"]
+    assert section["source"] == "fused"
+    assert [r["length"] for r in section["lengths"]] == [16, 300]
+    for rec in section["lengths"]:
+        assert rec["source"] == "fused" and rec["prompt_tokens"] == rec["length"]
+        assert rec["prefill_s"] > 0 and rec["tokens_per_s"] > 0
+    assert len(result["runs"]) == 8 and not result["errors"]
+    for run in result["runs"]:
+        assert run["prefill_s"] is None and run["context_from"] == "fused"
+        assert run["decode_tokens"] == 5 and run["decode_traffic"]["kv_cache"] > 0
+    # Warm-ups: one decode per backend and length from the stored context, no prompt of their own.
+    assert [(w["backend"], w["length"], w["context_from"]) for w in result["warmups"]] == [
+        ("stock", 16, "fused"), ("fused", 16, "fused"), ("stock", 300, "fused"),
+        ("fused", 300, "fused")]
+    # Table and plot work without prefill rows (the plot: the decode panel alone).
+    table = report.format_table(result["summary"])
+    assert "decode" in table and "prefill" not in table
+    png = files["png"]
+    assert open(png, "rb").read(8) == PNG_SIGNATURE
+    written = json.loads(open(files["json"]).read())
+    assert written["shared_prefill"]["lengths"][1]["first_token"] == (
+        section["lengths"][1]["first_token"])
+
+
+def test_shared_prefill_decodes_what_a_normal_run_decodes(shared_run):
+    # A decode from the stored context gives the token ids a normal prefill + decode of
+    # the same backend gives at that length (same weights: a preset is a function of its seed).
+    result, _ = shared_run
+    (fused,), _ = harness.open_targets(harness.ModelSource(**_SHARED),
+                                       parse_backend_specs("fused"))
+    ids = harness.prompt_ids(fused.vocab_size(), 300, seed=0)
+    for n in (16, 300):
+        normal = harness.measure_run(fused, ids[:n], 5)
+        shared = {r["decode_ids_sha256"] for r in result["runs"]
+                  if r["backend"] == "fused" and r["length"] == n}
+        assert shared == {normal["decode_ids_sha256"]}, n
+        first = next(r["first_token"] for r in result["shared_prefill"]["lengths"]
+                     if r["length"] == n)
+        assert first == normal["first_token"]
+    # The fidelity reserve counts the source's shared prefill, not the runs' missing ones.
+    cfg = harness.BenchConfig(**_SHARED, fidelity_positions=192)
+    slowest = min(r["tokens_per_s"] for r in result["shared_prefill"]["lengths"])
+    assert harness._fidelity_reserve(cfg, result["runs"], result["shared_prefill"]["lengths"]) \
+        == pytest.approx(10.0 + 2 * 193 / slowest)
+
+
+def _cache_arrays(cache):
+    """numpy copies of every array of an mlx-lm cache list (whole KV buffers included)."""
+    out = []
+    for c in cache:
+        arrays = [c.keys, c.values] if hasattr(c, "keys") else c.cache
+        out += [np.array(a) for a in arrays]
+    return out
+
+
+def test_mlx_context_is_a_copy_that_decodes_like_the_prefill(tiny_hf_f32):
+    from qwen_apple_backend.bench.target import ContextTarget, MLXContext
+    from qwen_apple_backend.loader import load_model
+
+    fused = MLXTarget(load_model(tiny_hf_f32, "fused")[0], label="fused", prefill_step_size=5)
+    stock = MLXTarget(load_model(tiny_hf_f32, "stock")[0], label="stock")
+    assert isinstance(fused, ContextTarget) and not isinstance(FakeTarget("x"), ContextTarget)
+    with pytest.raises(RuntimeError, match="call prefill"):
+        fused.export_context()
+    prompt = list(range(3, 40))
+    first = fused.prefill(prompt)
+    traffic = fused.decode_traffic()
+    ctx = fused.export_context()
+    expected = [first, *fused.decode(6)]
+    assert isinstance(ctx, MLXContext) and ctx.label == "fused"
+    assert ctx.tokens == len(prompt) and ctx.first_token == first
+    kv = next(c for c in ctx.cache if hasattr(c, "offset"))
+    assert kv.offset == len(prompt) and kv.keys.shape[2] == 256  # preallocated buffer kept
+    stored = _cache_arrays(ctx.cache)
+
+    a = harness.measure_decode(fused, ctx, 6, keep_ids=True)
+    b = harness.measure_decode(fused, ctx, 6, keep_ids=True)
+    assert a["generated"] == b["generated"] == expected
+    assert a["decode_ids_sha256"] == report.token_hash(expected)
+    assert a["prefill_s"] is None and a["context_from"] == "fused" and a["first_token"] == first
+    assert a["decode_traffic"] == traffic
+    # Another target with the same cache layout decodes from it too.
+    assert len(harness.measure_decode(stock, ctx, 6)["decode_ids_sha256"]) == 64
+    # No decode changed the stored context.
+    after = _cache_arrays(ctx.cache)
+    assert len(after) == len(stored) == 2 * 3 + 2  # K, V buffers + 3 x (conv, recurrent)
+    assert all(np.array_equal(x, y) for x, y in zip(stored, after))
+    assert kv.offset == len(prompt)
+
+
+def test_load_context_rejects_another_cache_layout(tiny_hf_f32):
+    import dataclasses
+
+    from qwen_apple_backend.loader import load_model
+
+    fused = MLXTarget(load_model(tiny_hf_f32, "fused")[0], label="fused")
+    stock = MLXTarget(load_model(tiny_hf_f32, "stock")[0], label="stock")
+    fused.prefill(list(range(3, 12)))
+    ctx = fused.export_context()
+    short = dataclasses.replace(ctx, cache=ctx.cache[:-1])
+    with pytest.raises(ValueError, match=r"stock cannot decode from fused's context: fused's "
+                                         r"cache has 3 entries, stock's 4"):
+        stock.load_context(short)
+    swapped = dataclasses.replace(ctx, cache=[ctx.cache[-1], *ctx.cache[1:]])
+    with pytest.raises(ValueError, match=r"stock cannot decode from fused's context: cache "
+                                         r"entry 0 is KVCache in fused's, ArraysCache in "
+                                         r"stock's"):
+        stock.load_context(swapped)
+    with pytest.raises(ValueError, match="stock cannot decode from a dict context"):
+        stock.load_context({"label": "x"})
+    stock.load_context(ctx)  # the real one loads
+
+
+def test_shared_prefill_needs_a_known_label_and_targets_that_load_contexts(tiny_hf_f32):
+    from qwen_apple_backend import plugins
+
+    # A label that is not a column: refused before any model is built.
+    with pytest.raises(ValueError, match=r"--shared-prefill: 'fused-no-gdn' is not a backend "
+                                         r"of this run \(labels: stock, fused, fused-no-moe\)"):
+        harness.run_bench(harness.BenchConfig(
+            model="/nonexistent", ablate=["moe"], shared_prefill="fused-no-gdn"))
+    # A target without export_context / load_context: refused before the sweep.
+    name = plugins.register_plugin(_FakePlugin(), name="fake-test-plugin")
+    try:
+        with pytest.raises(ValueError, match="--shared-prefill: backend fake cannot decode"):
+            harness.run_bench(harness.BenchConfig(
+                model=str(tiny_hf_f32), backends=["stock", "fake"], lengths=[16],
+                rounds=1, decode_tokens=2, fidelity=False, bandwidth_gbs=10.0,
+                progress=False, shared_prefill="stock"))
+    finally:
+        plugins.unregister_plugin(name)
+
+
+def test_bench_cli_shared_prefill_without_warmup(tmp_path):
+    argv = ["bench", "--preset", "tiny", "--vocab-size", "1024", "--dtype", "float32",
+            "--no-quantize", "--lengths", "16", "--rounds", "1", "--decode-tokens", "2",
+            "--warmup", "0", "--no-fidelity", "--bandwidth-gbs", "10", "--shared-prefill",
+            "stock", "--out", str(tmp_path), "--tag", "t", "--no-progress", "--no-plot"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(argv) == 0
+    result = json.loads(_json_files(tmp_path, "bench-*-t.json").read_text())
+    assert result["settings"]["shared_prefill"] == "stock" and result["warmups"] == []
+    assert "--shared-prefill stock" in result["environment"]["command_line"]
+    assert {(r["backend"], r["context_from"]) for r in result["runs"]} == {
+        ("stock", "stock"), ("fused", "stock")}
+    assert "decode" in printed.getvalue() and "prefill " not in printed.getvalue()

@@ -321,6 +321,9 @@ def test_help_strings_are_current_and_say_each_default_once():
     assert "(small, fast test models; default: the real vocabulary) --overwrite" in make
     assert 'llama.cpp=model.gguf \\ --chat-template' in " ".join(
         _qab("compare", "--help").stdout.split())
+    bench = " ".join(_qab("bench", "--help").stdout.split())
+    assert "--shared-prefill LABEL build each length's decode context once with LABEL's" in bench
+    assert "qab bench --preset full --lengths 256,4K,128K --shared-prefill fused" in bench
 
 
 def test_demo_help_describes_every_option():
@@ -337,6 +340,9 @@ def test_demo_help_describes_every_option():
 @pytest.mark.parametrize("argv,message", [
     (["bench", "--preset", "tiny", "--quick", "--ablate", "foo"],
      "qab bench: error: --ablate: unknown module kind 'foo'"),
+    (["bench", "--preset", "tiny", "--quick", "--ablate", "moe", "--shared-prefill", "fast"],
+     "qab bench: error: --shared-prefill: 'fast' is not a backend of this run (labels: stock, "
+     "fused, fused-no-moe)"),
     (["compare", "--preset", "tiny", "--backends", "stock,nope", "--prompt", "hi"],
      "qab compare: error: unknown backend 'nope'"),
     (["compare", "--preset", "tiny", "--prompt", " "],

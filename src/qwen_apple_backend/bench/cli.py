@@ -34,6 +34,7 @@ examples:
   qab bench --preset tiny --vocab-size 1024 --quick
   qab bench --model path/to/Qwen3.6-35B-A3B-4bit --lengths 512,4K --rounds 3
   qab bench --preset full --lengths 2K,8K --ablate moe,gdn,attn --out results/
+  qab bench --preset full --lengths 256,4K,128K --shared-prefill fused --no-fidelity
 """
 
 _COMPARE_DESCRIPTION = """\
@@ -127,6 +128,13 @@ def add_parsers(subparsers: Any) -> None:
                         "prefill chunk shapes (default 4096)")
     s.add_argument("--decode-tokens", type=positive_int, default=None,
                    help="tokens decoded per run (default 128; --quick 16)")
+    s.add_argument("--shared-prefill", default=None, metavar="LABEL",
+                   help="build each length's decode context once with LABEL's prefill (e.g. "
+                        "fused) and decode every backend from a copy of it: decode-only "
+                        "sweeps at long contexts where another backend's prefill takes "
+                        "minutes. LABEL's prefill is timed once per length (recorded, not "
+                        "compared); no prefill rows or panel. Every length's context stays "
+                        "in memory for the whole sweep")
     s.add_argument("--max-seconds", type=positive_float, default=None,
                    help="time budget: start no further round when it would end past this "
                         "many seconds (rounds stay whole; the JSON records it)")
@@ -217,13 +225,17 @@ def _log(msg: str) -> None:
 
 
 def _usage_problem(args: argparse.Namespace, prompts: Optional[list] = None) -> Optional[str]:
-    """A bad ``--backends`` / ``--ablate`` / prompt, found before any model is built."""
+    """A bad ``--backends`` / ``--ablate`` / ``--shared-prefill`` / prompt, found before
+    any model is built."""
     from ..errors import QABError
+    from .harness import check_shared_prefill
     from .target import parse_backend_specs, resolve_backend
 
     try:
-        for spec in parse_backend_specs(args.backends, args.ablate):
+        specs = parse_backend_specs(args.backends, args.ablate)
+        for spec in specs:
             resolve_backend(spec)  # registered, available here, benchmarkable
+        check_shared_prefill(getattr(args, "shared_prefill", None), [s.label for s in specs])
     except (ValueError, QABError) as exc:
         return str(exc)
     if prompts is not None and any(not p.strip() for p in prompts):
@@ -254,7 +266,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         decode_tokens=args.decode_tokens, bandwidth_gbs=args.bandwidth_gbs,
         bandwidth_mib=args.bandwidth_mib, fidelity=not args.no_fidelity,
         fidelity_positions=args.fidelity_positions, max_seconds=args.max_seconds,
-        quick=args.quick,
+        quick=args.quick, shared_prefill=args.shared_prefill,
         out_dir=args.out, tag=args.tag, plot=not args.no_plot,
         argv=_command_line(args, "bench"))
     result = run_bench(cfg, log=_log)

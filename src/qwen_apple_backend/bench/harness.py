@@ -18,6 +18,11 @@ Method (``DESIGN.md``, "The method"):
   decode the bytes one step reads (weights touched, KV cache, recurrent state)
   and the share of the device's measured copy bandwidth that implies (roofline %).
 
+With ``shared_prefill`` (``--shared-prefill LABEL``) the sweep is decode only:
+each length's context is prefilled once, by LABEL, before the warm-ups and
+kept for the whole sweep; every warm-up and run loads a copy of it
+(:func:`measure_decode`) and no prefill is compared.
+
 Example:
     >>> from qwen_apple_backend.bench.harness import BenchConfig, run_bench
     >>> result = run_bench(BenchConfig(preset="tiny", vocab_size=1024, quick=True))
@@ -33,8 +38,9 @@ from typing import Any, Callable, Optional, Sequence
 
 from .report import (SCHEMA, checkpoint_info, environment, human_length, sample_stats, slug,
                      summarize, token_hash)
-from .target import (BackendSpec, BenchTarget, build_preset, clone_model_structure,
-                     make_bench_target, parse_backend_specs, resolve_backend)
+from .target import (BackendSpec, BenchTarget, ContextTarget, build_preset,
+                     clone_model_structure, make_bench_target, parse_backend_specs,
+                     resolve_backend)
 
 __all__ = [
     "DEFAULT_LENGTHS",
@@ -42,7 +48,10 @@ __all__ = [
     "BenchConfig",
     "ModelSource",
     "alternation_schedule",
+    "check_shared_prefill",
     "measure_bandwidth",
+    "measure_decode",
+    "measure_run",
     "open_targets",
     "parse_lengths",
     "run_bench",
@@ -121,7 +130,12 @@ class ModelSource:
 
 @dataclass
 class BenchConfig(ModelSource):
-    """Settings of one ``qab bench`` run (see ``qab bench --help``)."""
+    """Settings of one ``qab bench`` run (see ``qab bench --help``).
+
+    ``shared_prefill`` names the backend label whose prefill builds every
+    length's decode context once; every backend then decodes from a copy
+    (decode only; all contexts stay in memory for the whole sweep).
+    """
 
     backends: Sequence[str] = ("stock", "fused")
     ablate: Sequence[str] = ()
@@ -141,6 +155,7 @@ class BenchConfig(ModelSource):
     out_dir: Optional[str] = None
     tag: str = ""
     plot: bool = True
+    shared_prefill: Optional[str] = None
     argv: Optional[list] = None
     extra: dict = field(default_factory=dict)
 
@@ -161,6 +176,21 @@ class BenchConfig(ModelSource):
                              "rounds": rounds, "decode_tokens": decode})
         cfg.check()
         return cfg
+
+
+def check_shared_prefill(label: Optional[str], labels: Sequence[str]) -> None:
+    """Check that ``--shared-prefill`` names one of the run's backend labels.
+
+    Args:
+        label (str | None): the ``shared_prefill`` setting (None: nothing to check).
+        labels (Sequence[str]): the run's labels, ablations included.
+
+    Raises:
+        ValueError: when ``label`` is not among ``labels``.
+    """
+    if label is not None and label not in labels:
+        raise ValueError(f"--shared-prefill: {label!r} is not a backend of this run "
+                         f"(labels: {', '.join(labels)})")
 
 
 # --------------------------------------------------------------------------- targets
@@ -438,6 +468,110 @@ def measure_run(target: BenchTarget, ids: Sequence[int], decode_tokens: int,
     }
 
 
+def measure_decode(target: BenchTarget, ctx: Any, decode_tokens: int,
+                   keep_ids: bool = False) -> dict:
+    """One decode run from a copy of a stored context, synchronised around every clock read.
+
+    Args:
+        target (BenchTarget): the backend; a :class:`~.target.ContextTarget`.
+        ctx: a context from some target's ``export_context()`` (left unchanged).
+        decode_tokens (int): tokens to decode after the context's first token.
+        keep_ids (bool): also return the generated ids (``generated``). Default False.
+
+    Returns:
+        dict: the keys of :func:`measure_run`, with ``prefill_s`` None,
+        ``first_token`` the context's and ``context_from`` the label that built it.
+
+    Raises:
+        ValueError: when the target cannot load ``ctx`` (see ``load_context``).
+    """
+    target.reset()
+    target.synchronize()
+    before = target.active_memory()
+    target.reset_peak_memory()
+    target.load_context(ctx)
+    target.synchronize()
+    traffic = target.decode_traffic()
+    target.synchronize()
+    t0 = time.perf_counter()
+    out = target.decode(decode_tokens)
+    target.synchronize()
+    t1 = time.perf_counter()
+    peak = target.peak_memory()
+    target.reset()
+    first = int(ctx.first_token)
+    extra = {"generated": [first, *out]} if keep_ids else {}
+    return {
+        **extra,
+        "prefill_s": None,
+        "decode_s": t1 - t0,
+        "decode_tokens": len(out),
+        "first_token": first,
+        "decode_ids_sha256": token_hash([first, *out]),
+        "peak_memory_bytes": peak,
+        "active_memory_before_bytes": before,
+        "working_memory_bytes": (peak - before) if peak is not None and before is not None
+        else None,
+        "decode_traffic": traffic,
+        "context_from": ctx.label,
+    }
+
+
+def _shared_contexts(source: BenchTarget, targets: Sequence[BenchTarget], ids: Sequence[int],
+                     lengths: Sequence[int], bar, log: Callable[[str], None], progress: bool,
+                     errors: list, failed: set) -> tuple[dict, list]:
+    """Prefill every length once on ``source`` and keep its exported context.
+
+    The first context built is loaded once into every target, so a target that
+    cannot decode from it stops the run before any warm-up. A length whose
+    prefill fails is recorded in ``errors`` and marks every backend failed there.
+
+    Returns:
+        tuple[dict, list]: ``{length: context}`` and one record per length built
+        (``length``, ``source``, ``prompt_tokens``, ``prefill_s``, ``tokens_per_s``,
+        ``first_token``, ``peak_memory_bytes``).
+
+    Raises:
+        ValueError: when a target cannot load the source's context.
+    """
+    contexts: dict = {}
+    records: list = []
+    for n in lengths:
+        bar.set_postfix_str(f"shared prefill {source.label} @ {human_length(n)}")
+        try:
+            source.reset()
+            source.synchronize()
+            source.reset_peak_memory()
+            t0 = time.perf_counter()
+            first = source.prefill(ids[:n])
+            source.synchronize()
+            seconds = time.perf_counter() - t0
+            contexts[n] = source.export_context()
+            peak = source.peak_memory()
+            source.reset()
+        except Exception as exc:  # noqa: BLE001 - record, skip this length
+            source.reset()
+            failed.update((t.label, n) for t in targets)
+            errors.append({"phase": "shared-prefill", "backend": source.label, "length": n,
+                           "error": f"{type(exc).__name__}: {exc}"})
+            log(f"shared prefill failed: {source.label} @ {n}: {type(exc).__name__}: {exc}")
+            bar.update(1)
+            continue
+        records.append({"length": n, "source": source.label, "prompt_tokens": n,
+                        "prefill_s": seconds, "tokens_per_s": n / seconds if seconds > 0
+                        else float("inf"), "first_token": int(first),
+                        "peak_memory_bytes": peak})
+        if not progress:
+            log(f"shared prefill {source.label} @ {human_length(n)}: {seconds:.3f}s "
+                f"({n / seconds:.1f} tok/s)")
+        if len(contexts) == 1:
+            for t in targets:  # fail now, not after every length's prefill
+                t.load_context(contexts[n])
+                t.reset()
+        bar.update(1)
+    return contexts, records
+
+
 def progress_bar(total: int, enabled: bool, desc: str):
     """A tqdm bar on stderr (a silent stand-in when tqdm is missing or ``enabled`` is False)."""
     try:
@@ -491,12 +625,19 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
     """
     cfg = cfg.resolved()
     specs = parse_backend_specs(cfg.backends, cfg.ablate)
+    check_shared_prefill(cfg.shared_prefill, [s.label for s in specs])
     env = environment(cfg.argv)
     device = env["device"]["name"]
     t_start = time.perf_counter()
     targets, model_info = open_targets(cfg, specs, prefill_step_size=cfg.prefill_step_size,
                                        log=log)
     labels = [t.label for t in targets]
+    if cfg.shared_prefill:
+        unable = [t.label for t in targets if not isinstance(t, ContextTarget)]
+        if unable:
+            raise ValueError(f"--shared-prefill: backend {', '.join(unable)} cannot decode "
+                             "from a shared context (its target has no export_context / "
+                             "load_context)")
     step = min(getattr(t, "prefill_step_size", 0) or 0 for t in targets) or None
     vocab = min(t.vocab_size() for t in targets)
     lengths = list(cfg.lengths)
@@ -511,7 +652,9 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
     orders, sequence = alternation_schedule(labels, lengths, cfg.rounds)
     warm = [(n, t) for n in lengths for t in targets for _ in range(cfg.warmup)]
     fid_passes = 2 * len(targets) if cfg.fidelity else 0
-    bar = progress_bar(len(warm) + len(sequence) + fid_passes, cfg.progress, "qab bench")
+    shared_passes = len(lengths) if cfg.shared_prefill else 0
+    bar = progress_bar(shared_passes + len(warm) + len(sequence) + fid_passes, cfg.progress,
+                       "qab bench")
     by_label = dict(zip(labels, targets))
     errors: list[dict] = []
     failed: set = set()
@@ -520,11 +663,21 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
     deadline = t_start + cfg.max_seconds if cfg.max_seconds else None
     stopped_early = None
     rounds_done = 0
+    contexts: Optional[dict] = None  # shared mode: length -> the stored context
+    shared: Optional[list] = None
     try:
+        if cfg.shared_prefill:
+            contexts, shared = _shared_contexts(by_label[cfg.shared_prefill], targets, ids,
+                                                lengths, bar, log, cfg.progress, errors, failed)
         for n, t in warm:
+            bar.set_postfix_str(f"warm-up {t.label} @ {human_length(n)}")
+            if contexts is not None:
+                if n in contexts:  # not when its shared prefill failed
+                    _shared_warmup(t, n, contexts[n], cfg, warmups, errors, failed, log)
+                bar.update(1)
+                continue
             wn = warmup_length(n, step or n, max(cfg.warmup_max_tokens, 2))
             warm_lengths[n] = wn
-            bar.set_postfix_str(f"warm-up {t.label} @ {human_length(n)}")
             try:
                 t0 = time.perf_counter()
                 measure_run(t, ids[:wn], min(cfg.decode_tokens, 8))
@@ -550,7 +703,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
                 now = time.perf_counter()
                 last_round = now - round_start
                 round_start = now
-                reserve = _fidelity_reserve(cfg, runs) if cfg.fidelity else 0.0
+                reserve = _fidelity_reserve(cfg, runs, shared) if cfg.fidelity else 0.0
                 if deadline is not None and now + last_round + reserve > deadline:
                     stopped_early = (f"time budget of {cfg.max_seconds:.0f}s: stopped after "
                                      f"{rounds_done} of {cfg.rounds} rounds")
@@ -563,7 +716,10 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
                 bar.update(1)
                 continue
             try:
-                rec = measure_run(by_label[label], ids[:n], cfg.decode_tokens)
+                if contexts is None:
+                    rec = measure_run(by_label[label], ids[:n], cfg.decode_tokens)
+                else:
+                    rec = measure_decode(by_label[label], contexts[n], cfg.decode_tokens)
             except Exception as exc:  # noqa: BLE001
                 failed.add((label, n))
                 errors.append({**item, "phase": "run", "error": f"{type(exc).__name__}: {exc}"})
@@ -572,17 +728,20 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
                 continue
             runs.append({**item, **rec})
             if not cfg.progress:
+                pre = (f"context from {rec['context_from']}" if rec["prefill_s"] is None else
+                       f"prefill {rec['prefill_s']:.3f}s ({n / rec['prefill_s']:.1f} tok/s)")
                 log(f"round {item['round'] + 1}/{cfg.rounds} {label} @ {human_length(n)}: "
-                    f"prefill {rec['prefill_s']:.3f}s ({n / rec['prefill_s']:.1f} tok/s), "
-                    f"decode {rec['decode_tokens'] / rec['decode_s']:.1f} tok/s")
+                    f"{pre}, decode {rec['decode_tokens'] / rec['decode_s']:.1f} tok/s")
             bar.update(1)
         else:
             rounds_done = cfg.rounds
+        _free_contexts(contexts)
         fidelity = None
         if cfg.fidelity:
             fidelity = _fidelity(cfg, targets, vocab, bar, log)
     finally:
         bar.close()
+        _free_contexts(contexts)
     sequence = executed
 
     results = _aggregate(runs, labels, lengths, bandwidth)
@@ -608,6 +767,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
             "sampling": "greedy (argmax)",
             "quick": cfg.quick,
             "seed": cfg.seed,
+            "shared_prefill": cfg.shared_prefill,
             "timing": "time.perf_counter around each call, device synchronised before "
                       "every read; prefill time = time to first token",
             "p95_definition": "tokens / 95th-percentile run time (slow tail)",
@@ -630,6 +790,10 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
         "runs": runs,
         "results": results,
         "fidelity": fidelity,
+        "shared_prefill": ({"source": cfg.shared_prefill,
+                            "note": "each length prefilled once by the source; every backend "
+                                    "decoded from a copy of that context (prefill not compared)",
+                            "lengths": shared} if cfg.shared_prefill else None),
         "errors": errors,
         "elapsed_s": time.perf_counter() - t_start,
         "summary": summary,
@@ -638,13 +802,51 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
     return result
 
 
-def _fidelity_reserve(cfg: BenchConfig, runs: list[dict]) -> float:
+def _shared_warmup(target: BenchTarget, n: int, ctx: Any, cfg: BenchConfig, warmups: list,
+                   errors: list, failed: set, log: Callable[[str], None]) -> None:
+    """One shared-mode warm-up: a short decode from a copy of the length-``n`` context
+    (it traces the decode step at that KV buffer shape); a failure is recorded."""
+    try:
+        t0 = time.perf_counter()
+        measure_decode(target, ctx, min(cfg.decode_tokens, 8))
+        warm_s = time.perf_counter() - t0
+    except Exception as exc:  # noqa: BLE001 - record, skip this point
+        failed.add((target.label, n))
+        errors.append({"phase": "warmup", "backend": target.label, "length": n,
+                       "error": f"{type(exc).__name__}: {exc}"})
+        log(f"warm-up failed: {target.label} @ {n}: {type(exc).__name__}: {exc}")
+        return
+    warmups.append({"backend": target.label, "length": n, "context_from": ctx.label,
+                    "seconds": warm_s})
+    if not cfg.progress:
+        log(f"warm-up {target.label} @ {human_length(n)} (decode from {ctx.label}'s "
+            f"context): {warm_s:.1f}s")
+
+
+def _free_contexts(contexts: Optional[dict]) -> None:
+    """Drop the stored shared contexts and return their memory to the device."""
+    if contexts:
+        import mlx.core as mx
+
+        contexts.clear()
+        mx.clear_cache()
+
+
+def _fidelity_reserve(cfg: BenchConfig, runs: list[dict],
+                      shared: Optional[list] = None) -> float:
     """Seconds to keep for fidelity: two teacher-forced passes per backend, at the
-    slowest prefill rate measured so far, plus a margin."""
+    slowest prefill rate measured so far, plus a margin.
+
+    Runs without a prefill (``--shared-prefill``) count through the shared
+    prefill records instead, which time the source backend only.
+    """
     rates: dict[str, float] = {}
-    for r in runs:
-        rate = r["length"] / r["prefill_s"] if r["prefill_s"] > 0 else float("inf")
-        rates[r["backend"]] = min(rates.get(r["backend"], float("inf")), rate)
+    timed = [(r["backend"], r["length"], r["prefill_s"]) for r in runs
+             if r["prefill_s"] is not None]
+    timed += [(r["source"], r["prompt_tokens"], r["prefill_s"]) for r in shared or ()]
+    for label, n, seconds in timed:
+        rate = n / seconds if seconds > 0 else float("inf")
+        rates[label] = min(rates.get(label, float("inf")), rate)
     return 10.0 + sum(2 * (cfg.fidelity_positions + 1) / r for r in rates.values() if r > 0)
 
 
@@ -674,18 +876,22 @@ def _aggregate(runs: list[dict], labels: Sequence[str], lengths: Sequence[int],
                 continue
             peak = max((r["peak_memory_bytes"] or 0) for r in mine) or None
             work = max((r.get("working_memory_bytes") or 0) for r in mine) or None
-            pre = sample_stats(n, [r["prefill_s"] for r in mine])
-            ttft = sorted(r["prefill_s"] for r in mine)
-            pre.update(backend=label, phase="prefill", length=n,
-                       ttft_s_p50=pre["seconds_p50"], ttft_s_samples=ttft,
-                       peak_memory_bytes=peak, working_memory_bytes=work)
-            results.append(pre)
+            # prefill_s is None for decodes from a shared context (--shared-prefill).
+            if all(r["prefill_s"] is not None for r in mine):
+                pre = sample_stats(n, [r["prefill_s"] for r in mine])
+                ttft = sorted(r["prefill_s"] for r in mine)
+                pre.update(backend=label, phase="prefill", length=n,
+                           ttft_s_p50=pre["seconds_p50"], ttft_s_samples=ttft,
+                           peak_memory_bytes=peak, working_memory_bytes=work)
+                results.append(pre)
             n_dec = mine[0]["decode_tokens"]
             dec = sample_stats(n_dec, [r["decode_s"] for r in mine])
             traffic = mine[-1].get("decode_traffic")
             dec.update(backend=label, phase="decode", length=n, decode_tokens=n_dec,
                        peak_memory_bytes=peak, working_memory_bytes=work,
                        decode_ids_consistent=len({r["decode_ids_sha256"] for r in mine}) == 1)
+            if "context_from" in mine[0]:
+                dec["context_from"] = mine[0]["context_from"]
             if traffic:
                 total = traffic.get("total")
                 dec["bytes_per_token"] = traffic

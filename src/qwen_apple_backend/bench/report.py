@@ -21,6 +21,11 @@ Every result JSON (``schema: "qab-bench/1"``) has the same frame:
 * ``runs`` (raw samples), ``results`` (statistics per backend/phase/length),
   ``bandwidth``, ``fidelity``, ``warmups``, ``errors`` (bench); ``compare``
   (compare);
+* ``shared_prefill`` (bench): null, or with ``--shared-prefill`` the ``source``
+  label and per length (``lengths``) its one timed prefill: ``prompt_tokens``,
+  ``prefill_s``, ``tokens_per_s``, ``first_token``, ``peak_memory_bytes``; the
+  runs then have ``prefill_s: null`` and ``context_from``, and there are no
+  prefill results;
 * ``summary``: one record per backend, phase and length::
 
     {"backend": "fused", "phase": "prefill", "length": 4096,
@@ -403,7 +408,8 @@ def format_table(summary: list[dict], baseline: str = BASELINE) -> str:
 def plot_results(summary: list[dict], path: Path, title: str = "") -> Optional[Path]:
     """PNG of tokens/s vs length: prefill and decode panels, one line per backend, log-x.
 
-    Error bars run from the p95 throughput (slow tail) up to the median.
+    Error bars run from the p95 throughput (slow tail) up to the median. Without
+    prefill records (``--shared-prefill``) only the decode panel is drawn.
 
     Returns:
         Path | None: the file written, or None if matplotlib is not installed.
@@ -417,9 +423,11 @@ def plot_results(summary: list[dict], path: Path, title: str = "") -> Optional[P
         return None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    phases = [p for p in ("prefill", "decode") if any(r["phase"] == p for r in summary)]
+    phases = phases or ["prefill", "decode"]
+    fig, axes = plt.subplots(1, len(phases), figsize=(6 * len(phases), 4.8), squeeze=False)
     backends = list(dict.fromkeys(r["backend"] for r in summary))
-    for ax, phase in zip(axes, ("prefill", "decode")):
+    for ax, phase in zip(axes[0], phases):
         for b in backends:
             rows = sorted((r for r in summary if r["backend"] == b and r["phase"] == phase),
                           key=lambda r: r["length"])

@@ -29,6 +29,8 @@ __all__ = [
     "BackendSpec",
     "BackendUnavailableError",
     "BenchTarget",
+    "ContextTarget",
+    "MLXContext",
     "MLXTarget",
     "build_preset",
     "clone_model_structure",
@@ -52,6 +54,11 @@ class BenchTarget(Protocol):
     :meth:`decode` and calls :meth:`synchronize` before every clock read, so an
     implementation must not return while work it queued is still running
     unless :meth:`synchronize` waits for it.
+
+    Optional: ``export_context()`` and ``load_context(ctx)`` (:class:`ContextTarget`)
+    let a target hand its prefilled state to others (``qab bench --shared-prefill``);
+    they are not members of this protocol, so a target without them is still a
+    :class:`BenchTarget`.
 
     Attributes:
         label (str): name in reports (``"stock"``, ``"fused"``, ``"fused-no-moe"`` ...).
@@ -128,6 +135,38 @@ class BenchTarget(Protocol):
 
     def describe(self) -> dict:
         """JSON-serialisable facts for the report: backend, flags, dtype, quantization ..."""
+        ...
+
+
+@runtime_checkable
+class ContextTarget(Protocol):
+    """The optional half of :class:`BenchTarget`: decoding from another target's prefill.
+
+    ``qab bench --shared-prefill LABEL`` prefills each length once on LABEL's
+    target, keeps :meth:`export_context`'s object for the whole sweep and has
+    every target :meth:`load_context` it before each decode.
+    """
+
+    def export_context(self) -> Any:
+        """A copy of the state :meth:`BenchTarget.prefill` left, unaffected by later calls.
+
+        Returns:
+            an object with at least ``label`` (str, this target's) and
+            ``first_token`` (int, the token decode feeds first: prefill's choice).
+
+        Raises:
+            RuntimeError: when there is no prefilled state.
+        """
+        ...
+
+    def load_context(self, ctx: Any) -> None:
+        """Replace this target's state by a private copy of ``ctx``, so that
+        :meth:`BenchTarget.decode` continues from it; ``ctx`` itself is never changed.
+
+        Raises:
+            ValueError: when this target cannot use ``ctx`` (another kind of state,
+                another cache layout); the message names both labels.
+        """
         ...
 
 
@@ -474,6 +513,29 @@ def build_preset(preset: str, *, seed: int = 0, dtype: str = "bfloat16", quantiz
 # ------------------------------------------------------------------------- MLX target
 
 
+@dataclass(frozen=True)
+class MLXContext:
+    """A prefilled mlx-lm prompt cache and the next token, exported by :class:`MLXTarget`.
+
+    Held for reuse: targets load private copies of :attr:`cache`
+    (:meth:`MLXTarget.load_context`), never the object itself.
+
+    Attributes:
+        label (str): the target whose prefill built it.
+        tokens (int): tokens in the cache (the prompt, plus any decoded before export).
+        first_token (int): the token prefill chose; decode feeds it first.
+        cache (list): the mlx-lm cache objects, one per layer (preallocated KV
+            buffers keep their size).
+        next_token (mx.array): ``first_token`` as the [1] int array decode feeds.
+    """
+
+    label: str
+    tokens: int
+    first_token: int
+    cache: list
+    next_token: Any
+
+
 class MLXTarget:
     """:class:`BenchTarget` over an mlx-lm model (stock or fused).
 
@@ -481,7 +543,9 @@ class MLXTarget:
     last in chunks of ``prefill_step_size`` (cache state evaluated after each
     chunk), then the last token, whose logits choose the first token. Decode
     overlaps building step t+1 with running step t (``mx.async_eval``), as
-    mlx-lm does. Greedy (argmax) throughout.
+    mlx-lm does. Greedy (argmax) throughout. Also a :class:`ContextTarget`:
+    the prefilled cache can be exported and loaded into another MLX target
+    with the same cache layout.
 
     Args:
         model (nn.Module): the model.
@@ -514,12 +578,14 @@ class MLXTarget:
         self._mx = mx
         self._cache: Optional[list] = None
         self._next = None
+        self._tokens = 0  # tokens in the cache (prompt plus tokens fed by decode)
         self._weights: Optional[dict] = None
 
     # -- state -------------------------------------------------------------------------
     def reset(self) -> None:
         self._cache = None
         self._next = None
+        self._tokens = 0
         self._mx.clear_cache()
 
     def _new_cache(self) -> list:
@@ -529,6 +595,57 @@ class MLXTarget:
 
     def _step_logits(self, tokens, cache):
         return self.model(tokens[None], cache=cache)
+
+    def export_context(self) -> MLXContext:
+        """A deep copy of the prefilled cache and the next token.
+
+        The copy keeps every preallocated KV buffer's size, so a decode from it
+        runs at the same buffer shapes as one after :meth:`prefill`.
+
+        Returns:
+            MLXContext: the context.
+
+        Raises:
+            RuntimeError: when there is no prefilled state.
+        """
+        mx = self._mx
+        if self._next is None or self._cache is None:
+            raise RuntimeError("export_context() needs a primed state: call prefill() first")
+        mx.eval([c.state for c in self._cache])
+        return MLXContext(label=self.label, tokens=self._tokens,
+                          first_token=int(self._next.item()),
+                          cache=copy.deepcopy(self._cache), next_token=self._next)
+
+    def load_context(self, ctx: MLXContext) -> None:
+        """Install a fresh deep copy of ``ctx``'s cache and its next token.
+
+        MLX arrays are values: decoding replaces the copy's arrays (the compiled
+        decode step copies a buffer before its first in-place write), so ``ctx``
+        stays as exported.
+
+        Raises:
+            ValueError: when ``ctx`` is not an :class:`MLXContext`, or its cache has
+                another number of entries or another cache type at some entry
+                than this model's ``make_prompt_cache``.
+        """
+        if not isinstance(ctx, MLXContext):
+            raise ValueError(f"{self.label} cannot decode from a {type(ctx).__name__} "
+                             f"context (from {getattr(ctx, 'label', '?')}): it takes the "
+                             "contexts of MLX targets")
+        own = [type(c) for c in self._new_cache()]
+        theirs = [type(c) for c in ctx.cache]
+        if len(own) != len(theirs):
+            raise ValueError(f"{self.label} cannot decode from {ctx.label}'s context: "
+                             f"{ctx.label}'s cache has {len(theirs)} entries, "
+                             f"{self.label}'s {len(own)}")
+        for i, (a, b) in enumerate(zip(theirs, own)):
+            if a is not b:
+                raise ValueError(f"{self.label} cannot decode from {ctx.label}'s context: "
+                                 f"cache entry {i} is {a.__name__} in {ctx.label}'s, "
+                                 f"{b.__name__} in {self.label}'s")
+        self._cache = copy.deepcopy(ctx.cache)
+        self._next = ctx.next_token
+        self._tokens = ctx.tokens
 
     # -- measured calls ----------------------------------------------------------------
     def prefill(self, ids: Sequence[int]) -> int:
@@ -550,6 +667,7 @@ class MLXTarget:
             y = mx.argmax(logits, axis=-1)
             mx.eval(y)
         self._next = y
+        self._tokens = len(ids)
         return int(y.item())
 
     def decode(self, n: int) -> list[int]:
@@ -577,6 +695,7 @@ class MLXTarget:
                 if i % 256 == 255:
                     mx.clear_cache()
         self._next = y
+        self._tokens += n
         return out
 
     def logits(self, ids: Sequence[int]):
