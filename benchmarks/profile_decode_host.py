@@ -12,7 +12,18 @@ the experts' sizes, not the number of arrays) this times, per call, median of
 * ``model_as_input``: a compiled identity function with the model as its
   captured input tree (``mx.compile(f, inputs=model)``): the flattening and
   input handling alone;
-* ``concats``: the concatenated projections' validity checks.
+* ``concats``: the concatenated projections' validity checks;
+
+and then ``--tokens`` tokens of mlx-lm's pipelined decode loop (token t+1
+built and enqueued before token t is read), per token (medians):
+
+* ``pipelined_build``: the step call, split into ``compiled_fn`` (MLX's
+  compiled function: flattening the inputs and replaying the trace),
+  ``bookkeeping`` (the step's own Python around it: cache layout, trace key,
+  validity checks, cache updates) and ``outside`` (the model wrappers, the
+  token's slicing and argmax);
+* ``pipelined_encode``: ``mx.async_eval`` (MLX turning the graph into GPU work);
+* ``pipelined_tok_s``: tokens per second of the loop.
 
 The first decode token self-checks every kernel (JIT-compiling them on a
 GPU the first time): allow a few minutes on a fresh machine.
@@ -21,7 +32,7 @@ Writes ``profile-decode-host-<device>.json`` into OUT.
 
 Usage:
     python benchmarks/profile_decode_host.py OUT [--preset full] [--experts N]
-        [--repeats 200]
+        [--repeats 200] [--tokens 200]
 """
 
 from __future__ import annotations
@@ -59,6 +70,8 @@ def main(argv=None) -> int:
                    help="routed experts per layer instead of the preset's (at least its experts "
                         "per token; fewer build faster on a CPU)")
     p.add_argument("--repeats", type=positive_int, default=200, help="timed calls per form")
+    p.add_argument("--tokens", type=positive_int, default=200,
+                   help="tokens of the pipelined decode loop")
     args = p.parse_args(argv)
     from _common import check_out, variant_model, write_result
 
@@ -105,11 +118,88 @@ def main(argv=None) -> int:
     print(f"{n_arrays} arrays: step call {rows['step_build_ms']:.3f} ms; of it the model as a "
           f"compile input {rows['model_as_input_ms']:.3f} ms, the concatenations' checks "
           f"{rows['concats_ms']:.3f} ms", flush=True)
+    mx.eval(y)
+    cache = make_prompt_cache(model)  # a fresh context: the timed calls above were never run
+    model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=cache)
+    y = mx.array([[9]])
+    for _ in range(3):
+        y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
+        mx.eval(y)
+    rows.update(_pipelined(model, text, step, cache, y, args.tokens))
+    print(f"pipelined decode: {rows['pipelined_tok_s']:.1f} tok/s; per token build "
+          f"{rows['pipelined_build_ms']:.3f} ms (MLX's compiled function "
+          f"{rows['compiled_fn_ms']:.3f}, the step's bookkeeping {rows['bookkeeping_ms']:.3f}, "
+          f"outside the step {rows['outside_ms']:.3f}), encode {rows['pipelined_encode_ms']:.3f} "
+          f"ms", flush=True)
     path = write_result(args.out, "profile-decode-host",
                         dict(preset=args.preset, experts=args.experts, repeats=args.repeats,
                              layers=len(text.model.layers), **rows))
     print(f"wrote {path}")
     os._exit(0)  # the built, unevaluated graphs are dropped, not evaluated
+
+
+class _TimedStep:
+    """Stands in for the model's compiled step, timing its calls and its compiled function."""
+
+    def __init__(self, step):
+        self.step, self.calls, self.fn = step, [], []
+        fn = step._fn
+
+        def timed_fn(*args):
+            t0 = time.perf_counter()
+            out = fn(*args)
+            self.fn.append(time.perf_counter() - t0)
+            return out
+
+        step._fn = timed_fn
+        self._restore = lambda: setattr(step, "_fn", fn)
+
+    def __getattr__(self, name):
+        return getattr(self.step, name)
+
+    def __call__(self, *args):
+        t0 = time.perf_counter()
+        out = self.step(*args)
+        self.calls.append(time.perf_counter() - t0)
+        return out
+
+
+def _pipelined(model, text, step, cache, y, tokens: int) -> dict:
+    """Per-token host phases of mlx-lm's pipelined decode loop (see the module doc)."""
+    import mlx.core as mx
+
+    timed = _TimedStep(step)
+    text.__dict__["_qab_decode"] = timed
+    builds = step.builds
+    build, encode = [], []
+    try:
+        mx.synchronize()
+        t0 = time.perf_counter()
+        nxt = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
+        mx.async_eval(nxt)
+        for _ in range(tokens - 1):
+            cur = nxt
+            a = time.perf_counter()
+            nxt = mx.argmax(model(cur, cache=cache)[:, -1:], axis=-1)
+            b = time.perf_counter()
+            mx.async_eval(nxt)
+            build.append(b - a)
+            encode.append(time.perf_counter() - b)
+            cur.item()
+        nxt.item()
+        seconds = time.perf_counter() - t0
+    finally:
+        text.__dict__["_qab_decode"] = step
+        timed._restore()
+    if step.builds != builds or len(timed.fn) != len(timed.calls):
+        raise RuntimeError("the step was rebuilt or bypassed while timing the loop")
+    med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+    calls, fns = timed.calls[1:], timed.fn[1:]  # as build/encode: tokens after the first
+    return dict(tokens=tokens, pipelined_tok_s=tokens / seconds,
+                pipelined_build_ms=med(build), pipelined_encode_ms=med(encode),
+                compiled_fn_ms=med(fns),
+                bookkeeping_ms=med([c - f for c, f in zip(calls, fns)]),
+                outside_ms=med([b - c for b, c in zip(build, calls)]))
 
 
 if __name__ == "__main__":

@@ -455,6 +455,39 @@ def test_decode_split_counts_every_primitive_and_writes_the_graph(tmp_path):
     assert rows[0]["primitives"] < rows[1]["primitives"]
 
 
+def test_profile_decode_host_splits_the_pipelined_build(tmp_path):
+    # benchmarks/profile_decode_host.py: the step call's host time, and per
+    # token of a pipelined loop the build split into MLX's compiled function,
+    # the step's bookkeeping and what runs outside the step.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mlx.utils import tree_flatten
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "o"
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "profile_decode_host.py"),
+                        str(out), "--preset", "tiny", "--repeats", "5", "--tokens", "12"],
+                       capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (path,) = out.glob("profile-decode-host-*.json")
+    row = json.loads(path.read_text())
+    from qwen_apple_backend.bench.target import build_preset, fuse_in_memory
+
+    b = build_preset("tiny", seed=0, vocab_size=1024)
+    fuse_in_memory(b.model, "fused", config=b.config)
+    assert row["arrays"] == len(tree_flatten(b.model.language_model.parameters()))
+    assert row["tokens"] == 12 and row["layers"] == 4 and row["pipelined_tok_s"] > 0
+    for key in ("compiled_fn_ms", "bookkeeping_ms", "outside_ms", "pipelined_build_ms",
+                "pipelined_encode_ms"):
+        assert row[key] > 0, key
+    # MLX's compiled function runs inside the step call, which runs inside the build.
+    assert row["compiled_fn_ms"] < row["pipelined_build_ms"]
+    assert "pipelined decode:" in r.stdout
+
+
 def test_decode_split_runs_several_contexts_on_one_preset(tmp_path):
     # --context 16,8: every variant at each length (one preset build), rows in
     # context order, the graphs named by context.
