@@ -171,7 +171,10 @@ def _pipelined(model, text, step, cache, y, tokens: int) -> dict:
     timed = _TimedStep(step)
     text.__dict__["_qab_decode"] = timed
     builds = step.builds
-    build, encode = [], []
+    # Per token after the first: (build, encode, step call, compiled function);
+    # a token the step did not take (the eager one after the KV buffer grows,
+    # every 256 positions) is left out of the split.
+    rows = []
     try:
         mx.synchronize()
         t0 = time.perf_counter()
@@ -179,27 +182,29 @@ def _pipelined(model, text, step, cache, y, tokens: int) -> dict:
         mx.async_eval(nxt)
         for _ in range(tokens - 1):
             cur = nxt
+            calls = len(timed.calls)
             a = time.perf_counter()
             nxt = mx.argmax(model(cur, cache=cache)[:, -1:], axis=-1)
             b = time.perf_counter()
             mx.async_eval(nxt)
-            build.append(b - a)
-            encode.append(time.perf_counter() - b)
+            c = time.perf_counter()
+            if len(timed.calls) == calls + 1 == len(timed.fn):
+                rows.append((b - a, c - b, timed.calls[-1], timed.fn[-1]))
             cur.item()
         nxt.item()
         seconds = time.perf_counter() - t0
     finally:
         text.__dict__["_qab_decode"] = step
         timed._restore()
-    if step.builds != builds or len(timed.fn) != len(timed.calls):
-        raise RuntimeError("the step was rebuilt or bypassed while timing the loop")
+    if step.builds != builds or not rows:
+        raise RuntimeError("the step was rebuilt or never taken while timing the loop")
     med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
-    calls, fns = timed.calls[1:], timed.fn[1:]  # as build/encode: tokens after the first
-    return dict(tokens=tokens, pipelined_tok_s=tokens / seconds,
-                pipelined_build_ms=med(build), pipelined_encode_ms=med(encode),
-                compiled_fn_ms=med(fns),
-                bookkeeping_ms=med([c - f for c, f in zip(calls, fns)]),
-                outside_ms=med([b - c for b, c in zip(build, calls)]))
+    return dict(tokens=tokens, split_tokens=len(rows), pipelined_tok_s=tokens / seconds,
+                pipelined_build_ms=med([r[0] for r in rows]),
+                pipelined_encode_ms=med([r[1] for r in rows]),
+                compiled_fn_ms=med([r[3] for r in rows]),
+                bookkeeping_ms=med([r[2] - r[3] for r in rows]),
+                outside_ms=med([r[0] - r[2] for r in rows]))
 
 
 if __name__ == "__main__":

@@ -469,7 +469,7 @@ def test_profile_decode_host_splits_the_pipelined_build(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "o"
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "profile_decode_host.py"),
-                        str(out), "--preset", "tiny", "--repeats", "5", "--tokens", "12"],
+                        str(out), "--preset", "tiny", "--repeats", "5", "--tokens", "250"],
                        capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stderr[-2000:]
     (path,) = out.glob("profile-decode-host-*.json")
@@ -479,7 +479,9 @@ def test_profile_decode_host_splits_the_pipelined_build(tmp_path):
     b = build_preset("tiny", seed=0, vocab_size=1024)
     fuse_in_memory(b.model, "fused", config=b.config)
     assert row["arrays"] == len(tree_flatten(b.model.language_model.parameters()))
-    assert row["tokens"] == 12 and row["layers"] == 4 and row["pipelined_tok_s"] > 0
+    assert row["tokens"] == 250 and row["layers"] == 4 and row["pipelined_tok_s"] > 0
+    # The token after the first 256 positions grows the KV buffer (eager): left out of the split.
+    assert row["split_tokens"] == 248
     for key in ("compiled_fn_ms", "bookkeeping_ms", "outside_ms", "pipelined_build_ms",
                 "pipelined_encode_ms"):
         assert row[key] > 0, key
@@ -544,6 +546,9 @@ def test_shared_prefill_decodes_every_backend_from_one_context(shared_run):
     # Table and plot work without prefill rows (the plot: the decode panel alone).
     table = report.format_table(result["summary"])
     assert "decode" in table and "prefill" not in table
+    from qwen_apple_backend.bench.cli import _header
+
+    assert "decode only: every backend decoded from fused's prefilled contexts" in _header(result)
     png = files["png"]
     assert open(png, "rb").read(8) == PNG_SIGNATURE
     written = json.loads(open(files["json"]).read())

@@ -360,3 +360,36 @@ def test_kv_in_place_switch(tiny_hf_f32, monkeypatch):
     m2, _ = load(tiny_hf_f32, "fused")
     assert m2.language_model.__dict__["_qab_decode"].allow_in_place is True
     assert not any("kv-in-place" in n for n in m2.qab_report.notes)
+
+
+def test_another_models_eager_calls_do_not_make_the_step_recheck(tiny_hf_f32, monkeypatch):
+    # The step re-records its flattened concatenation checks only when one of
+    # ITS concatenations was refreshed (an eager compiled layer that traced),
+    # not when another fused model in the process runs prefills in between.
+    import qwen_apple_backend.decode as dec
+
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    m, _ = load(tiny_hf_f32, "fused")
+    other, _ = load(tiny_hf_f32, "fused")
+    cache = make_prompt_cache(m)
+    m(mx.array([[1, 2, 3, 4]]), cache=cache)
+    for t in (5, 6, 7):  # eager first token, the trace, a replay
+        mx.eval(m(mx.array([[t]]), cache=cache))
+    records = []
+    original = dec._CompiledDecode._record_checks
+    monkeypatch.setattr(dec._CompiledDecode, "_record_checks",
+                        lambda self: records.append(1) or original(self))
+    for n, t in enumerate(range(8, 14)):
+        # New prompt lengths: the other model's compiled layers trace and refresh.
+        mx.eval(other(mx.array([[(i * 7 + n) % 900 for i in range(3 + n)]]),
+                      cache=make_prompt_cache(other)))
+        mx.eval(m(mx.array([[t]]), cache=cache))
+    step = m.language_model.__dict__["_qab_decode"]
+    assert step.builds == 1 and step.compiled_calls == 8
+    assert sum(c.refreshes for c, _ in dec._concats(other.language_model)) > 0  # it did refresh
+    assert records == []
+    # One of its own concatenations refreshed: the next call re-records once.
+    step._uses[0].refresh()
+    mx.eval(m(mx.array([[20]]), cache=cache))
+    mx.eval(m(mx.array([[21]]), cache=cache))
+    assert records == [1] and step.builds == 1

@@ -139,5 +139,12 @@ def test_compact_drops_comments_and_indentation_only():
                              'asm volatile("x // not a comment;\\n" ::);\n'
                              "char q = '\\'', s = '/';\n")
     assert compact("") == "" and compact("// only\n\n") == ""
+    # Line splices join first, as in the C preprocessor (also inside a // comment);
+    # a quote between digits is a separator, not a character literal.
+    assert compact("#define F(x) \\\n  ((x) + 1)  \\\n// end\nint w = F(1);\n") == (
+        "#define F(x)   ((x) + 1)\nint w = F(1);\n")
+    assert compact("// note \\\nint hidden;\nint shown;\n") == "int shown;\n"
+    assert compact("int x = 1'000; /* don't\n here */ int y = 0xFF'FF; char c = L'a';\n") == (
+        "int x = 1'000;   int y = 0xFF'FF; char c = L'a';\n")
     with pytest.raises(ValueError, match="unterminated"):
         compact("int a; /* open")

@@ -51,10 +51,11 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from .layers._concat import ConcatProjection
 from .ops.attention import decode_kv_mask, kv_cache_write, kv_cache_write_ops, kv_write_ready
 
 __all__ = ["install_compiled_decode", "compiled_decode_installed"]
+
+_REFRESHES = operator.attrgetter("refreshes")  # ConcatProjection.refreshes
 
 
 class _StepKV:
@@ -160,7 +161,7 @@ class _CompiledDecode:
         self._fn = None
         self._uses: list = []
         self._checks: list = [[], [], [], [], []]
-        self._checks_at = -1
+        self._checks_at: list = []
         self._owners: list = []
         self._traced: dict = {}  # trace key -> indices of the KV caches returned copied
         self._copied: list = []
@@ -188,14 +189,14 @@ class _CompiledDecode:
             for into, part in zip(checks, c.identity_checks(owner)):
                 into.extend(part)
         self._checks = checks
-        self._checks_at = ConcatProjection.refreshes
+        self._checks_at = list(map(_REFRESHES, self._uses))
 
     def _still_valid(self) -> bool:
         """Every used concatenation still :meth:`~ConcatProjection.valid`, in two C-level
         passes (~80 concatenations, ~900 identities: 0.19 -> 0.08 ms per token on a CPU,
-        against 80 Python calls); re-recorded first if any concatenation was refreshed
-        since (an eager compiled layer that traced re-wraps its arrays)."""
-        if self._checks_at != ConcatProjection.refreshes:
+        against 80 Python calls); re-recorded first if a concatenation was refreshed since
+        (an eager compiled layer that traced re-wraps its arrays)."""
+        if list(map(_REFRESHES, self._uses)) != self._checks_at:
             self._record_checks()
         containers, keys, expected, children, types = self._checks
         return (all(map(operator.is_, map(dict.get, containers, keys), expected))

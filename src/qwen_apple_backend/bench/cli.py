@@ -298,9 +298,13 @@ def _header(result: dict) -> str:
     what = (f"preset {m['preset']} seed {m['seed']}" if m.get("source") == "preset"
             else m.get("path"))
     bw = result.get("bandwidth") or {}
+    shared = (result.get("settings") or {}).get("shared_prefill")
+    mode = (f"\ndecode only: every backend decoded from {shared}'s prefilled contexts "
+            f"(peak MiB includes every stored context; working memory in the JSON)"
+            if shared else "")
     return (f"device {result['device']} | mlx {v['mlx']} | mlx-lm {v['mlx_lm']} | "
             f"qwen-apple-backend {v['qwen_apple_backend']} | {what} | "
-            f"bandwidth {bw.get('gbs', 0):.0f} GB/s ({bw.get('source')})\n")
+            f"bandwidth {bw.get('gbs', 0):.0f} GB/s ({bw.get('source')}){mode}\n")
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

@@ -420,6 +420,44 @@ def measure_bandwidth(mib: Optional[int] = None, repeats: int = 10) -> dict:
     }
 
 
+def _timed_run(target: BenchTarget, start: Callable[[], int], decode_tokens: int,
+               keep_ids: bool, start_is_prefill: bool) -> dict:
+    """``start()`` (a prefill, or loading a context) then a decode, synchronised around every
+    clock read; the record of :func:`measure_run` (``prefill_s`` None unless
+    ``start_is_prefill``)."""
+    target.reset()
+    target.synchronize()
+    before = target.active_memory()
+    target.reset_peak_memory()
+    t0 = time.perf_counter()
+    first = int(start())
+    target.synchronize()
+    t1 = time.perf_counter()
+    traffic = target.decode_traffic()
+    target.synchronize()
+    t2 = time.perf_counter()
+    out = target.decode(decode_tokens)
+    target.synchronize()
+    t3 = time.perf_counter()
+    peak = target.peak_memory()
+    target.reset()
+    extra = {"generated": [first, *out]} if keep_ids else {}
+    return {
+        **extra,
+        "prefill_s": t1 - t0 if start_is_prefill else None,
+        "decode_s": t3 - t2,
+        "decode_tokens": len(out),
+        "first_token": first,
+        "decode_ids_sha256": token_hash([first, *out]),
+        "peak_memory_bytes": peak,
+        "active_memory_before_bytes": before,
+        # Peak above what was resident before the run (weights of every loaded backend).
+        "working_memory_bytes": (peak - before) if peak is not None and before is not None
+        else None,
+        "decode_traffic": traffic,
+    }
+
+
 def measure_run(target: BenchTarget, ids: Sequence[int], decode_tokens: int,
                 keep_ids: bool = False) -> dict:
     """One prefill + decode run from an empty context, synchronised around every clock read.
@@ -435,37 +473,7 @@ def measure_run(target: BenchTarget, ids: Sequence[int], decode_tokens: int,
         ``first_token``, ``decode_ids_sha256``, ``peak_memory_bytes``,
         ``active_memory_before_bytes``, ``decode_traffic`` (bytes per step at this context).
     """
-    target.reset()
-    target.synchronize()
-    before = target.active_memory()
-    target.reset_peak_memory()
-    t0 = time.perf_counter()
-    first = target.prefill(ids)
-    target.synchronize()
-    t1 = time.perf_counter()
-    traffic = target.decode_traffic()
-    target.synchronize()
-    t2 = time.perf_counter()
-    out = target.decode(decode_tokens)
-    target.synchronize()
-    t3 = time.perf_counter()
-    peak = target.peak_memory()
-    target.reset()
-    extra = {"generated": [int(first), *out]} if keep_ids else {}
-    return {
-        **extra,
-        "prefill_s": t1 - t0,
-        "decode_s": t3 - t2,
-        "decode_tokens": len(out),
-        "first_token": int(first),
-        "decode_ids_sha256": token_hash([first, *out]),
-        "peak_memory_bytes": peak,
-        "active_memory_before_bytes": before,
-        # Peak above what was resident before the run (weights of every loaded backend).
-        "working_memory_bytes": (peak - before) if peak is not None and before is not None
-        else None,
-        "decode_traffic": traffic,
-    }
+    return _timed_run(target, lambda: target.prefill(ids), decode_tokens, keep_ids, True)
 
 
 def measure_decode(target: BenchTarget, ctx: Any, decode_tokens: int,
@@ -485,36 +493,13 @@ def measure_decode(target: BenchTarget, ctx: Any, decode_tokens: int,
     Raises:
         ValueError: when the target cannot load ``ctx`` (see ``load_context``).
     """
-    target.reset()
-    target.synchronize()
-    before = target.active_memory()
-    target.reset_peak_memory()
-    target.load_context(ctx)
-    target.synchronize()
-    traffic = target.decode_traffic()
-    target.synchronize()
-    t0 = time.perf_counter()
-    out = target.decode(decode_tokens)
-    target.synchronize()
-    t1 = time.perf_counter()
-    peak = target.peak_memory()
-    target.reset()
-    first = int(ctx.first_token)
-    extra = {"generated": [first, *out]} if keep_ids else {}
-    return {
-        **extra,
-        "prefill_s": None,
-        "decode_s": t1 - t0,
-        "decode_tokens": len(out),
-        "first_token": first,
-        "decode_ids_sha256": token_hash([first, *out]),
-        "peak_memory_bytes": peak,
-        "active_memory_before_bytes": before,
-        "working_memory_bytes": (peak - before) if peak is not None and before is not None
-        else None,
-        "decode_traffic": traffic,
-        "context_from": ctx.label,
-    }
+    def start() -> int:
+        target.load_context(ctx)
+        return ctx.first_token
+
+    rec = _timed_run(target, start, decode_tokens, keep_ids, False)
+    rec["context_from"] = ctx.label
+    return rec
 
 
 def _shared_contexts(source: BenchTarget, targets: Sequence[BenchTarget], ids: Sequence[int],
@@ -792,7 +777,10 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
         "fidelity": fidelity,
         "shared_prefill": ({"source": cfg.shared_prefill,
                             "note": "each length prefilled once by the source; every backend "
-                                    "decoded from a copy of that context (prefill not compared)",
+                                    "decoded from a copy of that context (prefill not compared); "
+                                    "every length's context stays resident during the sweep, so "
+                                    "peak_memory_bytes include them all: compare "
+                                    "working_memory_bytes (peak above what was resident)",
                             "lengths": shared} if cfg.shared_prefill else None),
         "errors": errors,
         "elapsed_s": time.perf_counter() - t_start,

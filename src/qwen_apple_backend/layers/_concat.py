@@ -68,10 +68,6 @@ class ConcatProjection:
         of output sizes ``N_i``.
     """
 
-    #: How many :meth:`refresh` calls so far, all instances together: a
-    #: copy of :meth:`identity_checks` taken at another count may be stale.
-    refreshes = 0
-
     def __init__(self, names: Sequence[str], children: Sequence[nn.Module], cat: dict,
                  sizes: list, kind: tuple):
         self.names = list(names)
@@ -81,6 +77,9 @@ class ConcatProjection:
         self.kind = kind
         self.views = [_arrays(c) for c in children]
         self.types = [type(c) for c in children]
+        #: How many times :meth:`refresh` re-recorded :attr:`views`: a copy of
+        #: :meth:`identity_checks` taken at another count may be stale.
+        self.refreshes = 0
         #: Set by a compiled step around a tracing call that found this
         #: concatenation valid just before and passes :attr:`cat` as a compile
         #: input: the children's arrays are tracers then, not the views.
@@ -173,7 +172,7 @@ class ConcatProjection:
         :meth:`valid` true, so no user change can have happened in between.
         """
         self.views = [_arrays(c) for c in self.children]
-        ConcatProjection.refreshes += 1
+        self.refreshes += 1
 
     def __call__(self, x: mx.array) -> list:
         """Outputs of every child for input ``x``, from one matmul."""

@@ -77,6 +77,14 @@ def kernel_dir() -> Path:
         f"{here.parent.parent / 'kernels'} has a MANIFEST.toml")
 
 
+def _in_number(code: str, i: int) -> bool:
+    """Whether the ``'`` at ``code[i]`` separates digits (``1'000``, ``0xFF'FF``)."""
+    j = i
+    while j > 0 and (code[j - 1].isalnum() or code[j - 1] in "_'."):
+        j -= 1
+    return j < i and code[j].isdigit()
+
+
 @functools.lru_cache(maxsize=None)
 def compact(code: str) -> str:
     """C++ / CUDA / Metal source without comments, indentation or blank lines.
@@ -85,10 +93,11 @@ def compact(code: str) -> str:
     encodes a launch (``std::hash`` of the text, in ``CustomKernel::eval_gpu``),
     about 0.2 us per KB on the H200's host (``benchmarks/profile_encode.py``),
     and a decode token launches ~230 of them: the compacted text is about
-    half as long. Line structure is kept (preprocessor directives end at a
-    newline), so is every string and character literal and the spacing
-    inside a line; a ``/* */`` comment becomes one space, as in C
-    (``a/**/b`` stays two tokens).
+    half as long. As the C preprocessor does first, backslash-newline line
+    splices are joined; then line structure is kept (directives end at a
+    newline), so is every string and character literal (a ``'`` inside a
+    number is a digit separator) and the spacing inside a line; a ``/* */``
+    comment becomes one space (``a/**/b`` stays two tokens).
 
     Args:
         code (str): source text.
@@ -99,11 +108,15 @@ def compact(code: str) -> str:
     Raises:
         ValueError: on an unterminated ``/*`` comment.
     """
+    code = code.replace("\\\r\n", "").replace("\\\n", "")
     out = []
     i, n = 0, len(code)
     while i < n:
         c = code[i]
-        if c in "\"'":
+        if c == "'" and _in_number(code, i):
+            out.append(c)
+            i += 1
+        elif c in "\"'":
             j = i + 1
             while j < n and code[j] != c and code[j] != "\n":
                 j += 2 if code[j] == "\\" else 1
