@@ -520,6 +520,20 @@ def shared_run(tmp_path_factory):
     return result, files
 
 
+def test_shared_prefills_stop_when_the_time_budget_is_spent():
+    # --max-seconds also bounds the shared prefills (stock's 128K prefill takes minutes):
+    # a budget spent before they start leaves every length recorded as not prefilled.
+    result = harness.run_bench(harness.BenchConfig(
+        **_SHARED, backends=["stock", "fused"], lengths=[16, 32], rounds=1, decode_tokens=2,
+        fidelity=False, bandwidth_gbs=10.0, progress=False, shared_prefill="stock",
+        max_seconds=1e-6))
+    assert [(e["phase"], e["length"], e["error"]) for e in result["errors"]] == [
+        ("shared-prefill", n, "not prefilled: the --max-seconds budget was spent")
+        for n in (16, 32)]
+    assert result["runs"] == [] and result["results"] == []
+    assert result["shared_prefill"]["lengths"] == []
+
+
 def test_shared_prefill_decodes_every_backend_from_one_context(shared_run):
     result, files = shared_run
     assert result["settings"]["shared_prefill"] == "fused"

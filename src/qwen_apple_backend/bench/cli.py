@@ -137,7 +137,8 @@ def add_parsers(subparsers: Any) -> None:
                         "in memory for the whole sweep")
     s.add_argument("--max-seconds", type=positive_float, default=None,
                    help="time budget: start no further round when it would end past this "
-                        "many seconds (rounds stay whole; the JSON records it)")
+                        "many seconds (rounds stay whole; the JSON records it), and with "
+                        "--shared-prefill no shared prefill once it is spent")
     s.add_argument("--bandwidth-gbs", type=positive_float, default=None,
                    help="memory bandwidth in GB/s for the roofline (default: measured by a "
                         "device copy, recorded)")

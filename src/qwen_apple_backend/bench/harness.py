@@ -504,12 +504,15 @@ def measure_decode(target: BenchTarget, ctx: Any, decode_tokens: int,
 
 def _shared_contexts(source: BenchTarget, targets: Sequence[BenchTarget], ids: Sequence[int],
                      lengths: Sequence[int], bar, log: Callable[[str], None], progress: bool,
-                     errors: list, failed: set) -> tuple[dict, list]:
+                     errors: list, failed: set,
+                     deadline: Optional[float] = None) -> tuple[dict, list]:
     """Prefill every length once on ``source`` and keep its exported context.
 
     The first context built is loaded once into every target, so a target that
     cannot decode from it stops the run before any warm-up. A length whose
-    prefill fails is recorded in ``errors`` and marks every backend failed there.
+    prefill fails, or that would start past ``deadline`` (``time.perf_counter``
+    seconds; ``--max-seconds``), is recorded in ``errors`` and marks every
+    backend failed there.
 
     Returns:
         tuple[dict, list]: ``{length: context}`` and one record per length built
@@ -523,6 +526,14 @@ def _shared_contexts(source: BenchTarget, targets: Sequence[BenchTarget], ids: S
     records: list = []
     for n in lengths:
         bar.set_postfix_str(f"shared prefill {source.label} @ {human_length(n)}")
+        if deadline is not None and time.perf_counter() > deadline:
+            failed.update((t.label, n) for t in targets)
+            errors.append({"phase": "shared-prefill", "backend": source.label, "length": n,
+                           "error": "not prefilled: the --max-seconds budget was spent"})
+            log(f"shared prefill skipped: {source.label} @ {n}: the --max-seconds budget "
+                "was spent")
+            bar.update(1)
+            continue
         try:
             source.reset()
             source.synchronize()
@@ -653,7 +664,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
     try:
         if cfg.shared_prefill:
             contexts, shared = _shared_contexts(by_label[cfg.shared_prefill], targets, ids,
-                                                lengths, bar, log, cfg.progress, errors, failed)
+                                                lengths, bar, log, cfg.progress, errors, failed,
+                                                deadline)
         for n, t in warm:
             bar.set_postfix_str(f"warm-up {t.label} @ {human_length(n)}")
             if contexts is not None:
