@@ -79,8 +79,6 @@ def main(argv=None) -> int:
     os.environ.setdefault("QAB_ENABLE", "decode-compile")  # the CPU too
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models.cache import make_prompt_cache
-
     from qwen_apple_backend import checkpoint
     from qwen_apple_backend.bench.target import build_preset
 
@@ -98,12 +96,7 @@ def main(argv=None) -> int:
     step = text.__dict__.get("_qab_decode")
     if step is None:
         p.error("the compiled decode step is not installed (QAB_DISABLE=decode-compile?)")
-    cache = make_prompt_cache(model)
-    model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=cache)
-    y = mx.array([[9]])
-    for _ in range(3):  # the eager first token, the trace, a replay
-        y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
-        mx.eval(y)
+    cache, y = _primed(model)
     n_arrays = len(tree_flatten(text.parameters()))
     as_input = mx.compile(lambda x: x + 1, inputs=text)
     x = mx.array(1)
@@ -119,12 +112,7 @@ def main(argv=None) -> int:
           f"compile input {rows['model_as_input_ms']:.3f} ms, the concatenations' checks "
           f"{rows['concats_ms']:.3f} ms", flush=True)
     mx.eval(y)
-    cache = make_prompt_cache(model)  # a fresh context: the timed calls above were never run
-    model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=cache)
-    y = mx.array([[9]])
-    for _ in range(3):
-        y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
-        mx.eval(y)
+    cache, y = _primed(model)  # a fresh context: the timed calls above never ran
     rows.update(_pipelined(model, text, step, cache, y, args.tokens))
     print(f"pipelined decode: {rows['pipelined_tok_s']:.1f} tok/s; per token build "
           f"{rows['pipelined_build_ms']:.3f} ms (MLX's compiled function "
@@ -136,6 +124,21 @@ def main(argv=None) -> int:
                              layers=len(text.model.layers), **rows))
     print(f"wrote {path}")
     os._exit(0)  # the built, unevaluated graphs are dropped, not evaluated
+
+
+def _primed(model):
+    """A fresh 8-token context past the eager first token, a trace and a replay:
+    ``(cache, next token [1, 1])``."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=cache)
+    y = mx.array([[9]])
+    for _ in range(3):  # the eager first token, the trace, a replay
+        y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
+        mx.eval(y)
+    return cache, y
 
 
 class _TimedStep:

@@ -524,15 +524,18 @@ def _shared_contexts(source: BenchTarget, targets: Sequence[BenchTarget], ids: S
     """
     contexts: dict = {}
     records: list = []
+
+    def skip(n: int, why: str, what: str) -> None:
+        failed.update((t.label, n) for t in targets)
+        errors.append({"phase": "shared-prefill", "backend": source.label, "length": n,
+                       "error": why})
+        log(f"shared prefill {what}: {source.label} @ {n}: {why}")
+        bar.update(1)
+
     for n in lengths:
         bar.set_postfix_str(f"shared prefill {source.label} @ {human_length(n)}")
         if deadline is not None and time.perf_counter() > deadline:
-            failed.update((t.label, n) for t in targets)
-            errors.append({"phase": "shared-prefill", "backend": source.label, "length": n,
-                           "error": "not prefilled: the --max-seconds budget was spent"})
-            log(f"shared prefill skipped: {source.label} @ {n}: the --max-seconds budget "
-                "was spent")
-            bar.update(1)
+            skip(n, "not prefilled: the --max-seconds budget was spent", "skipped")
             continue
         try:
             source.reset()
@@ -547,11 +550,7 @@ def _shared_contexts(source: BenchTarget, targets: Sequence[BenchTarget], ids: S
             source.reset()
         except Exception as exc:  # noqa: BLE001 - record, skip this length
             source.reset()
-            failed.update((t.label, n) for t in targets)
-            errors.append({"phase": "shared-prefill", "backend": source.label, "length": n,
-                           "error": f"{type(exc).__name__}: {exc}"})
-            log(f"shared prefill failed: {source.label} @ {n}: {type(exc).__name__}: {exc}")
-            bar.update(1)
+            skip(n, f"{type(exc).__name__}: {exc}", "failed")
             continue
         records.append({"length": n, "source": source.label, "prompt_tokens": n,
                         "prefill_s": seconds, "tokens_per_s": n / seconds if seconds > 0

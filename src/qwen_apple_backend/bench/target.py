@@ -522,7 +522,6 @@ class MLXContext:
 
     Attributes:
         label (str): the target whose prefill built it.
-        tokens (int): tokens in the cache (the prompt, plus any decoded before export).
         first_token (int): the token prefill chose; decode feeds it first.
         cache (list): the mlx-lm cache objects, one per layer (preallocated KV
             buffers keep their size).
@@ -530,7 +529,6 @@ class MLXContext:
     """
 
     label: str
-    tokens: int
     first_token: int
     cache: list
     next_token: Any
@@ -578,14 +576,12 @@ class MLXTarget:
         self._mx = mx
         self._cache: Optional[list] = None
         self._next = None
-        self._tokens = 0  # tokens in the cache (prompt plus tokens fed by decode)
         self._weights: Optional[dict] = None
 
     # -- state -------------------------------------------------------------------------
     def reset(self) -> None:
         self._cache = None
         self._next = None
-        self._tokens = 0
         self._mx.clear_cache()
 
     def _new_cache(self) -> list:
@@ -612,8 +608,7 @@ class MLXTarget:
         if self._next is None or self._cache is None:
             raise RuntimeError("export_context() needs a primed state: call prefill() first")
         mx.eval([c.state for c in self._cache])
-        return MLXContext(label=self.label, tokens=self._tokens,
-                          first_token=int(self._next.item()),
+        return MLXContext(label=self.label, first_token=int(self._next.item()),
                           cache=copy.deepcopy(self._cache), next_token=self._next)
 
     def load_context(self, ctx: MLXContext) -> None:
@@ -645,7 +640,6 @@ class MLXTarget:
                                  f"{b.__name__} in {self.label}'s")
         self._cache = copy.deepcopy(ctx.cache)
         self._next = ctx.next_token
-        self._tokens = ctx.tokens
 
     # -- measured calls ----------------------------------------------------------------
     def prefill(self, ids: Sequence[int]) -> int:
@@ -667,7 +661,6 @@ class MLXTarget:
             y = mx.argmax(logits, axis=-1)
             mx.eval(y)
         self._next = y
-        self._tokens = len(ids)
         return int(y.item())
 
     def decode(self, n: int) -> list[int]:
@@ -695,7 +688,6 @@ class MLXTarget:
                 if i % 256 == 255:
                     mx.clear_cache()
         self._next = y
-        self._tokens += n
         return out
 
     def logits(self, ids: Sequence[int]):

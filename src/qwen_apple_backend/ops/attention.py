@@ -552,11 +552,11 @@ def _split_kernel_call(backend: str, q, k, v, scale: float, mask, gate=None,
     nb = -(-S // block)
     has_mask = mask is not None
     m = mask if has_mask else _dummy(mx.bool_)
-    warps = _SPLIT_CTA_WARPS
     o, ml = part(inputs=[q, k, v, m, f32_scalar(float(scale))],
                  template=[("InT", q.dtype), ("D", D), ("G", Hq // Hk), ("BLOCK", block),
                            ("HAS_MASK", has_mask)],
-                 grid=(32 * warps * -(-nb // warps), Hk, B), threadgroup=(32 * warps, 1, 1),
+                 grid=(32 * _SPLIT_CTA_WARPS * -(-nb // _SPLIT_CTA_WARPS), Hk, B),
+                 threadgroup=(32 * _SPLIT_CTA_WARPS, 1, 1),
                  output_shapes=[(B, Hq, nb, D), (B, Hq, nb, 2)],
                  output_dtypes=[mx.float32, mx.float32])
     has_gate = gate is not None
