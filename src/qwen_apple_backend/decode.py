@@ -193,9 +193,10 @@ class _CompiledDecode:
 
     def _still_valid(self) -> bool:
         """Every used concatenation still :meth:`~ConcatProjection.valid`, in two C-level
-        passes (~80 concatenations, ~900 identities: 0.19 -> 0.08 ms per token on a CPU,
-        against 80 Python calls); re-recorded first if a concatenation was refreshed since
-        (an eager compiled layer that traced re-wraps its arrays)."""
+        passes over ~900 identities (~80 concatenations; 80 Python calls before;
+        ``benchmarks/profile_decode_host.py`` times it as ``concats_ms``); re-recorded
+        first if a concatenation was refreshed since (an eager compiled layer that
+        traced re-wraps its arrays)."""
         if list(map(_REFRESHES, self._uses)) != self._checks_at:
             self._record_checks()
         containers, keys, expected, children, types = self._checks
