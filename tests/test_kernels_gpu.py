@@ -749,6 +749,44 @@ def _stock_gpu_route(logits, top_k, norm):
     return inds.astype(np.uint32), vals.astype(np.float32)
 
 
+def _qmv8_model_logits(y, gate):
+    """MLX's CUDA quantized matmul of rows ``y`` by an 8-bit affine router, in numpy.
+
+    The fused route's target (``kernels/cuda/moe_add_norm_route.cu``), as read
+    from MLX 0.32's ``qmm/qmv.cu``: weights dequantized in ``y``'s dtype
+    (``T(T(q * scale) + bias)``); lane ``l`` accumulates elements ``8 l + 256 s
+    + i`` per slot ``i`` in float32 fma over steps ``s``; the 8 slots added in
+    order, the lanes by an xor butterfly (16 .. 1); one rounding to the dtype.
+    (The fma is a float64 product and sum rounded to float32: exact but for a
+    double rounding at a float32 tie.)
+
+    Returns:
+        np.ndarray: ``[N, E]`` float32 (values of ``y``'s dtype).
+    """
+    dtype, D = y.dtype, y.shape[-1]
+    yv = np.array(y.astype(mx.float32)).reshape(-1, D).astype(np.float64)
+    E, G = gate.weight.shape[0], gate.group_size
+    q = np.array(gate.weight).view(np.uint8).reshape(E, D).astype(np.float32)
+    grp = np.arange(D) // G
+    sc = np.array(gate.scales.astype(mx.float32))[:, grp]
+    bi = np.array(gate.biases.astype(mx.float32))[:, grp]
+    wd = _round_to(_round_to(q * sc, dtype) + bi, dtype).astype(np.float64)
+    lanes = np.arange(32)
+    out = np.empty((yv.shape[0], E), np.float32)
+    for n in range(yv.shape[0]):
+        acc = np.zeros((E, 32, 8), np.float32)
+        for s in range(D // 256):
+            idx = lanes[:, None] * 8 + s * 256 + np.arange(8)[None, :]
+            acc = (yv[n, idx][None] * wd[:, idx] + acc.astype(np.float64)).astype(np.float32)
+        tot = np.zeros((E, 32), np.float32)
+        for i in range(8):
+            tot = tot + acc[..., i]
+        for o in (16, 8, 4, 2, 1):
+            tot = tot + tot[:, lanes ^ o]
+        out[n] = tot[:, 0]
+    return _round_to(out, dtype)
+
+
 def _route_by_expert(inds, scores, E):
     """``[N, E]`` scores scattered to their experts (0 elsewhere), float64 numpy."""
     ind = np.asarray(inds).reshape(-1, np.asarray(inds).shape[-1]).astype(np.int64)
@@ -933,6 +971,121 @@ def test_moe_block_routes_with_the_kernel_and_matches_stock(monkeypatch, T):
     inds, _ = moe_ops.topk_route(stock.gate(x), 8, True, kernel=gd.gpu_backend())
     ref_inds, _ = moe_ops.topk_route(stock.gate(x), 8, True)
     assert mx.mean(mx.all(inds == ref_inds, axis=-1)).item() >= 0.99
+
+
+# --------------------------------------------------------------------------
+# moe_add_norm_route: residual add + RMSNorm + 8-bit router GEMV + route in one
+# launch (kernels/cuda/moe_add_norm_route.cu, ops/moe.py, layers/moe.py);
+# against MLX's own operations on the same GPU
+# --------------------------------------------------------------------------
+
+
+def _anr_gpu_inputs(N, D, E, G, dtype, seed):
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    k = mx.random.split(mx.random.key(seed), 4)
+    x = (4.0 * mx.random.normal((N, 1, D), key=k[0])).astype(dtype)
+    r = mx.random.normal((N, 1, D), key=k[1]).astype(dtype)
+    w = (1.0 + 0.2 * mx.random.normal((D,), key=k[2])).astype(dtype)
+    # A router of the trained model's scale: logits of a few units.
+    gw = (0.05 * mx.random.normal((E, D), key=k[3])).astype(dtype)
+    q, sc, b = mx.quantize(gw, group_size=G, bits=8)
+    gate = moe_ops.ExpertWeights(weight=q, scales=sc, biases=b, group_size=G, bits=8,
+                                 mode="affine")
+    return x, r, w, gate
+
+
+# (N, D, E, G, K): Qwen3.6's router over 512 token rows (statistics of the
+# route), a few decode rows, a wider one (D = 4096, 512 experts, group 128,
+# K = 10) and E = 300 (padding rows in the last pass) with group 32.
+ANR_GPU_CASES = [(512, 2048, 256, 64, 8), (3, 2048, 256, 64, 8), (64, 4096, 512, 128, 10),
+                 (64, 512, 300, 32, 16)]
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "raw"])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", ANR_GPU_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_moe_add_norm_route_is_mlx_on_the_gpu(case, dtype, norm):
+    # The claims of kernels/cuda/moe_add_norm_route.cu: h is MLX's Add; y is
+    # mx.fast.rms_norm(h) up to the order of the sum of squares; the logits
+    # are MLX's own 8-bit quantized matmul of that y, bit for bit (and the
+    # numpy model of its arithmetic); the route is the stock GPU route of
+    # those logits (same experts, slots and score bits in >= 99.5 % of rows).
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    N, D, E, G, K = case
+    x, r, w, gate = _anr_gpu_inputs(N, D, E, G, dtype, seed=N + D + E)
+    h, y, logits, inds, scores = moe_ops._add_norm_route_call("cuda", x, r, w, 1e-6, gate, K,
+                                                              norm)
+    assert mx.array_equal(h, x + r).item()
+    y_ref = mx.fast.rms_norm(h, w, 1e-6)
+    ref_logits = mx.quantized_matmul(y, gate.weight, gate.scales, gate.biases, transpose=True,
+                                     group_size=G, bits=8)
+    ref_inds, ref_scores = moe_ops.topk_route(logits, K, norm)
+    same_y = mx.mean(y == y_ref).item()
+    same_logits = mx.mean(logits == ref_logits).item()
+    max_diff = mx.max(mx.abs(logits.astype(mx.float32) - ref_logits.astype(mx.float32))).item()
+    same_inds = np.array(mx.all(inds == ref_inds, axis=-1))
+    same_bits = same_inds & np.array(mx.all(scores == ref_scores, axis=-1))
+    print(f"{case} {dtype} norm={norm}: y equal {same_y:.5f}; logits equal {same_logits:.5f} "
+          f"(max diff {max_diff:.3g}); route equal {same_inds.mean():.5f}, "
+          f"scores too {same_bits.mean():.5f}")
+    assert mx_rel_l2(y, y_ref) <= 3e-4
+    assert same_logits == 1.0
+    assert np.array_equal(np.array(logits.astype(mx.float32)),
+                          _qmv8_model_logits(y, gate).reshape(logits.shape))
+    assert same_inds.mean() >= 0.995 and same_bits.mean() >= 0.995
+
+
+def test_moe_add_norm_route_passes_its_self_check():
+    from qwen_apple_backend.ops import moe as moe_ops
+    from qwen_apple_backend.ops.device import reset_self_checks, self_check_results
+
+    moe_ops._add_norm_route_object.cache_clear()
+    reset_self_checks()
+    for dtype in (mx.bfloat16, mx.float16):
+        x, _, w, gate = _anr_gpu_inputs(1, 2048, 256, 64, dtype, seed=5)
+        for norm in (True, False):
+            assert moe_ops.add_norm_route_ready(x, w, 1e-6, gate, 8, norm) == "cuda"
+    verdicts = {k: v for k, v in self_check_results().items() if k[0] == "moe_add_norm_route"}
+    assert len(verdicts) == 4 and all(v == (True, "passed") for v in verdicts.values()), verdicts
+
+
+def test_moe_block_add_norm_forward_matches_the_stock_layer():
+    # The Qwen3.6 block shape (256 experts, 4-bit experts and shared expert,
+    # 8-bit router and shared gate, bf16): the three-launch decode path
+    # against the stock layer's h + block(norm(h)), 32 tokens.
+    import mlx.nn as nn
+
+    from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
+    from qwen_apple_backend.ops import moe as moe_ops
+    from qwen_apple_backend.ops.device import reset_self_checks, self_check_results
+
+    moe_ops._add_norm_route_object.cache_clear()
+    reset_self_checks()
+    stock = _bf16_block(num_experts=256)
+    fused = FusedSparseMoeBlock.from_stock(stock)
+    norm = nn.RMSNorm(2048, eps=1e-6)
+    norm.weight = (1.0 + 0.1 * mx.random.normal((2048,), key=mx.random.key(9))).astype(
+        mx.bfloat16)
+    errs, same = [], []
+    for step in range(32):
+        k = mx.random.split(mx.random.key(100 + step))
+        x = (4.0 * mx.random.normal((1, 1, 2048), key=k[0])).astype(mx.bfloat16)
+        r = mx.random.normal((1, 1, 2048), key=k[1]).astype(mx.bfloat16)
+        out = fused.add_norm_forward(x, r, norm)
+        assert out is not None
+        h = x + r
+        ref = h + stock(norm(h))
+        unfused = fused(norm(h), residual=h)  # the block's own decode path
+        errs.append(mx_rel_l2(out, ref))
+        same.append(mx.array_equal(out, unfused).item())
+    verdicts = {k[0]: v for k, v in self_check_results().items()}
+    assert verdicts["moe_add_norm_route"] == (True, "passed")
+    print(f"add_norm_forward vs stock layer: worst rel-L2 {max(errs):.3g}; bit-identical to "
+          f"the unfused decode path in {sum(same)} of 32 tokens")
+    # The fold kernels' bf16 rounding against stock's (as the fold's own test).
+    assert max(errs) <= 3e-2
 
 
 # --------------------------------------------------------------------------

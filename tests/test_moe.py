@@ -1390,3 +1390,6 @@ def test_a_subclass_with_its_own_call_is_not_handed_the_residual():
 
     assert FusedSparseMoeBlock.takes_residual and Same.takes_residual
     assert not Mine.takes_residual
+    # Nor does add_norm_forward compute what such a __call__ would.
+    assert FusedSparseMoeBlock.takes_mixer_output and Same.takes_mixer_output
+    assert not Mine.takes_mixer_output

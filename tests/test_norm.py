@@ -265,6 +265,46 @@ def test_fused_moe_block_gets_the_layers_residual(on_cpu, monkeypatch):
     assert seen == [False] * len(off.layers)  # the stock layer adds h itself
 
 
+def test_fused_moe_block_may_take_the_mixer_output(on_cpu, monkeypatch):
+    # The add-norm layer first offers x, r and its post-attention norm to the
+    # fused MoE block (add_norm_forward: the fused route on CUDA); it returns
+    # what the block returns, and runs its own path when the block says None
+    # (always on the CPU).
+    from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
+
+    seen = []
+    real = FusedSparseMoeBlock.add_norm_forward
+
+    def spy(self, x, r, norm):
+        out = real(self, x, r, norm)
+        seen.append((x.shape == r.shape, type(norm) is nn.RMSNorm, out is None))
+        return out
+
+    monkeypatch.setattr(FusedSparseMoeBlock, "add_norm_forward", spy)
+    on, off = _tiny(), _tiny(disable=["add-norm"])
+    ids = mx.array([[5, 9, 200, 7]])
+    assert mx.array_equal(on(ids), off(ids)).item()
+    assert seen == [(True, True, True)] * len(on.layers)
+    # A block that answers: the layer returns its answer as it is.
+    layer = on.layers[0]
+    x = mx.random.normal((1, 3, 64), key=mx.random.key(0)).astype(mx.bfloat16)
+    got = []
+
+    def answer(self, x, r, norm):
+        got.append(norm is layer.post_attention_layernorm)
+        return mx.full(x.shape, 7.0, dtype=x.dtype)
+
+    monkeypatch.setattr(FusedSparseMoeBlock, "add_norm_forward", answer)
+    assert mx.array_equal(layer(x, None, make_prompt_cache(on)[0]),
+                          mx.full(x.shape, 7.0, dtype=x.dtype)).item()
+    assert got == [True]
+    # In training mode the layer never asks.
+    layer.train()
+    got.clear()
+    layer(x, None, make_prompt_cache(on)[0])
+    assert got == []
+
+
 def test_ablation_switch_keeps_the_stock_class(tiny_q4, monkeypatch):
     monkeypatch.setenv("QAB_DISABLE", "add-norm")
     fused, _ = load(tiny_q4, "fused")

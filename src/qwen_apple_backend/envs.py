@@ -8,7 +8,7 @@ Variables:
         (``auto``, ``fused`` or ``stock``). Default ``auto``.
     QAB_DISABLE: comma-separated fused module kinds to keep stock
         (``moe``, ``gdn``, ``attn``, ``all``) or single optimizations to
-        switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``,
+        switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``, ``moe-route``,
         ``attn-blocks``, ``attn-split``, ``attn-kernel``, ``qk-prep``, ``decode-compile``,
         ``proj-concat``, ``gemv-kernel``, ``add-norm``, ``kv-in-place``), for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
@@ -53,6 +53,9 @@ OPTIMIZATIONS = {
     # GPU MoE kernels: the router (softmax + top-k + renormalisation in one launch),
     # decode GEMVs (+ shared-expert fold), prefill grouped GEMM and combine
     "moe-kernel": "moe",
+    # a decode token's residual add + post-attention RMSNorm + 8-bit router GEMV + route in
+    # one CUDA launch (moe_add_norm_route), ahead of the expert kernels
+    "moe-route": "moe",
     # long prompts' attention in blocks of query rows (bounded score memory)
     "attn-blocks": "attn",
     # decode attention over >= 32K cached keys with p v split over key blocks (GPU)

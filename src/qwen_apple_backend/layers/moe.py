@@ -32,6 +32,8 @@ from qwen_apple_backend.ops.moe import (
     SORT_THRESHOLD,
     ExpertWeights,
     SharedExpertWeights,
+    add_norm_route,
+    add_norm_route_ready,
     decode_kernel_ready,
     moe_experts,
     moe_shared_experts_kernel,
@@ -267,6 +269,12 @@ class FusedSparseMoeBlock(nn.Module):
         compile_decode (bool): run decode-sized calls as one compiled graph.
             Default True.
 
+    Attribute ``fused_route`` (default True; the ``moe-route`` optimization)
+    lets :meth:`add_norm_forward` run a decode token's residual add,
+    post-attention RMSNorm, router and route as one CUDA launch ahead of the
+    two expert kernels
+    (:func:`~qwen_apple_backend.ops.moe.add_norm_route`).
+
     Attribute ``dequant_gemm`` (default True; the ``moe-gemm`` optimization)
     lets prefill-sized calls on quantized experts dequantize them and run a
     grouped GEMM (:func:`~qwen_apple_backend.ops.moe.moe_experts_dequant_gemm`).
@@ -285,14 +293,22 @@ class FusedSparseMoeBlock(nn.Module):
 
     #: ``__call__`` takes the decoder layer's residual (``layers/norm.py``).
     takes_residual = True
+    #: :meth:`add_norm_forward` may run the decoder layer's residual add and
+    #: post-attention norm with the block (``layers/norm.py``).
+    takes_mixer_output = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        # A subclass with its own __call__ may not take ``residual``.
-        if "__call__" in cls.__dict__ and "takes_residual" not in cls.__dict__:
-            cls.takes_residual = False
+        # A subclass with its own __call__ may not take ``residual``, nor
+        # compute what its __call__ computes through add_norm_forward.
+        if "__call__" in cls.__dict__:
+            if "takes_residual" not in cls.__dict__:
+                cls.takes_residual = False
+            if "takes_mixer_output" not in cls.__dict__:
+                cls.takes_mixer_output = False
 
     dequant_gemm: bool = True
+    fused_route: bool = True
 
     def __init__(
         self,
@@ -532,8 +548,14 @@ class FusedSparseMoeBlock(nn.Module):
             sig.append(type(m))
         return tuple(sig)
 
-    def _kernel_choice(self, x: mx.array, decode: bool) -> tuple:
-        """``(router, fold)`` backends for this call (see :meth:`_router_ready`, :meth:`_fold_ready`).
+    def _kernel_choice(self, x: mx.array, decode: bool, norm: Optional[nn.Module] = None) -> tuple:
+        """``(router, fold, route)`` backends for this call.
+
+        ``router`` and ``fold``: see :meth:`_router_ready` and
+        :meth:`_fold_ready`; ``route``: the backend of the fused residual
+        add, norm and route (:func:`~qwen_apple_backend.ops.moe.add_norm_route_ready`)
+        for a decode call given the layer's post-attention ``norm`` when the
+        fold is ready too (the two kernels that follow it), else None.
 
         Decode is bound by the host, and building the weight descriptions
         for the readiness checks cost more Python than the rest of the
@@ -542,15 +564,25 @@ class FusedSparseMoeBlock(nn.Module):
         and dtype, so it is kept per module under that key (at most 64
         entries) and recomputed when a weight array is replaced.
         """
+        nkey = None
+        if norm is not None:
+            w = dict.get(norm, "weight")
+            nkey = (None if w is None else (id(w), w.shape, w.dtype), norm.eps)
         key = (x.shape, x.dtype, decode, envs.kernels_disabled(),
-               envs.unverified_kernels_allowed(), self._weights_signature())
+               envs.unverified_kernels_allowed(), self._weights_signature(), nkey)
         cache = self.__dict__.get("_choices")
         if cache is None:
             cache = {}
             object.__setattr__(self, "_choices", cache)
         hit = cache.get(key)
         if hit is None:
-            hit = (self._router_ready(x), self._fold_ready(x) if decode else None)
+            router = self._router_ready(x)
+            fold = self._fold_ready(x) if decode else None
+            route = None
+            if fold is not None and nkey is not None and nkey[0] is not None:
+                route = add_norm_route_ready(x, norm["weight"], norm.eps, linear_weights(self.gate),
+                                             self.top_k, self.norm_topk_prob)
+            hit = (router, fold, route)
             if len(cache) >= 64:
                 cache.clear()
             cache[key] = hit
@@ -627,7 +659,7 @@ class FusedSparseMoeBlock(nn.Module):
         if self.use_kernel and not self.training:
             # Decided here, outside mx.compile: the first call per shape class
             # self-checks the kernels, which evaluates arrays.
-            router, fold = self._kernel_choice(x, rows < SORT_THRESHOLD)
+            router, fold, _ = self._kernel_choice(x, rows < SORT_THRESHOLD)
         # The residual goes inside only where nothing happens after the block
         # (no cross-rank sum) and it needs no broadcast or promotion.
         inner = residual if (residual is not None and self.sharding_group is None
@@ -647,3 +679,62 @@ class FusedSparseMoeBlock(nn.Module):
         if residual is not None and inner is None:
             y = residual + y
         return y
+
+    def _add_norm_route_forward(self, x: mx.array, r: mx.array, norm_weight: mx.array, *,
+                                eps: float, route: str, fold: str) -> mx.array:
+        gate = linear_weights(self.gate)
+        h, y, _, inds, scores = add_norm_route(x, r, norm_weight, eps, gate, self.top_k,
+                                               self.norm_topk_prob, backend=route)
+        return moe_shared_experts_kernel(fold)(
+            y, inds, scores, expert_weights(self.switch_mlp.gate_up_proj),
+            expert_weights(self.switch_mlp.down_proj), self._shared_weights(), residual=h)
+
+    def add_norm_forward(self, x: mx.array, r: mx.array, norm: nn.Module) -> Optional[mx.array]:
+        """``h + block(norm(h))`` with ``h = x + r``, in three launches, or None.
+
+        The decoder layer's second half (``layers/norm.py``) for a decode
+        token on CUDA: the residual add, the post-attention RMSNorm, the
+        router GEMV and the route in one launch
+        (:func:`~qwen_apple_backend.ops.moe.add_norm_route`, the ``moe-route``
+        optimization), then the two expert kernels with the shared expert
+        folded in and ``h`` added in the last one's epilogue: 3 launches
+        where the stock layer runs about 20 and the unfused path 5. Returns
+        None (the caller runs its usual path) when any part does not apply:
+        training, ``fused_route`` or ``use_kernel`` off, a sharded block, a
+        norm other than ``nn.RMSNorm``, a prefill-sized call, ``x`` and ``r``
+        of different shapes or dtypes, or a kernel that is not ready (see
+        :meth:`_kernel_choice`). Decode-sized calls run as one compiled graph
+        when ``compile_decode`` is set.
+
+        Args:
+            x (mx.array): the residual stream entering the layer.
+            r (mx.array): the mixer's output.
+            norm (nn.Module): the layer's ``post_attention_layernorm``.
+
+        Returns:
+            mx.array | None: the layer's output, shape and dtype of ``x``.
+
+        Shapes:
+            x, r: ``[B, T, H]``; returns the same.
+        """
+        if (not self.fused_route or not self.use_kernel or self.training
+                or self.sharding_group is not None or type(norm) is not nn.RMSNorm
+                or r.shape != x.shape or r.dtype != x.dtype or x.ndim == 0
+                or (x.size // x.shape[-1]) * self.top_k >= SORT_THRESHOLD):
+            return None
+        _, fold, route = self._kernel_choice(x, True, norm)
+        if route is None:
+            return None
+        w = norm["weight"]
+        if not self.compile_decode:
+            return self._add_norm_route_forward(x, r, w, eps=norm.eps, route=route, fold=fold)
+        fns = self.__dict__.setdefault("_compiled", {})
+        key = ("add_norm_route", route, fold, norm.eps)
+        fn = fns.get(key)
+        if fn is None:
+            # The module is the captured input tree (parameters replaced after
+            # fusing are read live); the norm weight is an argument.
+            fn = mx.compile(partial(self._add_norm_route_forward, eps=norm.eps, route=route,
+                                    fold=fold), inputs=self)
+            fns[key] = fn
+        return fn(x, r, w)

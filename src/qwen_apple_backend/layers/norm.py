@@ -11,7 +11,10 @@ fused model's instances get a subclass (:func:`install_add_norm`) whose
 :func:`qwen_apple_backend.ops.norm.add_rms_norm` call when the kernel is ready
 for the call's dtype and width: one MLX operation instead of two per layer.
 A fused MoE block (``takes_residual``) also gets ``h`` and returns
-``h + mlp(...)`` itself, on the GPU decode path from its last kernel.
+``h + mlp(...)`` itself, on the GPU decode path from its last kernel; on CUDA
+a decode token's block takes ``x`` and ``r`` instead
+(``FusedSparseMoeBlock.add_norm_forward``: the add, the norm, the router and
+the route in one launch, the ``moe-route`` optimization).
 Parameters, names and the state dict are the stock ones. Whether the kernel is
 ready is decided on a layer's first call per (dtypes, width), outside any
 trace, and kept in a small per-layer dict, so each later call (also inside
@@ -89,6 +92,12 @@ class _AddNorm:
         else:
             r = self.self_attn(self.input_layernorm(x), mask, cache)
         norm = self.post_attention_layernorm
+        if getattr(self.mlp, "takes_mixer_output", False) and not self._training:
+            # A fused MoE block may run the add, the norm and its router in one
+            # launch ahead of its expert kernels (decode on CUDA); None otherwise.
+            out = self.mlp.add_norm_forward(x, r, norm)
+            if out is not None:
+                return out
         backend = self._add_norm_backend(x, r, norm)
         if backend is None:
             h = x + r

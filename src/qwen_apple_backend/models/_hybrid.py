@@ -333,6 +333,9 @@ class QwenHybridAdapter(Adapter):
         "moe-kernel": "MoE routing and experts run as MLX ops, without the GPU MoE kernels "
                       "for the router, decode GEMVs and grouped 4-bit GEMM (moe-kernel in "
                       "QAB_DISABLE / disable=)",
+        "moe-route": "a decode token's residual add, post-attention RMSNorm, router and route "
+                     "run as separate launches, not one CUDA launch ahead of the expert kernels "
+                     "(moe-route in QAB_DISABLE / disable=)",
         "moe-gemm": "quantized MoE experts' prefill runs MLX's gathered quantized matmul, not "
                     "dequantize-then-GEMM (moe-gemm in QAB_DISABLE / disable=)",
     }
@@ -378,6 +381,8 @@ class QwenHybridAdapter(Adapter):
                     fused.dequant_gemm = False
                 if "moe-kernel" in off:
                     fused.use_kernel = False
+                if "moe-route" in off:
+                    fused.fused_route = False
                 if "attn-blocks" in off:
                     fused.block_queries = False
                 if "attn-split" in off:

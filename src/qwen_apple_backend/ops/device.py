@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -129,7 +129,7 @@ def self_checked(
     reference: Callable[..., Sequence[mx.array]],
     make_inputs: Callable[[], Sequence[Any]],
     *,
-    rtol: float,
+    rtol: Union[float, Sequence[float]],
 ) -> bool:
     """Whether ``kernel`` may be used for shape class ``key`` (checking it on first use).
 
@@ -148,7 +148,8 @@ def self_checked(
         kernel (Callable): the GPU path, returning a sequence of arrays.
         reference (Callable): the portable path, same signature and results.
         make_inputs (Callable): returns the positional arguments for both.
-        rtol (float): largest accepted relative L2 error per output.
+        rtol (float | Sequence[float]): largest accepted relative L2 error,
+            for every output or (a sequence) for each output in order.
 
     Returns:
         bool: True when the kernel passed (now or earlier).
@@ -175,9 +176,10 @@ def self_checked(
             elif not bool(mx.all(mx.isfinite(o.astype(mx.float32))).item()):
                 reason = f"output {i} has non-finite values"
             else:
+                tol = rtol if isinstance(rtol, (int, float)) else rtol[i]
                 err = _max_rel_err(o, r)
-                if not err <= rtol:
-                    reason = f"output {i} relative L2 error {err:.3g} > {rtol:.3g}"
+                if not err <= tol:
+                    reason = f"output {i} relative L2 error {err:.3g} > {tol:.3g}"
     except Exception as exc:  # noqa: BLE001 - any failure means "do not use"
         reason = f"{type(exc).__name__}: {exc}"
     passed = not reason

@@ -7,6 +7,10 @@ The pieces, following the kernel / reference / dispatcher pattern:
   one GPU kernel for the whole route (``kernels/{cuda,metal}/moe_router_topk``)
   that repeats the stock route's GPU arithmetic step for step, used after
   :func:`router_kernel_ready`.
+* :func:`add_norm_route` — decode on CUDA: the decoder layer's residual
+  add, post-attention RMSNorm, 8-bit router GEMV and route in one launch
+  (``kernels/cuda/moe_add_norm_route``), used after
+  :func:`add_norm_route_ready`; reference :func:`add_norm_route_ops`.
 * :func:`moe_experts_ops` — the portable gathered SwiGLU expert computation:
   one gathered matmul over the concatenated gate+up weights ``[E, 2I, H]``,
   SiLU(gate) * up, the down projection and the score-weighted sum over K.
@@ -49,7 +53,8 @@ import mlx.core as mx
 
 from qwen_apple_backend import envs
 
-from .device import build_kernel, gpu_backend, self_checked
+from .device import build_kernel, f32_scalar, gpu_backend, self_checked
+from .norm import add_rms_norm_ops
 
 __all__ = [
     "SORT_THRESHOLD",
@@ -57,6 +62,11 @@ __all__ = [
     "SortedTokens",
     "topk_route",
     "router_kernel_ready",
+    "add_norm_route",
+    "add_norm_route_ops",
+    "add_norm_route_ready",
+    "add_norm_route_supported",
+    "ADD_NORM_ROUTE_MAX_ROWS",
     "ROUTER_MAX_E",
     "ROUTER_MAX_K",
     "sort_by_expert",
@@ -361,6 +371,247 @@ def router_kernel_ready(logits: mx.array, top_k: int, norm_topk_prob: bool) -> O
         make_inputs=lambda: (_router_check_logits(_ROUTER_CHECK_ROWS, E, dtype)
                              .reshape(_ROUTER_CHECK_ROWS, 1, E),), rtol=rtol)
     return backend if ok else None
+
+
+# --------------------------------------------------------------------------
+# Residual add + RMSNorm + router GEMV + route in one launch
+# (kernels/cuda/moe_add_norm_route)
+# --------------------------------------------------------------------------
+
+# Most token rows the fused route takes (one thread block per row; decode).
+ADD_NORM_ROUTE_MAX_ROWS = SORT_THRESHOLD
+# Largest hidden size: the block keeps the normalised row in shared memory.
+ADD_NORM_ROUTE_MAX_D = 16384
+# Threads per block at most, and expert rows per warp pass.
+_ANR_MAX_WARPS = 16
+_ANR_RB = 4
+# Token rows of the self-check (odd: the kernel is not specialised on N).
+_ANR_CHECK_ROWS = 5
+
+
+def add_norm_route_supported(x: mx.array, norm_weight: mx.array,
+                             gate: Optional["ExpertWeights"], top_k: int) -> bool:
+    """Whether the fused route's contract covers this call (no backend check).
+
+    ``x`` bfloat16 / float16 with ``N <=`` :data:`ADD_NORM_ROUTE_MAX_ROWS`
+    rows of ``D`` (a multiple of 256, at most :data:`ADD_NORM_ROUTE_MAX_D`),
+    the norm weight ``[D]`` of ``x``'s dtype, and the router an 8-bit affine
+    quantized ``[E, D]`` linear with biases, no bias term and no global scale,
+    scales and biases of ``x``'s dtype, group size 32 / 64 / 128 (what mlx-lm
+    gives the Qwen MoE routers), ``1 <= E <= ROUTER_MAX_E``, ``1 <= top_k <=
+    min(E, ROUTER_MAX_K)``.
+    """
+    if gate is None or x.ndim == 0 or x.dtype not in (mx.bfloat16, mx.float16):
+        return False
+    D = x.shape[-1]
+    N = x.size // D if D else 0
+    if not (0 < N <= ADD_NORM_ROUTE_MAX_ROWS and 0 < D <= ADD_NORM_ROUTE_MAX_D and D % 256 == 0):
+        return False
+    if norm_weight.shape != (D,) or norm_weight.dtype != x.dtype:
+        return False
+    g = gate
+    if not (g.quantized and g.bits == 8 and g.mode == "affine" and g.group_size in (32, 64, 128)
+            and g.biases is not None and g.bias is None and g.global_scale is None):
+        return False
+    E = g.weight.shape[0]
+    return (g.weight.ndim == 2 and g.weight.dtype == mx.uint32 and g.weight.shape[1] * 4 == D
+            and g.scales.shape == (E, D // g.group_size) and g.biases.shape == g.scales.shape
+            and g.scales.dtype == x.dtype and g.biases.dtype == x.dtype
+            and 1 <= E <= ROUTER_MAX_E and 1 <= top_k <= min(E, ROUTER_MAX_K))
+
+
+@functools.lru_cache(maxsize=None)
+def _add_norm_route_object(backend: str):
+    return build_kernel("moe_add_norm_route", backend)
+
+
+def _add_norm_route_launch(E: int) -> tuple[int, int]:
+    """``(BLOCK, RB)``: threads per block and expert rows per warp pass."""
+    warps = max(1, min(_ANR_MAX_WARPS, -(-E // _ANR_RB)))
+    return 32 * warps, _ANR_RB
+
+
+def _add_norm_route_call(backend: str, x: mx.array, r: mx.array, norm_weight: mx.array,
+                         eps: float, gate: "ExpertWeights", top_k: int,
+                         norm_topk_prob: bool) -> tuple:
+    obj = _add_norm_route_object(backend)
+    if obj is None:
+        raise RuntimeError(f"no moe_add_norm_route source or MLX API for {backend}")
+    D = x.shape[-1]
+    N = x.size // D
+    E = gate.weight.shape[0]
+    block, rb = _add_norm_route_launch(E)
+    lead = x.shape[:-1]
+    # Outputs in the callers' shapes: no reshape primitives around the launch.
+    # MLX caches a CUDA kernel by its template arguments alone: T fixes the
+    # dtype of every float array but eps.
+    h, y, logits, inds, scores = obj(
+        inputs=[x, r, norm_weight, f32_scalar(float(eps)), gate.weight, gate.scales,
+                gate.biases],
+        template=[("T", x.dtype), ("D", D), ("E", E), ("K", int(top_k)),
+                  ("G", int(gate.group_size)), ("NORM", bool(norm_topk_prob)),
+                  ("BLOCK", block), ("RB", rb)],
+        grid=(block * N, 1, 1), threadgroup=(block, 1, 1),
+        output_shapes=[x.shape, x.shape, (*lead, E), (*lead, top_k), (*lead, top_k)],
+        output_dtypes=[x.dtype, x.dtype, x.dtype, mx.uint32, x.dtype])
+    return h, y, logits, inds, scores
+
+
+def add_norm_route_ops(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float,
+                       gate: "ExpertWeights", top_k: int, norm_topk_prob: bool) -> tuple:
+    """Portable reference: the stock decoder layer's operations, in its order.
+
+    ``h = x + r``; ``y = mx.fast.rms_norm(h, norm_weight, eps)``; the router
+    logits ``y @ gate^T`` as ``nn.QuantizedLinear`` / ``nn.Linear`` computes
+    them; then :func:`topk_route`.
+
+    Returns:
+        tuple: ``(h, y, logits, inds, scores)``.
+
+    Shapes: x, r, h, y ``[..., D]``; logits ``[..., E]``; inds, scores ``[..., K]``.
+    """
+    h, y = add_rms_norm_ops(x, r, norm_weight, eps)
+    logits = _linear(y, gate)
+    inds, scores = topk_route(logits, top_k, norm_topk_prob)
+    return h, y, logits, inds, scores
+
+
+def _add_norm_route_check_inputs(D: int, dtype: mx.Dtype, eps: float):
+    def make():
+        k = mx.random.split(mx.random.key(4242), 3)
+        x = (4.0 * mx.random.normal((_ANR_CHECK_ROWS, 1, D), key=k[0])).astype(dtype)
+        r = mx.random.normal((_ANR_CHECK_ROWS, 1, D), key=k[1]).astype(dtype)
+        w = (1.0 + 0.2 * mx.random.normal((D,), key=k[2])).astype(dtype)
+        return x, r, w
+    return make
+
+
+def add_norm_route_ready(x: mx.array, norm_weight: mx.array, eps: float,
+                         gate: Optional["ExpertWeights"], top_k: int,
+                         norm_topk_prob: bool) -> Optional[str]:
+    """The GPU backend whose fused route may run this call, or None.
+
+    ``kernels/cuda/moe_add_norm_route``: ``h = x + r``, the RMSNorm of ``h``,
+    the 8-bit router GEMV and :func:`topk_route`'s route in one launch per
+    token row (see :func:`add_norm_route`). CUDA only: it exists to cut MLX's
+    per-launch host cost, which bounds decode on MLX's CUDA backend.
+
+    Call it outside ``mx.compile``: the first call per shape class (dtype,
+    D, the router's E, group size, K, ``norm_topk_prob``) self-checks the
+    kernel with these router weights on seeded random rows against
+    :func:`add_norm_route_ops`: ``h`` and the experts' membership and
+    scores (``y`` to the add_rms_norm kernel's tolerance). Later calls only
+    look the verdict up. Only shapes, dtypes and the router's arrays are
+    read (nothing of ``x`` is evaluated).
+
+    Args:
+        x (mx.array): the residual stream ``[..., D]`` (or a stand-in of its
+            shape and dtype).
+        norm_weight (mx.array): the post-attention RMSNorm weight ``[D]``.
+        eps (float): the norm's epsilon.
+        gate (ExpertWeights | None): the router (``mlp.gate``).
+        top_k (int): experts per token (K).
+        norm_topk_prob (bool): renormalise the kept probabilities.
+
+    Returns:
+        Optional[str]: ``"cuda"``, or None (not CUDA, kernels disabled,
+        outside :func:`add_norm_route_supported`, the kernel unverified
+        without ``QAB_UNVERIFIED_KERNELS``, or a failed self-check, which also
+        warns).
+    """
+    if envs.kernels_disabled() or gpu_backend() != "cuda":
+        return None
+    if not add_norm_route_supported(x, norm_weight, gate, top_k):
+        return None
+    if _add_norm_route_object("cuda") is None:
+        return None
+    D, dtype, E = x.shape[-1], x.dtype, gate.weight.shape[0]
+    K, norm = int(top_k), bool(norm_topk_prob)
+
+    def kernel(xs, rs, ws):
+        h, y, logits, inds, scores = _add_norm_route_call("cuda", xs, rs, ws, eps, gate, K, norm)
+        return [h, y, logits, *_route_by_expert(inds, scores, E)]
+
+    def reference(xs, rs, ws):
+        # The logits from float32 arithmetic over the dequantized router (MLX's
+        # CPU quantized matmul is not a usable reference: at the Qwen shape its
+        # bf16 8-bit logits were measured 0.50 off the float64 product, the
+        # kernel's 0.015), routed by the portable route.
+        h, y = add_rms_norm_ops(xs, rs, ws, eps)
+        wf = mx.dequantize(gate.weight, gate.scales, gate.biases, group_size=gate.group_size,
+                           bits=8).astype(mx.float32)
+        logits = (y.astype(mx.float32) @ wf.T).astype(dtype)
+        inds, scores = topk_route(logits, K, norm)
+        return [h, y, logits, *_route_by_expert(inds, scores, E)]
+
+    # h: one rounding of the same sum (bit-identical). y: the add_rms_norm
+    # kernel's bound (another order of the float32 sum of squares; bf16
+    # measured bit-identical, fp16 3.3e-5). logits: each weight dequantized in
+    # the activation dtype (as MLX's GPU kernel does) against float32 weights:
+    # measured (CPU emulation, MLX-quantized random routers, D 256-4096)
+    # <= 9.6e-5 bf16, <= 5.7e-5 fp16.
+    # The route: logits that close can still swap an expert where two
+    # probabilities are that close; the bound admits a few swaps in the 5
+    # rows (one at K = 8: membership rel-L2 0.22) and still rejects a wrong
+    # GEMV or route (random experts: ~1.4).
+    rtol = [1e-6, 3e-4, 2e-3, 0.5, 0.5]
+    ok = self_checked(
+        "moe_add_norm_route", "cuda",
+        (D, str(dtype), E, gate.group_size, K, norm, float(eps)),
+        kernel=kernel, reference=reference,
+        make_inputs=_add_norm_route_check_inputs(D, dtype, eps), rtol=rtol)
+    return "cuda" if ok else None
+
+
+def add_norm_route(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float,
+                   gate: "ExpertWeights", top_k: int, norm_topk_prob: bool,
+                   backend: Optional[str] = None) -> tuple:
+    """The residual add, the RMSNorm, the router and the route of a decoder layer.
+
+    With ``backend`` (what :func:`add_norm_route_ready` returned for this
+    call's shape class) one launch of ``kernels/cuda/moe_add_norm_route``
+    per call: no self-check here, so it may sit inside ``mx.compile``. With
+    None, :func:`add_norm_route_ops`.
+
+    Algorithm: ``h = round(x + r)``; ``y = round(w * round(h * rsqrt(mean(h^2)
+    + eps)))`` (float32 statistics; the rounding points of MLX's Add and
+    ``mx.fast.rms_norm``); logits as MLX's CUDA 8-bit ``qmv`` kernel computes
+    them (weights dequantized in the activation dtype, float32 fma
+    accumulation in its order, one rounding); the route of
+    :func:`topk_route`'s kernel (softmax, top-K, renormalisation as MLX's
+    GPU kernels compute them).
+
+    Args:
+        x (mx.array): residual stream, bfloat16 / float16 with a backend.
+        r (mx.array): the mixer's output, same shape and dtype.
+        norm_weight (mx.array): RMSNorm weight ``[D]``.
+        eps (float): RMSNorm epsilon.
+        gate (ExpertWeights): the router, ``[E, D]`` (8-bit affine with a
+            backend).
+        top_k (int): experts per token (K).
+        norm_topk_prob (bool): renormalise the kept probabilities to sum 1.
+        backend (str | None): ``"cuda"`` from :func:`add_norm_route_ready`,
+            or None for the portable path. Default None.
+
+    Returns:
+        tuple: ``(h, y, logits, inds, scores)``: ``h = x + r`` and ``y`` its
+        norm, in ``x``'s shape and dtype; the router logits (``x``'s dtype);
+        ``inds`` uint32 expert indices and ``scores`` their weights (``x``'s
+        dtype), slot order as :func:`topk_route`.
+
+    Shapes:
+        x, r, h, y: ``[..., D]``; norm_weight: ``[D]``; logits: ``[..., E]``;
+        inds, scores: ``[..., K]``.
+
+    Raises:
+        RuntimeError: with a backend that has no kernel (no source or MLX API,
+            or an unverified CUDA kernel without ``QAB_UNVERIFIED_KERNELS=1``).
+    """
+    if backend is None or x.size == 0:
+        return add_norm_route_ops(x, r, norm_weight, eps, gate, top_k, norm_topk_prob)
+    h, y, logits, inds, scores = _add_norm_route_call(backend, x, r, norm_weight, eps, gate,
+                                                      top_k, norm_topk_prob)
+    return h, y, logits, mx.stop_gradient(inds), scores
 
 
 # --------------------------------------------------------------------------
