@@ -63,7 +63,8 @@ block; blocks run one after another):
   ``make_*``; ``__float_as_uint``, ``__uint_as_float``, ``__int_as_float``,
   ``__float_as_int``; ``expf``, ``__expf``, ``logf``, ``__logf``, ``log1pf``,
   ``rsqrtf``, ``sqrtf``, ``fmaf``, ``fmaxf``, ``fminf``, ``tanhf``, ``min``,
-  ``max``, ``__fdividef``, ``__ldg``, ``__popc``, ``atomicAdd``/``atomicMax``/
+  ``max``, ``__fdividef``, ``__ldg``, ``__ldcg``, ``__ushort_as_bfloat16``,
+  ``__ushort_as_half``, ``__popc``, ``atomicAdd``/``atomicMax``/
   ``atomicCAS``/``atomicExch`` (trivially atomic: one fiber runs at a time);
   ``__device__``, ``__forceinline__``, ``__restrict__``, ``__align__``,
   ``__launch_bounds__``, ``#pragma unroll`` (ignored), ``cg::this_grid()`` /
@@ -478,6 +479,10 @@ inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(unsigned(x)); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 template <typename T>
 inline T __ldg(const T* p) { return *p; }
+template <typename T>
+inline T __ldcg(const T* p) { return *p; }
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short u) { __nv_bfloat16 b; b.__x = u; return b; }
+inline __half __ushort_as_half(unsigned short u) { __half h; h.__x = u; return h; }
 template <typename A, typename B>
 inline constexpr std::common_type_t<A, B> min(A a, B b) {
   using C = std::common_type_t<A, B>;

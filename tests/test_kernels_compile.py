@@ -80,6 +80,11 @@ CASES = {
         ["bf16", "u32", "bf16", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "f32", "bf16"],
         ["bf16"],
         {"OutT": "bf16", "H": 2048, "I": 512, "K": 8, "G": 64, "ST": "bf16", "HAS_RES": True}),
+    # The same with the next layer's input RMSNorm in the epilogue.
+    "moe_down_shared_norm_gemv": (
+        ["bf16", "u32", "bf16", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "f32", "bf16",
+         "bf16", "f32", "u32"], ["bf16", "bf16"],
+        {"OutT": "bf16", "H": 2048, "I": 512, "K": 8, "G": 64, "ST": "bf16", "BLOCK": 256}),
     "moe_combine": (
         ["bf16", "u32", "bf16", "bf16", "bf16"], ["bf16"], {"OutT": "bf16", "H": 2048, "K": 8}),
     # The longest matrix rows (GDN out_proj / o_proj, K = 4096), 2 row sets per warp.

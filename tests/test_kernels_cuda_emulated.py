@@ -473,6 +473,31 @@ def test_moe_shared_fold_adds_the_residual_emulated(case):
     assert mx.array_equal(y_res, res + y).item()
 
 
+def _assert_fold_norm(x, inds, scores, gu, dn, sw, where=""):
+    # moe_down_shared_norm_gemv: y exactly the fold's residual build, yn the
+    # RMSNorm of that y (mx.fast.rms_norm up to the order of the sum).
+    k1, k2 = mx.random.split(mx.random.key(13))
+    res = (3.0 * mx.random.normal(x.shape, key=k1)).astype(x.dtype)
+    w = (1.0 + 0.2 * mx.random.normal((x.shape[-1],), key=k2)).astype(x.dtype)
+    y_res = moe_ops._moe_shared_decode_kernel_call("cuda", x, inds, scores, gu, dn, sw,
+                                                   residual=res)
+    y, yn = moe_ops._moe_shared_decode_norm_call("cuda", x, inds, scores, gu, dn, sw, res, w,
+                                                 1e-6, moe_ops.fold_norm_counter())
+    assert y.shape == yn.shape == x.shape and y.dtype == yn.dtype == x.dtype, where
+    assert mx.array_equal(y, y_res).item(), where
+    err = mx_rel_l2(yn, mx.fast.rms_norm(y, w, 1e-6))
+    assert err <= (1e-6 if x.dtype == F32 else 3e-4), f"{where}: yn rel-L2 {err:.3g}"
+
+
+@pytest.mark.parametrize("case", FOLD_CASES,
+                         ids=lambda c: "x".join(map(str, c[:6])) + f"-{c[6]}")
+def test_moe_shared_fold_applies_the_next_norm_emulated(case):
+    # Two tokens (two counters) in float32; one in bfloat16 at H = 2048. The
+    # emulator runs both schedules on the SAME counter input, so a counter
+    # not reset by the last block leaves yn unwritten in the second.
+    _assert_fold_norm(*_fold_problem(case), where=str(case))
+
+
 def test_moe_shared_fold_dispatcher_self_checks_the_emulated_kernels(monkeypatch):
     monkeypatch.setattr(moe_ops, "gpu_backend", lambda: "cuda")
     monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
@@ -534,28 +559,40 @@ def test_moe_combine_dispatcher_self_checks_the_emulated_kernel(monkeypatch):
 
 
 FOLD_BROKEN = {
-    # The down kernel weights the last routed slot as the shared expert.
+    # The down kernel weights the last routed slot as the shared expert (in
+    # the rows' header moe_down_shared.cuh).
     "shared slot off by one": ("moe_down_shared_gemv", "const bool is_shared = k == K;",
-                               "const bool is_shared = k == K - 1;"),
+                               "const bool is_shared = k == K - 1;", True),
+    # The next-norm epilogue: the counter is never reset for the next launch.
+    "norm counter not reset": ("moe_down_shared_norm_gemv",
+                               "const_cast<uint32_t*>(count)[n] = 0u;", "", False),
+    # The last block is taken one count early: it normalises a row other
+    # blocks have not finished.
+    "norm last block early": ("moe_down_shared_norm_gemv", "last = prev == gridDim.x - 1;",
+                              "last = prev == gridDim.x - 2;", False),
     # The 8-bit shared gate decoded as 4-bit values.
     "gate logit bit width": ("moe_gate_up_shared_gemv", "(words[q] >> (SGB * b)) & MASK",
-                             "(words[q] >> (4 * b)) & MASK"),
+                             "(words[q] >> (4 * b)) & MASK", False),
     # The gate-logit warp never runs: sg_logit left unwritten.
-    "gate warp skipped": ("moe_gate_up_shared_gemv", "if (warp > NRW) {", "if (warp >= NRW) {"),
+    "gate warp skipped": ("moe_gate_up_shared_gemv", "if (warp > NRW) {", "if (warp >= NRW) {",
+                          False),
     # The column guard lets the last thread of a row write one past it.
-    "combine column guard": ("moe_combine", "if (c >= H) {", "if (c > H) {"),
+    "combine column guard": ("moe_combine", "if (c >= H) {", "if (c > H) {", False),
 }
 
 
 @pytest.mark.parametrize("what", sorted(FOLD_BROKEN))
 def test_broken_fold_and_combine_kernels_fail(monkeypatch, what):
-    op, old, new = FOLD_BROKEN[what]
-    _broken(monkeypatch, op, old, new)
-    with pytest.raises(AssertionError):
+    op, old, new, in_header = FOLD_BROKEN[what]
+    _broken(monkeypatch, op, old, new, header=in_header)
+    with pytest.raises(AssertionError) as failure:
         if op == "moe_combine":
             _assert_combine_matches_reference(*_combine_problem(*COMBINE_CASES[0]))
+        elif op == "moe_down_shared_norm_gemv":
+            _assert_fold_norm(*_fold_problem(FOLD_CASES[0]))
         else:
             _assert_fold_matches_reference(*_fold_problem(FOLD_CASES[0]))
+    assert not isinstance(failure.value, emu.KernelCompileError), str(failure.value)
 
 
 # --------------------------------------------------------------------------
@@ -974,10 +1011,12 @@ def test_moe_block_add_norm_forward_on_the_emulated_kernels(monkeypatch):
         for step in range(2):
             x = (4.0 * inputs((1, 1, Hd), seed=20 + step)).astype(BF16)
             r = inputs((1, 1, Hd), seed=30 + step).astype(BF16)
-            out = fused.add_norm_forward(x, r, norm)
+            got = fused.add_norm_forward(x, r, norm)
+            assert got is not None and got[1] is None  # no next norm given
+            out = got[0]
             h = x + r
             ref = h + stock(norm(h))
-            assert out is not None and out.dtype == BF16 and out.shape == x.shape
+            assert out.dtype == BF16 and out.shape == x.shape
             # The same experts (MLX's CPU router matmul sums otherwise, so a
             # near-tie could differ; none does here); the fold's bf16 rounding
             # points against the stock block's (measured 2.7e-3, 2.2e-3).
@@ -987,8 +1026,23 @@ def test_moe_block_add_norm_forward_on_the_emulated_kernels(monkeypatch):
         verdicts = {k[0]: v for k, v in device.self_check_results().items()}
         assert verdicts["moe_add_norm_route"] == (True, "passed")
         assert verdicts["moe_shared_decode_gemv"] == (True, "passed")
+        # Given the next layer's input norm, the last kernel applies it too:
+        # the same output, and its norm as mx.fast.rms_norm computes it.
+        nxt = nn.RMSNorm(Hd, eps=1e-5)
+        nxt.weight = (1.0 + 0.1 * mx.random.normal((Hd,), key=mx.random.key(8))).astype(BF16)
+        counter = fused._fold_counter()
+        for step in range(2):
+            got = fused.add_norm_forward(x, r, norm, nxt)
+            assert got is not None and got[1] is not None
+            assert mx.array_equal(got[0], out).item()
+            assert mx_rel_l2(got[1], mx.fast.rms_norm(got[0], nxt.weight, 1e-5)) <= 3e-4
+        assert fused._fold_counter() is counter
+        verdicts = {k[0]: v for k, v in device.self_check_results().items()}
+        assert verdicts["moe_shared_decode_norm_gemv"] == (True, "passed")
+        # A next norm of another class is not applied.
+        assert fused.add_norm_forward(x, r, norm, nn.LayerNorm(Hd))[1] is None
         # Outside the path: None, no launch.
-        x = x[:, :1]
+        n_calls = len(calls)
         fused.fused_route = False
         assert fused.add_norm_forward(x, r, norm) is None
         fused.fused_route = True
@@ -1004,7 +1058,7 @@ def test_moe_block_add_norm_forward_on_the_emulated_kernels(monkeypatch):
         assert fused.add_norm_forward(x16, x16, norm) is None
         monkeypatch.setenv("QAB_DISABLE_KERNELS", "1")
         assert fused.add_norm_forward(x, r, norm) is None
-        assert len(calls) == 3
+        assert len(calls) == n_calls
     finally:
         mx.enable_compile()
         device.reset_self_checks()

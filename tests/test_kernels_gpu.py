@@ -1068,13 +1068,19 @@ def test_moe_block_add_norm_forward_matches_the_stock_layer():
     norm = nn.RMSNorm(2048, eps=1e-6)
     norm.weight = (1.0 + 0.1 * mx.random.normal((2048,), key=mx.random.key(9))).astype(
         mx.bfloat16)
-    errs, same = [], []
+    nxt = nn.RMSNorm(2048, eps=1e-6)
+    nxt.weight = (1.0 + 0.1 * mx.random.normal((2048,), key=mx.random.key(8))).astype(
+        mx.bfloat16)
+    errs, same, norm_errs = [], [], []
     for step in range(32):
         k = mx.random.split(mx.random.key(100 + step))
         x = (4.0 * mx.random.normal((1, 1, 2048), key=k[0])).astype(mx.bfloat16)
         r = mx.random.normal((1, 1, 2048), key=k[1]).astype(mx.bfloat16)
-        out = fused.add_norm_forward(x, r, norm)
-        assert out is not None
+        out, none = fused.add_norm_forward(x, r, norm)
+        out2, out_norm = fused.add_norm_forward(x, r, norm, nxt)
+        assert none is None and out_norm is not None
+        assert mx.array_equal(out, out2).item()
+        norm_errs.append(mx_rel_l2(out_norm, nxt(out)))
         h = x + r
         ref = h + stock(norm(h))
         unfused = fused(norm(h), residual=h)  # the block's own decode path
@@ -1082,10 +1088,43 @@ def test_moe_block_add_norm_forward_matches_the_stock_layer():
         same.append(mx.array_equal(out, unfused).item())
     verdicts = {k[0]: v for k, v in self_check_results().items()}
     assert verdicts["moe_add_norm_route"] == (True, "passed")
+    assert verdicts["moe_shared_decode_norm_gemv"] == (True, "passed")
     print(f"add_norm_forward vs stock layer: worst rel-L2 {max(errs):.3g}; bit-identical to "
-          f"the unfused decode path in {sum(same)} of 32 tokens")
+          f"the unfused decode path in {sum(same)} of 32 tokens; next norm worst rel-L2 "
+          f"{max(norm_errs):.3g}")
     # The fold kernels' bf16 rounding against stock's (as the fold's own test).
     assert max(errs) <= 3e-2
+    assert max(norm_errs) <= 3e-4
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("N", [1, 3], ids=["one", "three"])
+def test_moe_fold_applies_the_next_norm_on_the_gpu(N, dtype):
+    # moe_down_shared_norm_gemv at the Qwen3.6 block shape: y exactly the
+    # fold's residual build; yn the RMSNorm of that y (mx.fast.rms_norm up to
+    # the order of the sum); 40 launches in a row on one counter (each must
+    # find it reset by the previous launch's last block).
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    x, inds, scores, gu, dn, sw = _fold_case((N, 256, 2048, 512, 8, 8), dtype)
+    counter = moe_ops.fold_norm_counter()
+    worst, same = 0.0, []
+    for step in range(40):
+        k1, k2 = mx.random.split(mx.random.key(step))
+        res = (4.0 * mx.random.normal(x.shape, key=k1)).astype(dtype)
+        w = (1.0 + 0.2 * mx.random.normal((2048,), key=k2)).astype(dtype)
+        y_res = moe_ops._moe_shared_decode_kernel_call("cuda", x, inds, scores, gu, dn, sw,
+                                                       residual=res)
+        y, yn = moe_ops._moe_shared_decode_norm_call("cuda", x, inds, scores, gu, dn, sw, res, w,
+                                                     1e-6, counter)
+        assert mx.array_equal(y, y_res).item(), step
+        ref = mx.fast.rms_norm(y, w, 1e-6)
+        worst = max(worst, mx_rel_l2(yn, ref))
+        same.append(mx.mean(yn == ref).item())
+    assert mx.array_equal(counter, mx.zeros_like(counter)).item()
+    print(f"fold + next norm N={N} {dtype}: yn vs mx.fast.rms_norm worst rel-L2 {worst:.3g}, "
+          f"equal elements {min(same):.5f}-{max(same):.5f}")
+    assert worst <= (1e-6 if dtype == mx.float32 else 3e-4)
 
 
 # --------------------------------------------------------------------------

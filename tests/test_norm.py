@@ -266,43 +266,101 @@ def test_fused_moe_block_gets_the_layers_residual(on_cpu, monkeypatch):
 
 
 def test_fused_moe_block_may_take_the_mixer_output(on_cpu, monkeypatch):
-    # The add-norm layer first offers x, r and its post-attention norm to the
-    # fused MoE block (add_norm_forward: the fused route on CUDA); it returns
-    # what the block returns, and runs its own path when the block says None
-    # (always on the CPU).
+    # The add-norm layer first offers x, r, its post-attention norm and the
+    # NEXT layer's input norm to the fused MoE block (add_norm_forward: the
+    # fused route on CUDA); it returns what the block returns, and runs its own
+    # path when the block says None (always on the CPU).
     from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
 
     seen = []
     real = FusedSparseMoeBlock.add_norm_forward
 
-    def spy(self, x, r, norm):
-        out = real(self, x, r, norm)
-        seen.append((x.shape == r.shape, type(norm) is nn.RMSNorm, out is None))
+    def spy(self, x, r, norm, next_norm=None):
+        out = real(self, x, r, norm, next_norm)
+        seen.append((x.shape == r.shape, type(norm) is nn.RMSNorm, next_norm, out is None))
         return out
 
     monkeypatch.setattr(FusedSparseMoeBlock, "add_norm_forward", spy)
     on, off = _tiny(), _tiny(disable=["add-norm"])
     ids = mx.array([[5, 9, 200, 7]])
     assert mx.array_equal(on(ids), off(ids)).item()
-    assert seen == [(True, True, True)] * len(on.layers)
+    nexts = [layer.input_layernorm for layer in on.layers[1:]] + [None]
+    assert [(a, b, d) for a, b, _, d in seen] == [(True, True, True)] * len(on.layers)
+    assert all(n is want for (_, _, n, _), want in zip(seen, nexts))
     # A block that answers: the layer returns its answer as it is.
-    layer = on.layers[0]
+    layer0, layer1 = on.layers[0], on.layers[1]
+    cache = make_prompt_cache(on)
     x = mx.random.normal((1, 3, 64), key=mx.random.key(0)).astype(mx.bfloat16)
-    got = []
+    seven = mx.full(x.shape, 7.0, dtype=x.dtype)
+    asked = []
 
-    def answer(self, x, r, norm):
-        got.append(norm is layer.post_attention_layernorm)
-        return mx.full(x.shape, 7.0, dtype=x.dtype)
+    def answer(self, x, r, norm, next_norm=None):
+        asked.append(norm is layer0.post_attention_layernorm and next_norm is nexts[0])
+        return seven, None
 
     monkeypatch.setattr(FusedSparseMoeBlock, "add_norm_forward", answer)
-    assert mx.array_equal(layer(x, None, make_prompt_cache(on)[0]),
-                          mx.full(x.shape, 7.0, dtype=x.dtype)).item()
-    assert got == [True]
+    assert mx.array_equal(layer0(x, None, cache[0]), seven).item()
+    assert asked == [True]
     # In training mode the layer never asks.
-    layer.train()
-    got.clear()
-    layer(x, None, make_prompt_cache(on)[0])
-    assert got == []
+    layer0.train()
+    asked.clear()
+    layer0(x, None, cache[0])
+    assert asked == []
+    layer0.eval()
+
+
+def test_next_input_norm_is_handed_to_the_next_layer_only_for_its_own_input(on_cpu,
+                                                                             monkeypatch):
+    # When the block's last kernel also applied the next layer's input norm,
+    # the next layer takes that result instead of calling its input_layernorm,
+    # but only when its input IS the handed output and its norm IS that
+    # module; the slot is cleared by every layer.
+    from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
+
+    on = _tiny()
+    layer0, layer1 = on.layers[0], on.layers[1]
+    cache = make_prompt_cache(on)
+    x = mx.random.normal((1, 1, 64), key=mx.random.key(1)).astype(mx.bfloat16)
+    out = mx.random.normal((1, 1, 64), key=mx.random.key(2)).astype(mx.bfloat16)
+    out_norm = layer1.input_layernorm(out)
+    monkeypatch.setattr(FusedSparseMoeBlock, "add_norm_forward",
+                        lambda self, x, r, norm, next_norm=None: (out, out_norm))
+    normed = []
+    real_norm = nn.RMSNorm.__call__
+    monkeypatch.setattr(nn.RMSNorm, "__call__",
+                        lambda self, v: normed.append(self) or real_norm(self, v))
+    assert layer0(x, None, cache[0]) is out
+    assert layer_norm._HANDOFF.value[0] is out
+    mixer_in = []
+    mixer = layer1.linear_attn if layer1.is_linear else layer1.self_attn
+    real_mixer = type(mixer).__call__
+    monkeypatch.setattr(type(mixer), "__call__",
+                        lambda self, v, *a, **k: mixer_in.append(v) or real_mixer(self, v, *a, **k))
+    normed.clear()
+    layer1(out, None, cache[1])
+    assert layer1.input_layernorm not in normed and mixer_in[0] is out_norm
+    assert layer_norm._HANDOFF.value[0] is out  # layer 1's own (faked) answer
+    # Another input (an equal copy): the layer runs its own norm.
+    normed.clear()
+    mixer_in.clear()
+    layer1(mx.array(out), None, cache[1])
+    assert any(m is layer1.input_layernorm for m in normed) and mixer_in[0] is not out_norm
+    # A handoff for layer 2's norm is not layer 1's.
+    layer_norm._HANDOFF.value = (out, out_norm, on.layers[2].input_layernorm)
+    normed.clear()
+    layer1(out, None, cache[1])
+    assert any(m is layer1.input_layernorm for m in normed)
+    layer_norm._HANDOFF.value = None
+
+
+def test_layers_know_the_next_input_norm_unless_switched_off():
+    on, off = _tiny(), _tiny(disable=["next-norm"])
+    nexts = [layer.input_layernorm for layer in on.layers[1:]] + [None]
+    assert all(layer.__dict__[layer_norm._NEXT_NORM] is n for layer, n in zip(on.layers, nexts))
+    assert all(layer.__dict__[layer_norm._NEXT_NORM] is None for layer in off.layers)
+    assert any("next-norm" in n for n in get_report(off).notes)
+    on.layers[0].to_stock()
+    assert layer_norm._NEXT_NORM not in on.layers[0].__dict__
 
 
 def test_ablation_switch_keeps_the_stock_class(tiny_q4, monkeypatch):

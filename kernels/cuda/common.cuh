@@ -67,3 +67,13 @@ __device__ __forceinline__ QabVec<T, N> qab_load_vec(const T* p, int64_t stride,
   }
   return r;
 }
+
+// A load through L2 only (ld.global.cg): after a __threadfence() that orders
+// them, another block's writes are seen (this SM's L1 may hold none of them).
+__device__ __forceinline__ float qab_ldcg(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ __nv_bfloat16 qab_ldcg(const __nv_bfloat16* p) {
+  return __ushort_as_bfloat16(__ldcg(reinterpret_cast<const unsigned short*>(p)));
+}
+__device__ __forceinline__ __half qab_ldcg(const __half* p) {
+  return __ushort_as_half(__ldcg(reinterpret_cast<const unsigned short*>(p)));
+}

@@ -27,58 +27,14 @@
 // s_down_scales, s_down_biases [H, I/G]; sg_logit [N] float32; res [N, H]
 // OutT (the residual; without HAS_RES any OutT array, not read).
 // Output: y [N, H] OutT (any leading axes with N rows: the caller's [B, T, H]).
+// Header: moe_down_shared.cuh (the rows, shared with moe_down_shared_norm_gemv.cu).
 
-constexpr int RPW = 2;              // output rows per warp
-constexpr int CPR = I / 32;         // 32-value chunks per weight row
-constexpr int WPR = I / 8;          // uint32 words per weight row
-constexpr int GPR = I / G;          // quantization groups per row
-constexpr int KS = K + 1;           // slots: K routed experts, then the shared one
 const int lane = threadIdx.x & 31;
 const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
 const int n = blockIdx.y;
-if (warp * RPW >= H) {
+if (warp * QAB_DOWN_RPW >= H) {
   return;
 }
-const float shared_weight = 1.f / (1.f + expf(-sg_logit[n]));
-#pragma unroll
-for (int p = 0; p < RPW; ++p) {
-  const int o = warp * RPW + p;
-  float acc = 0.f;
-  for (int task = lane; task < KS * CPR; task += 32) {
-    const int k = task / CPR;
-    const int c = task - k * CPR;
-    const bool is_shared = k == K;
-    // Slot K reads the shared expert's own arrays; inds and scores have no column K.
-    const size_t row = is_shared ? (size_t)o
-                              : static_cast<size_t>(inds[(size_t)n * K + k]) * H + o;
-    const uint32_t* wrow = is_shared ? s_down_w + row * WPR : w + row * WPR;
-    auto srow = is_shared ? s_down_scales + row * GPR : scales + row * GPR;
-    auto brow = is_shared ? s_down_biases + row * GPR : biases + row * GPR;
-    const float weight = is_shared ? shared_weight : static_cast<float>(scores[(size_t)n * K + k]);
-    const uint4 pk = reinterpret_cast<const uint4*>(wrow)[c];
-    const uint32_t words[4] = {pk.x, pk.y, pk.z, pk.w};
-    const size_t hb = ((size_t)n * KS + k) * I + c * 32;
-    float d = 0.f, hs = 0.f;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-#pragma unroll
-      for (int b = 0; b < 8; ++b) {
-        const float hv = static_cast<float>(h[hb + q * 8 + b]);
-        d += static_cast<float>((words[q] >> (4 * b)) & 15u) * hv;
-        hs += hv;
-      }
-    }
-    const int gi = (c * 32) / G;
-    acc += weight * (static_cast<float>(srow[gi]) * d + static_cast<float>(brow[gi]) * hs);
-  }
-  acc = qab_warp_sum(acc);
-  if (lane == 0) {
-    const size_t i = (size_t)n * H + o;
-    if (HAS_RES) {
-      y[i] = static_cast<OutT>(static_cast<float>(res[i]) +
-                               static_cast<float>(static_cast<OutT>(acc)));
-    } else {
-      y[i] = static_cast<OutT>(acc);
-    }
-  }
-}
+qab_moe_down_shared_rows<OutT, H, I, K, G, HAS_RES>(warp, lane, n, h, inds, scores, w, scales,
+                                                   biases, s_down_w, s_down_scales,
+                                                   s_down_biases, sg_logit, res, y);

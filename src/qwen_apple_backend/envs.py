@@ -10,7 +10,8 @@ Variables:
         (``moe``, ``gdn``, ``attn``, ``all``) or single optimizations to
         switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``, ``moe-route``,
         ``attn-blocks``, ``attn-split``, ``attn-kernel``, ``qk-prep``, ``decode-compile``,
-        ``proj-concat``, ``gemv-kernel``, ``add-norm``, ``kv-in-place``), for ablations.
+        ``proj-concat``, ``gemv-kernel``, ``add-norm``, ``next-norm``, ``kv-in-place``), for
+        ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
         leaves kernels on. Anything else is an error.
@@ -68,6 +69,8 @@ OPTIMIZATIONS = {
     "proj-concat": "model",  # sibling input projections run as one matmul (layers/_concat.py)
     "gemv-kernel": "model",  # the CUDA dense 4-bit decode GEMV for lm_head (ops/linear.py)
     "add-norm": "model",  # residual add + post-attention RMSNorm as one kernel (ops/norm.py)
+    # a decode token's MoE down kernel also applies the next layer's input RMSNorm (CUDA)
+    "next-norm": "model",
     # the compiled decode step writes each token's K/V rows into the cache in place (decode.py)
     "kv-in-place": "model",
 }

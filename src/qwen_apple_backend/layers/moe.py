@@ -34,6 +34,9 @@ from qwen_apple_backend.ops.moe import (
     SharedExpertWeights,
     add_norm_route,
     add_norm_route_ready,
+    fold_norm_counter,
+    moe_shared_experts_norm_kernel,
+    shared_decode_norm_ready,
     decode_kernel_ready,
     moe_experts,
     moe_shared_experts_kernel,
@@ -548,14 +551,19 @@ class FusedSparseMoeBlock(nn.Module):
             sig.append(type(m))
         return tuple(sig)
 
-    def _kernel_choice(self, x: mx.array, decode: bool, norm: Optional[nn.Module] = None) -> tuple:
-        """``(router, fold, route)`` backends for this call.
+    def _kernel_choice(self, x: mx.array, decode: bool, norm: Optional[nn.Module] = None,
+                       next_norm: Optional[nn.Module] = None) -> tuple:
+        """``(router, fold, route, down_norm)`` backends for this call.
 
         ``router`` and ``fold``: see :meth:`_router_ready` and
         :meth:`_fold_ready`; ``route``: the backend of the fused residual
         add, norm and route (:func:`~qwen_apple_backend.ops.moe.add_norm_route_ready`)
         for a decode call given the layer's post-attention ``norm`` when the
-        fold is ready too (the two kernels that follow it), else None.
+        fold is ready too (the two kernels that follow it), else None;
+        ``down_norm``: the backend of the fold's down kernel with the next
+        layer's input norm ``next_norm`` in its epilogue
+        (:func:`~qwen_apple_backend.ops.moe.shared_decode_norm_ready`), when
+        ``route`` is ready, else None.
 
         Decode is bound by the host, and building the weight descriptions
         for the readiness checks cost more Python than the rest of the
@@ -564,12 +572,15 @@ class FusedSparseMoeBlock(nn.Module):
         and dtype, so it is kept per module under that key (at most 64
         entries) and recomputed when a weight array is replaced.
         """
-        nkey = None
-        if norm is not None:
-            w = dict.get(norm, "weight")
-            nkey = (None if w is None else (id(w), w.shape, w.dtype), norm.eps)
+        def norm_key(m):
+            if m is None:
+                return None
+            w = dict.get(m, "weight")
+            return (None if w is None else (id(w), w.shape, w.dtype), m.eps)
+
+        nkey, next_key = norm_key(norm), norm_key(next_norm)
         key = (x.shape, x.dtype, decode, envs.kernels_disabled(),
-               envs.unverified_kernels_allowed(), self._weights_signature(), nkey)
+               envs.unverified_kernels_allowed(), self._weights_signature(), nkey, next_key)
         cache = self.__dict__.get("_choices")
         if cache is None:
             cache = {}
@@ -578,11 +589,17 @@ class FusedSparseMoeBlock(nn.Module):
         if hit is None:
             router = self._router_ready(x)
             fold = self._fold_ready(x) if decode else None
-            route = None
+            route = down_norm = None
             if fold is not None and nkey is not None and nkey[0] is not None:
                 route = add_norm_route_ready(x, norm["weight"], norm.eps, linear_weights(self.gate),
                                              self.top_k, self.norm_topk_prob)
-            hit = (router, fold, route)
+            if route is not None and next_key is not None and next_key[0] is not None:
+                probe = mx.zeros((*x.shape[:-1], self.top_k), dtype=mx.uint32)
+                down_norm = shared_decode_norm_ready(
+                    x, probe, expert_weights(self.switch_mlp.gate_up_proj),
+                    expert_weights(self.switch_mlp.down_proj), self._shared_weights(),
+                    next_norm["weight"], next_norm.eps)
+            hit = (router, fold, route, down_norm)
             if len(cache) >= 64:
                 cache.clear()
             cache[key] = hit
@@ -659,7 +676,7 @@ class FusedSparseMoeBlock(nn.Module):
         if self.use_kernel and not self.training:
             # Decided here, outside mx.compile: the first call per shape class
             # self-checks the kernels, which evaluates arrays.
-            router, fold, _ = self._kernel_choice(x, rows < SORT_THRESHOLD)
+            router, fold, _, _ = self._kernel_choice(x, rows < SORT_THRESHOLD)
         # The residual goes inside only where nothing happens after the block
         # (no cross-rank sum) and it needs no broadcast or promotion.
         inner = residual if (residual is not None and self.sharding_group is None
@@ -680,16 +697,31 @@ class FusedSparseMoeBlock(nn.Module):
             y = residual + y
         return y
 
-    def _add_norm_route_forward(self, x: mx.array, r: mx.array, norm_weight: mx.array, *,
-                                eps: float, route: str, fold: str) -> mx.array:
+    def _fold_counter(self) -> mx.array:
+        # The down kernel's per-row counter (ops.moe.fold_norm_counter): one
+        # per block, so no two launches share one (the layers run in order).
+        c = self.__dict__.get("_qab_fold_counter")
+        if c is None:
+            c = fold_norm_counter()
+            object.__setattr__(self, "_qab_fold_counter", c)
+        return c
+
+    def _add_norm_route_forward(self, x: mx.array, r: mx.array, norm_weight: mx.array,
+                                next_weight: Optional[mx.array] = None, *, eps: float,
+                                route: str, fold: str, down_norm: Optional[str] = None,
+                                next_eps: float = 0.0, counter: Optional[mx.array] = None):
         gate = linear_weights(self.gate)
         h, y, _, inds, scores = add_norm_route(x, r, norm_weight, eps, gate, self.top_k,
                                                self.norm_topk_prob, backend=route)
-        return moe_shared_experts_kernel(fold)(
-            y, inds, scores, expert_weights(self.switch_mlp.gate_up_proj),
-            expert_weights(self.switch_mlp.down_proj), self._shared_weights(), residual=h)
+        args = (y, inds, scores, expert_weights(self.switch_mlp.gate_up_proj),
+                expert_weights(self.switch_mlp.down_proj), self._shared_weights())
+        if down_norm is not None:
+            return moe_shared_experts_norm_kernel(down_norm)(*args, h, next_weight, next_eps,
+                                                             counter)
+        return moe_shared_experts_kernel(fold)(*args, residual=h)
 
-    def add_norm_forward(self, x: mx.array, r: mx.array, norm: nn.Module) -> Optional[mx.array]:
+    def add_norm_forward(self, x: mx.array, r: mx.array, norm: nn.Module,
+                         next_norm: Optional[nn.Module] = None) -> Optional[tuple]:
         """``h + block(norm(h))`` with ``h = x + r``, in three launches, or None.
 
         The decoder layer's second half (``layers/norm.py``) for a decode
@@ -698,11 +730,14 @@ class FusedSparseMoeBlock(nn.Module):
         (:func:`~qwen_apple_backend.ops.moe.add_norm_route`, the ``moe-route``
         optimization), then the two expert kernels with the shared expert
         folded in and ``h`` added in the last one's epilogue: 3 launches
-        where the stock layer runs about 20 and the unfused path 5. Returns
-        None (the caller runs its usual path) when any part does not apply:
-        training, ``fused_route`` or ``use_kernel`` off, a sharded block, a
-        norm other than ``nn.RMSNorm``, a prefill-sized call, ``x`` and ``r``
-        of different shapes or dtypes, or a kernel that is not ready (see
+        where the stock layer runs about 20 and the unfused path 5. Given the
+        NEXT decoder layer's input norm, the last kernel also applies it to
+        the output (:func:`~qwen_apple_backend.ops.moe.moe_shared_experts_norm_kernel`),
+        so that layer's norm is no launch of its own. Returns None (the
+        caller runs its usual path) when any part does not apply: training,
+        ``fused_route`` or ``use_kernel`` off, a sharded block, a norm other
+        than ``nn.RMSNorm``, a prefill-sized call, ``x`` and ``r`` of
+        different shapes or dtypes, or a kernel that is not ready (see
         :meth:`_kernel_choice`). Decode-sized calls run as one compiled graph
         when ``compile_decode`` is set.
 
@@ -710,31 +745,45 @@ class FusedSparseMoeBlock(nn.Module):
             x (mx.array): the residual stream entering the layer.
             r (mx.array): the mixer's output.
             norm (nn.Module): the layer's ``post_attention_layernorm``.
+            next_norm (nn.Module | None): the next layer's ``input_layernorm``
+                (an ``nn.RMSNorm``), or None.
 
         Returns:
-            mx.array | None: the layer's output, shape and dtype of ``x``.
+            tuple | None: ``(out, out_norm)``: the layer's output (shape and
+            dtype of ``x``) and ``next_norm(out)``, or None in its place when
+            the next norm was not applied.
 
         Shapes:
-            x, r: ``[B, T, H]``; returns the same.
+            x, r, out, out_norm: ``[B, T, H]``.
         """
         if (not self.fused_route or not self.use_kernel or self.training
                 or self.sharding_group is not None or type(norm) is not nn.RMSNorm
                 or r.shape != x.shape or r.dtype != x.dtype or x.ndim == 0
                 or (x.size // x.shape[-1]) * self.top_k >= SORT_THRESHOLD):
             return None
-        _, fold, route = self._kernel_choice(x, True, norm)
+        if next_norm is not None and type(next_norm) is not nn.RMSNorm:
+            next_norm = None
+        _, fold, route, down_norm = self._kernel_choice(x, True, norm, next_norm)
         if route is None:
             return None
         w = norm["weight"]
+        kw = dict(eps=norm.eps, route=route, fold=fold)
+        args = (x, r, w)
+        if down_norm is not None:
+            kw.update(down_norm=down_norm, next_eps=next_norm.eps, counter=self._fold_counter())
+            args = (x, r, w, next_norm["weight"])
         if not self.compile_decode:
-            return self._add_norm_route_forward(x, r, w, eps=norm.eps, route=route, fold=fold)
+            out = self._add_norm_route_forward(*args, **kw)
+            return tuple(out) if down_norm is not None else (out, None)
         fns = self.__dict__.setdefault("_compiled", {})
-        key = ("add_norm_route", route, fold, norm.eps)
+        key = ("add_norm_route", route, fold, norm.eps, down_norm,
+               None if down_norm is None else next_norm.eps)
         fn = fns.get(key)
         if fn is None:
             # The module is the captured input tree (parameters replaced after
-            # fusing are read live); the norm weight is an argument.
-            fn = mx.compile(partial(self._add_norm_route_forward, eps=norm.eps, route=route,
-                                    fold=fold), inputs=self)
+            # fusing are read live); the norm weights are arguments, the
+            # counter a constant of the graph (the kernel keeps it zero).
+            fn = mx.compile(partial(self._add_norm_route_forward, **kw), inputs=self)
             fns[key] = fn
-        return fn(x, r, w)
+        out = fn(*args)
+        return tuple(out) if down_norm is not None else (out, None)

@@ -14,7 +14,11 @@ A fused MoE block (``takes_residual``) also gets ``h`` and returns
 ``h + mlp(...)`` itself, on the GPU decode path from its last kernel; on CUDA
 a decode token's block takes ``x`` and ``r`` instead
 (``FusedSparseMoeBlock.add_norm_forward``: the add, the norm, the router and
-the route in one launch, the ``moe-route`` optimization).
+the route in one launch, the ``moe-route`` optimization), and its last kernel
+may also apply the next layer's input RMSNorm: the layer hands that result to
+the next layer (a per-thread slot holding the output, its norm and the norm
+module), which uses it instead of calling its ``input_layernorm`` only when
+its input is that very output array and its norm that very module.
 Parameters, names and the state dict are the stock ones. Whether the kernel is
 ready is decided on a layer's first call per (dtypes, width), outside any
 trace, and kept in a small per-layer dict, so each later call (also inside
@@ -25,6 +29,7 @@ code.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -43,6 +48,23 @@ __all__ = [
 
 # (x dtype, r dtype, weight dtype, D) -> backend or None, per layer instance.
 _VERDICTS = "_qab_add_norm_verdicts"
+# The next decoder layer's input_layernorm, per layer instance (install_add_norm).
+_NEXT_NORM = "_qab_next_input_norm"
+
+# A layer's output and its next layer's input norm of it, computed by the
+# output's last kernel: (out, out_norm, the norm module). Per thread; the next
+# layer takes it only when its input IS that output and its input norm IS
+# that module, and every layer clears it.
+_HANDOFF = threading.local()
+
+
+def _take_handoff(x: mx.array, norm: Any) -> Optional[mx.array]:
+    hand = getattr(_HANDOFF, "value", None)
+    if hand is None:
+        return None
+    _HANDOFF.value = None
+    out, out_norm, by = hand
+    return out_norm if (out is x and by is norm) else None
 
 
 class _AddNorm:
@@ -87,16 +109,24 @@ class _AddNorm:
                  cache: Optional[Any] = None) -> mx.array:
         # The stock DecoderLayer.__call__ of qwen3_5 and qwen3_next, with the
         # residual add and the post-attention norm as one call when ready.
+        xn = _take_handoff(x, self.input_layernorm)
+        if xn is None:
+            xn = self.input_layernorm(x)
         if self.is_linear:
-            r = self.linear_attn(self.input_layernorm(x), mask, cache)
+            r = self.linear_attn(xn, mask, cache)
         else:
-            r = self.self_attn(self.input_layernorm(x), mask, cache)
+            r = self.self_attn(xn, mask, cache)
         norm = self.post_attention_layernorm
         if getattr(self.mlp, "takes_mixer_output", False) and not self._training:
             # A fused MoE block may run the add, the norm and its router in one
-            # launch ahead of its expert kernels (decode on CUDA); None otherwise.
-            out = self.mlp.add_norm_forward(x, r, norm)
-            if out is not None:
+            # launch ahead of its expert kernels (decode on CUDA), and the next
+            # layer's input norm in its last kernel; None otherwise.
+            nxt = self.__dict__.get(_NEXT_NORM)
+            got = self.mlp.add_norm_forward(x, r, norm, nxt)
+            if got is not None:
+                out, out_norm = got
+                if out_norm is not None:
+                    _HANDOFF.value = (out, out_norm, nxt)
                 return out
         backend = self._add_norm_backend(x, r, norm)
         if backend is None:
@@ -113,6 +143,7 @@ class _AddNorm:
     def to_stock(self) -> nn.Module:
         """Give this layer back its stock mlx-lm class (in place) and return it."""
         self.__dict__.pop(_VERDICTS, None)
+        self.__dict__.pop(_NEXT_NORM, None)
         self.__class__ = self._qab_stock_class
         return self
 
@@ -145,12 +176,15 @@ def _add_norm_class_for(layer: Any) -> Optional[type]:
     return cls
 
 
-def install_add_norm(model: Any) -> int:
+def install_add_norm(model: Any, next_norm: bool = True) -> int:
     """Give each stock decoder layer of ``model`` its ``add-norm`` subclass.
 
     Args:
         model (nn.Module): an mlx-lm Qwen3.5 / Qwen3.5-MoE / Qwen3-Next model
             (anything with ``layers``: the decoder layers).
+        next_norm (bool): tell each layer the next layer's input RMSNorm, so
+            that a fused MoE block's last decode kernel may apply it (the
+            ``next-norm`` optimization). Default True.
 
     Returns:
         int: the number of layers swapped (0 when none is exactly a stock
@@ -158,12 +192,20 @@ def install_add_norm(model: Any) -> int:
         ``nn.RMSNorm`` post-attention norm, or all already were).
     """
     n = 0
-    for layer in getattr(model, "layers", ()):
+    layers = list(getattr(model, "layers", ()))
+    for i, layer in enumerate(layers):
         cls = _add_norm_class_for(layer)
         if cls is not None:
             layer.__class__ = cls
             object.__setattr__(layer, _VERDICTS, {})
             n += 1
+    # Each swapped layer knows the next layer's input norm (for the fused MoE
+    # block's last kernel to apply it; see FusedSparseMoeBlock.add_norm_forward).
+    for layer, nxt in zip(layers, layers[1:] + [None]):
+        if getattr(type(layer), "_qab_add_norm", False):
+            norm = None if nxt is None else dict.get(nxt, "input_layernorm")
+            keep = next_norm and type(norm) is nn.RMSNorm
+            object.__setattr__(layer, _NEXT_NORM, norm if keep else None)
     return n
 
 

@@ -415,7 +415,11 @@ class QwenHybridAdapter(Adapter):
         elif any(m.fused for m in report.modules):
             from ..layers.norm import install_add_norm
 
-            install_add_norm(model)
+            install_add_norm(model, next_norm="next-norm" not in disable)
+            if "next-norm" in disable:
+                report.notes.append("each decoder layer runs its own input RMSNorm, not the "
+                                    "previous MoE block's last decode kernel (next-norm in "
+                                    "QAB_DISABLE / disable=)")
         if "decode-compile" in disable:
             report.notes.append("compiled decode step off (decode-compile in QAB_DISABLE / disable=)")
         elif not any(m.fused for m in report.modules):

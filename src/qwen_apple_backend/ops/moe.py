@@ -37,7 +37,9 @@ The pieces, following the kernel / reference / dispatcher pattern:
   its gate logit in the first (``kernels/{cuda,metal}/moe_*_shared_gemv``),
   used after :func:`shared_decode_kernel_ready`; reference
   :func:`moe_shared_experts_ops` (:func:`moe_experts_ops` plus
-  :func:`shared_expert_ops` and :func:`add_gated_shared`).
+  :func:`shared_expert_ops` and :func:`add_gated_shared`). On CUDA its second
+  kernel may also apply the next decoder layer's input RMSNorm
+  (:func:`moe_shared_experts_norm_kernel`, after :func:`shared_decode_norm_ready`).
 
 Dimension names: B batch, T tokens, H hidden size, I expert FFN size,
 E experts, K experts per token. ``...`` stands for any leading token axes
@@ -86,6 +88,10 @@ __all__ = [
     "add_gated_shared",
     "moe_shared_experts_ops",
     "moe_shared_experts_kernel",
+    "moe_shared_experts_norm_kernel",
+    "shared_decode_norm_ready",
+    "fold_norm_counter",
+    "FOLD_NORM_MAX_ROWS",
     "shared_decode_kernel_ready",
     "moe_combine_ops",
     "combine_kernel_ready",
@@ -1174,6 +1180,21 @@ def _fold_grid_x(K: int, I: int) -> int:
     return -(-threads // _GEMV_BLOCK) * _GEMV_BLOCK
 
 
+def _fold_gate_up_launch(gu_kernel, x, ind, gate_up: ExpertWeights, shared: SharedExpertWeights,
+                         N: int, H: int, I: int, K: int) -> tuple:
+    # The fold's first kernel: the K routed experts' and the shared expert's
+    # SiLU-gated rows [N, K + 1, I] and the shared gate's float32 logit [N].
+    sg, su, _, gate = shared
+    return gu_kernel(
+        inputs=[x, ind, gate_up.weight, gate_up.scales, gate_up.biases,
+                sg.weight, sg.scales, sg.biases, su.weight, su.scales, su.biases,
+                gate.weight, gate.scales, gate.biases],
+        template=[("OutT", x.dtype), ("H", H), ("I", I), ("K", K), ("G", gate_up.group_size),
+                  ("SGB", gate.bits), ("SGG", gate.group_size)],
+        grid=(_fold_grid_x(K, I), N, 1), threadgroup=(_GEMV_BLOCK, 1, 1),
+        output_shapes=[(N, K + 1, I), (N,)], output_dtypes=[x.dtype, mx.float32])
+
+
 def _moe_shared_decode_kernel_call(backend: str, x, inds, scores, gate_up: ExpertWeights,
                                    down: ExpertWeights, shared: SharedExpertWeights,
                                    residual: Optional[mx.array] = None) -> mx.array:
@@ -1187,15 +1208,8 @@ def _moe_shared_decode_kernel_call(backend: str, x, inds, scores, gate_up: Exper
     if objects is None:
         raise RuntimeError(f"no MoE shared-expert decode kernel sources or MLX API for {backend}")
     gu_kernel, dn_kernel = objects
-    sg, su, sd, gate = shared
-    h, logit = gu_kernel(
-        inputs=[x, ind, gate_up.weight, gate_up.scales, gate_up.biases,
-                sg.weight, sg.scales, sg.biases, su.weight, su.scales, su.biases,
-                gate.weight, gate.scales, gate.biases],
-        template=[("OutT", x.dtype), ("H", H), ("I", I), ("K", K), ("G", gate_up.group_size),
-                  ("SGB", gate.bits), ("SGG", gate.group_size)],
-        grid=(_fold_grid_x(K, I), N, 1), threadgroup=(_GEMV_BLOCK, 1, 1),
-        output_shapes=[(N, K + 1, I), (N,)], output_dtypes=[x.dtype, mx.float32])
+    sd = shared.down_proj
+    h, logit = _fold_gate_up_launch(gu_kernel, x, ind, gate_up, shared, N, H, I, K)
     # Without a residual, h stands in for the unread input (any OutT array).
     (y,) = dn_kernel(
         inputs=[h, ind, sc, down.weight, down.scales, down.biases,
@@ -1205,6 +1219,145 @@ def _moe_shared_decode_kernel_call(backend: str, x, inds, scores, gate_up: Exper
         grid=(32 * H // _GEMV_RPW, N, 1), threadgroup=(_GEMV_BLOCK, 1, 1),
         output_shapes=[x.shape], output_dtypes=[x.dtype])
     return y
+
+
+@functools.lru_cache(maxsize=None)
+def _fold_norm_object(backend: str):
+    return build_kernel("moe_down_shared_norm_gemv", backend)
+
+
+#: Token rows a fold-with-next-norm call may have: the length of its counter.
+FOLD_NORM_MAX_ROWS = SORT_THRESHOLD
+
+
+def fold_norm_counter() -> mx.array:
+    """A fresh, evaluated counter for :func:`moe_shared_experts_norm_kernel` calls.
+
+    ``[FOLD_NORM_MAX_ROWS]`` uint32 zeros. The kernel writes it in place and
+    leaves it zero after each launch; one owner may use it for one launch at a
+    time (a module keeps its own).
+    """
+    c = mx.zeros((FOLD_NORM_MAX_ROWS,), dtype=mx.uint32)
+    mx.eval(c)
+    return c
+
+
+def _moe_shared_decode_norm_call(backend: str, x, inds, scores, gate_up: ExpertWeights,
+                                 down: ExpertWeights, shared: SharedExpertWeights,
+                                 residual: mx.array, norm_weight: mx.array, eps: float,
+                                 counter: mx.array) -> tuple:
+    ind, sc, N = _decode_rows(x, inds, scores)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual {residual.shape} {residual.dtype} must have x's shape "
+                         f"{x.shape} and dtype {x.dtype}")
+    if N > counter.size:
+        raise ValueError(f"{N} token rows but a counter of {counter.size}")
+    H, K = x.shape[-1], ind.shape[-1]
+    I = gate_up.weight.shape[1] // 2
+    objects, dn_kernel = _fold_objects(backend), _fold_norm_object(backend)
+    if objects is None or dn_kernel is None:
+        raise RuntimeError(f"no MoE fold-with-norm decode kernel sources or MLX API for {backend}")
+    sd = shared.down_proj
+    h, logit = _fold_gate_up_launch(objects[0], x, ind, gate_up, shared, N, H, I, K)
+    y, yn = dn_kernel(
+        inputs=[h, ind, sc, down.weight, down.scales, down.biases,
+                sd.weight, sd.scales, sd.biases, logit, residual, norm_weight,
+                f32_scalar(float(eps)), counter],
+        template=[("OutT", x.dtype), ("H", H), ("I", I), ("K", K), ("G", down.group_size),
+                  ("ST", sc.dtype), ("BLOCK", _GEMV_BLOCK)],
+        grid=(32 * H // _GEMV_RPW, N, 1), threadgroup=(_GEMV_BLOCK, 1, 1),
+        output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
+    return y, yn
+
+
+def shared_decode_norm_ready(x: mx.array, inds: mx.array, gate_up: ExpertWeights,
+                             down: ExpertWeights, shared: SharedExpertWeights,
+                             norm_weight: mx.array, eps: float) -> Optional[str]:
+    """The backend whose fold may also apply the next layer's input RMSNorm, or None.
+
+    ``kernels/cuda/moe_down_shared_norm_gemv``: the fold's down kernel with
+    the residual added and, in its epilogue, ``rms_norm(y, norm_weight,
+    eps)`` of the finished row (by the last block to finish it), so the next
+    decoder layer's input norm is not a launch of its own
+    (:func:`moe_shared_experts_norm_kernel`). CUDA only. Eligible: what
+    :func:`shared_decode_kernel_ready` accepts (and it must have passed for
+    this call: it is asked first), at most :data:`FOLD_NORM_MAX_ROWS` rows,
+    and a norm weight ``[H]`` of ``x``'s dtype. On the first call per shape
+    class the kernel is self-checked against the portable fold plus
+    ``mx.fast.rms_norm`` (with its own counter); call it outside
+    ``mx.compile``.
+
+    Returns:
+        Optional[str]: ``"cuda"``, or None (not CUDA, kernels disabled,
+        outside the contract, the kernel unverified without
+        ``QAB_UNVERIFIED_KERNELS``, or a failed self-check, which also warns).
+    """
+    if envs.kernels_disabled() or gpu_backend() != "cuda" or x.ndim == 0:
+        return None
+    H = x.shape[-1]
+    N = x.size // H if H else 0
+    if (N > FOLD_NORM_MAX_ROWS or norm_weight.shape != (H,) or norm_weight.dtype != x.dtype
+            or _fold_norm_object("cuda") is None):
+        return None
+    if shared_decode_kernel_ready(x, inds, gate_up, down, shared) != "cuda":
+        return None
+    E, K = gate_up.weight.shape[0], inds.shape[-1]
+    I = gate_up.weight.shape[1] // 2
+    dtype = x.dtype
+
+    def make_inputs():
+        k1, k2, k3, k4, k5 = mx.random.split(mx.random.key(8765), 5)
+        xs = mx.random.normal((3, 1, H), key=k1).astype(dtype)
+        ind = mx.argsort(mx.random.uniform(shape=(3, 1, E), key=k2), axis=-1)[..., :K]
+        sc = mx.softmax(mx.random.normal((3, 1, K), key=k3), axis=-1).astype(dtype)
+        res = (4.0 * mx.random.normal((3, 1, H), key=k4)).astype(dtype)
+        w = (1.0 + 0.2 * mx.random.normal((H,), key=k5)).astype(dtype)
+        return xs, ind.astype(mx.uint32), sc, res, w
+
+    def kernel(xs, ind, sc, res, w):
+        y, yn = _moe_shared_decode_norm_call("cuda", xs, ind, sc, gate_up, down, shared, res,
+                                             w, eps, fold_norm_counter())
+        return [y, yn]
+
+    def reference(xs, ind, sc, res, w):
+        y = res + moe_shared_experts_ops(xs.astype(mx.float32), ind, sc.astype(mx.float32),
+                                         gate_up, down, shared, sort=False).astype(dtype)
+        return [y, mx.fast.rms_norm(y, w, eps)]
+
+    # The fold's own budget (shared_decode_kernel_ready) for y, and for yn,
+    # the norm of y.
+    rtol = 1e-4 if dtype == mx.float32 else 2e-2
+    g = shared.gate
+    key = (E, H, I, K, gate_up.group_size, down.group_size, g.bits, g.group_size,
+           str(gate_up.scales.dtype), str(g.scales.dtype), str(dtype), float(eps))
+    ok = self_checked(
+        "moe_shared_decode_norm_gemv", "cuda", key,
+        kernel=kernel, reference=reference, make_inputs=make_inputs, rtol=rtol)
+    return "cuda" if ok else None
+
+
+def moe_shared_experts_norm_kernel(backend: Optional[str] = None) -> Optional[Callable]:
+    """The fold with the next layer's input RMSNorm in its last kernel, as one function.
+
+    No self-check here: call it only after :func:`shared_decode_norm_ready`
+    returned ``backend``.
+
+    Returns:
+        Callable | None: ``f(x, inds, scores, gate_up, down, shared, residual,
+        norm_weight, eps, counter) -> (y, yn)``: ``y = residual + block`` as
+        :func:`moe_shared_experts_kernel` returns it with a residual, ``yn =
+        rms_norm(y) * norm_weight`` (rounding points of ``mx.fast.rms_norm``);
+        ``counter`` from :func:`fold_norm_counter`, used by one launch at a
+        time. None when the backend has no such kernel (only CUDA has one).
+
+    Shapes:
+        x, residual, y, yn: ``[..., H]`` (at most :data:`FOLD_NORM_MAX_ROWS`
+        rows); norm_weight: ``[H]``.
+    """
+    backend = backend or gpu_backend()
+    if backend != "cuda" or _fold_objects(backend) is None or _fold_norm_object(backend) is None:
+        return None
+    return functools.partial(_moe_shared_decode_norm_call, backend)
 
 
 def shared_decode_kernel_ready(x: mx.array, inds: mx.array, gate_up: ExpertWeights,
