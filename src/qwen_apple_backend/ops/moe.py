@@ -555,12 +555,15 @@ def add_norm_route_ready(x: mx.array, norm_weight: mx.array, eps: float,
     # measured bit-identical, fp16 3.3e-5). logits: each weight dequantized in
     # the activation dtype (as MLX's GPU kernel does) against float32 weights:
     # measured (CPU emulation, MLX-quantized random routers, D 256-4096)
-    # <= 9.6e-5 bf16, <= 5.7e-5 fp16.
+    # <= 9.6e-5 bf16, <= 5.7e-5 fp16, but 5.3e-3 on the H200 with the bench's
+    # full-preset bf16 router (its affine biases are large against q * scale,
+    # so rounding q * scale + bias to bf16 costs more): 2e-2 leaves room and
+    # still rejects a wrong GEMV (errors of order 1).
     # The route: logits that close can still swap an expert where two
     # probabilities are that close; the bound admits a few swaps in the 5
     # rows (one at K = 8: membership rel-L2 0.22) and still rejects a wrong
     # GEMV or route (random experts: ~1.4).
-    rtol = [1e-6, 3e-4, 2e-3, 0.5, 0.5]
+    rtol = [1e-6, 3e-4, 2e-2, 0.5, 0.5]
     ok = self_checked(
         "moe_add_norm_route", "cuda",
         (D, str(dtype), E, gate.group_size, K, norm, float(eps)),
