@@ -100,10 +100,10 @@ CASES = {
     "moe_router_topk": (["bf16"], ["u32", "bf16"],
                         {"InT": "bf16", "E": 256, "K": 8, "NORM": True}),
     # Qwen3.6's router: 256 experts, 8-bit g64, 16 warps of 4 rows per pass.
-    "moe_add_norm_route": (["bf16", "bf16", "bf16", "f32", "u32", "bf16", "bf16"],
+    "moe_add_norm_route": (["bf16", "bf16", "bf16", "f32", "u32", "bf16", "bf16", "u32"],
                            ["bf16", "bf16", "bf16", "u32", "bf16"],
                            {"T": "bf16", "D": 2048, "E": 256, "K": 8, "G": 64, "NORM": True,
-                            "BLOCK": 512, "RB": 4}),
+                            "BLOCK": 256, "RB": 1}),
 }
 
 # More template values of one op: (op, case) as in CASES.
@@ -115,10 +115,10 @@ EXTRA_CASES = [
     ("moe_router_topk", (["f16"], ["u32", "f16"], {"InT": "f16", "E": 8, "K": 2,
                                                    "NORM": False})),
     # The fused route in half precision with 512 experts, group 128, raw scores.
-    ("moe_add_norm_route", (["f16", "f16", "f16", "f32", "u32", "f16", "f16"],
+    ("moe_add_norm_route", (["f16", "f16", "f16", "f32", "u32", "f16", "f16", "u32"],
                             ["f16", "f16", "f16", "u32", "f16"],
                             {"T": "f16", "D": 4096, "E": 512, "K": 10, "G": 128,
-                             "NORM": False, "BLOCK": 512, "RB": 4})),
+                             "NORM": False, "BLOCK": 256, "RB": 1})),
     # The fold's down kernel with float32 scores and no residual.
     ("moe_down_shared_gemv", (
         ["bf16", "u32", "f32", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "f32", "bf16"],

@@ -939,7 +939,8 @@ def _assert_add_norm_route(out, x, r, w, gate, K, norm, where, eps=1e-6):
 def test_moe_add_norm_route_emulated(case):
     lead, D, E, G, K, dtype, norm = case
     x, r, w, gate = _anr_inputs(lead, D, E, G, dtype, seed=D + E + K)
-    out = moe_ops._add_norm_route_call("cuda", x, r, w, 1e-6, gate, K, norm)
+    out = moe_ops._add_norm_route_call("cuda", x, r, w, 1e-6, gate, K, norm,
+                                        moe_ops.fold_norm_counter())
     _assert_add_norm_route(out, x, r, w, gate, K, norm, str(case))
 
 
@@ -949,7 +950,8 @@ def test_moe_add_norm_route_emulated_fails_without_the_dequant_rounding(monkeypa
     _broken(monkeypatch, "moe_add_norm_route",
             "static_cast<float>(static_cast<T>(qv * sc)) + bi", "qv * sc + bi")
     x, r, w, gate = _anr_inputs((1, 1), 2048, 256, 64, BF16, seed=7)
-    out = moe_ops._add_norm_route_call("cuda", x, r, w, 1e-6, gate, 8, True)
+    out = moe_ops._add_norm_route_call("cuda", x, r, w, 1e-6, gate, 8, True,
+                                        moe_ops.fold_norm_counter())
     with pytest.raises(AssertionError, match="logits differ from the qmv model"):
         _assert_add_norm_route(out, x, r, w, gate, 8, True, "broken")
 

@@ -22,32 +22,40 @@
 //   y * w accumulate per element slot in float32 with fma, step after step;
 //   the 8 slots are added in order, the 32 lanes by an xor butterfly (16, 8,
 //   4, 2, 1, as cooperative_groups::reduce), and the sum rounded to T once.
-//   So the logits are the values stock's router matmul produces on the same
-//   GPU, bit for bit, wherever the two compilations round alike
-//   (tests/test_kernels_gpu.py measures it);
+//   Measured on the H200 against MLX 0.32.4's own quantized matmul of the same
+//   y (tests/test_kernels_gpu.py): ~30 % of the logits bit-identical, the
+//   largest difference 0.0625 in bf16 (logits of a few units), the route the
+//   same in every one of 512 rows: the installed MLX sums otherwise than
+//   the source read, and the route does not depend on the difference;
 // * the route by qab_route_row (moe_route_row.cuh), the arithmetic of
 //   moe_router_topk.cu, over the logits kept in shared memory.
 //
-// One block per token row. Phase 1 (all threads): each thread holds elements
-// t + BLOCK j of the row in registers, writes h, reduces the sum of squares
-// (warp butterflies, one partial per warp in shared memory, every warp adding
-// the partials in the same order), writes y to global memory and to shared
-// memory. Phase 2: warp w computes the logits of experts w RB + WARPS RB i +
-// b (b < RB): RB rows at a time, each lane's 8-byte weight loads of all of
-// them issued before any arithmetic (the 8-bit router of Qwen3.6 is 512 KB,
-// read by this one block). Phase 3: warp 0 routes.
+// NB = gridDim.x blocks per token row n (blockIdx.y), so the router's weights
+// (512 KB at 8 bits for Qwen3.6) stream through NB SMs: block b computes the
+// logits of experts [b EPB, b EPB + EPB). Phase 1 (every block, all
+// threads): each thread holds elements t + BLOCK j of the row in registers,
+// reduces the sum of squares (warp butterflies, one partial per warp in shared
+// memory, every warp adding the partials in the same order) and keeps y in
+// shared memory; block 0 writes h and y. Phase 2: warp w computes its RB
+// expert rows, each lane's 8-byte weight loads of all of them issued before
+// any arithmetic, and writes the logits. Phase 3: every thread fences its
+// writes, thread 0 counts the block in count[n]; the block that counts last
+// fences again, reads the row's E logits back from L2 (qab_ldcg), routes them
+// with warp 0 and resets count[n] to 0 for the next launch (count: zeros,
+// owned by one caller that runs one launch at a time, written in place
+// through the const input, as moe_down_shared_norm_gemv.cu does).
 //
-// Launch: grid (BLOCK * N, 1, 1) threads, threadgroup (BLOCK, 1, 1), N token
-// rows. Template: T (x, r, nw, gs, gb, h, y, scores: bfloat16 or float16), D
-// (hidden size, a multiple of 256), E (experts, <= 1024), K (1 <= K <=
-// min(E, 32)), G (router quantization group size: 32, 64 or 128), NORM
-// (bool: renormalise the K scores), BLOCK (threads, a multiple of 32, <=
-// 1024), RB (expert rows per warp pass). Inputs: x, r [N, D] T (any leading
-// axes, row-contiguous); nw [D] T; eps [1] float32; gw [E, D / 4] uint32 (8
-// bits per weight, MLX's packing: byte j of a word is element 4 i + j);
-// gs, gb [E, D / G] T. Outputs: h, y [N, D] T (x's shape); logits [N, E] T;
-// inds [N, K] uint32, scores [N, K] T (slot K - 1 holds the largest
-// probability).
+// Launch: grid (BLOCK * NB, N, 1) threads with NB = ceil(E / (RB BLOCK / 32)),
+// threadgroup (BLOCK, 1, 1). Template: T (x, r, nw, gs, gb, h, y, logits,
+// scores: bfloat16 or float16), D (hidden size, a multiple of 256), E
+// (experts, <= 1024), K (1 <= K <= min(E, 32)), G (router quantization group
+// size: 32, 64 or 128), NORM (bool: renormalise the K scores), BLOCK
+// (threads, a multiple of 32, <= 1024), RB (expert rows per warp). Inputs:
+// x, r [N, D] T (any leading axes, row-contiguous); nw [D] T; eps [1]
+// float32; gw [E, D / 4] uint32 (8 bits per weight, MLX's packing: byte j of
+// a word is element 4 i + j); gs, gb [E, D / G] T; count [>= N] uint32.
+// Outputs: h, y [N, D] T (x's shape); logits [N, E] T; inds [N, K] uint32,
+// scores [N, K] T (slot K - 1 holds the largest probability).
 
 static_assert(sizeof(T) == 2, "moe_add_norm_route: T is bfloat16 or float16");
 static_assert(D % 256 == 0, "moe_add_norm_route: D % 256 == 0 (no residue step)");
@@ -57,17 +65,20 @@ constexpr int PER = (D + BLOCK - 1) / BLOCK;
 constexpr int EPT = 8;                 // weights per lane and step (MLX's qmv for 8 bits)
 constexpr int STEPS = D / (32 * EPT);  // steps per row
 constexpr int GPR = D / G;             // quantization groups per row
+constexpr int EPB = WARPS * RB;        // experts per block
 __shared__ __align__(16) T ys[D];
 __shared__ T ls[E];
 __shared__ float partial[WARPS];
+__shared__ bool last;
 
 const int t = threadIdx.x;
 const int lane = t & 31;
 const int warp = t >> 5;
-const size_t n = blockIdx.x;
+const int part = blockIdx.x;
+const size_t n = blockIdx.y;
 const size_t base = n * D;
 
-// Phase 1: h = x + r, y = rms_norm(h) * nw.
+// Phase 1: h = x + r, y = rms_norm(h) * nw (every block; block 0 writes them).
 float hv[PER];
 float rv[PER];
 #pragma unroll
@@ -82,7 +93,9 @@ for (int j = 0; j < PER; ++j) {
   const int i = t + BLOCK * j;
   if (i < D) {
     const T hr = static_cast<T>(hv[j] + rv[j]);
-    h[base + i] = hr;
+    if (part == 0) {
+      h[base + i] = hr;
+    }
     hv[j] = static_cast<float>(hr);
     ss += hv[j] * hv[j];
   }
@@ -101,15 +114,18 @@ for (int j = 0; j < PER; ++j) {
   if (i < D) {
     const float v = static_cast<float>(static_cast<T>(hv[j] * inv));
     const T yv = static_cast<T>(static_cast<float>(nw[i]) * v);
-    y[base + i] = yv;
+    if (part == 0) {
+      y[base + i] = yv;
+    }
     ys[i] = yv;
   }
 }
 __syncthreads();
 
-// Phase 2: the router logits, RB expert rows per warp pass.
+// Phase 2: this block's router logits, RB expert rows per warp.
 const uint8_t* wq = reinterpret_cast<const uint8_t*>(gw);
-for (int e0 = warp * RB; e0 < E; e0 += WARPS * RB) {
+{
+  const int e0 = part * EPB + warp * RB;
   uint2 q[RB][STEPS];
 #pragma unroll
   for (int b = 0; b < RB; ++b) {
@@ -149,15 +165,30 @@ for (int e0 = warp * RB; e0 < E; e0 += WARPS * RB) {
     }
     sum = qab_warp_sum(sum);
     if (lane == 0 && e0 + b < E) {
-      const T lv = static_cast<T>(sum);
-      ls[e] = lv;
-      logits[n * E + e] = lv;
+      logits[n * E + e] = static_cast<T>(sum);
     }
   }
 }
-__syncthreads();
 
-// Phase 3: the route, by warp 0.
+// Phase 3: the block that finishes the row last routes it.
+__threadfence();
+__syncthreads();
+if (t == 0) {
+  const unsigned int prev = atomicAdd(const_cast<uint32_t*>(count) + n, 1u);
+  last = prev == gridDim.x - 1;
+}
+__syncthreads();
+if (!last) {
+  return;
+}
+__threadfence();
+for (int e = t; e < E; e += BLOCK) {
+  ls[e] = qab_ldcg(logits + n * E + e);
+}
+__syncthreads();
 if (warp == 0) {
   qab_route_row<T, E, K, NORM>(ls, lane, inds + n * K, scores + n * K);
+}
+if (t == 0) {
+  const_cast<uint32_t*>(count)[n] = 0u;
 }

@@ -698,8 +698,8 @@ class FusedSparseMoeBlock(nn.Module):
         return y
 
     def _fold_counter(self) -> mx.array:
-        # The down kernel's per-row counter (ops.moe.fold_norm_counter): one
-        # per block, so no two launches share one (the layers run in order).
+        # The counting kernels' per-row counter (ops.moe.fold_norm_counter):
+        # one per block, so no two launches share one (the layers run in order).
         c = self.__dict__.get("_qab_fold_counter")
         if c is None:
             c = fold_norm_counter()
@@ -712,7 +712,8 @@ class FusedSparseMoeBlock(nn.Module):
                                 next_eps: float = 0.0, counter: Optional[mx.array] = None):
         gate = linear_weights(self.gate)
         h, y, _, inds, scores = add_norm_route(x, r, norm_weight, eps, gate, self.top_k,
-                                               self.norm_topk_prob, backend=route)
+                                               self.norm_topk_prob, backend=route,
+                                               counter=counter)
         args = (y, inds, scores, expert_weights(self.switch_mlp.gate_up_proj),
                 expert_weights(self.switch_mlp.down_proj), self._shared_weights())
         if down_norm is not None:
@@ -767,10 +768,12 @@ class FusedSparseMoeBlock(nn.Module):
         if route is None:
             return None
         w = norm["weight"]
-        kw = dict(eps=norm.eps, route=route, fold=fold)
+        # One counter for both counting kernels of the block: they run one
+        # after the other (the second reads the first's outputs).
+        kw = dict(eps=norm.eps, route=route, fold=fold, counter=self._fold_counter())
         args = (x, r, w)
         if down_norm is not None:
-            kw.update(down_norm=down_norm, next_eps=next_norm.eps, counter=self._fold_counter())
+            kw.update(down_norm=down_norm, next_eps=next_norm.eps)
             args = (x, r, w, next_norm["weight"])
         if not self.compile_decode:
             out = self._add_norm_route_forward(*args, **kw)
