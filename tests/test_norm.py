@@ -281,6 +281,7 @@ def test_fused_moe_block_may_take_the_mixer_output(on_cpu, monkeypatch):
         return out
 
     monkeypatch.setattr(FusedSparseMoeBlock, "add_norm_forward", spy)
+    monkeypatch.setenv("QAB_ENABLE", "next-norm")
     on, off = _tiny(), _tiny(disable=["add-norm"])
     ids = mx.array([[5, 9, 200, 7]])
     assert mx.array_equal(on(ids), off(ids)).item()
@@ -317,6 +318,7 @@ def test_next_input_norm_is_handed_to_the_next_layer_only_for_its_own_input(on_c
     # module; the slot is cleared by every layer.
     from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
 
+    monkeypatch.setenv("QAB_ENABLE", "next-norm")
     on = _tiny()
     layer0, layer1 = on.layers[0], on.layers[1]
     cache = make_prompt_cache(on)
@@ -353,7 +355,11 @@ def test_next_input_norm_is_handed_to_the_next_layer_only_for_its_own_input(on_c
     layer_norm._HANDOFF.value = None
 
 
-def test_layers_know_the_next_input_norm_unless_switched_off():
+def test_layers_know_the_next_input_norm_only_when_enabled(monkeypatch):
+    # next-norm is opt-in (QAB_ENABLE); QAB_DISABLE / disable= wins.
+    default = _tiny()
+    assert all(layer.__dict__[layer_norm._NEXT_NORM] is None for layer in default.layers)
+    monkeypatch.setenv("QAB_ENABLE", "next-norm")
     on, off = _tiny(), _tiny(disable=["next-norm"])
     nexts = [layer.input_layernorm for layer in on.layers[1:]] + [None]
     assert all(layer.__dict__[layer_norm._NEXT_NORM] is n for layer, n in zip(on.layers, nexts))

@@ -18,7 +18,9 @@ Variables:
     QAB_ENABLE: comma-separated optimizations to switch on where they are
         off by default (``decode-compile``, the compiled one-token decode
         step: on by default on a GPU, off on the CPU, where it measured no
-        faster).
+        faster; ``next-norm``, the fused MoE block's last decode kernel
+        applying the next layer's input RMSNorm on CUDA: measured no faster
+        on the H200).
     QAB_UNVERIFIED_KERNELS: a boolean like ``QAB_DISABLE_KERNELS``; on, it also
         uses CUDA kernels whose GPU tests have not yet passed on a GPU
         (``verified`` missing in kernels/MANIFEST.toml); they still pass the
@@ -69,7 +71,8 @@ OPTIMIZATIONS = {
     "proj-concat": "model",  # sibling input projections run as one matmul (layers/_concat.py)
     "gemv-kernel": "model",  # the CUDA dense 4-bit decode GEMV for lm_head (ops/linear.py)
     "add-norm": "model",  # residual add + post-attention RMSNorm as one kernel (ops/norm.py)
-    # a decode token's MoE down kernel also applies the next layer's input RMSNorm (CUDA)
+    # a decode token's MoE down kernel also applies the next layer's input RMSNorm (CUDA;
+    # opt-in with QAB_ENABLE: measured no faster on the H200)
     "next-norm": "model",
     # the compiled decode step writes each token's K/V rows into the cache in place (decode.py)
     "kv-in-place": "model",
@@ -190,7 +193,7 @@ def kernels_disabled() -> bool:
 # Optimizations that are not on everywhere by default and that QAB_ENABLE can
 # switch on: decode-compile is on by default on a GPU only (host-bound decode:
 # measured on the H200) and off on the CPU (measured no faster there).
-OPT_IN = ("decode-compile",)
+OPT_IN = ("decode-compile", "next-norm")
 
 
 def enabled_opt_in() -> frozenset[str]:

@@ -1245,14 +1245,16 @@ def _fold_norm_object(backend: str):
 FOLD_NORM_MAX_ROWS = SORT_THRESHOLD
 
 
-def fold_norm_counter() -> mx.array:
-    """A fresh, evaluated counter for :func:`moe_shared_experts_norm_kernel` calls.
+def fold_norm_counter(rows: int = FOLD_NORM_MAX_ROWS) -> mx.array:
+    """A fresh, evaluated counter for the counting kernels' calls.
 
-    ``[FOLD_NORM_MAX_ROWS]`` uint32 zeros. The kernel writes it in place and
-    leaves it zero after each launch; one owner may use it for one launch at a
-    time (a module keeps its own).
+    :func:`moe_shared_experts_norm_kernel` and :func:`add_norm_route` count
+    their blocks per token row in it: ``[rows]`` uint32 zeros (default
+    :data:`FOLD_NORM_MAX_ROWS`), written in place and left zero after each
+    launch; one owner may use it for one launch at a time (a module keeps its
+    own).
     """
-    c = mx.zeros((FOLD_NORM_MAX_ROWS,), dtype=mx.uint32)
+    c = mx.zeros((rows,), dtype=mx.uint32)
     mx.eval(c)
     return c
 
