@@ -14,11 +14,12 @@
 // fence their y writes (__threadfence) and meet at a barrier; thread 0 then
 // increments count[n]; the block that sees the last count (gridDim.x - 1)
 // fences again, reads the row back from L2 (__ldcg: the other blocks' writes
-// are not in this SM's L1), normalises it, writes yn, and resets count[n] to 0
-// for the next launch. So count must be a buffer of zeros owned by ONE caller
-// that never runs two of these launches at once (FusedSparseMoeBlock keeps one
-// per block; its self-check uses its own), and it is written in place
-// (through the const input, as kv_cache_write.cu writes the KV cache).
+// are not in this SM's L1), normalises it, writes yn, and resets count[n] to 0.
+// count must be zeros for this launch and no other launch's: the callers pass
+// a zero-strided view (ops/moe.py fold_norm_counter), which MLX copies into a
+// fresh buffer for every launch; the kernel writes that copy through the
+// const input (as kv_cache_write.cu writes the KV cache), and the reset keeps a
+// buffer reusable.
 //
 // Launch: grid (32 * H / 2, N, 1) threads, threadgroup (BLOCK, 1, 1) (as
 // moe_down_shared_gemv.cu; its header moe_down_shared.cuh computes the rows).
@@ -27,7 +28,7 @@
 // block, a multiple of 32).
 // Inputs: those of moe_down_shared_gemv.cu (res the residual, [N, H] OutT);
 // nw [H] OutT (the next layer's input_layernorm weight); neps [1] float32;
-// count [>= N] uint32 (zeros; see above). Outputs: y, yn [N, H] OutT (the
+// count [>= N] uint32 (zeros, this launch's own; see above). Outputs: y, yn [N, H] OutT (the
 // caller's [B, T, H]).
 
 constexpr int WARPS = BLOCK / 32;

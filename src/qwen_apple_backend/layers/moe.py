@@ -698,8 +698,8 @@ class FusedSparseMoeBlock(nn.Module):
         return y
 
     def _fold_counter(self) -> mx.array:
-        # The counting kernels' per-row counter (ops.moe.fold_norm_counter):
-        # one per block, so no two launches share one (the layers run in order).
+        # The counting kernels' counter input (ops.moe.fold_norm_counter): a
+        # zero view that MLX copies into a fresh buffer for every launch.
         c = self.__dict__.get("_qab_fold_counter")
         if c is None:
             c = fold_norm_counter()
@@ -768,8 +768,7 @@ class FusedSparseMoeBlock(nn.Module):
         if route is None:
             return None
         w = norm["weight"]
-        # One counter for both counting kernels of the block: they run one
-        # after the other (the second reads the first's outputs).
+        # The counting kernels' counter input: each launch gets its own copy.
         kw = dict(eps=norm.eps, route=route, fold=fold, counter=self._fold_counter())
         args = (x, r, w)
         if down_norm is not None:

@@ -1246,15 +1246,21 @@ FOLD_NORM_MAX_ROWS = SORT_THRESHOLD
 
 
 def fold_norm_counter(rows: int = FOLD_NORM_MAX_ROWS) -> mx.array:
-    """A fresh, evaluated counter for the counting kernels' calls.
+    """The counter input of the counting kernels, evaluated.
 
     :func:`moe_shared_experts_norm_kernel` and :func:`add_norm_route` count
-    their blocks per token row in it: ``[rows]`` uint32 zeros (default
-    :data:`FOLD_NORM_MAX_ROWS`), written in place and left zero after each
-    launch; one owner may use it for one launch at a time (a module keeps its
-    own).
+    their blocks per token row in a ``[rows]`` uint32 buffer of zeros
+    (default :data:`FOLD_NORM_MAX_ROWS` rows) that the launch writes. This is
+    a zero-strided view of one zero: MLX hands a custom kernel its inputs
+    row-contiguous, so every launch gets its own zeroed copy (a copy inside
+    the launch, no extra MLX operation), and no two launches ever share a
+    counter, even two independent calls of one module that a CUDA graph runs
+    at the same time. (A shared buffer did not survive that: measured on the
+    H200, two such calls evaluated together corrupted its counts, the route
+    read unwritten expert indices and the GPU faulted.) The view itself may be
+    kept and reused.
     """
-    c = mx.zeros((rows,), dtype=mx.uint32)
+    c = mx.broadcast_to(mx.array([0], dtype=mx.uint32), (rows,))
     mx.eval(c)
     return c
 
