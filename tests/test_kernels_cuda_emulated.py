@@ -44,7 +44,8 @@ from qwen_apple_backend.ops._sources import kernel_source
 
 from . import _cuda_emulation as emu
 from ._metrics import mx_rel_l2
-from .test_kernels_gpu import _assert_masked_scan, _assert_scan_matches_reference, _experts, _inputs
+from .test_kernels_gpu import (_anr_inputs, _assert_masked_scan, _assert_scan_matches_reference,
+                               _experts, _inputs)
 
 pytestmark = pytest.mark.skipif(emu.CXX is None, reason="no C++ compiler on PATH")
 
@@ -897,18 +898,6 @@ ANR_CASES = [
     ((2, 1), 512, 300, 128, 16, BF16, True),
     ((1,), 256, 1024, 64, 32, F16, True),
 ]
-
-
-def _anr_inputs(lead, D, E, G, dtype, seed):
-    k = mx.random.split(mx.random.key(seed), 4)
-    x = (4.0 * mx.random.normal((*lead, D), key=k[0])).astype(dtype)
-    r = mx.random.normal((*lead, D), key=k[1]).astype(dtype)
-    w = (1.0 + 0.2 * mx.random.normal((D,), key=k[2])).astype(dtype)
-    gw = (0.05 * mx.random.normal((E, D), key=k[3])).astype(dtype)
-    q, s, b = mx.quantize(gw, group_size=G, bits=8)
-    gate = moe_ops.ExpertWeights(weight=q, scales=s, biases=b, group_size=G, bits=8,
-                                 mode="affine")
-    return x, r, w, gate
 
 
 def _assert_add_norm_route(out, x, r, w, gate, K, norm, where, eps=1e-6):

@@ -980,14 +980,16 @@ def test_moe_block_routes_with_the_kernel_and_matches_stock(monkeypatch, T):
 # --------------------------------------------------------------------------
 
 
-def _anr_gpu_inputs(N, D, E, G, dtype, seed):
+def _anr_inputs(lead, D, E, G, dtype, seed):
+    """Inputs of the fused route: x, r ``[*lead, D]``, the norm weight and an
+    8-bit MLX-quantized router ``[E, D]`` of a trained model's scale (logits of
+    a few units). Shared with tests/test_kernels_cuda_emulated.py."""
     from qwen_apple_backend.ops import moe as moe_ops
 
     k = mx.random.split(mx.random.key(seed), 4)
-    x = (4.0 * mx.random.normal((N, 1, D), key=k[0])).astype(dtype)
-    r = mx.random.normal((N, 1, D), key=k[1]).astype(dtype)
+    x = (4.0 * mx.random.normal((*lead, D), key=k[0])).astype(dtype)
+    r = mx.random.normal((*lead, D), key=k[1]).astype(dtype)
     w = (1.0 + 0.2 * mx.random.normal((D,), key=k[2])).astype(dtype)
-    # A router of the trained model's scale: logits of a few units.
     gw = (0.05 * mx.random.normal((E, D), key=k[3])).astype(dtype)
     q, sc, b = mx.quantize(gw, group_size=G, bits=8)
     gate = moe_ops.ExpertWeights(weight=q, scales=sc, biases=b, group_size=G, bits=8,
@@ -1016,7 +1018,7 @@ def test_moe_add_norm_route_is_mlx_on_the_gpu(case, dtype, norm):
     from qwen_apple_backend.ops import moe as moe_ops
 
     N, D, E, G, K = case
-    x, r, w, gate = _anr_gpu_inputs(N, D, E, G, dtype, seed=N + D + E)
+    x, r, w, gate = _anr_inputs((N, 1), D, E, G, dtype, seed=N + D + E)
     h, y, logits, inds, scores = moe_ops._add_norm_route_call("cuda", x, r, w, 1e-6, gate, K,
                                                               norm, moe_ops.fold_norm_counter(N))
     assert mx.array_equal(h, x + r).item()
@@ -1059,7 +1061,7 @@ def test_moe_add_norm_route_passes_its_self_check():
     moe_ops._add_norm_route_object.cache_clear()
     reset_self_checks()
     for dtype in (mx.bfloat16, mx.float16):
-        x, _, w, gate = _anr_gpu_inputs(1, 2048, 256, 64, dtype, seed=5)
+        x, _, w, gate = _anr_inputs((1, 1), 2048, 256, 64, dtype, seed=5)
         for norm in (True, False):
             assert moe_ops.add_norm_route_ready(x, w, 1e-6, gate, 8, norm) == "cuda"
     verdicts = {k: v for k, v in self_check_results().items() if k[0] == "moe_add_norm_route"}

@@ -503,17 +503,18 @@ def add_norm_route_ready(x: mx.array, norm_weight: mx.array, eps: float,
     """The GPU backend whose fused route may run this call, or None.
 
     ``kernels/cuda/moe_add_norm_route``: ``h = x + r``, the RMSNorm of ``h``,
-    the 8-bit router GEMV and :func:`topk_route`'s route in one launch per
-    token row (see :func:`add_norm_route`). CUDA only: it exists to cut MLX's
-    per-launch host cost, which bounds decode on MLX's CUDA backend.
+    the 8-bit router GEMV and :func:`topk_route`'s route in one launch (see
+    :func:`add_norm_route`). CUDA only: it exists to cut MLX's per-launch
+    host cost, which bounds decode on MLX's CUDA backend.
 
     Call it outside ``mx.compile``: the first call per shape class (dtype,
-    D, the router's E, group size, K, ``norm_topk_prob``) self-checks the
-    kernel with these router weights on seeded random rows against
-    :func:`add_norm_route_ops`: ``h`` and the experts' membership and
-    scores (``y`` to the add_rms_norm kernel's tolerance). Later calls only
-    look the verdict up. Only shapes, dtypes and the router's arrays are
-    read (nothing of ``x`` is evaluated).
+    D, the router's E, group size, K, ``norm_topk_prob``, eps) self-checks
+    the kernel with these router weights on seeded random rows against the
+    stock add and norm, float32 logits over the dequantized router, and the
+    portable route of those logits: ``h``, ``y``, the logits, and the
+    experts' membership and scores, each within its own tolerance. Later
+    calls only look the verdict up. Only shapes, dtypes and the router's
+    arrays are read (nothing of ``x`` is evaluated).
 
     Args:
         x (mx.array): the residual stream ``[..., D]`` (or a stand-in of its
