@@ -69,7 +69,7 @@ def test_bench_quick_writes_valid_json_with_every_field(bench_run):
     assert settings["prefill_step_size"] == 2048
     assert settings["lengths"] == harness.QUICK_LENGTHS and settings["rounds"] == 2
     assert len(result["prompt"]["token_ids_sha256"]) == 64
-    assert set(result["engine_flags"]) >= {"QAB_DISABLE", "QAB_DISABLE_KERNELS"}
+    assert set(result["engine_flags"]) >= {"QAB_DISABLE", "QAB_ENABLE", "QAB_DISABLE_KERNELS"}
 
     labels = [b["label"] for b in result["backends"]]
     assert labels == ["stock", "fused", "fused-no-moe"]
@@ -560,6 +560,11 @@ def test_shared_prefill_decodes_every_backend_from_one_context(shared_run):
     # Table and plot work without prefill rows (the plot: the decode panel alone).
     table = report.format_table(result["summary"])
     assert "decode" in table and "prefill" not in table
+    # A label longer than the default column keeps the columns aligned.
+    long = [dict(r, backend="fused-no-next-norm-x") for r in result["summary"]]
+    rows = report.format_table(long).splitlines()
+    assert rows[2].index("fused-no-next-norm-x") == rows[0].index("backend")
+    assert all(len(row) == len(rows[0]) for row in rows[2:])
     from qwen_apple_backend.bench.cli import _header
 
     assert "decode only: every backend decoded from fused's prefilled contexts" in _header(result)

@@ -80,6 +80,12 @@ def test_disable_and_bad_enable(tiny_hf_f32, monkeypatch):
     monkeypatch.setenv("QAB_ENABLE", "warp-drive")
     with pytest.raises(ValueError, match="QAB_ENABLE: unknown optimization"):
         load(tiny_hf_f32, "fused")
+    # An optimization that is on by default is named as such.
+    monkeypatch.setenv("QAB_ENABLE", "moe-route")
+    with pytest.raises(ValueError, match=r"^QAB_ENABLE: 'moe-route' is on by default \(QAB_ENABLE "
+                                         r"names only decode-compile, next-norm; switch others "
+                                         r"off with QAB_DISABLE\)$"):
+        load(tiny_hf_f32, "fused")
 
 
 def test_compiled_step_is_the_default_on_a_gpu_only(tiny_hf_f32, monkeypatch):

@@ -971,6 +971,11 @@ def test_moe_add_norm_route_dispatcher_self_checks_the_emulated_kernel(monkeypat
         monkeypatch.setenv("QAB_DISABLE_KERNELS", "1")
         assert moe_ops.add_norm_route_ready(x, w, 1e-6, gate, 4, True) is None
         assert len(device.self_check_results()) == 1
+        with pytest.raises(ValueError, match="at least one row, got rows=0"):
+            moe_ops.fold_norm_counter(0)
+        with pytest.raises(ValueError, match="3 token rows but a counter of 2"):
+            moe_ops._add_norm_route_call("cuda", mx.zeros((3, 256), BF16), mx.zeros((3, 256), BF16),
+                                         w, 1e-6, gate, 4, True, moe_ops.fold_norm_counter(2))
     finally:
         device.reset_self_checks()
 
@@ -1029,7 +1034,7 @@ def test_moe_block_add_norm_forward_on_the_emulated_kernels(monkeypatch):
             assert mx_rel_l2(got[1], mx.fast.rms_norm(got[0], nxt.weight, 1e-5)) <= 3e-4
         assert fused._fold_counter() is counter
         verdicts = {k[0]: v for k, v in device.self_check_results().items()}
-        assert verdicts["moe_shared_decode_norm_gemv"] == (True, "passed")
+        assert verdicts["moe_down_shared_norm_gemv"] == (True, "passed")
         # A next norm of another class is not applied.
         assert fused.add_norm_forward(x, r, norm, nn.LayerNorm(Hd))[1] is None
         # Outside the path: None, no launch.

@@ -1117,7 +1117,7 @@ def test_moe_block_add_norm_forward_matches_the_stock_layer():
         same.append(mx.array_equal(out, unfused).item())
     verdicts = {k[0]: v for k, v in self_check_results().items()}
     assert verdicts["moe_add_norm_route"] == (True, "passed")
-    assert verdicts["moe_shared_decode_norm_gemv"] == (True, "passed")
+    assert verdicts["moe_down_shared_norm_gemv"] == (True, "passed")
     print(f"add_norm_forward vs stock layer: worst rel-L2 {max(errs):.3g}; bit-identical to "
           f"the unfused decode path in {sum(same)} of 32 tokens; next norm worst rel-L2 "
           f"{max(norm_errs):.3g}")

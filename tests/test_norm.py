@@ -359,8 +359,11 @@ def test_layers_know_the_next_input_norm_only_when_enabled(monkeypatch):
     # next-norm is opt-in (QAB_ENABLE); QAB_DISABLE / disable= wins.
     default = _tiny()
     assert all(layer.__dict__[layer_norm._NEXT_NORM] is None for layer in default.layers)
+    assert not any("next-norm" in n for n in get_report(default).notes)
     monkeypatch.setenv("QAB_ENABLE", "next-norm")
     on, off = _tiny(), _tiny(disable=["next-norm"])
+    assert any("next-norm from QAB_ENABLE" in n for n in get_report(on).notes)
+    assert any("which wins" in n for n in get_report(off).notes)
     nexts = [layer.input_layernorm for layer in on.layers[1:]] + [None]
     assert all(layer.__dict__[layer_norm._NEXT_NORM] is n for layer, n in zip(on.layers, nexts))
     assert all(layer.__dict__[layer_norm._NEXT_NORM] is None for layer in off.layers)

@@ -20,7 +20,8 @@ Variables:
         step: on by default on a GPU, off on the CPU, where it measured no
         faster; ``next-norm``, the fused MoE block's last decode kernel
         applying the next layer's input RMSNorm on CUDA: measured no faster
-        on the H200).
+        on the H200). ``QAB_DISABLE`` wins over it. ``next-norm`` needs
+        ``moe-route``, which needs ``add-norm`` and ``moe-kernel``.
     QAB_UNVERIFIED_KERNELS: a boolean like ``QAB_DISABLE_KERNELS``; on, it also
         uses CUDA kernels whose GPU tests have not yet passed on a GPU
         (``verified`` missing in kernels/MANIFEST.toml); they still pass the
@@ -142,9 +143,7 @@ def disabled_kinds() -> frozenset[str]:
 
     Raises:
         EnvVarError: if a name is not one of ``moe``, ``gdn``, ``attn``,
-            ``all`` or an optimization name (``gdn-kernel``, ``moe-gemm``,
-            ``moe-kernel``, ``attn-blocks``, ``attn-split``, ``attn-kernel``, ``decode-compile``,
-            ``proj-concat``, ``gemv-kernel``, ``add-norm``).
+            ``all`` or an optimization name (a key of :data:`OPTIMIZATIONS`).
     """
     names = set(_names(_get("QAB_DISABLE", "") or ""))
     unknown = names - set(FUSABLE_KINDS) - set(OPTIMIZATIONS) - {"all"}
@@ -200,10 +199,16 @@ def enabled_opt_in() -> frozenset[str]:
     """Optimizations switched on by ``QAB_ENABLE`` (comma-separated) where they are off by default.
 
     Raises:
-        EnvVarError: for a name that is not in :data:`OPT_IN`.
+        EnvVarError: for a name that is not in :data:`OPT_IN` (one that is on
+            by default says so).
     """
     names = set(_names(_get("QAB_ENABLE", "") or ""))
     unknown = names - set(OPT_IN)
+    on_already = sorted(unknown & set(OPTIMIZATIONS))
+    if on_already:
+        raise EnvVarError(
+            f"QAB_ENABLE: {on_already[0]!r} is on by default (QAB_ENABLE names only "
+            f"{', '.join(OPT_IN)}; switch others off with QAB_DISABLE)")
     if unknown:
         raise _unknown("QAB_ENABLE", "optimization", unknown, OPT_IN)
     return frozenset(names)

@@ -596,6 +596,7 @@ def engine_flags() -> dict:
     from .. import envs
 
     flags: dict[str, Any] = {"QAB_DISABLE": sorted(envs.disabled_kinds()),
+                             "QAB_ENABLE": sorted(envs.enabled_opt_in()),
                              "QAB_DISABLE_KERNELS": envs.kernels_disabled()}
     try:
         flags["QAB_GDN_CHUNK"] = envs.gdn_chunk_size()

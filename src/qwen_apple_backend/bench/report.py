@@ -386,7 +386,10 @@ def _fmt(x: Optional[float], spec: str) -> str:
 
 def format_table(summary: list[dict], baseline: str = BASELINE) -> str:
     """The printed table: one row per phase, length and backend, with ratios vs stock."""
-    header = (f"{'phase':<8} {'length':>7} {'backend':<16} {'tok/s p50':>11} {'tok/s p95':>11} "
+    # The backend column fits the longest label (ablation columns such as
+    # fused-no-next-norm are 18 characters).
+    bw = max([16] + [len(str(r["backend"])) for r in summary])
+    header = (f"{'phase':<8} {'length':>7} {'backend':<{bw}} {'tok/s p50':>11} {'tok/s p95':>11} "
               f"{'vs ' + baseline:>9} {'verdict':<15} {'TTFT s':>8} {'peak MiB':>9} "
               f"{'roofline':>8}")
     lines = [header, "-" * len(header)]
@@ -396,7 +399,7 @@ def format_table(summary: list[dict], baseline: str = BASELINE) -> str:
         peak = r.get("peak_memory_bytes")
         roof = r.get("roofline_pct")
         lines.append(
-            f"{r['phase']:<8} {human_length(r['length']):>7} {r['backend']:<16} "
+            f"{r['phase']:<8} {human_length(r['length']):>7} {r['backend']:<{bw}} "
             f"{_fmt(r['tokens_per_s_p50'], '11.1f')} {_fmt(r['tokens_per_s_p95'], '11.1f')} "
             f"{(_fmt(ratio, '.3f') + 'x') if ratio is not None else '-':>9} "
             f"{r.get('verdict', ''):<15} {_fmt(r.get('ttft_s_p50'), '8.3f'):>8} "

@@ -205,8 +205,10 @@ def parse_backend_specs(backends: Union[str, Iterable[str]],
             name may carry its own model path as ``NAME=PATH``
             (``stock,llama.cpp=model.gguf``).
         ablate (str | Iterable[str], optional): fused module kinds (``moe``, ``gdn``,
-            ``attn``) or optimizations (``gdn-kernel``, ``moe-gemm``); each adds a
-            ``fused-no-<name>`` column (the ``fused`` backend with that one switched off).
+            ``attn``) or optimizations (the keys of ``envs.OPTIMIZATIONS``, e.g.
+            ``gdn-kernel``, ``moe-route``); each adds a ``fused-no-<name>`` column
+            (the ``fused`` backend with that one switched off; an opt-in one such as
+            ``next-norm`` is on in ``fused`` only with ``QAB_ENABLE``).
 
     Returns:
         list[BackendSpec]: in the given order, ablations last.

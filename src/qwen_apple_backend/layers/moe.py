@@ -784,7 +784,7 @@ class FusedSparseMoeBlock(nn.Module):
         if fn is None:
             # The module is the captured input tree (parameters replaced after
             # fusing are read live); the norm weights are arguments, the
-            # counter a constant of the graph (the kernel keeps it zero).
+            # counter view a constant of the graph (each launch copies it).
             fn = mx.compile(partial(self._add_norm_route_forward, **kw), inputs=self)
             fns[key] = fn
         out = fn(*args)

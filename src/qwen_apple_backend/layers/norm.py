@@ -176,7 +176,7 @@ def _add_norm_class_for(layer: Any) -> Optional[type]:
     return cls
 
 
-def install_add_norm(model: Any, next_norm: bool = True) -> int:
+def install_add_norm(model: Any, next_norm: bool = False) -> int:
     """Give each stock decoder layer of ``model`` its ``add-norm`` subclass.
 
     Args:
@@ -184,7 +184,8 @@ def install_add_norm(model: Any, next_norm: bool = True) -> int:
             (anything with ``layers``: the decoder layers).
         next_norm (bool): tell each layer the next layer's input RMSNorm, so
             that a fused MoE block's last decode kernel may apply it (the
-            ``next-norm`` optimization). Default True.
+            ``next-norm`` optimization, opt-in: ``QAB_ENABLE=next-norm``).
+            Default False.
 
     Returns:
         int: the number of layers swapped (0 when none is exactly a stock

@@ -417,12 +417,16 @@ class QwenHybridAdapter(Adapter):
 
             # Opt-in (QAB_ENABLE=next-norm): on the H200 it measured no faster
             # (4K, 8 rounds: 153.9 tok/s with it, 158.0 without).
-            install_add_norm(model, next_norm="next-norm" in enabled_opt_in()
-                             and "next-norm" not in disable)
-            if "next-norm" in disable:
+            asked = "next-norm" in enabled_opt_in()
+            install_add_norm(model, next_norm=asked and "next-norm" not in disable)
+            if asked and "next-norm" in disable:
                 report.notes.append("each decoder layer runs its own input RMSNorm, not the "
                                     "previous MoE block's last decode kernel (next-norm in "
-                                    "QAB_DISABLE / disable=)")
+                                    "QAB_ENABLE, but also in QAB_DISABLE / disable=, which wins)")
+            elif asked:
+                report.notes.append("on CUDA a decode token's MoE down kernel also applies the "
+                                    "next layer's input RMSNorm (next-norm from QAB_ENABLE; "
+                                    "needs add-norm, moe-kernel and moe-route)")
         if "decode-compile" in disable:
             report.notes.append("compiled decode step off (decode-compile in QAB_DISABLE / disable=)")
         elif not any(m.fused for m in report.modules):

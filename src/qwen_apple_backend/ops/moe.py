@@ -69,6 +69,7 @@ __all__ = [
     "add_norm_route_ready",
     "add_norm_route_supported",
     "ADD_NORM_ROUTE_MAX_ROWS",
+    "ADD_NORM_ROUTE_MAX_D",
     "ROUTER_MAX_E",
     "ROUTER_MAX_K",
     "sort_by_expert",
@@ -589,9 +590,11 @@ def add_norm_route(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float,
     per call: no self-check here, so it may sit inside ``mx.compile``. With
     None, :func:`add_norm_route_ops`.
 
-    Algorithm: ``h = round(x + r)``; ``y = round(w * round(h * rsqrt(mean(h^2)
-    + eps)))`` (float32 statistics; the rounding points of MLX's Add and
-    ``mx.fast.rms_norm``); logits as MLX's CUDA 8-bit ``qmv`` source computes
+    Algorithm (the kernel; without a backend the stock operations, whose
+    logits are MLX's quantized matmul on that device): ``h = round(x + r)``;
+    ``y = round(w * round(h * rsqrt(mean(h^2) + eps)))`` (float32 statistics;
+    the rounding points of MLX's Add and ``mx.fast.rms_norm``); logits as
+    MLX's CUDA 8-bit ``qmv`` source computes
     them (weights dequantized in the activation dtype, float32 fma
     accumulation, one rounding; against the installed MLX 0.32.4 on the H200
     ~30 % bit-identical, the route the same); the route of
@@ -609,10 +612,10 @@ def add_norm_route(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float,
         norm_topk_prob (bool): renormalise the kept probabilities to sum 1.
         backend (str | None): ``"cuda"`` from :func:`add_norm_route_ready`,
             or None for the portable path. Default None.
-        counter (mx.array | None): with a backend, a counter from
-            :func:`fold_norm_counter` that no other launch uses at the same
-            time (the kernel's blocks count themselves in it and leave it
-            zero); None: a new one (an allocation and an evaluation per call).
+        counter (mx.array | None): with a backend, the kernel's counter
+            input from :func:`fold_norm_counter` (each launch counts in its
+            own copy of it, so one may be kept and reused); None: a new one
+            per call.
 
     Returns:
         tuple: ``(h, y, logits, inds, scores)``: ``h = x + r`` and ``y`` its
@@ -627,6 +630,7 @@ def add_norm_route(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float,
     Raises:
         RuntimeError: with a backend that has no kernel (no source or MLX API,
             or an unverified CUDA kernel without ``QAB_UNVERIFIED_KERNELS=1``).
+        ValueError: with a backend, for more token rows than ``counter`` has.
     """
     if backend is None or x.size == 0:
         return add_norm_route_ops(x, r, norm_weight, eps, gate, top_k, norm_topk_prob)
@@ -1249,6 +1253,16 @@ FOLD_NORM_MAX_ROWS = SORT_THRESHOLD
 def fold_norm_counter(rows: int = FOLD_NORM_MAX_ROWS) -> mx.array:
     """The counter input of the counting kernels, evaluated.
 
+    Args:
+        rows (int): token rows it covers (a launch with more rows raises
+            ``ValueError``). Default :data:`FOLD_NORM_MAX_ROWS`.
+
+    Returns:
+        mx.array: ``[rows]`` uint32 zeros (a zero-strided view).
+
+    Raises:
+        ValueError: if ``rows < 1``.
+
     :func:`moe_shared_experts_norm_kernel` and :func:`add_norm_route` count
     their blocks per token row in a ``[rows]`` uint32 buffer of zeros
     (default :data:`FOLD_NORM_MAX_ROWS` rows) that the launch writes. This is
@@ -1261,6 +1275,8 @@ def fold_norm_counter(rows: int = FOLD_NORM_MAX_ROWS) -> mx.array:
     read unwritten expert indices and the GPU faulted.) The view itself may be
     kept and reused.
     """
+    if rows < 1:
+        raise ValueError(f"a counter needs at least one row, got rows={rows}")
     c = mx.broadcast_to(mx.array([0], dtype=mx.uint32), (rows,))
     mx.eval(c)
     return c
@@ -1308,8 +1324,16 @@ def shared_decode_norm_ready(x: mx.array, inds: mx.array, gate_up: ExpertWeights
     this call: it is asked first), at most :data:`FOLD_NORM_MAX_ROWS` rows,
     and a norm weight ``[H]`` of ``x``'s dtype. On the first call per shape
     class the kernel is self-checked against the portable fold plus
-    ``mx.fast.rms_norm`` (with its own counter); call it outside
-    ``mx.compile``.
+    ``mx.fast.rms_norm``; call it outside ``mx.compile``.
+
+    Args:
+        x (mx.array): token activations ``[..., H]`` (or a stand-in).
+        inds (mx.array): expert indices ``[..., K]`` uint32 (or a stand-in).
+        gate_up (ExpertWeights): ``[E, 2I, H]``, 4-bit.
+        down (ExpertWeights): ``[E, H, I]``, 4-bit.
+        shared (SharedExpertWeights): the shared expert and its gate.
+        norm_weight (mx.array): the next layer's input norm weight ``[H]``.
+        eps (float): that norm's epsilon.
 
     Returns:
         Optional[str]: ``"cuda"``, or None (not CUDA, kernels disabled,
@@ -1355,7 +1379,7 @@ def shared_decode_norm_ready(x: mx.array, inds: mx.array, gate_up: ExpertWeights
     key = (E, H, I, K, gate_up.group_size, down.group_size, g.bits, g.group_size,
            str(gate_up.scales.dtype), str(g.scales.dtype), str(dtype), float(eps))
     ok = self_checked(
-        "moe_shared_decode_norm_gemv", "cuda", key,
+        "moe_down_shared_norm_gemv", "cuda", key,
         kernel=kernel, reference=reference, make_inputs=make_inputs, rtol=rtol)
     return "cuda" if ok else None
 
@@ -1371,8 +1395,9 @@ def moe_shared_experts_norm_kernel(backend: Optional[str] = None) -> Optional[Ca
         norm_weight, eps, counter) -> (y, yn)``: ``y = residual + block`` as
         :func:`moe_shared_experts_kernel` returns it with a residual, ``yn =
         rms_norm(y) * norm_weight`` (rounding points of ``mx.fast.rms_norm``);
-        ``counter`` from :func:`fold_norm_counter`, used by one launch at a
-        time. None when the backend has no such kernel (only CUDA has one).
+        ``counter`` from :func:`fold_norm_counter` (each launch counts in its
+        own copy). None when the backend has no such kernel (only CUDA has
+        one).
 
     Shapes:
         x, residual, y, yn: ``[..., H]`` (at most :data:`FOLD_NORM_MAX_ROWS`
