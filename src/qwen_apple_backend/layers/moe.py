@@ -697,15 +697,6 @@ class FusedSparseMoeBlock(nn.Module):
             y = residual + y
         return y
 
-    def _fold_counter(self) -> mx.array:
-        # The counting kernels' counter input (ops.moe.fold_norm_counter): a
-        # zero view that MLX copies into a fresh buffer for every launch.
-        c = self.__dict__.get("_qab_fold_counter")
-        if c is None:
-            c = fold_norm_counter()
-            object.__setattr__(self, "_qab_fold_counter", c)
-        return c
-
     def _add_norm_route_forward(self, x: mx.array, r: mx.array, norm_weight: mx.array,
                                 next_weight: Optional[mx.array] = None, *, eps: float,
                                 route: str, fold: str, down_norm: Optional[str] = None,
@@ -769,23 +760,23 @@ class FusedSparseMoeBlock(nn.Module):
             return None
         w = norm["weight"]
         # The counting kernels' counter input: each launch gets its own copy.
-        kw = dict(eps=norm.eps, route=route, fold=fold, counter=self._fold_counter())
+        kw = dict(eps=norm.eps, route=route, fold=fold, counter=fold_norm_counter())
         args = (x, r, w)
         if down_norm is not None:
             kw.update(down_norm=down_norm, next_eps=next_norm.eps)
             args = (x, r, w, next_norm["weight"])
         if not self.compile_decode:
-            out = self._add_norm_route_forward(*args, **kw)
-            return tuple(out) if down_norm is not None else (out, None)
-        fns = self.__dict__.setdefault("_compiled", {})
-        key = ("add_norm_route", route, fold, norm.eps, down_norm,
-               None if down_norm is None else next_norm.eps)
-        fn = fns.get(key)
-        if fn is None:
-            # The module is the captured input tree (parameters replaced after
-            # fusing are read live); the norm weights are arguments, the
-            # counter view a constant of the graph (each launch copies it).
-            fn = mx.compile(partial(self._add_norm_route_forward, **kw), inputs=self)
-            fns[key] = fn
+            fn = partial(self._add_norm_route_forward, **kw)
+        else:
+            fns = self.__dict__.setdefault("_compiled", {})
+            key = ("add_norm_route", route, fold, norm.eps, down_norm,
+                   None if down_norm is None else next_norm.eps)
+            fn = fns.get(key)
+            if fn is None:
+                # The module is the captured input tree (parameters replaced
+                # after fusing are read live); the norm weights are arguments,
+                # the counter view a constant of the graph (each launch copies it).
+                fn = mx.compile(partial(self._add_norm_route_forward, **kw), inputs=self)
+                fns[key] = fn
         out = fn(*args)
         return tuple(out) if down_norm is not None else (out, None)

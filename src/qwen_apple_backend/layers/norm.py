@@ -194,7 +194,7 @@ def install_add_norm(model: Any, next_norm: bool = False) -> int:
     """
     n = 0
     layers = list(getattr(model, "layers", ()))
-    for i, layer in enumerate(layers):
+    for layer in layers:
         cls = _add_norm_class_for(layer)
         if cls is not None:
             layer.__class__ = cls

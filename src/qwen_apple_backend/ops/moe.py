@@ -385,7 +385,7 @@ def router_kernel_ready(logits: mx.array, top_k: int, norm_topk_prob: bool) -> O
 # (kernels/cuda/moe_add_norm_route)
 # --------------------------------------------------------------------------
 
-# Most token rows the fused route takes (one thread block per row; decode).
+# Most token rows the fused route takes (decode-sized calls).
 ADD_NORM_ROUTE_MAX_ROWS = SORT_THRESHOLD
 # Largest hidden size: the block keeps the normalised row in shared memory.
 ADD_NORM_ROUTE_MAX_D = 16384
@@ -488,7 +488,7 @@ def add_norm_route_ops(x: mx.array, r: mx.array, norm_weight: mx.array, eps: flo
     return h, y, logits, inds, scores
 
 
-def _add_norm_route_check_inputs(D: int, dtype: mx.Dtype, eps: float):
+def _add_norm_route_check_inputs(D: int, dtype: mx.Dtype):
     def make():
         k = mx.random.split(mx.random.key(4242), 3)
         x = (4.0 * mx.random.normal((_ANR_CHECK_ROWS, 1, D), key=k[0])).astype(dtype)
@@ -576,7 +576,7 @@ def add_norm_route_ready(x: mx.array, norm_weight: mx.array, eps: float,
         "moe_add_norm_route", "cuda",
         (D, str(dtype), E, gate.group_size, K, norm, float(eps)),
         kernel=kernel, reference=reference,
-        make_inputs=_add_norm_route_check_inputs(D, dtype, eps), rtol=rtol)
+        make_inputs=_add_norm_route_check_inputs(D, dtype), rtol=rtol)
     return "cuda" if ok else None
 
 
@@ -614,8 +614,7 @@ def add_norm_route(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float,
             or None for the portable path. Default None.
         counter (mx.array | None): with a backend, the kernel's counter
             input from :func:`fold_norm_counter` (each launch counts in its
-            own copy of it, so one may be kept and reused); None: a new one
-            per call.
+            own copy of it); None: ``fold_norm_counter()``.
 
     Returns:
         tuple: ``(h, y, logits, inds, scores)``: ``h = x + r`` and ``y`` its
@@ -1250,18 +1249,9 @@ def _fold_norm_object(backend: str):
 FOLD_NORM_MAX_ROWS = SORT_THRESHOLD
 
 
+@functools.lru_cache(maxsize=None)
 def fold_norm_counter(rows: int = FOLD_NORM_MAX_ROWS) -> mx.array:
-    """The counter input of the counting kernels, evaluated.
-
-    Args:
-        rows (int): token rows it covers (a launch with more rows raises
-            ``ValueError``). Default :data:`FOLD_NORM_MAX_ROWS`.
-
-    Returns:
-        mx.array: ``[rows]`` uint32 zeros (a zero-strided view).
-
-    Raises:
-        ValueError: if ``rows < 1``.
+    """The counter input of the counting kernels, evaluated (one per ``rows``).
 
     :func:`moe_shared_experts_norm_kernel` and :func:`add_norm_route` count
     their blocks per token row in a ``[rows]`` uint32 buffer of zeros
@@ -1272,8 +1262,18 @@ def fold_norm_counter(rows: int = FOLD_NORM_MAX_ROWS) -> mx.array:
     counter, even two independent calls of one module that a CUDA graph runs
     at the same time. (A shared buffer did not survive that: measured on the
     H200, two such calls evaluated together corrupted its counts, the route
-    read unwritten expert indices and the GPU faulted.) The view itself may be
-    kept and reused.
+    read unwritten expert indices and the GPU faulted.) So one view serves
+    every caller: it is created once per ``rows`` and kept.
+
+    Args:
+        rows (int): token rows it covers (a launch with more rows raises
+            ``ValueError``). Default :data:`FOLD_NORM_MAX_ROWS`.
+
+    Returns:
+        mx.array: ``[rows]`` uint32 zeros (a zero-strided view).
+
+    Raises:
+        ValueError: if ``rows < 1``.
     """
     if rows < 1:
         raise ValueError(f"a counter needs at least one row, got rows={rows}")
