@@ -203,7 +203,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="fused,fused-decode-compile,stock",
                    help=f"comma list of: {', '.join(VARIANTS)} (fused = this package's "
                         "defaults; fused-NAME = fused with NAME switched off through "
-                        "QAB_DISABLE, added to any QAB_DISABLE of yours; fused+compile = the compiled decode "
+                        "QAB_DISABLE (any name it accepts), added to any QAB_DISABLE of yours; "
+                        "fused+compile = the compiled decode "
                         "step also on a CPU)")
     p.add_argument("--preset", default="full", choices=["tiny", "small", "full"])
     p.add_argument("--layers", type=layer_count, default=None,
@@ -226,6 +227,12 @@ def main(argv=None) -> int:
                         "tok/s spread)")
     args = p.parse_args(argv)
     names = args.variants.split(",")
+    from _common import check_disable_names
+
+    for v in names:  # any other switch: fused with QAB_DISABLE=NAME
+        if v not in VARIANTS and v.startswith("fused-"):
+            check_disable_names(p, [v[len("fused-"):]])
+            VARIANTS[v] = ("fused", {"QAB_DISABLE": v[len("fused-"):]})
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
