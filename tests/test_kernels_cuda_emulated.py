@@ -562,8 +562,8 @@ def test_moe_combine_dispatcher_self_checks_the_emulated_kernel(monkeypatch):
 FOLD_BROKEN = {
     # The down kernel weights the last routed slot as the shared expert (in
     # the rows' header moe_down_shared.cuh).
-    "shared slot off by one": ("moe_down_shared_gemv", "const bool is_shared = k == K;",
-                               "const bool is_shared = k == K - 1;", True),
+    "shared slot off by one": ("moe_down_shared_gemv", "weight[i] = k == K ? shared_weight",
+                               "weight[i] = k >= K - 1 ? shared_weight", True),
     # The next-norm epilogue: the counter is never reset for the next launch.
     "norm counter not reset": ("moe_down_shared_norm_gemv",
                                "const_cast<uint32_t*>(count)[n] = 0u;", "", False),

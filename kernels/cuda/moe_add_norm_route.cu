@@ -41,8 +41,9 @@
 // reduces the sum of squares (warp butterflies, one partial per warp in shared
 // memory, every warp adding the partials in the same order) and keeps y in
 // shared memory; block 0 writes h and y. Phase 2: warp w computes its RB
-// expert rows, each lane's 8-byte weight loads of all of them issued before
-// any arithmetic, and writes the logits. Phase 3: every thread fences its
+// expert rows and writes the logits; each lane's 8-byte weight loads and the
+// scales and biases of all of them are issued before phase 1 (they depend on
+// nothing), so their trip to memory overlaps the norm. Phase 3: every thread fences its
 // writes, thread 0 counts the block in count[n]; the block that counts last
 // fences again, reads the row's E logits back from L2 (qab_ldcg), routes them
 // with warp 0 and resets count[n] to 0 (count: zeros for this launch, written
@@ -82,6 +83,25 @@ const int warp = t >> 5;
 const int part = blockIdx.x;
 const size_t n = blockIdx.y;
 const size_t base = n * D;
+
+// This block's router weights, scales and biases: loaded first, so that their
+// trip to memory overlaps phase 1 (they do not depend on it).
+const uint8_t* wq = reinterpret_cast<const uint8_t*>(gw);
+const int e0 = part * EPB + warp * RB;
+uint2 q[RB][STEPS];
+float qs[RB][STEPS];
+float qb[RB][STEPS];
+#pragma unroll
+for (int b = 0; b < RB; ++b) {
+  const int e = e0 + b < E ? e0 + b : E - 1;  // a padding row re-reads the last
+#pragma unroll
+  for (int s = 0; s < STEPS; ++s) {
+    const int idx = lane * EPT + s * 32 * EPT;
+    q[b][s] = *reinterpret_cast<const uint2*>(wq + (size_t)e * D + idx);
+    qs[b][s] = static_cast<float>(gs[(size_t)e * GPR + idx / G]);
+    qb[b][s] = static_cast<float>(gb[(size_t)e * GPR + idx / G]);
+  }
+}
 
 // Phase 1: h = x + r, y = rms_norm(h) * nw (every block; block 0 writes them).
 float hv[PER];
@@ -128,18 +148,7 @@ for (int j = 0; j < PER; ++j) {
 __syncthreads();
 
 // Phase 2: this block's router logits, RB expert rows per warp.
-const uint8_t* wq = reinterpret_cast<const uint8_t*>(gw);
 {
-  const int e0 = part * EPB + warp * RB;
-  uint2 q[RB][STEPS];
-#pragma unroll
-  for (int b = 0; b < RB; ++b) {
-    const int e = e0 + b < E ? e0 + b : E - 1;  // a padding row re-reads the last
-#pragma unroll
-    for (int s = 0; s < STEPS; ++s) {
-      q[b][s] = *reinterpret_cast<const uint2*>(wq + (size_t)e * D + lane * EPT + s * 32 * EPT);
-    }
-  }
 #pragma unroll
   for (int b = 0; b < RB; ++b) {
     const int e = e0 + b < E ? e0 + b : E - 1;
@@ -151,8 +160,8 @@ const uint8_t* wq = reinterpret_cast<const uint8_t*>(gw);
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
       const int idx = lane * EPT + s * 32 * EPT;
-      const float sc = static_cast<float>(gs[(size_t)e * GPR + idx / G]);
-      const float bi = static_cast<float>(gb[(size_t)e * GPR + idx / G]);
+      const float sc = qs[b][s];
+      const float bi = qb[b][s];
       const QabVec<T, EPT> yv = *reinterpret_cast<const QabVec<T, EPT>*>(ys + idx);
       const uint32_t words[2] = {q[b][s].x, q[b][s].y};
 #pragma unroll

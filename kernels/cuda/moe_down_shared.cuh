@@ -6,6 +6,14 @@
 // HAS_RES plus the residual as the stock layer adds it. The arithmetic is
 // described in moe_down_shared_gemv.cu. Every lane of the warp must call it;
 // the caller guarantees QAB_DOWN_RPW * warp < H.
+//
+// Loads in flight: a row's (K + 1) * I / 32 (slot, 32-value chunk) tasks go to
+// the lanes as task = lane + 32 i (a half warp reads one slot's 256 bytes of a
+// row); the slot and chunk of a lane's i-th task are the same for every row,
+// so the lane reads its experts' indices and weights once, then issues every
+// weight, scale and bias load of all QAB_DOWN_RPW rows before any arithmetic
+// (a decode GEMV lives on loads in flight: one 16-byte load per lane at a time
+// streamed ~0.16 TB/s), and reads each h chunk once (16-byte loads) for all rows.
 
 constexpr int QAB_DOWN_RPW = 2;  // output rows per warp
 
@@ -21,48 +29,105 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
   constexpr int WPR = I / 8;          // uint32 words per weight row
   constexpr int GPR = I / G;          // quantization groups per row
   constexpr int KS = K + 1;           // slots: K routed experts, then the shared one
+  constexpr int TASKS = KS * CPR;     // (slot, chunk) tasks per row
+  constexpr int TPL = (TASKS + 31) / 32;  // tasks per lane
   const float shared_weight = 1.f / (1.f + expf(-sg_logit[n]));
+
+  // This lane's tasks: slot, chunk, expert and routing weight (row-independent).
+  int slot[TPL];
+  size_t expert_row[TPL];  // first row of the slot's [H, I] matrix
+  float weight[TPL];
+#pragma unroll
+  for (int i = 0; i < TPL; ++i) {
+    const int task = lane + 32 * i;
+    const int k = task < TASKS ? task / CPR : K;
+    slot[i] = k;
+    // Slot K reads the shared expert's own arrays; inds and scores have no column K.
+    expert_row[i] = k == K ? 0 : static_cast<size_t>(inds[(size_t)n * K + k]) * H;
+    weight[i] = k == K ? shared_weight : static_cast<float>(scores[(size_t)n * K + k]);
+  }
+
+  // Every weight, scale and bias load of this warp's rows, before any arithmetic.
+  uint4 wv[RPW][TPL];
+  float sv[RPW][TPL];
+  float bv[RPW][TPL];
 #pragma unroll
   for (int p = 0; p < RPW; ++p) {
     const int o = warp * RPW + p;
-    float acc = 0.f;
-    for (int task = lane; task < KS * CPR; task += 32) {
-      const int k = task / CPR;
-      const int c = task - k * CPR;
-      const bool is_shared = k == K;
-      // Slot K reads the shared expert's own arrays; inds and scores have no column K.
-      const size_t row = is_shared ? (size_t)o
-                                   : static_cast<size_t>(inds[(size_t)n * K + k]) * H + o;
-      const uint32_t* wrow = is_shared ? s_down_w + row * WPR : w + row * WPR;
-      const float sv = is_shared ? static_cast<float>(s_down_scales[row * GPR + (c * 32) / G])
-                                 : static_cast<float>(scales[row * GPR + (c * 32) / G]);
-      const float bv = is_shared ? static_cast<float>(s_down_biases[row * GPR + (c * 32) / G])
-                                 : static_cast<float>(biases[row * GPR + (c * 32) / G]);
-      const float weight =
-          is_shared ? shared_weight : static_cast<float>(scores[(size_t)n * K + k]);
-      const uint4 pk = reinterpret_cast<const uint4*>(wrow)[c];
-      const uint32_t words[4] = {pk.x, pk.y, pk.z, pk.w};
-      const size_t hb = ((size_t)n * KS + k) * I + c * 32;
-      float d = 0.f, hs = 0.f;
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
+    for (int i = 0; i < TPL; ++i) {
+      const int task = lane + 32 * i;
+      const int c = task - (task / CPR) * CPR;
+      if (task < TASKS) {
+        const bool is_shared = slot[i] == K;
+        const size_t row = expert_row[i] + o;
+        const uint32_t* wrow = is_shared ? s_down_w + row * WPR : w + row * WPR;
+        wv[p][i] = reinterpret_cast<const uint4*>(wrow)[c];
+        const size_t gi = row * GPR + (c * 32) / G;
+        sv[p][i] = is_shared ? static_cast<float>(s_down_scales[gi])
+                             : static_cast<float>(scales[gi]);
+        bv[p][i] = is_shared ? static_cast<float>(s_down_biases[gi])
+                             : static_cast<float>(biases[gi]);
+      } else {
+        wv[p][i] = make_uint4(0u, 0u, 0u, 0u);
+        sv[p][i] = 0.f;
+        bv[p][i] = 0.f;
+      }
+    }
+  }
+
+  float acc[RPW];
+#pragma unroll
+  for (int p = 0; p < RPW; ++p) {
+    acc[p] = 0.f;
+  }
+#pragma unroll
+  for (int i = 0; i < TPL; ++i) {
+    const int task = lane + 32 * i;
+    if (task < TASKS) {
+      const int c = task - (task / CPR) * CPR;
+      const size_t hb = ((size_t)n * KS + slot[i]) * I + c * 32;
+      float hv[32];
+      const bool vec = qab_vec_aligned<HT, 8>(h + hb);
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const QabVec<HT, 8> chunk = qab_load_vec<HT, 8>(h + hb + 8 * v, 1, vec);
 #pragma unroll
         for (int b = 0; b < 8; ++b) {
-          const float hv = static_cast<float>(h[hb + q * 8 + b]);
-          d += static_cast<float>((words[q] >> (4 * b)) & 15u) * hv;
-          hs += hv;
+          hv[8 * v + b] = static_cast<float>(chunk.v[b]);
         }
       }
-      acc += weight * (sv * d + bv * hs);
+      float hs = 0.f;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        hs += hv[j];
+      }
+#pragma unroll
+      for (int p = 0; p < RPW; ++p) {
+        const uint32_t words[4] = {wv[p][i].x, wv[p][i].y, wv[p][i].z, wv[p][i].w};
+        float d = 0.f;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+#pragma unroll
+          for (int b = 0; b < 8; ++b) {
+            d += static_cast<float>((words[q] >> (4 * b)) & 15u) * hv[q * 8 + b];
+          }
+        }
+        acc[p] += weight[i] * (sv[p][i] * d + bv[p][i] * hs);
+      }
     }
-    acc = qab_warp_sum(acc);
+  }
+#pragma unroll
+  for (int p = 0; p < RPW; ++p) {
+    const int o = warp * RPW + p;
+    const float sum = qab_warp_sum(acc[p]);
     if (lane == 0) {
       const size_t i = (size_t)n * H + o;
       if (HAS_RES) {
         y[i] = static_cast<OutT>(static_cast<float>(res[i]) +
-                                 static_cast<float>(static_cast<OutT>(acc)));
+                                 static_cast<float>(static_cast<OutT>(sum)));
       } else {
-        y[i] = static_cast<OutT>(acc);
+        y[i] = static_cast<OutT>(sum);
       }
     }
   }
