@@ -14,14 +14,14 @@
 // query rows in shared memory once. A warp walks its block in tiles of 32
 // keys:
 // * scores: lane i takes key i of the tile and reads its whole K row in
-//   16-byte pieces (all of them in flight), each dotted with the G query rows
+//   16-byte pieces (8 in flight), each dotted with the G query rows
 //   read from shared memory (the same address for every lane: a broadcast),
 //   so no shuffle reduces a dot product;
 // * online softmax per head over the tile: the tile's max by one warp
 //   reduction, p = exp2(score - max) per lane (0 for a masked key or one
 //   past the block), l summed per lane and reduced once at the end;
 // * p v: lane i holds the D / 32 elements i * D / 32 .. of o for the G
-//   heads; the tile's V rows are read 4 at a time (coalesced, one 16-byte
+//   heads; the tile's V rows are read VR = 8 at a time (coalesced, one 16-byte
 //   vector per lane for bf16 at D = 256), each key's G weights broadcast from
 //   its lane by shuffles.
 // q, K, V and the mask are read through their strides (the KV cache's views
@@ -38,6 +38,7 @@
 
 constexpr int EPL = D / 32;                  // o elements per lane
 constexpr int CH = 16 / sizeof(InT);         // K elements per 16-byte piece
+constexpr int VR = 8;                        // V rows in flight (a divisor of 32)
 static_assert(D % 32 == 0 && EPL <= 8, "D must be a multiple of 32, at most 256");
 static_assert(BLOCK % 32 == 0, "BLOCK must be a multiple of 32");
 static_assert(G * D <= 16 * 256, "at most 16 x 256 query values in shared memory");
@@ -92,7 +93,7 @@ for (int t0 = s0; t0 < s1; t0 += 32) {
   float acc[G];
 #pragma unroll
   for (int g = 0; g < G; ++g) acc[g] = 0.f;
-#pragma unroll 4
+#pragma unroll 8
   for (int c = 0; c < D; c += CH) {
     const QabVec<InT, CH> kc = qab_load_vec<InT, CH>(kr + (int64_t)c * kd, kd, kvec);
     float kf[CH];
@@ -129,17 +130,17 @@ for (int t0 = s0; t0 < s1; t0 += 32) {
 #pragma unroll
     for (int e = 0; e < EPL; ++e) o[g][e] *= corr;
   }
-  // p v over the tile's keys, 4 rows in flight.
+  // p v over the tile's keys, VR rows in flight.
   const int n = min(32, s1 - t0);
-  for (int tt = 0; tt < n; tt += 4) {
-    QabVec<InT, EPL> vr[4];
+  for (int tt = 0; tt < n; tt += VR) {
+    QabVec<InT, EPL> vr[VR];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < VR; ++u) {
       vr[u] = qab_load_vec<InT, EPL>(vp + (int64_t)min(t0 + tt + u, s1 - 1) * vs,
                                      v_strides[3], vvec);
     }
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < VR; ++u) {
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         // A key past the block repeats the last row with the weight of a
