@@ -123,6 +123,12 @@ def main(argv=None) -> int:
                         "token count from OUT/profile-decode-gpu-meta-VARIANT.json)")
     args = p.parse_args(argv)
     check_out(p, args.out)
+    if args.variant.startswith("fused-"):
+        from _common import check_disable_names
+
+        check_disable_names(p, [args.variant[len("fused-"):]])
+    elif args.variant not in ("stock", "fused"):
+        p.error(f"--variant {args.variant!r}: expected stock, fused or fused-NAME")
     if len(args.context) != 1:
         p.error(f"--context: one length, got {len(args.context)}")
     args.context = args.context[0]
@@ -147,11 +153,7 @@ def main(argv=None) -> int:
         print(f"wrote {path}")
         return 0
     backend = "stock" if args.variant == "stock" else "fused"
-    disable = []
-    if args.variant.startswith("fused-"):
-        disable = [args.variant[len("fused-"):]]
-    elif args.variant not in ("stock", "fused"):
-        p.error(f"--variant {args.variant!r}: expected stock, fused or fused-NAME")
+    disable = [args.variant[len("fused-"):]] if args.variant.startswith("fused-") else []
     check_layers(p, args.layers, args.preset)
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache

@@ -333,6 +333,13 @@ def test_disable_argument_is_checked_like_the_variable():
     ("decode_split.py", ["--context", "inf"], "'inf' is not a length"),
     ("decode_split.py", ["--variants", "fused,stock,fused"], "['fused'] named more than once"),
     ("profile_encode.py", ["--ops", "-3"], "must be a positive integer, got -3"),
+    ("decode_split.py", ["--variants", "fused,fused-bogus"], "unknown optimization 'bogus'"),
+    ("profile_decode_gpu.py", ["--context", "4K,8K"], "--context: one length, got 2"),
+    ("profile_decode_gpu.py", ["--variant", "fast"],
+     "--variant 'fast': expected stock, fused or fused-NAME"),
+    ("profile_decode_gpu.py", ["--variant", "fused-warp"], "unknown optimization 'warp'"),
+    ("profile_decode_gpu.py", ["--summarize", "ncu.csv"],
+     "profile-decode-gpu-meta-fused.json not found: run the profiled decode into OUT first"),
     ("decode_split.py", ["--preset", "tiny", "--layers", "400"],
      "--layers 400: preset 'tiny' has 4 layers"),
     # QAB_* variables are checked before any model is built, as qab's commands do.

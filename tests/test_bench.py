@@ -698,3 +698,47 @@ def test_bench_cli_shared_prefill_without_warmup(tmp_path):
     assert {(r["backend"], r["context_from"]) for r in result["runs"]} == {
         ("stock", "stock"), ("fused", "stock")}
     assert "decode" in printed.getvalue() and "prefill " not in printed.getvalue()
+
+
+def test_profile_decode_gpu_summarizes_an_ncu_log(tmp_path):
+    # benchmarks/profile_decode_gpu.py --summarize: kernels grouped by name
+    # (namespaces, template and call arguments dropped), per decode token, from
+    # ncu's CSV (its own log lines and other metrics skipped, units converted,
+    # thousands separators read).
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "profile-decode-gpu-meta-fused.json").write_text(json.dumps(
+        dict(variant="fused", preset="full", layers=8, context=4096, tokens=2, device="GPU X",
+             profiler_marked=True)))
+    head = ('"ID","Kernel Name","Block Size","Grid Size","Metric Name","Metric Unit",'
+            '"Metric Value"\n')
+
+    def row(i, name, unit, value, metric="gpu__time_duration.sum"):
+        return f'"{i}","{name}","(256, 1, 1)","(32, 1, 1)","{metric}","{unit}","{value}"\n'
+
+    qmv = "void mlx::core::cu::qmv_kernel<8, 16, cutlass::bfloat16_t>(const T *, int)"
+    csv = ("==PROF== Connected to process 1\n" + head
+           + row(0, qmv, "nsecond", "12,000") + row(1, qmv, "usecond", "8")
+           + row(2, "custom_kernel_qab_route(float *)", "usecond", "20")
+           + row(3, qmv, "nsecond", "10,000") + row(4, qmv, "nsecond", "10,000")
+           + row(5, "custom_kernel_qab_route(float *)", "msecond", "0.024")
+           + row(6, qmv, "byte", "64", metric="dram__bytes_read.sum"))
+    (tmp_path / "ncu.csv").write_text(csv)
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "profile_decode_gpu.py"),
+                        str(out), "--summarize", str(tmp_path / "ncu.csv")],
+                       capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((out / "profile-decode-gpu-fused-gpu-x.json").read_text())
+    assert res["launches_per_token"] == 3.0 and res["kernel_us_per_token"] == pytest.approx(42.0)
+    assert [k["kernel"] for k in res["kernels"]] == ["custom_kernel_qab_route", "qmv_kernel"]
+    route, qmv_row = res["kernels"]
+    assert route["launches_per_token"] == 1.0 and route["us_per_token"] == pytest.approx(22.0)
+    assert qmv_row["launches_per_token"] == 2.0 and qmv_row["us_per_launch"] == 10.0
+    assert qmv_row["share"] == pytest.approx(20 / 42) and res["context"] == 4096
+    assert "fused @4096, 8 layers: 3 launches, 42 us of kernels per token" in r.stdout
