@@ -102,14 +102,24 @@ def check_layers(parser, layers, preset: str) -> None:
         parser.error(f"--layers {layers}: preset {preset!r} has {total} layers")
 
 
-def check_disable_names(parser, names) -> None:
-    """``parser.error`` unless every name is one ``QAB_DISABLE`` accepts."""
+def check_disable_names(parser, names, what: str | None = None) -> None:
+    """``parser.error`` unless every name is one ``QAB_DISABLE`` accepts.
+
+    ``what`` (e.g. ``"--variant 'fused-bogus'"``) names the argument in the
+    message instead of ``disable=``; an empty name is an error too.
+    """
     from qwen_apple_backend.envs import check_disable
 
+    names = list(names)
+    if any(not str(n).strip() for n in names):
+        parser.error(f"{what or 'disable='}: an empty optimization name")
     try:
         check_disable(names)
     except ValueError as exc:
-        parser.error(str(exc))
+        msg = str(exc)
+        if what and msg.startswith("disable=:"):
+            msg = what + msg[len("disable="):]
+        parser.error(msg)
 
 
 def check_out(parser, out: str | Path) -> None:

@@ -156,6 +156,7 @@ def _run_context(context, names, args, b, variant_env, show, stage) -> list:
             launches, total, by_name, views = d.count_ops(dot)
             r = d.phases(args.tokens)
         r.update(variant=name, context=context, prefill_step=args.prefill_step,
+                 tokens=args.tokens, switches=dict(env),
                  kernel_primitives=launches, primitives=total, by_name=by_name,
                  views_by_name=views, rounds=[dict(r)],
                  mlx_env=_mlx_settings())
@@ -206,7 +207,8 @@ def main(argv=None) -> int:
                         "QAB_DISABLE (any name it accepts), added to any QAB_DISABLE of yours; "
                         "fused+compile = the compiled decode "
                         "step also on a CPU)")
-    p.add_argument("--preset", default="full", choices=["tiny", "small", "full"])
+    p.add_argument("--preset", default="full", choices=["tiny", "small", "full"],
+                   help="random-weight model shape (full: Qwen3.6-35B-A3B, about 19 GB)")
     p.add_argument("--layers", type=layer_count, default=None,
                    help="keep the first k layers (a multiple of 4)")
     p.add_argument("--context", type=token_lengths, default="512",
@@ -231,7 +233,7 @@ def main(argv=None) -> int:
 
     for v in names:  # any other switch: fused with QAB_DISABLE=NAME
         if v not in VARIANTS and v.startswith("fused-"):
-            check_disable_names(p, [v[len("fused-"):]])
+            check_disable_names(p, [v[len("fused-"):]], what=f"--variants {v!r}")
             VARIANTS[v] = ("fused", {"QAB_DISABLE": v[len("fused-"):]})
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:

@@ -14,7 +14,9 @@ per variant under ncu, then summarize the CSV::
         python benchmarks/profile_decode_gpu.py OUT --variant fused --layers 8 --context 4K
     python benchmarks/profile_decode_gpu.py OUT --variant fused --summarize OUT/ncu-fused.csv
 
-The summary groups kernels by name (template arguments and namespaces dropped)
+The summary groups kernels by name (C++ template arguments and namespaces
+dropped; MLX's custom kernels carry their template values in their names,
+``custom_kernel_qab_<op>_<values>``, so each instantiation is its own group)
 and gives, per decode token, launches, GPU microseconds and the share of the
 token's kernel time; the sum is the token's kernel time without the gaps
 between kernels (ncu serializes and times each kernel alone, with caches
@@ -58,34 +60,80 @@ def _profiler(call: str) -> bool:
 def kernel_group(name: str) -> str:
     """A kernel's name without return type, namespaces, template or call arguments.
 
+    MLX's custom kernels (``custom_kernel_<name>_<template values>``) have no
+    C++ template syntax in their names, so their template values stay: each
+    instantiation is its own group.
+
     >>> kernel_group("void mlx::core::cu::qmv_kernel<__nv_bfloat16, 4, 64>(const T*, int)")
     'qmv_kernel'
+    >>> kernel_group("void cub::DeviceForEachKernel<int, [](int)->int {...}>(int)")
+    'DeviceForEachKernel'
+    >>> kernel_group("")
+    '<unnamed>'
     """
     name = re.sub(r"^void\s+", "", name.strip())
-    depth, out = 0, []
-    for ch in name:  # drop <...> and (...) at any depth
+    depth, out, prev = 0, [], ""
+    for ch in name:  # drop <...> and (...) at any depth; "->" closes nothing
         if ch in "<(":
             depth += 1
-        elif ch in ">)":
+        elif ch in ">)" and not (ch == ">" and prev == "-"):
             depth = max(0, depth - 1)
         elif depth == 0:
             out.append(ch)
-    return "".join(out).split("::")[-1].strip() or name
+        prev = ch
+    return "".join(out).split("::")[-1].strip() or name or "<unnamed>"
+
+
+#: ncu's time units, in microseconds.
+_UNITS = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3,
+          "second": 1e6, "s": 1e6}
 
 
 def summarize(csv_path: Path, tokens: int) -> dict:
-    """Per-kernel-group launches and microseconds per token from an ncu ``--csv`` log."""
+    """Per-kernel-group launches and microseconds per token from an ncu ``--csv`` log.
+
+    Args:
+        csv_path (Path): ``ncu --csv --metrics gpu__time_duration.sum`` output (its
+            own ``==PROF==`` log lines are skipped, as are other metrics' rows).
+        tokens (int): decode tokens the log covers.
+
+    Returns:
+        dict: ``kernels`` (one row per group, largest first), ``launches_per_token``,
+        ``kernel_us_per_token`` and ``notes`` (e.g. launches not a multiple of tokens).
+
+    Raises:
+        SystemExit: with a one-line message naming the file (and row) when it
+            cannot be read, has no time rows, or holds a value or unit it
+            cannot convert.
+    """
+    try:
+        with open(csv_path, newline="", encoding="utf-8-sig") as f:
+            lines = [ln for ln in f if ln.lstrip("\ufeff").startswith('"')]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"{csv_path}: cannot read the ncu log ({exc.__class__.__name__}: "
+                         f"{exc.strerror if isinstance(exc, OSError) else exc.reason})")
+    reader = csv.DictReader(lines)
+    missing = {"Kernel Name", "Metric Name", "Metric Value"} - set(reader.fieldnames or ())
+    if lines and missing:
+        raise SystemExit(f"{csv_path}: not an ncu --csv log (no column {sorted(missing)})")
     rows = []
-    with open(csv_path, newline="") as f:
-        lines = [ln for ln in f if ln.startswith('"')]  # ncu prints its own log lines too
-    for rec in csv.DictReader(lines):
+    for i, rec in enumerate(reader, start=2):
         if rec.get("Metric Name") != "gpu__time_duration.sum":
             continue
-        value = float(rec["Metric Value"].replace(",", ""))
-        unit = rec.get("Metric Unit", "nsecond")
-        us = value / 1e3 if unit.startswith("n") else value * (1e3 if unit.startswith("m") else 1)
-        rows.append((kernel_group(rec["Kernel Name"]), us, rec.get("Grid Size", ""),
-                     rec.get("Block Size", "")))
+        unit = (rec.get("Metric Unit") or "").strip()
+        text = (rec.get("Metric Value") or "").replace(",", "").strip()
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if unit not in _UNITS:
+            raise SystemExit(f"{csv_path}: row {i}: unknown time unit {unit!r} "
+                             f"(known: {', '.join(_UNITS)})")
+        if not value >= 0 or value == float("inf"):
+            raise SystemExit(f"{csv_path}: row {i}: metric value {text!r} is not a "
+                             "duration >= 0")
+        rows.append((kernel_group(rec.get("Kernel Name") or ""), value * _UNITS[unit],
+                     rec.get("Grid Size", ""), rec.get("Block Size", "")))
     if not rows:
         raise SystemExit(f"{csv_path}: no gpu__time_duration.sum rows (was ncu run with "
                          "--metrics gpu__time_duration.sum --csv?)")
@@ -98,54 +146,71 @@ def summarize(csv_path: Path, tokens: int) -> dict:
     total = sum(g["us"] for g in groups.values())
     table = sorted(({"kernel": k, "launches_per_token": g["launches"] / tokens,
                      "us_per_token": g["us"] / tokens, "us_per_launch": g["us"] / g["launches"],
-                     "share": g["us"] / total, "grid_x_block": sorted(g["grids"])[:4]}
+                     "share": g["us"] / total if total > 0 else 0.0,
+                     "grid_x_block": sorted(g["grids"])[:4]}
                     for k, g in groups.items()), key=lambda r: -r["us_per_token"])
+    notes = []
+    if len(rows) % tokens:
+        notes.append(f"{len(rows)} launches are not a multiple of {tokens} tokens: the log "
+                     "holds other kernels too, or another run's")
     return {"kernels": table, "launches_per_token": len(rows) / tokens,
-            "kernel_us_per_token": total / tokens}
+            "kernel_us_per_token": total / tokens, "notes": notes}
 
 
 def main(argv=None) -> int:
     from qwen_apple_backend.argtypes import positive_int, token_lengths
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\nUsage:")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="output folder (created)")
     p.add_argument("--variant", default="fused",
-                   help="stock, fused, or fused-NAME (fused with QAB_DISABLE=NAME added)")
-    p.add_argument("--preset", default="full", choices=["tiny", "small", "full"])
+                   help="stock, fused, or fused-NAME (fused with QAB_DISABLE=NAME added); "
+                        "default fused")
+    p.add_argument("--preset", default="full", choices=["tiny", "small", "full"],
+                   help="random-weight model shape; default full (Qwen3.6-35B-A3B, about "
+                        "19 GB)")
     p.add_argument("--layers", type=layer_count, default=None,
-                   help="keep the first k layers (a multiple of 4)")
+                   help="keep the first k layers (a multiple of 4); default all")
     p.add_argument("--context", type=token_lengths, default="4K",
-                   help="prefilled tokens (K = 1,024)")
-    p.add_argument("--tokens", type=positive_int, default=3, help="profiled decode tokens")
+                   help="prefilled tokens, one length (K = 1,024); default 4K")
+    p.add_argument("--tokens", type=positive_int, default=3,
+                   help="profiled decode tokens; default 3")
     p.add_argument("--summarize", metavar="CSV", default=None,
                    help="summarize an ncu CSV written by a profiled run (reads the run's "
-                        "token count from OUT/profile-decode-gpu-meta-VARIANT.json)")
+                        "token count from OUT/profile-decode-gpu-meta-VARIANT.json; --preset, "
+                        "--layers, --context and --tokens are not used)")
     args = p.parse_args(argv)
     check_out(p, args.out)
     if args.variant.startswith("fused-"):
         from _common import check_disable_names
 
-        check_disable_names(p, [args.variant[len("fused-"):]])
+        check_disable_names(p, [args.variant[len("fused-"):]], what=f"--variant {args.variant!r}")
     elif args.variant not in ("stock", "fused"):
         p.error(f"--variant {args.variant!r}: expected stock, fused or fused-NAME")
     if len(args.context) != 1:
         p.error(f"--context: one length, got {len(args.context)}")
     args.context = args.context[0]
     out = Path(args.out)
-    if args.summarize:
+    if args.summarize is not None:
+        if not args.summarize.strip():
+            p.error("--summarize: an empty file name")
         meta_path = out / f"profile-decode-gpu-meta-{args.variant}.json"
         if not meta_path.is_file():
             p.error(f"{meta_path} not found: run the profiled decode into OUT first")
         meta = json.loads(meta_path.read_text())
         result = {**meta, **summarize(Path(args.summarize), meta["tokens"])}
+        if not meta.get("profiler_marked", True):
+            result["notes"].append("the profiled run marked no profiler range (no CUDA "
+                                   "driver): this log is not that run's")
         from _common import write_result
 
         path = write_result(out, f"profile-decode-gpu-{meta['variant']}", result,
                             device=meta["device"])
         print(f"{meta['variant']} @{meta['context']}, {meta['layers'] or 'all'} layers: "
-              f"{result['launches_per_token']:.0f} launches, "
-              f"{result['kernel_us_per_token']:.0f} us of kernels per token")
+              f"{result['launches_per_token']:g} launches, "
+              f"{result['kernel_us_per_token']:.1f} us of kernels per token")
+        for note in result["notes"]:
+            print(f"note: {note}")
         for r in result["kernels"]:
             print(f"  {r['kernel'][:48]:48s} {r['launches_per_token']:6.1f} x "
                   f"{r['us_per_launch']:8.1f} us = {r['us_per_token']:8.1f} us  "

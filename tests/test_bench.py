@@ -741,4 +741,60 @@ def test_profile_decode_gpu_summarizes_an_ncu_log(tmp_path):
     assert route["launches_per_token"] == 1.0 and route["us_per_token"] == pytest.approx(22.0)
     assert qmv_row["launches_per_token"] == 2.0 and qmv_row["us_per_launch"] == 10.0
     assert qmv_row["share"] == pytest.approx(20 / 42) and res["context"] == 4096
-    assert "fused @4096, 8 layers: 3 launches, 42 us of kernels per token" in r.stdout
+    assert "fused @4096, 8 layers: 3 launches, 42.0 us of kernels per token" in r.stdout
+    assert res["notes"] == [] and "note:" not in r.stdout
+
+
+@pytest.mark.parametrize("body,message", [
+    ('"Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+     '"k","gpu__time_duration.sum","fortnight","3"\n', "row 2: unknown time unit 'fortnight'"),
+    ('"Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+     '"k","gpu__time_duration.sum","usecond","n/a"\n', "row 2: metric value 'n/a' is not a"),
+    ('"Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+     '"k","gpu__time_duration.sum","usecond","-5"\n', "row 2: metric value '-5' is not a"),
+    ('"Kernel","Metric"\n"k","x"\n', "not an ncu --csv log (no column"),
+    ("==PROF== nothing profiled\n", "no gpu__time_duration.sum rows"),
+    (None, "cannot read the ncu log (FileNotFoundError"),
+])
+def test_profile_decode_gpu_rejects_bad_ncu_logs(tmp_path, body, message):
+    # One line naming the file (and row), no traceback, no result file.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "profile-decode-gpu-meta-fused.json").write_text(json.dumps(
+        dict(variant="fused", preset="full", layers=8, context=4096, tokens=1, device="GPU X",
+             profiler_marked=True)))
+    log = tmp_path / "ncu.csv"
+    if body is not None:
+        log.write_text(body)
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "profile_decode_gpu.py"),
+                        str(out), "--summarize", str(log)],
+                       capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"{log}: " in r.stderr and message in r.stderr, r.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["profile-decode-gpu-meta-fused.json"]
+
+
+def test_profile_decode_gpu_notes_a_log_that_is_not_whole_tokens(tmp_path, monkeypatch):
+    # 3 launches for 2 tokens: the log holds other kernels too (or another
+    # run's), which the summary says rather than dividing silently.
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.delitem(sys.modules, "profile_decode_gpu", raising=False)
+    import profile_decode_gpu as pdg
+
+    log = tmp_path / "ncu.csv"
+    log.write_text('"Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+                   + '"void a::k<1>(int)","gpu__time_duration.sum","usecond","2"\n' * 3)
+    res = pdg.summarize(log, 2)
+    assert res["launches_per_token"] == 1.5 and res["kernel_us_per_token"] == 3.0
+    assert res["kernels"][0]["kernel"] == "k"
+    assert res["notes"] == ["3 launches are not a multiple of 2 tokens: the log holds other "
+                            "kernels too, or another run's"]
