@@ -8,11 +8,12 @@
 // W is [E, H, I] packed 8 nibbles per uint32 (MLX affine layout) with scales,
 // biases [E, H, I / G]; s_down is the shared expert's [H, I] down_proj with
 // the same packing and G, its scales and biases of the routed ones' dtype.
-// As in moe_down_gemv.cu: one warp computes RPW output rows; the (K + 1) * I /
-// 32 (slot, 32-value chunk) tasks of a row are spread over the lanes (16-byte
-// weight loads; h read through L1, where every warp of the block shares it);
-// each lane weights its partial dot products by the slot's weight, and one
-// warp reduction per row finishes the sum. Float32 throughout; y rounded once.
+// One warp computes RPW output rows; the (K + 1) * I / 32 (slot, 32-value
+// chunk) tasks of a row are spread over the lanes (16-byte weight loads, all
+// of a warp's rows issued before any arithmetic; h in 16-byte loads through
+// L1, where every warp of the block shares it: moe_down_shared.cuh); each
+// lane weights its partial dot products by the slot's weight, and one warp
+// reduction per row finishes the sum. Float32 throughout; y rounded once.
 // With HAS_RES the decoder layer's residual is added in the epilogue, as the
 // stock layer adds it (`h + mlp(...)`: the block output rounded to OutT, then
 // the sum rounded), which saves the model one Add launch per layer and token.
