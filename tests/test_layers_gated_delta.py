@@ -436,3 +436,37 @@ def test_prefill_cache_holds_no_view_of_the_chunk(variant):
     assert held["fused"] <= held["stock"] + conv_state_bytes, (
         f"fused prefill keeps {held['fused']} bytes alive, stock {held['stock']} "
         f"(a retained chunk would be {chunk_bytes})")
+
+
+def test_decode_kernel_output_reaches_out_proj_without_a_reshape(monkeypatch):
+    # The one-launch decode kernel returns [B, 1, Hv * Dv], the shape out_proj
+    # takes; a reshape to that same shape is still a primitive that MLX's CUDA
+    # backend encodes for every token and layer (30 per token at Qwen3.6's
+    # 40 layers), so the layer hands the kernel's output over as it is.
+    import io
+    import re
+
+    stock, fused = make_pair("qwen3_5")
+    B = 2
+    out = mx.zeros((B, 1, HV * DV))
+    conv_state = mx.zeros((B, KERNEL - 1, 2 * HK * DK + HV * DV))
+    state = mx.zeros((B, HV, DV, DK))
+    mx.eval(out, conv_state, state)
+    monkeypatch.setattr(type(fused), "_decode_kernel_ready", lambda self, *a: True)
+    monkeypatch.setattr(layer_mod, "_decode_step_kernel", lambda *a: (out, conv_state, state))
+    seen = []
+    real_out_proj = fused.out_proj
+
+    class Recording(nn.Module):
+        def __call__(self, x):
+            seen.append(x)
+            return real_out_proj(x)
+
+    fused.out_proj = Recording()
+    fused.use_kernel = True
+    fused(inputs((B, 1, HIDDEN)), cache=ArraysCache(size=2))
+    (x,) = seen
+    buf = io.StringIO()
+    mx.export_to_dot(buf, x)
+    assert x.shape == (B, 1, HV * DV)
+    assert re.findall(r'label ="([^"]+)", shape=rectangle', buf.getvalue()) == []
