@@ -197,8 +197,17 @@ def main(argv=None) -> int:
         meta_path = out / f"profile-decode-gpu-meta-{args.variant}.json"
         if not meta_path.is_file():
             p.error(f"{meta_path} not found: run the profiled decode into OUT first")
-        meta = json.loads(meta_path.read_text())
-        result = {**meta, **summarize(Path(args.summarize), meta["tokens"])}
+        try:
+            meta = json.loads(meta_path.read_text())
+            missing = {"variant", "context", "layers", "tokens", "device"} - set(meta)
+            if missing:
+                raise KeyError(", ".join(sorted(missing)))
+            tokens = int(meta["tokens"])
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            p.error(f"{meta_path}: not this script's run record ({exc.__class__.__name__}: {exc})")
+        if tokens < 1:
+            p.error(f"{meta_path}: tokens must be >= 1, got {tokens}")
+        result = {**meta, **summarize(Path(args.summarize), tokens)}
         if not meta.get("profiler_marked", True):
             result["notes"].append("the profiled run marked no profiler range (no CUDA "
                                    "driver): this log is not that run's")

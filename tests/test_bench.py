@@ -798,3 +798,25 @@ def test_profile_decode_gpu_notes_a_log_that_is_not_whole_tokens(tmp_path, monke
     assert res["kernels"][0]["kernel"] == "k"
     assert res["notes"] == ["3 launches are not a multiple of 2 tokens: the log holds other "
                             "kernels too, or another run's"]
+
+
+@pytest.mark.parametrize("meta,message", [
+    ("{bad", "not this script's run record (JSONDecodeError"),
+    ('{"tokens": 2}', "not this script's run record (KeyError: 'context, device, layers, variant')"),
+    ('{"variant": "fused", "context": 8, "layers": null, "tokens": 0, "device": "X"}',
+     "tokens must be >= 1, got 0"),
+])
+def test_profile_decode_gpu_rejects_a_bad_run_record(tmp_path, meta, message):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "profile-decode-gpu-meta-fused.json").write_text(meta)
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "profile_decode_gpu.py"),
+                        str(out), "--summarize", str(tmp_path / "ncu.csv")],
+                       capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert message in r.stderr, r.stderr[-2000:]
