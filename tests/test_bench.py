@@ -441,6 +441,8 @@ def test_decode_split_counts_every_primitive_and_writes_the_graph(tmp_path):
     out = tmp_path / "o"
     _, rows = _decode_split(out, "8")
     assert [row["variant"] for row in rows] == ["fused", "stock"]
+    # Each row says how it was measured: tokens per phase and the variant's switches.
+    assert [(row["tokens"], row["switches"]) for row in rows] == [(2, {}), (2, {})]
     for row in rows:
         assert row["primitives"] == (row["kernel_primitives"]
                                      + sum(row["views_by_name"].values()))
@@ -820,3 +822,23 @@ def test_profile_decode_gpu_rejects_a_bad_run_record(tmp_path, meta, message):
                        capture_output=True, text=True, timeout=120, cwd=root)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert message in r.stderr, r.stderr[-2000:]
+
+
+def test_decode_split_takes_any_switch_as_a_fused_variant(tmp_path):
+    # fused-NAME for a name outside the built-in list: fused with
+    # QAB_DISABLE=NAME, recorded in the row.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "o"
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "decode_split.py"), str(out),
+                        "--preset", "tiny", "--variants", "fused-moe-route", "--context", "8",
+                        "--tokens", "2"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (path,) = out.glob("decode-split-*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["variant"] == "fused-moe-route"
+    assert row["switches"] == {"QAB_DISABLE": "moe-route"} and row["tokens"] == 2
