@@ -702,11 +702,10 @@ def test_bench_cli_shared_prefill_without_warmup(tmp_path):
     assert "decode" in printed.getvalue() and "prefill " not in printed.getvalue()
 
 
-def test_profile_decode_gpu_summarizes_an_ncu_log(tmp_path):
-    # benchmarks/profile_decode_gpu.py --summarize: kernels grouped by name
-    # (namespaces, template and call arguments dropped), per decode token, from
-    # ncu's CSV (its own log lines and other metrics skipped, units converted,
-    # thousands separators read).
+def _summarize_ncu_log(tmp_path, meta, log_text):
+    """Run ``benchmarks/profile_decode_gpu.py OUT --summarize LOG`` with OUT holding the run
+    record ``meta`` (a dict, or raw text) and LOG holding ``log_text`` (None: no file);
+    returns (the process, OUT, LOG)."""
     import json
     import subprocess
     import sys
@@ -715,9 +714,28 @@ def test_profile_decode_gpu_summarizes_an_ncu_log(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "o"
     out.mkdir()
-    (out / "profile-decode-gpu-meta-fused.json").write_text(json.dumps(
-        dict(variant="fused", preset="full", layers=8, context=4096, tokens=2, device="GPU X",
-             profiler_marked=True)))
+    record = meta if isinstance(meta, str) else json.dumps(meta)
+    (out / "profile-decode-gpu-meta-fused.json").write_text(record)
+    log = tmp_path / "ncu.csv"
+    if log_text is not None:
+        log.write_text(log_text)
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "profile_decode_gpu.py"),
+                        str(out), "--summarize", str(log)],
+                       capture_output=True, text=True, timeout=120, cwd=root)
+    return r, out, log
+
+
+_RUN_RECORD = dict(variant="fused", preset="full", layers=8, context=4096, tokens=2,
+                   device="GPU X", profiler_marked=True)
+
+
+def test_profile_decode_gpu_summarizes_an_ncu_log(tmp_path):
+    # benchmarks/profile_decode_gpu.py --summarize: kernels grouped by name
+    # (namespaces, template and call arguments dropped), per decode token, from
+    # ncu's CSV (its own log lines and other metrics skipped, units converted,
+    # thousands separators read).
+    import json
+
     head = ('"ID","Kernel Name","Block Size","Grid Size","Metric Name","Metric Unit",'
             '"Metric Value"\n')
 
@@ -731,10 +749,7 @@ def test_profile_decode_gpu_summarizes_an_ncu_log(tmp_path):
            + row(3, qmv, "nsecond", "10,000") + row(4, qmv, "nsecond", "10,000")
            + row(5, "custom_kernel_qab_route(float *)", "msecond", "0.024")
            + row(6, qmv, "byte", "64", metric="dram__bytes_read.sum"))
-    (tmp_path / "ncu.csv").write_text(csv)
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "profile_decode_gpu.py"),
-                        str(out), "--summarize", str(tmp_path / "ncu.csv")],
-                       capture_output=True, text=True, timeout=120, cwd=root)
+    r, out, _ = _summarize_ncu_log(tmp_path, _RUN_RECORD, csv)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((out / "profile-decode-gpu-fused-gpu-x.json").read_text())
     assert res["launches_per_token"] == 3.0 and res["kernel_us_per_token"] == pytest.approx(42.0)
@@ -760,23 +775,7 @@ def test_profile_decode_gpu_summarizes_an_ncu_log(tmp_path):
 ])
 def test_profile_decode_gpu_rejects_bad_ncu_logs(tmp_path, body, message):
     # One line naming the file (and row), no traceback, no result file.
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "o"
-    out.mkdir()
-    (out / "profile-decode-gpu-meta-fused.json").write_text(json.dumps(
-        dict(variant="fused", preset="full", layers=8, context=4096, tokens=1, device="GPU X",
-             profiler_marked=True)))
-    log = tmp_path / "ncu.csv"
-    if body is not None:
-        log.write_text(body)
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "profile_decode_gpu.py"),
-                        str(out), "--summarize", str(log)],
-                       capture_output=True, text=True, timeout=120, cwd=root)
+    r, out, log = _summarize_ncu_log(tmp_path, _RUN_RECORD, body)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert f"{log}: " in r.stderr and message in r.stderr, r.stderr[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["profile-decode-gpu-meta-fused.json"]
@@ -809,17 +808,7 @@ def test_profile_decode_gpu_notes_a_log_that_is_not_whole_tokens(tmp_path, monke
      "tokens must be >= 1, got 0"),
 ])
 def test_profile_decode_gpu_rejects_a_bad_run_record(tmp_path, meta, message):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "o"
-    out.mkdir()
-    (out / "profile-decode-gpu-meta-fused.json").write_text(meta)
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "profile_decode_gpu.py"),
-                        str(out), "--summarize", str(tmp_path / "ncu.csv")],
-                       capture_output=True, text=True, timeout=120, cwd=root)
+    r, _, _ = _summarize_ncu_log(tmp_path, meta, None)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert message in r.stderr, r.stderr[-2000:]
 
