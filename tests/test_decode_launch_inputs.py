@@ -142,6 +142,23 @@ def test_gdn_decode_kernel_takes_projections_with_their_token_axis(monkeypatch):
     assert _same(rec.calls[2]["inputs"][1], args["z"])
 
 
+def test_gdn_decode_kernel_reads_the_packed_projection_as_it_comes(monkeypatch):
+    # proj=: the concatenated projection's [B, 1, W] row goes to all four
+    # projection inputs unchanged (its split views are checked, never passed),
+    # with PROJ_W = W; without it PROJ_W = 0.
+    rec = _Recorder()
+    monkeypatch.setattr(gd, "_decode_kernel_object", lambda backend: rec)
+    args = _gdn_inputs()
+    proj = mx.zeros((2, 1, 256 + 128 + 8))
+    mx.eval(proj)
+    out, _, _ = gd._decode_kernel_call("cuda", **args, proj=proj)
+    (kw,) = rec.calls
+    assert all(_same(kw["inputs"][i], proj) for i in range(4))
+    assert ("PROJ_W", 392) in kw["template"] and out.shape == (2, 1, 128)
+    gd._decode_kernel_call("cuda", **args)
+    assert ("PROJ_W", 0) in rec.calls[1]["template"]
+
+
 @pytest.mark.parametrize("name, shape", [("z", (2, 1, 129)), ("b", (2, 2, 4)),
                                          ("a", (3, 1, 4)), ("mask", (2, 2))])
 def test_gdn_decode_kernel_names_a_bad_token_row(monkeypatch, name, shape):

@@ -96,7 +96,8 @@ CASES = {
         ["bf16", "bf16", "bf16", "bf16", "bf16", "bf16", "bf16", "f32", "bf16", "bf16", "f32",
          "f32", "bool", "i32"], ["bf16", "bf16", "f32"],
         {"InT": "bf16", "WT": "bf16", "Hk": 16, "Hv": 32, "Dk": 128, "Dv": 128, "Kc": 4,
-         "BLOCK": 256, "HAS_BIAS": False, "HAS_MASK": True, "HAS_LENGTHS": True}),
+         "BLOCK": 256, "HAS_BIAS": False, "HAS_MASK": True, "HAS_LENGTHS": True,
+         "PROJ_W": 12352}),  # the packed row of Qwen3.6's in_proj: 8,192 + 4,096 + 64
     "moe_router_topk": (["bf16"], ["u32", "bf16"],
                         {"InT": "bf16", "E": 256, "K": 8, "NORM": True}),
     # Qwen3.6's router: 256 experts, 8-bit g64, 16 warps of 4 rows per pass.

@@ -638,6 +638,36 @@ def test_gated_delta_decode_emulated(case):
     _assert_gdn_decode_matches_reference(out, args, str(case))
 
 
+@pytest.mark.parametrize("case", GDN_DECODE_CASES,
+                         ids=lambda c: "x".join(map(str, c[:6])) + f"-{c[8]}-block{c[9]}")
+def test_gated_delta_decode_reads_the_packed_projection_emulated(case):
+    # proj=: the kernel reads the concatenated projection's row (q | k | v | z
+    # | b | a) at channel offsets instead of four arrays: the same arithmetic,
+    # so the same bits, with and without the token axis.
+    args, block = _gdn_decode_case(case, seed=sum(case[:6]) + 1)
+    qkv, z, b, a = args[:4]
+    plain = gd._decode_kernel_call("cuda", *args, block=block)
+    proj = mx.concatenate([qkv, z, b, a], axis=-1)
+    packed = gd._decode_kernel_call("cuda", *args, block=block, proj=proj)
+    for x, y, name in zip(plain, packed, ("out", "conv_state", "state")):
+        assert x.shape == y.shape and mx.array_equal(x, y).item(), f"{case}: {name}"
+    B = qkv.shape[0]
+    rows = [x.reshape(B, 1, -1) for x in (qkv, z, b, a)]
+    mask = args[11]
+    tokens = gd._decode_kernel_call(
+        "cuda", *rows, *args[4:11], None if mask is None else mask.reshape(B, 1), args[12],
+        block=block, proj=proj.reshape(B, 1, -1))
+    assert tokens[0].shape == (B, 1, plain[0].shape[1] * plain[0].shape[2])
+    assert mx.array_equal(tokens[0].reshape(plain[0].shape), plain[0]).item(), str(case)
+
+
+def test_gated_delta_decode_rejects_a_packed_projection_of_another_width():
+    args, _ = _gdn_decode_case(GDN_DECODE_CASES[0], seed=3)
+    proj = mx.concatenate(args[:4], axis=-1)[:, :-1]
+    with pytest.raises(ValueError, match=r"^proj must be \[2, 392\] or \[2, 1, 392\]"):
+        gd._decode_kernel_call("cuda", *args, proj=proj)
+
+
 def test_gated_delta_decode_dispatcher_self_checks_the_emulated_kernel(monkeypatch):
     # gated_delta_decode on a faked CUDA device: the self-check of this shape
     # class (three rows: live, left-padded, finished), then the call.
@@ -655,11 +685,14 @@ def test_gated_delta_decode_dispatcher_self_checks_the_emulated_kernel(monkeypat
         device.reset_self_checks()
 
 
-@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_next"])
-def test_fused_layer_decode_on_the_emulated_kernel(monkeypatch, variant):
+@pytest.mark.parametrize("variant,concat", [("qwen3_5", False), ("qwen3_next", False),
+                                            ("qwen3_5", True)])
+def test_fused_layer_decode_on_the_emulated_kernel(monkeypatch, variant, concat):
     # The fused layer's decode tokens on the emulated decode kernel (its
     # compiled step run eagerly, as the emulator needs arrays it can read)
-    # against stock mlx-lm, prefill on the portable path.
+    # against stock mlx-lm, prefill on the portable path. With the input
+    # projections concatenated (proj-concat), Qwen3.5's kernel reads their
+    # one row itself (proj=): its own self-check, the same results.
     from mlx_lm.models.cache import ArraysCache
 
     from qwen_apple_backend.layers import gated_delta as layer_mod
@@ -679,6 +712,13 @@ def test_fused_layer_decode_on_the_emulated_kernel(monkeypatch, variant):
     mx.disable_compile()
     try:
         stock, fused = make_pair(variant, BF16)
+        if concat:
+            assert fused.concat_projections()
+        packed = []
+        real_call = gd._decode_kernel_call
+        monkeypatch.setattr(gd, "_decode_kernel_call",
+                            lambda *a, **k: packed.append(k.get("proj") is not None)
+                            or real_call(*a, **k))
         cs, cf = ArraysCache(size=2), ArraysCache(size=2)
         x = inputs((2, 6, HIDDEN), BF16)
         stock(x, cache=cs), fused(x, cache=cf)
@@ -692,8 +732,12 @@ def test_fused_layer_decode_on_the_emulated_kernel(monkeypatch, variant):
             assert mx.array_equal(cf[0], cs[0]).item(), f"decode {step} conv state"
             assert mx_rel_l2(cf[1], cs[1]) <= 2e-2, f"decode {step} state"
         assert len(calls) == 3
-        assert [v for k, v in device.self_check_results().items()
-                if k[0] == "gated_delta_decode"] == [(True, "passed")]
+        checks = {k[2][-1] == "packed": v for k, v in device.self_check_results().items()
+                  if k[0] == "gated_delta_decode"}
+        assert checks == ({False: (True, "passed"), True: (True, "passed")} if concat
+                          else {False: (True, "passed")})
+        # Self-checks first (one per shape class), then one launch per token.
+        assert packed[-3:] == [concat] * 3
     finally:
         mx.enable_compile()
         device.reset_self_checks()

@@ -632,6 +632,31 @@ def test_gated_delta_decode_kernel(shape, dtype):
     _assert_decode_matches_reference(out, args, f"{shape} {dtype}")
 
 
+@pytest.mark.parametrize("shape", DECODE_SHAPES[:3] + DECODE_SHAPES[-1:],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+def test_gated_delta_decode_kernel_reads_the_packed_projection(shape, dtype):
+    # proj=: the concatenated projection's row at channel offsets, with and
+    # without the token axis: the four-array launch's bits exactly.
+    bias, masked = shape[6:]
+    args = _decode_args(*shape[:6], dtype, seed=sum(shape[:6]) + 7, bias=bias, masked=masked)
+    backend = gd.gpu_backend()
+    plain = gd._decode_kernel_call(backend, *args)
+    proj = mx.concatenate(list(args[:4]), axis=-1)
+    packed = gd._decode_kernel_call(backend, *args, proj=proj)
+    B = proj.shape[0]
+    mask = args[11]
+    tokens = gd._decode_kernel_call(
+        backend, *[x.reshape(B, 1, -1) for x in args[:4]], *args[4:11],
+        None if mask is None else mask.reshape(B, 1), args[12], proj=proj.reshape(B, 1, -1))
+    mx.eval(plain, packed, tokens)
+    for x, y, name in zip(plain, packed, ("out", "conv_state", "state")):
+        assert mx.array_equal(x, y).item(), f"{shape} {dtype}: {name}"
+    assert mx.array_equal(tokens[0].reshape(plain[0].shape), plain[0]).item()
+    assert gd.decode_kernel_ready(*shape[1:6], dtype, has_bias=bias, has_mask=masked,
+                                  has_lengths=masked, packed=True) == backend
+
+
 def test_decode_kernel_passes_its_self_check():
     from qwen_apple_backend.ops.device import self_check_results
 
@@ -645,12 +670,13 @@ def test_decode_kernel_passes_its_self_check():
     _assert_decode_matches_reference(gd.gated_delta_decode(*args), args, "dispatcher")
 
 
-@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_next", "qwen3_5-concat"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
 def test_fused_layer_decode_uses_the_kernel_and_matches_stock(monkeypatch, variant, dtype):
     # Real GDN head sizes (Hk 16, Hv 32, Dk = Dv = 128) in a layer with a small
     # hidden size: 12 prefill tokens, then 4 decode tokens, each on the decode
-    # kernel, against stock mlx-lm's GatedDeltaNet.
+    # kernel, against stock mlx-lm's GatedDeltaNet. "-concat": the input
+    # projections concatenated (proj-concat), the kernel reading their row.
     from mlx.utils import tree_map_with_path
     from mlx_lm.models import qwen3_5, qwen3_next
     from mlx_lm.models.cache import ArraysCache
@@ -662,6 +688,8 @@ def test_fused_layer_decode_uses_the_kernel_and_matches_stock(monkeypatch, varia
                   linear_key_head_dim=128, linear_value_head_dim=128,
                   linear_conv_kernel_dim=4, rms_norm_eps=1e-6)
     mx.random.seed(0)
+    concat = variant.endswith("-concat")
+    variant = variant.removesuffix("-concat")
     if variant == "qwen3_5":
         stock = qwen3_5.GatedDeltaNet(qwen3_5.TextModelArgs(num_attention_heads=4, **fields))
         fused_cls = layer_mod.FusedGatedDeltaNet
@@ -680,10 +708,12 @@ def test_fused_layer_decode_uses_the_kernel_and_matches_stock(monkeypatch, varia
                                     stock.parameters()))
     stock.eval()
     fused = fused_cls.from_stock(stock)
+    if concat:
+        assert fused.concat_projections()
     calls = []
     real = layer_mod._decode_step_kernel
     monkeypatch.setattr(layer_mod, "_decode_step_kernel",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+                        lambda *a, **k: calls.append(a[-1] is not None) or real(*a, **k))
 
     cs, cf = ArraysCache(size=2), ArraysCache(size=2)
     x = mx.random.normal((1, 12, 512)).astype(dtype)
@@ -699,7 +729,7 @@ def test_fused_layer_decode_uses_the_kernel_and_matches_stock(monkeypatch, varia
         assert mx_rel_l2(yf, ys) <= out_tol, f"decode {step} out"
         assert mx.array_equal(cf[0], cs[0]).item(), f"decode {step} conv state"
         assert mx_rel_l2(cf[1], cs[1]) <= state_tol, f"decode {step} state"
-    assert len(calls) == 4
+    assert calls == [concat] * 4  # the packed row taken exactly when concatenated
     verdicts = {k: v for k, v in self_check_results().items() if k[0] == "gated_delta_decode"}
     assert verdicts and all(v == (True, "passed") for v in verdicts.values()), verdicts
 

@@ -636,12 +636,15 @@ GDN_DECODE_CASES = [
 GDN_DECODE_BLOCK = 64
 
 
-def _gdn_decode_instance(case, t):
+def _gdn_decode_instance(case, t, packed=False):
+    # packed: qkv, z, b and a are one [B, PROJ_W] row (the concatenated
+    # projection), read at channel offsets.
     B, Hk, Hv, Dk, Dv, Kc, bias, masked = case
     c = GDN_DECODE_C[t]
+    width = 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv
     return {"InT": c, "WT": c, "Hk": Hk, "Hv": Hv, "Dk": Dk, "Dv": Dv, "Kc": Kc,
             "BLOCK": GDN_DECODE_BLOCK, "HAS_BIAS": bias, "HAS_MASK": masked,
-            "HAS_LENGTHS": masked}
+            "HAS_LENGTHS": masked, "PROJ_W": width if packed else 0}
 
 
 @pytest.fixture(scope="module", params=["f32", "bf16"])
@@ -652,15 +655,17 @@ def gdn_decode_exe(request, tmp_path_factory):
     # dummies of their real type (the body reads them only when flagged).
     in_types = [t] * 7 + ["f32", t, t, "f32", "f32", "bool", "i32"]
     prog = _program("gated_delta_decode", in_types, [t, t, "f32"],
-                    [_gdn_decode_instance(c, t) for c in GDN_DECODE_CASES])
+                    [_gdn_decode_instance(c, t, packed) for packed in (False, True)
+                     for c in GDN_DECODE_CASES])
     prog = prog.replace(PRELUDE, PRELUDE + GDN_DECODE_PRELUDE, 1)
     prog = prog.replace("template <int InT, int WT,", "template <typename InT, typename WT,", 1)
     exe = _compile(tmp, prog)
     return exe, tmp, t
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["four-arrays", "packed"])
 @pytest.mark.parametrize("case", range(len(GDN_DECODE_CASES)))
-def test_gated_delta_decode_metal_emulated(gdn_decode_exe, case):
+def test_gated_delta_decode_metal_emulated(gdn_decode_exe, case, packed):
     from qwen_apple_backend.ops import gated_delta as gd
 
     exe, tmp, t = gdn_decode_exe
@@ -684,9 +689,12 @@ def test_gated_delta_decode_metal_emulated(gdn_decode_exe, case):
     eps = mx.array([1e-6], dtype=mx.float32)
     acts = [qkv, z, b, a, conv_state, conv_w, conv_b, A_log, dt_bias, norm_w, eps, state,
             mask, lengths]
+    if packed:
+        acts[:4] = [mx.concatenate([qkv, z, b, a], axis=-1)] * 4
     types = [t] * 7 + ["f32", t, t, "f32", "f32", "bool", "i32"]
     (out_bits, conv_bits, state_bits), peak = _run(
-        exe, tmp, case, [_gdn_decode_in(x, ty) for x, ty in zip(acts, types)],
+        exe, tmp, case + len(GDN_DECODE_CASES) * packed,
+        [_gdn_decode_in(x, ty) for x, ty in zip(acts, types)],
         [(B * Hv * Dv, GDN_DECODE_OUT_NP[t]), (B * (Kc - 1) * C, GDN_DECODE_OUT_NP[t]),
          (B * Hv * Dv * Dk, np.uint32)],
         grid=(GDN_DECODE_BLOCK, B * Hv, 1), threadgroup=(GDN_DECODE_BLOCK, 1, 1))

@@ -320,6 +320,11 @@ def _fake_decode_kernel(monkeypatch):
         # [B, 1]), and takes out as [B, 1, Hv * Dv]; rows of [B, ...] give
         # [B, Hv, Dv].
         B = qkv.shape[0]
+        proj = kw.pop("proj", None)
+        if proj is not None:
+            # The packed row is the four projections side by side.
+            assert mx.array_equal(proj.reshape(B, -1), mx.concatenate(
+                [x.reshape(B, -1) for x in (qkv, z, b, a)], axis=-1)).item()
         token_axis = qkv.ndim == 3
         if token_axis:
             qkv, z, b, a = (x.reshape(B, -1) for x in (qkv, z, b, a))

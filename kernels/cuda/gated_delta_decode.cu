@@ -45,6 +45,8 @@
 //
 // Launch: grid (BLOCK, B * Hv, 1) threads, threadgroup (BLOCK, 1, 1).
 // Inputs: qkv [B, 2 Hk Dk + Hv Dv] InT (channels q | k | v); z [B, Hv * Dv] InT;
+// (with PROJ_W > 0, qkv, z, b_proj and a_proj are one [B, PROJ_W] InT array,
+// channels q | k | v | z | b | a);
 // b_proj, a_proj [B, Hv] InT; conv_state [B, Kc - 1, conv_dim] InT; conv_w
 // [conv_dim, Kc, 1] WT; conv_b [conv_dim] WT (read only when HAS_BIAS);
 // A_log [Hv] float32; dt_bias [Hv] WT; norm_w [Dv] WT; norm_eps [1] float32;
@@ -58,6 +60,15 @@ constexpr int RPW = (Dv + NW - 1) / NW;   // state rows per warp
 constexpr int NPER = Dk / 32;             // state floats per lane and row
 constexpr int KEY_DIM = Hk * Dk;
 constexpr int CONV_DIM = 2 * KEY_DIM + Hv * Dv;
+// Where the projections are read: PROJ_W = 0, four arrays; else qkv, z,
+// b_proj and a_proj are one [B, PROJ_W] array, the concatenated input
+// projection's row qkv | z | b | a (no split views to encode per token).
+constexpr int QKV_ROW = PROJ_W ? PROJ_W : CONV_DIM;
+constexpr int Z_ROW = PROJ_W ? PROJ_W : Hv * Dv;
+constexpr int Z_OFF = PROJ_W ? CONV_DIM : 0;
+constexpr int BA_ROW = PROJ_W ? PROJ_W : Hv;
+constexpr int B_OFF = PROJ_W ? CONV_DIM + Hv * Dv : 0;
+constexpr int A_OFF = PROJ_W ? CONV_DIM + Hv * Dv + Hv : 0;
 constexpr int NCH = 2 * Dk + Dv;          // conv channels this block reads
 constexpr float QK_EPS = 1e-6f;
 __shared__ float conv_s[NCH];             // SiLU(conv): q (Dk), k (Dk), v (Dv)
@@ -113,7 +124,7 @@ for (int c = tid; c < NCH; c += BLOCK) {
   for (int j = 0; j < Kc - 1; ++j) {
     x[j] = static_cast<float>(conv_state[((size_t)b * (Kc - 1) + j) * CONV_DIM + ch]);
   }
-  x[Kc - 1] = live ? static_cast<float>(qkv[(size_t)b * CONV_DIM + ch]) : 0.f;
+  x[Kc - 1] = live ? static_cast<float>(qkv[(size_t)b * QKV_ROW + ch]) : 0.f;
   float acc = 0.f;
 #pragma unroll
   for (int j = 0; j < Kc; ++j) {
@@ -135,10 +146,10 @@ for (int c = tid; c < NCH; c += BLOCK) {
 
 // Gates (every thread; scalars of this head).
 const float decay = expf(A_log[hv]);
-const float ax = rnd(static_cast<float>(a_proj[bh]) + static_cast<float>(dt_bias_t[hv]));
+const float ax = rnd(static_cast<float>(a_proj[(size_t)b * BA_ROW + A_OFF + hv]) + static_cast<float>(dt_bias_t[hv]));
 const float sp = rnd(fmaxf(ax, 0.f) + log1pf(expf(-fabsf(ax))));  // softplus, stable
 const float gate = expf(-decay * sp);
-const float beta = rnd(1.f / (1.f + expf(-static_cast<float>(b_proj[bh]))));
+const float beta = rnd(1.f / (1.f + expf(-static_cast<float>(b_proj[(size_t)b * BA_ROW + B_OFF + hv]))));
 __syncthreads();
 
 // Phase 2: l2-normalised k and q (q also scaled by Dk^-0.5), this lane's part,
@@ -238,6 +249,6 @@ const float inv = rsqrtf(ss / static_cast<float>(Dv) + norm_eps[0]);
 for (int dv = tid; dv < Dv; dv += BLOCK) {
   // rms_norm rounds x * inv to the input dtype, then multiplies by the weight.
   const float xw = rnd(static_cast<float>(norm_w_t[dv]) * rnd(y_s[dv] * inv));
-  const float zz = static_cast<float>(z[(size_t)bh * Dv + dv]);
+  const float zz = static_cast<float>(z[(size_t)b * Z_ROW + Z_OFF + (size_t)hv * Dv + dv]);
   out[(size_t)bh * Dv + dv] = static_cast<InT>(zz / (1.f + expf(-zz)) * xw);
 }

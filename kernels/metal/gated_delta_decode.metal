@@ -12,6 +12,8 @@
 //
 // Launch: grid (BLOCK, B * Hv, 1) threads, threadgroup (BLOCK, 1, 1).
 // Inputs: qkv [B, 2 Hk Dk + Hv Dv] InT (channels q | k | v); z [B, Hv * Dv] InT;
+// (with PROJ_W > 0, qkv, z, b_proj and a_proj are one [B, PROJ_W] InT array,
+// channels q | k | v | z | b | a);
 // b_proj, a_proj [B, Hv] InT; conv_state [B, Kc - 1, conv_dim] InT; conv_w
 // [conv_dim, Kc, 1] WT; conv_b [conv_dim] WT (read only when HAS_BIAS);
 // A_log [Hv] float32; dt_bias [Hv] WT; norm_w [Dv] WT; norm_eps [1] float32;
@@ -28,6 +30,15 @@ constexpr int RPW = (Dv + NW - 1) / NW;
 constexpr int NPER = Dk / 32;
 constexpr int KEY_DIM = Hk * Dk;
 constexpr int CONV_DIM = 2 * KEY_DIM + Hv * Dv;
+// Where the projections are read: PROJ_W = 0, four arrays; else qkv, z,
+// b_proj and a_proj are one [B, PROJ_W] array, the concatenated input
+// projection's row qkv | z | b | a (no split views to encode per token).
+constexpr int QKV_ROW = PROJ_W ? PROJ_W : CONV_DIM;
+constexpr int Z_ROW = PROJ_W ? PROJ_W : Hv * Dv;
+constexpr int Z_OFF = PROJ_W ? CONV_DIM : 0;
+constexpr int BA_ROW = PROJ_W ? PROJ_W : Hv;
+constexpr int B_OFF = PROJ_W ? CONV_DIM + Hv * Dv : 0;
+constexpr int A_OFF = PROJ_W ? CONV_DIM + Hv * Dv + Hv : 0;
 constexpr int NCH = 2 * Dk + Dv;
 constexpr float QK_EPS = 1e-6f;
 threadgroup float conv_s[NCH];
@@ -79,7 +90,7 @@ for (int c = tid; c < NCH; c += BLOCK) {
   for (int j = 0; j < Kc - 1; ++j) {
     x[j] = static_cast<float>(conv_state[(size_t(b) * (Kc - 1) + j) * CONV_DIM + ch]);
   }
-  x[Kc - 1] = live ? static_cast<float>(qkv[size_t(b) * CONV_DIM + ch]) : 0.0f;
+  x[Kc - 1] = live ? static_cast<float>(qkv[size_t(b) * QKV_ROW + ch]) : 0.0f;
   float acc = 0.0f;
   for (int j = 0; j < Kc; ++j) {
     acc += static_cast<float>(conv_w_t[size_t(ch) * Kc + j]) * x[j];
@@ -98,11 +109,11 @@ for (int c = tid; c < NCH; c += BLOCK) {
 }
 
 const float decay = metal::exp(A_log[hv]);
-const float ax = QAB_RND(static_cast<float>(a_proj[bh]) + static_cast<float>(dt_bias_t[hv]));
+const float ax = QAB_RND(static_cast<float>(a_proj[size_t(b) * BA_ROW + A_OFF + hv]) + static_cast<float>(dt_bias_t[hv]));
 const float sp =
     QAB_RND((ax > 0.0f ? ax : 0.0f) + metal::log(1.0f + metal::exp(-metal::fabs(ax))));
 const float gate = metal::exp(-decay * sp);
-const float beta = QAB_RND(1.0f / (1.0f + metal::exp(-static_cast<float>(b_proj[bh]))));
+const float beta = QAB_RND(1.0f / (1.0f + metal::exp(-static_cast<float>(b_proj[size_t(b) * BA_ROW + B_OFF + hv]))));
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
 // Phase 2: l2-normalised k and q (q also scaled by Dk^-0.5).
@@ -177,7 +188,7 @@ ss = simd_sum(ss);
 const float inv = metal::rsqrt(ss / float(Dv) + norm_eps[0]);
 for (int dv = tid; dv < Dv; dv += BLOCK) {
   const float xw = QAB_RND(static_cast<float>(norm_w_t[dv]) * QAB_RND(y_s[dv] * inv));
-  const float zz = static_cast<float>(z[size_t(bh) * Dv + dv]);
+  const float zz = static_cast<float>(z[size_t(b) * Z_ROW + Z_OFF + size_t(hv) * Dv + dv]);
   out[size_t(bh) * Dv + dv] = static_cast<InT>(zz / (1.0f + metal::exp(-zz)) * xw);
 }
 #undef QAB_RND

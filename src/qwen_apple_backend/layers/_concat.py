@@ -176,6 +176,10 @@ class ConcatProjection:
 
     def __call__(self, x: mx.array) -> list:
         """Outputs of every child for input ``x``, from one matmul."""
+        return mx.split(self.matmul(x), self.split_at, axis=-1)
+
+    def matmul(self, x: mx.array) -> mx.array:
+        """The one matmul's output, ``[..., sum of the children's outputs]``, not split."""
         c = self.cat
         if self.kind[0] == "q":
             y = mx.quantized_matmul(x, c["weight"], c["scales"], c.get("biases"), transpose=True,
@@ -185,4 +189,4 @@ class ConcatProjection:
             y = x @ c["weight"].T
         if "bias" in c:
             y = y + c["bias"]
-        return mx.split(y, self.split_at, axis=-1)
+        return y

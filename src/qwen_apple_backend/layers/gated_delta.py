@@ -161,12 +161,14 @@ def _decode_step(
 @mx.compile
 def _decode_step_kernel(
     projs, conv_state, state, conv_w, conv_b, A_log, dt_bias, norm_w, mask, lengths,
-    layout, Hk, Hv, Dk, Dv, norm_eps,
+    layout, Hk, Hv, Dk, Dv, norm_eps, packed=None,
 ):
     """:func:`_decode_step` as one GPU launch (``gated_delta_decode_kernel``).
 
     Only the (Qwen3-Next) reordering of the projections runs before it; call
-    it only after ``decode_kernel_ready`` said yes for these shapes.
+    it only after ``decode_kernel_ready`` said yes for these shapes (with
+    ``packed``, the concatenated projection's unsplit output, after it said
+    yes with ``packed=True``).
     """
     # Qwen3.5's four projections go in as they are, [B, 1, ...] (the kernel
     # reads rows flatly; every reshape would be a primitive encoded per token),
@@ -175,7 +177,7 @@ def _decode_step_kernel(
                     else _split_projections(layout, projs, Hk, Hv, Dk, Dv))
     out, new_conv_state, state = gated_delta_decode_kernel(
         qkv, z, b, a, conv_state, conv_w, conv_b, A_log, dt_bias, norm_w, state,
-        mask, lengths, norm_eps=norm_eps,
+        mask, lengths, norm_eps=norm_eps, proj=packed,
     )
     return out, new_conv_state, state
 
@@ -287,14 +289,20 @@ class FusedGatedDeltaNet(nn.Module):
         object.__setattr__(self, "_proj_cat", cat)
         return cat is not None
 
-    def _projections(self, inputs: mx.array) -> tuple:
+    def _projections_packed(self, inputs: mx.array) -> tuple:
+        """``(projections, packed)``: the input projections' outputs and, when they ran as
+        one concatenated matmul, its unsplit output (else None). The split views
+        cost nothing when only ``packed`` is used: MLX encodes what a launch reads."""
         cat = getattr(self, "_proj_cat", None)
         if cat is not None and cat.valid(self):
-            return tuple(cat(inputs))
-        return tuple(getattr(self, n)(inputs) for n in self._PROJECTIONS)
+            y = cat.matmul(inputs)
+            return tuple(mx.split(y, cat.split_at, axis=-1)), y
+        return tuple(getattr(self, n)(inputs) for n in self._PROJECTIONS), None
 
-    def _decode_kernel_ready(self, projs, conv_state, conv_b, mask, lengths) -> bool:
-        """Whether this one-token call may run the one-launch decode kernel.
+    def _decode_kernel_ready(self, projs, conv_state, conv_b, mask, lengths,
+                             packed: bool = False) -> bool:
+        """Whether this one-token call may run the one-launch decode kernel
+        (with ``packed``: reading the concatenated projection's row itself).
 
         Called outside ``mx.compile`` (the first call per shape class runs the
         kernel's self-check). Needs the projections, the conv state and the
@@ -309,7 +317,7 @@ class FusedGatedDeltaNet(nn.Module):
         return decode_kernel_ready(
             self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim,
             weight.shape[1], dtype, has_bias=conv_b is not None,
-            has_mask=mask is not None, has_lengths=lengths is not None,
+            has_mask=mask is not None, has_lengths=lengths is not None, packed=packed,
         ) is not None
 
     def __call__(
@@ -343,7 +351,7 @@ class FusedGatedDeltaNet(nn.Module):
 
         Hk, Hv = self.num_k_heads, self.num_v_heads
         Dk, Dv = self.head_k_dim, self.head_v_dim
-        projs = self._projections(inputs)
+        projs, packed = self._projections_packed(inputs)
 
         if cache is not None and cache[0] is not None:
             conv_state = cache[0]
@@ -363,6 +371,12 @@ class FusedGatedDeltaNet(nn.Module):
         allow_kernel = self.use_kernel and not self.training
         decode_kernel = S == 1 and allow_kernel and self._decode_kernel_ready(
             projs, conv_state, conv_b, mask, lengths)
+        # Qwen3.5's four projections as one row: the kernel reads it at channel
+        # offsets, so the concatenated matmul's Split is not encoded per token.
+        if not (decode_kernel and self._LAYOUT == "qwen3_5" and packed is not None
+                and self._decode_kernel_ready(projs, conv_state, conv_b, mask, lengths,
+                                              packed=True)):
+            packed = None
         use_kernel = allow_kernel and not decode_kernel and kernel_ready(
             Hk, Hv, Dk, Dv, inputs.dtype) is not None
 
@@ -370,7 +384,7 @@ class FusedGatedDeltaNet(nn.Module):
             out, new_conv_state, state = _decode_step_kernel(
                 projs, conv_state, state, self.conv1d.weight, conv_b,
                 self.A_log, self.dt_bias, self.norm.weight, mask, lengths,
-                self._LAYOUT, Hk, Hv, Dk, Dv, self.norm.eps,
+                self._LAYOUT, Hk, Hv, Dk, Dv, self.norm.eps, packed,
             )
         elif S == 1:
             out, new_conv_state, state = _decode_step(

@@ -1032,14 +1032,25 @@ def _decode_supported(Dk: int, Dv: int, Kc: int, dtype: mx.Dtype, block: int = 0
 
 def _decode_kernel_call(backend: str, qkv, z, b, a, conv_state, conv_w, conv_b, A_log, dt_bias,
                         norm_w, state, mask=None, lengths=None, *, norm_eps: float = 1e-6,
-                        block: int = 0):
+                        block: int = 0, proj=None):
     Hk, Hv, Dk, Dv, Kc = _check_decode(qkv, z, b, a, conv_state, conv_w, conv_b, A_log,
                                        dt_bias, norm_w, state, mask, lengths, token_axis=True)
+    proj_w = 0
+    if proj is not None:
+        # The concatenated input projection's row, read at channel offsets:
+        # qkv, z, b and a are only checked (views never passed: not encoded).
+        proj_w = qkv.shape[-1] + Hv * Dv + 2 * Hv
+        B = state.shape[0]
+        if not (_token_rows(proj, B, proj_w) and proj.dtype == qkv.dtype):
+            raise ValueError(f"proj must be [{B}, {proj_w}] or [{B}, 1, {proj_w}] of "
+                             f"{qkv.dtype} (qkv | z | b | a); got {list(proj.shape)} "
+                             f"{proj.dtype}")
+        qkv = z = b = a = proj
     obj = _decode_kernel_object(backend)
     if obj is None:
         raise RuntimeError(f"no gated_delta_decode source or MLX API for {backend}")
     block = block or _DECODE_BLOCK
-    B, C = qkv.shape[0], qkv.shape[-1]
+    B, C = state.shape[0], conv_state.shape[-1]
     # The kernel reads rows flatly: [B, 1, ...] inputs (the layer's projections)
     # go in without a reshape, and then out comes as [B, 1, Hv * Dv], the
     # shape the output projection takes (each reshape is a primitive the host
@@ -1060,7 +1071,7 @@ def _decode_kernel_call(backend: str, qkv, z, b, a, conv_state, conv_w, conv_b, 
                 lengths.astype(mx.int32) if has_lengths else A],
         template=[("InT", dt), ("WT", wt), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv),
                   ("Kc", Kc), ("BLOCK", block), ("HAS_BIAS", has_bias),
-                  ("HAS_MASK", has_mask), ("HAS_LENGTHS", has_lengths)],
+                  ("HAS_MASK", has_mask), ("HAS_LENGTHS", has_lengths), ("PROJ_W", proj_w)],
         grid=(block, B * Hv, 1),
         threadgroup=(block, 1, 1),
         output_shapes=[out_shape, (B, Kc - 1, C), (B, Hv, Dv, Dk)],
@@ -1106,6 +1117,7 @@ def decode_kernel_ready(
     has_bias: bool = False,
     has_mask: bool = False,
     has_lengths: bool = False,
+    packed: bool = False,
 ) -> Optional[str]:
     """The GPU backend whose fused decode-step kernel may run these shapes, or None.
 
@@ -1123,6 +1135,8 @@ def decode_kernel_ready(
         has_bias (bool): a conv bias is given. Default False.
         has_mask (bool): an SSM mask is given. Default False.
         has_lengths (bool): ``lengths`` are given. Default False.
+        packed (bool): the projections come as one concatenated row (``proj=`` of
+            :func:`gated_delta_decode_kernel`); checked on its own. Default False.
 
     Returns:
         Optional[str]: ``"cuda"`` / ``"metal"``, or None (CPU, kernels
@@ -1142,10 +1156,15 @@ def decode_kernel_ready(
     # at the same points, in different elementwise implementations: measured
     # rel-L2 3.4e-3 on out and 1.5e-3 on the state at Hk=16, Hv=32, Dk=Dv=128.
     rtol = 2e-3 if dtype == mx.float32 else 2e-2
+    def packed_call(qkv, z, b, a, *rest):
+        return _decode_kernel_call(backend, qkv, z, b, a, *rest,
+                                   proj=mx.concatenate([qkv, z, b, a], axis=-1))
+
     ok = self_checked(
         "gated_delta_decode", backend,
-        (Hk, Hv, Dk, Dv, Kc, str(dtype), has_bias, has_mask, has_lengths),
-        kernel=lambda *args: _decode_kernel_call(backend, *args),
+        (Hk, Hv, Dk, Dv, Kc, str(dtype), has_bias, has_mask, has_lengths)
+        + (("packed",) if packed else ()),
+        kernel=packed_call if packed else (lambda *args: _decode_kernel_call(backend, *args)),
         reference=gated_delta_decode_ops,
         make_inputs=_decode_self_check_inputs(Hk, Hv, Dk, Dv, Kc, dtype, has_bias, has_mask,
                                               has_lengths),
@@ -1170,6 +1189,7 @@ def gated_delta_decode_kernel(
     lengths: Optional[mx.array] = None,
     *,
     norm_eps: float = 1e-6,
+    proj: Optional[mx.array] = None,
 ) -> Tuple[mx.array, mx.array, mx.array]:
     """One decode token of a GDN layer in one GPU launch (``kernels/*/gated_delta_decode``).
 
@@ -1187,7 +1207,12 @@ def gated_delta_decode_kernel(
     float32, bfloat16 or float16). Also accepted, with no reshape: ``qkv``,
     ``z``, ``b``, ``a`` with their token axis, ``[B, 1, ...]`` (``z`` e.g.
     ``[B, 1, Hv, Dv]``), and ``mask`` ``[B, 1]``; then ``out`` is
-    ``[B, 1, Hv * Dv]``.
+    ``[B, 1, Hv * Dv]``. With ``proj`` (the concatenated input projection's
+    output, ``[B, 2 Hk Dk + 2 Hv Dv + 2 Hv]`` or with its token axis: channels
+    q | k | v | z | b | a) the kernel reads that one array at channel offsets
+    and ``qkv``, ``z``, ``b``, ``a`` (its split views) are only checked: split
+    views that no launch takes are never encoded. Use it after
+    ``decode_kernel_ready(..., packed=True)``.
 
     Returns:
         Tuple[mx.array, mx.array, mx.array]: ``(out, conv_state, state)``;
@@ -1204,7 +1229,8 @@ def gated_delta_decode_kernel(
             f"(backend {backend or 'cpu'})"
         )
     return _decode_kernel_call(backend, qkv, z, b, a, conv_state, conv_w, conv_b, A_log,
-                               dt_bias, norm_w, state, mask, lengths, norm_eps=norm_eps)
+                               dt_bias, norm_w, state, mask, lengths, norm_eps=norm_eps,
+                               proj=proj)
 
 
 def gated_delta_decode(
