@@ -35,6 +35,7 @@ import argparse
 import csv
 import ctypes
 import json
+import math
 import re
 import sys
 from collections import defaultdict
@@ -125,11 +126,11 @@ def summarize(csv_path: Path, tokens: int) -> dict:
         try:
             value = float(text)
         except ValueError:
-            value = float("nan")
+            value = math.nan
         if unit not in _UNITS:
             raise SystemExit(f"{csv_path}: row {i}: unknown time unit {unit!r} "
                              f"(known: {', '.join(_UNITS)})")
-        if not value >= 0 or value == float("inf"):
+        if not (math.isfinite(value) and value >= 0):
             raise SystemExit(f"{csv_path}: row {i}: metric value {text!r} is not a "
                              "duration >= 0")
         rows.append((kernel_group(rec.get("Kernel Name") or ""), value * _UNITS[unit],
