@@ -90,17 +90,13 @@ _UNITS = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3
           "second": 1e6, "s": 1e6}
 
 
-def summarize(csv_path: Path, tokens: int) -> dict:
-    """Per-kernel-group launches and microseconds per token from an ncu ``--csv`` log.
-
-    Args:
-        csv_path (Path): ``ncu --csv --metrics gpu__time_duration.sum`` output (its
-            own ``==PROF==`` log lines are skipped, as are other metrics' rows).
-        tokens (int): decode tokens the log covers.
+def read_rows(csv_path: Path) -> list[tuple[str, float, str, str]]:
+    """The kernel launches of an ncu ``--csv`` log, in launch order.
 
     Returns:
-        dict: ``kernels`` (one row per group, largest first), ``launches_per_token``,
-        ``kernel_us_per_token`` and ``notes`` (e.g. launches not a multiple of tokens).
+        list: ``(kernel group, microseconds, grid size, block size)`` per launch
+        (:func:`kernel_group` names; ncu's own ``==PROF==`` lines and other
+        metrics' rows skipped).
 
     Raises:
         SystemExit: with a one-line message naming the file (and row) when it
@@ -138,6 +134,27 @@ def summarize(csv_path: Path, tokens: int) -> dict:
     if not rows:
         raise SystemExit(f"{csv_path}: no gpu__time_duration.sum rows (was ncu run with "
                          "--metrics gpu__time_duration.sum --csv?)")
+    return rows
+
+
+def summarize(csv_path: Path, tokens: int) -> dict:
+    """Per-kernel-group launches and microseconds per token from an ncu ``--csv`` log.
+
+    Args:
+        csv_path (Path): ``ncu --csv --metrics gpu__time_duration.sum`` output (its
+            own ``==PROF==`` log lines are skipped, as are other metrics' rows).
+        tokens (int): decode tokens the log covers.
+
+    Returns:
+        dict: ``kernels`` (one row per group, largest first), ``launches_per_token``,
+        ``kernel_us_per_token`` and ``notes`` (e.g. launches not a multiple of tokens).
+
+    Raises:
+        SystemExit: with a one-line message naming the file (and row) when it
+            cannot be read, has no time rows, or holds a value or unit it
+            cannot convert.
+    """
+    rows = read_rows(csv_path)
     groups = defaultdict(lambda: {"launches": 0, "us": 0.0, "grids": set()})
     for name, us, grid, block in rows:
         g = groups[name]

@@ -88,10 +88,11 @@ CASES = {
     "moe_combine": (
         ["bf16", "u32", "bf16", "bf16", "bf16"], ["bf16"], {"OutT": "bf16", "H": 2048, "K": 8}),
     # The longest matrix rows (GDN out_proj / o_proj, K = 4096), 2 row sets per warp.
+    # With the RMSNorm prologue (norm-proj; the plain path is NORM = false).
     "quantized_gemv": (
-        ["bf16", "u32", "bf16", "bf16"], ["bf16"],
+        ["bf16", "u32", "bf16", "bf16", "bf16", "f32"], ["bf16"],
         {"OutT": "bf16", "ST": "bf16", "KD": 4096, "N": 12352, "G": 64, "M": 1, "LPR": 32,
-         "RPW": 2}),
+         "RPW": 2, "NORM": True}),
     "gated_delta_decode": (
         ["bf16", "bf16", "bf16", "bf16", "bf16", "bf16", "bf16", "f32", "bf16", "bf16", "f32",
          "f32", "bool", "i32"], ["bf16", "bf16", "f32"],

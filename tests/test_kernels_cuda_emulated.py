@@ -839,6 +839,96 @@ def test_quantized_gemv_dispatcher_self_checks_the_emulated_kernel(_emulated_gem
     reset_self_checks()
 
 
+def _norm_gemv_case(M, N, K, G, dtype, seed):
+    k = mx.random.split(mx.random.key(seed), 3)
+    w = (mx.random.normal((N, K), key=k[0]) * K ** -0.5).astype(dtype)
+    wq, s, b = mx.quantize(w, group_size=G, bits=4)
+    x = (3.0 * mx.random.normal((M, 1, K), key=k[1])).astype(dtype)
+    nw = (1.0 + 0.2 * mx.random.normal((K,), key=k[2])).astype(dtype)
+    return x, nw, wq, s, b
+
+
+def _assert_norm_gemv(y, x, nw, eps, wq, s, b, G):
+    dtype = x.dtype
+    xn = mx.fast.rms_norm(x, nw, eps)
+    ref = xn.astype(mx.float32) @ mx.dequantize(wq, s.astype(mx.float32),
+                                                b.astype(mx.float32), group_size=G, bits=4).T
+    assert y.shape == (*x.shape[:-1], wq.shape[0]) and y.dtype == dtype
+    tol = 1e-5 if dtype == mx.float32 else 1e-2
+    assert mx_rel_l2(y, ref) <= tol
+    # Against the plain kernel on the stock norm's output: the normalised row
+    # differs only where the float32 sum of squares, summed in another order,
+    # moves a value across a rounding boundary.
+    plain = lin_ops.quantized_gemv_kernel(xn, wq, s, b, G)
+    assert mx_rel_l2(y, plain) <= (1e-6 if dtype == mx.float32 else 2e-3)
+
+
+@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_norm_gemv_emulated(case, _emulated_gemv):
+    M, N, K, G, dt = case
+    x, nw, wq, s, b = _norm_gemv_case(M, N, K, G, _DT[dt], seed=N + K)
+    y = lin_ops.norm_gemv_kernel(x, nw, 1e-6, wq, s, b, G)
+    _assert_norm_gemv(y, x, nw, 1e-6, wq, s, b, G)
+
+
+NORM_GEMV_BROKEN = {
+    # The mean of squares over the wrong length.
+    "norm over KD / 2": ("total / static_cast<float>(KD)", "total / static_cast<float>(KD / 2)"),
+    # Row 0's norm for every row.
+    "one row's norm": ("v[e] * xinv[m]", "v[e] * xinv[0]"),
+    # The partials read before every warp has written them.
+    "missing barrier": ("""  }
+  __syncthreads();
+  if (tid < M) {""", """  }
+  if (tid < M) {"""),
+}
+
+
+@pytest.mark.parametrize("what", sorted(NORM_GEMV_BROKEN))
+def test_broken_norm_gemv_fails(monkeypatch, what):
+    old, new = NORM_GEMV_BROKEN[what]
+    src = kernel_source("quantized_gemv", "cuda")
+    assert src.body.count(old) == 1, what
+    monkeypatch.setattr(lin_ops, "build_kernel", lambda name, backend, **o: emu.build_kernel(
+        name, backend, source=src.body.replace(old, new), **o))
+    lin_ops._gemv_object.cache_clear()
+    try:
+        x, nw, wq, s, b = _norm_gemv_case(3, 77, 640, 32, mx.float32, seed=5)
+        with pytest.raises(AssertionError) as failure:
+            y = lin_ops.norm_gemv_kernel(x, nw, 1e-6, wq, s, b, 32)
+            _assert_norm_gemv(y, x, nw, 1e-6, wq, s, b, 32)
+        assert not isinstance(failure.value, emu.KernelCompileError), str(failure.value)
+    finally:
+        lin_ops._gemv_object.cache_clear()
+
+
+def test_norm_gemv_dispatcher_self_checks_the_emulated_kernel(_emulated_gemv, monkeypatch):
+    from qwen_apple_backend.ops.device import reset_self_checks, self_check_results
+
+    monkeypatch.setattr(lin_ops, "gpu_backend", lambda: "cuda")
+    reset_self_checks()
+    try:
+        x, nw, wq, s, b = _norm_gemv_case(1, 96, 512, 64, mx.bfloat16, seed=13)
+        # Below the plain kernel's size rule: the norm launch takes any size.
+        assert lin_ops.gemv_ready(x, wq, s, b, 64) is None
+        assert lin_ops.norm_gemv_ready(x, nw, 1e-6, wq, s, b, 64) == "cuda"
+        verdicts = {k: v for k, v in self_check_results().items() if k[0] == "quantized_gemv"}
+        assert list(verdicts.values()) == [(True, "passed")]
+        assert next(iter(verdicts))[2][:2] == ("norm", 1e-6)
+        y = lin_ops.norm_gemv(x, nw, 1e-6, wq, s, b, group_size=64, bits=4, backend="cuda")
+        _assert_norm_gemv(y, x, nw, 1e-6, wq, s, b, 64)
+        # Without a backend: the stock norm, then MLX's quantized matmul.
+        plain = lin_ops.norm_gemv(x, nw, 1e-6, wq, s, b, group_size=64, bits=4)
+        ref = mx.quantized_matmul(mx.fast.rms_norm(x, nw, 1e-6), wq, s, b, group_size=64,
+                                  bits=4)
+        assert mx.array_equal(plain, ref).item()
+        # Outside the contract (norm weight of another width or dtype): no backend.
+        assert lin_ops.norm_gemv_ready(x, nw[:256], 1e-6, wq, s, b, 64) is None
+        assert lin_ops.norm_gemv_ready(x, nw.astype(mx.float32), 1e-6, wq, s, b, 64) is None
+    finally:
+        reset_self_checks()
+
+
 # --------------------------------------------------------------------------
 # MoE router: softmax + top-K + renormalisation in one launch
 # (kernels/cuda/moe_router_topk.cu), through ops.moe's launch code

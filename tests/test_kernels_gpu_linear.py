@@ -89,3 +89,51 @@ def test_gemv_ready_passes_and_linear_takes_the_kernel(monkeypatch):
     ref = x.astype(mx.float32) @ mx.dequantize(q["weight"], q["scales"].astype(mx.float32),
                                                q["biases"].astype(mx.float32), 64, 4).T
     assert mx_rel_l2(ql.linear(q, x), ref) <= 1e-2
+
+
+# The norm + GEMV launch (norm-proj): the mixers' concatenated projections
+# (GDN in_proj, attention q|k|v), then odd shapes.
+NORM_SHAPES = [
+    (1, 12352, 2048, 64),
+    (1, 9216, 2048, 64),
+    (2, 12352, 2048, 64),
+    (1, 333, 640, 64),
+    (3, 77, 96, 32),
+]
+
+
+@pytest.mark.parametrize("shape", NORM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16],
+                         ids=["f32", "bf16", "f16"])
+def test_norm_gemv_kernel(shape, dtype):
+    M, N, K, G = shape
+    wq, s, b = _weights(N, K, G, seed=N + K + 1)
+    s, b = s.astype(dtype), b.astype(dtype)
+    k = mx.random.split(mx.random.key(M * N + 1), 2)
+    x = (3.0 * mx.random.normal((M, 1, K), key=k[0])).astype(dtype)
+    nw = (1.0 + 0.2 * mx.random.normal((K,), key=k[1])).astype(dtype)
+    y = ql.norm_gemv_kernel(x, nw, 1e-6, wq, s, b, G)
+    xn = mx.fast.rms_norm(x, nw, 1e-6)
+    wf = mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32), group_size=G, bits=4)
+    ref = mx.matmul(xn.astype(mx.float32), wf.T, stream=mx.cpu)  # no TF32 (see above)
+    assert y.shape == (M, 1, N) and y.dtype == dtype
+    tol = 1e-5 if dtype == mx.float32 else 1e-2
+    err = mx_rel_l2(y, ref)
+    assert err <= tol, f"rel-L2 {err:.3g} > {tol} at {shape} {dtype}"
+    # Against the plain kernel on MLX's own GPU norm: only rounding-boundary
+    # flips of the normalised row (the float32 sum of squares in another order).
+    plain = ql.quantized_gemv_kernel(xn, wq, s, b, G)
+    err = mx_rel_l2(y, plain)
+    assert err <= (1e-6 if dtype == mx.float32 else 2e-3), f"vs plain {err:.3g}"
+
+
+def test_norm_gemv_ready_passes():
+    from qwen_apple_backend.ops.device import self_check_results
+
+    wq, s, b = _weights(12352, 2048, 64, seed=3)
+    x = mx.random.normal((1, 1, 2048)).astype(mx.bfloat16)
+    nw = mx.ones((2048,), dtype=mx.bfloat16)
+    assert ql.norm_gemv_ready(x, nw, 1e-6, wq, s, b, 64) == "cuda"
+    verdicts = {k: v for k, v in self_check_results().items()
+                if k[0] == "quantized_gemv" and k[2][0] == "norm"}
+    assert verdicts and all(v == (True, "passed") for v in verdicts.values()), verdicts

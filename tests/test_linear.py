@@ -78,7 +78,9 @@ def test_cpu_runs_mlx_unchanged():
     assert mx.array_equal(ql.linear(q, x), q(x)).item()
 
 
-def _reference_kernel(x, w, scales, biases, group_size):
+def _reference_kernel(x, w, scales, biases, group_size, norm_weight=None, eps=0.0):
+    if norm_weight is not None:
+        x = mx.fast.rms_norm(x, norm_weight, eps)
     wf = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32),
                        group_size=group_size, bits=4)
     return (x.astype(mx.float32) @ wf.T).astype(x.dtype)
@@ -87,11 +89,13 @@ def _reference_kernel(x, w, scales, biases, group_size):
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """ops.linear on a pretend CUDA device whose kernel is ``state['kernel']``."""
-    state = {"calls": 0, "kernel": _reference_kernel}
+    state = {"calls": 0, "norm_calls": 0, "kernel": _reference_kernel}
 
-    def kernel(*a):
+    def kernel(*a, **kw):
         state["calls"] += 1
-        return state["kernel"](*a)
+        if kw.get("norm_weight") is not None:
+            state["norm_calls"] += 1
+        return state["kernel"](*a, **kw)
 
     monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
     monkeypatch.setattr(ql, "gpu_backend", lambda: "cuda")
@@ -169,7 +173,9 @@ def test_lm_head_class_swap_keeps_parameters_and_outputs():
 
 
 def test_fused_decode_takes_the_kernel_for_lm_head_only(tiny_q4, fake_cuda, monkeypatch):
-    monkeypatch.delenv("QAB_DISABLE", raising=False)
+    # The plain GEMV serves lm_head only (the mixers' projections with their
+    # input norm, norm-proj, have their own test below).
+    monkeypatch.setenv("QAB_DISABLE", "norm-proj")
     fused, _ = load(tiny_q4, "fused")
     stock, _ = load(tiny_q4, "stock")
     text = fused.language_model
@@ -199,4 +205,57 @@ def test_ablation_switch_turns_it_off(tiny_q4, fake_cuda, monkeypatch):
     cache = make_prompt_cache(fused)
     fused(mx.array([[1, 2, 3]]), cache=cache)
     fused(mx.array([[4]]), cache=cache)
-    assert fake_cuda["calls"] == 0
+    assert fake_cuda["calls"] == fake_cuda["norm_calls"]  # lm_head: none of the plain GEMV
+
+
+def _mixer_projection_rows(text) -> set:
+    """Rows of each decoder layer's concatenated mixer projection."""
+    rows = set()
+    for layer in text.model.layers:
+        mixer = layer.linear_attn if layer.is_linear else layer.self_attn
+        rows.add(sum(mixer._proj_cat.sizes))
+    return rows
+
+
+def test_fused_decode_runs_the_input_norm_in_the_mixers_projection(tiny_q4, fake_cuda,
+                                                                    monkeypatch):
+    # norm-proj: a decode token's input RMSNorm and the mixer's concatenated
+    # projection are one launch of the GEMV kernel (here the fake), per layer.
+    monkeypatch.delenv("QAB_DISABLE", raising=False)
+    fused, _ = load(tiny_q4, "fused")
+    stock, _ = load(tiny_q4, "stock")
+    text = fused.language_model
+    prompt = mx.array([[(i * 37) % 900 for i in range(12)]])
+    cf, cs = make_prompt_cache(fused), make_prompt_cache(stock)
+    yf, ys = fused(prompt, cache=cf), stock(prompt, cache=cs)
+    assert fake_cuda["norm_calls"] == 0  # prefill rows > GEMV_MAX_ROWS: the norm, then MLX
+    assert mx.array_equal(yf, ys).item()
+    tok = mx.array([[5]])
+    yf, ys = fused(tok, cache=cf), stock(tok, cache=cs)
+    keys = {k[2] for k in device.self_check_results()
+            if k[0] == "quantized_gemv" and k[2][0] == "norm"}
+    # ("norm", eps, M, N, K, ...): one self-check per mixer projection shape.
+    assert {k[3] for k in keys} == _mixer_projection_rows(text)
+    assert {k[2] for k in keys} == {1}
+    before = fake_cuda["norm_calls"]
+    yf2, ys2 = fused(tok, cache=cf), stock(tok, cache=cs)
+    # Every Gated DeltaNet layer calls it; the attention layers' compiled
+    # projection step called it when traced and replays it since.
+    linear = [layer.is_linear for layer in text.model.layers]
+    assert fake_cuda["norm_calls"] - before == sum(linear) and not all(linear)
+    for layer in text.model.layers:
+        if not layer.is_linear:
+            assert any(key[2] == "cuda" for key in layer.self_attn._compiled)
+    # The fake kernel computes in float32: bf16 logits close to stock's.
+    assert mx_rel_l2(yf2, ys2) <= 2e-2 and mx_rel_l2(yf, ys) <= 2e-2
+
+
+def test_norm_proj_ablation_runs_the_norm_first(tiny_q4, fake_cuda, monkeypatch):
+    monkeypatch.setenv("QAB_DISABLE", "norm-proj")
+    fused, _ = load(tiny_q4, "fused")
+    assert any("norm-proj" in n for n in get_report(fused).notes)
+    cache = make_prompt_cache(fused)
+    fused(mx.array([[1, 2, 3]]), cache=cache)
+    fused(mx.array([[4]]), cache=cache)
+    fused(mx.array([[4]]), cache=cache)
+    assert fake_cuda["norm_calls"] == 0

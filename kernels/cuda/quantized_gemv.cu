@@ -18,11 +18,21 @@
 // Nibbles become floats with the 2^23 trick (or into a float's mantissa, then
 // subtract 2^23): two integer ops and one add instead of a slow conversion.
 //
+// NORM: x is the un-normalised input and the kernel stages its RMSNorm
+// instead (a decoder layer's input norm and the projection after it, one
+// launch): per row m, inv = rsqrt(sum_k x[m, k]^2 / KD + eps) over the float32
+// values of x, and the staged value of x[m, k] is
+//   OutT(nw[k] * OutT(x[m, k] * inv))
+// with the rounding points of mx.fast.rms_norm (as add_rms_norm.cu; only the
+// order of the float32 sum of squares differs). Every block computes the norm
+// of its rows itself (KD values each; no cross-block step, so no counter).
+//
 // Launch: threadgroup (32 * WARPS, 1, 1), grid (32 * WARPS * blocks, 1, 1).
 // Requires KD % 32 == 0, NC % LPR == 0, G % 32 == 0, M * KD * 4 bytes of
-// shared memory (the dispatcher keeps it <= 32 KB).
-// Inputs: x [M, KD] OutT; w [N, KD / 8] uint32; scales, biases [N, KD / G] ST.
-// Output: y [M, N] OutT.
+// shared memory (the dispatcher keeps it <= 32 KB), WARPS <= 32.
+// Inputs: x [M, KD] OutT; w [N, KD / 8] uint32; scales, biases [N, KD / G] ST;
+// nw [KD] OutT (NORM; else any one element, not read); eps [1] float32 (NORM;
+// else not read). Output: y [M, N] OutT.
 
 constexpr int NC = KD / 32;       // 32-value chunks per row
 constexpr int CPL = NC / LPR;     // chunks per lane
@@ -33,16 +43,51 @@ constexpr int ROWS_PER_WARP = SUB * RPW;
 
 __shared__ float4 xs[M][8][NC];
 __shared__ float xsum[M][NC];
+__shared__ float red[M][32];
+__shared__ float xinv[M];
 
 const int tid = threadIdx.x;
+if constexpr (NORM) {
+  // Each row's sum of squares: per thread, a warp butterfly, one partial per
+  // warp, then thread m adds row m's partials in warp order.
+  for (int m = 0; m < M; ++m) {
+    float ss = 0.f;
+    for (int k = tid; k < KD; k += blockDim.x) {
+      const float v = static_cast<float>(x[(size_t)m * KD + k]);
+      ss += v * v;
+    }
+    ss = qab_warp_sum(ss);
+    if ((tid & 31) == 0) {
+      red[m][tid >> 5] = ss;
+    }
+  }
+  __syncthreads();
+  if (tid < M) {
+    float total = 0.f;
+    for (int wi = 0; wi < (int)(blockDim.x >> 5); ++wi) {
+      total += red[tid][wi];
+    }
+    xinv[tid] = rsqrtf(total / static_cast<float>(KD) + eps[0]);
+  }
+  __syncthreads();
+}
 for (int i = tid; i < M * NC * 8; i += blockDim.x) {
   const int m = i / (NC * 8);
   const int r = i - m * NC * 8;
   const int c = r >> 3;
   const int j4 = r & 7;
-  const size_t base = (size_t)m * KD + c * 32 + j4 * 4;
-  xs[m][j4][c] = make_float4(static_cast<float>(x[base]), static_cast<float>(x[base + 1]),
-                             static_cast<float>(x[base + 2]), static_cast<float>(x[base + 3]));
+  const int k0 = c * 32 + j4 * 4;
+  const size_t base = (size_t)m * KD + k0;
+  float v[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    v[e] = static_cast<float>(x[base + e]);
+    if constexpr (NORM) {
+      const float nv = static_cast<float>(static_cast<OutT>(v[e] * xinv[m]));
+      v[e] = static_cast<float>(static_cast<OutT>(static_cast<float>(nw[k0 + e]) * nv));
+    }
+  }
+  xs[m][j4][c] = make_float4(v[0], v[1], v[2], v[3]);
 }
 __syncthreads();
 for (int i = tid; i < M * NC; i += blockDim.x) {

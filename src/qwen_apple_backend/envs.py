@@ -72,6 +72,9 @@ OPTIMIZATIONS = {
     "proj-concat": "model",  # sibling input projections run as one matmul (layers/_concat.py)
     "gemv-kernel": "model",  # the CUDA dense 4-bit decode GEMV for lm_head (ops/linear.py)
     "add-norm": "model",  # residual add + post-attention RMSNorm as one kernel (ops/norm.py)
+    # a decode token's input RMSNorm inside the mixer's concatenated input projection's
+    # GEMV launch (CUDA; ops/linear.py norm_gemv; needs add-norm and proj-concat)
+    "norm-proj": "model",
     # a decode token's MoE down kernel also applies the next layer's input RMSNorm (CUDA;
     # opt-in with QAB_ENABLE: measured no faster on the H200)
     "next-norm": "model",

@@ -34,6 +34,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..ops.linear import norm_gemv, norm_gemv_ready
+
 __all__ = ["ConcatProjection"]
 
 _ARRAYS = ("weight", "scales", "biases", "bias")
@@ -177,6 +179,30 @@ class ConcatProjection:
     def __call__(self, x: mx.array) -> list:
         """Outputs of every child for input ``x``, from one matmul."""
         return mx.split(self.matmul(x), self.split_at, axis=-1)
+
+    def norm_backend(self, x: mx.array, norm: nn.Module) -> Optional[str]:
+        """The backend whose one launch may run ``matmul(norm(x))`` for this call, or None.
+
+        ``norm`` must be exactly an ``nn.RMSNorm`` and the children 4-bit
+        affine quantized without a bias term; see
+        :func:`~qwen_apple_backend.ops.linear.norm_gemv_ready` (a self-check
+        on its first call per shape class: call it outside ``mx.compile``
+        first).
+        """
+        if (self.kind[0] != "q" or "bias" in self.cat or "biases" not in self.cat
+                or type(norm) is not nn.RMSNorm):
+            return None
+        c = self.cat
+        return norm_gemv_ready(x, norm["weight"], norm.eps, c["weight"], c["scales"],
+                               c["biases"], self.kind[1], bits=self.kind[2], mode=self.kind[3])
+
+    def norm_matmul(self, x: mx.array, weight: mx.array, eps: float, backend: str) -> mx.array:
+        """``matmul(mx.fast.rms_norm(x, weight, eps))`` as one launch (``backend`` from
+        :meth:`norm_backend`), unsplit: ``[..., sum of the children's outputs]``."""
+        c = self.cat
+        return norm_gemv(x, weight, eps, c["weight"], c["scales"], c["biases"],
+                         group_size=self.kind[1], bits=self.kind[2], mode=self.kind[3],
+                         backend=backend)
 
     def matmul(self, x: mx.array) -> mx.array:
         """The one matmul's output, ``[..., sum of the children's outputs]``, not split."""

@@ -10,7 +10,6 @@ heads.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -225,22 +224,32 @@ class FusedGQAAttention(nn.Module):
         attn.train(self.training)
         return attn
 
+    #: The decoder layer may hand this module its input RMSNorm with the
+    #: un-normalised hidden states (``input_norm=``, the ``norm-proj``
+    #: optimization): the norm then runs inside the q/k/v projection's launch.
+    takes_input_norm = True
+
     def __call__(
         self,
         x: mx.array,
         mask: Optional[mx.array] = None,
         cache: Optional[Any] = None,
+        input_norm: Optional[nn.Module] = None,
     ) -> mx.array:
         """Gated grouped-query self-attention over ``x`` and the cache.
 
         Args:
-            x (mx.array): hidden states.
+            x (mx.array): hidden states (with ``input_norm``: before that norm).
             mask (None | str | mx.array): mlx-lm attention mask: None,
                 ``"causal"`` or an array broadcastable to ``[B, Hq, T, S]``
                 (``create_attention_mask`` / ``cache.make_mask``).
             cache (KVCache-like | None): mlx-lm cache with ``offset`` and
                 ``update_and_fetch``; a quantized KV cache (``bits``) runs
                 mlx-lm's quantized attention, as stock does.
+            input_norm (nn.Module | None): the decoder layer's input norm,
+                applied here: ``attn(x, input_norm=n)`` equals ``attn(n(x))``
+                (on CUDA a decode call with the concatenated projections runs
+                it in the projection's launch). Default None.
 
         Decode-sized calls run projections, q/k norm and RoPE as one
         compiled graph (see ``compile_decode``); attention and the cache
@@ -254,6 +263,13 @@ class FusedGQAAttention(nn.Module):
         """
         B, L, _ = x.shape
         offset = cache.offset if cache is not None else 0
+        use_cat = self._use_cat()
+        norm_backend = None
+        if input_norm is not None:
+            if use_cat and not self.training:
+                norm_backend = self._proj_cat.norm_backend(x, input_norm)
+            if norm_backend is None:
+                x, input_norm = input_norm(x), None
         if (
             self.compile_decode
             and not self.training
@@ -262,14 +278,19 @@ class FusedGQAAttention(nn.Module):
         ):
             if not isinstance(offset, mx.array):
                 offset = mx.array(offset, dtype=mx.int32)
-            use_cat = self._use_cat()
             prep = self._prep_kernel_ready(x, offset)
-            q, k, v, gate = self._compiled_project(use_cat, prep)(x, offset)
+            if norm_backend is None:
+                q, k, v, gate = self._compiled_project(use_cat, prep)(x, offset)
+            else:
+                fn = self._compiled_project(use_cat, prep, norm_backend, input_norm.eps)
+                q, k, v, gate = fn(x, offset, input_norm["weight"])
             if use_cat:
                 self._proj_cat.refresh()  # a trace re-wraps the module's arrays
         else:
-            q, k, v, gate = self._project(x, offset, self._use_cat(),
-                                          self._prep_kernel_ready(x, offset))
+            q, k, v, gate = self._project(
+                x, offset, use_cat, self._prep_kernel_ready(x, offset),
+                None if input_norm is None else input_norm["weight"], norm_backend,
+                0.0 if input_norm is None else input_norm.eps)
 
         if cache is not None:
             # The compiled decode step's cache may write in place: then its
@@ -342,12 +363,20 @@ class FusedGQAAttention(nn.Module):
             self.num_attention_heads, self.num_key_value_heads, self.head_dim, qw.dtype,
             kw.dtype, rope_spec(self.rope)) is not None
 
-    def _project(self, x: mx.array, offset, use_cat: bool = False, prep_kernel: bool = False):
+    def _project(self, x: mx.array, offset, use_cat: bool = False, prep_kernel: bool = False,
+                 norm_weight: Optional[mx.array] = None, norm_backend: Optional[str] = None,
+                 norm_eps: float = 0.0):
         """Projections, q/k norm and RoPE: everything before the KV cache
         (``prep_kernel``: norm and RoPE of a one-token call in one CUDA launch,
-        when :meth:`_prep_kernel_ready` said so)."""
+        when :meth:`_prep_kernel_ready` said so; ``norm_backend``: ``x`` is
+        not yet normalised and the decoder layer's input RMSNorm of weight
+        ``norm_weight`` runs in the concatenated projection's launch)."""
         B, L, _ = x.shape
-        if use_cat:
+        if norm_backend is not None:
+            cat = self._proj_cat
+            qg, k, v = mx.split(cat.norm_matmul(x, norm_weight, norm_eps, norm_backend),
+                                cat.split_at, axis=-1)
+        elif use_cat:
             qg, k, v = self._proj_cat(x)
         else:
             qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -379,15 +408,21 @@ class FusedGQAAttention(nn.Module):
             k = self.rope(k, offset=offset)
         return q, k, v, gate
 
-    def _compiled_project(self, use_cat: bool = False, prep_kernel: bool = False):
+    def _compiled_project(self, use_cat: bool = False, prep_kernel: bool = False,
+                          norm_backend: Optional[str] = None, norm_eps: float = 0.0):
         fns = self.__dict__.setdefault("_compiled", {})
-        fn = fns.get((use_cat, prep_kernel))
+        key = (use_cat, prep_kernel, norm_backend, norm_eps)
+        fn = fns.get(key)
         if fn is None:
             # The module is the captured input tree, so parameters replaced
             # after fusing (load_weights, update) are read live; one trace
             # per projection path (the concatenated one is taken only while
-            # the children still hold its views) and q/k preparation.
-            fn = mx.compile(partial(self._project, use_cat=use_cat, prep_kernel=prep_kernel),
-                            inputs=self)
-            fns[(use_cat, prep_kernel)] = fn
+            # the children still hold its views), q/k preparation and input
+            # norm (whose weight, the decoder layer's, is an argument).
+            def project(x, offset, norm_weight=None):
+                return self._project(x, offset, use_cat, prep_kernel, norm_weight, norm_backend,
+                                     norm_eps)
+
+            fn = mx.compile(project, inputs=self)
+            fns[key] = fn
         return fn

@@ -289,14 +289,26 @@ class FusedGatedDeltaNet(nn.Module):
         object.__setattr__(self, "_proj_cat", cat)
         return cat is not None
 
-    def _projections_packed(self, inputs: mx.array) -> tuple:
+    def _projections_packed(self, inputs: mx.array,
+                            input_norm: Optional[nn.Module] = None) -> tuple:
         """``(projections, packed)``: the input projections' outputs and, when they ran as
         one concatenated matmul, its unsplit output (else None). The split views
-        cost nothing when only ``packed`` is used: MLX encodes what a launch reads."""
+        cost nothing when only ``packed`` is used: MLX encodes what a launch reads.
+        With ``input_norm`` (the decoder layer's, ``norm-proj``), ``inputs`` are
+        not yet normalised: the norm runs in the concatenated matmul's launch
+        when that kernel is ready, else as its own operation first."""
         cat = getattr(self, "_proj_cat", None)
         if cat is not None and cat.valid(self):
-            y = cat.matmul(inputs)
+            backend = None
+            if input_norm is not None and not self.training:
+                backend = cat.norm_backend(inputs, input_norm)
+            if backend is not None:
+                y = cat.norm_matmul(inputs, input_norm["weight"], input_norm.eps, backend)
+            else:
+                y = cat.matmul(inputs if input_norm is None else input_norm(inputs))
             return tuple(mx.split(y, cat.split_at, axis=-1)), y
+        if input_norm is not None:
+            inputs = input_norm(inputs)
         return tuple(getattr(self, n)(inputs) for n in self._PROJECTIONS), None
 
     def _decode_kernel_ready(self, projs, conv_state, conv_b, mask, lengths,
@@ -320,22 +332,33 @@ class FusedGatedDeltaNet(nn.Module):
             has_mask=mask is not None, has_lengths=lengths is not None, packed=packed,
         ) is not None
 
+    #: The decoder layer may hand this module its input RMSNorm with the
+    #: un-normalised hidden states (``input_norm=``, the ``norm-proj``
+    #: optimization): the norm then runs inside the input projection's launch.
+    takes_input_norm = True
+
     def __call__(
         self,
         inputs: mx.array,
         mask: Optional[mx.array] = None,
         cache: Optional[Any] = None,
+        input_norm: Optional[nn.Module] = None,
     ) -> mx.array:
         """Run the layer, updating ``cache`` in place like the stock module.
 
         Args:
-            inputs (mx.array): hidden states.
+            inputs (mx.array): hidden states (with ``input_norm``: before that
+                norm).
             mask (Optional[mx.array]): bool SSM mask from mlx-lm's
                 ``create_ssm_mask``; False tokens leave both states unchanged
                 and produce zero output.
             cache (Optional[Any]): mlx-lm ``ArraysCache(size=2)``; ``cache[0]``
                 conv state, ``cache[1]`` recurrent state; ``cache.lengths``
                 honoured as stock; advanced by S.
+            input_norm (Optional[nn.Module]): the decoder layer's input norm,
+                applied here: ``layer(x, input_norm=n)`` equals ``layer(n(x))``
+                (on CUDA a decode call with the concatenated projections runs
+                it in the projection's launch). Default None.
 
         Returns:
             mx.array: layer output, dtype of ``inputs``.
@@ -347,11 +370,13 @@ class FusedGatedDeltaNet(nn.Module):
         """
         B, S, _ = inputs.shape
         if self.sharding_group is not None:
+            if input_norm is not None:
+                inputs, input_norm = input_norm(inputs), None
             inputs = sum_gradients(self.sharding_group)(inputs)
 
         Hk, Hv = self.num_k_heads, self.num_v_heads
         Dk, Dv = self.head_k_dim, self.head_v_dim
-        projs, packed = self._projections_packed(inputs)
+        projs, packed = self._projections_packed(inputs, input_norm)
 
         if cache is not None and cache[0] is not None:
             conv_state = cache[0]

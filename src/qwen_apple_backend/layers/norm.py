@@ -19,6 +19,11 @@ may also apply the next layer's input RMSNorm: the layer hands that result to
 the next layer (a per-thread slot holding the output, its norm and the norm
 module), which uses it instead of calling its ``input_layernorm`` only when
 its input is that very output array and its norm that very module.
+A fused mixer (``takes_input_norm``: the fused Gated DeltaNet and attention)
+gets the un-normalised ``x`` and the layer's ``input_layernorm`` instead
+(``norm-proj``): on CUDA a decode call runs the norm in the prologue of its
+concatenated input projection's GEMV (``ops.linear.norm_gemv``), one launch
+less per layer; elsewhere it applies the norm first, as stock.
 Parameters, names and the state dict are the stock ones. Whether the kernel is
 ready is decided on a layer's first call per (dtypes, width), outside any
 trace, and kept in a small per-layer dict, so each later call (also inside
@@ -50,6 +55,8 @@ __all__ = [
 _VERDICTS = "_qab_add_norm_verdicts"
 # The next decoder layer's input_layernorm, per layer instance (install_add_norm).
 _NEXT_NORM = "_qab_next_input_norm"
+# Whether a fused mixer gets the input norm to apply itself (norm-proj), per layer.
+_NORM_PROJ = "_qab_norm_proj"
 
 # A layer's output and its next layer's input norm of it, computed by the
 # output's last kernel: (out, out_norm, the norm module). Per thread; the next
@@ -109,13 +116,17 @@ class _AddNorm:
                  cache: Optional[Any] = None) -> mx.array:
         # The stock DecoderLayer.__call__ of qwen3_5 and qwen3_next, with the
         # residual add and the post-attention norm as one call when ready.
+        mixer = self.linear_attn if self.is_linear else self.self_attn
         xn = _take_handoff(x, self.input_layernorm)
-        if xn is None:
-            xn = self.input_layernorm(x)
-        if self.is_linear:
-            r = self.linear_attn(xn, mask, cache)
+        if xn is not None:
+            r = mixer(xn, mask, cache)
+        elif (self.__dict__.get(_NORM_PROJ) and getattr(mixer, "takes_input_norm", False)
+              and not self._training):
+            # A fused mixer applies the input norm itself: on CUDA a decode
+            # call runs it in its input projection's launch (norm-proj).
+            r = mixer(x, mask, cache, input_norm=self.input_layernorm)
         else:
-            r = self.self_attn(xn, mask, cache)
+            r = mixer(self.input_layernorm(x), mask, cache)
         norm = self.post_attention_layernorm
         if getattr(self.mlp, "takes_mixer_output", False) and not self._training:
             # A fused MoE block may run the add, the norm and its router in one
@@ -144,6 +155,7 @@ class _AddNorm:
         """Give this layer back its stock mlx-lm class (in place) and return it."""
         self.__dict__.pop(_VERDICTS, None)
         self.__dict__.pop(_NEXT_NORM, None)
+        self.__dict__.pop(_NORM_PROJ, None)
         self.__class__ = self._qab_stock_class
         return self
 
@@ -176,7 +188,7 @@ def _add_norm_class_for(layer: Any) -> Optional[type]:
     return cls
 
 
-def install_add_norm(model: Any, next_norm: bool = False) -> int:
+def install_add_norm(model: Any, next_norm: bool = False, norm_proj: bool = True) -> int:
     """Give each stock decoder layer of ``model`` its ``add-norm`` subclass.
 
     Args:
@@ -186,6 +198,10 @@ def install_add_norm(model: Any, next_norm: bool = False) -> int:
             that a fused MoE block's last decode kernel may apply it (the
             ``next-norm`` optimization, opt-in: ``QAB_ENABLE=next-norm``).
             Default False.
+        norm_proj (bool): a fused mixer (``takes_input_norm``) gets the
+            un-normalised input and the layer's input RMSNorm, and on CUDA
+            runs the norm in its input projection's launch (the
+            ``norm-proj`` optimization). Default True.
 
     Returns:
         int: the number of layers swapped (0 when none is exactly a stock
@@ -200,6 +216,8 @@ def install_add_norm(model: Any, next_norm: bool = False) -> int:
             layer.__class__ = cls
             object.__setattr__(layer, _VERDICTS, {})
             n += 1
+        if getattr(type(layer), "_qab_add_norm", False):
+            object.__setattr__(layer, _NORM_PROJ, bool(norm_proj))
     # Each swapped layer knows the next layer's input norm (for the fused MoE
     # block's last kernel to apply it; see FusedSparseMoeBlock.add_norm_forward).
     for layer, nxt in zip(layers, layers[1:] + [None]):

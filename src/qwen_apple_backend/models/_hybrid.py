@@ -418,7 +418,12 @@ class QwenHybridAdapter(Adapter):
             # Opt-in (QAB_ENABLE=next-norm): on the H200 it measured no faster
             # (4K, 8 rounds: 153.9 tok/s with it, 158.0 without).
             asked = "next-norm" in enabled_opt_in()
-            install_add_norm(model, next_norm=asked and "next-norm" not in disable)
+            install_add_norm(model, next_norm=asked and "next-norm" not in disable,
+                             norm_proj="norm-proj" not in disable)
+            if "norm-proj" in disable:
+                report.notes.append("each decoder layer's input RMSNorm runs as its own "
+                                    "operation, not inside the mixer's input projection "
+                                    "(norm-proj in QAB_DISABLE / disable=)")
             if asked and "next-norm" in disable:
                 report.notes.append("each decoder layer runs its own input RMSNorm, not the "
                                     "previous MoE block's last decode kernel (next-norm in "

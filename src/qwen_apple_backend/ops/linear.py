@@ -34,7 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import envs
-from .device import build_kernel, gpu_backend, self_check_passed, self_checked
+from .device import build_kernel, f32_scalar, gpu_backend, self_check_passed, self_checked
 
 __all__ = [
     "GEMV_MAX_ROWS",
@@ -43,6 +43,10 @@ __all__ = [
     "gemv_supported",
     "is_plain_quantized_linear",
     "linear",
+    "norm_gemv",
+    "norm_gemv_kernel",
+    "norm_gemv_ready",
+    "norm_gemv_supported",
     "prepare",
     "quantized_gemv_kernel",
     "quantized_matmul",
@@ -83,6 +87,17 @@ def gemv_launch(M: int, N: int, K: int) -> dict:
     return {"LPR": lpr, "RPW": rpw, "blocks": blocks, "threads": 32 * _WARPS}
 
 
+def _gemv_contract(M: int, w: mx.array, scales: mx.array, biases: Optional[mx.array],
+                   group_size: int, bits: int, mode: str, dtype: mx.Dtype, min_bytes: int) -> bool:
+    if (bits != 4 or mode != "affine" or biases is None or not group_size or group_size % 32
+            or dtype not in _DTYPES or w.dtype != mx.uint32 or w.ndim != 2):
+        return False
+    N, K = w.shape[0], w.shape[1] * 8
+    return (0 < M <= GEMV_MAX_ROWS and w.nbytes >= min_bytes and K % 32 == 0
+            and K % group_size == 0 and M * K * 4 <= _MAX_SMEM and N >= 32
+            and scales.shape == (N, K // group_size) and biases.shape == scales.shape)
+
+
 def gemv_supported(M: int, w: mx.array, scales: mx.array, biases: Optional[mx.array],
                    group_size: int, bits: int, mode: str, dtype: mx.Dtype) -> bool:
     """Whether the kernel's contract covers this call (no backend check).
@@ -93,13 +108,22 @@ def gemv_supported(M: int, w: mx.array, scales: mx.array, biases: Optional[mx.ar
     :data:`GEMV_MAX_ROWS` rows whose float copy fits 32 KB of shared memory,
     activations float32 / bfloat16 / float16.
     """
-    if (bits != 4 or mode != "affine" or biases is None or not group_size or group_size % 32
-            or dtype not in _DTYPES or w.dtype != mx.uint32 or w.ndim != 2):
-        return False
-    N, K = w.shape[0], w.shape[1] * 8
-    return (0 < M <= GEMV_MAX_ROWS and w.nbytes >= GEMV_MIN_BYTES and K % 32 == 0 and K % group_size == 0
-            and M * K * 4 <= _MAX_SMEM and N >= 32
-            and scales.shape == (N, K // group_size) and biases.shape == scales.shape)
+    return _gemv_contract(M, w, scales, biases, group_size, bits, mode, dtype, GEMV_MIN_BYTES)
+
+
+def norm_gemv_supported(M: int, norm_weight: mx.array, w: mx.array, scales: mx.array,
+                        biases: Optional[mx.array], group_size: int, bits: int, mode: str,
+                        dtype: mx.Dtype) -> bool:
+    """Whether the norm + GEMV launch's contract covers this call (no backend check).
+
+    :func:`gemv_supported`'s contract at any weight size (the launch it saves
+    is worth more than the bandwidth MLX's ``qmv`` may win on a small matrix;
+    see :func:`norm_gemv`), with the RMSNorm weight ``[K]`` of the
+    activations' dtype.
+    """
+    K = w.shape[1] * 8 if w.ndim == 2 else -1
+    return (norm_weight.shape == (K,) and norm_weight.dtype == dtype
+            and _gemv_contract(M, w, scales, biases, group_size, bits, mode, dtype, 0))
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,9 +131,21 @@ def _gemv_object(backend: str):
     return build_kernel("quantized_gemv", backend)
 
 
+@functools.lru_cache(maxsize=None)
+def _unused_norm_weight(dtype: mx.Dtype) -> mx.array:
+    # The kernel's nw input when NORM is off: one real element of x's dtype
+    # (MLX caches a CUDA kernel by its template arguments, so every launch of
+    # one instantiation passes the same input dtypes), never read.
+    return mx.array([0], dtype=dtype)
+
+
 def quantized_gemv_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
-                          group_size: int) -> mx.array:
+                          group_size: int, norm_weight: Optional[mx.array] = None,
+                          eps: float = 0.0) -> mx.array:
     """``x @ dequantize(w).T`` on the CUDA GEMV kernel (no self-check, no fallback).
+
+    With ``norm_weight``, ``mx.fast.rms_norm(x, norm_weight, eps) @
+    dequantize(w).T`` in the same launch (see :func:`norm_gemv_kernel`).
 
     Args:
         x (mx.array): ``[..., K]`` float32 / bfloat16 / float16, at most
@@ -117,6 +153,9 @@ def quantized_gemv_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx
         w (mx.array): ``[N, K / 8]`` uint32, 4-bit affine (MLX layout).
         scales, biases (mx.array): ``[N, K / group_size]``.
         group_size (int): a multiple of 32.
+        norm_weight (mx.array | None): ``[K]``, dtype of ``x``: normalise
+            ``x`` first. Default None.
+        eps (float): the norm's epsilon (with ``norm_weight``).
 
     Returns:
         mx.array: ``[..., N]``, dtype of ``x``.
@@ -131,18 +170,48 @@ def quantized_gemv_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx
     K = x.shape[-1]
     N = w.shape[0]
     lead = x.shape[:-1]
-    xf = x.reshape(-1, K)
-    M = xf.shape[0]
+    M = x.size // K
     p = gemv_launch(M, N, K)
+    norm = norm_weight is not None
+    nw = norm_weight if norm else _unused_norm_weight(x.dtype)
     (y,) = kernel(
-        inputs=[xf, w, scales, biases],
+        # x as it is (row-contiguous [..., K] is [M, K] to the kernel): no
+        # reshape primitive before the launch either.
+        inputs=[x, w, scales, biases, nw, f32_scalar(float(eps))],
         # ST: MLX caches a CUDA kernel by its template arguments alone, so the
         # scales' dtype must be one of them.
         template=[("OutT", x.dtype), ("ST", scales.dtype), ("KD", K), ("N", N), ("G", group_size), ("M", M),
-                  ("LPR", p["LPR"]), ("RPW", p["RPW"])],
+                  ("LPR", p["LPR"]), ("RPW", p["RPW"]), ("NORM", norm)],
         grid=(p["blocks"] * p["threads"], 1, 1), threadgroup=(p["threads"], 1, 1),
-        output_shapes=[(M, N)], output_dtypes=[x.dtype])
-    return y.reshape(*lead, N)
+        # The callers' shape: no reshape primitive after the launch.
+        output_shapes=[(*lead, N)], output_dtypes=[x.dtype])
+    return y
+
+
+def norm_gemv_kernel(x: mx.array, norm_weight: mx.array, eps: float, w: mx.array,
+                     scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
+    """``rms_norm(x) @ dequantize(w).T`` in one CUDA launch (no self-check, no fallback).
+
+    The GEMV kernel with the RMSNorm in its prologue: every thread block
+    normalises the (at most :data:`GEMV_MAX_ROWS`) rows of ``x`` itself, with
+    ``mx.fast.rms_norm``'s rounding points (float32 sum of squares, the
+    normalised value rounded to ``x``'s dtype, then the weight product
+    rounded once), and stages the result where the plain kernel stages ``x``.
+
+    Args:
+        x (mx.array): ``[..., K]`` un-normalised activations.
+        norm_weight (mx.array): RMSNorm weight ``[K]``, dtype of ``x``.
+        eps (float): RMSNorm epsilon.
+        w, scales, biases, group_size: as :func:`quantized_gemv_kernel`.
+
+    Returns:
+        mx.array: ``[..., N]``, dtype of ``x``.
+
+    Raises:
+        RuntimeError: as :func:`quantized_gemv_kernel`.
+    """
+    return quantized_gemv_kernel(x, w, scales, biases, group_size, norm_weight=norm_weight,
+                                 eps=eps)
 
 
 def _key(M, w, scales, group_size, dtype) -> tuple:
@@ -192,6 +261,88 @@ def gemv_ready(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.a
         kernel=lambda xs, w_, s_, b_: [quantized_gemv_kernel(xs, w_, s_, b_, group_size)],
         reference=reference, make_inputs=make_inputs, rtol=rtol)
     return "cuda" if ok else None
+
+
+def norm_gemv_ready(x: mx.array, norm_weight: mx.array, eps: float, w: mx.array,
+                    scales: mx.array, biases: Optional[mx.array], group_size: int,
+                    bits: int = 4, mode: str = "affine") -> Optional[str]:
+    """The backend whose one-launch ``rms_norm(x) @ dequantize(w).T`` may run this call, or None.
+
+    Call it outside ``mx.compile``: the first call per shape class (rows, N,
+    K, group size, dtypes, eps) self-checks :func:`norm_gemv_kernel` with
+    these very weights on seeded random rows and norm weights, against
+    ``mx.fast.rms_norm`` followed by ``mx.quantized_matmul`` on the float32
+    copy of the normalised rows. Only shapes and dtypes of ``x`` and
+    ``norm_weight`` are read.
+
+    Args:
+        x (mx.array): the un-normalised activations ``[..., K]`` (or a
+            stand-in of their shape and dtype).
+        norm_weight (mx.array): RMSNorm weight ``[K]``.
+        eps (float): RMSNorm epsilon.
+        w, scales, biases, group_size, bits, mode: the quantized projection.
+
+    Returns:
+        Optional[str]: ``"cuda"``, or None (not CUDA, kernels disabled,
+        outside :func:`norm_gemv_supported`, the kernel unverified without
+        ``QAB_UNVERIFIED_KERNELS``, or a failed self-check, which also warns).
+    """
+    if envs.kernels_disabled() or not x.ndim:
+        return None
+    M = x.size // x.shape[-1]
+    if gpu_backend() != "cuda" or not norm_gemv_supported(M, norm_weight, w, scales, biases,
+                                                          group_size, bits, mode, x.dtype):
+        return None
+    if _gemv_object("cuda") is None:
+        return None
+    dtype = x.dtype
+    K = w.shape[1] * 8
+
+    def make_inputs():
+        k = mx.random.split(mx.random.key(2719), 2)
+        xs = (3.0 * mx.random.normal((M, 1, K), key=k[0])).astype(dtype)
+        nw = (1.0 + 0.2 * mx.random.normal((K,), key=k[1])).astype(dtype)
+        return xs, nw
+
+    def kernel(xs, nw):
+        return [norm_gemv_kernel(xs, nw, eps, w, scales, biases, group_size)]
+
+    def reference(xs, nw):
+        xn = mx.fast.rms_norm(xs, nw, eps)
+        y = mx.quantized_matmul(xn.astype(mx.float32), w, scales.astype(mx.float32),
+                                biases.astype(mx.float32), transpose=True,
+                                group_size=group_size, bits=4)
+        return [y.astype(dtype)]
+
+    # As gemv_ready: float32 summation order only; bf16 / fp16 the output's
+    # own rounding. The normalised row is the stock norm's up to the order of
+    # the float32 sum of squares (an ulp of the activation dtype, rarely).
+    rtol = 1e-4 if dtype == mx.float32 else 1e-2
+    ok = self_checked("quantized_gemv", "cuda", ("norm", float(eps))
+                      + _key(M, w, scales, group_size, dtype),
+                      kernel=kernel, reference=reference, make_inputs=make_inputs, rtol=rtol)
+    return "cuda" if ok else None
+
+
+def norm_gemv(x: mx.array, norm_weight: mx.array, eps: float, w: mx.array, scales: mx.array,
+              biases: Optional[mx.array], *, group_size: int, bits: int, mode: str = "affine",
+              backend: Optional[str] = None) -> mx.array:
+    """``mx.quantized_matmul(mx.fast.rms_norm(x, norm_weight, eps), w, ...)``, in one launch with a backend.
+
+    A decoder layer's input RMSNorm and the projection after it (the
+    ``norm-proj`` optimization): on MLX's CUDA backend every launch costs the
+    host a near-fixed ~10 us at decode, more than this norm costs the GPU
+    inside the GEMV. With ``backend`` (what :func:`norm_gemv_ready` returned
+    for this call's shape class) :func:`norm_gemv_kernel`, no self-check here
+    (safe inside ``mx.compile``); with None, the two stock operations.
+
+    Shapes: x ``[..., K]``; norm_weight ``[K]``; w ``[N, K * bits / 32]``;
+    returns ``[..., N]`` in ``x``'s dtype.
+    """
+    if backend is not None:
+        return norm_gemv_kernel(x, norm_weight, eps, w, scales, biases, group_size)
+    return mx.quantized_matmul(mx.fast.rms_norm(x, norm_weight, eps), w, scales, biases,
+                               transpose=True, group_size=group_size, bits=bits, mode=mode)
 
 
 def _verdict(M, w, scales, group_size, dtype) -> bool:

@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""GPU time of one decode projection (4-bit GEMV, one row), per kernel, read by ``ncu``.
+
+A decode token runs every projection of the model as a matrix-vector product
+over 4-bit weights. This script times, at the projection shapes of
+Qwen3.6-35B-A3B (or any ``--shapes``), the candidates that can run one:
+
+* ``mlx``: MLX's own ``mx.quantized_matmul`` (its ``qmv`` kernel);
+* ``qab``: this package's ``kernels/cuda/quantized_gemv.cu``
+  (:func:`qwen_apple_backend.ops.linear.quantized_gemv_kernel`);
+* ``qab-norm``: the same kernel with the input's RMSNorm in its prologue
+  (:func:`qwen_apple_backend.ops.linear.norm_gemv_kernel`): the decoder
+  layer's input norm and the mixer's concatenated input projection in one
+  launch;
+* ``mlx-norm``: ``mx.fast.rms_norm`` then ``mx.quantized_matmul`` (two launches).
+
+Each candidate runs ``--reps`` times (each evaluated alone) between
+``cuProfilerStart`` and ``cuProfilerStop``, after a warm-up, so ``ncu
+--profile-from-start off`` times only those launches; a small ``mx.sort``
+launched before the first and after every candidate marks where each one's
+launches start in the log::
+
+    ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum \\
+        --csv --log-file OUT/ncu-gemv.csv python benchmarks/profile_gemv_gpu.py OUT
+    python benchmarks/profile_gemv_gpu.py OUT --summarize OUT/ncu-gemv.csv
+
+ncu flushes the caches before each kernel, so the weights stream from HBM as
+they do in decode. The summary gives per kernel group the launches per rep, the
+microseconds per launch and, for the GEMV kernels, the bytes of weights,
+scales and biases read per microsecond (TB/s). Writes
+``profile-gemv-gpu-<device>.json`` into OUT.
+
+Usage:
+    python benchmarks/profile_gemv_gpu.py OUT [--shapes in_proj=12352x2048,...]
+        [--candidates mlx,qab,qab-norm,mlx-norm] [--reps 5] [--dtype bfloat16]
+    python benchmarks/profile_gemv_gpu.py OUT --summarize CSV
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from _common import check_out  # noqa: E402
+from profile_decode_gpu import _profiler, read_rows  # noqa: E402
+
+#: Qwen3.6-35B-A3B's decode projections (rows x input size): the Gated
+#: DeltaNet's concatenated in_proj (qkv 8192 + z 4096 + b 32 + a 32), the
+#: attention's concatenated q (with its gate) / k / v, the two output
+#: projections and the shared expert's gate+up.
+DEFAULT_SHAPES = "in_proj=12352x2048,qkv_proj=9216x2048,out_proj=2048x4096,shared_gate_up=1024x2048"
+CANDIDATES = ("mlx", "qab", "qab-norm", "mlx-norm")
+
+
+def parse_shapes(text: str) -> list[tuple[str, int, int]]:
+    """``name=NxK,...`` -> ``[(name, N, K), ...]``; ``SystemExit`` naming a bad item."""
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, dims = item.partition("=")
+        n, x, k = dims.partition("x")
+        if not (sep and x and n.isdigit() and k.isdigit() and int(n) > 0 and int(k) > 0
+                and int(k) % 64 == 0 and name):
+            raise SystemExit(f"--shapes: {item!r} is not NAME=NxK with K a multiple of 64")
+        out.append((name, int(n), int(k)))
+    if not out:
+        raise SystemExit("--shapes: no shape given")
+    return out
+
+
+def summarize_runs(csv_path: Path, run: dict) -> list[dict]:
+    """Per (shape, candidate) of ``run``'s order: launches per call, GPU us per call, TB/s.
+
+    The log's first launch is the marker (see the module doc); the launches
+    between two markers belong to one candidate's ``reps`` calls.
+
+    Raises:
+        SystemExit: naming the file when the log does not split into one
+            segment per candidate of the run record, or a segment's launches
+            are not a multiple of ``reps``.
+    """
+    rows = read_rows(csv_path)
+    mark = rows[0][0]
+    segments, cur = [], None
+    for name, us, *_ in rows:
+        if name == mark:
+            if cur is not None:
+                segments.append(cur)
+            cur = []
+        else:
+            cur.append((name, us))
+    order, reps = run["order"], int(run["reps"])
+    if len(segments) != len(order):
+        raise SystemExit(f"{csv_path}: {len(segments)} marked segments for {len(order)} "
+                         "candidate x shape pairs in the run record")
+    out = []
+    for item, seg in zip(order, segments):
+        if not seg or len(seg) % reps:
+            raise SystemExit(f"{csv_path}: {len(seg)} launches for {item['shape']} "
+                             f"{item['candidate']}, not a multiple of {reps} reps")
+        us = sum(u for _, u in seg) / reps
+        kernels = list(dict.fromkeys(n for n, _ in seg))
+        out.append({**item, "launches": len(seg) // reps, "us": round(us, 2),
+                    "tb_per_s": round(item["weight_bytes"] / (us * 1e6), 3) if us > 0 else 0.0,
+                    "kernels": kernels})
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", help="output folder (created)")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"default {DEFAULT_SHAPES}")
+    p.add_argument("--candidates", default=",".join(CANDIDATES),
+                   help=f"comma list from {', '.join(CANDIDATES)}")
+    p.add_argument("--reps", type=int, default=5, help="profiled launches per candidate")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--summarize", type=Path, default=None, metavar="CSV",
+                   help="summarize an ncu --csv log of an earlier run instead of running")
+    args = p.parse_args(argv)
+    check_out(p, args.out)
+    shapes = parse_shapes(args.shapes)
+    cands = [c for c in args.candidates.split(",") if c]
+    bad = sorted(set(cands) - set(CANDIDATES))
+    if bad or not cands:
+        p.error(f"unknown candidate(s) {bad}; choose from {', '.join(CANDIDATES)}")
+    if args.reps < 1:
+        p.error("--reps must be >= 1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = out / "profile-gemv-gpu-run.json"
+    if args.summarize is not None:
+        try:
+            run = json.loads(record.read_text())
+            reps = int(run["reps"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"{record}: no usable run record ({type(exc).__name__}); run the "
+                             "profile into the same OUT first")
+        result = {**run, "rows": summarize_runs(args.summarize, run)}
+        dest = out / f"profile-gemv-gpu-{run.get('device', 'unknown')}.json"
+        dest.write_text(json.dumps(result, indent=1) + "\n")
+        for row in result["rows"]:
+            print(f"{row['shape']:>16} {row['N']:>7}x{row['K']:<5} {row['candidate']:>9}: "
+                  f"{row['launches']:d} launch(es) {row['us']:8.2f} us  "
+                  f"{row['tb_per_s']:.2f} TB/s  ({', '.join(row['kernels'])})")
+        print(f"wrote {dest}")
+        return 0
+
+    import mlx.core as mx
+
+    from qwen_apple_backend.ops import linear as lin
+    from qwen_apple_backend.report import device_slug
+
+    dtype = getattr(mx, args.dtype)
+    plan = []
+    for i, (name, N, K) in enumerate(shapes):
+        k = mx.random.split(mx.random.key(i), 3)
+        w = (0.02 * mx.random.normal((N, K), key=k[0])).astype(dtype)
+        wq, s, b = mx.quantize(w, group_size=64, bits=4)
+        x = mx.random.normal((1, 1, K), key=k[1]).astype(dtype)
+        nw = (1.0 + 0.1 * mx.random.normal((K,), key=k[2])).astype(dtype)
+        mx.eval(wq, s, b, x, nw)
+        nbytes = wq.nbytes + s.nbytes + b.nbytes
+        fns = {
+            "mlx": lambda x=x, wq=wq, s=s, b=b: mx.quantized_matmul(
+                x, wq, s, b, transpose=True, group_size=64, bits=4),
+            "qab": lambda x=x, wq=wq, s=s, b=b: lin.quantized_gemv_kernel(x, wq, s, b, 64),
+            "qab-norm": lambda x=x, wq=wq, s=s, b=b, nw=nw: lin.norm_gemv_kernel(
+                x, nw, 1e-6, wq, s, b, 64),
+            "mlx-norm": lambda x=x, wq=wq, s=s, b=b, nw=nw: mx.quantized_matmul(
+                mx.fast.rms_norm(x, nw, 1e-6), wq, s, b, transpose=True, group_size=64, bits=4),
+        }
+        for c in cands:
+            plan.append((name, N, K, nbytes, c, fns[c]))
+    for *_, fn in plan:  # compile and warm every kernel outside the profiled range
+        mx.eval(fn())
+        mx.eval(fn())
+    mx.synchronize()
+    marker = mx.array([3.0, 1.0, 2.0, 5.0, 4.0])
+    mx.eval(mx.sort(marker))
+    mx.synchronize()
+    on = _profiler("cuProfilerStart")
+    mx.eval(mx.sort(marker))
+    for *_, fn in plan:
+        for _ in range(args.reps):
+            mx.eval(fn())
+        mx.eval(mx.sort(marker))
+    mx.synchronize()
+    _profiler("cuProfilerStop")
+    run = {"device": device_slug(), "dtype": args.dtype, "reps": args.reps,
+           "profiler": on,
+           "order": [{"shape": n, "N": N, "K": K, "weight_bytes": nb, "candidate": c}
+                     for n, N, K, nb, c, _ in plan],
+           "command": "python benchmarks/profile_gemv_gpu.py OUT " + " ".join(argv or sys.argv[2:])}
+    record.write_text(json.dumps(run, indent=1) + "\n")
+    print(f"profiled {len(plan)} candidate x shape pairs x {args.reps} reps "
+          f"(profiler {'on' if on else 'unavailable'}); wrote {record}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
