@@ -47,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import check_out  # noqa: E402
+from _common import check_out, device_name  # noqa: E402
 from profile_decode_gpu import _profiler, read_rows  # noqa: E402
 
 #: Qwen3.6-35B-A3B's decode projections (rows x input size): the Gated
@@ -59,18 +59,36 @@ CANDIDATES = ("mlx", "qab", "qab-norm", "mlx-norm")
 
 
 def parse_shapes(text: str) -> list[tuple[str, int, int]]:
-    """``name=NxK,...`` -> ``[(name, N, K), ...]``; ``SystemExit`` naming a bad item."""
+    """``name=NxK,...`` -> ``[(name, N, K), ...]``; ``ValueError`` naming a bad item."""
     out = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         name, sep, dims = item.partition("=")
         n, x, k = dims.partition("x")
         if not (sep and x and n.isdigit() and k.isdigit() and int(n) > 0 and int(k) > 0
                 and int(k) % 64 == 0 and name):
-            raise SystemExit(f"--shapes: {item!r} is not NAME=NxK with K a multiple of 64")
+            raise ValueError(f"--shapes: {item!r} is not NAME=NxK with K a multiple of 64")
         out.append((name, int(n), int(k)))
     if not out:
-        raise SystemExit("--shapes: no shape given")
+        raise ValueError("--shapes: no shape given")
     return out
+
+
+def _with_rpw(lin, fn, rpw: int):
+    """``fn`` with the GEMV launched at ``rpw`` row sets per warp pass (grid to match)."""
+    def call():
+        chosen = lin.gemv_launch
+
+        def launch(M, N, K):
+            p = chosen(M, N, K)
+            rows = p["threads"] // 32 * (32 // p["LPR"]) * rpw
+            return {**p, "RPW": rpw, "blocks": max(1, min(lin._MAX_BLOCKS, -(-N // rows)))}
+
+        lin.gemv_launch = launch
+        try:
+            return fn()
+        finally:
+            lin.gemv_launch = chosen
+    return call
 
 
 def summarize_runs(csv_path: Path, run: dict) -> list[dict]:
@@ -118,18 +136,30 @@ def main(argv=None) -> int:
     p.add_argument("--candidates", default=",".join(CANDIDATES),
                    help=f"comma list from {', '.join(CANDIDATES)}")
     p.add_argument("--reps", type=int, default=5, help="profiled launches per candidate")
+    p.add_argument("--rpw", default="", help="comma list of row sets per warp pass to try "
+                   "besides the dispatcher's choice: one extra qab-norm/rpwR candidate each "
+                   "(the grid shrinks with R)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--summarize", type=Path, default=None, metavar="CSV",
                    help="summarize an ncu --csv log of an earlier run instead of running")
     args = p.parse_args(argv)
     check_out(p, args.out)
-    shapes = parse_shapes(args.shapes)
+    try:
+        shapes = parse_shapes(args.shapes)
+    except ValueError as exc:
+        p.error(str(exc))
     cands = [c for c in args.candidates.split(",") if c]
     bad = sorted(set(cands) - set(CANDIDATES))
     if bad or not cands:
         p.error(f"unknown candidate(s) {bad}; choose from {', '.join(CANDIDATES)}")
     if args.reps < 1:
         p.error("--reps must be >= 1")
+    try:
+        rpws = [int(r) for r in args.rpw.split(",") if r]
+    except ValueError:
+        p.error(f"--rpw: {args.rpw!r} is not a comma list of integers")
+    if any(r < 1 or r > 16 for r in rpws):
+        p.error("--rpw: values between 1 and 16")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = out / "profile-gemv-gpu-run.json"
@@ -141,10 +171,12 @@ def main(argv=None) -> int:
             raise SystemExit(f"{record}: no usable run record ({type(exc).__name__}); run the "
                              "profile into the same OUT first")
         result = {**run, "rows": summarize_runs(args.summarize, run)}
-        dest = out / f"profile-gemv-gpu-{run.get('device', 'unknown')}.json"
+        from qwen_apple_backend.bench.report import slug
+
+        dest = out / f"profile-gemv-gpu-{slug(str(run.get('device', 'unknown')))}.json"
         dest.write_text(json.dumps(result, indent=1) + "\n")
         for row in result["rows"]:
-            print(f"{row['shape']:>16} {row['N']:>7}x{row['K']:<5} {row['candidate']:>9}: "
+            print(f"{row['shape']:>16} {row['N']:>7}x{row['K']:<5} {row['candidate']:>14}: "
                   f"{row['launches']:d} launch(es) {row['us']:8.2f} us  "
                   f"{row['tb_per_s']:.2f} TB/s  ({', '.join(row['kernels'])})")
         print(f"wrote {dest}")
@@ -153,7 +185,6 @@ def main(argv=None) -> int:
     import mlx.core as mx
 
     from qwen_apple_backend.ops import linear as lin
-    from qwen_apple_backend.report import device_slug
 
     dtype = getattr(mx, args.dtype)
     plan = []
@@ -176,6 +207,8 @@ def main(argv=None) -> int:
         }
         for c in cands:
             plan.append((name, N, K, nbytes, c, fns[c]))
+        for r in rpws:
+            plan.append((name, N, K, nbytes, f"qab-norm/rpw{r}", _with_rpw(lin, fns["qab-norm"], r)))
     for *_, fn in plan:  # compile and warm every kernel outside the profiled range
         mx.eval(fn())
         mx.eval(fn())
@@ -191,7 +224,7 @@ def main(argv=None) -> int:
         mx.eval(mx.sort(marker))
     mx.synchronize()
     _profiler("cuProfilerStop")
-    run = {"device": device_slug(), "dtype": args.dtype, "reps": args.reps,
+    run = {"device": device_name(), "dtype": args.dtype, "reps": args.reps,
            "profiler": on,
            "order": [{"shape": n, "N": N, "K": K, "weight_bytes": nb, "candidate": c}
                      for n, N, K, nb, c, _ in plan],

@@ -299,7 +299,7 @@ def test_bad_boolean_and_list_variables_name_themselves(monkeypatch):
     with pytest.raises(EnvVarError, match=r"^QAB_DISABLE: unknown optimization 'foo' \(known: "
                                           r"moe, gdn, attn, all, gdn-kernel, moe-gemm, "
                                           r"moe-kernel, moe-route, attn-blocks, attn-split, attn-kernel, qk-prep, decode-compile, "
-                                          r"proj-concat, gemv-kernel, add-norm, next-norm, kv-in-place\)$"):
+                                          r"proj-concat, gemv-kernel, add-norm, norm-proj, next-norm, kv-in-place\)$"):
         envs.validate()
     monkeypatch.setenv("QAB_DISABLE", "all")
     assert envs.disabled_kinds() == frozenset({"moe", "gdn", "attn"})
@@ -343,6 +343,11 @@ def test_disable_argument_is_checked_like_the_variable():
     ("profile_decode_gpu.py", ["--variant", "fused-"], "--variant 'fused-': an empty optimization"),
     ("profile_decode_gpu.py", ["--summarize", ""], "--summarize: an empty file name"),
     ("decode_split.py", ["--variants", "fused-"], "--variants 'fused-': an empty optimization"),
+    ("profile_gemv_gpu.py", ["--shapes", "in_proj=12352x2000"],
+     "--shapes: 'in_proj=12352x2000' is not NAME=NxK with K a multiple of 64"),
+    ("profile_gemv_gpu.py", ["--candidates", "mlx,fast"], "unknown candidate(s) ['fast']"),
+    ("profile_gemv_gpu.py", ["--rpw", "2,x"], "--rpw: '2,x' is not a comma list of integers"),
+    ("profile_gemv_gpu.py", ["--reps", "0"], "--reps must be >= 1"),
     ("profile_decode_gpu.py", ["--summarize", "ncu.csv"],
      "profile-decode-gpu-meta-fused.json not found: run the profiled decode into OUT first"),
     ("decode_split.py", ["--preset", "tiny", "--layers", "400"],

@@ -831,3 +831,54 @@ def test_decode_split_takes_any_switch_as_a_fused_variant(tmp_path):
     (row,) = json.loads(path.read_text())["rows"]
     assert row["variant"] == "fused-moe-route"
     assert row["switches"] == {"QAB_DISABLE": "moe-route"} and row["tokens"] == 2
+
+
+def test_profile_gemv_gpu_splits_an_ncu_log_at_its_markers(tmp_path):
+    # benchmarks/profile_gemv_gpu.py --summarize: the log's first launch is the
+    # marker sort; the launches between two markers are one candidate's reps,
+    # averaged per call, with the weights' bytes per microsecond.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "o"
+    out.mkdir()
+    order = [dict(shape="in_proj", N=12352, K=2048, weight_bytes=14_000_000, candidate="mlx"),
+             dict(shape="in_proj", N=12352, K=2048, weight_bytes=14_000_000,
+                  candidate="mlx-norm")]
+    (out / "profile-gemv-gpu-run.json").write_text(json.dumps(
+        dict(device="GPU X", dtype="bfloat16", reps=2, profiler=True, order=order)))
+    head = ('"ID","Kernel Name","Block Size","Grid Size","Metric Name","Metric Unit",'
+            '"Metric Value"\n')
+    rows, i = [], 0
+
+    def row(name, unit, value):
+        nonlocal i
+        i += 1
+        return f'"{i}","{name}","(256, 1, 1)","(32, 1, 1)","gpu__time_duration.sum","{unit}","{value}"\n'
+
+    sort = "void mlx::core::cu::block_sort_kernel<float>(const float *)"
+    qmv = "void mlx::core::cu::qmv_kernel<8, 16>(const T *, int)"
+    norm = "void mlx::core::cu::rms_norm_small<256>(const T *)"
+    rows = [row(sort, "usecond", 2), row(qmv, "usecond", 18), row(qmv, "nsecond", "20,000"),
+            row(sort, "usecond", 2), row(norm, "usecond", 3), row(qmv, "usecond", 18),
+            row(norm, "usecond", 3), row(qmv, "usecond", 18), row(sort, "usecond", 2)]
+    log = tmp_path / "ncu.csv"
+    log.write_text("==PROF== Connected\n" + head + "".join(rows))
+    script = str(root / "benchmarks" / "profile_gemv_gpu.py")
+    r = subprocess.run([sys.executable, script, str(out), "--summarize", str(log)],
+                       capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((out / "profile-gemv-gpu-gpu-x.json").read_text())
+    got = [(x["candidate"], x["launches"], x["us"], x["kernels"]) for x in res["rows"]]
+    assert got == [("mlx", 1, 19.0, ["qmv_kernel"]),
+                   ("mlx-norm", 2, 21.0, ["rms_norm_small", "qmv_kernel"])]
+    assert res["rows"][0]["tb_per_s"] == round(14e6 / 19e6, 3)
+    # One segment short of the run record: a one-line error naming the file.
+    log.write_text(head + "".join(rows[:4]))
+    r = subprocess.run([sys.executable, script, str(out), "--summarize", str(log)],
+                       capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"{log}: 1 marked segments for 2 candidate x shape pairs" in r.stderr

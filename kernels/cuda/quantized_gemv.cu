@@ -9,8 +9,10 @@
 // (one 16-byte load of packed weights). LPR lanes share a row, each taking
 // chunks c = l + LPR * i; a warp works on SUB = 32 / LPR rows at once and on
 // RPW such row sets per pass, issuing all RPW * CPL weight loads of a pass
-// before any arithmetic (loads in flight are what a GEMV at batch 1 lives on).
-// Warps walk the rows grid-stride, so each block stages x only once.
+// before any arithmetic (loads in flight are what a GEMV at batch 1 lives on):
+// the first pass's before x is staged, each next pass's right after the
+// arithmetic of the one before. Warps walk the rows grid-stride, so each block
+// stages x only once.
 // x is staged in shared memory as float, chunk-transposed
 // (xs[m][j / 4][c] holds x[m, 32 c + j .. + 3] as a float4) so that lanes
 // reading consecutive chunks hit consecutive 16-byte words (no bank
@@ -47,6 +49,37 @@ __shared__ float red[M][32];
 __shared__ float xinv[M];
 
 const int tid = threadIdx.x;
+const int lane = tid & 31;
+const int sub = lane / LPR;
+const int sl = lane - sub * LPR;
+const int warps = blockDim.x >> 5;
+const int gwarp = blockIdx.x * warps + (tid >> 5);
+const int nwarps = gridDim.x * warps;
+
+// Every weight, scale and bias load of a pass is issued before its
+// arithmetic; the first pass's before x is staged (they do not depend on it),
+// so their trip to memory overlaps the staging (and the norm).
+uint4 wv[RPW][CPL];
+float sc[RPW][CPL];
+float bi[RPW][CPL];
+auto load_pass = [&](int base) {
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const int row = base + r * SUB + sub;
+    const bool ok = row < N;
+    const uint4* wrow = reinterpret_cast<const uint4*>(w + (size_t)(ok ? row : 0) * WPR);
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      const int c = sl + LPR * i;
+      wv[r][i] = ok ? wrow[c] : make_uint4(0u, 0u, 0u, 0u);
+      const size_t gi = (size_t)(ok ? row : 0) * GPR + (c * 32) / G;
+      sc[r][i] = ok ? static_cast<float>(scales[gi]) : 0.f;
+      bi[r][i] = ok ? static_cast<float>(biases[gi]) : 0.f;
+    }
+  }
+};
+load_pass(gwarp * ROWS_PER_WARP);
+
 if constexpr (NORM) {
   // Each row's sum of squares: per thread, a warp butterfly, one partial per
   // warp, then thread m adds row m's partials in warp order.
@@ -103,32 +136,8 @@ for (int i = tid; i < M * NC; i += blockDim.x) {
 }
 __syncthreads();
 
-const int lane = tid & 31;
-const int sub = lane / LPR;
-const int sl = lane - sub * LPR;
-const int warps = blockDim.x >> 5;
-const int gwarp = blockIdx.x * warps + (tid >> 5);
-const int nwarps = gridDim.x * warps;
-
-for (int base = gwarp * ROWS_PER_WARP; base < N; base += nwarps * ROWS_PER_WARP) {
-  // Issue every load of this pass first.
-  uint4 wv[RPW][CPL];
-  float sc[RPW][CPL];
-  float bi[RPW][CPL];
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    const int row = base + r * SUB + sub;
-    const bool ok = row < N;
-    const uint4* wrow = reinterpret_cast<const uint4*>(w + (size_t)(ok ? row : 0) * WPR);
-#pragma unroll
-    for (int i = 0; i < CPL; ++i) {
-      const int c = sl + LPR * i;
-      wv[r][i] = ok ? wrow[c] : make_uint4(0u, 0u, 0u, 0u);
-      const size_t gi = (size_t)(ok ? row : 0) * GPR + (c * 32) / G;
-      sc[r][i] = ok ? static_cast<float>(scales[gi]) : 0.f;
-      bi[r][i] = ok ? static_cast<float>(biases[gi]) : 0.f;
-    }
-  }
+const int stride = nwarps * ROWS_PER_WARP;
+for (int base = gwarp * ROWS_PER_WARP; base < N; base += stride) {
 
   float acc[M][RPW];
 #pragma unroll
@@ -182,5 +191,8 @@ for (int base = gwarp * ROWS_PER_WARP; base < N; base += nwarps * ROWS_PER_WARP)
         y[(size_t)m * N + row] = static_cast<OutT>(v);
       }
     }
+  }
+  if (base + stride < N) {
+    load_pass(base + stride);  // the next pass's loads
   }
 }
