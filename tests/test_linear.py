@@ -219,9 +219,10 @@ def _mixer_projection_rows(text) -> set:
 
 def test_fused_decode_runs_the_input_norm_in_the_mixers_projection(tiny_q4, fake_cuda,
                                                                     monkeypatch):
-    # norm-proj: a decode token's input RMSNorm and the mixer's concatenated
-    # projection are one launch of the GEMV kernel (here the fake), per layer.
+    # norm-proj (opt-in): a decode token's input RMSNorm and the mixer's
+    # concatenated projection are one launch of the GEMV kernel (here the fake).
     monkeypatch.delenv("QAB_DISABLE", raising=False)
+    monkeypatch.setenv("QAB_ENABLE", "norm-proj")
     fused, _ = load(tiny_q4, "fused")
     stock, _ = load(tiny_q4, "stock")
     text = fused.language_model
@@ -250,10 +251,15 @@ def test_fused_decode_runs_the_input_norm_in_the_mixers_projection(tiny_q4, fake
     assert mx_rel_l2(yf2, ys2) <= 2e-2 and mx_rel_l2(yf, ys) <= 2e-2
 
 
-def test_norm_proj_ablation_runs_the_norm_first(tiny_q4, fake_cuda, monkeypatch):
-    monkeypatch.setenv("QAB_DISABLE", "norm-proj")
+@pytest.mark.parametrize("env", [{}, {"QAB_ENABLE": "norm-proj", "QAB_DISABLE": "norm-proj"}])
+def test_norm_proj_is_opt_in(tiny_q4, fake_cuda, monkeypatch, env):
+    # Off by default; QAB_DISABLE wins over QAB_ENABLE.
+    monkeypatch.delenv("QAB_ENABLE", raising=False)
+    monkeypatch.delenv("QAB_DISABLE", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     fused, _ = load(tiny_q4, "fused")
-    assert any("norm-proj" in n for n in get_report(fused).notes)
+    assert not any("norm-proj" in n for n in get_report(fused).notes)
     cache = make_prompt_cache(fused)
     fused(mx.array([[1, 2, 3]]), cache=cache)
     fused(mx.array([[4]]), cache=cache)

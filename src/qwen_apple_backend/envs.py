@@ -73,7 +73,8 @@ OPTIMIZATIONS = {
     "gemv-kernel": "model",  # the CUDA dense 4-bit decode GEMV for lm_head (ops/linear.py)
     "add-norm": "model",  # residual add + post-attention RMSNorm as one kernel (ops/norm.py)
     # a decode token's input RMSNorm inside the mixer's concatenated input projection's
-    # GEMV launch (CUDA; ops/linear.py norm_gemv; needs add-norm and proj-concat)
+    # GEMV launch (CUDA; ops/linear.py norm_gemv; needs add-norm and proj-concat; opt-in
+    # with QAB_ENABLE: measured no faster on the H200)
     "norm-proj": "model",
     # a decode token's MoE down kernel also applies the next layer's input RMSNorm (CUDA;
     # opt-in with QAB_ENABLE: measured no faster on the H200)
@@ -195,7 +196,7 @@ def kernels_disabled() -> bool:
 # Optimizations that are not on everywhere by default and that QAB_ENABLE can
 # switch on: decode-compile is on by default on a GPU only (host-bound decode:
 # measured on the H200) and off on the CPU (measured no faster there).
-OPT_IN = ("decode-compile", "next-norm")
+OPT_IN = ("decode-compile", "next-norm", "norm-proj")
 
 
 def enabled_opt_in() -> frozenset[str]:

@@ -418,12 +418,16 @@ class QwenHybridAdapter(Adapter):
             # Opt-in (QAB_ENABLE=next-norm): on the H200 it measured no faster
             # (4K, 8 rounds: 153.9 tok/s with it, 158.0 without).
             asked = "next-norm" in enabled_opt_in()
+            # Opt-in (QAB_ENABLE=norm-proj): on the H200 its launch took longer than
+            # MLX's RMSNorm + qmv (31.7 vs 21.4 us at in_proj) and 4K decode measured
+            # no faster (173.1 tok/s with it, 177.5 without, same run).
+            norm_proj = "norm-proj" in enabled_opt_in() and "norm-proj" not in disable
             install_add_norm(model, next_norm=asked and "next-norm" not in disable,
-                             norm_proj="norm-proj" not in disable)
-            if "norm-proj" in disable:
-                report.notes.append("each decoder layer's input RMSNorm runs as its own "
-                                    "operation, not inside the mixer's input projection "
-                                    "(norm-proj in QAB_DISABLE / disable=)")
+                             norm_proj=norm_proj)
+            if norm_proj:
+                report.notes.append("on CUDA a decode token's input RMSNorm runs inside the "
+                                    "mixer's concatenated input projection's launch "
+                                    "(norm-proj from QAB_ENABLE)")
             if asked and "next-norm" in disable:
                 report.notes.append("each decoder layer runs its own input RMSNorm, not the "
                                     "previous MoE block's last decode kernel (next-norm in "
