@@ -399,3 +399,72 @@ def test_another_models_eager_calls_do_not_make_the_step_recheck(tiny_hf_f32, mo
     mx.eval(m(mx.array([[20]]), cache=cache))
     mx.eval(m(mx.array([[21]]), cache=cache))
     assert records == [1] and step.builds == 1
+
+
+def test_the_offset_advances_on_the_device_between_tokens(tiny_hf_f32, monkeypatch):
+    # The step's offset input is the previous step's output ([4] int32, 16
+    # bytes: out of MLX's small managed pool), not a host-written scalar;
+    # a cache at another position (a new prompt, a trim) gets a fresh one.
+    from qwen_apple_backend.decode import OFFSET_PAD
+
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    m, _ = load(tiny_hf_f32, "fused")
+    step = m.language_model.__dict__["_qab_decode"]
+    seen = []
+    fn_calls = []
+    real = step._device_offset
+
+    def spy(position):
+        off = real(position)
+        seen.append((position, off))
+        return off
+
+    monkeypatch.setattr(step, "_device_offset", spy)
+    cache = make_prompt_cache(m)
+    m(mx.array([[1, 2, 3, 4]]), cache=cache)
+    for t in range(5, 10):  # first eager, then 4 compiled tokens
+        mx.eval(m(mx.array([[t]]), cache=cache))
+        fn_calls.append(step._offset[1])
+    assert [p for p, _ in seen] == [5, 6, 7, 8]
+    for (position, off), prev in zip(seen[1:], fn_calls[1:]):
+        assert off is prev  # the previous step's output, handed on as it is
+    for position, off in seen:
+        assert off.shape == (OFFSET_PAD,) and off.dtype == mx.int32 and off.nbytes > 8
+        assert off.tolist() == [position] * OFFSET_PAD
+    assert step._offset[0] == 9 and step._offset[1].tolist() == [9] * OFFSET_PAD
+    # Another cache at another position: a new array of that position.
+    other = make_prompt_cache(m)
+    m(mx.array([[1, 2]]), cache=other)
+    mx.eval(m(mx.array([[3]]), cache=other))
+    mx.eval(m(mx.array([[4]]), cache=other))
+    assert seen[-1][0] == 3 and seen[-1][1].tolist() == [3] * OFFSET_PAD
+    # And back to the first cache: its logits still equal the eager model's.
+    monkeypatch.setenv("QAB_DISABLE", "decode-compile")
+    eager, _ = load(tiny_hf_f32, "fused")
+    ec = make_prompt_cache(eager)
+    eager(mx.array([[1, 2, 3, 4]]), cache=ec)
+    for t in range(5, 10):
+        eager(mx.array([[t]]), cache=ec)
+    a = m(mx.array([[10]]), cache=cache)
+    b = eager(mx.array([[10]]), cache=ec)
+    assert seen[-1][0] == 9
+    assert float(mx.abs(a - b).max()) <= 1e-5
+
+
+def test_kernel_scalar_inputs_are_not_small_buffers():
+    # MLX's CUDA allocator pools buffers of <= 8 bytes in host-shared managed
+    # memory: kernel scalars are 16-byte arrays, one per value, element 0 read.
+    from qwen_apple_backend.ops.attention import _dummy
+    from qwen_apple_backend.ops.device import SCALAR_PAD, f32_scalar
+    from qwen_apple_backend.ops.linear import _unused_norm_weight
+    from qwen_apple_backend.ops.moe import fold_norm_counter
+
+    e = f32_scalar(1e-6)
+    assert e is f32_scalar(1e-6) and e is not f32_scalar(1e-5)
+    assert e.shape == (SCALAR_PAD,) and e.dtype == mx.float32 and e.nbytes == 16
+    assert mx.all(e == mx.array(1e-6, dtype=mx.float32)).item()
+    for dt in (mx.bool_, mx.bfloat16, mx.float32):
+        assert _dummy(dt).nbytes == 16 and _dummy(dt).dtype == dt
+        assert _unused_norm_weight(dt).nbytes == 16
+    c = fold_norm_counter(3)
+    assert c.shape == (3,) and c.dtype == mx.uint32 and c.tolist() == [0, 0, 0]

@@ -18,7 +18,7 @@
 //
 // Launch: grid (BLOCK * N, 1, 1) threads, threadgroup (BLOCK, 1, 1).
 // BLOCK a multiple of 32, at most 1024. Any D >= 1 (PER = ceil(D / BLOCK)).
-// Inputs: x, r [N, D] T; w [D] T; eps [1] float32. Outputs: h, y [N, D] T.
+// Inputs: x, r [N, D] T; w [D] T; eps [4] float32 (element 0 read). Outputs: h, y [N, D] T.
 
 constexpr int PER = (D + BLOCK - 1) / BLOCK;
 constexpr int WARPS = BLOCK / 32;

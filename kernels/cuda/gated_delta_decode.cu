@@ -49,7 +49,7 @@
 // channels q | k | v | z | b | a);
 // b_proj, a_proj [B, Hv] InT; conv_state [B, Kc - 1, conv_dim] InT; conv_w
 // [conv_dim, Kc, 1] WT; conv_b [conv_dim] WT (read only when HAS_BIAS);
-// A_log [Hv] float32; dt_bias [Hv] WT; norm_w [Dv] WT; norm_eps [1] float32;
+// A_log [Hv] float32; dt_bias [Hv] WT; norm_w [Dv] WT; norm_eps [4] float32 (element 0 read);
 // state_in [B, Hv, Dv, Dk] float32; mask [B] bool (read only when HAS_MASK);
 // lengths [B] int32 (read only when HAS_LENGTHS).
 // Outputs: out [B, Hv, Dv] InT; conv_state_out [B, Kc - 1, conv_dim] InT;

@@ -32,8 +32,8 @@
 // Launch: grid (32 * WARPS * ceil(NB / WARPS), Hk, B) threads, threadgroup
 // (32 * WARPS, 1, 1), NB = ceil(S / BLOCK), BLOCK a multiple of 32. Inputs:
 // q [B, Hq, 1, D], k, v [B, Hk, S, D] (InT, any strides), mask [B or 1, ...,
-// S] bool (its first and last axes read, only if HAS_MASK), scale [1]
-// float32. Outputs: o_part [B, Hq, NB, D], ml [B, Hq, NB, 2] float32.
+// S] bool (its first and last axes read, only if HAS_MASK), scale [4]
+// float32 (element 0 read). Outputs: o_part [B, Hq, NB, D], ml [B, Hq, NB, 2] float32.
 // Requires D % 32 == 0, D <= 256, G <= 16.
 
 constexpr int EPL = D / 32;                  // o elements per lane

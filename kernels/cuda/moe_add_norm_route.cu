@@ -57,8 +57,8 @@
 // (experts, <= 1024), K (1 <= K <= min(E, 32)), G (router quantization group
 // size: 32, 64 or 128), NORM (bool: renormalise the K scores), BLOCK
 // (threads, a multiple of 32, <= 1024), RB (expert rows per warp). Inputs:
-// x, r [N, D] T (any leading axes, row-contiguous); nw [D] T; eps [1]
-// float32; gw [E, D / 4] uint32 (8 bits per weight, MLX's packing: byte j of
+// x, r [N, D] T (any leading axes, row-contiguous); nw [D] T; eps [4]
+// float32 (element 0 read); gw [E, D / 4] uint32 (8 bits per weight, MLX's packing: byte j of
 // a word is element 4 i + j); gs, gb [E, D / G] T; count [>= N] uint32.
 // Outputs: h, y [N, D] T (x's shape); logits [N, E] T; inds [N, K] uint32,
 // scores [N, K] T (slot K - 1 holds the largest probability).

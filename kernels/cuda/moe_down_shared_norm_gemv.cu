@@ -27,7 +27,7 @@
 // Template: as moe_down_shared_gemv.cu with HAS_RES, plus BLOCK (threads per
 // block, a multiple of 32).
 // Inputs: those of moe_down_shared_gemv.cu (res the residual, [N, H] OutT);
-// nw [H] OutT (the next layer's input_layernorm weight); neps [1] float32;
+// nw [H] OutT (the next layer's input_layernorm weight); neps [4] float32 (element 0 read);
 // count [>= N] uint32 (zeros, this launch's own; see above). Outputs: y, yn [N, H] OutT (the
 // caller's [B, T, H]).
 

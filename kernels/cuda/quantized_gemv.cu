@@ -33,7 +33,7 @@
 // Requires KD % 32 == 0, NC % LPR == 0, G % 32 == 0, M * KD * 4 bytes of
 // shared memory (the dispatcher keeps it <= 32 KB), WARPS <= 32.
 // Inputs: x [M, KD] OutT; w [N, KD / 8] uint32; scales, biases [N, KD / G] ST;
-// nw [KD] OutT (NORM; else any one element, not read); eps [1] float32 (NORM;
+// nw [KD] OutT (NORM; else any one element, not read); eps [4] float32 (NORM: element 0;
 // else not read). Output: y [M, N] OutT.
 
 constexpr int NC = KD / 32;       // 32-value chunks per row

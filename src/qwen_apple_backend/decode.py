@@ -56,6 +56,8 @@ from .ops.attention import decode_kv_mask, kv_cache_write, kv_cache_write_ops, k
 __all__ = ["install_compiled_decode", "compiled_decode_installed"]
 
 _REFRESHES = operator.attrgetter("refreshes")  # ConcatProjection.refreshes
+#: Elements of the step's offset input (16 bytes: see :meth:`_CompiledDecode._device_offset`).
+OFFSET_PAD = 4
 
 
 class _StepKV:
@@ -167,6 +169,7 @@ class _CompiledDecode:
         self._copied: list = []
         self._in_place: dict = {}  # K/V shapes and dtypes -> backend or None
         self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._offset: tuple = (-1, None)  # (cache position, its device offset array)
         self.eager_calls = 0
         self.compiled_calls = 0
         self.builds = 0
@@ -203,11 +206,29 @@ class _CompiledDecode:
         return (all(map(operator.is_, map(dict.get, containers, keys), expected))
                 and all(map(operator.is_, map(type, children), types)))
 
+    def _device_offset(self, position: int) -> mx.array:
+        """The step's offset input for a cache at ``position``: ``[OFFSET_PAD]`` int32.
+
+        The previous step's output when it is for this position (the offset
+        advances on the device, token after token), else a new array filled
+        on the device (first token, a trimmed or replaced cache). Never a
+        host-written scalar: MLX's CUDA allocator keeps buffers of <= 8
+        bytes in a small managed-memory pool that the host's own scalars
+        share (a sampled token read with ``.item()``), so every kernel
+        reading the offset (RoPE, the KV write, the mask) waited on host
+        memory (see :func:`qwen_apple_backend.ops.device.f32_scalar`).
+        """
+        at, dev = self._offset
+        if at != position or dev is None:
+            dev = mx.full((OFFSET_PAD,), position, dtype=mx.int32)
+        return dev
+
     def _step(self, tokens, offset, kv, ssm, layout, in_place):
         caches, ik, iss = [], 0, 0
+        position = offset[0]  # element 0 of the padded offset (a view)
         for kind in layout:
             if kind == "kv":
-                caches.append(_StepKV(kv[ik][0], kv[ik][1], offset, in_place))
+                caches.append(_StepKV(kv[ik][0], kv[ik][1], position, in_place))
                 ik += 1
             else:
                 c = ArraysCache(size=2)
@@ -221,7 +242,7 @@ class _CompiledDecode:
         self._copied = [i for i, c in enumerate(steps) if not c.written]
         kv_out = [(steps[i].keys, steps[i].values) for i in self._copied]
         ssm_out = [(c[0], c[1]) for c in caches if isinstance(c, ArraysCache)]
-        return logits, kv_out, ssm_out
+        return logits, kv_out, ssm_out, offset + tokens.shape[1]
 
     def _in_place_backend(self, kvs: list, kv_sig: tuple) -> Optional[str]:
         """The backend writing this call's KV rows in place, or None.
@@ -266,7 +287,7 @@ class _CompiledDecode:
             self._own(kvs)  # same shapes and dtypes: kv_sig still holds
         kv = [(c.keys, c.values) for c in kvs]
         ssm = [(c[0], c[1]) for c in cache if type(c) is ArraysCache]
-        offset = mx.array(kvs[0].offset, dtype=mx.int32)
+        offset = self._device_offset(kvs[0].offset)
         if self._fn is None or not self._still_valid():
             self._build()
         # While tracing, the model's arrays are tracers: the concatenations the
@@ -281,7 +302,8 @@ class _CompiledDecode:
         for c in self._uses:
             c.tracing = tracing
         try:
-            logits, kv_out, ssm_out = self._fn(tokens, offset, kv, ssm, tuple(layout), in_place)
+            logits, kv_out, ssm_out, next_offset = self._fn(tokens, offset, kv, ssm,
+                                                            tuple(layout), in_place)
         finally:
             for c in self._uses:
                 c.tracing = False
@@ -293,6 +315,7 @@ class _CompiledDecode:
             kvs[i].keys, kvs[i].values = pair
         for c in kvs:
             c.offset += tokens.shape[1]
+        self._offset = (kvs[0].offset, next_offset)
         iss = 0
         for c in cache:
             if type(c) is ArraysCache:

@@ -570,8 +570,11 @@ def _split_kernel_call(backend: str, q, k, v, scale: float, mask, gate=None,
 
 @functools.lru_cache(maxsize=None)
 def _dummy(dtype: mx.Dtype) -> mx.array:
-    # A cached [1] stand-in for an input a kernel build does not read.
-    return mx.zeros((1,), dtype=dtype)
+    # A cached stand-in for an input a kernel build does not read (16 bytes,
+    # out of MLX's small managed pool: see ops.device.f32_scalar).
+    a = mx.zeros((16 // dtype.size,), dtype=dtype)
+    mx.eval(a)
+    return a
 
 
 def split_kernel_ready(q: mx.array, k: mx.array, v: mx.array, mask: Mask,

@@ -27,6 +27,7 @@ from ._sources import KernelSource, compact, kernel_source
 
 __all__ = [
     "KernelSelfCheckWarning",
+    "SCALAR_PAD",
     "build_kernel",
     "f32_scalar",
     "gpu_backend",
@@ -84,11 +85,31 @@ def build_kernel(op: str, backend: str, **options: Any) -> Optional[Callable[...
                    header=compact(src.header), **options)
 
 
+#: Elements of a kernel's scalar-input array (see :func:`f32_scalar`): 16 bytes.
+SCALAR_PAD = 4
+
+
 @functools.lru_cache(maxsize=None)
 def f32_scalar(value: float) -> mx.array:
-    """A cached float32 ``[1]`` array holding ``value`` (a kernel's scalar input, e.g. an
-    epsilon): one device array per value, no new array or fill per call."""
-    return mx.array([value], dtype=mx.float32)
+    """A kernel's float32 scalar input (e.g. an epsilon): ``[4]`` copies of ``value``.
+
+    Kernels read element 0. The array is one per value (cached), filled and
+    evaluated on the default device when first asked for, so no call makes
+    a new array or fill. It has :data:`SCALAR_PAD` elements (16 bytes), not
+    one, because MLX's CUDA allocator places every buffer of at most 8 bytes
+    in one small managed-memory pool that the host's own scalars (a sampled
+    token read with ``.item()``, a host-written offset) share: a kernel
+    reading a scalar from there waited on host memory. Measured on an H200
+    with Nsight Compute (``benchmarks/profile_gemv_gpu.py``, the norm + GEMV
+    launch, the only GEMV that reads its epsilon): 27-33 us per launch with
+    a ``[1]`` epsilon, 8-20 us with a 16-byte one, at every projection shape.
+
+    Safe inside ``mx.compile``: the array depends on no traced input, so it
+    is evaluated then and becomes a constant of the traced graph.
+    """
+    a = mx.full((SCALAR_PAD,), value, dtype=mx.float32)
+    mx.eval(a)
+    return a
 
 
 # (op, backend, shape key) -> (passed, message)

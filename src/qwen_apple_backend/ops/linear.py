@@ -133,10 +133,13 @@ def _gemv_object(backend: str):
 
 @functools.lru_cache(maxsize=None)
 def _unused_norm_weight(dtype: mx.Dtype) -> mx.array:
-    # The kernel's nw input when NORM is off: one real element of x's dtype
+    # The kernel's nw input when NORM is off: real elements of x's dtype
     # (MLX caches a CUDA kernel by its template arguments, so every launch of
-    # one instantiation passes the same input dtypes), never read.
-    return mx.array([0], dtype=dtype)
+    # one instantiation passes the same input dtypes), never read; 16 bytes,
+    # out of MLX's small managed pool (see ops.device.f32_scalar).
+    a = mx.zeros((16 // dtype.size,), dtype=dtype)
+    mx.eval(a)
+    return a
 
 
 def quantized_gemv_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,

@@ -1277,7 +1277,10 @@ def fold_norm_counter(rows: int = FOLD_NORM_MAX_ROWS) -> mx.array:
     """
     if rows < 1:
         raise ValueError(f"a counter needs at least one row, got rows={rows}")
-    c = mx.broadcast_to(mx.array([0], dtype=mx.uint32), (rows,))
+    # The zero is element 0 of a 16-byte array computed on the device: a
+    # buffer of <= 8 bytes would sit in MLX's small managed pool, which the
+    # per-launch copy would read from host memory (see ops.device.f32_scalar).
+    c = mx.broadcast_to(mx.zeros((4,), dtype=mx.uint32)[:1], (rows,))
     mx.eval(c)
     return c
 
