@@ -172,42 +172,6 @@ def test_lm_head_class_swap_keeps_parameters_and_outputs():
     assert not install_gemv_lm_head(text8)
 
 
-def test_fused_decode_takes_the_kernel_for_lm_head_only(tiny_q4, fake_cuda, monkeypatch):
-    # The plain GEMV serves lm_head only (the mixers' projections with their
-    # input norm, norm-proj, have their own test below).
-    monkeypatch.setenv("QAB_DISABLE", "norm-proj")
-    fused, _ = load(tiny_q4, "fused")
-    stock, _ = load(tiny_q4, "stock")
-    text = fused.language_model
-    assert type(text.lm_head) is DecodeQuantizedLinear
-    prompt = mx.array([[(i * 37) % 900 for i in range(12)]])
-    cf, cs = make_prompt_cache(fused), make_prompt_cache(stock)
-    fused(prompt, cache=cf)
-    stock(prompt, cache=cs)
-    assert fake_cuda["calls"] == 0  # prefill rows > GEMV_MAX_ROWS: MLX's path
-    tok = mx.array([[5]])
-    yf, ys = fused(tok, cache=cf), stock(tok, cache=cs)
-    checked = {k[2] for k in device.self_check_results() if k[0] == "quantized_gemv"}
-    vocab, hidden = text.lm_head["weight"].shape[0], text.lm_head["weight"].shape[1] * 8
-    assert {(k[1], k[2]) for k in checked} == {(vocab, hidden)}  # lm_head's (N, K) only
-    assert fake_cuda["calls"] == 2  # its self-check, then its use
-    yf2, ys2 = fused(tok, cache=cf), stock(tok, cache=cs)
-    assert fake_cuda["calls"] == 3
-    # The fake kernel computes in float32: bf16 logits close to stock's.
-    assert mx_rel_l2(yf2, ys2) <= 2e-2 and mx_rel_l2(yf, ys) <= 2e-2
-
-
-def test_ablation_switch_turns_it_off(tiny_q4, fake_cuda, monkeypatch):
-    monkeypatch.setenv("QAB_DISABLE", "gemv-kernel")
-    fused, _ = load(tiny_q4, "fused")
-    assert type(fused.language_model.lm_head) is nn.QuantizedLinear
-    assert any("gemv-kernel" in n for n in get_report(fused).notes)
-    cache = make_prompt_cache(fused)
-    fused(mx.array([[1, 2, 3]]), cache=cache)
-    fused(mx.array([[4]]), cache=cache)
-    assert fake_cuda["calls"] == fake_cuda["norm_calls"]  # lm_head: none of the plain GEMV
-
-
 def _mixer_projection_rows(text) -> set:
     """Rows of each decoder layer's concatenated mixer projection."""
     rows = set()
@@ -215,6 +179,93 @@ def _mixer_projection_rows(text) -> set:
         mixer = layer.linear_attn if layer.is_linear else layer.self_attn
         rows.add(sum(mixer._proj_cat.sizes))
     return rows
+
+
+def _plain_checked() -> set:
+    """(N, K) of every plain GEMV shape class self-checked so far."""
+    return {(k[2][1], k[2][2]) for k in device.self_check_results()
+            if k[0] == "quantized_gemv" and k[2][0] != "norm"}
+
+
+def test_fused_decode_takes_the_kernel_for_lm_head_and_the_mixers_projections(
+        tiny_q4, fake_cuda, monkeypatch):
+    # The plain GEMV serves lm_head (gemv-kernel) and each mixer's
+    # concatenated input projection (proj-gemv); the projections with their
+    # input norm in the launch (norm-proj, opt-in) have their own test below.
+    monkeypatch.delenv("QAB_ENABLE", raising=False)
+    monkeypatch.delenv("QAB_DISABLE", raising=False)
+    fused, _ = load(tiny_q4, "fused")
+    stock, _ = load(tiny_q4, "stock")
+    text = fused.language_model
+    assert type(text.lm_head) is DecodeQuantizedLinear
+    prompt = mx.array([[(i * 37) % 900 for i in range(12)]])
+    cf, cs = make_prompt_cache(fused), make_prompt_cache(stock)
+    yf, ys = fused(prompt, cache=cf), stock(prompt, cache=cs)
+    assert fake_cuda["calls"] == 0  # prefill rows > GEMV_MAX_ROWS: MLX's path
+    assert mx.array_equal(yf, ys).item()
+    tok = mx.array([[5]])
+    yf, ys = fused(tok, cache=cf), stock(tok, cache=cs)
+    vocab, hidden = text.lm_head["weight"].shape[0], text.lm_head["weight"].shape[1] * 8
+    mixers = {(n, hidden) for n in _mixer_projection_rows(text)}
+    assert _plain_checked() == {(vocab, hidden)} | mixers
+    before = fake_cuda["calls"]
+    yf2, ys2 = fused(tok, cache=cf), stock(tok, cache=cs)
+    # lm_head and every Gated DeltaNet layer call it; the attention layers'
+    # compiled projection step called it when traced and replays it since.
+    linear = [layer.is_linear for layer in text.model.layers]
+    assert fake_cuda["calls"] - before == 1 + sum(linear) and not all(linear)
+    for layer in text.model.layers:
+        if not layer.is_linear:
+            assert any(key[4] == "cuda" for key in layer.self_attn._compiled)
+    assert fake_cuda["norm_calls"] == 0
+    # The fake kernel computes in float32: bf16 logits close to stock's.
+    assert mx_rel_l2(yf2, ys2) <= 2e-2 and mx_rel_l2(yf, ys) <= 2e-2
+
+
+@pytest.mark.parametrize("off", ["gemv-kernel", "proj-gemv", "gemv-kernel,proj-gemv"])
+def test_ablation_switches_turn_each_use_off(tiny_q4, fake_cuda, monkeypatch, off):
+    monkeypatch.delenv("QAB_ENABLE", raising=False)
+    monkeypatch.setenv("QAB_DISABLE", off)
+    fused, _ = load(tiny_q4, "fused")
+    text = fused.language_model
+    notes = " ".join(get_report(fused).notes)
+    head_on, proj_on = "gemv-kernel" not in off, "proj-gemv" not in off
+    assert (type(text.lm_head) is DecodeQuantizedLinear) == head_on
+    assert ("gemv-kernel in QAB_DISABLE" in notes) != head_on
+    assert ("proj-gemv in QAB_DISABLE" in notes) != proj_on
+    cache = make_prompt_cache(fused)
+    fused(mx.array([[1, 2, 3]]), cache=cache)
+    fused(mx.array([[4]]), cache=cache)
+    vocab, hidden = text.lm_head["weight"].shape[0], text.lm_head["weight"].shape[1] * 8
+    mixers = {(n, hidden) for n in _mixer_projection_rows(text)}
+    assert _plain_checked() == ({(vocab, hidden)} if head_on else set()) | (
+        mixers if proj_on else set())
+    assert fake_cuda["norm_calls"] == 0
+
+
+def test_the_projection_gemv_matches_mlx_per_child(monkeypatch):
+    # ConcatProjection.matmul on a GEMV backend: the same split outputs as
+    # each child's own QuantizedLinear (CPU: the kernel's reference stands in).
+    from qwen_apple_backend.layers._concat import ConcatProjection
+
+    class Owner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = qlinear(96, 256, dtype=mx.float32)
+            self.b = qlinear(160, 256, seed=1, dtype=mx.float32)
+
+    o = Owner()
+    x = mx.random.normal((1, 1, 256), key=mx.random.key(9))
+    refs = [o.a(x), o.b(x)]
+    cat = ConcatProjection.build(o, ("a", "b"))
+    assert cat.gemv is False and cat.gemv_backend(x) is None  # off until the fusing code sets it
+    cat.gemv = True
+    assert cat.gemv_backend(x) is None  # the CPU has no kernel
+    monkeypatch.setattr(ql, "quantized_gemv_kernel", _reference_kernel)
+    outs = cat(x, "cuda")
+    for out, ref in zip(outs, refs):
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        assert mx_rel_l2(out, ref) <= 1e-5  # float32: summation order only
 
 
 def test_fused_decode_runs_the_input_norm_in_the_mixers_projection(tiny_q4, fake_cuda,

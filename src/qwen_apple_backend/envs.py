@@ -10,7 +10,7 @@ Variables:
         (``moe``, ``gdn``, ``attn``, ``all``) or single optimizations to
         switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``, ``moe-route``,
         ``attn-blocks``, ``attn-split``, ``attn-kernel``, ``qk-prep``, ``decode-compile``,
-        ``proj-concat``, ``gemv-kernel``, ``add-norm``, ``next-norm``, ``kv-in-place``), for
+        ``proj-concat``, ``gemv-kernel``, ``proj-gemv``, ``add-norm``, ``next-norm``, ``kv-in-place``), for
         ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
@@ -71,6 +71,9 @@ OPTIMIZATIONS = {
     "decode-compile": "model",  # the compiled one-token decode step (decode.py)
     "proj-concat": "model",  # sibling input projections run as one matmul (layers/_concat.py)
     "gemv-kernel": "model",  # the CUDA dense 4-bit decode GEMV for lm_head (ops/linear.py)
+    # the same GEMV for a decode token's concatenated input projections (GDN in_proj,
+    # attention q/k/v; layers/_concat.py; needs proj-concat)
+    "proj-gemv": "model",
     "add-norm": "model",  # residual add + post-attention RMSNorm as one kernel (ops/norm.py)
     # a decode token's input RMSNorm inside the mixer's concatenated input projection's
     # GEMV launch (CUDA; ops/linear.py norm_gemv; needs add-norm and proj-concat; opt-in

@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..ops import linear as qlinear
 from ..ops.linear import norm_gemv, norm_gemv_ready
 
 __all__ = ["ConcatProjection"]
@@ -86,6 +87,9 @@ class ConcatProjection:
         #: concatenation valid just before and passes :attr:`cat` as a compile
         #: input: the children's arrays are tracers then, not the views.
         self.tracing = False
+        #: Whether one-token calls may take the CUDA dense GEMV kernel
+        #: (``proj-gemv``; see :meth:`gemv_backend`). Set by the fusing code.
+        self.gemv = False
         offs, total = [], 0
         for n in sizes[:-1]:
             total += n
@@ -176,9 +180,30 @@ class ConcatProjection:
         self.views = [_arrays(c) for c in self.children]
         self.refreshes += 1
 
-    def __call__(self, x: mx.array) -> list:
-        """Outputs of every child for input ``x``, from one matmul."""
-        return mx.split(self.matmul(x), self.split_at, axis=-1)
+    def __call__(self, x: mx.array, gemv_backend: Optional[str] = None) -> list:
+        """Outputs of every child for input ``x``, from one matmul (see :meth:`matmul`)."""
+        return mx.split(self.matmul(x, gemv_backend), self.split_at, axis=-1)
+
+    def gemv_backend(self, x: mx.array) -> Optional[str]:
+        """The backend whose dense GEMV kernel may run :meth:`matmul` for this call, or None.
+
+        With :attr:`gemv` on (``proj-gemv``), children 4-bit affine quantized
+        with biases and no bias term, and at most
+        :data:`~qwen_apple_backend.ops.linear.GEMV_MAX_ROWS` token rows: see
+        :func:`~qwen_apple_backend.ops.linear.gemv_ready` (at any weight size;
+        a self-check on its first call per shape class: call it outside
+        ``mx.compile`` first). On the H200 the kernel took less GPU time than
+        MLX's ``qmv`` at every decode projection shape of Qwen3.6-35B-A3B
+        (Nsight Compute, ``benchmarks/profile_gemv_gpu.py``: 14.4 vs 17.8 us
+        for the Gated DeltaNet's 12352 x 2048 in_proj, 13.0 vs 14.7 for the
+        attention's 9216 x 2048 q/k/v).
+        """
+        c = self.cat
+        if (not self.gemv or self.kind[0] != "q" or "bias" in c or "biases" not in c
+                or not x.ndim or x.size // x.shape[-1] > qlinear.GEMV_MAX_ROWS):
+            return None
+        return qlinear.gemv_ready(x, c["weight"], c["scales"], c["biases"], self.kind[1],
+                          self.kind[2], self.kind[3], min_bytes=0)
 
     def norm_backend(self, x: mx.array, norm: nn.Module) -> Optional[str]:
         """The backend whose one launch may run ``matmul(norm(x))`` for this call, or None.
@@ -204,9 +229,16 @@ class ConcatProjection:
                          group_size=self.kind[1], bits=self.kind[2], mode=self.kind[3],
                          backend=backend)
 
-    def matmul(self, x: mx.array) -> mx.array:
-        """The one matmul's output, ``[..., sum of the children's outputs]``, not split."""
+    def matmul(self, x: mx.array, gemv_backend: Optional[str] = None) -> mx.array:
+        """The one matmul's output, ``[..., sum of the children's outputs]``, not split.
+
+        ``gemv_backend``: what :meth:`gemv_backend` returned for this call's
+        shape class: the dense GEMV kernel (no self-check here, so safe inside
+        ``mx.compile``); None: MLX's matmul.
+        """
         c = self.cat
+        if gemv_backend is not None:
+            return qlinear.quantized_gemv_kernel(x, c["weight"], c["scales"], c["biases"], self.kind[1])
         if self.kind[0] == "q":
             y = mx.quantized_matmul(x, c["weight"], c["scales"], c.get("biases"), transpose=True,
                                     group_size=self.kind[1], bits=self.kind[2],

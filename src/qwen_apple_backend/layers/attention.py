@@ -270,6 +270,9 @@ class FusedGQAAttention(nn.Module):
                 norm_backend = self._proj_cat.norm_backend(x, input_norm)
             if norm_backend is None:
                 x, input_norm = input_norm(x), None
+        # The concatenated q/k/v projection on the dense GEMV kernel (proj-gemv).
+        gemv = (self._proj_cat.gemv_backend(x)
+                if use_cat and norm_backend is None and not self.training else None)
         if (
             self.compile_decode
             and not self.training
@@ -280,7 +283,7 @@ class FusedGQAAttention(nn.Module):
                 offset = mx.array(offset, dtype=mx.int32)
             prep = self._prep_kernel_ready(x, offset)
             if norm_backend is None:
-                q, k, v, gate = self._compiled_project(use_cat, prep)(x, offset)
+                q, k, v, gate = self._compiled_project(use_cat, prep, gemv=gemv)(x, offset)
             else:
                 fn = self._compiled_project(use_cat, prep, norm_backend, input_norm.eps)
                 q, k, v, gate = fn(x, offset, input_norm["weight"])
@@ -290,7 +293,7 @@ class FusedGQAAttention(nn.Module):
             q, k, v, gate = self._project(
                 x, offset, use_cat, self._prep_kernel_ready(x, offset),
                 None if input_norm is None else input_norm["weight"], norm_backend,
-                0.0 if input_norm is None else input_norm.eps)
+                0.0 if input_norm is None else input_norm.eps, gemv)
 
         if cache is not None:
             # The compiled decode step's cache may write in place: then its
@@ -365,19 +368,21 @@ class FusedGQAAttention(nn.Module):
 
     def _project(self, x: mx.array, offset, use_cat: bool = False, prep_kernel: bool = False,
                  norm_weight: Optional[mx.array] = None, norm_backend: Optional[str] = None,
-                 norm_eps: float = 0.0):
+                 norm_eps: float = 0.0, gemv: Optional[str] = None):
         """Projections, q/k norm and RoPE: everything before the KV cache
         (``prep_kernel``: norm and RoPE of a one-token call in one CUDA launch,
         when :meth:`_prep_kernel_ready` said so; ``norm_backend``: ``x`` is
         not yet normalised and the decoder layer's input RMSNorm of weight
-        ``norm_weight`` runs in the concatenated projection's launch)."""
+        ``norm_weight`` runs in the concatenated projection's launch; ``gemv``:
+        the concatenated projection runs on that backend's dense GEMV kernel,
+        from :meth:`ConcatProjection.gemv_backend`)."""
         B, L, _ = x.shape
         if norm_backend is not None:
             cat = self._proj_cat
             qg, k, v = mx.split(cat.norm_matmul(x, norm_weight, norm_eps, norm_backend),
                                 cat.split_at, axis=-1)
         elif use_cat:
-            qg, k, v = self._proj_cat(x)
+            qg, k, v = self._proj_cat(x, gemv)
         else:
             qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # Per head: D query features, then D gate features (stock split).
@@ -409,9 +414,10 @@ class FusedGQAAttention(nn.Module):
         return q, k, v, gate
 
     def _compiled_project(self, use_cat: bool = False, prep_kernel: bool = False,
-                          norm_backend: Optional[str] = None, norm_eps: float = 0.0):
+                          norm_backend: Optional[str] = None, norm_eps: float = 0.0,
+                          gemv: Optional[str] = None):
         fns = self.__dict__.setdefault("_compiled", {})
-        key = (use_cat, prep_kernel, norm_backend, norm_eps)
+        key = (use_cat, prep_kernel, norm_backend, norm_eps, gemv)
         fn = fns.get(key)
         if fn is None:
             # The module is the captured input tree, so parameters replaced
@@ -421,7 +427,7 @@ class FusedGQAAttention(nn.Module):
             # norm (whose weight, the decoder layer's, is an argument).
             def project(x, offset, norm_weight=None):
                 return self._project(x, offset, use_cat, prep_kernel, norm_weight, norm_backend,
-                                     norm_eps)
+                                     norm_eps, gemv)
 
             fn = mx.compile(project, inputs=self)
             fns[key] = fn

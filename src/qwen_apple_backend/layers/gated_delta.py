@@ -305,7 +305,8 @@ class FusedGatedDeltaNet(nn.Module):
             if backend is not None:
                 y = cat.norm_matmul(inputs, input_norm["weight"], input_norm.eps, backend)
             else:
-                y = cat.matmul(inputs if input_norm is None else input_norm(inputs))
+                x = inputs if input_norm is None else input_norm(inputs)
+                y = cat.matmul(x, None if self.training else cat.gemv_backend(x))
             return tuple(mx.split(y, cat.split_at, axis=-1)), y
         if input_norm is not None:
             inputs = input_norm(inputs)

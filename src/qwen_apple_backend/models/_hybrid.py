@@ -394,6 +394,9 @@ class QwenHybridAdapter(Adapter):
                 switched_off.update(off)
                 if "proj-concat" not in disable and hasattr(fused, "concat_projections"):
                     fused.concat_projections()
+                    cat = getattr(fused, "_proj_cat", None)
+                    if cat is not None:
+                        cat.gemv = "proj-gemv" not in disable
                 setattr(layer, attr, fused)
                 report.modules.append(ModuleRecord(
                     path, kind, type(stock).__name__, type(fused).__name__,
@@ -402,6 +405,9 @@ class QwenHybridAdapter(Adapter):
         if "proj-concat" in disable:
             report.notes.append("input projections run separately (proj-concat in QAB_DISABLE / "
                                 "disable=)")
+        if "proj-gemv" in disable and "proj-concat" not in disable:
+            report.notes.append("concatenated input projections on MLX's quantized matmul "
+                                "(proj-gemv in QAB_DISABLE / disable=)")
         if "gemv-kernel" in disable:
             report.notes.append("lm_head on MLX's quantized matmul (gemv-kernel in QAB_DISABLE / "
                                 "disable=)")

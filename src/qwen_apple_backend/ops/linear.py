@@ -222,13 +222,18 @@ def _key(M, w, scales, group_size, dtype) -> tuple:
 
 
 def gemv_ready(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array],
-               group_size: int, bits: int = 4, mode: str = "affine") -> Optional[str]:
+               group_size: int, bits: int = 4, mode: str = "affine", *,
+               min_bytes: Optional[int] = None) -> Optional[str]:
     """The backend whose GEMV kernel may run ``x @ dequantize(w).T``, or None.
 
     Call it outside ``mx.compile``: the first call per shape class (rows,
     N, K, group size, dtypes) runs the kernel's self-check on random
     activations with these very weights, against ``mx.quantized_matmul`` on
     float32 activations.
+
+    ``min_bytes``: the smallest packed weight taken (None:
+    :data:`GEMV_MIN_BYTES`, i.e. ``lm_head``); the concatenated input
+    projections (``proj-gemv``, ``layers/_concat.py``) pass 0.
 
     Returns:
         Optional[str]: ``"cuda"``, or None (not CUDA, all kernels disabled
@@ -238,8 +243,10 @@ def gemv_ready(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.a
     if envs.kernels_disabled():
         return None
     M = x.size // x.shape[-1] if x.ndim else 0
-    if gpu_backend() != "cuda" or not gemv_supported(M, w, scales, biases, group_size, bits,
-                                                     mode, x.dtype):
+    if gpu_backend() != "cuda" or not _gemv_contract(M, w, scales, biases, group_size, bits,
+                                                     mode, x.dtype,
+                                                     GEMV_MIN_BYTES if min_bytes is None
+                                                     else min_bytes):
         return None
     if _gemv_object("cuda") is None:
         return None
