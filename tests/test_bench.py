@@ -264,6 +264,17 @@ def test_parse_lengths_and_specs():
         parse_backend_specs("stock,stock")
 
 
+def test_an_ablation_column_keeps_what_qab_disable_switched_off(monkeypatch):
+    # The ablated column is the fused column minus one switch: a disable=
+    # list replaces QAB_DISABLE at load time, so the spec carries both.
+    monkeypatch.setenv("QAB_DISABLE", "proj-gemv")
+    specs = parse_backend_specs("stock,fused", "norm-proj")
+    assert specs[2].disable == frozenset({"proj-gemv", "norm-proj"})
+    assert specs[1].disable == frozenset()  # fused loads with the variable itself
+    monkeypatch.delenv("QAB_DISABLE")
+    assert parse_backend_specs("fused", "moe")[1].disable == frozenset({"moe"})
+
+
 def test_schedule_warmup_and_statistics():
     orders, seq = harness.alternation_schedule(["a", "b"], [1, 2], 3)
     assert orders == [["a", "b"], ["b", "a"], ["a", "b"]]

@@ -189,11 +189,11 @@ def _plain_checked() -> set:
 
 def test_fused_decode_takes_the_kernel_for_lm_head_and_the_mixers_projections(
         tiny_q4, fake_cuda, monkeypatch):
-    # The plain GEMV serves lm_head (gemv-kernel) and each mixer's
-    # concatenated input projection (proj-gemv); the projections with their
-    # input norm in the launch (norm-proj, opt-in) have their own test below.
-    monkeypatch.delenv("QAB_ENABLE", raising=False)
-    monkeypatch.delenv("QAB_DISABLE", raising=False)
+    # The plain GEMV serves lm_head (gemv-kernel) and, with QAB_ENABLE, each
+    # mixer's concatenated input projection (proj-gemv) where the input norm
+    # is not in the launch (norm-proj, on by default, has its own test below).
+    monkeypatch.setenv("QAB_ENABLE", "proj-gemv")
+    monkeypatch.setenv("QAB_DISABLE", "norm-proj")
     fused, _ = load(tiny_q4, "fused")
     stock, _ = load(tiny_q4, "stock")
     text = fused.language_model
@@ -222,17 +222,24 @@ def test_fused_decode_takes_the_kernel_for_lm_head_and_the_mixers_projections(
     assert mx_rel_l2(yf2, ys2) <= 2e-2 and mx_rel_l2(yf, ys) <= 2e-2
 
 
-@pytest.mark.parametrize("off", ["gemv-kernel", "proj-gemv", "gemv-kernel,proj-gemv"])
-def test_ablation_switches_turn_each_use_off(tiny_q4, fake_cuda, monkeypatch, off):
-    monkeypatch.delenv("QAB_ENABLE", raising=False)
-    monkeypatch.setenv("QAB_DISABLE", off)
+@pytest.mark.parametrize("enable, off", [
+    ("proj-gemv", "gemv-kernel"), ("proj-gemv", "proj-gemv"), ("", ""),
+    ("proj-gemv", "gemv-kernel,proj-gemv")])
+def test_switches_turn_each_use_on_and_off(tiny_q4, fake_cuda, monkeypatch, enable, off):
+    # proj-gemv is opt-in (QAB_ENABLE; QAB_DISABLE wins); gemv-kernel is on by
+    # default. norm-proj is off here so the projections could take the plain GEMV.
+    monkeypatch.setenv("QAB_ENABLE", enable)
+    monkeypatch.setenv("QAB_DISABLE", ",".join(filter(None, [off, "norm-proj"])))
     fused, _ = load(tiny_q4, "fused")
     text = fused.language_model
     notes = " ".join(get_report(fused).notes)
-    head_on, proj_on = "gemv-kernel" not in off, "proj-gemv" not in off
+    head_on = "gemv-kernel" not in off
+    proj_on = "proj-gemv" in enable and "proj-gemv" not in off
     assert (type(text.lm_head) is DecodeQuantizedLinear) == head_on
     assert ("gemv-kernel in QAB_DISABLE" in notes) != head_on
-    assert ("proj-gemv in QAB_DISABLE" in notes) != proj_on
+    assert ("proj-gemv from QAB_ENABLE)" in notes) == proj_on
+    assert ("proj-gemv from QAB_ENABLE, but also in QAB_DISABLE" in notes) == (
+        bool(enable) and not proj_on)
     cache = make_prompt_cache(fused)
     fused(mx.array([[1, 2, 3]]), cache=cache)
     fused(mx.array([[4]]), cache=cache)
@@ -270,10 +277,10 @@ def test_the_projection_gemv_matches_mlx_per_child(monkeypatch):
 
 def test_fused_decode_runs_the_input_norm_in_the_mixers_projection(tiny_q4, fake_cuda,
                                                                     monkeypatch):
-    # norm-proj (opt-in): a decode token's input RMSNorm and the mixer's
+    # norm-proj (on by default): a decode token's input RMSNorm and the mixer's
     # concatenated projection are one launch of the GEMV kernel (here the fake).
     monkeypatch.delenv("QAB_DISABLE", raising=False)
-    monkeypatch.setenv("QAB_ENABLE", "norm-proj")
+    monkeypatch.delenv("QAB_ENABLE", raising=False)
     fused, _ = load(tiny_q4, "fused")
     stock, _ = load(tiny_q4, "stock")
     text = fused.language_model
@@ -302,17 +309,18 @@ def test_fused_decode_runs_the_input_norm_in_the_mixers_projection(tiny_q4, fake
     assert mx_rel_l2(yf2, ys2) <= 2e-2 and mx_rel_l2(yf, ys) <= 2e-2
 
 
-@pytest.mark.parametrize("env", [{}, {"QAB_ENABLE": "norm-proj", "QAB_DISABLE": "norm-proj"}])
-def test_norm_proj_is_opt_in(tiny_q4, fake_cuda, monkeypatch, env):
-    # Off by default; QAB_DISABLE wins over QAB_ENABLE.
+def test_norm_proj_switched_off(tiny_q4, fake_cuda, monkeypatch):
+    # On by default (test above); QAB_DISABLE=norm-proj runs the norm as its
+    # own operation and says so; QAB_ENABLE does not name it (on by default).
     monkeypatch.delenv("QAB_ENABLE", raising=False)
-    monkeypatch.delenv("QAB_DISABLE", raising=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("QAB_DISABLE", "norm-proj")
     fused, _ = load(tiny_q4, "fused")
-    assert not any("norm-proj" in n for n in get_report(fused).notes)
+    assert any("norm-proj in QAB_DISABLE" in n for n in get_report(fused).notes)
     cache = make_prompt_cache(fused)
     fused(mx.array([[1, 2, 3]]), cache=cache)
     fused(mx.array([[4]]), cache=cache)
     fused(mx.array([[4]]), cache=cache)
     assert fake_cuda["norm_calls"] == 0
+    monkeypatch.setenv("QAB_ENABLE", "norm-proj")
+    with pytest.raises(ValueError, match="'norm-proj' is on by default"):
+        load(tiny_q4, "fused")

@@ -10,8 +10,8 @@ Variables:
         (``moe``, ``gdn``, ``attn``, ``all``) or single optimizations to
         switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``, ``moe-route``,
         ``attn-blocks``, ``attn-split``, ``attn-kernel``, ``qk-prep``, ``decode-compile``,
-        ``proj-concat``, ``gemv-kernel``, ``proj-gemv``, ``add-norm``, ``next-norm``, ``kv-in-place``), for
-        ablations.
+        ``proj-concat``, ``gemv-kernel``, ``proj-gemv``, ``add-norm``, ``norm-proj``,
+        ``next-norm``, ``kv-in-place``), for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
         leaves kernels on. Anything else is an error.
@@ -20,7 +20,9 @@ Variables:
         step: on by default on a GPU, off on the CPU, where it measured no
         faster; ``next-norm``, the fused MoE block's last decode kernel
         applying the next layer's input RMSNorm on CUDA: measured no faster
-        on the H200). ``QAB_DISABLE`` wins over it. ``next-norm`` needs
+        on the H200; ``proj-gemv``, the concatenated input projections on
+        the CUDA dense GEMV kernel: less GPU time, but decode at 4K measured
+        slower on the H200). ``QAB_DISABLE`` wins over it. ``next-norm`` needs
         ``moe-route``, which needs ``add-norm`` and ``moe-kernel``.
     QAB_UNVERIFIED_KERNELS: a boolean like ``QAB_DISABLE_KERNELS``; on, it also
         uses CUDA kernels whose GPU tests have not yet passed on a GPU
@@ -72,12 +74,12 @@ OPTIMIZATIONS = {
     "proj-concat": "model",  # sibling input projections run as one matmul (layers/_concat.py)
     "gemv-kernel": "model",  # the CUDA dense 4-bit decode GEMV for lm_head (ops/linear.py)
     # the same GEMV for a decode token's concatenated input projections (GDN in_proj,
-    # attention q/k/v; layers/_concat.py; needs proj-concat)
+    # attention q/k/v; layers/_concat.py; needs proj-concat; opt-in with QAB_ENABLE: less
+    # GPU time than MLX's qmv, but decode at 4K measured slower on the H200, host-bound)
     "proj-gemv": "model",
     "add-norm": "model",  # residual add + post-attention RMSNorm as one kernel (ops/norm.py)
     # a decode token's input RMSNorm inside the mixer's concatenated input projection's
-    # GEMV launch (CUDA; ops/linear.py norm_gemv; needs add-norm and proj-concat; opt-in
-    # with QAB_ENABLE: measured no faster on the H200)
+    # GEMV launch (CUDA; ops/linear.py norm_gemv; needs add-norm and proj-concat)
     "norm-proj": "model",
     # a decode token's MoE down kernel also applies the next layer's input RMSNorm (CUDA;
     # opt-in with QAB_ENABLE: measured no faster on the H200)
@@ -199,7 +201,7 @@ def kernels_disabled() -> bool:
 # Optimizations that are not on everywhere by default and that QAB_ENABLE can
 # switch on: decode-compile is on by default on a GPU only (host-bound decode:
 # measured on the H200) and off on the CPU (measured no faster there).
-OPT_IN = ("decode-compile", "next-norm", "norm-proj")
+OPT_IN = ("decode-compile", "next-norm", "proj-gemv")
 
 
 def enabled_opt_in() -> frozenset[str]:

@@ -208,7 +208,9 @@ def parse_backend_specs(backends: Union[str, Iterable[str]],
             ``attn``) or optimizations (the keys of ``envs.OPTIMIZATIONS``, e.g.
             ``gdn-kernel``, ``moe-route``); each adds a ``fused-no-<name>`` column
             (the ``fused`` backend with that one switched off; an opt-in one such as
-            ``next-norm`` is on in ``fused`` only with ``QAB_ENABLE``).
+            ``next-norm`` is on in ``fused`` only with ``QAB_ENABLE``). What
+            ``QAB_DISABLE`` switches off stays off in that column too (a
+            ``disable=`` list replaces the variable when a model is loaded).
 
     Returns:
         list[BackendSpec]: in the given order, ablations last.
@@ -216,7 +218,7 @@ def parse_backend_specs(backends: Union[str, Iterable[str]],
     Raises:
         ValueError: for an empty list, a repeated name or an unknown ablation kind.
     """
-    from ..envs import FUSABLE_KINDS, OPTIMIZATIONS
+    from ..envs import FUSABLE_KINDS, OPTIMIZATIONS, disabled_kinds
 
     items = [(n.partition("=")[0].strip(), n.partition("=")[2].strip() or None)
              for n in _split(backends)]
@@ -238,7 +240,8 @@ def parse_backend_specs(backends: Union[str, Iterable[str]],
         if any(s.label == label for s in specs):
             raise ValueError(f"--ablate: {kind!r} listed more than once")
         fused_model = next((s.model for s in specs if s.backend == "fused"), None)
-        specs.append(BackendSpec(label, "fused", frozenset({kind}), kind, model=fused_model))
+        specs.append(BackendSpec(label, "fused", disabled_kinds() | {kind}, kind,
+                                 model=fused_model))
     return specs
 
 

@@ -396,7 +396,11 @@ class QwenHybridAdapter(Adapter):
                     fused.concat_projections()
                     cat = getattr(fused, "_proj_cat", None)
                     if cat is not None:
-                        cat.gemv = "proj-gemv" not in disable
+                        # Opt-in (QAB_ENABLE=proj-gemv): less GPU time than MLX's qmv
+                        # at these shapes, but 4K decode measured slower on the H200
+                        # (234.2 vs 243.9 tok/s, same run): a custom launch costs the
+                        # host more, and 4K decode is host-bound.
+                        cat.gemv = "proj-gemv" in enabled_opt_in() and "proj-gemv" not in disable
                 setattr(layer, attr, fused)
                 report.modules.append(ModuleRecord(
                     path, kind, type(stock).__name__, type(fused).__name__,
@@ -405,9 +409,13 @@ class QwenHybridAdapter(Adapter):
         if "proj-concat" in disable:
             report.notes.append("input projections run separately (proj-concat in QAB_DISABLE / "
                                 "disable=)")
-        if "proj-gemv" in disable and "proj-concat" not in disable:
-            report.notes.append("concatenated input projections on MLX's quantized matmul "
-                                "(proj-gemv in QAB_DISABLE / disable=)")
+        if "proj-gemv" in enabled_opt_in() and "proj-concat" not in disable:
+            report.notes.append(
+                "concatenated input projections on MLX's quantized matmul (proj-gemv from "
+                "QAB_ENABLE, but also in QAB_DISABLE / disable=, which wins)"
+                if "proj-gemv" in disable else
+                "on CUDA a decode token's concatenated input projections run on the dense "
+                "GEMV kernel (proj-gemv from QAB_ENABLE)")
         if "gemv-kernel" in disable:
             report.notes.append("lm_head on MLX's quantized matmul (gemv-kernel in QAB_DISABLE / "
                                 "disable=)")
@@ -424,16 +432,15 @@ class QwenHybridAdapter(Adapter):
             # Opt-in (QAB_ENABLE=next-norm): on the H200 it measured no faster
             # (4K, 8 rounds: 153.9 tok/s with it, 158.0 without).
             asked = "next-norm" in enabled_opt_in()
-            # Opt-in (QAB_ENABLE=norm-proj): on the H200 its launch took longer than
-            # MLX's RMSNorm + qmv (31.7 vs 21.4 us at in_proj) and 4K decode measured
-            # no faster (173.1 tok/s with it, 177.5 without, same run).
-            norm_proj = "norm-proj" in enabled_opt_in() and "norm-proj" not in disable
+            # On the H200 its launch takes less GPU time than MLX's RMSNorm + qmv
+            # (19.6 vs 21.2 us at in_proj) and saves a launch per layer; 4K decode
+            # measured 221.1 tok/s with it, 193.9 without (same run).
+            norm_proj = "norm-proj" not in disable
             install_add_norm(model, next_norm=asked and "next-norm" not in disable,
                              norm_proj=norm_proj)
-            if norm_proj:
-                report.notes.append("on CUDA a decode token's input RMSNorm runs inside the "
-                                    "mixer's concatenated input projection's launch "
-                                    "(norm-proj from QAB_ENABLE)")
+            if not norm_proj:
+                report.notes.append("each mixer runs its input RMSNorm as its own operation "
+                                    "(norm-proj in QAB_DISABLE / disable=)")
             if asked and "next-norm" in disable:
                 report.notes.append("each decoder layer runs its own input RMSNorm, not the "
                                     "previous MoE block's last decode kernel (next-norm in "
