@@ -33,6 +33,7 @@ scales and biases read per microsecond (TB/s). Writes
 Usage:
     python benchmarks/profile_gemv_gpu.py OUT [--shapes in_proj=12352x2048,...]
         [--candidates mlx,qab,qab-norm,mlx-norm] [--reps 5] [--dtype bfloat16]
+        [--eps-array device|pool|host]
     python benchmarks/profile_gemv_gpu.py OUT --summarize CSV
 """
 
@@ -56,6 +57,30 @@ from profile_decode_gpu import _profiler, read_rows  # noqa: E402
 #: projections and the shared expert's gate+up.
 DEFAULT_SHAPES = "in_proj=12352x2048,qkv_proj=9216x2048,out_proj=2048x4096,shared_gate_up=1024x2048"
 CANDIDATES = ("mlx", "qab", "qab-norm", "mlx-norm")
+
+
+def _eps_arrays(kind: str):
+    """A stand-in for ``ops.device.f32_scalar`` making the ``kind`` of epsilon array.
+
+    ``device`` (what the package ships): ``[4]`` float32 filled on the device;
+    ``pool``: ``[1]`` written by the host, which MLX's CUDA allocator places in
+    its small managed pool of <= 8-byte buffers (what the package passed
+    before); ``host``: ``[4]`` written by the host (its own managed buffer).
+    """
+    import functools
+
+    import mlx.core as mx
+
+    from qwen_apple_backend.ops.device import f32_scalar
+
+    if kind == "device":
+        return f32_scalar
+
+    @functools.lru_cache(maxsize=None)
+    def make(value: float):
+        return mx.array([value] * (1 if kind == "pool" else 4), dtype=mx.float32)
+
+    return make
 
 
 def parse_shapes(text: str) -> list[tuple[str, int, int]]:
@@ -140,6 +165,10 @@ def main(argv=None) -> int:
                    "besides the dispatcher's choice: one extra qab-norm/rpwR candidate each "
                    "(the grid shrinks with R)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--eps-array", default="device", choices=["device", "pool", "host"],
+                   help="the NORM launch's epsilon array: device (as shipped: [4] filled on "
+                        "the device), pool ([1] from the host, in MLX's small managed pool), "
+                        "host ([4] from the host); default device")
     p.add_argument("--summarize", type=Path, default=None, metavar="CSV",
                    help="summarize an ncu --csv log of an earlier run instead of running")
     args = p.parse_args(argv)
@@ -187,6 +216,7 @@ def main(argv=None) -> int:
     from qwen_apple_backend.ops import linear as lin
 
     dtype = getattr(mx, args.dtype)
+    lin.f32_scalar = _eps_arrays(args.eps_array)  # the norm GEMV's epsilon (this process only)
     plan = []
     for i, (name, N, K) in enumerate(shapes):
         k = mx.random.split(mx.random.key(i), 3)
@@ -225,6 +255,7 @@ def main(argv=None) -> int:
     mx.synchronize()
     _profiler("cuProfilerStop")
     run = {"device": device_name(), "dtype": args.dtype, "reps": args.reps,
+           "eps_array": args.eps_array,
            "profiler": on,
            "order": [{"shape": n, "N": N, "K": K, "weight_bytes": nb, "candidate": c}
                      for n, N, K, nb, c, _ in plan],

@@ -348,6 +348,7 @@ def test_disable_argument_is_checked_like_the_variable():
     ("profile_gemv_gpu.py", ["--candidates", "mlx,fast"], "unknown candidate(s) ['fast']"),
     ("profile_gemv_gpu.py", ["--rpw", "2,x"], "--rpw: '2,x' is not a comma list of integers"),
     ("profile_gemv_gpu.py", ["--reps", "0"], "--reps must be >= 1"),
+    ("profile_gemv_gpu.py", ["--eps-array", "small"], "argument --eps-array: invalid choice"),
     ("profile_decode_gpu.py", ["--summarize", "ncu.csv"],
      "profile-decode-gpu-meta-fused.json not found: run the profiled decode into OUT first"),
     ("decode_split.py", ["--preset", "tiny", "--layers", "400"],

@@ -893,3 +893,25 @@ def test_profile_gemv_gpu_splits_an_ncu_log_at_its_markers(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=root)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert f"{log}: 1 marked segments for 2 candidate x shape pairs" in r.stderr
+
+
+def test_profile_gemv_gpu_makes_each_kind_of_epsilon_array():
+    # --eps-array: device is what the package ships (ops.device.f32_scalar);
+    # pool is the [1] host array it passed before (MLX's <= 8-byte pool on CUDA).
+    import importlib.util
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    from qwen_apple_backend.ops.device import f32_scalar
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_gemv_gpu.py"
+    spec = importlib.util.spec_from_file_location("profile_gemv_gpu_t", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod._eps_arrays("device") is f32_scalar
+    for kind, n in (("pool", 1), ("host", 4)):
+        make = mod._eps_arrays(kind)
+        a = make(1e-6)
+        assert a is make(1e-6) and a.shape == (n,) and a.dtype == mx.float32
+        assert mx.all(a == mx.array(1e-6, dtype=mx.float32)).item()
