@@ -271,6 +271,10 @@ def test_an_ablation_column_keeps_what_qab_disable_switched_off(monkeypatch):
     specs = parse_backend_specs("stock,fused", "norm-proj")
     assert specs[2].disable == frozenset({"proj-gemv", "norm-proj"})
     assert specs[1].disable == frozenset()  # fused loads with the variable itself
+    with pytest.raises(ValueError, match=r"^--ablate: 'proj-gemv' is already switched off by "
+                                         r"QAB_DISABLE, so fused-no-proj-gemv would measure "
+                                         r"fused again$"):
+        parse_backend_specs("stock,fused", "norm-proj,proj-gemv")
     monkeypatch.delenv("QAB_DISABLE")
     assert parse_backend_specs("fused", "moe")[1].disable == frozenset({"moe"})
 

@@ -194,6 +194,27 @@ def test_sampling_settings_are_checked_up_front(args, message):
     assert "no --model given" not in out.stderr  # rejected before anything is loaded
 
 
+@pytest.mark.parametrize("args, message", [
+    # An empty path meant "." to one command and mlx-lm's hub default model to another.
+    (["generate", "--model", "", "--prompt", "x"], "argument --model: must be a path, got an "
+                                                   "empty string"),
+    (["chat", "--model=  "], "argument --model: must be a path, got an empty string"),
+    (["serve", "--model", ""], "argument --model: must be a path, got an empty string"),
+    (["demo", "--model", ""], "argument --model: must be a path, got an empty string"),
+    (["bench", "--model", "", "--lengths", "64"], "argument --model: must be a path"),
+    (["compare", "--model", ""], "argument --model: must be a path"),
+    (["make-checkpoint", ""], "argument out: must be a path, got an empty string"),
+    # Checked before the model loads (it was only checked by the server after loading).
+    (["serve", "--port", "99999"], "argument --port: must be a port number from 0 to 65535, "
+                                   "got 99999"),
+])
+def test_empty_paths_and_bad_ports_are_refused_up_front(args, message):
+    out = _qab(*args, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert f"qab {args[0]}: error: {message}" in out.stderr and "Traceback" not in out.stderr
+    assert "no --model given" not in out.stderr
+
+
 def test_backends_json_into_a_closed_pipe_exits_quietly():
     # The reader is gone before qab writes (`qab backends --json | head -0`).
     proc = subprocess.Popen([sys.executable, "-m", "qwen_apple_backend.cli", "backends", "--json"],

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["nonnegative_float", "nonnegative_int", "positive_float", "positive_int",
-           "probability", "token_lengths"]
+__all__ = ["nonempty_path", "nonnegative_float", "nonnegative_int", "port", "positive_float",
+           "positive_int", "probability", "token_lengths"]
 
 
 def _parse(text: str, convert, ok, what: str):
@@ -47,6 +47,19 @@ def nonnegative_float(text: str) -> float:
 def probability(text: str) -> float:
     """A number in [0, 1] (top-p, min-p)."""
     return _parse(text, float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+
+
+def nonempty_path(text: str) -> str:
+    """A path that is not empty or blank (``--model ""`` would otherwise mean "." to one
+    command and mlx-lm's hub default to another)."""
+    if not str(text).strip():
+        raise argparse.ArgumentTypeError("must be a path, got an empty string")
+    return text
+
+
+def port(text: str) -> int:
+    """A TCP port number, 0 (any free port) to 65535."""
+    return _parse(text, int, lambda v: 0 <= v <= 65535, "a port number from 0 to 65535")
 
 
 def token_lengths(text: str) -> list:

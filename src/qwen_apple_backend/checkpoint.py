@@ -846,7 +846,8 @@ def _prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
             )
         raise CheckpointError(
             f"{out_dir} is not empty and does not look like a checkpoint; refusing to "
-            "write into it (pass overwrite=True to add the checkpoint files anyway)"
+            "write into it (pass --overwrite (overwrite=True in Python) to add the checkpoint "
+            "files anyway)"
         )
 
 

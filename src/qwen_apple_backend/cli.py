@@ -24,7 +24,7 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
-from .argtypes import nonnegative_float, probability
+from .argtypes import nonempty_path, nonnegative_float, port, probability
 from .argtypes import nonnegative_int, positive_int  # noqa: F401 - re-exported
 
 PASSTHROUGH = {
@@ -82,7 +82,8 @@ _SAMPLING_FLAGS = {
 
 def _check_count_flags(command: str, argv: Sequence[str]) -> None:
     """Exit with argparse's one-line error (status 2) for a token count that is not
-    positive, a negative temperature or a probability (top-p, min-p) outside [0, 1]."""
+    positive, a negative temperature, a probability (top-p, min-p) outside [0, 1], an
+    empty ``--model`` or (serve) a ``--port`` outside 0..65535."""
     p = argparse.ArgumentParser(
         prog=f"qab {command}", add_help=False, allow_abbrev=False,
         usage=f"qab {command} [--backend NAME] [--qab-report] [flags of "
@@ -91,6 +92,9 @@ def _check_count_flags(command: str, argv: Sequence[str]) -> None:
         p.add_argument(*flags, type=positive_int, default=None)
     for flag, kind in _SAMPLING_FLAGS.get(command, ()):
         p.add_argument(flag, type=kind, default=None)
+    p.add_argument("--model", type=nonempty_path, default=None)
+    if command == "serve":
+        p.add_argument("--port", type=port, default=None)
     p.parse_known_args(list(argv))
 
 
@@ -326,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a random-weight checkpoint with the real Qwen3.6 layout",
         description="Write a random-weight checkpoint with the exact Qwen3.6-35B-A3B on-disk "
                     "layout (config, safetensors shards, the real tokenizer).")
-    p.add_argument("out", help="output directory")
+    p.add_argument("out", type=nonempty_path, help="output directory")
     p.add_argument("--preset", default="tiny", choices=["tiny", "small", "full"],
                    help="model size: tiny and small for tests, full = Qwen3.6-35B-A3B "
                         "shapes (mlx-q4 layout only)")
@@ -357,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="user message, wrapped in the model's chat template")
     p.add_argument("--max-tokens", type=positive_int, default=32,
                    help="tokens to generate on each backend (greedy)")
-    p.add_argument("--model", default=None, metavar="PATH",
+    p.add_argument("--model", type=nonempty_path, default=None, metavar="PATH",
                    help="checkpoint directory to use instead of the demo model (default: "
                         "the demo model)")
     p.add_argument("--rebuild", action="store_true",

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from ..argtypes import nonnegative_int, positive_float, positive_int
+from ..argtypes import nonempty_path, nonnegative_int, positive_float, positive_int
 
 __all__ = ["add_parsers", "cmd_bench", "cmd_compare"]
 
@@ -68,7 +68,7 @@ def _lengths(text: str) -> str:
 def _add_source_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (one of --model / --preset)")
     src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", metavar="PATH", default=None,
+    src.add_argument("--model", metavar="PATH", type=nonempty_path, default=None,
                      help="checkpoint directory, loaded once per backend")
     src.add_argument("--preset", choices=["tiny", "small", "full"], default=None,
                      help="random-weight model with the real layout, built in memory once per "

@@ -216,7 +216,8 @@ def parse_backend_specs(backends: Union[str, Iterable[str]],
         list[BackendSpec]: in the given order, ablations last.
 
     Raises:
-        ValueError: for an empty list, a repeated name or an unknown ablation kind.
+        ValueError: for an empty list, a repeated name, an unknown ablation kind or
+            one that ``QAB_DISABLE`` already switches off.
     """
     from ..envs import FUSABLE_KINDS, OPTIMIZATIONS, disabled_kinds
 
@@ -239,6 +240,9 @@ def parse_backend_specs(backends: Union[str, Iterable[str]],
         label = f"fused-no-{kind}"
         if any(s.label == label for s in specs):
             raise ValueError(f"--ablate: {kind!r} listed more than once")
+        if kind in disabled_kinds():
+            raise ValueError(f"--ablate: {kind!r} is already switched off by QAB_DISABLE, so "
+                             f"{label} would measure fused again")
         fused_model = next((s.model for s in specs if s.backend == "fused"), None)
         specs.append(BackendSpec(label, "fused", disabled_kinds() | {kind}, kind,
                                  model=fused_model))
