@@ -324,3 +324,15 @@ def test_norm_proj_switched_off(tiny_q4, fake_cuda, monkeypatch):
     monkeypatch.setenv("QAB_ENABLE", "norm-proj")
     with pytest.raises(ValueError, match="'norm-proj' is on by default"):
         load(tiny_q4, "fused")
+
+
+@pytest.mark.parametrize("enable, off, need", [("proj-gemv", "proj-concat", "proj-concat"),
+                                               ("next-norm", "add-norm", "add-norm")])
+def test_an_enabled_switch_whose_prerequisite_is_off_says_so(tiny_q4, monkeypatch, enable, off,
+                                                             need):
+    monkeypatch.setenv("QAB_ENABLE", enable)
+    monkeypatch.setenv("QAB_DISABLE", off)
+    fused, _ = load(tiny_q4, "fused")
+    notes = get_report(fused).notes
+    assert f"{enable} from QAB_ENABLE is not used: it needs {need} (in QAB_DISABLE / disable=)" \
+        in notes

@@ -409,7 +409,10 @@ class QwenHybridAdapter(Adapter):
         if "proj-concat" in disable:
             report.notes.append("input projections run separately (proj-concat in QAB_DISABLE / "
                                 "disable=)")
-        if "proj-gemv" in enabled_opt_in() and "proj-concat" not in disable:
+        if "proj-gemv" in enabled_opt_in() and "proj-concat" in disable:
+            report.notes.append("proj-gemv from QAB_ENABLE is not used: it needs proj-concat "
+                                "(in QAB_DISABLE / disable=)")
+        elif "proj-gemv" in enabled_opt_in():
             report.notes.append(
                 "concatenated input projections on MLX's quantized matmul (proj-gemv from "
                 "QAB_ENABLE, but also in QAB_DISABLE / disable=, which wins)"
@@ -426,6 +429,9 @@ class QwenHybridAdapter(Adapter):
         if "add-norm" in disable:
             report.notes.append("residual add and post-attention RMSNorm run as two MLX ops "
                                 "(add-norm in QAB_DISABLE / disable=)")
+            if "next-norm" in enabled_opt_in():
+                report.notes.append("next-norm from QAB_ENABLE is not used: it needs add-norm "
+                                    "(in QAB_DISABLE / disable=)")
         elif any(m.fused for m in report.modules):
             from ..layers.norm import install_add_norm
 
