@@ -919,3 +919,14 @@ def test_profile_gemv_gpu_makes_each_kind_of_epsilon_array():
         a = make(1e-6)
         assert a is make(1e-6) and a.shape == (n,) and a.dtype == mx.float32
         assert mx.all(a == mx.array(1e-6, dtype=mx.float32)).item()
+
+
+def test_fidelity_lines_stay_aligned_for_long_labels(capsys):
+    from qwen_apple_backend.bench.cli import _print_fidelity
+
+    row = {"agreement_vs_stock": 1.0, "perplexity": 2.0, "perplexity_rel_vs_stock": 0.0,
+           "self_agreement": 1.0}
+    _print_fidelity({"positions": 4, "baseline": "stock",
+                     "backends": {"stock": row, "fused-no-norm-proj": row}})
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "top-1" in ln]
+    assert len(lines) == 2 and len({ln.index("top-1") for ln in lines}) == 1

@@ -287,8 +287,9 @@ def _print_fidelity(fid: Optional[dict]) -> None:
         return
     print(f"\nfidelity over {fid['positions']} teacher-forced positions "
           f"(reference {fid['baseline']}):")
+    width = max([16, *map(len, fid["backends"])])
     for label, r in fid["backends"].items():
-        print(f"  {label:<16} top-1 agreement {100 * r['agreement_vs_stock']:6.2f}%  "
+        print(f"  {label:<{width}} top-1 agreement {100 * r['agreement_vs_stock']:6.2f}%  "
               f"perplexity {r['perplexity']:.4g} ({100 * r['perplexity_rel_vs_stock']:+.3f}%)"
               f"  self-agreement {100 * r.get('self_agreement', float('nan')):.1f}%")
 
