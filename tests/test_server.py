@@ -342,7 +342,9 @@ def test_serve_fails_at_startup_on_a_bad_model_or_environment(case, tiny_hf_f32,
                                "not found"),
                 "no-tokenizer": (1, "tokenizer.json not found"),
                 "bad-env": (2, "qab: error: QAB_DISABLE: unknown optimization 'bogus'"),
-                "bad-port": (1, "--port 99999: must be 0..65535")}[case]
+                # argparse's line, before the model loads.
+                "bad-port": (2, "qab serve: error: argument --port: must be a port number "
+                                "from 0 to 65535, got 99999")}[case]
     assert out.returncode == expected[0], out.stderr
     assert expected[1] in out.stderr and "Traceback" not in out.stderr
     assert "Starting httpd" not in out.stderr
