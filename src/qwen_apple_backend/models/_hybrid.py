@@ -196,6 +196,11 @@ def check_quantization(model: nn.Module, weights: dict) -> None:
                 f"{path} of input width {in_dims}" + (f" with group_size {gs}" if gs else ""))
 
 
+def _cuda_only_end() -> str:
+    """The end of a CUDA-only opt-in's report note: it says so where the device is not CUDA."""
+    return ")" if gpu_backend() == "cuda" else "; no effect on this device, which is not CUDA)"
+
+
 class QwenHybridAdapter(Adapter):
     """Adapter for mlx-lm's Qwen hybrid (Gated DeltaNet + attention) models.
 
@@ -418,7 +423,7 @@ class QwenHybridAdapter(Adapter):
                 "QAB_ENABLE, but also in QAB_DISABLE / disable=, which wins)"
                 if "proj-gemv" in disable else
                 "on CUDA a decode token's concatenated input projections run on the dense "
-                "GEMV kernel (proj-gemv from QAB_ENABLE)")
+                "GEMV kernel (proj-gemv from QAB_ENABLE" + _cuda_only_end())
         if "gemv-kernel" in disable:
             report.notes.append("lm_head on MLX's quantized matmul (gemv-kernel in QAB_DISABLE / "
                                 "disable=)")
@@ -454,7 +459,8 @@ class QwenHybridAdapter(Adapter):
             elif asked:
                 report.notes.append("on CUDA a decode token's MoE down kernel also applies the "
                                     "next layer's input RMSNorm (next-norm from QAB_ENABLE; "
-                                    "needs add-norm, moe-kernel and moe-route)")
+                                    "needs add-norm, moe-kernel and moe-route"
+                                    + _cuda_only_end())
         if "decode-compile" in disable:
             report.notes.append("compiled decode step off (decode-compile in QAB_DISABLE / disable=)")
         elif not any(m.fused for m in report.modules):
