@@ -204,11 +204,12 @@ def test_sampling_settings_are_checked_up_front(args, message):
     (["bench", "--model", "", "--lengths", "64"], "argument --model: must be a path"),
     (["compare", "--model", ""], "argument --model: must be a path"),
     (["make-checkpoint", ""], "argument out: must be a path, got an empty string"),
+    (["compare", "--preset", "tiny"], "give --prompt TEXT (repeatable) or --prompts-file FILE"),
     # Checked before the model loads (it was only checked by the server after loading).
     (["serve", "--port", "99999"], "argument --port: must be a port number from 0 to 65535, "
                                    "got 99999"),
 ])
-def test_empty_paths_and_bad_ports_are_refused_up_front(args, message):
+def test_empty_paths_bad_ports_and_no_prompts_are_refused_up_front(args, message):
     out = _qab(*args, timeout=120)
     assert out.returncode == 2, out.stderr
     assert f"qab {args[0]}: error: {message}" in out.stderr and "Traceback" not in out.stderr

@@ -240,6 +240,8 @@ def _usage_problem(args: argparse.Namespace, prompts: Optional[list] = None) -> 
         check_shared_prefill(getattr(args, "shared_prefill", None), [s.label for s in specs])
     except (ValueError, QABError) as exc:
         return str(exc)
+    if prompts is not None and not prompts:
+        return "give --prompt TEXT (repeatable) or --prompts-file FILE"
     if prompts is not None and any(not p.strip() for p in prompts):
         return "--prompt: empty prompt (give some text)"
     return None
