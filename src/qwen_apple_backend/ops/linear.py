@@ -11,7 +11,13 @@ are bound by fixed per-call cost and MLX's own kernel is as fast or faster,
 so only matrices of at least :data:`GEMV_MIN_BYTES` take it, and only
 ``lm_head`` is routed here (``layers/linear.py``): in the one same-run decode
 measurement where every projection went through this dispatcher, decode at
-4K was slower with it on (55 vs 74 tokens/s, one sample each).
+4K was slower with it on (55 vs 74 tokens/s, one sample each). The kernel
+has since been rewritten (loads in flight before any arithmetic) and under
+Nsight Compute takes less GPU time than MLX's ``qmv`` at every decode
+projection shape of Qwen3.6-35B-A3B (``benchmarks/profile_gemv_gpu.py``),
+but routing the concatenated input projections through it (``proj-gemv``,
+opt-in, ``min_bytes=0``) still measured 4 % slower at 4K on the H200: a
+custom kernel's launch costs the host more, and 4K decode is host-bound.
 
 Only CUDA has a kernel: MLX's Metal ``qmv`` already streams near bandwidth.
 Like every kernel of this package, it is used only after its self-check
