@@ -454,17 +454,16 @@ def test_the_offset_advances_on_the_device_between_tokens(tiny_hf_f32, monkeypat
 def test_kernel_scalar_inputs_are_not_small_buffers():
     # MLX's CUDA allocator pools buffers of <= 8 bytes in host-shared managed
     # memory: kernel scalars are 16-byte arrays, one per value, element 0 read.
-    from qwen_apple_backend.ops.attention import _dummy
-    from qwen_apple_backend.ops.device import SCALAR_PAD, f32_scalar
-    from qwen_apple_backend.ops.linear import _unused_norm_weight
+    from qwen_apple_backend.ops.device import SCALAR_PAD, f32_scalar, padded_zeros
     from qwen_apple_backend.ops.moe import fold_norm_counter
 
     e = f32_scalar(1e-6)
     assert e is f32_scalar(1e-6) and e is not f32_scalar(1e-5)
     assert e.shape == (SCALAR_PAD,) and e.dtype == mx.float32 and e.nbytes == 16
     assert mx.all(e == mx.array(1e-6, dtype=mx.float32)).item()
-    for dt in (mx.bool_, mx.bfloat16, mx.float32):
-        assert _dummy(dt).nbytes == 16 and _dummy(dt).dtype == dt
-        assert _unused_norm_weight(dt).nbytes == 16
+    for dt in (mx.bool_, mx.bfloat16, mx.float32, mx.uint32):
+        z = padded_zeros(dt)
+        assert z is padded_zeros(dt) and z.nbytes == 16 and z.dtype == dt
+        assert not mx.any(z).item()
     c = fold_norm_counter(3)
     assert c.shape == (3,) and c.dtype == mx.uint32 and c.tolist() == [0, 0, 0]

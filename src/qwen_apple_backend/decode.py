@@ -219,7 +219,7 @@ class _CompiledDecode:
         memory (see :func:`qwen_apple_backend.ops.device.f32_scalar`).
         """
         at, dev = self._offset
-        if at != position or dev is None:
+        if at != position:
             dev = mx.full((OFFSET_PAD,), position, dtype=mx.int32)
         return dev
 

@@ -187,10 +187,10 @@ class ConcatProjection:
     def gemv_backend(self, x: mx.array) -> Optional[str]:
         """The backend whose dense GEMV kernel may run :meth:`matmul` for this call, or None.
 
-        With :attr:`gemv` on (``proj-gemv``), children 4-bit affine quantized
-        with biases and no bias term, and at most
-        :data:`~qwen_apple_backend.ops.linear.GEMV_MAX_ROWS` token rows: see
-        :func:`~qwen_apple_backend.ops.linear.gemv_ready` (at any weight size;
+        With :attr:`gemv` on (``proj-gemv``) and children quantized with
+        biases and no bias term: see
+        :func:`~qwen_apple_backend.ops.linear.gemv_ready` (4-bit affine, at most
+        :data:`~qwen_apple_backend.ops.linear.GEMV_MAX_ROWS` token rows, at any weight size;
         a self-check on its first call per shape class: call it outside
         ``mx.compile`` first). On the H200 the kernel took less GPU time than
         MLX's ``qmv`` at every decode projection shape of Qwen3.6-35B-A3B
@@ -198,12 +198,15 @@ class ConcatProjection:
         for the Gated DeltaNet's 12352 x 2048 in_proj, 13.0 vs 14.7 for the
         attention's 9216 x 2048 q/k/v).
         """
-        c = self.cat
-        if (not self.gemv or self.kind[0] != "q" or "bias" in c or "biases" not in c
-                or not x.ndim or x.size // x.shape[-1] > qlinear.GEMV_MAX_ROWS):
+        if not (self.gemv and self._quantized_with_biases()):
             return None
+        c = self.cat
         return qlinear.gemv_ready(x, c["weight"], c["scales"], c["biases"], self.kind[1],
-                          self.kind[2], self.kind[3], min_bytes=0)
+                                  self.kind[2], self.kind[3], min_bytes=0)
+
+    def _quantized_with_biases(self) -> bool:
+        # The kernels' layout: quantized children with affine biases, no bias term.
+        return self.kind[0] == "q" and "bias" not in self.cat and "biases" in self.cat
 
     def norm_backend(self, x: mx.array, norm: nn.Module) -> Optional[str]:
         """The backend whose one launch may run ``matmul(norm(x))`` for this call, or None.
@@ -214,8 +217,7 @@ class ConcatProjection:
         on its first call per shape class: call it outside ``mx.compile``
         first).
         """
-        if (self.kind[0] != "q" or "bias" in self.cat or "biases" not in self.cat
-                or type(norm) is not nn.RMSNorm):
+        if not self._quantized_with_biases() or type(norm) is not nn.RMSNorm:
             return None
         c = self.cat
         return norm_gemv_ready(x, norm["weight"], norm.eps, c["weight"], c["scales"],
@@ -238,7 +240,8 @@ class ConcatProjection:
         """
         c = self.cat
         if gemv_backend is not None:
-            return qlinear.quantized_gemv_kernel(x, c["weight"], c["scales"], c["biases"], self.kind[1])
+            return qlinear.quantized_gemv_kernel(x, c["weight"], c["scales"], c["biases"],
+                                                 self.kind[1])
         if self.kind[0] == "q":
             y = mx.quantized_matmul(x, c["weight"], c["scales"], c.get("biases"), transpose=True,
                                     group_size=self.kind[1], bits=self.kind[2],

@@ -347,6 +347,12 @@ class QwenHybridAdapter(Adapter):
 
     def fuse(self, model, config, *, disable=frozenset(), use_fallback=True, report):
         names = {id(m): n for n, m in model.named_modules()}
+        enabled = enabled_opt_in()
+        # Opt-in (QAB_ENABLE=proj-gemv): less GPU time than MLX's qmv at the
+        # concatenated projections' shapes, but 4K decode measured slower on the
+        # H200 (234.2 vs 243.9 tok/s, same run): a custom launch costs the host
+        # more, and 4K decode is host-bound.
+        proj_gemv = "proj-gemv" in enabled and "proj-gemv" not in disable
         switched_off: set[str] = set()  # optimizations off in at least one fused module
         for layer in model.layers:
             base = names.get(id(layer), "layers.?")
@@ -401,11 +407,7 @@ class QwenHybridAdapter(Adapter):
                     fused.concat_projections()
                     cat = getattr(fused, "_proj_cat", None)
                     if cat is not None:
-                        # Opt-in (QAB_ENABLE=proj-gemv): less GPU time than MLX's qmv
-                        # at these shapes, but 4K decode measured slower on the H200
-                        # (234.2 vs 243.9 tok/s, same run): a custom launch costs the
-                        # host more, and 4K decode is host-bound.
-                        cat.gemv = "proj-gemv" in enabled_opt_in() and "proj-gemv" not in disable
+                        cat.gemv = proj_gemv
                 setattr(layer, attr, fused)
                 report.modules.append(ModuleRecord(
                     path, kind, type(stock).__name__, type(fused).__name__,
@@ -414,10 +416,10 @@ class QwenHybridAdapter(Adapter):
         if "proj-concat" in disable:
             report.notes.append("input projections run separately (proj-concat in QAB_DISABLE / "
                                 "disable=)")
-        if "proj-gemv" in enabled_opt_in() and "proj-concat" in disable:
+        if "proj-gemv" in enabled and "proj-concat" in disable:
             report.notes.append("proj-gemv from QAB_ENABLE is not used: it needs proj-concat "
                                 "(in QAB_DISABLE / disable=)")
-        elif "proj-gemv" in enabled_opt_in():
+        elif "proj-gemv" in enabled:
             report.notes.append(
                 "concatenated input projections on MLX's quantized matmul (proj-gemv from "
                 "QAB_ENABLE, but also in QAB_DISABLE / disable=, which wins)"
@@ -434,7 +436,7 @@ class QwenHybridAdapter(Adapter):
         if "add-norm" in disable:
             report.notes.append("residual add and post-attention RMSNorm run as two MLX ops "
                                 "(add-norm in QAB_DISABLE / disable=)")
-            if "next-norm" in enabled_opt_in():
+            if "next-norm" in enabled:
                 report.notes.append("next-norm from QAB_ENABLE is not used: it needs add-norm "
                                     "(in QAB_DISABLE / disable=)")
         elif any(m.fused for m in report.modules):
@@ -442,7 +444,7 @@ class QwenHybridAdapter(Adapter):
 
             # Opt-in (QAB_ENABLE=next-norm): on the H200 it measured no faster
             # (4K, 8 rounds: 153.9 tok/s with it, 158.0 without).
-            asked = "next-norm" in enabled_opt_in()
+            asked = "next-norm" in enabled
             # On the H200 its launch takes less GPU time than MLX's RMSNorm + qmv
             # (19.6 vs 21.2 us at in_proj) and saves a launch per layer; 4K decode
             # measured 221.1 tok/s with it, 193.9 without (same run).
@@ -465,7 +467,7 @@ class QwenHybridAdapter(Adapter):
             report.notes.append("compiled decode step off (decode-compile in QAB_DISABLE / disable=)")
         elif not any(m.fused for m in report.modules):
             pass
-        elif "decode-compile" not in enabled_opt_in() and gpu_backend() is None:
+        elif "decode-compile" not in enabled and gpu_backend() is None:
             # The CPU: off unless QAB_ENABLE=decode-compile (measured no faster).
             report.notes.append("one-token decode runs eagerly on the CPU (QAB_ENABLE="
                                 "decode-compile compiles it; on by default on a GPU)")

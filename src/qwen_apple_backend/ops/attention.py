@@ -40,7 +40,8 @@ from typing import Callable, NamedTuple, Optional, Union
 import mlx.core as mx
 
 from qwen_apple_backend import envs
-from qwen_apple_backend.ops.device import build_kernel, f32_scalar, gpu_backend, self_checked
+from qwen_apple_backend.ops.device import (build_kernel, f32_scalar, gpu_backend, padded_zeros,
+                                           self_checked)
 
 __all__ = [
     "RopeSpec",
@@ -551,7 +552,7 @@ def _split_kernel_call(backend: str, q, k, v, scale: float, mask, gate=None,
     block = block or _split_kernel_block(B, Hk, S)
     nb = -(-S // block)
     has_mask = mask is not None
-    m = mask if has_mask else _dummy(mx.bool_)
+    m = mask if has_mask else padded_zeros(mx.bool_)  # not read without HAS_MASK
     o, ml = part(inputs=[q, k, v, m, f32_scalar(float(scale))],
                  template=[("InT", q.dtype), ("D", D), ("G", Hq // Hk), ("BLOCK", block),
                            ("HAS_MASK", has_mask)],
@@ -560,21 +561,12 @@ def _split_kernel_call(backend: str, q, k, v, scale: float, mask, gate=None,
                  output_shapes=[(B, Hq, nb, D), (B, Hq, nb, 2)],
                  output_dtypes=[mx.float32, mx.float32])
     has_gate = gate is not None
-    (out,) = comb(inputs=[o, ml, gate if has_gate else _dummy(q.dtype)],
+    (out,) = comb(inputs=[o, ml, gate if has_gate else padded_zeros(q.dtype)],
                   template=[("OutT", q.dtype), ("D", D), ("HAS_GATE", has_gate)],
                   grid=(32 * _COMBINE_WARPS, Hq, B), threadgroup=(32 * _COMBINE_WARPS, 1, 1),
                   output_shapes=[(B, 1, Hq * D) if has_gate else (B, Hq, 1, D)],
                   output_dtypes=[q.dtype])
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def _dummy(dtype: mx.Dtype) -> mx.array:
-    # A cached stand-in for an input a kernel build does not read (16 bytes,
-    # out of MLX's small managed pool: see ops.device.f32_scalar).
-    a = mx.zeros((16 // dtype.size,), dtype=dtype)
-    mx.eval(a)
-    return a
 
 
 def split_kernel_ready(q: mx.array, k: mx.array, v: mx.array, mask: Mask,

@@ -30,6 +30,7 @@ __all__ = [
     "SCALAR_PAD",
     "build_kernel",
     "f32_scalar",
+    "padded_zeros",
     "gpu_backend",
     "self_checked",
     "self_check_passed",
@@ -108,6 +109,21 @@ def f32_scalar(value: float) -> mx.array:
     is evaluated then and becomes a constant of the traced graph.
     """
     a = mx.full((SCALAR_PAD,), value, dtype=mx.float32)
+    mx.eval(a)
+    return a
+
+
+@functools.lru_cache(maxsize=None)
+def padded_zeros(dtype: mx.Dtype) -> mx.array:
+    """16 bytes of zeros of ``dtype``, evaluated, one array per dtype (cached).
+
+    For a kernel input that a build does not read (a stand-in of the right
+    dtype) or whose element 0 serves as a zero (the route counter's
+    broadcast). 16 bytes, not one element, for the reason given in
+    :func:`f32_scalar`: MLX's CUDA allocator pools buffers of <= 8 bytes in
+    host-shared managed memory.
+    """
+    a = mx.zeros((16 // dtype.size,), dtype=dtype)
     mx.eval(a)
     return a
 

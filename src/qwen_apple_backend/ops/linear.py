@@ -40,7 +40,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import envs
-from .device import build_kernel, f32_scalar, gpu_backend, self_check_passed, self_checked
+from .device import (build_kernel, f32_scalar, gpu_backend, padded_zeros, self_check_passed,
+                     self_checked)
 
 __all__ = [
     "GEMV_MAX_ROWS",
@@ -137,17 +138,6 @@ def _gemv_object(backend: str):
     return build_kernel("quantized_gemv", backend)
 
 
-@functools.lru_cache(maxsize=None)
-def _unused_norm_weight(dtype: mx.Dtype) -> mx.array:
-    # The kernel's nw input when NORM is off: real elements of x's dtype
-    # (MLX caches a CUDA kernel by its template arguments, so every launch of
-    # one instantiation passes the same input dtypes), never read; 16 bytes,
-    # out of MLX's small managed pool (see ops.device.f32_scalar).
-    a = mx.zeros((16 // dtype.size,), dtype=dtype)
-    mx.eval(a)
-    return a
-
-
 def quantized_gemv_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
                           group_size: int, norm_weight: Optional[mx.array] = None,
                           eps: float = 0.0) -> mx.array:
@@ -182,7 +172,10 @@ def quantized_gemv_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx
     M = x.size // K
     p = gemv_launch(M, N, K)
     norm = norm_weight is not None
-    nw = norm_weight if norm else _unused_norm_weight(x.dtype)
+    # nw when NORM is off: never read, but of x's dtype (MLX caches a CUDA
+    # kernel by its template arguments, so every launch of one instantiation
+    # passes the same input dtypes).
+    nw = norm_weight if norm else padded_zeros(x.dtype)
     (y,) = kernel(
         # x as it is (row-contiguous [..., K] is [M, K] to the kernel): no
         # reshape primitive before the launch either.

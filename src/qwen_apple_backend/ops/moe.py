@@ -55,7 +55,7 @@ import mlx.core as mx
 
 from qwen_apple_backend import envs
 
-from .device import build_kernel, f32_scalar, gpu_backend, self_checked
+from .device import build_kernel, f32_scalar, gpu_backend, padded_zeros, self_checked
 from .norm import add_rms_norm_ops
 
 __all__ = [
@@ -1277,10 +1277,10 @@ def fold_norm_counter(rows: int = FOLD_NORM_MAX_ROWS) -> mx.array:
     """
     if rows < 1:
         raise ValueError(f"a counter needs at least one row, got rows={rows}")
-    # The zero is element 0 of a 16-byte array computed on the device: a
+    # The zero is element 0 of a 16-byte array (ops.device.padded_zeros): a
     # buffer of <= 8 bytes would sit in MLX's small managed pool, which the
-    # per-launch copy would read from host memory (see ops.device.f32_scalar).
-    c = mx.broadcast_to(mx.zeros((4,), dtype=mx.uint32)[:1], (rows,))
+    # per-launch copy would read from host memory.
+    c = mx.broadcast_to(padded_zeros(mx.uint32)[:1], (rows,))
     mx.eval(c)
     return c
 
