@@ -467,3 +467,31 @@ def test_kernel_scalar_inputs_are_not_small_buffers():
         assert not mx.any(z).item()
     c = fold_norm_counter(3)
     assert c.shape == (3,) and c.dtype == mx.uint32 and c.tolist() == [0, 0, 0]
+
+
+def test_small_kernel_outputs_are_not_small_buffers():
+    # A kernel output of under 16 bytes is allocated longer (its kernels index
+    # only the first n): the MoE fold's shared-gate logit of one token row.
+    from qwen_apple_backend.ops import moe as moe_ops
+    from qwen_apple_backend.ops.device import unpooled_length
+
+    assert [unpooled_length(n, mx.float32) for n in (0, 1, 3, 4, 5)] == [4, 4, 4, 4, 5]
+    assert unpooled_length(1, mx.bfloat16) == 8 and unpooled_length(1, mx.bool_) == 16
+    assert unpooled_length(9, mx.bfloat16) == 9
+
+    from .test_kernels_gpu import _fold_case
+
+    for rows in (1, 2, 7):
+        x, inds, _, gu, _, sw = _fold_case((rows, 8, 1024, 64, 2, 4), mx.float32)
+        seen = {}
+
+        def kernel(**kw):
+            seen.update(kw)
+            return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"],
+                                                          kw["output_dtypes"])]
+
+        I = gu.weight.shape[1] // 2
+        h, logit = moe_ops._fold_gate_up_launch(kernel, x, inds.reshape(-1, 2), gu, sw,
+                                                rows, 1024, I, 2)
+        assert h.shape == (rows, 3, I)
+        assert logit.dtype == mx.float32 and logit.size >= rows and logit.nbytes >= 16

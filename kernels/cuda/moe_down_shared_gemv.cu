@@ -25,7 +25,7 @@
 // HAS_RES (bool: add res).
 // Inputs: h [N, K+1, I]; inds [N, K] uint32; scores [N, K] ST; w [E, H,
 // I/8] uint32; scales, biases [E, H, I/G]; s_down_w [H, I/8] uint32;
-// s_down_scales, s_down_biases [H, I/G]; sg_logit [N] float32; res [N, H]
+// s_down_scales, s_down_biases [H, I/G]; sg_logit [>= N] float32; res [N, H]
 // OutT (the residual; without HAS_RES any OutT array, not read).
 // Output: y [N, H] OutT (any leading axes with N rows: the caller's [B, T, H]).
 // Header: moe_down_shared.cuh (the rows, shared with moe_down_shared_norm_gemv.cu).

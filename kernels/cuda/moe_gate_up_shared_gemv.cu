@@ -31,7 +31,9 @@
 // [E, 2I, H/G]; s_gate_w, s_up_w [I, H/8] uint32; s_gate_scales,
 // s_gate_biases, s_up_scales, s_up_biases [I, H/G]; sg_w [1, H*SGB/32]
 // uint32; sg_scales, sg_biases [1, H/SGG].
-// Outputs: h [N, K+1, I] OutT; sg_logit [N] float32.
+// Outputs: h [N, K+1, I] OutT; sg_logit [max(N, 4)] float32 (element n per
+// token row; at least 16 bytes, see ops.device.unpooled_length; the elements
+// past N are written 0 and never read).
 
 constexpr int RPW = 2;              // row pairs per warp
 constexpr int NC = H / 32;          // 32-value chunks per row
@@ -110,6 +112,8 @@ if (warp == NRW) {
   acc = qab_warp_sum(acc);
   if (lane == 0) {
     sg_logit[n] = acc;
+  } else if (n == 0 && lane < 4 && lane >= static_cast<int>(gridDim.y)) {
+    sg_logit[lane] = 0.f;  // the 16-byte buffer's elements past N rows (never read)
   }
   return;
 }

@@ -55,7 +55,8 @@ import mlx.core as mx
 
 from qwen_apple_backend import envs
 
-from .device import build_kernel, f32_scalar, gpu_backend, padded_zeros, self_checked
+from .device import (build_kernel, f32_scalar, gpu_backend, padded_zeros, self_checked,
+                     unpooled_length)
 from .norm import add_rms_norm_ops
 
 __all__ = [
@@ -1202,7 +1203,9 @@ def _fold_grid_x(K: int, I: int) -> int:
 def _fold_gate_up_launch(gu_kernel, x, ind, gate_up: ExpertWeights, shared: SharedExpertWeights,
                          N: int, H: int, I: int, K: int) -> tuple:
     # The fold's first kernel: the K routed experts' and the shared expert's
-    # SiLU-gated rows [N, K + 1, I] and the shared gate's float32 logit [N].
+    # SiLU-gated rows [N, K + 1, I] and the shared gate's float32 logit, element
+    # n for token row n of a buffer of at least 16 bytes (ops.device.unpooled_length:
+    # a [1] logit sat in MLX's small host-shared pool at decode).
     sg, su, _, gate = shared
     return gu_kernel(
         inputs=[x, ind, gate_up.weight, gate_up.scales, gate_up.biases,
@@ -1211,7 +1214,8 @@ def _fold_gate_up_launch(gu_kernel, x, ind, gate_up: ExpertWeights, shared: Shar
         template=[("OutT", x.dtype), ("H", H), ("I", I), ("K", K), ("G", gate_up.group_size),
                   ("SGB", gate.bits), ("SGG", gate.group_size)],
         grid=(_fold_grid_x(K, I), N, 1), threadgroup=(_GEMV_BLOCK, 1, 1),
-        output_shapes=[(N, K + 1, I), (N,)], output_dtypes=[x.dtype, mx.float32])
+        output_shapes=[(N, K + 1, I), (unpooled_length(N, mx.float32),)],
+        output_dtypes=[x.dtype, mx.float32])
 
 
 def _moe_shared_decode_kernel_call(backend: str, x, inds, scores, gate_up: ExpertWeights,
