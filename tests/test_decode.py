@@ -495,3 +495,33 @@ def test_small_kernel_outputs_are_not_small_buffers():
                                                 rows, 1024, I, 2)
         assert h.shape == (rows, 3, I)
         assert logit.dtype == mx.float32 and logit.size >= rows and logit.nbytes >= 16
+
+
+def test_the_step_traces_under_the_serial_marker(tiny_hf_f32, monkeypatch):
+    # The MoE blocks see ops.moe.serial_decode_tracing() while the compiled
+    # step traces them (their counting kernels may then read their own
+    # counters in place), and not in eager calls (prefill, the first token).
+    from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
+    from qwen_apple_backend.ops.moe import serial_decode_tracing
+
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    m, _ = load(tiny_hf_f32, "fused")
+    marks = []
+    real = FusedSparseMoeBlock.__call__
+
+    def spy(self, x, *a, **k):
+        marks.append((x.shape[1], serial_decode_tracing()))
+        return real(self, x, *a, **k)
+
+    monkeypatch.setattr(FusedSparseMoeBlock, "__call__", spy)
+    cache = make_prompt_cache(m)
+    mx.eval(m(mx.array([[1, 2, 3]]), cache=cache))
+    for t in (4, 5, 6):
+        mx.eval(m(mx.array([[t]]), cache=cache))
+    step = m.language_model.__dict__["_qab_decode"]
+    assert step.compiled_calls == 2  # the first decode token ran eagerly
+    layers = len(m.language_model.model.layers)
+    # Prefill and the eager token unmarked; the one trace marked; the replay
+    # runs no Python.
+    assert marks == [(3, False)] * layers + [(1, False)] * layers + [(1, True)] * layers
+    assert not serial_decode_tracing()

@@ -812,7 +812,8 @@ class FakeFoldGateUp:
         warps = (K + 1) * I // 2 + 1
         assert grid[0] % 256 == 0 and 32 * warps <= grid[0] < 32 * warps + 256
         assert grid[1:] == (N, 1) and threadgroup == (256, 1, 1)
-        assert output_shapes == [(N, K + 1, I), (N,)]
+        # The logit of at least 16 bytes (ops.device.unpooled_length).
+        assert output_shapes == [(N, K + 1, I), (max(N, 4),)]
         assert output_dtypes == [t["OutT"], mx.float32] and t["OutT"] == x.dtype
         xf = _f32(x)
         gu = (_deq(w, scales, biases, G, 4)[inds] @ xf[:, None, :, None])[..., 0]
@@ -820,6 +821,7 @@ class FakeFoldGateUp:
         sh = nn.silu(xf @ _deq(sg_w, sg_s, sg_b, G, 4).T) * (xf @ _deq(su_w, su_s, su_b, G, 4).T)
         h = mx.concatenate([routed, sh[:, None]], axis=1).astype(t["OutT"])
         logit = (xf @ _deq(g_w, g_s, g_b, t["SGG"], t["SGB"]).T)[:, 0]
+        logit = mx.concatenate([logit, mx.zeros((output_shapes[1][0] - N,))])  # as the kernel
         return [h, logit]
 
 
@@ -840,7 +842,8 @@ class FakeFoldDown:
         # the kernel is built per scores dtype, template ST); y in x's shape.
         assert h.shape == (N, K + 1, I) and inds.shape == scores.shape
         assert inds.size == N * K and t["ST"] == scores.dtype
-        assert logit.dtype == mx.float32 and logit.shape == (N,)
+        assert logit.dtype == mx.float32 and logit.shape == (max(N, 4),)
+        logit = logit[:N]
         assert sd_w.shape == (Hx, I // 8) and w.shape[1:] == (Hx, I // 8)
         assert grid == (32 * Hx // 2, N, 1) and threadgroup == (256, 1, 1)
         (out_shape,) = output_shapes
@@ -1393,3 +1396,67 @@ def test_a_subclass_with_its_own_call_is_not_handed_the_residual():
     # Nor does add_norm_forward compute what such a __call__ would.
     assert FusedSparseMoeBlock.takes_mixer_output and Same.takes_mixer_output
     assert not Mine.takes_mixer_output
+
+
+# --------------------------------------------------------------------------
+# The counting kernels' counter (moe_add_norm_route, the next-norm fold):
+# copied per launch, or read in place inside the compiled decode step's trace
+# --------------------------------------------------------------------------
+
+
+def test_serial_counter_and_trace_marker():
+    a, b = moe_ops.serial_counter(), moe_ops.serial_counter()
+    assert a is not b and a.dtype == mx.uint32 and a.shape == (moe_ops.FOLD_NORM_MAX_ROWS,)
+    assert not mx.any(a).item() and a.nbytes >= 16
+    # One row would be 4 bytes: allocated as 4 rows (MLX's small pool).
+    assert moe_ops.serial_counter(1).shape == (4,)
+    with pytest.raises(ValueError, match="at least one row, got rows=0"):
+        moe_ops.serial_counter(0)
+    assert not moe_ops.serial_decode_tracing()
+    with pytest.raises(RuntimeError, match="boom"):
+        with moe_ops.serial_decode_trace():
+            assert moe_ops.serial_decode_tracing()
+            raise RuntimeError("boom")
+    assert not moe_ops.serial_decode_tracing()
+
+
+def test_add_norm_route_reads_the_blocks_own_counter_in_the_decode_step_trace(monkeypatch):
+    # Outside the compiled decode step every launch gets a copy of one
+    # zero-strided view (a copy kernel each); inside its trace each block
+    # passes its own buffer, the same one every time, to every counting launch.
+    seen = []
+
+    def route(x, r, w, eps, gate, k, norm_topk, backend=None, counter=None):
+        seen.append(counter)
+        h = x + r
+        lead = x.shape[:-1]
+        return h, h, None, mx.zeros((*lead, k), dtype=mx.uint32), mx.zeros((*lead, k), x.dtype)
+
+    monkeypatch.setattr(moe_layer, "add_norm_route", route)
+    monkeypatch.setattr(moe_layer, "moe_shared_experts_kernel",
+                        lambda fold: (lambda *args, residual: residual * 2))
+    monkeypatch.setattr(FusedSparseMoeBlock, "_kernel_choice",
+                        lambda self, *a, **k: (None, "fake", "fake", None))
+    blocks = [FusedSparseMoeBlock.from_stock(make_stock(seed=s)) for s in (0, 1)]
+    norm = nn.RMSNorm(H)
+    x, r = inputs((1, 1, H)), inputs((1, 1, H), seed=3)
+    for compiled in (False, True):
+        seen.clear()
+        for b in blocks:
+            b.compile_decode = compiled
+            out, out_norm = b.add_norm_forward(x, r, norm)
+            assert out_norm is None and mx.allclose(out, 2 * (x + r)).item()
+        assert len(seen) == 2 and all(c is moe_ops.fold_norm_counter() for c in seen)
+        seen.clear()
+        with moe_ops.serial_decode_trace():
+            for b in blocks * 2:
+                out, _ = b.add_norm_forward(x, r, norm)
+                assert mx.allclose(out, 2 * (x + r)).item()
+        # Compiled: traced once per block (the second call replays).
+        assert len(seen) == (2 if compiled else 4)
+        own = [b.__dict__["_serial_counter"] for b in blocks]
+        assert own[0] is not own[1] and all(c is own[i % 2] for i, c in enumerate(seen))
+        assert all(c.shape == (moe_ops.FOLD_NORM_MAX_ROWS,) and c.dtype == mx.uint32
+                   and not mx.any(c).item() for c in own)
+    # The compiled graphs of the two counters are kept apart.
+    assert {k[-1] for k in blocks[0]._compiled} == {False, True}

@@ -1,6 +1,7 @@
 // Decode, 4-bit affine: the K routed experts' gate+up rows and the shared
 // expert's (slot K), plus the shared expert gate's logit; same contract as
-// kernels/cuda/moe_gate_up_shared_gemv.cu (read that file's comment). One
+// kernels/cuda/moe_gate_up_shared_gemv.cu (read that file's comment), except
+// that sg_logit's elements past N rows are left unwritten (nothing reads them). One
 // SIMD group computes RPW (gate, up) row pairs, one more per token the gate
 // logit; lane-owned 32-value chunks, x in registers, simd_sum reductions.
 // Never run where it was written: used only after its on-device self-check

@@ -52,6 +52,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from .ops.attention import decode_kv_mask, kv_cache_write, kv_cache_write_ops, kv_write_ready
+from .ops.moe import serial_decode_trace
 
 __all__ = ["install_compiled_decode", "compiled_decode_installed"]
 
@@ -304,8 +305,11 @@ class _CompiledDecode:
         for c in self._uses:
             c.tracing = tracing
         try:
-            logits, kv_out, ssm_out, next_offset = self._fn(tokens, offset, kv, ssm,
-                                                            tuple(layout), in_place)
+            # One call per module, each depending on the one before: the MoE
+            # blocks' counting kernels read their own counters in place.
+            with serial_decode_trace():
+                logits, kv_out, ssm_out, next_offset = self._fn(tokens, offset, kv, ssm,
+                                                                tuple(layout), in_place)
         finally:
             for c in self._uses:
                 c.tracing = False

@@ -40,6 +40,8 @@ from qwen_apple_backend.ops.moe import (
     moe_shared_experts_kernel,
     moe_shared_experts_norm_kernel,
     router_kernel_ready,
+    serial_counter,
+    serial_decode_tracing,
     shared_decode_kernel_ready,
     shared_decode_norm_ready,
     swiglu_experts_ops,
@@ -759,8 +761,17 @@ class FusedSparseMoeBlock(nn.Module):
         if route is None:
             return None
         w = norm["weight"]
-        # The counting kernels' counter input: each launch gets its own copy.
-        kw = dict(eps=norm.eps, route=route, fold=fold, counter=fold_norm_counter())
+        # The counting kernels' counter input: in the compiled decode step's
+        # trace (launches never overlap) this block's own buffer, read in
+        # place; elsewhere a view that each launch copies (a copy kernel).
+        serial = serial_decode_tracing()
+        if serial:
+            counter = self.__dict__.get("_serial_counter")
+            if counter is None:
+                counter = self.__dict__["_serial_counter"] = serial_counter()
+        else:
+            counter = fold_norm_counter()
+        kw = dict(eps=norm.eps, route=route, fold=fold, counter=counter)
         args = (x, r, w)
         if down_norm is not None:
             kw.update(down_norm=down_norm, next_eps=next_norm.eps)
@@ -770,12 +781,12 @@ class FusedSparseMoeBlock(nn.Module):
         else:
             fns = self.__dict__.setdefault("_compiled", {})
             key = ("add_norm_route", route, fold, norm.eps, down_norm,
-                   None if down_norm is None else next_norm.eps)
+                   None if down_norm is None else next_norm.eps, serial)
             fn = fns.get(key)
             if fn is None:
                 # The module is the captured input tree (parameters replaced
                 # after fusing are read live); the norm weights are arguments,
-                # the counter view a constant of the graph (each launch copies it).
+                # the counter a constant of the graph.
                 fn = mx.compile(partial(self._add_norm_route_forward, **kw), inputs=self)
                 fns[key] = fn
         out = fn(*args)

@@ -48,8 +48,10 @@ E experts, K experts per token. ``...`` stands for any leading token axes
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
@@ -93,6 +95,9 @@ __all__ = [
     "moe_shared_experts_norm_kernel",
     "shared_decode_norm_ready",
     "fold_norm_counter",
+    "serial_counter",
+    "serial_decode_trace",
+    "serial_decode_tracing",
     "FOLD_NORM_MAX_ROWS",
     "shared_decode_kernel_ready",
     "moe_combine_ops",
@@ -1285,6 +1290,54 @@ def fold_norm_counter(rows: int = FOLD_NORM_MAX_ROWS) -> mx.array:
     # buffer of <= 8 bytes would sit in MLX's small managed pool, which the
     # per-launch copy would read from host memory.
     c = mx.broadcast_to(padded_zeros(mx.uint32)[:1], (rows,))
+    mx.eval(c)
+    return c
+
+
+_SERIAL_TRACE: contextvars.ContextVar[bool] = contextvars.ContextVar("qab_serial_decode_trace",
+                                                                     default=False)
+
+
+@contextlib.contextmanager
+def serial_decode_trace() -> Iterator[None]:
+    """Marks a trace whose counting-kernel launches never overlap: :func:`serial_counter` applies.
+
+    For the compiled decode step (``decode.py``) while it traces: there every
+    MoE block runs once per step, each block's launches depend on the one
+    before (the residual stream), and a step depends on the previous step's
+    token, so launches that share a counter run one after the other.
+    """
+    token = _SERIAL_TRACE.set(True)
+    try:
+        yield
+    finally:
+        _SERIAL_TRACE.reset(token)
+
+
+def serial_decode_tracing() -> bool:
+    """True inside :func:`serial_decode_trace`."""
+    return _SERIAL_TRACE.get()
+
+
+def serial_counter(rows: int = FOLD_NORM_MAX_ROWS) -> mx.array:
+    """A counting kernel's counter for launches that never overlap: ``[rows]`` uint32 zeros.
+
+    A real (contiguous, evaluated) buffer, which the launch reads in place:
+    no copy before each launch, unlike :func:`fold_norm_counter`'s view (the
+    copy was one more kernel per MoE layer and token, ``copy_g_nd``: 40 per
+    token for Qwen3.6, each a launch for the host to encode). Each counting
+    kernel resets its row to 0 when done, so the next launch finds zeros. Two
+    launches that overlap would corrupt it (measured: the route read unwritten
+    expert indices and the GPU faulted), so a caller owns one per call site
+    and uses it only inside :func:`serial_decode_trace`. 32 bytes at the
+    default size: not MLX's small pool (:func:`ops.device.unpooled_length`).
+
+    Raises:
+        ValueError: if ``rows < 1``.
+    """
+    if rows < 1:
+        raise ValueError(f"a counter needs at least one row, got rows={rows}")
+    c = mx.zeros((unpooled_length(rows, mx.uint32),), dtype=mx.uint32)
     mx.eval(c)
     return c
 
