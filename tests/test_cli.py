@@ -208,6 +208,11 @@ def test_sampling_settings_are_checked_up_front(args, message):
     # Checked before the model loads (it was only checked by the server after loading).
     (["serve", "--port", "99999"], "argument --port: must be a port number from 0 to 65535, "
                                    "got 99999"),
+    # No chat template adds tokens: mlx-lm loaded the model, then failed (exit 1).
+    (["generate", "--model", "m", "--ignore-chat-template", "--prompt", ""],
+     "argument --prompt/-p: empty with --ignore-chat-template: there is no token to generate"),
+    (["generate", "--model", "m", "-p=", "--ignore-chat-template"],
+     "argument --prompt/-p: empty with --ignore-chat-template"),
 ])
 def test_empty_paths_bad_ports_and_no_prompts_are_refused_up_front(args, message):
     out = _qab(*args, timeout=120)

@@ -83,7 +83,8 @@ _SAMPLING_FLAGS = {
 def _check_count_flags(command: str, argv: Sequence[str]) -> None:
     """Exit with argparse's one-line error (status 2) for a token count that is not
     positive, a negative temperature, a probability (top-p, min-p) outside [0, 1], an
-    empty ``--model`` or (serve) a ``--port`` outside 0..65535."""
+    empty ``--model``, (serve) a ``--port`` outside 0..65535 or (generate) an empty
+    ``--prompt`` with ``--ignore-chat-template``."""
     p = argparse.ArgumentParser(
         prog=f"qab {command}", add_help=False, allow_abbrev=False,
         usage=f"qab {command} [--backend NAME] [--qab-report] [flags of "
@@ -95,7 +96,15 @@ def _check_count_flags(command: str, argv: Sequence[str]) -> None:
     p.add_argument("--model", type=nonempty_path, default=None)
     if command == "serve":
         p.add_argument("--port", type=port, default=None)
-    p.parse_known_args(list(argv))
+    if command == "generate":
+        p.add_argument("--prompt", "-p", default=None)
+        p.add_argument("--ignore-chat-template", action="store_true")
+    ns, _ = p.parse_known_args(list(argv))
+    if command == "generate" and ns.ignore_chat_template and ns.prompt == "":
+        # No chat template to add tokens: mlx-lm would load the model, then
+        # fail on an empty token list.
+        p.error("argument --prompt/-p: empty with --ignore-chat-template: there is no token "
+                "to generate from")
 
 
 def _usable_backends() -> tuple[list[str], list[str]]:
