@@ -59,10 +59,14 @@ def test_generate_bad_checkpoint_is_one_clear_error(tmp_path):
 
 
 def test_generate_empty_prompt(tiny_real_vocab):
+    # Refused before the model loads (no mlx-lm banner), as a usage error.
     out = _qab("generate", "--model", str(tiny_real_vocab), "--prompt", "",
                "--ignore-chat-template", "--max-tokens", "2")
-    assert out.returncode == 1
-    assert "prompt is empty" in out.stderr
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        "qab generate: error: argument --prompt/-p: empty with --ignore-chat-template: "
+        "there is no token to generate from")
+    assert out.stdout == ""
 
 
 def test_backends_json():
