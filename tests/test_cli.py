@@ -67,6 +67,15 @@ def test_generate_empty_prompt(tiny_real_vocab):
         "qab generate: error: argument --prompt/-p: empty with --ignore-chat-template: "
         "there is no token to generate from")
     assert out.stdout == ""
+    # An empty prompt read from stdin (`--prompt -`) is known only once mlx-lm
+    # reads it: the stream_generate check names it (exit 1, no traceback).
+    out = subprocess.run([sys.executable, "-m", "qwen_apple_backend.cli", "generate", "--model",
+                          str(tiny_real_vocab), "--prompt", "-", "--ignore-chat-template",
+                          "--max-tokens", "2"], input="", capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 1, out.stderr
+    assert "the prompt is empty: give at least one token" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_backends_json():
