@@ -135,7 +135,7 @@ def unpooled_length(n: int, dtype: mx.Dtype) -> int:
     ``n``, or more where ``n`` elements would take under 16 bytes: such a
     buffer would sit in MLX's small managed pool (see :func:`f32_scalar`),
     and the kernels writing and reading it would wait on host memory.
-    Kernels index only the first ``n``; the rest is never written or read.
+    Kernels read only the first ``n`` (the writer may zero the rest).
     Measured on an H200 with Nsight Compute (``benchmarks/profile_decode_gpu.py``,
     8 layers at 4K context): with the MoE decode fold's shared-gate logit a
     ``[1]`` float32, the fold's down kernel, which reads it, took 20.3 us per
