@@ -124,7 +124,7 @@ def padded_zeros(dtype: mx.Dtype) -> mx.array:
     :func:`f32_scalar`: MLX's CUDA allocator pools buffers of <= 8 bytes in
     host-shared managed memory.
     """
-    a = mx.zeros((16 // dtype.size,), dtype=dtype)
+    a = mx.zeros((unpooled_length(1, dtype),), dtype=dtype)
     mx.eval(a)
     return a
 

@@ -1320,7 +1320,7 @@ def serial_decode_tracing() -> bool:
 
 
 def serial_counter(rows: int = FOLD_NORM_MAX_ROWS) -> mx.array:
-    """A counting kernel's counter for launches that never overlap: ``[rows]`` uint32 zeros.
+    """A counting kernel's counter for launches that never overlap: uint32 zeros, >= ``rows``.
 
     A real (contiguous, evaluated) buffer, which the launch reads in place:
     no copy before each launch, unlike :func:`fold_norm_counter`'s view (the
@@ -1329,8 +1329,9 @@ def serial_counter(rows: int = FOLD_NORM_MAX_ROWS) -> mx.array:
     kernel resets its row to 0 when done, so the next launch finds zeros. Two
     launches that overlap would corrupt it (measured: the route read unwritten
     expert indices and the GPU faulted), so a caller owns one per call site
-    and uses it only inside :func:`serial_decode_trace`. 32 bytes at the
-    default size: not MLX's small pool (:func:`ops.device.unpooled_length`).
+    and uses it only inside :func:`serial_decode_trace`. ``max(rows, 4)`` elements,
+    at least 16 bytes (:func:`ops.device.unpooled_length`: not MLX's small
+    pool); 32 bytes at the default size.
 
     Raises:
         ValueError: if ``rows < 1``.
