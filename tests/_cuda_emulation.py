@@ -75,7 +75,10 @@ block; blocks run one after another):
   ``qab_cp_async_wait<N>`` of ``kernels/cuda/common.cuh`` become a 16-byte copy
   (destination in shared memory, source in global memory, both 16-byte
   aligned) whose completion follows the commit / wait-group rules (see the
-  schedules). ``asm`` anywhere else, e.g. the tensor-core ``mma.sync`` of
+  schedules); ``qab_wait_count`` (a block waiting on a counter that other
+  blocks of the launch advance) checks the count once and reports a fault
+  when it is short (blocks run one after another, so it would never be
+  reached). ``asm`` anywhere else, e.g. the tensor-core ``mma.sync`` of
   ``moe_grouped_gemm.cu``, raises :class:`NotEmulated`: out of scope.
 
 Every launch runs twice (``schedules=2``), with fresh outputs, and the two
@@ -295,6 +298,14 @@ void* dynamic_shared();
 void cp_async(void* smem, const void* gmem, int bytes);
 void cp_async_commit();
 void cp_async_wait(int pending);
+// qab_wait_count (common.cuh): blocks run one after another here, so a count
+// that is not reached yet never will be; reported instead of spinning forever.
+inline void wait_count(const uint32_t* p, uint32_t target) {
+  if (*p < target) {
+    fail("qab_wait_count: the counter holds %u, waiting for %u: the blocks it waits on have not "
+         "run (a wait on a later block deadlocks on a GPU too)", *p, target);
+  }
+}
 
 template <typename A>
 inline A& shared(int id, size_t align) {
@@ -1089,6 +1100,9 @@ SUBSTITUTES = {
     "qab_cp_async_wait": (
         "template <int N> __device__ __forceinline__ void qab_cp_async_wait()",
         "::qab::cp_async_wait(N);"),
+    "qab_wait_count": (
+        "__device__ __forceinline__ void qab_wait_count(const uint32_t* p, uint32_t target)",
+        "::qab::wait_count(p, target);"),
 }
 
 _C_TYPES = {
@@ -1142,7 +1156,7 @@ def _top_level_block(code: str, pos: int) -> tuple:
             depth += 1
         elif ch == "}":
             depth -= 1
-    if open_at is None or depth != 1:
+    if open_at is None or depth < 1:
         return None
     depth = 0
     for i in range(open_at, len(code)):

@@ -106,6 +106,14 @@ CASES = {
                            ["bf16", "bf16", "bf16", "u32", "bf16"],
                            {"T": "bf16", "D": 2048, "E": 256, "K": 8, "G": 64, "NORM": True,
                             "BLOCK": 256, "RB": 1}),
+    # The three MoE decode launches as one (route, gate/up, down phases).
+    "moe_decode_block": (
+        ["bf16", "bf16", "bf16", "f32", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "u32",
+         "bf16", "bf16", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "u32", "bf16", "bf16",
+         "u32", "bf16", "bf16", "u32"],
+        ["bf16", "bf16", "bf16", "bf16", "u32", "bf16", "bf16", "f32"],
+        {"T": "bf16", "H": 2048, "E": 256, "K": 8, "I": 512, "G": 64, "RG": 64, "SGB": 8,
+         "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1}),
 }
 
 # More template values of one op: (op, case) as in CASES.

@@ -44,7 +44,8 @@ from qwen_apple_backend.ops._sources import kernel_source
 
 from . import _cuda_emulation as emu
 from ._metrics import mx_rel_l2
-from .test_kernels_gpu import (_anr_inputs, _assert_masked_scan, _assert_scan_matches_reference,
+from .test_kernels_gpu import (_anr_inputs, _assert_block_is_the_three_launches,
+                               _assert_masked_scan, _assert_scan_matches_reference, _block_case,
                                _experts, _inputs)
 
 pytestmark = pytest.mark.skipif(emu.CXX is None, reason="no C++ compiler on PATH")
@@ -571,12 +572,13 @@ FOLD_BROKEN = {
     # blocks have not finished.
     "norm last block early": ("moe_down_shared_norm_gemv", "last = prev == gridDim.x - 1;",
                               "last = prev == gridDim.x - 2;", False),
-    # The 8-bit shared gate decoded as 4-bit values.
+    # The 8-bit shared gate decoded as 4-bit values (the block's code is in
+    # the header moe_gate_up_shared.cuh).
     "gate logit bit width": ("moe_gate_up_shared_gemv", "(words[q] >> (SGB * b)) & MASK",
-                             "(words[q] >> (4 * b)) & MASK", False),
+                             "(words[q] >> (4 * b)) & MASK", True),
     # The gate-logit warp never runs: sg_logit left unwritten.
     "gate warp skipped": ("moe_gate_up_shared_gemv", "if (warp > NRW) {", "if (warp >= NRW) {",
-                          False),
+                          True),
     # The column guard lets the last thread of a row write one past it.
     "combine column guard": ("moe_combine", "if (c >= H) {", "if (c > H) {", False),
 }
@@ -1071,7 +1073,7 @@ def test_moe_add_norm_route_emulated_fails_without_the_dequant_rounding(monkeypa
     # The harness must see a weight dequantized in float32 instead of the
     # activation dtype (MLX rounds q * scale to it before adding the bias).
     _broken(monkeypatch, "moe_add_norm_route",
-            "static_cast<float>(static_cast<T>(qv * sc)) + bi", "qv * sc + bi")
+            "static_cast<float>(static_cast<T>(qv * sc)) + bi", "qv * sc + bi", header=True)
     x, r, w, gate = _anr_inputs((1, 1), 2048, 256, 64, BF16, seed=7)
     out = moe_ops._add_norm_route_call("cuda", x, r, w, 1e-6, gate, 8, True,
                                         moe_ops.fold_norm_counter())
@@ -1138,24 +1140,32 @@ def test_moe_block_add_norm_forward_on_the_emulated_kernels(monkeypatch):
         fused = FusedSparseMoeBlock.from_stock(stock)
         norm = nn.RMSNorm(Hd, eps=1e-6)
         norm.weight = (1.0 + 0.1 * mx.random.normal((Hd,), key=mx.random.key(9))).astype(BF16)
-        for step in range(2):
-            x = (4.0 * inputs((1, 1, Hd), seed=20 + step)).astype(BF16)
-            r = inputs((1, 1, Hd), seed=30 + step).astype(BF16)
-            got = fused.add_norm_forward(x, r, norm)
-            assert got is not None and got[1] is None  # no next norm given
-            out = got[0]
-            h = x + r
-            ref = h + stock(norm(h))
-            assert out.dtype == BF16 and out.shape == x.shape
-            # The same experts (MLX's CPU router matmul sums otherwise, so a
-            # near-tie could differ; none does here); the fold's bf16 rounding
-            # points against the stock block's (measured 2.7e-3, 2.2e-3).
-            assert mx_rel_l2(out, ref) <= 1e-2, step
-        # One self-check call, then one per token.
-        assert calls == [(5, 1, Hd), (1, 1, Hd), (1, 1, Hd)]
+        outs = {}
+        for one_launch in (True, False):  # moe-block on (default), then off
+            fused.one_launch = one_launch
+            for step in range(2):
+                x = (4.0 * inputs((1, 1, Hd), seed=20 + step)).astype(BF16)
+                r = inputs((1, 1, Hd), seed=30 + step).astype(BF16)
+                got = fused.add_norm_forward(x, r, norm)
+                assert got is not None and got[1] is None  # no next norm given
+                out = got[0]
+                h = x + r
+                ref = h + stock(norm(h))
+                assert out.dtype == BF16 and out.shape == x.shape
+                # The same experts (MLX's CPU router matmul sums otherwise, so a
+                # near-tie could differ; none does here); the fold's bf16 rounding
+                # points against the stock block's (measured 2.7e-3, 2.2e-3).
+                assert mx_rel_l2(out, ref) <= 1e-2, step
+                outs.setdefault(step, []).append(out)
+        # The one launch and the three give the same output bit for bit.
+        assert all(mx.array_equal(a, b).item() for a, b in outs.values())
+        # The route's self-check and the block's (whose reference runs the
+        # route), then with the block off one route launch per token.
+        assert calls == [(5, 1, Hd), (5, 1, Hd), (1, 1, Hd), (1, 1, Hd)]
         verdicts = {k[0]: v for k, v in device.self_check_results().items()}
         assert verdicts["moe_add_norm_route"] == (True, "passed")
         assert verdicts["moe_shared_decode_gemv"] == (True, "passed")
+        assert verdicts["moe_decode_block"] == (True, "passed")
         # Given the next layer's input norm, the last kernel applies it too:
         # the same output, and its norm as mx.fast.rms_norm computes it.
         nxt = nn.RMSNorm(Hd, eps=1e-5)
@@ -1719,3 +1729,76 @@ def test_split_decode_attention_dispatch_and_self_check(monkeypatch):
     assert attn_ops.gqa_decode_attention_gated(q, k, v, 0.3, row[None], gate) is None
     assert calls == [777] * 4 + [100, 100]
 
+
+
+# --------------------------------------------------------------------------
+# The MoE half of a decode layer in one launch (kernels/cuda/moe_decode_block.cu:
+# route, gate/up and down as ticketed phases), through ops.moe's launch code
+# --------------------------------------------------------------------------
+
+# (N, E, H, I, K, shared gate bits), dtype, router group, norm: two rows in
+# bfloat16 with an 8-bit shared gate; one row in float16, 40 experts (a
+# partial route block), a 4-bit gate, raw scores.
+BLOCK_EMU_CASES = [((2, 16, 1024, 64, 4, 8), BF16, 64, True),
+                   ((1, 40, 1024, 32, 3, 4), F16, 32, False)]
+
+
+@pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_EMU_CASES,
+                         ids=lambda v: str(v).replace("mlx.core.", "").replace(" ", ""))
+def test_moe_decode_block_is_the_three_launches_emulated(shape, dtype, rg, norm):
+    # Both schedules (reverse and forward block order) run on the SAME counter
+    # input: a counter the launch does not reset would break the second.
+    case = _block_case(shape, dtype, rg)
+    counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    _assert_block_is_the_three_launches("cuda", case, shape[4], norm, counter, str(shape))
+
+
+def test_moe_decode_block_emulated_fails_without_the_reset(monkeypatch):
+    # The last block out must zero the phase counters; without it the second
+    # schedule's blocks draw tickets past the grid and wait on blocks that
+    # never run (the emulator reports the wait instead of hanging).
+    _broken(monkeypatch, "moe_decode_block", "    c[0] = 0u;\n", "")
+    case = _block_case(*BLOCK_EMU_CASES[0][:3])
+    counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    with pytest.raises(AssertionError):
+        _assert_block_is_the_three_launches("cuda", case, 4, True, counter)
+
+
+def test_moe_decode_block_emulated_fails_when_a_phase_does_not_wait(monkeypatch):
+    # Down blocks must wait for every gate/up block: waiting for one fewer is
+    # caught (the emulator checks the count it waits for).
+    _broken(monkeypatch, "moe_decode_block", "static_cast<uint32_t>(GBLK * rows)",
+            "static_cast<uint32_t>(GBLK * rows + 1)")
+    case = _block_case(*BLOCK_EMU_CASES[0][:3])
+    counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    with pytest.raises(emu.KernelFault, match="qab_wait_count"):
+        _assert_block_is_the_three_launches("cuda", case, 4, True, counter)
+
+
+def test_moe_decode_block_dispatcher_self_checks_the_emulated_kernel(monkeypatch):
+    monkeypatch.setattr(moe_ops, "gpu_backend", lambda: "cuda")
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    device.reset_self_checks()
+    try:
+        x, r, w, gate, gu, dn, sw = _block_case(*BLOCK_EMU_CASES[0][:3])
+        assert moe_ops.decode_block_ready(x, w, 1e-6, gate, 4, True, gu, dn, sw) == "cuda"
+        verdicts = device.self_check_results()
+        assert verdicts[next(k for k in verdicts if k[0] == "moe_decode_block")] == (
+            True, "passed")
+        out = moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda")
+        _assert_block_is_the_three_launches("cuda", (x, r, w, gate, gu, dn, sw), 4, True,
+                                            moe_ops.fold_norm_counter(
+                                                moe_ops.decode_block_counter_length()))
+        assert out.shape == x.shape
+        # Too many rows for the counter; r of another shape.
+        with pytest.raises(ValueError, match="counter"):
+            moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
+                                     counter=moe_ops.serial_counter(4))
+        with pytest.raises(ValueError, match="shape"):
+            moe_ops.moe_decode_block(x, r[:1], w, 1e-6, gate, 4, True, gu, dn, sw, "cuda")
+        # Outside the contract: float32 activations.
+        assert moe_ops.decode_block_ready(x.astype(F32), w, 1e-6, gate, 4, True, gu, dn,
+                                          sw) is None
+    finally:
+        device.reset_self_checks()

@@ -342,6 +342,36 @@ def _fold_case(shape, dtype):
     return x, inds.astype(mx.uint32), scores, gu, dn, sw
 
 
+def _block_case(shape, dtype, router_group=64):
+    """Inputs of the one-launch MoE decode block (kernels/cuda/moe_decode_block):
+    x, r, the post-attention norm weight, an 8-bit router, the fold's experts
+    and shared expert. ``shape`` is ``(N, E, H, I, K, shared gate bits)``.
+    Shared with tests/test_kernels_cuda_emulated.py."""
+    N, E, H, I, K, gate_bits = shape
+    x, r, w, gate = _anr_inputs((N, 1), H, E, router_group, dtype, seed=sum(shape))
+    _, _, _, gu, dn, sw = _fold_case(shape, dtype)
+    return x, r, w, gate, gu, dn, sw
+
+
+def _assert_block_is_the_three_launches(backend, case, K, norm, counter, where=""):
+    """moe_decode_block's output equals moe_add_norm_route + the fold (residual
+    added) bit for bit, every output of its phases written."""
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    x, r, w, gate, gu, dn, sw = case
+    out = moe_ops._moe_decode_block_call(backend, x, r, w, 1e-6, gate, K, norm, gu, dn, sw,
+                                         counter)
+    h, y, _, inds, scores = moe_ops._add_norm_route_call(backend, x, r, w, 1e-6, gate, K, norm,
+                                                         moe_ops.fold_norm_counter())
+    ref = moe_ops._moe_shared_decode_kernel_call(backend, y, inds, scores, gu, dn, sw,
+                                                 residual=h)
+    assert out.shape == x.shape and out.dtype == x.dtype, where
+    assert mx.all(mx.isfinite(out.astype(mx.float32))).item(), where
+    assert mx.array_equal(out, ref).item(), (
+        f"{where}: rel-L2 {mx_rel_l2(out, ref):.3g} from the three launches")
+    return out
+
+
 class _Sentinel:
     """A kernel object whose outputs start as NaN (unwritten elements show), recording them."""
 
@@ -440,6 +470,69 @@ def _bf16_block(num_experts=64):
     stock.eval()
     mx.eval(stock.parameters())
     return stock
+
+
+# (N, E, H, I, K, shared gate bits), dtype, router group, norm: Qwen3.6-35B-A3B
+# decode (one token); 3 rows; a small odd one in float16 with raw scores.
+BLOCK_CASES = [((1, 256, 2048, 512, 8, 8), mx.bfloat16, 64, True),
+               ((3, 256, 2048, 512, 8, 8), mx.bfloat16, 64, True),
+               ((2, 40, 1024, 96, 3, 4), mx.float16, 32, False)]
+
+
+@pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_CASES,
+                         ids=lambda v: str(v).replace("mlx.core.", "").replace(" ", ""))
+def test_moe_decode_block_is_the_three_launches(shape, dtype, rg, norm):
+    # One launch, three ticketed phases (kernels/cuda/moe_decode_block.cu):
+    # the output bit-identical to moe_add_norm_route + the fold, in a serial
+    # counter read in place (the compiled decode step's) that every launch
+    # leaves at zero, ten launches in a row on it, and in the per-launch copy.
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    backend = gd.gpu_backend()
+    case = _block_case(shape, dtype, rg)
+    K = shape[4]
+    counter = moe_ops.serial_counter(moe_ops.decode_block_counter_length())
+    first = None
+    for i in range(10):
+        out = _assert_block_is_the_three_launches(backend, case, K, norm, counter, f"launch {i}")
+        mx.eval(out)
+        assert not mx.any(counter).item(), counter.tolist()
+        first = out if first is None else first
+        assert mx.array_equal(out, first).item()
+    copied = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    _assert_block_is_the_three_launches(backend, case, K, norm, copied, "copied counter")
+
+
+def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches():
+    # Qwen3-Next layers at D = 2048, 4-bit experts, 8-bit router and shared
+    # gate, bf16: teacher-forced tokens through the compiled fused model with
+    # the one-launch block (moe-block) and without it: identical logits, and
+    # every block's counter back at zero.
+    import mlx.nn as nn
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from qwen_apple_backend.bench.target import fuse_in_memory
+
+    models = []
+    for disable in ([], ["moe-block"]):
+        m = _next_model(2048, mx.bfloat16)
+        nn.quantize(m, group_size=64, bits=4, class_predicate=_qwen_predicate)
+        fuse_in_memory(m, "fused", config={"model_type": "qwen3_next"}, disable=disable)
+        models.append(m)
+    caches = [make_prompt_cache(m) for m in models]
+    prompt = mx.array([[(i * 37) % 500 for i in range(9)]])
+    for m, c in zip(models, caches):
+        mx.eval(m(prompt, cache=c))
+    for t in range(16):
+        tok = mx.array([[(t * 53 + 7) % 500]])
+        a, b = (m(tok, cache=c) for m, c in zip(models, caches))
+        mx.eval(a, b)
+        assert mx.array_equal(a, b).item(), f"token {t}: rel-L2 {mx_rel_l2(a, b):.3g}"
+        if t >= 1:
+            counters = [layer.mlp.__dict__.get("_serial_block_counter")
+                        for layer in models[0].layers]
+            assert all(c is not None for c in counters), "the step did not take the block"
+            assert all(not mx.any(c).item() for c in counters)
 
 
 def test_moe_block_decode_folds_the_shared_expert_and_matches_stock():

@@ -1436,7 +1436,7 @@ def test_add_norm_route_reads_the_blocks_own_counter_in_the_decode_step_trace(mo
     monkeypatch.setattr(moe_layer, "moe_shared_experts_kernel",
                         lambda fold: (lambda *args, residual: residual * 2))
     monkeypatch.setattr(FusedSparseMoeBlock, "_kernel_choice",
-                        lambda self, *a, **k: (None, "fake", "fake", None))
+                        lambda self, *a, **k: (None, "fake", "fake", None, None))
     blocks = [FusedSparseMoeBlock.from_stock(make_stock(seed=s)) for s in (0, 1)]
     norm = nn.RMSNorm(H)
     x, r = inputs((1, 1, H)), inputs((1, 1, H), seed=3)
@@ -1459,4 +1459,56 @@ def test_add_norm_route_reads_the_blocks_own_counter_in_the_decode_step_trace(mo
         assert all(c.shape == (moe_ops.FOLD_NORM_MAX_ROWS,) and c.dtype == mx.uint32
                    and not mx.any(c).item() for c in own)
     # The compiled graphs of the two counters are kept apart.
-    assert {k[-1] for k in blocks[0]._compiled} == {False, True}
+    assert {k[-2] for k in blocks[0]._compiled} == {False, True}
+
+
+def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monkeypatch):
+    # moe-block: with a block backend the whole MoE half is one
+    # moe_decode_block call, counting in a buffer of decode_block_counter_length
+    # elements: its own serial one inside the decode step's trace (kept apart
+    # from the three-launch path's), else the per-launch copy of a zero view;
+    # one_launch off (QAB_DISABLE=moe-block) keeps the three launches.
+    from qwen_apple_backend.layers import moe as moe_layer
+
+    seen = []
+
+    def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None):
+        seen.append((backend, counter))
+        return (x + r) * 3
+
+    monkeypatch.setattr(moe_layer, "moe_decode_block", block)
+    monkeypatch.setattr(moe_layer, "add_norm_route",
+                        lambda *a, **k: pytest.fail("the three-launch path ran"))
+    monkeypatch.setattr(FusedSparseMoeBlock, "_kernel_choice",
+                        lambda self, *a, **k: (None, "fake", "fake", None,
+                                               "fake" if self.one_launch else None))
+    b = FusedSparseMoeBlock.from_stock(make_stock(seed=4))
+    assert b.one_launch
+    norm = nn.RMSNorm(H)
+    x, r = inputs((1, 1, H)), inputs((1, 1, H), seed=3)
+    n = moe_ops.decode_block_counter_length()
+    for compiled in (False, True):
+        b.compile_decode = compiled
+        seen.clear()
+        out, out_norm = b.add_norm_forward(x, r, norm)
+        assert out_norm is None and mx.allclose(out, 3 * (x + r)).item()
+        assert seen == [("fake", moe_ops.fold_norm_counter(n))]
+        assert seen[0][1].shape == (n,)
+        seen.clear()
+        with moe_ops.serial_decode_trace():
+            out, _ = b.add_norm_forward(x, r, norm)
+        assert mx.allclose(out, 3 * (x + r)).item()
+        own = b.__dict__["_serial_block_counter"]
+        assert "_serial_counter" not in b.__dict__
+        assert own.shape == (n,) and own.dtype == mx.uint32 and not mx.any(own).item()
+        assert seen == [("fake", own)]
+    b.one_launch = False
+    monkeypatch.setattr(moe_layer, "add_norm_route",
+                        lambda x, r, *a, **k: (x + r, x + r, None,
+                                               mx.zeros((1, 1, 8), dtype=mx.uint32),
+                                               mx.zeros((1, 1, 8), x.dtype)))
+    monkeypatch.setattr(moe_layer, "moe_shared_experts_kernel",
+                        lambda fold: (lambda *args, residual: residual * 2))
+    seen.clear()
+    out, _ = b.add_norm_forward(x, r, norm)
+    assert seen == [] and mx.allclose(out, 2 * (x + r)).item()

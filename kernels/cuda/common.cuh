@@ -77,3 +77,50 @@ __device__ __forceinline__ __nv_bfloat16 qab_ldcg(const __nv_bfloat16* p) {
 __device__ __forceinline__ __half qab_ldcg(const __half* p) {
   return __ushort_as_half(__ldcg(reinterpret_cast<const unsigned short*>(p)));
 }
+__device__ __forceinline__ uint32_t qab_ldcg(const uint32_t* p) { return __ldcg(p); }
+
+// x[0] through L2 when CG (data another block of this launch wrote), else a
+// plain load (data of earlier launches).
+template <bool CG, typename T>
+__device__ __forceinline__ T qab_ld(const T* p) {
+  if constexpr (CG) {
+    return qab_ldcg(p);
+  } else {
+    return *p;
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ QabVec<T, N> qab_load_vec_cg(const T* p, bool vec) {
+  // qab_load_vec(p, 1, vec) through L2 (data another block of this launch
+  // wrote): one 16-byte load when vec and the vector is 16 bytes, else N
+  // scalar loads.
+  QabVec<T, N> r;
+  if constexpr (sizeof(QabVec<T, N>) == 16) {
+    if (vec) {
+      const uint4 u = __ldcg(reinterpret_cast<const uint4*>(p));
+      r = *reinterpret_cast<const QabVec<T, N>*>(&u);
+      return r;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < N; ++e) r.v[e] = qab_ldcg(p + e);
+  return r;
+}
+
+// Waits until the counter *p reaches at least target: an acquire load at GPU
+// scope, polled with a short sleep. One thread of a block calls it, then the
+// block's barrier; data the counted blocks wrote is then read through L2
+// (qab_ld<true>). Only for counts that blocks already running will reach (a
+// launch's ticketed phases, moe_decode_block.cu): a wait on a block that has
+// not started could wait forever.
+__device__ __forceinline__ void qab_wait_count(const uint32_t* p, uint32_t target) {
+  uint32_t v;
+  while (true) {
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    if (v >= target) {
+      break;
+    }
+    __nanosleep(32);
+  }
+}

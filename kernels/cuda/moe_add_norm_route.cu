@@ -51,6 +51,8 @@
 // copies into a fresh buffer for every launch, so launches that a CUDA graph
 // runs concurrently never share one; the reset keeps a buffer reusable).
 //
+// The work is qab_add_norm_route_part (moe_add_norm_route.cuh).
+//
 // Launch: grid (BLOCK * NB, N, 1) threads with NB = ceil(E / (RB BLOCK / 32)),
 // threadgroup (BLOCK, 1, 1). Template: T (x, r, nw, gs, gb, h, y, logits,
 // scores: bfloat16 or float16), D (hidden size, a multiple of 256), E
@@ -63,146 +65,6 @@
 // Outputs: h, y [N, D] T (x's shape); logits [N, E] T; inds [N, K] uint32,
 // scores [N, K] T (slot K - 1 holds the largest probability).
 
-static_assert(sizeof(T) == 2, "moe_add_norm_route: T is bfloat16 or float16");
-static_assert(D % 256 == 0, "moe_add_norm_route: D % 256 == 0 (no residue step)");
-static_assert(G % 8 == 0 && D % G == 0, "moe_add_norm_route: a lane's 8 weights share a group");
-constexpr int WARPS = BLOCK / 32;
-constexpr int PER = (D + BLOCK - 1) / BLOCK;
-constexpr int EPT = 8;                 // weights per lane and step (MLX's qmv for 8 bits)
-constexpr int STEPS = D / (32 * EPT);  // steps per row
-constexpr int GPR = D / G;             // quantization groups per row
-constexpr int EPB = WARPS * RB;        // experts per block
-__shared__ __align__(16) T ys[D];
-__shared__ T ls[E];
-__shared__ float partial[WARPS];
-__shared__ bool last;
-
-const int t = threadIdx.x;
-const int lane = t & 31;
-const int warp = t >> 5;
-const int part = blockIdx.x;
-const size_t n = blockIdx.y;
-const size_t base = n * D;
-
-// This block's router weights, scales and biases: loaded first, so that their
-// trip to memory overlaps phase 1 (they do not depend on it).
-const uint8_t* wq = reinterpret_cast<const uint8_t*>(gw);
-const int e0 = part * EPB + warp * RB;
-uint2 q[RB][STEPS];
-float qs[RB][STEPS];
-float qb[RB][STEPS];
-#pragma unroll
-for (int b = 0; b < RB; ++b) {
-  const int e = e0 + b < E ? e0 + b : E - 1;  // a padding row re-reads the last
-#pragma unroll
-  for (int s = 0; s < STEPS; ++s) {
-    const int idx = lane * EPT + s * 32 * EPT;
-    q[b][s] = *reinterpret_cast<const uint2*>(wq + (size_t)e * D + idx);
-    qs[b][s] = static_cast<float>(gs[(size_t)e * GPR + idx / G]);
-    qb[b][s] = static_cast<float>(gb[(size_t)e * GPR + idx / G]);
-  }
-}
-
-// Phase 1: h = x + r, y = rms_norm(h) * nw (every block; block 0 writes them).
-float hv[PER];
-float rv[PER];
-#pragma unroll
-for (int j = 0; j < PER; ++j) {
-  const int i = t + BLOCK * j;
-  hv[j] = i < D ? static_cast<float>(x[base + i]) : 0.f;
-  rv[j] = i < D ? static_cast<float>(r[base + i]) : 0.f;
-}
-float ss = 0.f;
-#pragma unroll
-for (int j = 0; j < PER; ++j) {
-  const int i = t + BLOCK * j;
-  if (i < D) {
-    const T hr = static_cast<T>(hv[j] + rv[j]);
-    if (part == 0) {
-      h[base + i] = hr;
-    }
-    hv[j] = static_cast<float>(hr);
-    ss += hv[j] * hv[j];
-  }
-}
-ss = qab_warp_sum(ss);
-if (lane == 0) {
-  partial[warp] = ss;
-}
-__syncthreads();
-float total = lane < WARPS ? partial[lane] : 0.f;
-total = qab_warp_sum(total);
-const float inv = rsqrtf(total / static_cast<float>(D) + eps[0]);
-#pragma unroll
-for (int j = 0; j < PER; ++j) {
-  const int i = t + BLOCK * j;
-  if (i < D) {
-    const float v = static_cast<float>(static_cast<T>(hv[j] * inv));
-    const T yv = static_cast<T>(static_cast<float>(nw[i]) * v);
-    if (part == 0) {
-      y[base + i] = yv;
-    }
-    ys[i] = yv;
-  }
-}
-__syncthreads();
-
-// Phase 2: this block's router logits, RB expert rows per warp.
-{
-#pragma unroll
-  for (int b = 0; b < RB; ++b) {
-    const int e = e0 + b < E ? e0 + b : E - 1;
-    float sums[EPT];
-#pragma unroll
-    for (int i = 0; i < EPT; ++i) {
-      sums[i] = 0.f;
-    }
-#pragma unroll
-    for (int s = 0; s < STEPS; ++s) {
-      const int idx = lane * EPT + s * 32 * EPT;
-      const float sc = qs[b][s];
-      const float bi = qb[b][s];
-      const QabVec<T, EPT> yv = *reinterpret_cast<const QabVec<T, EPT>*>(ys + idx);
-      const uint32_t words[2] = {q[b][s].x, q[b][s].y};
-#pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        const float qv = static_cast<float>((words[i / 4] >> (8 * (i % 4))) & 255u);
-        const float wd = static_cast<float>(
-            static_cast<T>(static_cast<float>(static_cast<T>(qv * sc)) + bi));
-        sums[i] = fmaf(static_cast<float>(yv.v[i]), wd, sums[i]);
-      }
-    }
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < EPT; ++i) {
-      sum += sums[i];
-    }
-    sum = qab_warp_sum(sum);
-    if (lane == 0 && e0 + b < E) {
-      logits[n * E + e] = static_cast<T>(sum);
-    }
-  }
-}
-
-// Phase 3: the block that finishes the row last routes it.
-__threadfence();
-__syncthreads();
-if (t == 0) {
-  const unsigned int prev = atomicAdd(const_cast<uint32_t*>(count) + n, 1u);
-  last = prev == gridDim.x - 1;
-}
-__syncthreads();
-if (!last) {
-  return;
-}
-__threadfence();
-for (int e = t; e < E; e += BLOCK) {
-  ls[e] = qab_ldcg(logits + n * E + e);
-}
-__syncthreads();
-if (warp == 0) {
-  qab_route_row<T, E, K, NORM>(ls, lane, inds + n * K, scores + n * K);
-}
-if (t == 0) {
-  const_cast<uint32_t*>(count)[n] = 0u;
-}
+(void)qab_add_norm_route_part<T, D, E, K, G, NORM, BLOCK, RB>(
+    blockIdx.x, gridDim.x, blockIdx.y, x, r, nw, eps, gw, gs, gb, count, h, y, logits, inds,
+    scores);

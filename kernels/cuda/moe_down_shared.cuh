@@ -17,8 +17,8 @@
 
 constexpr int QAB_DOWN_RPW = 2;  // output rows per warp
 
-template <typename OutT, int H, int I, int K, int G, bool HAS_RES, typename HT, typename ST,
-          typename QT, typename SQT, typename RT>
+template <typename OutT, int H, int I, int K, int G, bool HAS_RES, bool CG = false, typename HT,
+          typename ST, typename QT, typename SQT, typename RT>
 __device__ __forceinline__ void qab_moe_down_shared_rows(
     const int warp, const int lane, const int n, const HT* h, const uint32_t* inds,
     const ST* scores, const uint32_t* w, const QT* scales, const QT* biases,
@@ -31,7 +31,7 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
   constexpr int KS = K + 1;           // slots: K routed experts, then the shared one
   constexpr int TASKS = KS * CPR;     // (slot, chunk) tasks per row
   constexpr int TPL = (TASKS + 31) / 32;  // tasks per lane
-  const float shared_weight = 1.f / (1.f + expf(-sg_logit[n]));
+  const float shared_weight = 1.f / (1.f + expf(-qab_ld<CG>(sg_logit + n)));
 
   // This lane's tasks: slot, chunk, expert and routing weight (row-independent).
   int slot[TPL];
@@ -43,8 +43,8 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
     const int k = task < TASKS ? task / CPR : K;
     slot[i] = k;
     // Slot K reads the shared expert's own arrays; inds and scores have no column K.
-    expert_row[i] = k == K ? 0 : static_cast<size_t>(inds[(size_t)n * K + k]) * H;
-    weight[i] = k == K ? shared_weight : static_cast<float>(scores[(size_t)n * K + k]);
+    expert_row[i] = k == K ? 0 : static_cast<size_t>(qab_ld<CG>(inds + (size_t)n * K + k)) * H;
+    weight[i] = k == K ? shared_weight : static_cast<float>(qab_ld<CG>(scores + (size_t)n * K + k));
   }
 
   // Every weight, scale and bias load of this warp's rows, before any arithmetic.
@@ -91,7 +91,12 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
       const bool vec = qab_vec_aligned<HT, 8>(h + hb);
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
-        const QabVec<HT, 8> chunk = qab_load_vec<HT, 8>(h + hb + 8 * v, 1, vec);
+        QabVec<HT, 8> chunk;
+        if constexpr (CG) {
+          chunk = qab_load_vec_cg<HT, 8>(h + hb + 8 * v, vec);
+        } else {
+          chunk = qab_load_vec<HT, 8>(h + hb + 8 * v, 1, vec);
+        }
 #pragma unroll
         for (int b = 0; b < 8; ++b) {
           hv[8 * v + b] = static_cast<float>(chunk.v[b]);
@@ -124,7 +129,7 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
     if (lane == 0) {
       const size_t i = (size_t)n * H + o;
       if (HAS_RES) {
-        y[i] = static_cast<OutT>(static_cast<float>(res[i]) +
+        y[i] = static_cast<OutT>(static_cast<float>(qab_ld<CG>(res + i)) +
                                  static_cast<float>(static_cast<OutT>(sum)));
       } else {
         y[i] = static_cast<OutT>(sum);

@@ -8,7 +8,7 @@ Variables:
         (``auto``, ``fused`` or ``stock``). Default ``auto``.
     QAB_DISABLE: comma-separated fused module kinds to keep stock
         (``moe``, ``gdn``, ``attn``, ``all``) or single optimizations to
-        switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``, ``moe-route``,
+        switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``, ``moe-route``, ``moe-block``,
         ``attn-blocks``, ``attn-split``, ``attn-kernel``, ``qk-prep``, ``decode-compile``,
         ``proj-concat``, ``gemv-kernel``, ``proj-gemv``, ``add-norm``, ``norm-proj``,
         ``next-norm``, ``kv-in-place``), for ablations.
@@ -62,6 +62,9 @@ OPTIMIZATIONS = {
     # a decode token's residual add + post-attention RMSNorm + 8-bit router GEMV + route in
     # one CUDA launch (moe_add_norm_route), ahead of the expert kernels
     "moe-route": "moe",
+    # that launch and the two expert kernels after it as one CUDA launch (moe_decode_block:
+    # ticketed phases of one grid; same outputs; needs moe-route)
+    "moe-block": "moe",
     # long prompts' attention in blocks of query rows (bounded score memory)
     "attn-blocks": "attn",
     # decode attention over >= 32K cached keys with p v split over key blocks (GPU)

@@ -34,8 +34,11 @@ from qwen_apple_backend.ops.moe import (
     SharedExpertWeights,
     add_norm_route,
     add_norm_route_ready,
+    decode_block_counter_length,
+    decode_block_ready,
     decode_kernel_ready,
     fold_norm_counter,
+    moe_decode_block,
     moe_experts,
     moe_shared_experts_kernel,
     moe_shared_experts_norm_kernel,
@@ -278,7 +281,10 @@ class FusedSparseMoeBlock(nn.Module):
     lets :meth:`add_norm_forward` run a decode token's residual add,
     post-attention RMSNorm, router and route as one CUDA launch ahead of the
     two expert kernels
-    (:func:`~qwen_apple_backend.ops.moe.add_norm_route`).
+    (:func:`~qwen_apple_backend.ops.moe.add_norm_route`). Attribute
+    ``one_launch`` (default True; the ``moe-block`` optimization) runs that
+    launch and the two expert kernels as one
+    (:func:`~qwen_apple_backend.ops.moe.moe_decode_block`, CUDA; same outputs).
 
     Attribute ``dequant_gemm`` (default True; the ``moe-gemm`` optimization)
     lets prefill-sized calls on quantized experts dequantize them and run a
@@ -314,6 +320,7 @@ class FusedSparseMoeBlock(nn.Module):
 
     dequant_gemm: bool = True
     fused_route: bool = True
+    one_launch: bool = True
 
     def __init__(
         self,
@@ -555,7 +562,7 @@ class FusedSparseMoeBlock(nn.Module):
 
     def _kernel_choice(self, x: mx.array, decode: bool, norm: Optional[nn.Module] = None,
                        next_norm: Optional[nn.Module] = None) -> tuple:
-        """``(router, fold, route, down_norm)`` backends for this call.
+        """``(router, fold, route, down_norm, block)`` backends for this call.
 
         ``router`` and ``fold``: see :meth:`_router_ready` and
         :meth:`_fold_ready`; ``route``: the backend of the fused residual
@@ -565,7 +572,10 @@ class FusedSparseMoeBlock(nn.Module):
         ``down_norm``: the backend of the fold's down kernel with the next
         layer's input norm ``next_norm`` in its epilogue
         (:func:`~qwen_apple_backend.ops.moe.shared_decode_norm_ready`), when
-        ``route`` is ready, else None.
+        ``route`` is ready, else None; ``block``: the backend of the one-launch
+        MoE half (:func:`~qwen_apple_backend.ops.moe.decode_block_ready`, the
+        ``moe-block`` optimization) when ``route`` is ready, ``one_launch`` is
+        set and no ``down_norm`` applies, else None.
 
         Decode is bound by the host, and building the weight descriptions
         for the readiness checks cost more Python than the rest of the
@@ -582,7 +592,8 @@ class FusedSparseMoeBlock(nn.Module):
 
         nkey, next_key = norm_key(norm), norm_key(next_norm)
         key = (x.shape, x.dtype, decode, envs.kernels_disabled(),
-               envs.unverified_kernels_allowed(), self._weights_signature(), nkey, next_key)
+               envs.unverified_kernels_allowed(), self._weights_signature(), nkey, next_key,
+               self.one_launch)
         cache = self.__dict__.get("_choices")
         if cache is None:
             cache = {}
@@ -591,7 +602,7 @@ class FusedSparseMoeBlock(nn.Module):
         if hit is None:
             router = self._router_ready(x)
             fold = self._fold_ready(x) if decode else None
-            route = down_norm = None
+            route = down_norm = block = None
             if fold is not None and nkey is not None and nkey[0] is not None:
                 route = add_norm_route_ready(x, norm["weight"], norm.eps, linear_weights(self.gate),
                                              self.top_k, self.norm_topk_prob)
@@ -601,7 +612,12 @@ class FusedSparseMoeBlock(nn.Module):
                     x, probe, expert_weights(self.switch_mlp.gate_up_proj),
                     expert_weights(self.switch_mlp.down_proj), self._shared_weights(),
                     next_norm["weight"], next_norm.eps)
-            hit = (router, fold, route, down_norm)
+            if route is not None and down_norm is None and self.one_launch:
+                block = decode_block_ready(
+                    x, norm["weight"], norm.eps, linear_weights(self.gate), self.top_k,
+                    self.norm_topk_prob, expert_weights(self.switch_mlp.gate_up_proj),
+                    expert_weights(self.switch_mlp.down_proj), self._shared_weights())
+            hit = (router, fold, route, down_norm, block)
             if len(cache) >= 64:
                 cache.clear()
             cache[key] = hit
@@ -678,7 +694,7 @@ class FusedSparseMoeBlock(nn.Module):
         if self.use_kernel and not self.training:
             # Decided here, outside mx.compile: the first call per shape class
             # self-checks the kernels, which evaluates arrays.
-            router, fold, _, _ = self._kernel_choice(x, rows < SORT_THRESHOLD)
+            router, fold, _, _, _ = self._kernel_choice(x, rows < SORT_THRESHOLD)
         # The residual goes inside only where nothing happens after the block
         # (no cross-rank sum) and it needs no broadcast or promotion.
         inner = residual if (residual is not None and self.sharding_group is None
@@ -702,8 +718,15 @@ class FusedSparseMoeBlock(nn.Module):
     def _add_norm_route_forward(self, x: mx.array, r: mx.array, norm_weight: mx.array,
                                 next_weight: Optional[mx.array] = None, *, eps: float,
                                 route: str, fold: str, down_norm: Optional[str] = None,
-                                next_eps: float = 0.0, counter: Optional[mx.array] = None):
+                                next_eps: float = 0.0, counter: Optional[mx.array] = None,
+                                block: Optional[str] = None):
         gate = linear_weights(self.gate)
+        if block is not None:
+            return moe_decode_block(x, r, norm_weight, eps, gate, self.top_k,
+                                    self.norm_topk_prob,
+                                    expert_weights(self.switch_mlp.gate_up_proj),
+                                    expert_weights(self.switch_mlp.down_proj),
+                                    self._shared_weights(), block, counter=counter)
         h, y, _, inds, scores = add_norm_route(x, r, norm_weight, eps, gate, self.top_k,
                                                self.norm_topk_prob, backend=route,
                                                counter=counter)
@@ -757,21 +780,26 @@ class FusedSparseMoeBlock(nn.Module):
             return None
         if next_norm is not None and type(next_norm) is not nn.RMSNorm:
             next_norm = None
-        _, fold, route, down_norm = self._kernel_choice(x, True, norm, next_norm)
+        _, fold, route, down_norm, block = self._kernel_choice(x, True, norm, next_norm)
         if route is None:
             return None
         w = norm["weight"]
         # The counting kernels' counter input: in the compiled decode step's
         # trace (launches never overlap) this block's own buffer, read in
         # place; elsewhere a view that each launch copies (a copy kernel).
+        # The one-launch block counts in a longer buffer (its phases' counters
+        # before the route's per-row ones).
+        rows = decode_block_counter_length() if block is not None else None
         serial = serial_decode_tracing()
         if serial:
-            counter = self.__dict__.get("_serial_counter")
+            name = "_serial_block_counter" if block is not None else "_serial_counter"
+            counter = self.__dict__.get(name)
             if counter is None:
-                counter = self.__dict__["_serial_counter"] = serial_counter()
+                counter = self.__dict__[name] = (serial_counter(rows) if rows
+                                                 else serial_counter())
         else:
-            counter = fold_norm_counter()
-        kw = dict(eps=norm.eps, route=route, fold=fold, counter=counter)
+            counter = fold_norm_counter(rows) if rows else fold_norm_counter()
+        kw = dict(eps=norm.eps, route=route, fold=fold, counter=counter, block=block)
         args = (x, r, w)
         if down_norm is not None:
             kw.update(down_norm=down_norm, next_eps=next_norm.eps)
@@ -781,7 +809,7 @@ class FusedSparseMoeBlock(nn.Module):
         else:
             fns = self.__dict__.setdefault("_compiled", {})
             key = ("add_norm_route", route, fold, norm.eps, down_norm,
-                   None if down_norm is None else next_norm.eps, serial)
+                   None if down_norm is None else next_norm.eps, serial, block)
             fn = fns.get(key)
             if fn is None:
                 # The module is the captured input tree (parameters replaced

@@ -341,6 +341,8 @@ class QwenHybridAdapter(Adapter):
         "moe-route": "a decode token's residual add, post-attention RMSNorm, router and route "
                      "run as separate launches, not one CUDA launch ahead of the expert kernels "
                      "(moe-route in QAB_DISABLE / disable=)",
+        "moe-block": "a decode token's MoE layer half runs as three CUDA launches (route, "
+                     "gate/up, down), not one (moe-block in QAB_DISABLE / disable=)",
         "moe-gemm": "quantized MoE experts' prefill runs MLX's gathered quantized matmul, not "
                     "dequantize-then-GEMM (moe-gemm in QAB_DISABLE / disable=)",
     }
@@ -394,6 +396,8 @@ class QwenHybridAdapter(Adapter):
                     fused.use_kernel = False
                 if "moe-route" in off:
                     fused.fused_route = False
+                if "moe-block" in off:
+                    fused.one_launch = False
                 if "attn-blocks" in off:
                     fused.block_queries = False
                 if "attn-split" in off:

@@ -100,6 +100,11 @@ __all__ = [
     "serial_decode_tracing",
     "FOLD_NORM_MAX_ROWS",
     "shared_decode_kernel_ready",
+    "moe_decode_block",
+    "decode_block_ready",
+    "decode_block_supported",
+    "decode_block_counter_length",
+    "DECODE_BLOCK_COUNTER_HEAD",
     "moe_combine_ops",
     "combine_kernel_ready",
 ]
@@ -1568,6 +1573,213 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
     if backend is None or _fold_objects(backend) is None:
         return None
     return functools.partial(_moe_shared_decode_kernel_call, backend)
+
+
+# --------------------------------------------------------------------------
+# The whole MoE half of a decode layer in one launch (CUDA)
+# --------------------------------------------------------------------------
+
+#: Counter elements moe_decode_block uses before its per-row route counts.
+DECODE_BLOCK_COUNTER_HEAD = 4
+
+
+def decode_block_counter_length(rows: int = FOLD_NORM_MAX_ROWS) -> int:
+    """Elements of the counter a :func:`moe_decode_block` launch needs for ``rows`` token rows."""
+    return DECODE_BLOCK_COUNTER_HEAD + rows
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_block_object(backend: str):
+    return build_kernel("moe_decode_block", backend)
+
+
+def _decode_block_grid(E: int, H: int, I: int, K: int) -> int:
+    """Blocks per token row of a moe_decode_block launch: route + gate/up + down."""
+    block, rb, route_blocks = _add_norm_route_launch(E)
+    # The kernel derives every phase's block count from its one BLOCK.
+    if block != _GEMV_BLOCK:
+        raise RuntimeError(f"moe_decode_block needs the route's and the fold's threadgroups "
+                           f"equal, got {block} and {_GEMV_BLOCK}")
+    gate_up_blocks = _fold_grid_x(K, I) // _GEMV_BLOCK
+    down_blocks = -(-(32 * H // _GEMV_RPW) // _GEMV_BLOCK)
+    return route_blocks + gate_up_blocks + down_blocks
+
+
+def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: mx.array,
+                           eps: float, gate: "ExpertWeights", top_k: int, norm_topk_prob: bool,
+                           gate_up: ExpertWeights, down: ExpertWeights,
+                           shared: SharedExpertWeights, counter: mx.array) -> mx.array:
+    obj = _decode_block_object(backend)
+    if obj is None:
+        raise RuntimeError(f"no moe_decode_block source or MLX API for {backend}")
+    H = x.shape[-1]
+    N = x.size // H
+    if decode_block_counter_length(N) > counter.size:
+        raise ValueError(f"{N} token rows need a counter of {decode_block_counter_length(N)} "
+                         f"elements, got {counter.size}")
+    if r.shape != x.shape or r.dtype != x.dtype:
+        raise ValueError(f"r {r.shape} {r.dtype} must have x's shape {x.shape} and dtype {x.dtype}")
+    E, K = gate.weight.shape[0], int(top_k)
+    I = gate_up.weight.shape[1] // 2
+    block, rb, _ = _add_norm_route_launch(E)
+    sg, su, sd, sgate = shared
+    lead = x.shape[:-1]
+    outs = obj(
+        inputs=[x, r, norm_weight, f32_scalar(float(eps)), gate.weight, gate.scales, gate.biases,
+                gate_up.weight, gate_up.scales, gate_up.biases, sg.weight, sg.scales, sg.biases,
+                su.weight, su.scales, su.biases, sgate.weight, sgate.scales, sgate.biases,
+                down.weight, down.scales, down.biases, sd.weight, sd.scales, sd.biases, counter],
+        template=[("T", x.dtype), ("H", H), ("E", E), ("K", K), ("I", I),
+                  ("G", int(gate_up.group_size)), ("RG", int(gate.group_size)),
+                  ("SGB", int(sgate.bits)), ("SGG", int(sgate.group_size)),
+                  ("NORM", bool(norm_topk_prob)), ("BLOCK", block), ("RB", rb)],
+        grid=(block * _decode_block_grid(E, H, I, K) * N, 1, 1), threadgroup=(block, 1, 1),
+        output_shapes=[x.shape, x.shape, x.shape, (*lead, E), (*lead, K), (*lead, K),
+                       (N, K + 1, I), (unpooled_length(N, mx.float32),)],
+        output_dtypes=[x.dtype, x.dtype, x.dtype, x.dtype, mx.uint32, x.dtype, x.dtype,
+                       mx.float32])
+    return outs[0]
+
+
+def decode_block_supported(x: mx.array, norm_weight: mx.array, gate: Optional["ExpertWeights"],
+                           top_k: int, gate_up: ExpertWeights, down: ExpertWeights,
+                           shared: SharedExpertWeights) -> bool:
+    """Whether :func:`moe_decode_block`'s contract covers this call (no backend check).
+
+    What both :func:`add_norm_route_supported` and the shared-expert fold
+    accept (so bfloat16 / float16 activations), with fewer than
+    :data:`SORT_THRESHOLD` (token row, expert) pairs.
+    """
+    if not add_norm_route_supported(x, norm_weight, gate, top_k):
+        return False
+    H = x.shape[-1]
+    return (x.size // H * top_k < SORT_THRESHOLD
+            and _fold_shapes_supported(H, gate_up, down, shared))
+
+
+def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
+                       gate: Optional["ExpertWeights"], top_k: int, norm_topk_prob: bool,
+                       gate_up: ExpertWeights, down: ExpertWeights,
+                       shared: SharedExpertWeights) -> Optional[str]:
+    """The GPU backend whose one-launch MoE decode block may run this call, or None.
+
+    ``kernels/cuda/moe_decode_block``: :func:`add_norm_route` and the
+    shared-expert fold (:func:`moe_shared_experts_kernel` with the residual)
+    as one launch whose three ticketed phases run those kernels' own per-block
+    code, so its output equals theirs bit for bit. It needs both of them
+    ready (:func:`add_norm_route_ready`, :func:`shared_decode_kernel_ready`)
+    and self-checks, on the first call per shape class, on seeded random rows
+    with these weights against the three launches: the layer output must
+    match exactly (rtol 0). CUDA only: it exists to cut MLX's per-launch host
+    cost, which bounds decode on MLX's CUDA backend. Call it outside
+    ``mx.compile``.
+
+    Args:
+        x (mx.array): the residual stream ``[..., H]`` (or a stand-in of its
+            shape and dtype).
+        norm_weight (mx.array): the post-attention RMSNorm weight ``[H]``.
+        eps (float): the norm's epsilon.
+        gate (ExpertWeights | None): the router.
+        top_k (int): experts per token (K).
+        norm_topk_prob (bool): renormalise the kept probabilities.
+        gate_up (ExpertWeights): ``[E, 2I, H]``.
+        down (ExpertWeights): ``[E, H, I]``.
+        shared (SharedExpertWeights): the shared expert and its gate.
+
+    Returns:
+        Optional[str]: ``"cuda"``, or None (not CUDA, kernels disabled,
+        outside :func:`decode_block_supported`, a part not ready, the kernel
+        unverified without ``QAB_UNVERIFIED_KERNELS``, or a failed self-check,
+        which also warns).
+    """
+    if envs.kernels_disabled() or gpu_backend() != "cuda":
+        return None
+    if not decode_block_supported(x, norm_weight, gate, top_k, gate_up, down, shared):
+        return None
+    if _decode_block_object("cuda") is None:
+        return None
+    if add_norm_route_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob) != "cuda":
+        return None
+    probe = mx.zeros((*x.shape[:-1], int(top_k)), dtype=mx.uint32)
+    if shared_decode_kernel_ready(x, probe, gate_up, down, shared) != "cuda":
+        return None
+    H, dtype, E, K = x.shape[-1], x.dtype, gate.weight.shape[0], int(top_k)
+    norm = bool(norm_topk_prob)
+    make = _add_norm_route_check_inputs(H, dtype)
+
+    def make_inputs():
+        xs, rs, ws = make()
+        return xs, rs, ws
+
+    def kernel(xs, rs, ws):
+        counter = fold_norm_counter(decode_block_counter_length())
+        return [_moe_decode_block_call("cuda", xs, rs, ws, eps, gate, K, norm, gate_up, down,
+                                       shared, counter)]
+
+    def reference(xs, rs, ws):
+        h, y, _, inds, scores = _add_norm_route_call("cuda", xs, rs, ws, eps, gate, K, norm,
+                                                     fold_norm_counter())
+        return [_moe_shared_decode_kernel_call("cuda", y, inds, scores, gate_up, down, shared,
+                                               residual=h)]
+
+    # The same per-block code as the three launches: bit-identical.
+    key = (H, str(dtype), E, gate.group_size, K, norm, float(eps),
+           tuple(gate_up.weight.shape), gate_up.group_size, down.group_size,
+           shared.gate.bits, shared.gate.group_size)
+    ok = self_checked("moe_decode_block", "cuda", key, kernel=kernel, reference=reference,
+                      make_inputs=make_inputs, rtol=0.0)
+    return "cuda" if ok else None
+
+
+def moe_decode_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float,
+                     gate: "ExpertWeights", top_k: int, norm_topk_prob: bool,
+                     gate_up: ExpertWeights, down: ExpertWeights, shared: SharedExpertWeights,
+                     backend: str, counter: Optional[mx.array] = None) -> mx.array:
+    """A decode token's MoE layer half in one launch: ``h + moe(rms_norm(h))``, ``h = x + r``.
+
+    One launch of ``kernels/cuda/moe_decode_block``: the residual add, the
+    post-attention RMSNorm, the 8-bit router and route
+    (:func:`add_norm_route`), the K routed experts' and the shared expert's
+    SiLU-gated gate/up rows and their down projections weighted by the
+    routing scores and the sigmoid of the shared gate, summed, plus ``h``
+    (:func:`moe_shared_experts_kernel` with the residual). Phases of one grid
+    ordered by tickets (each block waits only on blocks that took earlier
+    tickets), running the three kernels' per-block code: the output is
+    bit-identical to theirs (the algorithm and its rounding points: see those
+    functions). No self-check here (call :func:`decode_block_ready` first), so
+    it may sit inside ``mx.compile``.
+
+    Args:
+        x (mx.array): residual stream ``[..., H]``, bfloat16 / float16.
+        r (mx.array): the mixer's output, same shape and dtype.
+        norm_weight (mx.array): post-attention RMSNorm weight ``[H]``.
+        eps (float): RMSNorm epsilon.
+        gate (ExpertWeights): the 8-bit router ``[E, H]``.
+        top_k (int): experts per token (K).
+        norm_topk_prob (bool): renormalise the kept probabilities.
+        gate_up (ExpertWeights): the experts' fused gate+up ``[E, 2I, H]``, 4-bit.
+        down (ExpertWeights): the experts' down ``[E, H, I]``, 4-bit.
+        shared (SharedExpertWeights): the shared expert and its gate.
+        backend (str): ``"cuda"`` (from :func:`decode_block_ready`).
+        counter (mx.array | None): uint32 zeros of at least
+            :func:`decode_block_counter_length` elements, left zero by the
+            launch: a :func:`serial_counter` inside :func:`serial_decode_trace`,
+            else (None) a :func:`fold_norm_counter` view that MLX copies for
+            each launch.
+
+    Returns:
+        mx.array: the layer's output, ``x``'s shape and dtype.
+
+    Raises:
+        RuntimeError: with no kernel for ``backend`` (no source or MLX API,
+            or unverified without ``QAB_UNVERIFIED_KERNELS=1``).
+        ValueError: for ``r`` of another shape or dtype than ``x``, or more
+            token rows than ``counter`` covers.
+    """
+    if counter is None:
+        counter = fold_norm_counter(decode_block_counter_length())
+    return _moe_decode_block_call(backend, x, r, norm_weight, eps, gate, top_k, norm_topk_prob,
+                                  gate_up, down, shared, counter)
 
 
 # Tile heights of the grouped GEMM kernel (kernels/{cuda,metal}/moe_grouped_gemm):
