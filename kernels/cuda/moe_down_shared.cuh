@@ -5,7 +5,9 @@
 // plus the shared expert's weighted by sigmoid(sg_logit[n]), summed; with
 // HAS_RES plus the residual as the stock layer adds it. The arithmetic is
 // described in moe_down_shared_gemv.cu. Every lane of the warp must call it;
-// the caller guarantees QAB_DOWN_RPW * warp < H.
+// the caller guarantees QAB_DOWN_RPW * warp < H. With CG (moe_decode_block.cu,
+// where other blocks of the same launch wrote them) h, inds, scores, sg_logit
+// and res are read through L2 (ld.global.cg); the weights as before.
 //
 // Loads in flight: a row's (K + 1) * I / 32 (slot, 32-value chunk) tasks go to
 // the lanes as task = lane + 32 i (a half warp reads one slot's 256 bytes of a

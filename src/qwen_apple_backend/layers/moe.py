@@ -739,7 +739,7 @@ class FusedSparseMoeBlock(nn.Module):
 
     def add_norm_forward(self, x: mx.array, r: mx.array, norm: nn.Module,
                          next_norm: Optional[nn.Module] = None) -> Optional[tuple]:
-        """``h + block(norm(h))`` with ``h = x + r``, in three launches, or None.
+        """``h + block(norm(h))`` with ``h = x + r``, in one or three launches, or None.
 
         The decoder layer's second half (``layers/norm.py``) for a decode
         token on CUDA: the residual add, the post-attention RMSNorm, the
@@ -747,7 +747,9 @@ class FusedSparseMoeBlock(nn.Module):
         (:func:`~qwen_apple_backend.ops.moe.add_norm_route`, the ``moe-route``
         optimization), then the two expert kernels with the shared expert
         folded in and ``h`` added in the last one's epilogue: 3 launches
-        where the stock layer runs about 20 and the unfused path 5. Given the
+        where the stock layer runs about 20 and the unfused path 5; with
+        ``one_launch`` (``moe-block``) all three as one
+        (:func:`~qwen_apple_backend.ops.moe.moe_decode_block`, same output). Given the
         NEXT decoder layer's input norm, the last kernel also applies it to
         the output (:func:`~qwen_apple_backend.ops.moe.moe_shared_experts_norm_kernel`),
         so that layer's norm is no launch of its own. Returns None (the
