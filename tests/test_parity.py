@@ -201,7 +201,19 @@ _OFF_NOTES = {
                   "/ disable=)",
     "moe-gemm": "quantized MoE experts' prefill runs MLX's gathered quantized matmul, not "
                 "dequantize-then-GEMM (moe-gemm in QAB_DISABLE / disable=)",
+    "moe-block": "on CUDA a decode token's MoE layer half runs as three launches (route, "
+                 "gate/up, down), not one (moe-block in QAB_DISABLE / disable=)",
 }
+
+
+def test_moe_block_switch_reaches_every_fused_moe_block(tiny_q4):
+    # QAB_DISABLE=moe-block / disable=["moe-block"] clears FusedSparseMoeBlock.one_launch.
+    from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
+
+    for disable, want in (([], True), (["moe-block"], False)):
+        model = load(tiny_q4, "fused", disable=disable)[0]
+        blocks = [m for _, m in model.named_modules() if isinstance(m, FusedSparseMoeBlock)]
+        assert blocks and all(b.one_launch is want for b in blocks)
 
 
 @pytest.mark.parametrize("opt", sorted(_OFF_NOTES))

@@ -341,7 +341,7 @@ class QwenHybridAdapter(Adapter):
         "moe-route": "a decode token's residual add, post-attention RMSNorm, router and route "
                      "run as separate launches, not one CUDA launch ahead of the expert kernels "
                      "(moe-route in QAB_DISABLE / disable=)",
-        "moe-block": "a decode token's MoE layer half runs as three CUDA launches (route, "
+        "moe-block": "on CUDA a decode token's MoE layer half runs as three launches (route, "
                      "gate/up, down), not one (moe-block in QAB_DISABLE / disable=)",
         "moe-gemm": "quantized MoE experts' prefill runs MLX's gathered quantized matmul, not "
                     "dequantize-then-GEMM (moe-gemm in QAB_DISABLE / disable=)",
