@@ -508,21 +508,7 @@ def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches()
     # gate, bf16: teacher-forced tokens through the compiled fused model with
     # the one-launch block (moe-block) and without it: identical logits, and
     # every block's counter back at zero.
-    import mlx.nn as nn
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from qwen_apple_backend.bench.target import fuse_in_memory
-
-    models = []
-    for disable in ([], ["moe-block"]):
-        m = _next_model(2048, mx.bfloat16)
-        nn.quantize(m, group_size=64, bits=4, class_predicate=_qwen_predicate)
-        fuse_in_memory(m, "fused", config={"model_type": "qwen3_next"}, disable=disable)
-        models.append(m)
-    caches = [make_prompt_cache(m) for m in models]
-    prompt = mx.array([[(i * 37) % 500 for i in range(9)]])
-    for m, c in zip(models, caches):
-        mx.eval(m(prompt, cache=c))
+    models, caches = _prefilled_fused_next_models([[], ["moe-block"]])
     for t in range(16):
         tok = mx.array([[(t * 53 + 7) % 500]])
         a, b = (m(tok, cache=c) for m, c in zip(models, caches))
@@ -1465,6 +1451,28 @@ def test_compiled_decode_with_add_norm_matches_eager(_norm_kernel, tiny_hf_f32, 
     assert d <= 2e-3
 
 
+def _prefilled_fused_next_models(disables):
+    """One fused Qwen3-Next model per ``disable`` list (layers at D = 2048,
+    4-bit experts, 8-bit router and shared gate, bf16, the same random
+    weights), each with its KV cache prefilled with the same 9-token prompt."""
+    import mlx.nn as nn
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from qwen_apple_backend.bench.target import fuse_in_memory
+
+    models = []
+    for disable in disables:
+        m = _next_model(2048, mx.bfloat16)
+        nn.quantize(m, group_size=64, bits=4, class_predicate=_qwen_predicate)
+        fuse_in_memory(m, "fused", config={"model_type": "qwen3_next"}, disable=disable)
+        models.append(m)
+    caches = [make_prompt_cache(m) for m in models]
+    prompt = mx.array([[(i * 37) % 500 for i in range(9)]])
+    for m, c in zip(models, caches):
+        mx.eval(m(prompt, cache=c))
+    return models, caches
+
+
 def test_compiled_decode_route_reads_its_own_counters_and_matches_eager():
     # Qwen3-Next layers at D = 2048, 4-bit experts, 8-bit router and shared
     # gate, bf16: inside the compiled decode step each MoE block's route
@@ -1473,23 +1481,10 @@ def test_compiled_decode_route_reads_its_own_counters_and_matches_eager():
     # tokens through the compiled and the eager fused model: the same logits
     # (a counter left non-zero would leave a token unrouted: garbage logits,
     # or a fault), and every counter back at zero after each token.
-    import mlx.nn as nn
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from qwen_apple_backend.bench.target import fuse_in_memory
     from qwen_apple_backend.ops import moe as moe_ops
 
-    models = []
-    for disable in ([], ["decode-compile"]):
-        m = _next_model(2048, mx.bfloat16)
-        nn.quantize(m, group_size=64, bits=4, class_predicate=_qwen_predicate)
-        fuse_in_memory(m, "fused", config={"model_type": "qwen3_next"}, disable=disable)
-        models.append(m)
+    models, caches = _prefilled_fused_next_models([[], ["decode-compile"]])
     comp, eager = models
-    caches = [make_prompt_cache(m) for m in models]
-    prompt = mx.array([[(i * 37) % 500 for i in range(9)]])
-    for m, c in zip(models, caches):
-        mx.eval(m(prompt, cache=c))
     worst = 0.0
     for t in range(16):
         tok = mx.array([[(t * 53 + 7) % 500]])

@@ -1100,7 +1100,7 @@ def _moe_decode_kernel_call(backend: str, x, inds, scores, gate_up: ExpertWeight
         inputs=[h, ind, sc, down.weight, down.scales, down.biases],
         template=[("OutT", x.dtype), ("H", H), ("I", I), ("K", K), ("G", down.group_size),
                   ("ST", sc.dtype)],
-        grid=(32 * H // _GEMV_RPW, N, 1), threadgroup=(_GEMV_BLOCK, 1, 1),
+        grid=(_down_grid_x(H), N, 1), threadgroup=(_GEMV_BLOCK, 1, 1),
         output_shapes=[x.shape], output_dtypes=[x.dtype])
     return y
 
@@ -1210,6 +1210,11 @@ def _fold_grid_x(K: int, I: int) -> int:
     return -(-threads // _GEMV_BLOCK) * _GEMV_BLOCK
 
 
+def _down_grid_x(H: int) -> int:
+    # The down kernels: one warp per _GEMV_RPW output rows, in threads.
+    return 32 * H // _GEMV_RPW
+
+
 def _fold_gate_up_launch(gu_kernel, x, ind, gate_up: ExpertWeights, shared: SharedExpertWeights,
                          N: int, H: int, I: int, K: int) -> tuple:
     # The fold's first kernel: the K routed experts' and the shared expert's
@@ -1249,7 +1254,7 @@ def _moe_shared_decode_kernel_call(backend: str, x, inds, scores, gate_up: Exper
                 sd.weight, sd.scales, sd.biases, logit, h if residual is None else residual],
         template=[("OutT", x.dtype), ("H", H), ("I", I), ("K", K), ("G", down.group_size),
                   ("ST", sc.dtype), ("HAS_RES", residual is not None)],
-        grid=(32 * H // _GEMV_RPW, N, 1), threadgroup=(_GEMV_BLOCK, 1, 1),
+        grid=(_down_grid_x(H), N, 1), threadgroup=(_GEMV_BLOCK, 1, 1),
         output_shapes=[x.shape], output_dtypes=[x.dtype])
     return y
 
@@ -1371,7 +1376,7 @@ def _moe_shared_decode_norm_call(backend: str, x, inds, scores, gate_up: ExpertW
                 f32_scalar(float(eps)), counter],
         template=[("OutT", x.dtype), ("H", H), ("I", I), ("K", K), ("G", down.group_size),
                   ("ST", sc.dtype), ("BLOCK", _GEMV_BLOCK)],
-        grid=(32 * H // _GEMV_RPW, N, 1), threadgroup=(_GEMV_BLOCK, 1, 1),
+        grid=(_down_grid_x(H), N, 1), threadgroup=(_GEMV_BLOCK, 1, 1),
         output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
     return y, yn
 
@@ -1593,16 +1598,17 @@ def _decode_block_object(backend: str):
     return build_kernel("moe_decode_block", backend)
 
 
-def _decode_block_grid(E: int, H: int, I: int, K: int) -> int:
-    """Blocks per token row of a moe_decode_block launch: route + gate/up + down."""
+def _decode_block_launch(E: int, H: int, I: int, K: int) -> tuple[int, int, int]:
+    """``(BLOCK, RB, blocks per token row)`` of a moe_decode_block launch: the
+    route's, the fold's gate/up and the fold's down blocks, one after the other."""
     block, rb, route_blocks = _add_norm_route_launch(E)
     # The kernel derives every phase's block count from its one BLOCK.
     if block != _GEMV_BLOCK:
         raise RuntimeError(f"moe_decode_block needs the route's and the fold's threadgroups "
                            f"equal, got {block} and {_GEMV_BLOCK}")
     gate_up_blocks = _fold_grid_x(K, I) // _GEMV_BLOCK
-    down_blocks = -(-(32 * H // _GEMV_RPW) // _GEMV_BLOCK)
-    return route_blocks + gate_up_blocks + down_blocks
+    down_blocks = -(-_down_grid_x(H) // _GEMV_BLOCK)
+    return block, rb, route_blocks + gate_up_blocks + down_blocks
 
 
 def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: mx.array,
@@ -1621,7 +1627,7 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
         raise ValueError(f"r {r.shape} {r.dtype} must have x's shape {x.shape} and dtype {x.dtype}")
     E, K = gate.weight.shape[0], int(top_k)
     I = gate_up.weight.shape[1] // 2
-    block, rb, _ = _add_norm_route_launch(E)
+    block, rb, blocks = _decode_block_launch(E, H, I, K)
     sg, su, sd, sgate = shared
     lead = x.shape[:-1]
     outs = obj(
@@ -1633,7 +1639,7 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
                   ("G", int(gate_up.group_size)), ("RG", int(gate.group_size)),
                   ("SGB", int(sgate.bits)), ("SGG", int(sgate.group_size)),
                   ("NORM", bool(norm_topk_prob)), ("BLOCK", block), ("RB", rb)],
-        grid=(block * _decode_block_grid(E, H, I, K) * N, 1, 1), threadgroup=(block, 1, 1),
+        grid=(block * blocks * N, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[x.shape, x.shape, x.shape, (*lead, E), (*lead, K), (*lead, K),
                        (N, K + 1, I), (unpooled_length(N, mx.float32),)],
         output_dtypes=[x.dtype, x.dtype, x.dtype, x.dtype, mx.uint32, x.dtype, x.dtype,
@@ -1705,11 +1711,6 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
         return None
     H, dtype, E, K = x.shape[-1], x.dtype, gate.weight.shape[0], int(top_k)
     norm = bool(norm_topk_prob)
-    make = _add_norm_route_check_inputs(H, dtype)
-
-    def make_inputs():
-        xs, rs, ws = make()
-        return xs, rs, ws
 
     def kernel(xs, rs, ws):
         counter = fold_norm_counter(decode_block_counter_length())
@@ -1727,7 +1728,7 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
            tuple(gate_up.weight.shape), gate_up.group_size, down.group_size,
            shared.gate.bits, shared.gate.group_size)
     ok = self_checked("moe_decode_block", "cuda", key, kernel=kernel, reference=reference,
-                      make_inputs=make_inputs, rtol=0.0)
+                      make_inputs=_add_norm_route_check_inputs(H, dtype), rtol=0.0)
     return "cuda" if ok else None
 
 
