@@ -47,7 +47,8 @@ block; blocks run one after another):
   barrier, or one that some thread never reaches because it returned, is
   reported (stricter than some hardware);
 * ``__shfl_sync``, ``__shfl_xor_sync``, ``__shfl_up_sync``,
-  ``__shfl_down_sync`` (with ``width``), ``__ballot_sync``, ``__any_sync``,
+  ``__shfl_down_sync`` (with ``width``), ``__reduce_max_sync`` (a butterfly of
+  them), ``__ballot_sync``, ``__any_sync``,
   ``__all_sync``, ``__syncwarp``: a per-warp slot array and a warp barrier.
   The mask must be ``0xffffffff`` and all 32 lanes must reach the same kind
   of warp operation (a lane that returned, a partial warp, or lanes at
@@ -461,6 +462,14 @@ inline unsigned int __ballot_sync(unsigned int mask, int pred) { return ::qab::v
 inline int __any_sync(unsigned int mask, int pred) { return ::qab::vote(mask, pred) != 0; }
 inline int __all_sync(unsigned int mask, int pred) {
   return ::qab::vote(mask, pred) == 0xffffffffu;
+}
+// redux.sync's warp max (sm_80+), as a butterfly of the emulated shuffles.
+inline unsigned int __reduce_max_sync(unsigned int mask, unsigned int v) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned int t = __shfl_xor_sync(mask, v, o);
+    v = v > t ? v : t;
+  }
+  return v;
 }
 inline void __syncwarp(unsigned int mask = 0xffffffffu) {
   ::qab::warp_exchange_begin(::qab::SYNCWARP, mask);

@@ -848,6 +848,50 @@ def test_decode_split_takes_any_switch_as_a_fused_variant(tmp_path):
     assert row["switches"] == {"QAB_DISABLE": "moe-route"} and row["tokens"] == 2
 
 
+def test_profile_moe_block_gpu_summarizes_per_candidate(tmp_path):
+    # benchmarks/profile_moe_block_gpu.py --summarize: the marker sort splits
+    # the log into the run record's candidates; each one's kernels per call.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "profile-moe-block-gpu-run.json").write_text(json.dumps(
+        dict(device="GPU X", reps=2, profiler=True, order=["three-launch", "default"])))
+    head = ('"ID","Kernel Name","Block Size","Grid Size","Metric Name","Metric Unit",'
+            '"Metric Value"\n')
+    sort = "void mlx::core::cu::block_sort_kernel<float>(const float *)"
+    route, gu, block = ("custom_kernel_qab_moe_add_norm_route_bf16(const T *)",
+                        "custom_kernel_qab_moe_gate_up_shared_gemv_bf16(const T *)",
+                        "custom_kernel_qab_moe_decode_block_bf16_32_f_t(const T *)")
+    calls = [(sort, 2), (route, 9), (gu, 11), (route, 10), (gu, 12), (sort, 2), (block, 43),
+             (block, 45), (sort, 2)]
+    rows = "".join(f'"{i}","{n}","(256, 1, 1)","(32, 1, 1)","gpu__time_duration.sum",'
+                   f'"usecond","{us}"\n' for i, (n, us) in enumerate(calls))
+    log = tmp_path / "ncu.csv"
+    log.write_text("==PROF== Connected\n" + head + rows)
+    script = str(root / "benchmarks" / "profile_moe_block_gpu.py")
+    r = subprocess.run([sys.executable, script, str(out), "--summarize", str(log)],
+                       capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((out / "profile-moe-block-gpu-gpu-x.json").read_text())
+    assert [(x["candidate"], x["launches"], x["us"]) for x in res["rows"]] == [
+        ("three-launch", 2, 21.0), ("default", 1, 44.0)]
+    assert res["rows"][0]["kernels_us"] == {
+        "custom_kernel_qab_moe_add_norm_route_bf16": 9.5,
+        "custom_kernel_qab_moe_gate_up_shared_gemv_bf16": 11.5}
+    # A variant naming an unknown option: argparse's one line, before any GPU work.
+    r = subprocess.run([sys.executable, script, str(out), "--variants", "CS=32+PREFETHC"],
+                       capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 2 and "unknown option 'PREFETHC'" in r.stderr, r.stderr[-500:]
+    r = subprocess.run([sys.executable, script, str(out), "--variants", "CS=x"],
+                       capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 2 and "CS='x' is not an integer" in r.stderr, r.stderr[-500:]
+
+
 def test_profile_gemv_gpu_splits_an_ncu_log_at_its_markers(tmp_path):
     # benchmarks/profile_gemv_gpu.py --summarize: the log's first launch is the
     # marker sort; the launches between two markers are one candidate's reps,

@@ -113,7 +113,8 @@ CASES = {
          "u32", "bf16", "bf16", "u32"],
         ["bf16", "bf16", "bf16", "bf16", "u32", "bf16", "bf16", "f32"],
         {"T": "bf16", "H": 2048, "E": 256, "K": 8, "I": 512, "G": 64, "RG": 64, "SGB": 8,
-         "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1}),
+         "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1, "CS": 32, "PERSIST": False,
+         "PREFETCH": True}),
 }
 
 # More template values of one op: (op, case) as in CASES.
@@ -206,22 +207,23 @@ def _compile_without_spills(op, case, tmp_path):
 
 
 @pytest.mark.parametrize("op", sorted(CASES))
-def test_compacted_source_gives_the_same_ptx(op, tmp_path):
-    # compact() drops comments and indentation only: nvcc must emit the same PTX.
-    # (Same file name in both builds; internal symbols still carry a hash of the file.)
-    ptx = []
+def test_compacted_source_is_the_same_code(op, tmp_path):
+    # compact() drops comments and indentation only: after nvcc's preprocessor
+    # (which drops comments itself), the two sources are the same tokens with
+    # the same spacing inside each line. (Not the PTX: nvcc's output for the
+    # same code can differ with the source's line layout, e.g. register
+    # numbering and load order in gqa_decode_partial in about 1 build of 4.)
+    text = []
     for raw in (True, False):
-        folder = tmp_path / ("raw" if raw else "compact")
-        folder.mkdir()
-        cu = folder / f"{op}.cu"
+        cu = tmp_path / ("raw.cu" if raw else "compact.cu")
         cu.write_text(wrap(op, raw=raw), encoding="utf-8")
-        r = subprocess.run([NVCC, "-arch=sm_90", "-ptx", "-o", str(folder / "k.ptx"), str(cu)],
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run([NVCC, "-arch=sm_90", "-E", str(cu)], capture_output=True, text=True,
+                           timeout=300)
         assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-        ptx.append(re.sub(r"_INTERNAL_[0-9a-f]+_", "_INTERNAL_",
-                          (folder / "k.ptx").read_text(encoding="utf-8")))
+        code = [ln for ln in r.stdout.splitlines() if not ln.lstrip().startswith("#")]
+        text.append(" ".join(" ".join(code).split()))
     assert len(compact(kernel_source(op, "cuda").body)) < len(kernel_source(op, "cuda").body)
-    assert ptx[0] == ptx[1]
+    assert text[0] == text[1]
 
 
 def test_every_cuda_op_has_a_compile_case():

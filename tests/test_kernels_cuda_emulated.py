@@ -563,8 +563,8 @@ def test_moe_combine_dispatcher_self_checks_the_emulated_kernel(monkeypatch):
 FOLD_BROKEN = {
     # The down kernel weights the last routed slot as the shared expert (in
     # the rows' header moe_down_shared.cuh).
-    "shared slot off by one": ("moe_down_shared_gemv", "weight[i] = k == K ? shared_weight",
-                               "weight[i] = k >= K - 1 ? shared_weight", True),
+    "shared slot off by one": ("moe_down_shared_gemv", "    if (slot[i] == K) {\n      weight[i]",
+                               "    if (slot[i] >= K - 1) {\n      weight[i]", True),
     # The next-norm epilogue: the counter is never reset for the next launch.
     "norm counter not reset": ("moe_down_shared_norm_gemv",
                                "const_cast<uint32_t*>(count)[n] = 0u;", "", False),
@@ -1271,32 +1271,39 @@ def test_moe_block_routes_with_the_emulated_kernel(monkeypatch, dtype):
 
 ROUTER_BROKEN = {
     # Mutations of the per-row route (kernels/cuda/moe_route_row.cuh, the
-    # router kernel's header).
-    # Of equal probabilities the lower index wins inside a lane.
+    # router kernel's header), with the logits' dtype that runs the mutated
+    # code: half-precision routes select with packed (probability, expert)
+    # keys, float32 ones with (key, expert) pairs.
+    # Packed: the expert index above the probability (selects by index).
+    "packed order": ("((static_cast<uint32_t>(bits) << 16) | static_cast<uint32_t>(e))",
+                     "((static_cast<uint32_t>(e) << 16) | static_cast<uint32_t>(bits))", BF16),
+    # Packed: no warp max, each lane keeps its own best.
+    "packed warp max": ("best = __reduce_max_sync(0xffffffffu, best);", "", BF16),
+    # Float32: of equal probabilities the lower index wins inside a lane.
     "lower index kept": ("if (key[k] > bv || (key[k] == bv && e > be)) {",
-                         "if (key[k] > bv || (key[k] == bv && e < be)) {"),
-    # The argmax butterfly skips the last lane distance: two lanes' bests.
-    "argmax butterfly": ("for (int o = 16; o > 0; o >>= 1) {\n      const float ov",
-                         "for (int o = 16; o > 1; o >>= 1) {\n      const float ov"),
+                         "if (key[k] > bv || (key[k] == bv && e < be)) {", F32),
+    # Float32: the argmax butterfly skips the last lane distance: two lanes' bests.
+    "argmax butterfly": ("for (int o = 16; o > 0; o >>= 1) {\n        const float ov",
+                         "for (int o = 16; o > 1; o >>= 1) {\n        const float ov", F32),
     # Slots written largest first (argpartition's order reversed).
     "slot order": ("inds[K - 1 - lane] = static_cast<uint32_t>(mine_e);\n    scores[K - 1 - lane]",
-                   "inds[lane] = static_cast<uint32_t>(mine_e);\n    scores[lane]"),
+                   "inds[lane] = static_cast<uint32_t>(mine_e);\n    scores[lane]", BF16),
     # The renormalisation sum misses the last slot of each chunk.
-    "norm sum": ("const int s = VEC * lane + j;", "const int s = VEC * lane + j + 1;"),
+    "norm sum": ("const int s = VEC * lane + j;", "const int s = VEC * lane + j + 1;", BF16),
     # The second lane group's sum is not rescaled to the row max.
-    "group rescale": ("total = gsum[g] * __expf(gmax[g] - rmax);", "total = gsum[g];"),
+    "group rescale": ("total = gsum[g] * __expf(gmax[g] - rmax);", "total = gsum[g];", BF16),
 }
 
 
 @pytest.mark.parametrize("what", sorted(ROUTER_BROKEN))
 def test_broken_router_kernel_fails(monkeypatch, what):
-    old, new = ROUTER_BROKEN[what]
+    old, new, dtype = ROUTER_BROKEN[what]
     _broken(monkeypatch, "moe_router_topk", old, new, header=True)
     with pytest.raises(AssertionError) as failure:
-        logits = mx.array(_router_special_rows()).astype(BF16)
+        logits = mx.array(_router_special_rows()).astype(dtype)
         _assert_router_emulated(logits, 8, True, what)
-        # E = 300: two lane groups in bf16, the second with the row max.
-        logits = _router_case_logits((3,), 300, BF16, seed=1)
+        # E = 300: two lane groups in bf16 (three in float32), one with the row max.
+        logits = _router_case_logits((3,), 300, dtype, seed=1)
         logits = mx.concatenate([logits[:, :256], logits[:, 256:] + 6.0], axis=-1)
         _assert_router_emulated(logits, 16, True, what)
     assert not isinstance(failure.value, emu.KernelCompileError), str(failure.value)
@@ -1753,11 +1760,28 @@ def test_moe_decode_block_is_the_three_launches_emulated(shape, dtype, rg, norm)
     _assert_block_is_the_three_launches("cuda", case, shape[4], norm, counter, str(shape))
 
 
+@pytest.mark.parametrize("options", [{"CS": 1, "PREFETCH": False}, {"PREFETCH": False},
+                                     {"PERSIST": True, "GRID": 3},
+                                     {"CS": 1, "PERSIST": True, "PREFETCH": False, "GRID": 5}],
+                         ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+def test_moe_decode_block_build_options_are_the_three_launches_emulated(options, monkeypatch):
+    # Adjacent or spaced counters, down items that load before they wait or
+    # not, and a grid of fewer blocks than tickets (each block takes tickets
+    # until none is left) give the same outputs, and leave the counter zero.
+    for key, value in options.items():
+        monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)
+    shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
+    case = _block_case(shape, dtype, rg)
+    counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    assert counter.size == 4 * moe_ops.DECODE_BLOCK_OPTIONS["CS"] + moe_ops.FOLD_NORM_MAX_ROWS
+    _assert_block_is_the_three_launches("cuda", case, shape[4], norm, counter, str(options))
+
+
 def test_moe_decode_block_emulated_fails_without_the_reset(monkeypatch):
     # The last block out must zero the phase counters; without it the second
     # schedule's blocks draw tickets past the grid and wait on blocks that
     # never run (the emulator reports the wait instead of hanging).
-    _broken(monkeypatch, "moe_decode_block", "    c[0] = 0u;\n", "")
+    _broken(monkeypatch, "moe_decode_block", "    *tickets = 0u;\n", "")
     case = _block_case(*BLOCK_EMU_CASES[0][:3])
     counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
     with pytest.raises(AssertionError):

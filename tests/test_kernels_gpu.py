@@ -503,6 +503,32 @@ def test_moe_decode_block_is_the_three_launches(shape, dtype, rg, norm):
     _assert_block_is_the_three_launches(backend, case, K, norm, copied, "copied counter")
 
 
+@pytest.mark.parametrize("options", [{"CS": 1, "PREFETCH": False}, {"PREFETCH": False},
+                                     {"PERSIST": True, "GRID": 132},
+                                     {"CS": 1, "PERSIST": True, "PREFETCH": False, "GRID": 264}],
+                         ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+@pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_CASES[:2],
+                         ids=lambda v: str(v).replace("mlx.core.", "").replace(" ", ""))
+def test_moe_decode_block_build_options_are_the_three_launches(shape, dtype, rg, norm, options,
+                                                               monkeypatch):
+    # moe_decode_block's build choices besides the default (CS 32, PREFETCH;
+    # ops.moe.DECODE_BLOCK_OPTIONS): adjacent counters, down items that load
+    # after they wait, fewer blocks than tickets. Same output as the three
+    # launches, five launches in a row on one serial counter.
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    for key, value in options.items():
+        monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)
+    backend = gd.gpu_backend()
+    case = _block_case(shape, dtype, rg)
+    counter = moe_ops.serial_counter(moe_ops.decode_block_counter_length())
+    for i in range(5):
+        out = _assert_block_is_the_three_launches(backend, case, shape[4], norm, counter,
+                                                  f"{options} launch {i}")
+        mx.eval(out)
+        assert not mx.any(counter).item(), counter.tolist()
+
+
 def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches():
     # Qwen3-Next layers at D = 2048, 4-bit experts, 8-bit router and shared
     # gate, bf16: teacher-forced tokens through the compiled fused model with

@@ -108,6 +108,24 @@ __device__ __forceinline__ QabVec<T, N> qab_load_vec_cg(const T* p, bool vec) {
   return r;
 }
 
+// A phase mark of a ticketed kernel (moe_decode_block.cu): nothing, unless a
+// profiling build defines it first (benchmarks/profile_moe_block_gpu.py
+// records a timestamp per ticket and mark).
+#ifndef QAB_MARK
+#define QAB_MARK(k)
+#endif
+
+// qab_wait_count's sleep between two polls, in ns (a profiling build may set it).
+#ifndef QAB_WAIT_SLEEP_NS
+#define QAB_WAIT_SLEEP_NS 32
+#endif
+
+// A wait that returns at once: the default of a device function's optional
+// wait step (qab_moe_down_shared_rows).
+struct QabNoWait {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // Waits until the counter *p reaches at least target: an acquire load at GPU
 // scope, polled with a short sleep. One thread of a block calls it, then the
 // block's barrier; data the counted blocks wrote is then read through L2
@@ -121,6 +139,6 @@ __device__ __forceinline__ void qab_wait_count(const uint32_t* p, uint32_t targe
     if (v >= target) {
       break;
     }
-    __nanosleep(32);
+    __nanosleep(QAB_WAIT_SLEEP_NS);
   }
 }

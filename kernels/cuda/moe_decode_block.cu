@@ -14,30 +14,53 @@
 // MoE layer and token.
 //
 // Ticketed phases (no grid-wide barrier, no co-residency assumption): a block
-// starts by taking a ticket (atomicAdd on count[0]); tickets in
-// [0, RBLK N) are route blocks (part t % RBLK of row t / RBLK), the next
-// GBLK N gate/up blocks, the last DBLK N down blocks. A block waits only on
-// blocks with smaller tickets, which are already running (they took theirs
-// before it), so the launch always makes progress whatever the hardware
-// schedules. Gate/up blocks wait until every row is routed (count[1] == N,
-// counted by each row's routing block), down blocks until every gate/up
-// block is done (count[2] == GBLK N). A producer's threads fence their
-// writes, meet at a barrier, then thread 0 counts; a consumer's thread 0
-// waits with an acquire load (qab_wait_count), the block meets at a barrier
-// and reads the produced arrays through L2 (the CG loads). The last block to
-// finish (count[3]) resets count[0..3]; the route resets count[4 + n] itself.
-// So count must be zeros at launch and is zeros again after it; launches that
-// share it must not overlap (the callers pass a serial counter in the
-// compiled decode step, otherwise a per-launch copy of a zero view).
+// takes a ticket (atomicAdd on the ticket counter); tickets in [0, RBLK N)
+// are route items (part t % RBLK of row t / RBLK), the next GBLK N gate/up
+// items, the last DBLK N down items. An item waits only on items with
+// smaller tickets, which blocks already running took before it, so the
+// launch always makes progress whatever the hardware schedules. Gate/up items
+// wait until every row is routed (`routed` == N, counted by each row's
+// routing block), down items until every gate/up item is done (`gu_done` ==
+// GBLK N); with PREFETCH a down item first waits for `routed` only, issues
+// its weight loads (they need only the route's expert indices), then waits
+// for `gu_done`. A producer meets its block at a barrier, then thread 0
+// fences and counts (the fence is cumulative: it orders the block's writes
+// the barrier made visible to thread 0); a consumer's thread 0 waits with an
+// acquire load (qab_wait_count), the block meets at a barrier and reads the
+// produced arrays through L2 (the CG loads). Without PERSIST a block runs one
+// item (grid = every item); with PERSIST it takes tickets until none is left
+// (any grid works: a block waits on smaller tickets only, held by running
+// blocks). The last block out (`exits` == gridDim.x) zeroes the four
+// launch-wide counters; the route zeroes its per-row counts itself. So count
+// must be zeros at launch and is zeros again after it; launches that share it
+// must not overlap (the callers pass a serial counter in the compiled decode
+// step, otherwise a per-launch copy of a zero view).
 //
-// Launch: grid (BLOCK * (RBLK + GBLK + DBLK) * N, 1, 1) threads, threadgroup
+// Counter layout: tickets, routed, gu_done, exits at elements 0, CS, 2 CS,
+// 3 CS (CS apart so that waiting blocks' polls and the counts they wait on do
+// not share a cache line with the ticket counter), then the route's per-row
+// counts at 4 CS + n.
+//
+// Measured on the H200 (benchmarks/profile_moe_block_gpu.py, ncu, Qwen3.6's
+// shape): CS 32 with PREFETCH 43.0 us per launch against 44.3 with adjacent
+// counters and no prefetch; PERSIST with 264 blocks 49.1 (slower); the three
+// separate launches 28.5 us in all. Its per-ticket timeline shows why the one
+// launch costs more GPU time: a phase's blocks start only as the earlier
+// phase's blocks leave their slots (125 registers: two blocks of 256 per SM,
+// 264 of the 449), and the down items end ~14 us after the gate/up items
+// against ~8 us for the down launch alone.
+//
+// Launch: grid (BLOCK * (RBLK + GBLK + DBLK) * N, 1, 1) threads (with PERSIST
+// any number of blocks, e.g. as many as fit on the GPU at once), threadgroup
 // (BLOCK, 1, 1), BLOCK = 256 (the three kernels' block), with
 //   RBLK = ceil(E / (RB BLOCK / 32)), GBLK = ceil(32 ((K + 1) I / 2 + 1) / BLOCK),
 //   DBLK = ceil(32 H / 2 / BLOCK).
 // Template: T (activations, norm weight, router scales/biases, scores),
 // H (hidden size), E, K, I (expert intermediate size), G (experts' group
 // size), RG (router group size), SGB, SGG (shared gate bits and group size),
-// NORM (renormalise the K scores), BLOCK, RB (router rows per warp).
+// NORM (renormalise the K scores), BLOCK, RB (router rows per warp), CS
+// (counter stride, elements), PERSIST (blocks loop over tickets), PREFETCH
+// (down items load their weights before waiting for gate/up).
 // Requirements: each of the three kernels' (see their sources).
 // Inputs: x, r [N, H] T (residual stream, mixer output); nw [H] T; eps [4]
 // float32; gw [E, H / 4] uint32, gs, gb [E, H / RG] T (8-bit router); w,
@@ -46,77 +69,117 @@
 // [I, H / G]; sg_*: the shared gate's [1, H SGB / 32], [1, H / SGG]; d_w,
 // d_scales, d_biases: the experts' down [E, H, I / 8], [E, H, I / G];
 // s_down_*: the shared expert's [H, I / 8], [H, I / G] (scales and biases of
-// the experts' dtype); count [>= 4 + N] uint32 zeros.
+// the experts' dtype); count [>= 4 CS + N] uint32 zeros.
 // Outputs: out [N, H] T (the layer's output, x's shape); h, y [N, H] T,
 // logits [N, E] T, inds [N, K] uint32, scores [N, K] T, act [N, K + 1, I] T,
 // sg_logit [max(N, 4)] float32: the phases' intermediates (outputs so that
 // MLX allocates them; callers drop them).
 
-constexpr int RPW_GU = 2;  // moe_gate_up_shared.cuh's row pairs per warp
 constexpr int RBLK = (E + (BLOCK / 32) * RB - 1) / ((BLOCK / 32) * RB);
-constexpr int GBLK = (32 * ((K + 1) * I / RPW_GU + 1) + BLOCK - 1) / BLOCK;
+constexpr int GBLK = (32 * ((K + 1) * I / QAB_GATE_UP_RPW + 1) + BLOCK - 1) / BLOCK;
 constexpr int DBLK = (32 * H / QAB_DOWN_RPW + BLOCK - 1) / BLOCK;
+static_assert(!PREFETCH || H % ((BLOCK / 32) * QAB_DOWN_RPW) == 0,
+              "moe_decode_block: PREFETCH needs every warp of a down block busy");
 __shared__ uint32_t ticket;
 
 uint32_t* c = const_cast<uint32_t*>(count);
+uint32_t* tickets = c;            // next ticket
+uint32_t* routed = c + CS;        // token rows routed
+uint32_t* gu_done = c + 2 * CS;   // gate/up items done
+uint32_t* exits = c + 3 * CS;     // blocks finished
+uint32_t* route_counts = c + 4 * CS;  // per row: route blocks done (the route resets them)
 const int tid = threadIdx.x;
-const int rows = gridDim.x / (RBLK + GBLK + DBLK);
-if (tid == 0) {
-  ticket = atomicAdd(c, 1u);
+int rows = 1;
+for (int i = 0; i + 1 < x_ndim; ++i) {
+  rows *= x_shape[i];
 }
-__syncthreads();
-const int tk = static_cast<int>(ticket);
+const int items = (RBLK + GBLK + DBLK) * rows;
 
-if (tk < RBLK * rows) {
-  const int n = tk / RBLK;
-  const bool routed = qab_add_norm_route_part<T, H, E, K, RG, NORM, BLOCK, RB>(
-      tk - n * RBLK, RBLK, n, x, r, nw, eps, gw, gs, gb, c + 4, h, y, logits, inds, scores);
-  if (routed) {
-    __threadfence();
+while (true) {
+  if (tid == 0) {
+    ticket = atomicAdd(tickets, 1u);
+  }
+  __syncthreads();
+  const int tk = static_cast<int>(ticket);
+  __syncthreads();  // every thread has read it before thread 0 takes the next
+  if (tk >= items) {
+    break;
+  }
+  QAB_MARK(0);
+
+  if (tk < RBLK * rows) {
+    const int n = tk / RBLK;
+    const bool last = qab_add_norm_route_part<T, H, E, K, RG, NORM, BLOCK, RB>(
+        tk - n * RBLK, RBLK, n, x, r, nw, eps, gw, gs, gb, route_counts, h, y, logits, inds,
+        scores);
+    QAB_MARK(2);
+    if (last) {
+      __syncthreads();
+      if (tid == 0) {
+        __threadfence();
+        atomicAdd(routed, 1u);
+      }
+    }
+  } else if (tk < (RBLK + GBLK) * rows) {
+    const int g = tk - RBLK * rows;
+    const int n = g / GBLK;
+    if (tid == 0) {
+      qab_wait_count(routed, static_cast<uint32_t>(rows));
+    }
+    __syncthreads();
+    QAB_MARK(1);
+    qab_moe_gate_up_shared_part<T, H, I, K, G, SGB, SGG, true>(
+        g - n * GBLK, n, rows, y, inds, w, scales, biases, s_gate_w, s_gate_scales,
+        s_gate_biases, s_up_w, s_up_scales, s_up_biases, sg_w, sg_scales, sg_biases, act,
+        sg_logit);
+    QAB_MARK(2);
     __syncthreads();
     if (tid == 0) {
-      atomicAdd(c + 1, 1u);
+      __threadfence();
+      atomicAdd(gu_done, 1u);
     }
+  } else {
+    const int d = tk - (RBLK + GBLK) * rows;
+    const int n = d / DBLK;
+    const uint32_t gu_items = static_cast<uint32_t>(GBLK * rows);
+    if (tid == 0) {
+      qab_wait_count(PREFETCH ? routed : gu_done, PREFETCH ? static_cast<uint32_t>(rows) : gu_items);
+    }
+    __syncthreads();
+    QAB_MARK(1);
+    // With PREFETCH the block issues its weight loads (they need only the
+    // route's inds) before it waits for the gate/up items.
+    auto wait_gate_up = [&]() {
+      if constexpr (PREFETCH) {
+        if (tid == 0) {
+          qab_wait_count(gu_done, gu_items);
+        }
+        __syncthreads();
+        QAB_MARK(3);
+      }
+    };
+    const int warp = (d - n * DBLK) * (BLOCK / 32) + (tid >> 5);
+    if (warp * QAB_DOWN_RPW < H) {
+      qab_moe_down_shared_rows<T, H, I, K, G, true, true>(
+          warp, tid & 31, n, act, inds, scores, d_w, d_scales, d_biases, s_down_w,
+          s_down_scales, s_down_biases, sg_logit, h, out, wait_gate_up);
+    }
+    QAB_MARK(2);
   }
-} else if (tk < (RBLK + GBLK) * rows) {
-  const int g = tk - RBLK * rows;
-  const int n = g / GBLK;
-  if (tid == 0) {
-    qab_wait_count(c + 1, static_cast<uint32_t>(rows));
-  }
-  __syncthreads();
-  qab_moe_gate_up_shared_part<T, H, I, K, G, SGB, SGG, true>(
-      g - n * GBLK, n, rows, y, inds, w, scales, biases, s_gate_w, s_gate_scales,
-      s_gate_biases, s_up_w, s_up_scales, s_up_biases, sg_w, sg_scales, sg_biases, act,
-      sg_logit);
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    atomicAdd(c + 2, 1u);
-  }
-} else {
-  const int d = tk - (RBLK + GBLK) * rows;
-  const int n = d / DBLK;
-  if (tid == 0) {
-    qab_wait_count(c + 2, static_cast<uint32_t>(GBLK * rows));
-  }
-  __syncthreads();
-  const int warp = (d - n * DBLK) * (BLOCK / 32) + (tid >> 5);
-  if (warp * QAB_DOWN_RPW < H) {
-    qab_moe_down_shared_rows<T, H, I, K, G, true, true>(
-        warp, tid & 31, n, act, inds, scores, d_w, d_scales, d_biases, s_down_w,
-        s_down_scales, s_down_biases, sg_logit, h, out);
+  if (!PERSIST) {
+    break;
   }
 }
 
 // The last block out resets the launch's counters (the route reset its own).
 __syncthreads();
 if (tid == 0) {
-  const unsigned int done = atomicAdd(c + 3, 1u);
+  __threadfence();
+  const unsigned int done = atomicAdd(exits, 1u);
   if (done == gridDim.x - 1) {
-    c[0] = 0u;
-    c[1] = 0u;
-    c[2] = 0u;
-    c[3] = 0u;
+    *tickets = 0u;
+    *routed = 0u;
+    *gu_done = 0u;
+    *exits = 0u;
   }
 }

@@ -20,12 +20,12 @@
 constexpr int QAB_DOWN_RPW = 2;  // output rows per warp
 
 template <typename OutT, int H, int I, int K, int G, bool HAS_RES, bool CG = false, typename HT,
-          typename ST, typename QT, typename SQT, typename RT>
+          typename ST, typename QT, typename SQT, typename RT, typename Wait = QabNoWait>
 __device__ __forceinline__ void qab_moe_down_shared_rows(
     const int warp, const int lane, const int n, const HT* h, const uint32_t* inds,
     const ST* scores, const uint32_t* w, const QT* scales, const QT* biases,
     const uint32_t* s_down_w, const SQT* s_down_scales, const SQT* s_down_biases,
-    const float* sg_logit, const RT* res, OutT* y) {
+    const float* sg_logit, const RT* res, OutT* y, Wait wait = Wait()) {
   constexpr int RPW = QAB_DOWN_RPW;
   constexpr int CPR = I / 32;         // 32-value chunks per weight row
   constexpr int WPR = I / 8;          // uint32 words per weight row
@@ -33,7 +33,6 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
   constexpr int KS = K + 1;           // slots: K routed experts, then the shared one
   constexpr int TASKS = KS * CPR;     // (slot, chunk) tasks per row
   constexpr int TPL = (TASKS + 31) / 32;  // tasks per lane
-  const float shared_weight = 1.f / (1.f + expf(-qab_ld<CG>(sg_logit + n)));
 
   // This lane's tasks: slot, chunk, expert and routing weight (row-independent).
   int slot[TPL];
@@ -46,7 +45,7 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
     slot[i] = k;
     // Slot K reads the shared expert's own arrays; inds and scores have no column K.
     expert_row[i] = k == K ? 0 : static_cast<size_t>(qab_ld<CG>(inds + (size_t)n * K + k)) * H;
-    weight[i] = k == K ? shared_weight : static_cast<float>(qab_ld<CG>(scores + (size_t)n * K + k));
+    weight[i] = k == K ? 0.f : static_cast<float>(qab_ld<CG>(scores + (size_t)n * K + k));
   }
 
   // Every weight, scale and bias load of this warp's rows, before any arithmetic.
@@ -75,6 +74,17 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
         sv[p][i] = 0.f;
         bv[p][i] = 0.f;
       }
+    }
+  }
+
+  // h and sg_logit may still be in the making (moe_decode_block's prefetch:
+  // the weights above needed only the route); wait() returns once they are written.
+  wait();
+  const float shared_weight = 1.f / (1.f + expf(-qab_ld<CG>(sg_logit + n)));
+#pragma unroll
+  for (int i = 0; i < TPL; ++i) {
+    if (slot[i] == K) {
+      weight[i] = shared_weight;
     }
   }
 

@@ -5,6 +5,8 @@
 // them). Arithmetic, layout and arguments: see moe_gate_up_shared_gemv.cu.
 // Needs common.cuh.
 
+constexpr int QAB_GATE_UP_RPW = 2;  // (gate, up) row pairs per warp
+
 template <typename OutT, int H, int I, int K, int G, int SGB, int SGG, bool CG, typename XT,
           typename QT, typename GQT>
 __device__ __forceinline__ void qab_moe_gate_up_shared_part(
@@ -13,7 +15,7 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
     const QT* s_gate_scales, const QT* s_gate_biases, const uint32_t* s_up_w,
     const QT* s_up_scales, const QT* s_up_biases, const uint32_t* sg_w, const GQT* sg_scales,
     const GQT* sg_biases, OutT* h, float* sg_logit) {
-  constexpr int RPW = 2;              // row pairs per warp
+  constexpr int RPW = QAB_GATE_UP_RPW;
   constexpr int NC = H / 32;          // 32-value chunks per row
   constexpr int CPL = H / 1024;       // 32-value chunks per lane
   constexpr int WPR = H / 8;          // uint32 words per 4-bit weight row

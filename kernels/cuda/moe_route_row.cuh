@@ -9,6 +9,20 @@
 // thread's lane; inds, scores: the row's K outputs (slot K - 1 holds the
 // largest probability). Every lane of the warp must call it.
 
+// The bits of a 16-bit float (half or bfloat16), and back.
+template <typename T16>
+__device__ __forceinline__ unsigned short qab_bits16(const T16 x) {
+  static_assert(sizeof(T16) == 2, "qab_bits16: a 16-bit type");
+  return *reinterpret_cast<const unsigned short*>(&x);
+}
+template <typename T16>
+__device__ __forceinline__ T16 qab_from_bits16(const unsigned short bits) {
+  static_assert(sizeof(T16) == 2, "qab_from_bits16: a 16-bit type");
+  T16 x;
+  *reinterpret_cast<unsigned short*>(&x) = bits;
+  return x;
+}
+
 template <typename InT, int E, int K, bool NORM>
 __device__ __forceinline__ void qab_route_row(const InT* x, const int lane, uint32_t* inds,
                                               InT* scores) {
@@ -82,49 +96,87 @@ __device__ __forceinline__ void qab_route_row(const InT* x, const int lane, uint
   }
   const float inv = 1.0f / total;
 
-  // Rounded probabilities as selection keys (NaN ranks above every number).
-  float key[PER];
-  #pragma unroll
-  for (int k = 0; k < PER; ++k) {
-    const int e = VEC * (32 * (k / VEC) + lane) + k % VEC;
-    const float p = static_cast<float>(static_cast<InT>(__expf(v[k] - rmax) * inv));
-    key[k] = e < E ? (p != p ? POS_INF : p) : TAKEN;
-  }
-
-  // K rounds of a warp argmax over (key, expert); round r finds the r-th
-  // largest, which lane r keeps (slot K - 1 - r).
+  // K rounds of a warp argmax over (rounded probability, expert); round r
+  // finds the r-th largest (ties: the larger expert index), which lane r keeps
+  // (slot K - 1 - r). NaN ranks above every number and comes back as NaN.
   float mine = 0.0f;
   int mine_e = 0;
+  if constexpr (sizeof(InT) == 2) {
+    // A 16-bit probability and the expert index pack into one uint32 whose
+    // unsigned order is the (probability, expert) order (non-negative halves
+    // and bfloat16s order as their bits; +inf stands for NaN): a round is a
+    // lane max and one warp max (redux.sync). 0 marks padding and taken ones.
+    const unsigned short INF_BITS = qab_bits16(static_cast<InT>(POS_INF));
+    uint32_t key[PER];
+  #pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int e = VEC * (32 * (k / VEC) + lane) + k % VEC;
+      const InT p = static_cast<InT>(__expf(v[k] - rmax) * inv);
+      const float pf = static_cast<float>(p);
+      const unsigned short bits = pf != pf ? INF_BITS : qab_bits16(p);
+      key[k] = e < E ? ((static_cast<uint32_t>(bits) << 16) | static_cast<uint32_t>(e)) + 1u : 0u;
+    }
   #pragma unroll 1
-  for (int r = 0; r < K; ++r) {
-    float bv = -1.0f;
-    int be = -1;
+    for (int r = 0; r < K; ++r) {
+      uint32_t best = 0u;
+  #pragma unroll
+      for (int k = 0; k < PER; ++k) {
+        best = key[k] > best ? key[k] : best;
+      }
+      best = __reduce_max_sync(0xffffffffu, best);
+      if (lane == r) {
+        const unsigned short bits = static_cast<unsigned short>((best - 1u) >> 16);
+        const float bv = static_cast<float>(qab_from_bits16<InT>(bits));
+        mine = bits == INF_BITS ? __uint_as_float(0x7fc00000u) : bv;  // NaN back
+        mine_e = static_cast<int>((best - 1u) & 0xffffu);
+      }
+  #pragma unroll
+      for (int k = 0; k < PER; ++k) {
+        if (key[k] == best) {
+          key[k] = 0u;
+        }
+      }
+    }
+  } else {
+    // Rounded probabilities as selection keys (NaN ranks above every number).
+    float key[PER];
   #pragma unroll
     for (int k = 0; k < PER; ++k) {
       const int e = VEC * (32 * (k / VEC) + lane) + k % VEC;
-      if (key[k] > bv || (key[k] == bv && e > be)) {
-        bv = key[k];
-        be = e;
-      }
+      const float p = static_cast<float>(static_cast<InT>(__expf(v[k] - rmax) * inv));
+      key[k] = e < E ? (p != p ? POS_INF : p) : TAKEN;
     }
+  #pragma unroll 1
+    for (int r = 0; r < K; ++r) {
+      float bv = -1.0f;
+      int be = -1;
   #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-      if (ov > bv || (ov == bv && oe > be)) {
-        bv = ov;
-        be = oe;
+      for (int k = 0; k < PER; ++k) {
+        const int e = VEC * (32 * (k / VEC) + lane) + k % VEC;
+        if (key[k] > bv || (key[k] == bv && e > be)) {
+          bv = key[k];
+          be = e;
+        }
       }
-    }
-    if (lane == r) {
-      mine = bv == POS_INF ? __uint_as_float(0x7fc00000u) : bv;  // NaN back
-      mine_e = be;
-    }
   #pragma unroll
-    for (int k = 0; k < PER; ++k) {
-      const int e = VEC * (32 * (k / VEC) + lane) + k % VEC;
-      if (e == be) {
-        key[k] = TAKEN;
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+        if (ov > bv || (ov == bv && oe > be)) {
+          bv = ov;
+          be = oe;
+        }
+      }
+      if (lane == r) {
+        mine = bv == POS_INF ? __uint_as_float(0x7fc00000u) : bv;  // NaN back
+        mine_e = be;
+      }
+  #pragma unroll
+      for (int k = 0; k < PER; ++k) {
+        const int e = VEC * (32 * (k / VEC) + lane) + k % VEC;
+        if (e == be) {
+          key[k] = TAKEN;
+        }
       }
     }
   }

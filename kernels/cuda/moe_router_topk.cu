@@ -24,7 +24,11 @@
 // * top-K as the last K of a stable ascending sort: the K largest keys
 //   (p, expert index), compared lexicographically, so of equal probabilities
 //   the HIGHER expert index is kept; NaN ranks above every number (MLX's sort
-//   puts NaN last). K rounds of a warp argmax. Slot order ascending by key
+//   puts NaN last). K rounds of a warp argmax; in half precision each key
+//   is one uint32, (probability bits << 16 | expert) + 1, whose unsigned
+//   order is that order, so a round is a lane max and one redux.sync warp
+//   max (__reduce_max_sync) instead of five shuffle pairs (the fused route,
+//   moe_add_norm_route: 10.9 -> 9.1 us per launch on the H200, ncu). Slot order ascending by key
 //   (slot K - 1 holds the largest probability), as argpartition returns them.
 // * NORM: the sum of the K scores as MLX's row reduction adds them: thread t
 //   sums slots [VEC t, VEC t + VEC) in order in InT arithmetic (every add

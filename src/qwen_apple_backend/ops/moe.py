@@ -104,7 +104,7 @@ __all__ = [
     "decode_block_ready",
     "decode_block_supported",
     "decode_block_counter_length",
-    "DECODE_BLOCK_COUNTER_HEAD",
+    "DECODE_BLOCK_OPTIONS",
     "moe_combine_ops",
     "combine_kernel_ready",
 ]
@@ -1584,13 +1584,19 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 # The whole MoE half of a decode layer in one launch (CUDA)
 # --------------------------------------------------------------------------
 
-#: Counter elements moe_decode_block uses before its per-row route counts.
-DECODE_BLOCK_COUNTER_HEAD = 4
+#: moe_decode_block's build choices (template values; see the kernel's
+#: source): CS, the stride in uint32 elements between its four launch-wide
+#: counters; PERSIST, whether a block keeps taking tickets (then GRID blocks,
+#: None: one per ticket); PREFETCH, whether a down item loads its weights
+#: before it waits for the gate/up items. The defaults were the fastest of
+#: benchmarks/profile_moe_block_gpu.py's variants on the H200.
+DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None}
 
 
 def decode_block_counter_length(rows: int = FOLD_NORM_MAX_ROWS) -> int:
-    """Elements of the counter a :func:`moe_decode_block` launch needs for ``rows`` token rows."""
-    return DECODE_BLOCK_COUNTER_HEAD + rows
+    """Elements of the counter a :func:`moe_decode_block` launch needs for ``rows`` token rows:
+    its four launch-wide counters ``CS`` elements apart, then one per row."""
+    return 4 * DECODE_BLOCK_OPTIONS["CS"] + rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -1628,6 +1634,10 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
     E, K = gate.weight.shape[0], int(top_k)
     I = gate_up.weight.shape[1] // 2
     block, rb, blocks = _decode_block_launch(E, H, I, K)
+    opts = DECODE_BLOCK_OPTIONS
+    grid_blocks = blocks * N
+    if opts["PERSIST"] and opts["GRID"]:
+        grid_blocks = min(grid_blocks, int(opts["GRID"]))
     sg, su, sd, sgate = shared
     lead = x.shape[:-1]
     outs = obj(
@@ -1638,8 +1648,10 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
         template=[("T", x.dtype), ("H", H), ("E", E), ("K", K), ("I", I),
                   ("G", int(gate_up.group_size)), ("RG", int(gate.group_size)),
                   ("SGB", int(sgate.bits)), ("SGG", int(sgate.group_size)),
-                  ("NORM", bool(norm_topk_prob)), ("BLOCK", block), ("RB", rb)],
-        grid=(block * blocks * N, 1, 1), threadgroup=(block, 1, 1),
+                  ("NORM", bool(norm_topk_prob)), ("BLOCK", block), ("RB", rb),
+                  ("CS", int(opts["CS"])), ("PERSIST", bool(opts["PERSIST"])),
+                  ("PREFETCH", bool(opts["PREFETCH"]))],
+        grid=(block * grid_blocks, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[x.shape, x.shape, x.shape, (*lead, E), (*lead, K), (*lead, K),
                        (N, K + 1, I), (unpooled_length(N, mx.float32),)],
         output_dtypes=[x.dtype, x.dtype, x.dtype, x.dtype, mx.uint32, x.dtype, x.dtype,

@@ -1,0 +1,446 @@
+#!/usr/bin/env python3
+"""GPU time of a decode token's MoE half: the one-launch block against the three launches.
+
+``kernels/cuda/moe_decode_block.cu`` runs a decoder layer's MoE half (residual
+add + RMSNorm + router + top-k, the experts' gate/up, their down projections +
+the residual) as ticketed phases of one grid; ``moe_add_norm_route``,
+``moe_gate_up_shared_gemv`` and ``moe_down_shared_gemv`` are the same work in
+three launches. This script builds one MoE layer at Qwen3.6-35B-A3B's shape
+(H = 2048, E = 256 experts, K = 8, I = 512, a shared expert, 8-bit router and
+shared gate, 4-bit experts, random weights), checks that every build variant of
+the block gives the three launches' output bit for bit, and then either
+
+* (default) launches the three-launch path and every variant ``--reps`` times
+  between ``cuProfilerStart`` and ``cuProfilerStop``, a small ``mx.sort``
+  between candidates marking the log, for ``ncu --profile-from-start off``::
+
+      ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum \\
+          --csv --log-file OUT/ncu-moe-block.csv python benchmarks/profile_moe_block_gpu.py OUT
+      python benchmarks/profile_moe_block_gpu.py OUT --summarize OUT/ncu-moe-block.csv
+
+  (ncu serializes the kernels and flushes the caches before each: the
+  weights stream from HBM as in decode); or
+* ``--timeline``: runs each variant built with the kernel's phase marks
+  (``QAB_MARK`` in ``common.cuh``) recording the GPU's global timer per ticket:
+  when the block took the ticket, finished waiting, finished its work, and its SM. The L2
+  is flushed (a 256 MB write) before each launch. Prints, per phase, the first
+  start, the median and last wait end, and the last work end, in us from the
+  launch's first ticket, medians over ``--reps`` launches.
+
+Variants are ``ops.moe.DECODE_BLOCK_OPTIONS`` settings, written
+``CS=32+PREFETCH+PERSIST+GRID=264`` (flags alone mean true), plus two build
+settings of the kernel text: ``SLEEP=ns`` (``QAB_WAIT_SLEEP_NS``, the wait's
+sleep between polls) and ``MINB=n`` (the kernel declared
+``__launch_bounds__(BLOCK, n)``: at least n blocks per SM, registers capped to
+fit); ``default`` is the shipped setting. Writes ``profile-moe-block-gpu-<device>.json`` (summary or
+timeline) into OUT.
+
+Usage:
+    python benchmarks/profile_moe_block_gpu.py OUT [--variants default,CS=32,...] [--reps 5]
+    python benchmarks/profile_moe_block_gpu.py OUT --summarize CSV
+    python benchmarks/profile_moe_block_gpu.py OUT --timeline [--variants ...] [--reps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from _common import check_out, device_name  # noqa: E402
+from profile_decode_gpu import _profiler, kernel_group, read_rows  # noqa: E402
+
+DEFAULT_VARIANTS = "default,CS=32,CS=32+PREFETCH,CS=32+PERSIST+GRID=264,CS=32+PERSIST+PREFETCH+GRID=264"
+#: (N, E, H, I, K): one decode token of Qwen3.6-35B-A3B's MoE layer.
+SHAPE = (1, 256, 2048, 512, 8)
+PHASES = ("route", "gate/up", "down")
+#: Variant keys that change the kernel's text (a header prefix), not its template.
+BUILD_KEYS = ("SLEEP", "MINB")
+#: QAB_MARK as the --timeline build defines it: thread 0 stores the global
+#: timer (ns) as mark k of its ticket.
+MARK_DEFINE = ("#define QAB_MARK(k) do { if (threadIdx.x == 0) { unsigned long long qab_t_; "
+               "asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(qab_t_)); "
+               "stamps[(size_t)tk * 5 + (k)] = qab_t_; if ((k) == 0) { unsigned s_; "
+               "asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(s_)); "
+               "stamps[(size_t)tk * 5 + 4] = s_; } } } while (0)\n")
+
+
+def build_prefix(variant: dict) -> str:
+    """The header text a variant's build keys put before the kernel's own header."""
+    text = ""
+    if "SLEEP" in variant:
+        text += f"#define QAB_WAIT_SLEEP_NS {int(variant['SLEEP'])}\n"
+    if "MINB" in variant:
+        text += ("#undef __global__\n#define __global__ __location__(global) "
+                 f"__launch_bounds__(256, {int(variant['MINB'])})\n")
+    return text
+
+
+_KERNELS: dict = {}
+
+
+def variant_kernel(prefix: str, stamps: bool = False):
+    """moe_decode_block built with ``prefix`` before its header (and the phase marks
+    recording into a 9th output ``stamps`` when asked); one object per build."""
+    import mlx.core as mx
+
+    from qwen_apple_backend.ops._sources import compact, kernel_source
+
+    key = (prefix, stamps)
+    if key not in _KERNELS:
+        src = kernel_source("moe_decode_block", "cuda")
+        tag = f"_v{len(_KERNELS)}"
+        _KERNELS[key] = mx.fast.cuda_kernel(
+            name=src.name + tag, input_names=list(src.inputs),
+            output_names=list(src.outputs) + (["stamps"] if stamps else []),
+            source=compact(src.body),
+            header=(MARK_DEFINE if stamps else "") + prefix + compact(src.header))
+    return _KERNELS[key]
+
+
+def parse_variant(text: str) -> dict:
+    """``"CS=32+PREFETCH+GRID=264"`` -> ``{"CS": 32, "PREFETCH": True, "GRID": 264}``.
+
+    Raises:
+        ValueError: naming the unknown option or the bad value.
+
+    >>> parse_variant("default")
+    {}
+    >>> parse_variant("CS=32+PERSIST+GRID=264")
+    {'CS': 32, 'PERSIST': True, 'GRID': 264}
+    """
+    from qwen_apple_backend.ops.moe import DECODE_BLOCK_OPTIONS
+
+    if text == "default":
+        return {}
+    out = {}
+    for part in text.split("+"):
+        key, _, value = part.partition("=")
+        if key not in DECODE_BLOCK_OPTIONS and key not in BUILD_KEYS:
+            raise ValueError(f"variant {text!r}: unknown option {key!r}; known: "
+                             f"{', '.join(DECODE_BLOCK_OPTIONS)}")
+        if not value:
+            out[key] = True
+            continue
+        try:
+            out[key] = int(value)
+        except ValueError:
+            raise ValueError(f"variant {text!r}: {key}={value!r} is not an integer") from None
+    return out
+
+
+def build_layer(dtype):
+    """One MoE layer's decode inputs at :data:`SHAPE` (seeded random weights)."""
+    import mlx.core as mx
+
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    N, E, H, I, K = SHAPE
+    k = mx.random.split(mx.random.key(7), 12)
+
+    def q(shape, key, bits=4, group=64, scale=0.02):
+        w = (scale * mx.random.normal(shape, key=key)).astype(dtype)
+        wq, s, b = mx.quantize(w, group_size=group, bits=bits)
+        return moe_ops.ExpertWeights(weight=wq, scales=s, biases=b, group_size=group, bits=bits,
+                                     mode="affine")
+
+    x = (4.0 * mx.random.normal((N, 1, H), key=k[0])).astype(dtype)
+    r = mx.random.normal((N, 1, H), key=k[1]).astype(dtype)
+    nw = (1.0 + 0.2 * mx.random.normal((H,), key=k[2])).astype(dtype)
+    gate = q((E, H), k[3], bits=8, scale=0.05)
+    gate_up = q((E, 2 * I, H), k[4])
+    down = q((E, H, I), k[5])
+    shared = moe_ops.SharedExpertWeights(q((I, H), k[6]), q((I, H), k[7]), q((H, I), k[8]),
+                                         q((1, H), k[9], bits=8))
+    arrays = [x, r, nw]
+    for w in (gate, gate_up, down, *shared):
+        arrays += [w.weight, w.scales, w.biases]
+    mx.eval(*arrays)
+    return x, r, nw, gate, gate_up, down, shared
+
+
+def _three_launches(layer, counter):
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    x, r, nw, gate, gate_up, down, shared = layer
+    h, y, _, inds, scores = moe_ops._add_norm_route_call("cuda", x, r, nw, 1e-6, gate, SHAPE[4],
+                                                         True, counter)
+    return moe_ops._moe_shared_decode_kernel_call("cuda", y, inds, scores, gate_up, down, shared,
+                                                  residual=h)
+
+
+def _block(layer, counter):
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    x, r, nw, gate, gate_up, down, shared = layer
+    return moe_ops._moe_decode_block_call("cuda", x, r, nw, 1e-6, gate, SHAPE[4], True, gate_up,
+                                          down, shared, counter)
+
+
+class _Options:
+    """ops.moe.DECODE_BLOCK_OPTIONS set to a variant inside ``with``."""
+
+    def __init__(self, variant: dict, stamps: int = 0):
+        self.variant, self.stamps = variant, stamps
+
+    def __enter__(self):
+        from qwen_apple_backend.ops import moe as moe_ops
+
+        self.saved = dict(moe_ops.DECODE_BLOCK_OPTIONS)
+        self.real = moe_ops._decode_block_object
+        moe_ops.DECODE_BLOCK_OPTIONS.update(
+            {k: v for k, v in self.variant.items() if k not in BUILD_KEYS})
+        prefix = build_prefix(self.variant)
+        if prefix or self.stamps:
+            kernel = variant_kernel(prefix, self.stamps)
+            if self.stamps:
+                kernel = _StampedKernel(kernel, self.stamps)
+            moe_ops._decode_block_object = lambda backend: kernel
+
+    def __exit__(self, *exc):
+        from qwen_apple_backend.ops import moe as moe_ops
+
+        moe_ops.DECODE_BLOCK_OPTIONS.clear()
+        moe_ops.DECODE_BLOCK_OPTIONS.update(self.saved)
+        moe_ops._decode_block_object = self.real
+
+
+def _candidates(layer, variants):
+    """[(name, fn)]: the three launches, then each variant (its own serial counter)."""
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    route_counter = moe_ops.serial_counter()
+    cands = [("three-launch", lambda: _three_launches(layer, route_counter))]
+    for name, v in variants:
+        with _Options(v):
+            counter = moe_ops.serial_counter(moe_ops.decode_block_counter_length())
+
+        def fn(v=v, counter=counter):
+            with _Options(v):
+                return _block(layer, counter)
+        cands.append((name, fn))
+    return cands
+
+
+def check_variants(cands) -> None:
+    """Every candidate's output equals the three launches' bit for bit (twice each).
+
+    Raises:
+        SystemExit: naming the variant that differs.
+    """
+    import mlx.core as mx
+
+    ref = cands[0][1]()
+    mx.eval(ref)
+    for name, fn in cands[1:]:
+        for _ in range(2):
+            out = fn()
+            mx.eval(out)
+            if not mx.array_equal(out, ref).item():
+                raise SystemExit(f"variant {name}: output differs from the three launches")
+
+
+def summarize(csv_path: Path, run: dict) -> list[dict]:
+    """Per candidate of ``run["order"]``: launches and GPU us per call, by kernel group.
+
+    Raises:
+        SystemExit: naming the file when the log does not split into one
+            marked segment per candidate, or a segment is not a multiple of reps.
+    """
+    rows = read_rows(csv_path)
+    mark = rows[0][0]
+    segments, cur = [], None
+    for name, us, *_ in rows:
+        if name == mark:
+            if cur is not None:
+                segments.append(cur)
+            cur = []
+        else:
+            cur.append((name, us))
+    order, reps = run["order"], int(run["reps"])
+    if len(segments) != len(order):
+        raise SystemExit(f"{csv_path}: {len(segments)} marked segments for {len(order)} "
+                         "candidates in the run record")
+    out = []
+    for cand, seg in zip(order, segments):
+        if not seg or len(seg) % reps:
+            raise SystemExit(f"{csv_path}: {len(seg)} launches for {cand}, not a multiple of "
+                             f"{reps} reps")
+        groups: dict[str, float] = {}
+        for name, us in seg:
+            g = kernel_group(name)
+            groups[g] = groups.get(g, 0.0) + us / reps
+        out.append({"candidate": cand, "launches": len(seg) // reps,
+                    "us": round(sum(groups.values()), 2),
+                    "kernels_us": {g: round(u, 2) for g, u in groups.items()}})
+    return out
+
+
+def timeline(layer, variants, reps: int, spin: int = 0) -> list[dict]:
+    """Per variant and phase: us from the first ticket (medians over ``reps`` launches).
+
+    ``spin``: 4096 x 4096 bfloat16 matmuls run before each launch's L2 flush
+    (the GPU busy, as in decode, before the timed launch: its clocks up).
+    """
+    import mlx.core as mx
+
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    flush = mx.zeros((64 * 1024 * 1024,), dtype=mx.float32)
+    busy = mx.random.normal((4096, 4096)).astype(mx.bfloat16)
+    mx.eval(flush, busy)
+    N, E, H, I, K = SHAPE
+    _, _, blocks = moe_ops._decode_block_launch(E, H, I, K)
+    rblk = moe_ops._add_norm_route_launch(E)[2]
+    gblk = moe_ops._fold_grid_x(K, I) // moe_ops._GEMV_BLOCK
+    bounds = [0, rblk * N, (rblk + gblk) * N, blocks * N]
+    results = []
+    for name, v in variants:
+        with _Options(v, stamps=blocks * N):
+            counter = moe_ops.serial_counter(moe_ops.decode_block_counter_length())
+            samples = []
+            for _ in range(reps + 2):
+                acc = busy
+                for _ in range(spin):
+                    acc = (acc @ busy) * 1e-3
+                mx.eval(acc, flush + 1.0)
+                mx.synchronize()
+                _block(layer, counter)
+                stamps = _StampedKernel.last
+                mx.eval(stamps)
+                samples.append(stamps.reshape(-1, 5).tolist())
+        samples = samples[2:]  # the first launches compile and warm
+        phases = {}
+        for p, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            keys = ("start_first", "wait_end_median", "wait_end_last", "work_end_last")
+            vals = {k: [] for k in keys}
+            for s in samples:
+                t0 = min(row[0] for row in s)
+                rows = s[lo:hi]
+                waits = sorted(row[1 if p else 0] - t0 for row in rows)
+                vals["start_first"].append(min(row[0] for row in rows) - t0)
+                vals["wait_end_median"].append(waits[len(waits) // 2])
+                vals["wait_end_last"].append(waits[-1])
+                vals["work_end_last"].append(max(row[2] for row in rows) - t0)
+            phases[PHASES[p]] = {k: round(statistics.median(x) / 1000.0, 2)
+                                 for k, x in vals.items()}
+            # Blocks of this phase per SM (a phase's tickets spread over how many SMs).
+            per_sm = {}
+            for row in samples[-1][lo:hi]:
+                per_sm[row[4]] = per_sm.get(row[4], 0) + 1
+            phases[PHASES[p]]["sms"] = len(per_sm)
+            phases[PHASES[p]]["max_per_sm"] = max(per_sm.values())
+        results.append({"variant": name, "phases": phases})
+        print(f"{name}:")
+        for ph, d in phases.items():
+            print(f"  {ph:>8}: " + "  ".join(f"{k} {u:7.2f}" for k, u in d.items()))
+    return results
+
+
+class _StampedKernel:
+    """Calls the timeline kernel with one more output (the stamps) and keeps it."""
+
+    last = None
+
+    def __init__(self, kernel, items: int):
+        self.kernel, self.items = kernel, items
+
+    def __call__(self, **kw):
+        import mlx.core as mx
+
+        outs = self.kernel(**{**kw, "output_shapes": kw["output_shapes"] + [(self.items * 5,)],
+                              "output_dtypes": kw["output_dtypes"] + [mx.uint64]},
+                           init_value=0)
+        _StampedKernel.last = outs[-1]
+        return outs[:-1]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", help="output folder (created)")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS,
+                   help=f"comma list of block variants (default {DEFAULT_VARIANTS})")
+    p.add_argument("--reps", type=int, default=5, help="profiled launches per candidate")
+    p.add_argument("--timeline", action="store_true",
+                   help="record each ticket's phase times instead of running for ncu")
+    p.add_argument("--spin", type=int, default=0,
+                   help="--timeline: 4096^2 bf16 matmuls before each launch (GPU clocks up)")
+    p.add_argument("--summarize", type=Path, default=None, metavar="CSV",
+                   help="summarize an ncu --csv log of an earlier run instead of running")
+    args = p.parse_args(argv)
+    check_out(p, args.out)
+    if args.reps < 1:
+        p.error("--reps must be >= 1")
+    if args.spin < 0:
+        p.error("--spin must be >= 0")
+    try:
+        variants = [(v, parse_variant(v)) for v in args.variants.split(",") if v]
+    except ValueError as exc:
+        p.error(str(exc))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = out / "profile-moe-block-gpu-run.json"
+    from qwen_apple_backend.bench.report import slug
+
+    if args.summarize is not None:
+        try:
+            run = json.loads(record.read_text())
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"{record}: no usable run record ({type(exc).__name__}); run the "
+                             "profile into the same OUT first")
+        result = {**run, "rows": summarize(args.summarize, run)}
+        dest = out / f"profile-moe-block-gpu-{slug(str(run.get('device', 'unknown')))}.json"
+        dest.write_text(json.dumps(result, indent=1) + "\n")
+        for row in result["rows"]:
+            parts = ", ".join(f"{g} {u:.2f}" for g, u in row["kernels_us"].items())
+            print(f"{row['candidate']:>40}: {row['launches']} launch(es) {row['us']:8.2f} us "
+                  f"({parts})")
+        print(f"wrote {dest}")
+        return 0
+
+    import mlx.core as mx
+
+    layer = build_layer(mx.bfloat16)
+    cands = _candidates(layer, variants)
+    check_variants(cands)
+    print(f"{len(cands) - 1} variant(s) equal the three launches bit for bit")
+    command = "python benchmarks/profile_moe_block_gpu.py OUT " + " ".join(
+        argv if argv is not None else sys.argv[2:])
+    if args.timeline:
+        rows = timeline(layer, variants, args.reps, args.spin)
+        dest = out / f"profile-moe-block-gpu-timeline-{slug(device_name())}.json"
+        dest.write_text(json.dumps({"device": device_name(), "reps": args.reps, "shape": SHAPE,
+                                    "spin": args.spin,
+                                    "command": command, "rows": rows}, indent=1) + "\n")
+        print(f"wrote {dest}")
+        return 0
+    for _, fn in cands:  # warm every kernel outside the profiled range
+        mx.eval(fn())
+    mx.synchronize()
+    marker = mx.array([3.0, 1.0, 2.0, 5.0, 4.0])
+    mx.eval(mx.sort(marker))
+    mx.synchronize()
+    on = _profiler("cuProfilerStart")
+    mx.eval(mx.sort(marker))
+    for _, fn in cands:
+        for _ in range(args.reps):
+            mx.eval(fn())
+        mx.eval(mx.sort(marker))
+    mx.synchronize()
+    _profiler("cuProfilerStop")
+    run = {"device": device_name(), "reps": args.reps, "shape": SHAPE, "profiler": on,
+           "order": [name for name, _ in cands], "command": command}
+    record.write_text(json.dumps(run, indent=1) + "\n")
+    print(f"profiled {len(cands)} candidates x {args.reps} reps (profiler "
+          f"{'on' if on else 'unavailable'}); wrote {record}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
