@@ -90,6 +90,55 @@ _UNITS = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3
           "second": 1e6, "s": 1e6}
 
 
+def read_run_record(record: Path) -> dict:
+    """A profiling run's record (JSON with at least ``order`` and ``reps``), for --summarize.
+
+    Raises:
+        SystemExit: one line naming the file when it is missing or unusable.
+    """
+    try:
+        run = json.loads(record.read_text())
+        int(run["reps"]), list(run["order"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"{record}: no usable run record ({type(exc).__name__}); run the "
+                         "profile into the same OUT first")
+    return run
+
+
+def marked_segments(csv_path: Path, labels: list[str], reps: int,
+                    what: str = "candidates") -> list[list[tuple[str, float]]]:
+    """An ncu log cut at its marker launches: ``[(kernel group, us), ...]`` per label.
+
+    The log's first launch is the marker (a small launch the profiling script
+    makes before the first candidate and after each one); the launches
+    between two markers are one candidate's ``reps`` calls, in the order of
+    ``labels`` (the run record's candidates; ``what`` names them in errors).
+
+    Raises:
+        SystemExit: as :func:`read_rows`; naming the file when the log does not
+            split into one segment per label, or a segment is empty or not a
+            multiple of ``reps`` launches.
+    """
+    rows = read_rows(csv_path)
+    mark = rows[0][0]
+    segments, cur = [], None
+    for name, us, *_ in rows:
+        if name == mark:
+            if cur is not None:
+                segments.append(cur)
+            cur = []
+        else:
+            cur.append((name, us))
+    if len(segments) != len(labels):
+        raise SystemExit(f"{csv_path}: {len(segments)} marked segments for {len(labels)} "
+                         f"{what} in the run record")
+    for label, seg in zip(labels, segments):
+        if not seg or len(seg) % reps:
+            raise SystemExit(f"{csv_path}: {len(seg)} launches for {label}, not a multiple of "
+                             f"{reps} reps")
+    return segments
+
+
 def read_rows(csv_path: Path) -> list[tuple[str, float, str, str]]:
     """The kernel launches of an ncu ``--csv`` log, in launch order.
 

@@ -49,7 +49,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from _common import check_out, device_name  # noqa: E402
-from profile_decode_gpu import _profiler, read_rows  # noqa: E402
+from profile_decode_gpu import _profiler, marked_segments, read_run_record  # noqa: E402
 
 #: Qwen3.6-35B-A3B's decode projections (rows x input size): the Gated
 #: DeltaNet's concatenated in_proj (qkv 8192 + z 4096 + b 32 + a 32), the
@@ -127,25 +127,11 @@ def summarize_runs(csv_path: Path, run: dict) -> list[dict]:
             segment per candidate of the run record, or a segment's launches
             are not a multiple of ``reps``.
     """
-    rows = read_rows(csv_path)
-    mark = rows[0][0]
-    segments, cur = [], None
-    for name, us, *_ in rows:
-        if name == mark:
-            if cur is not None:
-                segments.append(cur)
-            cur = []
-        else:
-            cur.append((name, us))
     order, reps = run["order"], int(run["reps"])
-    if len(segments) != len(order):
-        raise SystemExit(f"{csv_path}: {len(segments)} marked segments for {len(order)} "
-                         "candidate x shape pairs in the run record")
+    segments = marked_segments(csv_path, [f"{i['shape']} {i['candidate']}" for i in order], reps,
+                               "candidate x shape pairs")
     out = []
     for item, seg in zip(order, segments):
-        if not seg or len(seg) % reps:
-            raise SystemExit(f"{csv_path}: {len(seg)} launches for {item['shape']} "
-                             f"{item['candidate']}, not a multiple of {reps} reps")
         us = sum(u for _, u in seg) / reps
         kernels = list(dict.fromkeys(n for n, _ in seg))
         out.append({**item, "launches": len(seg) // reps, "us": round(us, 2),
@@ -193,12 +179,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     record = out / "profile-gemv-gpu-run.json"
     if args.summarize is not None:
-        try:
-            run = json.loads(record.read_text())
-            reps = int(run["reps"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise SystemExit(f"{record}: no usable run record ({type(exc).__name__}); run the "
-                             "profile into the same OUT first")
+        run = read_run_record(record)
         result = {**run, "rows": summarize_runs(args.summarize, run)}
         from qwen_apple_backend.bench.report import slug
 

@@ -54,7 +54,8 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from _common import check_out, device_name  # noqa: E402
-from profile_decode_gpu import _profiler, kernel_group, read_rows  # noqa: E402
+from profile_decode_gpu import (_profiler, kernel_group, marked_segments,  # noqa: E402
+                                read_run_record)
 
 DEFAULT_VARIANTS = "default,CS=32,CS=32+PREFETCH,CS=32+PERSIST+GRID=264,CS=32+PERSIST+PREFETCH+GRID=264"
 #: (N, E, H, I, K): one decode token of Qwen3.6-35B-A3B's MoE layer.
@@ -253,25 +254,10 @@ def summarize(csv_path: Path, run: dict) -> list[dict]:
         SystemExit: naming the file when the log does not split into one
             marked segment per candidate, or a segment is not a multiple of reps.
     """
-    rows = read_rows(csv_path)
-    mark = rows[0][0]
-    segments, cur = [], None
-    for name, us, *_ in rows:
-        if name == mark:
-            if cur is not None:
-                segments.append(cur)
-            cur = []
-        else:
-            cur.append((name, us))
     order, reps = run["order"], int(run["reps"])
-    if len(segments) != len(order):
-        raise SystemExit(f"{csv_path}: {len(segments)} marked segments for {len(order)} "
-                         "candidates in the run record")
+    segments = marked_segments(csv_path, order, reps)
     out = []
     for cand, seg in zip(order, segments):
-        if not seg or len(seg) % reps:
-            raise SystemExit(f"{csv_path}: {len(seg)} launches for {cand}, not a multiple of "
-                             f"{reps} reps")
         groups: dict[str, float] = {}
         for name, us in seg:
             g = kernel_group(name)
@@ -389,11 +375,7 @@ def main(argv=None) -> int:
     from qwen_apple_backend.bench.report import slug
 
     if args.summarize is not None:
-        try:
-            run = json.loads(record.read_text())
-        except (OSError, ValueError) as exc:
-            raise SystemExit(f"{record}: no usable run record ({type(exc).__name__}); run the "
-                             "profile into the same OUT first")
+        run = read_run_record(record)
         result = {**run, "rows": summarize(args.summarize, run)}
         dest = out / f"profile-moe-block-gpu-{slug(str(run.get('device', 'unknown')))}.json"
         dest.write_text(json.dumps(result, indent=1) + "\n")
