@@ -1815,6 +1815,13 @@ def test_moe_decode_block_dispatcher_self_checks_the_emulated_kernel(monkeypatch
                                             moe_ops.fold_norm_counter(
                                                 moe_ops.decode_block_counter_length()))
         assert out.shape == x.shape
+        # Build options that cannot work: counters on one element, an empty grid.
+        for bad in ({"CS": 0}, {"PERSIST": True, "GRID": 0}):
+            with monkeypatch.context() as m:
+                for k, v in bad.items():
+                    m.setitem(moe_ops.DECODE_BLOCK_OPTIONS, k, v)
+                with pytest.raises(ValueError, match="DECODE_BLOCK_OPTIONS"):
+                    moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda")
         # Too many rows for the counter; r of another shape.
         with pytest.raises(ValueError, match="counter"):
             moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",

@@ -25,7 +25,9 @@
 // its weight loads (they need only the route's expert indices), then waits
 // for `gu_done`. A producer meets its block at a barrier, then thread 0
 // fences and counts (the fence is cumulative: it orders the block's writes
-// the barrier made visible to thread 0); a consumer's thread 0 waits with an
+// the barrier made visible to thread 0; the route's own per-row count, in
+// moe_add_norm_route.cuh, fences in every thread before its barrier, also
+// valid); a consumer's thread 0 waits with an
 // acquire load (qab_wait_count), the block meets at a barrier and reads the
 // produced arrays through L2 (the CG loads). Without PERSIST a block runs one
 // item (grid = every item); with PERSIST it takes tickets until none is left

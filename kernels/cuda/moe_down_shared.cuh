@@ -4,7 +4,9 @@
 // the K routed experts' 4-bit down projections weighted by the routing scores
 // plus the shared expert's weighted by sigmoid(sg_logit[n]), summed; with
 // HAS_RES plus the residual as the stock layer adds it. The arithmetic is
-// described in moe_down_shared_gemv.cu. Every lane of the warp must call it;
+// described in moe_down_shared_gemv.cu. Every lane of the warp must call it
+// (and every warp of the block when `wait` holds a block barrier, as
+// moe_decode_block.cu's PREFETCH wait does);
 // the caller guarantees QAB_DOWN_RPW * warp < H. With CG (moe_decode_block.cu,
 // where other blocks of the same launch wrote them) h, inds, scores, sg_logit
 // and res are read through L2 (ld.global.cg); the weights as before.

@@ -105,7 +105,8 @@ __device__ __forceinline__ void qab_route_row(const InT* x, const int lane, uint
     // A 16-bit probability and the expert index pack into one uint32 whose
     // unsigned order is the (probability, expert) order (non-negative halves
     // and bfloat16s order as their bits; +inf stands for NaN): a round is a
-    // lane max and one warp max (redux.sync). 0 marks padding and taken ones.
+    // lane max and one warp max (redux.sync; a butterfly before sm_80). 0 marks
+    // padding and taken ones. (+inf shares NaN's key, as in the float path.)
     const unsigned short INF_BITS = qab_bits16(static_cast<InT>(POS_INF));
     uint32_t key[PER];
   #pragma unroll
@@ -123,7 +124,15 @@ __device__ __forceinline__ void qab_route_row(const InT* x, const int lane, uint
       for (int k = 0; k < PER; ++k) {
         best = key[k] > best ? key[k] : best;
       }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  #pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {  // no redux.sync before sm_80
+        const uint32_t t = __shfl_xor_sync(0xffffffffu, best, o);
+        best = t > best ? t : best;
+      }
+#else
       best = __reduce_max_sync(0xffffffffu, best);
+#endif
       if (lane == r) {
         const unsigned short bits = static_cast<unsigned short>((best - 1u) >> 16);
         const float bv = static_cast<float>(qab_from_bits16<InT>(bits));

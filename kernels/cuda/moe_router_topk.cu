@@ -24,7 +24,8 @@
 // * top-K as the last K of a stable ascending sort: the K largest keys
 //   (p, expert index), compared lexicographically, so of equal probabilities
 //   the HIGHER expert index is kept; NaN ranks above every number (MLX's sort
-//   puts NaN last). K rounds of a warp argmax; in half precision each key
+//   puts NaN last; a +inf probability, which softmax cannot give, ranks with
+//   NaN and comes back as NaN). K rounds of a warp argmax; in half precision each key
 //   is one uint32, (probability bits << 16 | expert) + 1, whose unsigned
 //   order is that order, so a round is a lane max and one redux.sync warp
 //   max (__reduce_max_sync) instead of five shuffle pairs (the fused route,

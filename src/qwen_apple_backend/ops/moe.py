@@ -1635,6 +1635,9 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
     I = gate_up.weight.shape[1] // 2
     block, rb, blocks = _decode_block_launch(E, H, I, K)
     opts = DECODE_BLOCK_OPTIONS
+    if int(opts["CS"]) < 1 or (opts["GRID"] is not None and int(opts["GRID"]) < 1):
+        raise ValueError(f"DECODE_BLOCK_OPTIONS: CS must be >= 1 and GRID None or >= 1, got "
+                         f"CS={opts['CS']!r}, GRID={opts['GRID']!r}")
     grid_blocks = blocks * N
     if opts["PERSIST"] and opts["GRID"]:
         grid_blocks = min(grid_blocks, int(opts["GRID"]))
@@ -1738,7 +1741,7 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
     # The same per-block code as the three launches: bit-identical.
     key = (H, str(dtype), E, gate.group_size, K, norm, float(eps),
            tuple(gate_up.weight.shape), gate_up.group_size, down.group_size,
-           shared.gate.bits, shared.gate.group_size)
+           shared.gate.bits, shared.gate.group_size, tuple(sorted(DECODE_BLOCK_OPTIONS.items())))
     ok = self_checked("moe_decode_block", "cuda", key, kernel=kernel, reference=reference,
                       make_inputs=_add_norm_route_check_inputs(H, dtype), rtol=0.0)
     return "cuda" if ok else None
