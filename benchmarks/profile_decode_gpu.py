@@ -98,10 +98,17 @@ def read_run_record(record: Path) -> dict:
     """
     try:
         run = json.loads(record.read_text())
-        int(run["reps"]), list(run["order"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError) as exc:
         raise SystemExit(f"{record}: no usable run record ({type(exc).__name__}); run the "
                          "profile into the same OUT first")
+    if not isinstance(run, dict):
+        raise SystemExit(f"{record}: no usable run record (not a JSON object)")
+    reps, order = run.get("reps"), run.get("order")
+    if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
+        raise SystemExit(f"{record}: no usable run record (reps {reps!r}: an integer >= 1)")
+    if not isinstance(order, list) or not order:
+        raise SystemExit(f"{record}: no usable run record (order {order!r}: a list of the "
+                         "profiled candidates)")
     return run
 
 

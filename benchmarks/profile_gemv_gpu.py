@@ -194,6 +194,8 @@ def main(argv=None) -> int:
 
     import mlx.core as mx
 
+    if not mx.cuda.is_available():
+        p.error("profiling needs MLX's CUDA backend and a CUDA GPU (--summarize runs anywhere)")
     from qwen_apple_backend.ops import linear as lin
 
     dtype = getattr(mx, args.dtype)

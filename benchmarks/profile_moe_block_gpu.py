@@ -32,8 +32,9 @@ Variants are ``ops.moe.DECODE_BLOCK_OPTIONS`` settings, written
 settings of the kernel text: ``SLEEP=ns`` (``QAB_WAIT_SLEEP_NS``, the wait's
 sleep between polls) and ``MINB=n`` (the kernel declared
 ``__launch_bounds__(BLOCK, n)``: at least n blocks per SM, registers capped to
-fit); ``default`` is the shipped setting. Writes ``profile-moe-block-gpu-<device>.json`` (summary or
-timeline) into OUT.
+fit); ``default`` is the shipped setting. Writes ``profile-moe-block-gpu-<device>.json`` (the
+summary) or ``profile-moe-block-gpu-timeline-<device>.json`` into OUT. Needs MLX's CUDA backend,
+except ``--summarize``.
 
 Usage:
     python benchmarks/profile_moe_block_gpu.py OUT [--variants default,CS=32,...] [--reps 5]
@@ -125,7 +126,7 @@ def parse_variant(text: str) -> dict:
         key, _, value = part.partition("=")
         if key not in DECODE_BLOCK_OPTIONS and key not in BUILD_KEYS:
             raise ValueError(f"variant {text!r}: unknown option {key!r}; known: "
-                             f"{', '.join(DECODE_BLOCK_OPTIONS)}")
+                             f"{', '.join([*DECODE_BLOCK_OPTIONS, *BUILD_KEYS])}")
         if not value:
             out[key] = True
             continue
@@ -133,6 +134,9 @@ def parse_variant(text: str) -> dict:
             out[key] = int(value)
         except ValueError:
             raise ValueError(f"variant {text!r}: {key}={value!r} is not an integer") from None
+        low = 0 if key in ("SLEEP", "PERSIST", "PREFETCH") else 1
+        if out[key] < low:
+            raise ValueError(f"variant {text!r}: {key} must be >= {low}, got {out[key]}")
     return out
 
 
@@ -325,7 +329,8 @@ def timeline(layer, variants, reps: int, spin: int = 0) -> list[dict]:
         results.append({"variant": name, "phases": phases})
         print(f"{name}:")
         for ph, d in phases.items():
-            print(f"  {ph:>8}: " + "  ".join(f"{k} {u:7.2f}" for k, u in d.items()))
+            print(f"  {ph:>8}: " + "  ".join(f"{k} {u:7.2f}" if isinstance(u, float)
+                                                 else f"{k} {u}" for k, u in d.items()))
     return results
 
 
@@ -348,7 +353,8 @@ class _StampedKernel:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="output folder (created)")
     p.add_argument("--variants", default=DEFAULT_VARIANTS,
                    help=f"comma list of block variants (default {DEFAULT_VARIANTS})")
@@ -369,6 +375,14 @@ def main(argv=None) -> int:
         variants = [(v, parse_variant(v)) for v in args.variants.split(",") if v]
     except ValueError as exc:
         p.error(str(exc))
+    names = [v for v, _ in variants]
+    if not names or len(set(names)) != len(names):
+        p.error(f"--variants: give one or more distinct variants, got {args.variants!r}")
+    if args.summarize is None:
+        import mlx.core as mx
+
+        if not mx.cuda.is_available():
+            p.error("profiling needs MLX's CUDA backend and a CUDA GPU (--summarize runs anywhere)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = out / "profile-moe-block-gpu-run.json"
@@ -392,8 +406,9 @@ def main(argv=None) -> int:
     cands = _candidates(layer, variants)
     check_variants(cands)
     print(f"{len(cands) - 1} variant(s) equal the three launches bit for bit")
-    command = "python benchmarks/profile_moe_block_gpu.py OUT " + " ".join(
-        argv if argv is not None else sys.argv[2:])
+    typed = list(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/profile_moe_block_gpu.py " + " ".join(
+        "OUT" if a == args.out else a for a in typed)
     if args.timeline:
         rows = timeline(layer, variants, args.reps, args.spin)
         dest = out / f"profile-moe-block-gpu-timeline-{slug(device_name())}.json"

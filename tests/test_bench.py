@@ -887,9 +887,29 @@ def test_profile_moe_block_gpu_summarizes_per_candidate(tmp_path):
     r = subprocess.run([sys.executable, script, str(out), "--variants", "CS=32+PREFETHC"],
                        capture_output=True, text=True, timeout=120, cwd=root)
     assert r.returncode == 2 and "unknown option 'PREFETHC'" in r.stderr, r.stderr[-500:]
-    r = subprocess.run([sys.executable, script, str(out), "--variants", "CS=x"],
-                       capture_output=True, text=True, timeout=120, cwd=root)
-    assert r.returncode == 2 and "CS='x' is not an integer" in r.stderr, r.stderr[-500:]
+    for variants, message in [("CS=x", "CS='x' is not an integer"), ("CS=0", "CS must be >= 1"),
+                              (",", "one or more distinct variants"),
+                              ("default,default", "one or more distinct variants")]:
+        r = subprocess.run([sys.executable, script, str(out), "--variants", variants],
+                           capture_output=True, text=True, timeout=120, cwd=root)
+        assert r.returncode == 2 and message in r.stderr, (variants, r.stderr[-500:])
+    # Run records a summary cannot use: one line naming the file and the field.
+    for record, message in [({"reps": 0, "order": ["a"]}, "reps 0"),
+                            ({"reps": 2, "order": "abc"}, "order 'abc'"),
+                            ({"order": ["a"]}, "reps None")]:
+        (out / "profile-moe-block-gpu-run.json").write_text(json.dumps(record))
+        r = subprocess.run([sys.executable, script, str(out), "--summarize", str(log)],
+                           capture_output=True, text=True, timeout=120, cwd=root)
+        assert r.returncode == 1 and "Traceback" not in r.stderr and message in r.stderr, (
+            record, r.stderr[-500:])
+    # Profiling itself on a machine without CUDA: one line, before any work.
+    import mlx.core as mx
+
+    if not mx.cuda.is_available():
+        r = subprocess.run([sys.executable, script, str(tmp_path / "o2")],
+                           capture_output=True, text=True, timeout=120, cwd=root)
+        assert r.returncode == 2 and "needs MLX's CUDA backend" in r.stderr, r.stderr[-500:]
+        assert not (tmp_path / "o2").exists()
 
 
 def test_profile_gemv_gpu_splits_an_ncu_log_at_its_markers(tmp_path):
