@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import check_out, device_name  # noqa: E402
+from _common import check_out, device_name, write_result  # noqa: E402
 from profile_decode_gpu import _profiler, marked_segments, read_run_record  # noqa: E402
 
 #: Qwen3.6-35B-A3B's decode projections (rows x input size): the Gated
@@ -181,10 +181,7 @@ def main(argv=None) -> int:
     if args.summarize is not None:
         run = read_run_record(record)
         result = {**run, "rows": summarize_runs(args.summarize, run)}
-        from qwen_apple_backend.bench.report import slug
-
-        dest = out / f"profile-gemv-gpu-{slug(str(run.get('device', 'unknown')))}.json"
-        dest.write_text(json.dumps(result, indent=1) + "\n")
+        dest = write_result(out, "profile-gemv-gpu", result, device=str(run.get("device", "unknown")))
         for row in result["rows"]:
             print(f"{row['shape']:>16} {row['N']:>7}x{row['K']:<5} {row['candidate']:>14}: "
                   f"{row['launches']:d} launch(es) {row['us']:8.2f} us  "

@@ -54,7 +54,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import check_out, device_name  # noqa: E402
+from _common import check_out, device_name, write_result  # noqa: E402
 from profile_decode_gpu import (_profiler, kernel_group, marked_segments,  # noqa: E402
                                 read_run_record)
 
@@ -386,13 +386,11 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = out / "profile-moe-block-gpu-run.json"
-    from qwen_apple_backend.bench.report import slug
-
     if args.summarize is not None:
         run = read_run_record(record)
         result = {**run, "rows": summarize(args.summarize, run)}
-        dest = out / f"profile-moe-block-gpu-{slug(str(run.get('device', 'unknown')))}.json"
-        dest.write_text(json.dumps(result, indent=1) + "\n")
+        dest = write_result(out, "profile-moe-block-gpu", result,
+                            device=str(run.get("device", "unknown")))
         for row in result["rows"]:
             parts = ", ".join(f"{g} {u:.2f}" for g, u in row["kernels_us"].items())
             print(f"{row['candidate']:>40}: {row['launches']} launch(es) {row['us']:8.2f} us "
@@ -411,10 +409,9 @@ def main(argv=None) -> int:
         "OUT" if a == args.out else a for a in typed)
     if args.timeline:
         rows = timeline(layer, variants, args.reps, args.spin)
-        dest = out / f"profile-moe-block-gpu-timeline-{slug(device_name())}.json"
-        dest.write_text(json.dumps({"device": device_name(), "reps": args.reps, "shape": SHAPE,
-                                    "spin": args.spin,
-                                    "command": command, "rows": rows}, indent=1) + "\n")
+        dest = write_result(out, "profile-moe-block-gpu-timeline",
+                            {"reps": args.reps, "shape": SHAPE, "spin": args.spin,
+                             "command": command, "rows": rows})
         print(f"wrote {dest}")
         return 0
     for _, fn in cands:  # warm every kernel outside the profiled range
