@@ -28,11 +28,12 @@ the block gives the three launches' output bit for bit, and then either
   launch's first ticket, medians over ``--reps`` launches.
 
 Variants are ``ops.moe.DECODE_BLOCK_OPTIONS`` settings, written
-``CS=32+PREFETCH+PERSIST+GRID=264`` (flags alone mean true), plus two build
+``CS=32+PREFETCH+PERSIST+GRID=264`` (flags alone mean true), plus three build
 settings of the kernel text: ``SLEEP=ns`` (``QAB_WAIT_SLEEP_NS``, the wait's
-sleep between polls) and ``MINB=n`` (the kernel declared
+sleep between polls), ``MINB=n`` (the kernel declared
 ``__launch_bounds__(BLOCK, n)``: at least n blocks per SM, registers capped to
-fit); ``default`` is the shipped setting. Writes ``profile-moe-block-gpu-<device>.json`` (the
+fit) and ``RELAXED`` (``QAB_WAIT_RELAXED``: relaxed polls and one acquire
+fence instead of an acquire load per poll); ``default`` is the shipped setting. Writes ``profile-moe-block-gpu-<device>.json`` (the
 summary) or ``profile-moe-block-gpu-timeline-<device>.json`` into OUT. Needs MLX's CUDA backend,
 except ``--summarize``.
 
@@ -63,7 +64,7 @@ DEFAULT_VARIANTS = "default,CS=32,CS=32+PREFETCH,CS=32+PERSIST+GRID=264,CS=32+PE
 SHAPE = (1, 256, 2048, 512, 8)
 PHASES = ("route", "gate/up", "down")
 #: Variant keys that change the kernel's text (a header prefix), not its template.
-BUILD_KEYS = ("SLEEP", "MINB")
+BUILD_KEYS = ("SLEEP", "MINB", "RELAXED")
 #: QAB_MARK as the --timeline build defines it: thread 0 stores the global
 #: timer (ns) as mark k of its ticket.
 MARK_DEFINE = ("#define QAB_MARK(k) do { if (threadIdx.x == 0) { unsigned long long qab_t_; "
@@ -81,6 +82,8 @@ def build_prefix(variant: dict) -> str:
     if "MINB" in variant:
         text += ("#undef __global__\n#define __global__ __location__(global) "
                  f"__launch_bounds__(256, {int(variant['MINB'])})\n")
+    if variant.get("RELAXED"):
+        text += "#define QAB_WAIT_RELAXED 1\n"
     return text
 
 
@@ -134,7 +137,7 @@ def parse_variant(text: str) -> dict:
             out[key] = int(value)
         except ValueError:
             raise ValueError(f"variant {text!r}: {key}={value!r} is not an integer") from None
-        low = 0 if key in ("SLEEP", "PERSIST", "PREFETCH") else 1
+        low = 0 if key in ("SLEEP", "PERSIST", "PREFETCH", "RELAXED", "STAGE") else 1
         if out[key] < low:
             raise ValueError(f"variant {text!r}: {key} must be >= {low}, got {out[key]}")
     return out
@@ -272,6 +275,15 @@ def summarize(csv_path: Path, run: dict) -> list[dict]:
     return out
 
 
+def med_s(s, lo: int, hi: int):
+    """Median of mark 3 (a down item's end of waiting for the gate/up items) over
+    tickets [lo, hi) of one launch's stamps, in ns from its first ticket; None
+    when the build sets no mark 3 (no PREFETCH)."""
+    t0 = min(row[0] for row in s)
+    ends = sorted(row[3] - t0 for row in s[lo:hi] if row[3])
+    return ends[len(ends) // 2] if ends else None
+
+
 def timeline(layer, variants, reps: int, spin: int = 0) -> list[dict]:
     """Per variant and phase: us from the first ticket (medians over ``reps`` launches).
 
@@ -308,13 +320,16 @@ def timeline(layer, variants, reps: int, spin: int = 0) -> list[dict]:
         samples = samples[2:]  # the first launches compile and warm
         phases = {}
         for p, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-            keys = ("start_first", "wait_end_median", "wait_end_last", "work_end_last")
+            keys = ("start_first", "start_median", "wait_end_median", "wait_end_last",
+                    "work_end_last")
             vals = {k: [] for k in keys}
             for s in samples:
                 t0 = min(row[0] for row in s)
                 rows = s[lo:hi]
                 waits = sorted(row[1 if p else 0] - t0 for row in rows)
-                vals["start_first"].append(min(row[0] for row in rows) - t0)
+                starts = sorted(row[0] - t0 for row in rows)
+                vals["start_first"].append(starts[0])
+                vals["start_median"].append(starts[len(starts) // 2])
                 vals["wait_end_median"].append(waits[len(waits) // 2])
                 vals["wait_end_last"].append(waits[-1])
                 vals["work_end_last"].append(max(row[2] for row in rows) - t0)
@@ -326,7 +341,24 @@ def timeline(layer, variants, reps: int, spin: int = 0) -> list[dict]:
                 per_sm[row[4]] = per_sm.get(row[4], 0) + 1
             phases[PHASES[p]]["sms"] = len(per_sm)
             phases[PHASES[p]]["max_per_sm"] = max(per_sm.values())
-        results.append({"variant": name, "phases": phases})
+            # Blocks of this phase that took their ticket within 1 us of the first
+            # (resident from the launch's start), median over the launches.
+            phases[PHASES[p]]["started_1us"] = int(statistics.median(
+                sum(1 for row in s[lo:hi] if row[0] - min(r[0] for r in s) < 1000)
+                for s in samples))
+            if p == 2:
+                # With PREFETCH, mark 3: the down items' wait for the gate/up items.
+                ends = [e for e in (med_s(s, lo, hi) for s in samples) if e is not None]
+                if ends:
+                    phases[PHASES[p]]["gu_wait_end_median"] = round(
+                        statistics.median(ends) / 1000.0, 2)
+        # The last launch per ticket: [start, wait end, prefetch wait end, work end] in us
+        # from its first ticket (0 where a mark does not apply), and the SM.
+        last = samples[-1]
+        t0 = min(row[0] for row in last)
+        tickets = [[round((row[k] - t0) / 1000.0, 2) if row[k] else 0 for k in (0, 1, 3, 2)]
+                   + [int(row[4])] for row in last]
+        results.append({"variant": name, "phases": phases, "tickets": tickets})
         print(f"{name}:")
         for ph, d in phases.items():
             print(f"  {ph:>8}: " + "  ".join(f"{k} {u:7.2f}" if isinstance(u, float)

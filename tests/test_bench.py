@@ -912,6 +912,30 @@ def test_profile_moe_block_gpu_summarizes_per_candidate(tmp_path):
         assert not (tmp_path / "o2").exists()
 
 
+def test_profile_moe_block_gpu_build_keys_and_prefetch_wait_median():
+    # RELAXED and STAGE are variant keys (a build define, a block option); a
+    # launch's mark-3 median (down items' end of waiting for gate/up) skips
+    # tickets without the mark and is None for a build that sets none.
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        import profile_moe_block_gpu as prof
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    assert prof.parse_variant("RELAXED+STAGE") == {"RELAXED": True, "STAGE": True}
+    assert prof.parse_variant("STAGE=0") == {"STAGE": 0}
+    assert prof.build_prefix({"RELAXED": True}) == "#define QAB_WAIT_RELAXED 1\n"
+    assert prof.build_prefix({"RELAXED": 0, "STAGE": True}) == ""
+    # A row per ticket: marks 0 (start), 1 (wait end), 2 (work end), 3, then the SM.
+    stamps = [[100, 0, 900, 0, 1], [150, 300, 1500, 700, 2], [120, 310, 1300, 0, 3],
+              [130, 320, 1400, 500, 4]]
+    assert prof.med_s(stamps, 1, 4) == 600  # marks 3 of 700 and 500 less t0 = 100: 400, 600
+    assert prof.med_s(stamps, 0, 1) is None
+
+
 def test_profile_gemv_gpu_splits_an_ncu_log_at_its_markers(tmp_path):
     # benchmarks/profile_gemv_gpu.py --summarize: the log's first launch is the
     # marker sort; the launches between two markers are one candidate's reps,

@@ -114,11 +114,14 @@ CASES = {
         ["bf16", "bf16", "bf16", "bf16", "u32", "bf16", "bf16", "f32"],
         {"T": "bf16", "H": 2048, "E": 256, "K": 8, "I": 512, "G": 64, "RG": 64, "SGB": 8,
          "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1, "CS": 32, "PERSIST": False,
-         "PREFETCH": True}),
+         "PREFETCH": True, "STAGE": False}),
 }
 
 # More template values of one op: (op, case) as in CASES.
 EXTRA_CASES = [
+    # The one-launch MoE block with its down items staging h in shared memory.
+    ("moe_decode_block", (CASES["moe_decode_block"][0], CASES["moe_decode_block"][1],
+                          {**CASES["moe_decode_block"][2], "STAGE": True})),
     # The router at its limits: E = 1024 float32 logits (32 per lane, 8 lane
     # groups) with K = 32; and 8 half logits (one lane group, mostly padding).
     ("moe_router_topk", (["f32"], ["u32", "f32"], {"InT": "f32", "E": 1024, "K": 32,

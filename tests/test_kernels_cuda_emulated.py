@@ -1762,12 +1762,15 @@ def test_moe_decode_block_is_the_three_launches_emulated(shape, dtype, rg, norm)
 
 @pytest.mark.parametrize("options", [{"CS": 1, "PREFETCH": False}, {"PREFETCH": False},
                                      {"PERSIST": True, "GRID": 3},
-                                     {"CS": 1, "PERSIST": True, "PREFETCH": False, "GRID": 5}],
+                                     {"CS": 1, "PERSIST": True, "PREFETCH": False, "GRID": 5},
+                                     {"STAGE": True}, {"STAGE": True, "PREFETCH": False},
+                                     {"STAGE": True, "PERSIST": True, "GRID": 3}],
                          ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 def test_moe_decode_block_build_options_are_the_three_launches_emulated(options, monkeypatch):
     # Adjacent or spaced counters, down items that load before they wait or
-    # not, and a grid of fewer blocks than tickets (each block takes tickets
-    # until none is left) give the same outputs, and leave the counter zero.
+    # not, that stage h in shared memory or not, and a grid of fewer blocks
+    # than tickets (each block takes tickets until none is left) give the same
+    # outputs, and leave the counter zero.
     for key, value in options.items():
         monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)
     shape, dtype, rg, norm = BLOCK_EMU_CASES[0]

@@ -1467,13 +1467,16 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
     # moe_decode_block call, counting in a buffer of decode_block_counter_length
     # elements: its own serial one inside the decode step's trace (kept apart
     # from the three-launch path's), else the per-launch copy of a zero view;
-    # one_launch off (QAB_DISABLE=moe-block) keeps the three launches.
+    # one_launch off (QAB_DISABLE=moe-block) keeps the three launches;
+    # stage_down (QAB_ENABLE=moe-block-stage) reaches the call as its stage.
     from qwen_apple_backend.layers import moe as moe_layer
 
     seen = []
+    stages = []
 
-    def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None):
+    def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None, stage=None):
         seen.append((backend, counter))
+        stages.append(stage)
         return (x + r) * 3
 
     monkeypatch.setattr(moe_layer, "moe_decode_block", block)
@@ -1502,6 +1505,11 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
         assert "_serial_counter" not in b.__dict__
         assert own.shape == (n,) and own.dtype == mx.uint32 and not mx.any(own).item()
         assert seen == [("fake", own)]
+    assert stages == [False] * 4
+    b.stage_down = True
+    b.add_norm_forward(x, r, norm)
+    assert stages[-1] is True
+    b.stage_down = False
     b.one_launch = False
     monkeypatch.setattr(moe_layer, "add_norm_route",
                         lambda x, r, *a, **k: (x + r, x + r, None,

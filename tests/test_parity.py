@@ -216,6 +216,27 @@ def test_moe_block_switch_reaches_every_fused_moe_block(tiny_q4):
         assert blocks and all(b.one_launch is want for b in blocks)
 
 
+def test_moe_block_stage_switch_reaches_every_fused_moe_block(tiny_q4, monkeypatch):
+    # QAB_ENABLE=moe-block-stage sets FusedSparseMoeBlock.stage_down (off by
+    # default); disable=["moe-block-stage"] wins; the report says which.
+    from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
+
+    monkeypatch.delenv("QAB_DISABLE", raising=False)
+    for enable, disable, want in (("", [], False), ("moe-block-stage", [], True),
+                                  ("moe-block-stage", ["moe-block-stage"], False)):
+        monkeypatch.setenv("QAB_ENABLE", enable)
+        model = load(tiny_q4, "fused", disable=disable)[0]
+        blocks = [m for _, m in model.named_modules() if isinstance(m, FusedSparseMoeBlock)]
+        assert blocks and all(b.stage_down is want for b in blocks)
+        notes = [n for n in get_report(model).notes if "moe-block-stage" in n]
+        if not enable:
+            assert notes == []
+        elif disable:
+            assert len(notes) == 1 and "which wins" in notes[0]
+        else:
+            assert len(notes) == 1 and "stage the token's gate/up activations" in notes[0]
+
+
 @pytest.mark.parametrize("opt", sorted(_OFF_NOTES))
 def test_switched_off_optimization_is_a_report_note(tiny_q4, opt, monkeypatch):
     # Like add-norm or proj-concat, a module kind's optimization switched off says in the

@@ -132,13 +132,22 @@ struct QabNoWait {
 // (qab_ld<true>). Only for counts that blocks already running will reach (a
 // launch's ticketed phases, moe_decode_block.cu): a wait on a block that has
 // not started could wait forever.
+// A profiling build may define QAB_WAIT_RELAXED: relaxed polls, then one
+// acquire fence (the PTX model's fence-based acquire pattern).
 __device__ __forceinline__ void qab_wait_count(const uint32_t* p, uint32_t target) {
   uint32_t v;
   while (true) {
+#ifdef QAB_WAIT_RELAXED
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+#else
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+#endif
     if (v >= target) {
       break;
     }
     __nanosleep(QAB_WAIT_SLEEP_NS);
   }
+#ifdef QAB_WAIT_RELAXED
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#endif
 }

@@ -62,7 +62,11 @@
 // size), RG (router group size), SGB, SGG (shared gate bits and group size),
 // NORM (renormalise the K scores), BLOCK, RB (router rows per warp), CS
 // (counter stride, elements), PERSIST (blocks loop over tickets), PREFETCH
-// (down items load their weights before waiting for gate/up).
+// (down items load their weights before waiting for gate/up), STAGE (a down
+// block copies the token's gate/up activations into shared memory once, with
+// cp.async, instead of each lane reading its chunks from L2 one after
+// another: ncu on the H200, 34.3 against 43 us per launch; not yet run in a
+// whole model on the GPU, so off by default).
 // Requirements: each of the three kernels' (see their sources).
 // Inputs: x, r [N, H] T (residual stream, mixer output); nw [H] T; eps [4]
 // float32; gw [E, H / 4] uint32, gs, gb [E, H / RG] T (8-bit router); w,
@@ -80,8 +84,8 @@
 constexpr int RBLK = (E + (BLOCK / 32) * RB - 1) / ((BLOCK / 32) * RB);
 constexpr int GBLK = (32 * ((K + 1) * I / QAB_GATE_UP_RPW + 1) + BLOCK - 1) / BLOCK;
 constexpr int DBLK = (32 * H / QAB_DOWN_RPW + BLOCK - 1) / BLOCK;
-static_assert(!PREFETCH || H % ((BLOCK / 32) * QAB_DOWN_RPW) == 0,
-              "moe_decode_block: PREFETCH needs every warp of a down block busy");
+static_assert(!(PREFETCH || STAGE) || H % ((BLOCK / 32) * QAB_DOWN_RPW) == 0,
+              "moe_decode_block: PREFETCH and STAGE need every warp of a down block busy");
 __shared__ uint32_t ticket;
 
 uint32_t* c = const_cast<uint32_t*>(count);
@@ -162,7 +166,7 @@ while (true) {
     };
     const int warp = (d - n * DBLK) * (BLOCK / 32) + (tid >> 5);
     if (warp * QAB_DOWN_RPW < H) {
-      qab_moe_down_shared_rows<T, H, I, K, G, true, true>(
+      qab_moe_down_shared_rows<T, H, I, K, G, true, true, STAGE>(
           warp, tid & 31, n, act, inds, scores, d_w, d_scales, d_biases, s_down_w,
           s_down_scales, s_down_biases, sg_logit, h, out, wait_gate_up);
     }

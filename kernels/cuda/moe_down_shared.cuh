@@ -4,12 +4,14 @@
 // the K routed experts' 4-bit down projections weighted by the routing scores
 // plus the shared expert's weighted by sigmoid(sg_logit[n]), summed; with
 // HAS_RES plus the residual as the stock layer adds it. The arithmetic is
-// described in moe_down_shared_gemv.cu. Every lane of the warp must call it
-// (and every warp of the block when `wait` holds a block barrier, as
-// moe_decode_block.cu's PREFETCH wait does);
-// the caller guarantees QAB_DOWN_RPW * warp < H. With CG (moe_decode_block.cu,
-// where other blocks of the same launch wrote them) h, inds, scores, sg_logit
-// and res are read through L2 (ld.global.cg); the weights as before.
+// described in moe_down_shared_gemv.cu. Every lane of the warp must call it,
+// and every warp of the block when `wait` holds a block barrier (as
+// moe_decode_block.cu's PREFETCH wait does) or with STAGE; the caller
+// guarantees QAB_DOWN_RPW * warp < H. With CG (moe_decode_block.cu, where
+// other blocks of the same launch wrote them) h, inds, scores, sg_logit and
+// res are read through L2 (ld.global.cg); the weights as before. STAGE (needs
+// CG) stages token n's h in shared memory once per block (cp.async.cg) after
+// the wait, and reads res before it.
 //
 // Loads in flight: a row's (K + 1) * I / 32 (slot, 32-value chunk) tasks go to
 // the lanes as task = lane + 32 i (a half warp reads one slot's 256 bytes of a
@@ -21,8 +23,15 @@
 
 constexpr int QAB_DOWN_RPW = 2;  // output rows per warp
 
-template <typename OutT, int H, int I, int K, int G, bool HAS_RES, bool CG = false, typename HT,
-          typename ST, typename QT, typename SQT, typename RT, typename Wait = QabNoWait>
+// STAGE's shared-memory copy of token n's h (one buffer per instantiation).
+template <typename HT, int N>
+__device__ __forceinline__ HT* qab_down_h_smem() {
+  __shared__ __align__(16) HT buf[N];
+  return buf;
+}
+
+template <typename OutT, int H, int I, int K, int G, bool HAS_RES, bool CG = false,
+          bool STAGE = false, typename HT, typename ST, typename QT, typename SQT, typename RT, typename Wait = QabNoWait>
 __device__ __forceinline__ void qab_moe_down_shared_rows(
     const int warp, const int lane, const int n, const HT* h, const uint32_t* inds,
     const ST* scores, const uint32_t* w, const QT* scales, const QT* biases,
@@ -79,9 +88,42 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
     }
   }
 
+  // STAGE: the residual now (the route phase wrote it; the caller waited for it).
+  float resv[RPW];
+#pragma unroll
+  for (int p = 0; p < RPW; ++p) {
+    resv[p] = 0.f;
+    if constexpr (STAGE && HAS_RES) {
+      if (lane == 0) {
+        resv[p] = static_cast<float>(qab_ldcg(res + (size_t)n * H + warp * RPW + p));
+      }
+    }
+  }
+
   // h and sg_logit may still be in the making (moe_decode_block's prefetch:
   // the weights above needed only the route); wait() returns once they are written.
   wait();
+
+  // STAGE: the block copies token n's h ([K + 1, I], written by other blocks of
+  // the launch) into shared memory, one round of 16-byte L2 copies, instead of
+  // each lane reading its chunks task after task below: with this warp's
+  // weights in the registers those loads did not overlap (H200, the block's
+  // per-ticket timeline: a down item took 5-11 us after its wait).
+  const HT* hs = nullptr;
+  if constexpr (STAGE) {
+    static_assert(CG, "moe down rows: STAGE reads data of the same launch (CG)");
+    static_assert((KS * I * sizeof(HT)) % 16 == 0, "moe down rows: h rows are 16-byte multiples");
+    constexpr int V16 = KS * I * int(sizeof(HT)) / 16;
+    HT* buf = qab_down_h_smem<HT, KS * I>();
+    const uint4* src = reinterpret_cast<const uint4*>(h + (size_t)n * KS * I);
+    for (int v = threadIdx.x; v < V16; v += blockDim.x) {
+      qab_cp_async16(reinterpret_cast<uint4*>(buf) + v, src + v);
+    }
+    qab_cp_async_commit();
+    qab_cp_async_wait<0>();
+    __syncthreads();
+    hs = buf;
+  }
   const float shared_weight = 1.f / (1.f + expf(-qab_ld<CG>(sg_logit + n)));
 #pragma unroll
   for (int i = 0; i < TPL; ++i) {
@@ -106,7 +148,9 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
         QabVec<HT, 8> chunk;
-        if constexpr (CG) {
+        if constexpr (STAGE) {
+          chunk = *reinterpret_cast<const QabVec<HT, 8>*>(hs + (hb - (size_t)n * KS * I) + 8 * v);
+        } else if constexpr (CG) {
           chunk = qab_load_vec_cg<HT, 8>(h + hb + 8 * v, vec);
         } else {
           chunk = qab_load_vec<HT, 8>(h + hb + 8 * v, 1, vec);
@@ -143,7 +187,7 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
     if (lane == 0) {
       const size_t i = (size_t)n * H + o;
       if (HAS_RES) {
-        y[i] = static_cast<OutT>(static_cast<float>(qab_ld<CG>(res + i)) +
+        y[i] = static_cast<OutT>((STAGE ? resv[p] : static_cast<float>(qab_ld<CG>(res + i))) +
                                  static_cast<float>(static_cast<OutT>(sum)));
       } else {
         y[i] = static_cast<OutT>(sum);

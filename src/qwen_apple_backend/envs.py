@@ -11,7 +11,7 @@ Variables:
         switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``, ``moe-route``, ``moe-block``,
         ``attn-blocks``, ``attn-split``, ``attn-kernel``, ``qk-prep``, ``decode-compile``,
         ``proj-concat``, ``gemv-kernel``, ``proj-gemv``, ``add-norm``, ``norm-proj``,
-        ``next-norm``, ``kv-in-place``), for ablations.
+        ``next-norm``, ``kv-in-place``, ``moe-block-stage``), for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
         leaves kernels on. Anything else is an error.
@@ -22,7 +22,10 @@ Variables:
         applying the next layer's input RMSNorm on CUDA: measured no faster
         on the H200; ``proj-gemv``, the concatenated input projections on
         the CUDA dense GEMV kernel: less GPU time, but decode at 4K measured
-        slower on the H200). ``QAB_DISABLE`` wins over it. ``next-norm`` needs
+        slower on the H200; ``moe-block-stage``, the one-launch MoE block's
+        down items staging the gate/up activations in shared memory: less
+        GPU time per launch on the H200, not yet run in a whole model there).
+        ``QAB_DISABLE`` wins over it. ``next-norm`` needs
         ``moe-route``, which needs ``add-norm`` and ``moe-kernel``.
     QAB_UNVERIFIED_KERNELS: a boolean like ``QAB_DISABLE_KERNELS``; on, it also
         uses CUDA kernels whose GPU tests have not yet passed on a GPU
@@ -89,6 +92,10 @@ OPTIMIZATIONS = {
     "next-norm": "model",
     # the compiled decode step writes each token's K/V rows into the cache in place (decode.py)
     "kv-in-place": "model",
+    # the one-launch MoE block's down items copy the token's gate/up activations into shared
+    # memory once (CUDA; opt-in with QAB_ENABLE: 34.3 vs 43 us per launch under ncu on the
+    # H200, not yet run in a whole model on the GPU)
+    "moe-block-stage": "moe",
 }
 
 
@@ -204,7 +211,7 @@ def kernels_disabled() -> bool:
 # Optimizations that are not on everywhere by default and that QAB_ENABLE can
 # switch on: decode-compile is on by default on a GPU only (host-bound decode:
 # measured on the H200) and off on the CPU (measured no faster there).
-OPT_IN = ("decode-compile", "next-norm", "proj-gemv")
+OPT_IN = ("decode-compile", "next-norm", "proj-gemv", "moe-block-stage")
 
 
 def enabled_opt_in() -> frozenset[str]:

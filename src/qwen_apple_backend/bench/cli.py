@@ -96,8 +96,9 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated fused module kinds ({','.join(FUSABLE_KINDS)}) or "
                         f"optimizations ({','.join(OPTIMIZATIONS)}): adds one "
                         "`fused-no-<name>` backend per name, the fused backend with that kind "
-                        "kept stock or that optimization switched off (an opt-in one, "
-                        "next-norm, is on in `fused` only with QAB_ENABLE=next-norm)")
+                        "kept stock or that optimization switched off (the opt-in ones, "
+                        "next-norm, proj-gemv and moe-block-stage, are on in `fused` only with "
+                        "QAB_ENABLE=NAME)")
     b.add_argument("--prefill-step-size", type=positive_int, default=None,
                    help="prefill chunk in tokens (default: mlx-lm's, 2048)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

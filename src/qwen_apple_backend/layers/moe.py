@@ -285,6 +285,9 @@ class FusedSparseMoeBlock(nn.Module):
     ``one_launch`` (default True; the ``moe-block`` optimization) runs that
     launch and the two expert kernels as one
     (:func:`~qwen_apple_backend.ops.moe.moe_decode_block`, CUDA; same outputs).
+    Attribute ``stage_down`` (default False; the opt-in ``moe-block-stage``
+    optimization) builds that launch with its down items staging the token's
+    gate/up activations in shared memory (``STAGE``; same outputs).
 
     Attribute ``dequant_gemm`` (default True; the ``moe-gemm`` optimization)
     lets prefill-sized calls on quantized experts dequantize them and run a
@@ -321,6 +324,7 @@ class FusedSparseMoeBlock(nn.Module):
     dequant_gemm: bool = True
     fused_route: bool = True
     one_launch: bool = True
+    stage_down: bool = False
 
     def __init__(
         self,
@@ -593,7 +597,7 @@ class FusedSparseMoeBlock(nn.Module):
         nkey, next_key = norm_key(norm), norm_key(next_norm)
         key = (x.shape, x.dtype, decode, envs.kernels_disabled(),
                envs.unverified_kernels_allowed(), self._weights_signature(), nkey, next_key,
-               self.one_launch)
+               self.one_launch, self.stage_down)
         cache = self.__dict__.get("_choices")
         if cache is None:
             cache = {}
@@ -616,7 +620,8 @@ class FusedSparseMoeBlock(nn.Module):
                 block = decode_block_ready(
                     x, norm["weight"], norm.eps, linear_weights(self.gate), self.top_k,
                     self.norm_topk_prob, expert_weights(self.switch_mlp.gate_up_proj),
-                    expert_weights(self.switch_mlp.down_proj), self._shared_weights())
+                    expert_weights(self.switch_mlp.down_proj), self._shared_weights(),
+                    stage=self.stage_down)
             hit = (router, fold, route, down_norm, block)
             if len(cache) >= 64:
                 cache.clear()
@@ -726,7 +731,8 @@ class FusedSparseMoeBlock(nn.Module):
                                     self.norm_topk_prob,
                                     expert_weights(self.switch_mlp.gate_up_proj),
                                     expert_weights(self.switch_mlp.down_proj),
-                                    self._shared_weights(), block, counter=counter)
+                                    self._shared_weights(), block, counter=counter,
+                                    stage=self.stage_down)
         h, y, _, inds, scores = add_norm_route(x, r, norm_weight, eps, gate, self.top_k,
                                                self.norm_topk_prob, backend=route,
                                                counter=counter)
@@ -811,7 +817,8 @@ class FusedSparseMoeBlock(nn.Module):
         else:
             fns = self.__dict__.setdefault("_compiled", {})
             key = ("add_norm_route", route, fold, norm.eps, down_norm,
-                   None if down_norm is None else next_norm.eps, serial, block)
+                   None if down_norm is None else next_norm.eps, serial, block,
+                   block is not None and self.stage_down)
             fn = fns.get(key)
             if fn is None:
                 # The module is the captured input tree (parameters replaced

@@ -355,6 +355,11 @@ class QwenHybridAdapter(Adapter):
         # H200 (234.2 vs 243.9 tok/s, same run): a custom launch costs the host
         # more, and 4K decode is host-bound.
         proj_gemv = "proj-gemv" in enabled and "proj-gemv" not in disable
+        # Opt-in (QAB_ENABLE=moe-block-stage): the one-launch MoE block built with
+        # its down items staging the gate/up activations in shared memory: 34.3
+        # vs 43 us per launch under ncu on the H200, not yet run in a whole model
+        # on the GPU.
+        stage_down = "moe-block-stage" in enabled and "moe-block-stage" not in disable
         switched_off: set[str] = set()  # optimizations off in at least one fused module
         for layer in model.layers:
             base = names.get(id(layer), "layers.?")
@@ -398,6 +403,8 @@ class QwenHybridAdapter(Adapter):
                     fused.fused_route = False
                 if "moe-block" in off:
                     fused.one_launch = False
+                if stage_down and hasattr(fused, "stage_down"):
+                    fused.stage_down = True
                 if "attn-blocks" in off:
                     fused.block_queries = False
                 if "attn-split" in off:
@@ -430,6 +437,15 @@ class QwenHybridAdapter(Adapter):
                 if "proj-gemv" in disable else
                 "on CUDA a decode token's concatenated input projections run on the dense "
                 "GEMV kernel (proj-gemv from QAB_ENABLE" + _cuda_only_end())
+        if "moe-block-stage" in enabled and any(m.fused and m.kind == "moe"
+                                                for m in report.modules):
+            report.notes.append(
+                "the one-launch MoE block reads its gate/up activations from L2 "
+                "(moe-block-stage from QAB_ENABLE, but also in QAB_DISABLE / disable=, which wins)"
+                if "moe-block-stage" in disable else
+                "on CUDA the one-launch MoE block's down items stage the token's gate/up "
+                "activations in shared memory (moe-block-stage from QAB_ENABLE; needs moe-block"
+                + _cuda_only_end())
         if "gemv-kernel" in disable:
             report.notes.append("lm_head on MLX's quantized matmul (gemv-kernel in QAB_DISABLE / "
                                 "disable=)")

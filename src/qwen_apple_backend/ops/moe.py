@@ -1588,9 +1588,16 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: source): CS, the stride in uint32 elements between its four launch-wide
 #: counters; PERSIST, whether a block keeps taking tickets (then GRID blocks,
 #: None: one per ticket); PREFETCH, whether a down item loads its weights
-#: before it waits for the gate/up items. The defaults were the fastest of
-#: benchmarks/profile_moe_block_gpu.py's variants on the H200.
-DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None}
+#: before it waits for the gate/up items; STAGE, whether a down item copies
+#: the token's gate/up activations into shared memory once (cp.async) instead
+#: of each lane reading its chunks from L2 one after another (the default of
+#: :func:`moe_decode_block`'s ``stage``; the ``moe-block-stage`` switch sets it
+#: per model). The defaults were the fastest of
+#: benchmarks/profile_moe_block_gpu.py's variants on the H200, except STAGE:
+#: 34.3 against 43 us per launch there, but not yet run in a whole model on the
+#: GPU, so off until it is.
+DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
+                        "STAGE": False}
 
 
 def decode_block_counter_length(rows: int = FOLD_NORM_MAX_ROWS) -> int:
@@ -1620,7 +1627,8 @@ def _decode_block_launch(E: int, H: int, I: int, K: int) -> tuple[int, int, int]
 def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: mx.array,
                            eps: float, gate: "ExpertWeights", top_k: int, norm_topk_prob: bool,
                            gate_up: ExpertWeights, down: ExpertWeights,
-                           shared: SharedExpertWeights, counter: mx.array) -> mx.array:
+                           shared: SharedExpertWeights, counter: mx.array,
+                           stage: Optional[bool] = None) -> mx.array:
     obj = _decode_block_object(backend)
     if obj is None:
         raise RuntimeError(f"no moe_decode_block source or MLX API for {backend}")
@@ -1653,7 +1661,8 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
                   ("SGB", int(sgate.bits)), ("SGG", int(sgate.group_size)),
                   ("NORM", bool(norm_topk_prob)), ("BLOCK", block), ("RB", rb),
                   ("CS", int(opts["CS"])), ("PERSIST", bool(opts["PERSIST"])),
-                  ("PREFETCH", bool(opts["PREFETCH"]))],
+                  ("PREFETCH", bool(opts["PREFETCH"])),
+                  ("STAGE", bool(opts["STAGE"] if stage is None else stage))],
         grid=(block * grid_blocks, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[x.shape, x.shape, x.shape, (*lead, E), (*lead, K), (*lead, K),
                        (N, K + 1, I), (unpooled_length(N, mx.float32),)],
@@ -1681,7 +1690,8 @@ def decode_block_supported(x: mx.array, norm_weight: mx.array, gate: Optional["E
 def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
                        gate: Optional["ExpertWeights"], top_k: int, norm_topk_prob: bool,
                        gate_up: ExpertWeights, down: ExpertWeights,
-                       shared: SharedExpertWeights) -> Optional[str]:
+                       shared: SharedExpertWeights,
+                       stage: Optional[bool] = None) -> Optional[str]:
     """The GPU backend whose one-launch MoE decode block may run this call, or None.
 
     ``kernels/cuda/moe_decode_block``: :func:`add_norm_route` and the
@@ -1706,6 +1716,9 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
         gate_up (ExpertWeights): ``[E, 2I, H]``.
         down (ExpertWeights): ``[E, H, I]``.
         shared (SharedExpertWeights): the shared expert and its gate.
+        stage (bool | None): the build with the down items' activations staged
+            in shared memory (``STAGE``), checked on its own; None:
+            ``DECODE_BLOCK_OPTIONS["STAGE"]``.
 
     Returns:
         Optional[str]: ``"cuda"``, or None (not CUDA, kernels disabled,
@@ -1730,7 +1743,7 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
     def kernel(xs, rs, ws):
         counter = fold_norm_counter(decode_block_counter_length())
         return [_moe_decode_block_call("cuda", xs, rs, ws, eps, gate, K, norm, gate_up, down,
-                                       shared, counter)]
+                                       shared, counter, stage)]
 
     def reference(xs, rs, ws):
         h, y, _, inds, scores = _add_norm_route_call("cuda", xs, rs, ws, eps, gate, K, norm,
@@ -1741,7 +1754,9 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
     # The same per-block code as the three launches: bit-identical.
     key = (H, str(dtype), E, gate.group_size, K, norm, float(eps),
            tuple(gate_up.weight.shape), gate_up.group_size, down.group_size,
-           shared.gate.bits, shared.gate.group_size, tuple(sorted(DECODE_BLOCK_OPTIONS.items())))
+           shared.gate.bits, shared.gate.group_size,
+           tuple(sorted({**DECODE_BLOCK_OPTIONS,
+                         **({} if stage is None else {"STAGE": bool(stage)})}.items())))
     ok = self_checked("moe_decode_block", "cuda", key, kernel=kernel, reference=reference,
                       make_inputs=_add_norm_route_check_inputs(H, dtype), rtol=0.0)
     return "cuda" if ok else None
@@ -1750,7 +1765,8 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
 def moe_decode_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float,
                      gate: "ExpertWeights", top_k: int, norm_topk_prob: bool,
                      gate_up: ExpertWeights, down: ExpertWeights, shared: SharedExpertWeights,
-                     backend: str, counter: Optional[mx.array] = None) -> mx.array:
+                     backend: str, counter: Optional[mx.array] = None,
+                     stage: Optional[bool] = None) -> mx.array:
     """A decode token's MoE layer half in one launch: ``h + moe(rms_norm(h))``, ``h = x + r``.
 
     One launch of ``kernels/cuda/moe_decode_block``: the residual add, the
@@ -1782,6 +1798,10 @@ def moe_decode_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float
             launch: a :func:`serial_counter` inside :func:`serial_decode_trace`,
             else (None) a :func:`fold_norm_counter` view that MLX copies for
             each launch.
+        stage (bool | None): down items stage the token's gate/up activations
+            in shared memory (the ``STAGE`` build, same output); None:
+            ``DECODE_BLOCK_OPTIONS["STAGE"]``. Check it with the same
+            ``stage`` in :func:`decode_block_ready`.
 
     Returns:
         mx.array: the layer's output, ``x``'s shape and dtype.
@@ -1795,7 +1815,7 @@ def moe_decode_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float
     if counter is None:
         counter = fold_norm_counter(decode_block_counter_length())
     return _moe_decode_block_call(backend, x, r, norm_weight, eps, gate, top_k, norm_topk_prob,
-                                  gate_up, down, shared, counter)
+                                  gate_up, down, shared, counter, stage)
 
 
 # Tile heights of the grouped GEMM kernel (kernels/{cuda,metal}/moe_grouped_gemm):
