@@ -356,7 +356,8 @@ def test_disable_argument_is_checked_like_the_variable():
      "--layers 400: preset 'tiny' has 4 layers"),
     # QAB_* variables are checked before any model is built, as qab's commands do.
     ("decode_split.py", ["--preset", "tiny", "QAB_ENABLE=bogus"],
-     "QAB_ENABLE: unknown optimization 'bogus' (known: decode-compile, next-norm, proj-gemv)"),
+     "QAB_ENABLE: unknown optimization 'bogus' (known: decode-compile, next-norm, proj-gemv, "
+     "moe-block-stage)"),
     ("profile_attention_decode.py", ["QAB_DISABLE=warp"], "QAB_DISABLE: unknown optimization"),
 ])
 def test_benchmark_scripts_reject_bad_arguments_in_one_line(script, args, message, tmp_path):

@@ -1458,8 +1458,9 @@ def test_add_norm_route_reads_the_blocks_own_counter_in_the_decode_step_trace(mo
         assert own[0] is not own[1] and all(c is own[i % 2] for i, c in enumerate(seen))
         assert all(c.shape == (moe_ops.FOLD_NORM_MAX_ROWS,) and c.dtype == mx.uint32
                    and not mx.any(c).item() for c in own)
-    # The compiled graphs of the two counters are kept apart.
-    assert {k[-2] for k in blocks[0]._compiled} == {False, True}
+    # The compiled graphs of the two counters are kept apart (the key ends with
+    # serial, block, stage).
+    assert {k[-3] for k in blocks[0]._compiled} == {False, True}
 
 
 def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monkeypatch):
