@@ -33,9 +33,15 @@ settings of the kernel text: ``SLEEP=ns`` (``QAB_WAIT_SLEEP_NS``, the wait's
 sleep between polls), ``MINB=n`` (the kernel declared
 ``__launch_bounds__(BLOCK, n)``: at least n blocks per SM, registers capped to
 fit) and ``RELAXED`` (``QAB_WAIT_RELAXED``: relaxed polls and one acquire
-fence instead of an acquire load per poll); ``default`` is the shipped setting. Writes ``profile-moe-block-gpu-<device>.json`` (the
-summary) or ``profile-moe-block-gpu-timeline-<device>.json`` into OUT. Needs MLX's CUDA backend,
-except ``--summarize``.
+fence instead of an acquire load per poll); ``default`` is the shipped
+setting. The timeline also records, per phase, how many blocks took their
+ticket within 1 us of the first (``started_1us``: the blocks resident at the
+start; the marks cost registers, so check it against the shipped build's
+occupancy), the down items' end of waiting for the gate/up items
+(``gu_wait_end_median``, with PREFETCH) and every ticket's marks of the last
+launch (``tickets``). Writes ``profile-moe-block-gpu-<device>.json`` (the
+summary) or ``profile-moe-block-gpu-timeline-<device>.json`` into OUT. Needs
+MLX's CUDA backend, except ``--summarize``.
 
 Usage:
     python benchmarks/profile_moe_block_gpu.py OUT [--variants default,CS=32,...] [--reps 5]

@@ -31,7 +31,8 @@ __device__ __forceinline__ HT* qab_down_h_smem() {
 }
 
 template <typename OutT, int H, int I, int K, int G, bool HAS_RES, bool CG = false,
-          bool STAGE = false, typename HT, typename ST, typename QT, typename SQT, typename RT, typename Wait = QabNoWait>
+          bool STAGE = false, typename HT, typename ST, typename QT, typename SQT, typename RT,
+          typename Wait = QabNoWait>
 __device__ __forceinline__ void qab_moe_down_shared_rows(
     const int warp, const int lane, const int n, const HT* h, const uint32_t* inds,
     const ST* scores, const uint32_t* w, const QT* scales, const QT* biases,
@@ -108,7 +109,7 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
   // the launch) into shared memory, one round of 16-byte L2 copies, instead of
   // each lane reading its chunks task after task below: with this warp's
   // weights in the registers those loads did not overlap (H200, the block's
-  // per-ticket timeline: a down item took 5-11 us after its wait).
+  // per-ticket timeline: a down item took 5-14 us after its wait).
   const HT* hs = nullptr;
   if constexpr (STAGE) {
     static_assert(CG, "moe down rows: STAGE reads data of the same launch (CG)");
