@@ -505,7 +505,9 @@ def test_moe_decode_block_is_the_three_launches(shape, dtype, rg, norm):
 
 @pytest.mark.parametrize("options", [{"CS": 1, "PREFETCH": False}, {"PREFETCH": False},
                                      {"PERSIST": True, "GRID": 132},
-                                     {"CS": 1, "PERSIST": True, "PREFETCH": False, "GRID": 264}],
+                                     {"CS": 1, "PERSIST": True, "PREFETCH": False, "GRID": 264},
+                                     {"STAGE": True}, {"STAGE": True, "PERSIST": True,
+                                                       "GRID": 132}],
                          ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 @pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_CASES[:2],
                          ids=lambda v: str(v).replace("mlx.core.", "").replace(" ", ""))
@@ -513,8 +515,9 @@ def test_moe_decode_block_build_options_are_the_three_launches(shape, dtype, rg,
                                                                monkeypatch):
     # moe_decode_block's build choices besides the default (CS 32, PREFETCH;
     # ops.moe.DECODE_BLOCK_OPTIONS): adjacent counters, down items that load
-    # after they wait, fewer blocks than tickets. Same output as the three
-    # launches, five launches in a row on one serial counter.
+    # after they wait, fewer blocks than tickets, down items that stage h in
+    # shared memory (STAGE). Same output as the three launches, five launches
+    # in a row on one serial counter.
     from qwen_apple_backend.ops import moe as moe_ops
 
     for key, value in options.items():
@@ -529,12 +532,15 @@ def test_moe_decode_block_build_options_are_the_three_launches(shape, dtype, rg,
         assert not mx.any(counter).item(), counter.tolist()
 
 
-def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches():
+@pytest.mark.parametrize("stage", [False, True], ids=["default", "stage"])
+def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(stage):
     # Qwen3-Next layers at D = 2048, 4-bit experts, 8-bit router and shared
     # gate, bf16: teacher-forced tokens through the compiled fused model with
-    # the one-launch block (moe-block) and without it: identical logits, and
-    # every block's counter back at zero.
+    # the one-launch block (moe-block; with stage, its moe-block-stage build)
+    # and without it: identical logits, and every block's counter back at zero.
     models, caches = _prefilled_fused_next_models([[], ["moe-block"]])
+    for layer in models[0].layers:
+        layer.mlp.stage_down = stage
     for t in range(16):
         tok = mx.array([[(t * 53 + 7) % 500]])
         a, b = (m(tok, cache=c) for m, c in zip(models, caches))
