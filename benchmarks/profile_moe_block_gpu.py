@@ -281,11 +281,11 @@ def summarize(csv_path: Path, run: dict) -> list[dict]:
     return out
 
 
-def med_s(s, lo: int, hi: int):
+def med_s(s, lo: int, hi: int, t0=None):
     """Median of mark 3 (a down item's end of waiting for the gate/up items) over
-    tickets [lo, hi) of one launch's stamps, in ns from its first ticket; None
-    when the build sets no mark 3 (no PREFETCH)."""
-    t0 = min(row[0] for row in s)
+    tickets [lo, hi) of one launch's stamps, in ns from its first ticket (``t0``
+    when the caller has it); None when the build sets no mark 3 (no PREFETCH)."""
+    t0 = min(row[0] for row in s) if t0 is None else t0
     ends = sorted(row[3] - t0 for row in s[lo:hi] if row[3])
     return ends[len(ends) // 2] if ends else None
 
@@ -329,9 +329,15 @@ def timeline(layer, variants, reps: int, spin: int = 0) -> list[dict]:
             keys = ("start_first", "start_median", "wait_end_median", "wait_end_last",
                     "work_end_last")
             vals = {k: [] for k in keys}
+            started, gu_waits = [], []
             for s in samples:
                 t0 = min(row[0] for row in s)
                 rows = s[lo:hi]
+                # Blocks that took their ticket within 1 us of the first (resident
+                # from the launch's start); with PREFETCH, the down items' mark 3.
+                started.append(sum(1 for row in rows if row[0] - t0 < 1000))
+                if p == 2:
+                    gu_waits.append(med_s(s, lo, hi, t0))
                 waits = sorted(row[1 if p else 0] - t0 for row in rows)
                 starts = sorted(row[0] - t0 for row in rows)
                 vals["start_first"].append(starts[0])
@@ -347,17 +353,11 @@ def timeline(layer, variants, reps: int, spin: int = 0) -> list[dict]:
                 per_sm[row[4]] = per_sm.get(row[4], 0) + 1
             phases[PHASES[p]]["sms"] = len(per_sm)
             phases[PHASES[p]]["max_per_sm"] = max(per_sm.values())
-            # Blocks of this phase that took their ticket within 1 us of the first
-            # (resident from the launch's start), median over the launches.
-            phases[PHASES[p]]["started_1us"] = int(statistics.median(
-                sum(1 for row in s[lo:hi] if row[0] - min(r[0] for r in s) < 1000)
-                for s in samples))
-            if p == 2:
-                # With PREFETCH, mark 3: the down items' wait for the gate/up items.
-                ends = [e for e in (med_s(s, lo, hi) for s in samples) if e is not None]
-                if ends:
-                    phases[PHASES[p]]["gu_wait_end_median"] = round(
-                        statistics.median(ends) / 1000.0, 2)
+            phases[PHASES[p]]["started_1us"] = int(statistics.median(started))
+            ends = [e for e in gu_waits if e is not None]
+            if ends:
+                phases[PHASES[p]]["gu_wait_end_median"] = round(
+                    statistics.median(ends) / 1000.0, 2)
         # The last launch per ticket: [start, wait end, prefetch wait end, work end] in us
         # from its first ticket (0 where a mark does not apply), and the SM.
         last = samples[-1]

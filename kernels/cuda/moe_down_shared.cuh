@@ -150,7 +150,7 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
       for (int v = 0; v < 4; ++v) {
         QabVec<HT, 8> chunk;
         if constexpr (STAGE) {
-          chunk = *reinterpret_cast<const QabVec<HT, 8>*>(hs + (hb - (size_t)n * KS * I) + 8 * v);
+          chunk = *reinterpret_cast<const QabVec<HT, 8>*>(hs + slot[i] * I + c * 32 + 8 * v);
         } else if constexpr (CG) {
           chunk = qab_load_vec_cg<HT, 8>(h + hb + 8 * v, vec);
         } else {

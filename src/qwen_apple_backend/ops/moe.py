@@ -1739,6 +1739,7 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
         return None
     H, dtype, E, K = x.shape[-1], x.dtype, gate.weight.shape[0], int(top_k)
     norm = bool(norm_topk_prob)
+    stage = bool(DECODE_BLOCK_OPTIONS["STAGE"] if stage is None else stage)
 
     def kernel(xs, rs, ws):
         counter = fold_norm_counter(decode_block_counter_length())
@@ -1755,8 +1756,7 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
     key = (H, str(dtype), E, gate.group_size, K, norm, float(eps),
            tuple(gate_up.weight.shape), gate_up.group_size, down.group_size,
            shared.gate.bits, shared.gate.group_size,
-           tuple(sorted({**DECODE_BLOCK_OPTIONS,
-                         **({} if stage is None else {"STAGE": bool(stage)})}.items())))
+           tuple(sorted({**DECODE_BLOCK_OPTIONS, "STAGE": stage}.items())))
     ok = self_checked("moe_decode_block", "cuda", key, kernel=kernel, reference=reference,
                       make_inputs=_add_norm_route_check_inputs(H, dtype), rtol=0.0)
     return "cuda" if ok else None
