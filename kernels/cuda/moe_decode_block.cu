@@ -65,7 +65,7 @@
 // (down items load their weights before waiting for gate/up), STAGE (a down
 // block copies the token's gate/up activations into shared memory once, with
 // cp.async, instead of each lane reading its chunks from L2 one after
-// another: ncu on the H200, 34.3 against 43 us per launch; not yet run in a
+// another: ncu on the H200, 34.3 against 43 us per launch (two runs); not yet run in a
 // whole model on the GPU, so off by default).
 // Requirements: each of the three kernels' (see their sources).
 // Inputs: x, r [N, H] T (residual stream, mixer output); nw [H] T; eps [4]

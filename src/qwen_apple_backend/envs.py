@@ -94,7 +94,7 @@ OPTIMIZATIONS = {
     "kv-in-place": "model",
     # the one-launch MoE block's down items copy the token's gate/up activations into shared
     # memory once (CUDA; opt-in with QAB_ENABLE: 34.3 vs 43 us per launch under ncu on the
-    # H200, not yet run in a whole model on the GPU)
+    # H200 (two runs), not yet run in a whole model on the GPU)
     "moe-block-stage": "moe",
 }
 

@@ -1594,7 +1594,7 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: :func:`moe_decode_block`'s ``stage``; the ``moe-block-stage`` switch sets it
 #: per model). The defaults were the fastest of
 #: benchmarks/profile_moe_block_gpu.py's variants on the H200, except STAGE:
-#: 34.3 against 43 us per launch there, but not yet run in a whole model on the
+#: 34.3 against 43 us per launch there (two runs), but not yet run in a whole model on the
 #: GPU, so off until it is.
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
                         "STAGE": False}
