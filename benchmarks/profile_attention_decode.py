@@ -17,6 +17,9 @@ shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
   (``gqa_attention_split(..., use_kernel=False)``) over the masked buffer;
 * ``split-kernel``: the same through the split-K kernel pair where this
   device has it (``split_kernel_ready``), else absent;
+* ``split-kernel-lanes``: the same pair with the lane-group first pass
+  (``attn-lanes``: ``gqa_decode_partial_lanes``, built with
+  ``QAB_UNVERIFIED_KERNELS=1``) where it builds, else absent;
 * ``kv-update``: the compiled decode step's cache write alone: one
   ``mx.slice_update`` of a new key and value row into the K and V buffers
   at an array offset, compiled, each call's outputs replacing the buffers
@@ -124,6 +127,10 @@ def main(argv=None) -> int:
         if attn_ops.split_kernel_ready(q, kbuf, vbuf, mask) is not None:
             forms["split-kernel"] = lambda: attn_ops.gqa_attention_split(q, kbuf, vbuf, scale,
                                                                          mask)
+        if (attn_ops.split_kernel_ready(q, kbuf, vbuf, mask, lanes=True) is not None
+                and attn_ops._lanes_usable("cuda", q, kbuf)):
+            forms["split-kernel-lanes"] = lambda: attn_ops._split_kernel_call(
+                "cuda", q, kbuf, vbuf, scale, mask, lanes=True)
         kv_bytes = 2 * B * HK * S * D * 2
         row = dict(S=S, kv_bytes=kv_bytes)
         for name, fn in forms.items():

@@ -98,15 +98,44 @@ def parse_shapes(text: str) -> list[tuple[str, int, int]]:
     return out
 
 
-def _with_rpw(lin, fn, rpw: int):
-    """``fn`` with the GEMV launched at ``rpw`` row sets per warp pass (grid to match)."""
+def parse_variant(text: str) -> dict:
+    """``pipe+rpw2+bps3`` -> ``{"pipe": True, "rpw": 2, "bps": 3}``; ``ValueError`` naming a bad token.
+
+    Tokens: ``pipe`` (double-buffered passes, the kernel's PIPE), ``rpwN``
+    (row sets per warp pass), ``bpsN`` (with ``pipe``: thread blocks per SM
+    the grid aims at). Unnamed values are the dispatcher's.
+    """
+    out: dict = {}
+    for tok in filter(None, text.split("+")):
+        if tok == "pipe":
+            out["pipe"] = True
+        elif tok[:3] in ("rpw", "bps") and tok[3:].isdigit() and 1 <= int(tok[3:]) <= 16:
+            out[tok[:3]] = int(tok[3:])
+        else:
+            raise ValueError(f"--variants: {tok!r} in {text!r} is not pipe, rpwN or bpsN "
+                             "(N from 1 to 16)")
+    if not out:
+        raise ValueError(f"--variants: {text!r} names nothing")
+    return out
+
+
+def _with_launch(lin, fn, rpw: int = 0, pipe: bool = False, bps: int = 0):
+    """``fn`` with the GEMV launched at ``rpw`` row sets per warp pass (grid to match).
+
+    With ``pipe``, the double-buffered build (PIPE) with a grid of at most
+    ``bps`` blocks per SM (the dispatcher's :data:`PIPE_BLOCKS_PER_SM` when 0).
+    """
     def call():
         chosen = lin.gemv_launch
 
-        def launch(M, N, K):
-            p = chosen(M, N, K)
-            rows = p["threads"] // 32 * (32 // p["LPR"]) * rpw
-            return {**p, "RPW": rpw, "blocks": max(1, min(lin._MAX_BLOCKS, -(-N // rows)))}
+        def launch(M, N, K, pipe_=None, sms=None):
+            p = chosen(M, N, K, pipe=pipe)
+            r = rpw or p["RPW"]
+            rows = p["threads"] // 32 * (32 // p["LPR"]) * r
+            cap = lin._MAX_BLOCKS
+            if pipe and lin.cuda_sm_count() > 0:
+                cap = min(cap, (bps or lin.PIPE_BLOCKS_PER_SM) * lin.cuda_sm_count())
+            return {**p, "RPW": r, "blocks": max(1, min(cap, -(-N // rows)))}
 
         lin.gemv_launch = launch
         try:
@@ -150,6 +179,10 @@ def main(argv=None) -> int:
     p.add_argument("--rpw", default="", help="comma list of row sets per warp pass to try "
                    "besides the dispatcher's choice: one extra qab-norm/rpwR candidate each "
                    "(the grid shrinks with R)")
+    p.add_argument("--variants", default="", help="comma list of launch variants of qab and "
+                   "qab-norm to try besides the dispatcher's choice, each a '+' list of pipe "
+                   "(double-buffered passes), rpwN, bpsN (pipe's blocks per SM): one "
+                   "qab/SPEC and one qab-norm/SPEC candidate each, e.g. pipe+rpw1+bps4")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--eps-array", default="device", choices=["device", "pool", "host"],
                    help="the NORM launch's epsilon array: device (as shipped: [4] filled on "
@@ -175,6 +208,10 @@ def main(argv=None) -> int:
         p.error(f"--rpw: {args.rpw!r} is not a comma list of integers")
     if any(r < 1 or r > 16 for r in rpws):
         p.error("--rpw: values between 1 and 16")
+    try:
+        variants = [(v, parse_variant(v)) for v in args.variants.split(",") if v]
+    except ValueError as exc:
+        p.error(str(exc))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = out / "profile-gemv-gpu-run.json"
@@ -218,7 +255,11 @@ def main(argv=None) -> int:
         for c in cands:
             plan.append((name, N, K, nbytes, c, fns[c]))
         for r in rpws:
-            plan.append((name, N, K, nbytes, f"qab-norm/rpw{r}", _with_rpw(lin, fns["qab-norm"], r)))
+            plan.append((name, N, K, nbytes, f"qab-norm/rpw{r}",
+                         _with_launch(lin, fns["qab-norm"], rpw=r)))
+        for spec, v in variants:
+            for c in ("qab", "qab-norm"):
+                plan.append((name, N, K, nbytes, f"{c}/{spec}", _with_launch(lin, fns[c], **v)))
     for *_, fn in plan:  # compile and warm every kernel outside the profiled range
         mx.eval(fn())
         mx.eval(fn())

@@ -56,6 +56,11 @@ CASES = {
     "gqa_decode_partial": (
         ["bf16", "bf16", "bf16", "bool", "f32"], ["f32", "f32"],
         {"InT": "bf16", "D": 256, "G": 8, "BLOCK": 256, "HAS_MASK": True}),
+    # Its lane-group first pass (attn-lanes) at the model's launch: 8 lanes per
+    # key, 8 warps per thread block of 64 keys (4K keys).
+    "gqa_decode_partial_lanes": (
+        ["bf16", "bf16", "bf16", "bool", "f32"], ["f32", "f32"],
+        {"InT": "bf16", "D": 256, "G": 8, "BLOCK": 64, "LPK": 8, "WARPS": 8, "HAS_MASK": True}),
     # The layer's build: the sigmoid output gate in the epilogue.
     "gqa_decode_combine": (["f32", "f32", "bf16"], ["bf16"],
                            {"OutT": "bf16", "D": 256, "HAS_GATE": True}),
@@ -92,7 +97,7 @@ CASES = {
     "quantized_gemv": (
         ["bf16", "u32", "bf16", "bf16", "bf16", "f32"], ["bf16"],
         {"OutT": "bf16", "ST": "bf16", "KD": 4096, "N": 12352, "G": 64, "M": 1, "LPR": 32,
-         "RPW": 2, "NORM": True}),
+         "RPW": 2, "NORM": True, "PIPE": False}),
     "gated_delta_decode": (
         ["bf16", "bf16", "bf16", "bf16", "bf16", "bf16", "bf16", "f32", "bf16", "bf16", "f32",
          "f32", "bool", "i32"], ["bf16", "bf16", "f32"],
@@ -122,6 +127,13 @@ EXTRA_CASES = [
     # The one-launch MoE block with its down items staging h in shared memory.
     ("moe_decode_block", (CASES["moe_decode_block"][0], CASES["moe_decode_block"][1],
                           {**CASES["moe_decode_block"][2], "STAGE": True})),
+    # The dense GEMV with double-buffered passes at the GDN in_proj's shape
+    # (K = 2048; 56 registers with nvcc 13, so 4 blocks of 256 threads per SM) and o_proj's.
+    ("quantized_gemv", (CASES["quantized_gemv"][0], CASES["quantized_gemv"][1],
+                        {**CASES["quantized_gemv"][2], "KD": 2048, "RPW": 1, "PIPE": True})),
+    ("quantized_gemv", (CASES["quantized_gemv"][0], CASES["quantized_gemv"][1],
+                        {**CASES["quantized_gemv"][2], "N": 2048, "RPW": 1, "NORM": False,
+                         "PIPE": True})),
     # The router at its limits: E = 1024 float32 logits (32 per lane, 8 lane
     # groups) with K = 32; and 8 half logits (one lane group, mostly padding).
     ("moe_router_topk", (["f32"], ["u32", "f32"], {"InT": "f32", "E": 1024, "K": 32,
@@ -144,6 +156,14 @@ EXTRA_CASES = [
                             {"InT": "f32", "D": 128, "G": 16, "BLOCK": 32, "HAS_MASK": False})),
     ("gqa_decode_combine", (["f32", "f32", "f32"], ["f32"],
                             {"OutT": "f32", "D": 128, "HAS_GATE": False})),
+    # The lane-group first pass in float32 at D = 256 (8 K pieces per lane) and
+    # at G = 16, D = 128 (the most o a lane holds: 64 floats), no mask.
+    ("gqa_decode_partial_lanes", (["f32", "f32", "f32", "bool", "f32"], ["f32", "f32"],
+                                  {"InT": "f32", "D": 256, "G": 8, "BLOCK": 512, "LPK": 8,
+                                   "WARPS": 8, "HAS_MASK": False})),
+    ("gqa_decode_partial_lanes", (["f32", "f32", "f32", "bool", "f32"], ["f32", "f32"],
+                                  {"InT": "f32", "D": 128, "G": 16, "BLOCK": 64, "LPK": 8,
+                                   "WARPS": 8, "HAS_MASK": False})),
     # Traditional (adjacent-pair) RoPE in float32 at D = 128.
     ("qk_norm_rope", (["f32", "f32", "f32", "f32", "f32", "i32"], ["f32", "f32"],
                       {"InT": "f32", "D": 128, "R": 32, "TRAD": True})),

@@ -825,6 +825,67 @@ def test_quantized_gemv_grid_stride_passes_emulated(_emulated_gemv, monkeypatch)
     assert mx_rel_l2(y, ref) <= 1e-2
 
 
+def _gemv_weights(N, K, G, dtype, seed):
+    w = (mx.random.normal((N, K), key=mx.random.key(seed)) * K ** -0.5).astype(dtype)
+    return mx.quantize(w, group_size=G, bits=4)
+
+
+@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+def test_pipelined_gemv_is_the_plain_kernel_bit_for_bit_emulated(case, norm, _emulated_gemv,
+                                                                monkeypatch):
+    # PIPE moves loads, not arithmetic: with a grid of 2 blocks (1 SM x 2) every
+    # warp walks several passes (odd and even counts, a partial last one), each
+    # from the register set loaded during the pass before, and every output
+    # equals the one-pass launch's bit for bit.
+    M, N, K, G, dt = case
+    dtype = _DT[dt]
+    wq, s, b = _gemv_weights(N, K, G, dtype, seed=N)
+    x = mx.random.normal((M, K), key=mx.random.key(K)).astype(dtype)
+    nw = (1.0 + 0.2 * mx.random.normal((K,), key=mx.random.key(3))).astype(dtype)
+    extra = dict(norm_weight=nw, eps=1e-6) if norm else {}
+    plain = lin_ops.quantized_gemv_kernel(x, wq, s, b, G, **extra)
+    monkeypatch.setattr(lin_ops, "GEMV_PIPE", True)
+    monkeypatch.setattr(lin_ops, "cuda_sm_count", lambda: 1)
+    monkeypatch.setattr(lin_ops, "PIPE_BLOCKS_PER_SM", 2)
+    p = lin_ops.gemv_launch(M, N, K)
+    assert p["PIPE"] and p["blocks"] == min(2, -(-N // (8 * (32 // p["LPR"]) * p["RPW"])))
+    piped = lin_ops.quantized_gemv_kernel(x, wq, s, b, G, **extra)
+    assert mx.array_equal(piped, plain).item()
+
+
+PIPE_GEMV_BROKEN = {
+    # The next pass's scales never move into the set the arithmetic reads.
+    "stale scales": ("          sc[r][i] = sc2[r][i];\n", ""),
+    # The next pass loaded into the set being computed.
+    "one register set": ("      load_into(wv2, sc2, bi2, base + stride);",
+                         "      load_into(wv, sc, bi, base + stride);"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(PIPE_GEMV_BROKEN))
+def test_broken_pipelined_gemv_fails(monkeypatch, what):
+    old, new = PIPE_GEMV_BROKEN[what]
+    src = kernel_source("quantized_gemv", "cuda")
+    assert src.body.count(old) == 1, what
+    monkeypatch.setattr(lin_ops, "build_kernel", lambda name, backend, **o: emu.build_kernel(
+        name, backend, source=src.body.replace(old, new), **o))
+    monkeypatch.setattr(lin_ops, "GEMV_PIPE", True)
+    monkeypatch.setattr(lin_ops, "cuda_sm_count", lambda: 1)
+    monkeypatch.setattr(lin_ops, "PIPE_BLOCKS_PER_SM", 1)
+    lin_ops._gemv_object.cache_clear()
+    try:
+        N, K, G = 300, 2048, 64
+        wq, s, b = _gemv_weights(N, K, G, mx.bfloat16, seed=4)
+        x = mx.random.normal((1, K), key=mx.random.key(5)).astype(mx.bfloat16)
+        y = lin_ops.quantized_gemv_kernel(x, wq, s, b, G)
+        ref = x.astype(mx.float32) @ mx.dequantize(wq, s.astype(mx.float32),
+                                                   b.astype(mx.float32), group_size=G, bits=4).T
+        assert not mx_rel_l2(y, ref) <= 1e-2  # (NaN from uninitialised registers fails too)
+    finally:
+        lin_ops._gemv_object.cache_clear()
+
+
 def test_quantized_gemv_dispatcher_self_checks_the_emulated_kernel(_emulated_gemv,
                                                                  monkeypatch):
     from qwen_apple_backend.ops.device import reset_self_checks, self_check_results
@@ -1518,6 +1579,206 @@ def test_split_decode_attention_checks_alignment_emulated(monkeypatch):
     _, q, k, v = _odd_layouts(BF16)[1]
     with pytest.raises(emu.KernelFault, match="misaligned|alignment"):
         mx.eval(attn_ops._split_kernel_call("cuda", q, k, v, 0.125, None))
+
+
+# The lane-group first pass (gqa_decode_partial_lanes, attn-lanes): (B, Hq,
+# Hk, D, S, dtype, mask, thread blocks one launch aims for). Qwen3.6's 8 query
+# heads per KV head at D 256 (bf16: LPK 8, 4 K pieces per lane) with a partial
+# last block and a masked hole over whole key blocks; D 128 in float32; G 2
+# and G 1; S below one thread block's first round of steps (warps without
+# keys); f16 with 8 steps per warp (few thread blocks) and D 32 (LPK 4).
+LANES_CASES = [
+    (1, 16, 2, 256, 150, BF16, "row", 128),
+    (1, 16, 2, 128, 77, F32, "rows", 128),
+    (2, 4, 2, 64, 45, BF16, None, 128),
+    (1, 2, 2, 256, 20, F32, "rows", 128),
+    (2, 8, 1, 64, 300, F16, "row", 2),
+    (1, 4, 2, 32, 100, BF16, "hole", 128),
+]
+
+
+def _lanes_inputs(B, Hq, Hk, D, S, dtype, mask_form):
+    q, k, v, mask, gate = _split_inputs(B, Hq, Hk, D, S, dtype,
+                                        "row" if mask_form == "hole" else mask_form)
+    if mask_form in ("row", "hole"):
+        # Keys 32..95 masked: whole thread blocks (32 keys) and steps with no allowed key.
+        mask = mask & ((mx.arange(S) < 32) | (mx.arange(S) >= 96))
+    return q, k, v, mask, gate
+
+
+def _lanes_id(c):
+    return "x".join(map(str, c[:5])) + f"-{c[5]}-{c[6] or 'nomask'}-ctas{c[7]}"
+
+
+@pytest.mark.parametrize("case", LANES_CASES, ids=_lanes_id)
+def test_split_decode_attention_lanes_emulated(case, monkeypatch):
+    B, Hq, Hk, D, S, dtype, mask_form, ctas = case
+    monkeypatch.setattr(attn_ops, "_LANES_CTAS", ctas)
+    q, k, v, mask, gate = _lanes_inputs(*case[:7])
+    block, lpk, warps = attn_ops._lanes_params(B, Hk, S, Hq // Hk, D, dtype)
+    assert lpk == min(8, D * dtype.size // 16) and warps == 8
+    assert block % (32 // lpk) == 0 and B * Hk * -(-S // block) <= max(ctas, B * Hk)
+    ref = attn_ops.gqa_attention_ops(q.astype(F32), k.astype(F32), v.astype(F32), D ** -0.5,
+                                     mask)
+    out = attn_ops._split_kernel_call("cuda", q, k, v, D ** -0.5, mask, lanes=True)
+    assert out.shape == (B, Hq, 1, D) and out.dtype == dtype
+    assert mx_rel_l2(out, ref) <= _split_tol(dtype)
+    # Gated: the same second pass, so the lane-per-key first pass's bits up to
+    # the order of float32 sums.
+    gated = attn_ops._split_kernel_call("cuda", q, k, v, D ** -0.5, mask, gate, lanes=True)
+    ref_g = attn_ops.gate_output(ref, gate.astype(F32))
+    assert gated.shape == (B, 1, Hq * D) and mx_rel_l2(gated, ref_g) <= 2 * _split_tol(dtype)
+    old = attn_ops._split_kernel_call("cuda", q, k, v, D ** -0.5, mask)
+    assert mx_rel_l2(out, old) <= _split_tol(dtype)
+
+
+def test_split_decode_attention_lanes_partials_emulated(monkeypatch):
+    # The partials themselves: one per (b, query head, thread block of BLOCK
+    # keys), as the lane-per-key pass's contract (m in log2 units, l, o
+    # unnormalised; a block with no allowed key m = -inf, l = 0, o = 0).
+    B, Hq, Hk, D, S = 1, 8, 1, 64, 200
+    q, k, v, mask, _ = _lanes_inputs(B, Hq, Hk, D, S, F32, "hole")
+    block, lpk, warps = attn_ops._lanes_params(B, Hk, S, Hq // Hk, D, F32)
+    assert (block, lpk, warps) == (32, 8, 8)
+    nb = -(-S // block)
+    o, ml = attn_ops._lanes_object("cuda")(
+        inputs=[q, k, v, mask, attn_ops.f32_scalar(0.125)],
+        template=[("InT", F32), ("D", D), ("G", Hq), ("BLOCK", block), ("LPK", lpk),
+                  ("WARPS", warps), ("HAS_MASK", True)],
+        grid=(32 * warps * nb, Hk, B), threadgroup=(32 * warps, 1, 1),
+        output_shapes=[(B, Hq, nb, D), (B, Hq, nb, 2)], output_dtypes=[F32, F32])
+    qn, kn, vn = (np.array(a, dtype=np.float64) for a in (q, k, v))
+    mn = np.array(mask).reshape(-1)
+    for j in range(nb):
+        keys = [s for s in range(j * block, min(S, (j + 1) * block)) if mn[s]]
+        got_m, got_l = np.array(ml[0, :, j, 0]), np.array(ml[0, :, j, 1])
+        if not keys:  # keys 32..95: blocks 1 and 2
+            assert j in (1, 2) and np.all(got_m == -np.inf) and np.all(got_l == 0)
+            assert np.all(np.array(o[0, :, j]) == 0)
+            continue
+        sc = qn[0, :, 0] @ kn[0, 0, keys].T * 0.125 / np.log(2)  # [Hq, keys], log2 units
+        m = sc.max(axis=1)
+        p = np.exp2(sc - m[:, None])
+        np.testing.assert_allclose(got_m, m, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got_l, p.sum(axis=1), rtol=1e-5)
+        np.testing.assert_allclose(np.array(o[0, :, j]), p @ vn[0, 0, keys], rtol=1e-4,
+                                   atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_split_decode_attention_lanes_reads_any_strides_emulated(dtype):
+    # K/V stored [B, Hk, D, S] (scalar loads) and rows one element into their
+    # buffer (no vector loads), through the lane-group first pass.
+    for what, q, k, v in _odd_layouts(dtype):
+        out = attn_ops._split_kernel_call("cuda", q, k, v, 0.125, None, lanes=True)
+        ref = attn_ops.gqa_attention_ops(q.astype(F32), k.astype(F32), v.astype(F32), 0.125)
+        assert mx_rel_l2(out, ref) <= _split_tol(dtype), what
+
+
+# Mutations of the lane-group pass's merges that the reference check must catch:
+# the warps' partials not rescaled to the thread block's max, half the warps
+# dropped from the shared-memory tree, the group's score tree one step short.
+LANES_BREAKS = {
+    "no-rescale": ("const float c = m[g] == -INFINITY ? 0.f : exp2f(m[g] - mb);",
+                   "const float c = m[g] == -INFINITY ? 0.f : 1.f;"),
+    "tree-drops-warps": ("for (int n = WARPS; n > 1; n >>= 1) {",
+                         "for (int n = WARPS / 2; n > 1; n >>= 1) {"),
+    "group-tree-short": ("for (int x = 1; x < LPK; x <<= 1) {",
+                         "for (int x = 2; x < LPK; x <<= 1) {"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(LANES_BREAKS))
+def test_split_decode_attention_lanes_broken_merge_fails_emulated(what, monkeypatch):
+    case = LANES_CASES[0]
+    q, k, v, mask, _ = _lanes_inputs(*case[:7])
+    D = case[3]
+    ref = attn_ops.gqa_attention_ops(q.astype(F32), k.astype(F32), v.astype(F32), D ** -0.5,
+                                     mask)
+    good = attn_ops._split_kernel_call("cuda", q, k, v, D ** -0.5, mask, lanes=True)
+    assert mx_rel_l2(good, ref) <= _split_tol(BF16)
+    _broken(monkeypatch, "gqa_decode_partial_lanes", *LANES_BREAKS[what])
+    bad = attn_ops._split_kernel_call("cuda", q, k, v, D ** -0.5, mask, lanes=True)
+    assert mx_rel_l2(bad, ref) > 10 * _split_tol(BF16), what
+
+
+def test_split_decode_attention_lanes_dispatch_emulated(monkeypatch):
+    # gqa_decode_attention_gated takes the lane-group first pass only with
+    # lanes (attn-lanes) and below _LANES_MAX_KEYS keys; with lanes the
+    # self-check runs both first passes under a verdict of its own.
+    monkeypatch.setattr(attn_ops, "gpu_backend", lambda: "cuda")
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    device.reset_self_checks()
+    try:
+        _lanes_dispatch(monkeypatch)
+    finally:
+        device.reset_self_checks()
+
+
+def _lanes_dispatch(monkeypatch):
+    calls = []
+    real = attn_ops._split_kernel_call
+    monkeypatch.setattr(attn_ops, "_split_kernel_call",
+                        lambda *a, **kw: calls.append((a[2].shape[2], kw.get("lanes", False)))
+                        or real(*a, **kw))
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(1))
+    k = mx.random.normal((1, 2, 100, 64), key=mx.random.key(2))
+    v = mx.random.normal((1, 2, 100, 64), key=mx.random.key(3))
+    gate = mx.random.normal((1, 1, 4, 64), key=mx.random.key(4))
+    row = mx.arange(100).reshape(1, 1, 1, 100) < 90
+    ref = attn_ops.gate_output(attn_ops.gqa_attention_ops(q, k, v, 0.3, row), gate)
+    out = attn_ops.gqa_decode_attention_gated(q, k, v, 0.3, row, gate)
+    assert calls == [(777, False)] * 4 + [(100, False)], calls
+    assert mx_rel_l2(out, ref) <= 1e-5
+    calls.clear()
+    out = attn_ops.gqa_decode_attention_gated(q, k, v, 0.3, row, gate, lanes=True)
+    assert calls == [(777, False)] * 4 + [(777, True)] * 4 + [(100, True)], calls
+    assert mx_rel_l2(out, ref) <= 1e-5
+    verdicts = {key: val for key, val in device.self_check_results().items()
+                if key[0] == "gqa_decode_attention"}
+    assert sorted(key[2][-1] for key in verdicts) == [False, True]
+    assert all(val == (True, "passed") for val in verdicts.values()), verdicts
+    # From _LANES_MAX_KEYS keys the lane-per-key pass runs (no new self-check).
+    calls.clear()
+    monkeypatch.setattr(attn_ops, "_LANES_MAX_KEYS", 100)
+    attn_ops.gqa_decode_attention_gated(q, k, v, 0.3, row, gate, lanes=True)
+    assert calls == [(100, False)], calls
+    # A shape the lane-group pass does not take (G x D over 2,048) keeps the
+    # lane-per-key pass with lanes on, under the lanes-off verdict.
+    monkeypatch.setattr(attn_ops, "_LANES_MAX_KEYS", 65536)
+    calls.clear()
+    q16 = mx.random.normal((1, 32, 1, 256), key=mx.random.key(5))
+    k16 = mx.random.normal((1, 2, 40, 256), key=mx.random.key(6))
+    assert not attn_ops._lanes_usable("cuda", q16, k16)
+    out = attn_ops.gqa_decode_attention_gated(q16, k16, k16, 0.1, None,
+                                              mx.zeros((1, 1, 32, 256)), lanes=True)
+    assert calls[-1] == (40, False)
+    ref = attn_ops.gate_output(attn_ops.gqa_attention_ops(q16, k16, k16, 0.1, None),
+                               mx.zeros((1, 1, 32, 256)))
+    assert mx_rel_l2(out, ref) <= 1e-5
+
+
+def test_split_decode_attention_lanes_params():
+    # Qwen3.6's full attention (B 1, Hk 2, G 8, D 256, bf16): 128 thread blocks
+    # of 8 warps (1,024 warps), 64 partials per query head, at 4K and 32K keys;
+    # BLOCK from the ladder 32 x 1, 1.25, 1.5, 1.75, 2, 2.5, ... (a template value:
+    # few builds as a cache grows), so 4,100 and 4,352 keys take 80 (55 blocks a head).
+    bf = BF16
+    assert attn_ops._lanes_params(1, 2, 4096, 8, 256, bf) == (64, 8, 8)
+    assert attn_ops._lanes_params(1, 2, 4352, 8, 256, bf) == (80, 8, 8)
+    assert attn_ops._lanes_params(1, 2, 4100, 8, 256, bf) == (80, 8, 8)
+    # Four values per doubling of the cache, every one a multiple of a step.
+    ladder = {attn_ops._lanes_params(1, 2, s, 8, 256, bf)[0] for s in range(256, 65537, 256)}
+    assert ladder == {32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384,
+                      448, 512, 640, 768, 896, 1024}
+    assert attn_ops._lanes_params(1, 2, 32768, 8, 256, bf) == (512, 8, 8)
+    assert attn_ops._lanes_params(1, 2, 131072, 8, 256, bf) == (2048, 8, 8)
+    assert attn_ops._lanes_params(1, 2, 1000, 8, 256, bf) == (32, 8, 8)
+    assert attn_ops._lanes_params(1, 2, 4096, 8, 256, F32) == (64, 8, 8)
+    assert attn_ops._lanes_params(1, 4, 4096, 4, 32, bf) == (128, 4, 8)  # 4 pieces a row
+    assert attn_ops._lanes_params(1, 1, 4096, 16, 256, bf) is None  # G x D over 2,048
+    # More (b, KV head) pairs than thread blocks aimed for: one block of all S keys.
+    assert attn_ops._lanes_params(64, 4, 100, 8, 128, bf) == (112, 8, 8)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)

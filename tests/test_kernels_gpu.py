@@ -33,7 +33,7 @@ def _unverified_kernels_allowed(monkeypatch):
     caches = (gd._scan_kernel_object, gd._staged_kernel_object, moe_ops._gemv_objects,
               moe_ops._grouped_gemm_object, moe_ops._fold_objects, moe_ops._combine_object,
               gd._decode_kernel_object, moe_ops._router_object, attn_ops._split_objects,
-              attn_ops._kv_write_object)
+              attn_ops._lanes_object, attn_ops._kv_write_object)
     for fn in caches:
         fn.cache_clear()
     yield
@@ -1649,6 +1649,101 @@ def test_split_decode_attention_kernel_reads_any_strides():
     out = attn_ops._split_kernel_call("cuda", q, k, v, 256 ** -0.5, None)
     ref = attn_ops.gqa_attention_ops(q, k, v, 256 ** -0.5, None)
     assert mx_rel_l2(out, ref) <= 1e-4  # float32 (TF32 in MLX's own matmuls)
+
+
+# The lane-group first pass (attn-lanes; kernels/cuda/gqa_decode_partial_lanes.cu,
+# unverified) with the same second pass: (S, masked) at Qwen3.6's shape, bf16,
+# gated: 4K + 4 keys (a partial last thread block), 32K and 1,000 keys, the
+# masked ones over a longer buffer (the compiled decode step's form).
+LANES_SHAPES = [(4100, False), (4100, True), (32768, False), (32768, True), (1000, False),
+                (1000, True)]
+
+
+@pytest.mark.parametrize("S,masked", LANES_SHAPES)
+def test_split_decode_attention_lanes_kernel(S, masked):
+    from qwen_apple_backend.ops import attention as attn_ops
+
+    if attn_ops.gpu_backend() != "cuda":
+        pytest.skip("CUDA kernel")
+    bf = mx.bfloat16
+    kq, kk, kv, kg = mx.random.split(mx.random.key(S + 7), 4)
+    q = mx.random.normal((1, 16, 1, 256), key=kq).astype(bf)
+    k = mx.random.normal((1, 2, S + 156, 256), key=kk).astype(bf)
+    v = mx.random.normal((1, 2, S + 156, 256), key=kv).astype(bf)
+    gate = mx.split(mx.random.normal((1, 1, 16, 512), key=kg).astype(bf), 2, axis=-1)[1]
+    if masked:  # the buffer, positions < S written
+        mask = (mx.arange(S + 156) < S).reshape(1, 1, 1, -1)
+    else:
+        k, v, mask = k[:, :, :S], v[:, :, :S], None
+    assert attn_ops._lanes_usable("cuda", q, k)
+    assert attn_ops.split_kernel_ready(q, k, v, mask, gate, lanes=True) == "cuda"
+    block, lpk, warps = attn_ops._lanes_params(1, 2, k.shape[2], 8, 256, bf)
+    print(f"S={S} mask={masked}: BLOCK {block}, LPK {lpk}, WARPS {warps}, "
+          f"{2 * -(-k.shape[2] // block)} thread blocks")
+    out = attn_ops._split_kernel_call("cuda", q, k, v, 256 ** -0.5, mask, gate, lanes=True)
+    old = attn_ops._split_kernel_call("cuda", q, k, v, 256 ** -0.5, mask, gate)
+    plain = attn_ops._split_kernel_call("cuda", q, k, v, 256 ** -0.5, mask, lanes=True)
+    f32 = [a.astype(mx.float32) for a in (q, k, v, gate)]
+    ref_plain = attn_ops.gqa_attention_ops(*f32[:3], 256 ** -0.5, mask)
+    ref = attn_ops.gate_output(ref_plain, f32[3])
+    ops = attn_ops.gate_output(attn_ops.gqa_attention_ops(q, k, v, 256 ** -0.5, mask), gate)
+    err, err_old, err_ops = mx_rel_l2(out, ref), mx_rel_l2(old, ref), mx_rel_l2(ops, ref)
+    print(f"lanes {err:.3g}, lane-per-key {err_old:.3g}, MLX ops {err_ops:.3g} vs float32")
+    assert out.shape == (1, 1, 4096) and out.dtype == bf
+    assert err <= 1.1 * err_ops + 1e-3
+    assert mx_rel_l2(out, old) <= 2e-2
+    assert mx_rel_l2(plain, ref_plain) <= 1.1 * mx_rel_l2(
+        attn_ops.gqa_attention_ops(q, k, v, 256 ** -0.5, mask), ref_plain) + 1e-3
+
+
+def test_split_decode_attention_lanes_kernel_float32_and_strides():
+    # float32 (8 K pieces per lane) and K/V whose last axis is strided (scalar loads).
+    from qwen_apple_backend.ops import attention as attn_ops
+
+    if attn_ops.gpu_backend() != "cuda":
+        pytest.skip("CUDA kernel")
+    kq, kk, kv = mx.random.split(mx.random.key(12), 3)
+    q = mx.random.normal((1, 16, 1, 256), key=kq)
+    k = mx.random.normal((1, 2, 4100, 256), key=kk)
+    v = mx.random.normal((1, 2, 4100, 256), key=kv)
+    out = attn_ops._split_kernel_call("cuda", q, k, v, 256 ** -0.5, None, lanes=True)
+    assert mx_rel_l2(out, attn_ops.gqa_attention_ops(q, k, v, 256 ** -0.5, None)) <= 1e-4
+    k_t = mx.random.normal((1, 2, 256, 5000), key=kk).swapaxes(2, 3)
+    v_t = mx.random.normal((1, 2, 256, 5000), key=kv).swapaxes(2, 3)
+    out = attn_ops._split_kernel_call("cuda", q, k_t, v_t, 256 ** -0.5, None, lanes=True)
+    assert mx_rel_l2(out, attn_ops.gqa_attention_ops(q, k_t, v_t, 256 ** -0.5, None)) <= 1e-4
+
+
+@pytest.mark.parametrize("lanes", [False, True])
+def test_gated_decode_attention_takes_the_lanes_pass_only_when_asked(lanes, monkeypatch):
+    # gqa_decode_attention_gated(lanes=...) (the layer's decode_lanes, set by
+    # QAB_ENABLE=attn-lanes) runs the lane-group first pass below
+    # _LANES_MAX_KEYS keys, the lane-per-key one from there, and without lanes
+    # never the lane-group one.
+    from qwen_apple_backend.ops import attention as attn_ops
+
+    if attn_ops.gpu_backend() != "cuda":
+        pytest.skip("CUDA kernel")
+    calls = []
+    real = attn_ops._split_kernel_call
+    monkeypatch.setattr(attn_ops, "_split_kernel_call",
+                        lambda *a, **kw: calls.append((a[2].shape[2], kw.get("lanes", False)))
+                        or real(*a, **kw))
+    bf = mx.bfloat16
+    for S in (4100, attn_ops._LANES_MAX_KEYS + 100):
+        kq, kk, kv, kg = mx.random.split(mx.random.key(S), 4)
+        q = mx.random.normal((1, 16, 1, 256), key=kq).astype(bf)
+        k = mx.random.normal((1, 2, S, 256), key=kk).astype(bf)
+        v = mx.random.normal((1, 2, S, 256), key=kv).astype(bf)
+        gate = mx.split(mx.random.normal((1, 1, 16, 512), key=kg).astype(bf), 2, axis=-1)[1]
+        mask = (mx.arange(S) < S - 3).reshape(1, 1, 1, -1)
+        out = attn_ops.gqa_decode_attention_gated(q, k, v, 256 ** -0.5, mask, gate, lanes=lanes)
+        f32 = [a.astype(mx.float32) for a in (q, k, v, gate)]
+        ref = attn_ops.gate_output(attn_ops.gqa_attention_ops(*f32[:3], 256 ** -0.5, mask),
+                                   f32[3])
+        assert out is not None and mx_rel_l2(out, ref) <= 2e-2
+        assert calls[-1] == (S, lanes and S < attn_ops._LANES_MAX_KEYS), calls
+    assert any(lane for _, lane in calls) is lanes
 
 
 # --------------------------------------------------------------------------

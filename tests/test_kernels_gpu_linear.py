@@ -137,3 +137,43 @@ def test_norm_gemv_ready_passes():
     verdicts = {k: v for k, v in self_check_results().items()
                 if k[0] == "quantized_gemv" and k[2][0] == "norm"}
     assert verdicts and all(v == (True, "passed") for v in verdicts.values()), verdicts
+
+
+# PIPE (double-buffered passes, a grid of about one resident wave): the same
+# arithmetic per row as the one-pass launch, so the same bits, at the model's
+# shapes (lm_head in full: 59 passes per warp on an H200) and odd ones, with
+# and without the norm prologue; also with a grid of 1 block per SM, so
+# every warp walks many passes.
+PIPE_SHAPES = [
+    (1, 12352, 2048, 64),
+    (1, 9216, 2048, 64),
+    (1, 2048, 4096, 64),
+    (1, 248320, 2048, 64),
+    (1, 333, 640, 64),
+    (3, 77, 96, 32),
+    (4, 5000, 2048, 32),
+]
+
+
+@pytest.mark.parametrize("shape", PIPE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+@pytest.mark.parametrize("bps", [1, 4])
+def test_pipelined_gemv_is_the_one_pass_kernel_bit_for_bit(shape, norm, bps, monkeypatch):
+    M, N, K, G = shape
+    wq, s, b = _weights(N, K, G, seed=N + K)
+    x = (3.0 * mx.random.normal((M, 1, K), key=mx.random.key(M * N))).astype(mx.bfloat16)
+    nw = (1.0 + 0.2 * mx.random.normal((K,), key=mx.random.key(K))).astype(mx.bfloat16)
+    extra = dict(norm_weight=nw, eps=1e-6) if norm else {}
+    one_pass = ql.quantized_gemv_kernel(x, wq, s, b, G, **extra)
+    monkeypatch.setattr(ql, "GEMV_PIPE", True)
+    monkeypatch.setattr(ql, "PIPE_BLOCKS_PER_SM", bps)
+    p = ql.gemv_launch(M, N, K)
+    assert p["PIPE"] and ql.cuda_sm_count() > 0
+    assert p["blocks"] <= bps * ql.cuda_sm_count()
+    piped = ql.quantized_gemv_kernel(x, wq, s, b, G, **extra)
+    assert mx.array_equal(piped, one_pass).item(), (shape, norm, bps)
+    ref = mx.matmul(x.astype(mx.float32) if not norm else
+                    mx.fast.rms_norm(x, nw, 1e-6).astype(mx.float32),
+                    mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32), group_size=G,
+                                  bits=4).T, stream=mx.cpu)
+    assert mx_rel_l2(piped, ref) <= 1e-2

@@ -46,6 +46,28 @@ def test_launch_covers_every_row_with_lanes_that_divide_the_row(N, K):
     assert p["RPW"] == (1 if N <= 4096 else 2 if N <= 32768 else 4)
 
 
+@pytest.mark.parametrize("sms", [0, 1, 132])
+@pytest.mark.parametrize("N", [100, 2048, 12352, 248320])
+def test_pipelined_launch_aims_at_one_resident_wave(N, sms):
+    p = ql.gemv_launch(1, N, 2048, pipe=True, sms=sms)
+    assert p["PIPE"] and p["LPR"] == 32
+    assert p["RPW"] == (1 if N <= 32768 else 2)
+    needed = -(-N // (8 * p["RPW"]))
+    cap = ql.PIPE_BLOCKS_PER_SM * sms if sms else 1024
+    assert p["blocks"] == max(1, min(needed, cap, 1024))
+    # Without pipe (and by default, GEMV_PIPE off) the one-pass grid, whatever the SMs.
+    assert ql.gemv_launch(1, N, 2048, pipe=False, sms=sms) == ql.gemv_launch(1, N, 2048)
+    assert not ql.gemv_launch(1, N, 2048)["PIPE"]
+
+
+def test_sm_count_is_an_int():
+    # 0 without a CUDA driver (this CPU machine), the device's SMs with one.
+    from qwen_apple_backend.ops.device import cuda_sm_count
+
+    n = cuda_sm_count()
+    assert isinstance(n, int) and n >= 0
+
+
 def test_contract_check(monkeypatch):
     q = qlinear(256, 2048)
     assert not ql.gemv_supported(1, q["weight"], q["scales"], q["biases"], 64, 4, "affine",
@@ -78,7 +100,8 @@ def test_cpu_runs_mlx_unchanged():
     assert mx.array_equal(ql.linear(q, x), q(x)).item()
 
 
-def _reference_kernel(x, w, scales, biases, group_size, norm_weight=None, eps=0.0):
+def _reference_kernel(x, w, scales, biases, group_size, norm_weight=None, eps=0.0, pipe=None):
+    # pipe: the kernel's double-buffered build, same output (not modelled).
     if norm_weight is not None:
         x = mx.fast.rms_norm(x, norm_weight, eps)
     wf = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32),
@@ -89,12 +112,13 @@ def _reference_kernel(x, w, scales, biases, group_size, norm_weight=None, eps=0.
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """ops.linear on a pretend CUDA device whose kernel is ``state['kernel']``."""
-    state = {"calls": 0, "norm_calls": 0, "kernel": _reference_kernel}
+    state = {"calls": 0, "norm_calls": 0, "kernel": _reference_kernel, "pipes": []}
 
     def kernel(*a, **kw):
         state["calls"] += 1
         if kw.get("norm_weight") is not None:
             state["norm_calls"] += 1
+        state["pipes"].append((kw.get("norm_weight") is not None, kw.get("pipe")))
         return state["kernel"](*a, **kw)
 
     monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
@@ -125,7 +149,7 @@ def test_a_kernel_that_passes_its_self_check_is_used(fake_cuda):
 
 
 def test_a_wrong_kernel_is_never_used(fake_cuda):
-    fake_cuda["kernel"] = lambda *a: _reference_kernel(*a) * 1.1
+    fake_cuda["kernel"] = lambda *a, **kw: _reference_kernel(*a, **kw) * 1.1
     q = qlinear(256, 2048)
     x = mx.random.normal((1, 2048), key=mx.random.key(3)).astype(mx.bfloat16)
     with pytest.warns(device.KernelSelfCheckWarning, match="quantized_gemv.*relative L2"):
@@ -310,6 +334,32 @@ def test_fused_decode_runs_the_input_norm_in_the_mixers_projection(tiny_q4, fake
             assert any(key[2] == "cuda" for key in layer.self_attn._compiled)
     # The fake kernel computes in float32: bf16 logits close to stock's.
     assert mx_rel_l2(yf2, ys2) <= 2e-2 and mx_rel_l2(yf, ys) <= 2e-2
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["default", "gemv-pipe"])
+def test_gemv_pipe_switch_reaches_the_mixers_projection_launches(tiny_q4, fake_cuda,
+                                                                monkeypatch, on):
+    # gemv-pipe (opt-in): with QAB_ENABLE=gemv-pipe the mixers' norm + projection
+    # launches (and their self-checks) ask for the double-buffered build and the
+    # report says so; by default the one-pass build; lm_head keeps GEMV_PIPE's default.
+    monkeypatch.delenv("QAB_DISABLE", raising=False)
+    monkeypatch.setenv("QAB_ENABLE", "gemv-pipe" if on else "")
+    fused, _ = load(tiny_q4, "fused")
+    notes = get_report(fused).notes
+    assert any("(gemv-pipe from QAB_ENABLE" in n for n in notes) == on
+    off = not on
+    cats = [getattr(layer.linear_attn if layer.is_linear else layer.self_attn, "_proj_cat")
+            for layer in fused.language_model.model.layers]
+    assert cats and all(c is not None and c.gemv_pipe is (not off) for c in cats)
+    cache = make_prompt_cache(fused)
+    fused(mx.array([[1, 2, 3]]), cache=cache)
+    fused(mx.array([[4]]), cache=cache)
+    fused(mx.array([[4]]), cache=cache)
+    norm = {p for is_norm, p in fake_cuda["pipes"] if is_norm}
+    assert norm == {not off}
+    assert {p for is_norm, p in fake_cuda["pipes"] if not is_norm} <= {None, ql.GEMV_PIPE}
+    keys = {k[2] for k in device.self_check_results() if k[0] == "quantized_gemv"}
+    assert {k[-1] for k in keys if k[0] == "norm"} == {not off}
 
 
 def test_norm_proj_switched_off(tiny_q4, fake_cuda, monkeypatch):

@@ -1469,7 +1469,8 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
     # elements: its own serial one inside the decode step's trace (kept apart
     # from the three-launch path's), else the per-launch copy of a zero view;
     # one_launch off (QAB_DISABLE=moe-block) keeps the three launches;
-    # stage_down (QAB_ENABLE=moe-block-stage) reaches the call as its stage.
+    # stage_down (on by default; QAB_DISABLE=moe-block-stage clears it)
+    # reaches the call as its stage.
     from qwen_apple_backend.layers import moe as moe_layer
 
     seen = []
@@ -1487,7 +1488,8 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
                         lambda self, *a, **k: (None, "fake", "fake", None,
                                                "fake" if self.one_launch else None))
     b = FusedSparseMoeBlock.from_stock(make_stock(seed=4))
-    assert b.one_launch
+    assert b.one_launch and b.stage_down
+    b.stage_down = False
     norm = nn.RMSNorm(H)
     x, r = inputs((1, 1, H)), inputs((1, 1, H), seed=3)
     n = moe_ops.decode_block_counter_length()

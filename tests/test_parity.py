@@ -203,6 +203,9 @@ _OFF_NOTES = {
                 "dequantize-then-GEMM (moe-gemm in QAB_DISABLE / disable=)",
     "moe-block": "on CUDA a decode token's MoE layer half runs as three launches (route, "
                  "gate/up, down), not one (moe-block in QAB_DISABLE / disable=)",
+    "moe-block-stage": "on CUDA the one-launch MoE block's down items read the token's "
+                       "gate/up activations from L2 chunk by chunk, not staged in shared "
+                       "memory (moe-block-stage in QAB_DISABLE / disable=)",
 }
 
 
@@ -217,24 +220,43 @@ def test_moe_block_switch_reaches_every_fused_moe_block(tiny_q4):
 
 
 def test_moe_block_stage_switch_reaches_every_fused_moe_block(tiny_q4, monkeypatch):
-    # QAB_ENABLE=moe-block-stage sets FusedSparseMoeBlock.stage_down (off by
-    # default); disable=["moe-block-stage"] wins; the report says which.
+    # FusedSparseMoeBlock.stage_down is on by default; QAB_DISABLE /
+    # disable=["moe-block-stage"] clears it in every block, and QAB_ENABLE no
+    # longer takes the name (it is on already).
+    from qwen_apple_backend.errors import EnvVarError
     from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
 
     monkeypatch.delenv("QAB_DISABLE", raising=False)
-    for enable, disable, want in (("", [], False), ("moe-block-stage", [], True),
-                                  ("moe-block-stage", ["moe-block-stage"], False)):
-        monkeypatch.setenv("QAB_ENABLE", enable)
+    monkeypatch.delenv("QAB_ENABLE", raising=False)
+    for disable, want in (([], True), (["moe-block-stage"], False)):
         model = load(tiny_q4, "fused", disable=disable)[0]
         blocks = [m for _, m in model.named_modules() if isinstance(m, FusedSparseMoeBlock)]
         assert blocks and all(b.stage_down is want for b in blocks)
-        notes = [n for n in get_report(model).notes if "moe-block-stage" in n]
+    monkeypatch.setenv("QAB_ENABLE", "moe-block-stage")
+    with pytest.raises(EnvVarError, match="'moe-block-stage' is on by default"):
+        load(tiny_q4, "fused")
+
+
+def test_attn_lanes_switch_reaches_every_fused_attention_layer(tiny_q4, monkeypatch):
+    # QAB_ENABLE=attn-lanes sets FusedGQAAttention.decode_lanes (off by
+    # default); disable=["attn-lanes"] wins; the report says which.
+    from qwen_apple_backend.layers.attention import FusedGQAAttention
+
+    monkeypatch.delenv("QAB_DISABLE", raising=False)
+    for enable, disable, want in (("", [], False), ("attn-lanes", [], True),
+                                  ("attn-lanes", ["attn-lanes"], False)):
+        monkeypatch.setenv("QAB_ENABLE", enable)
+        model = load(tiny_q4, "fused", disable=disable)[0]
+        layers = [m for _, m in model.named_modules() if isinstance(m, FusedGQAAttention)]
+        assert layers and all(m.decode_lanes is want for m in layers)
+        assert all(m.decode_kernel for m in layers)
+        notes = [n for n in get_report(model).notes if "attn-lanes" in n]
         if not enable:
             assert notes == []
         elif disable:
             assert len(notes) == 1 and "which wins" in notes[0]
         else:
-            assert len(notes) == 1 and "stage the token's gate/up activations" in notes[0]
+            assert len(notes) == 1 and "lane-group kernel" in notes[0]
 
 
 @pytest.mark.parametrize("opt", sorted(_OFF_NOTES))

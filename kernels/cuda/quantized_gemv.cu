@@ -29,6 +29,15 @@
 // order of the float32 sum of squares differs). Every block computes the norm
 // of its rows itself (KD values each; no cross-block step, so no counter).
 //
+// PIPE: the passes are double-buffered: each pass's loads are issued before
+// the arithmetic of the pass before it (two register sets), so a warp always
+// has a pass's loads in flight while it computes. With PIPE the dispatcher
+// sizes the grid to about what the GPU holds resident at once (a few blocks
+// per SM) and every warp walks several passes; without it each warp issues
+// its next pass only after computing the current one (the grid then covers
+// the rows in one pass where it can, and the blocks beyond one resident wave
+// run as a second wave, staging x and the norm again).
+//
 // Launch: threadgroup (32 * WARPS, 1, 1), grid (32 * WARPS * blocks, 1, 1).
 // Requires KD % 32 == 0, NC % LPR == 0, G % 32 == 0, M * KD * 4 bytes of
 // shared memory (the dispatcher keeps it <= 32 KB), WARPS <= 32.
@@ -62,7 +71,13 @@ const int nwarps = gridDim.x * warps;
 uint4 wv[RPW][CPL];
 float sc[RPW][CPL];
 float bi[RPW][CPL];
-auto load_pass = [&](int base) {
+// The second register set (PIPE only; a single unused element otherwise).
+constexpr int RPW2 = PIPE ? RPW : 1;
+constexpr int CPL2 = PIPE ? CPL : 1;
+uint4 wv2[RPW2][CPL2];
+float sc2[RPW2][CPL2];
+float bi2[RPW2][CPL2];
+auto load_into = [&](auto& wv, auto& sc, auto& bi, int base) {
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
     const int row = base + r * SUB + sub;
@@ -78,7 +93,7 @@ auto load_pass = [&](int base) {
     }
   }
 };
-load_pass(gwarp * ROWS_PER_WARP);
+load_into(wv, sc, bi, gwarp * ROWS_PER_WARP);
 
 if constexpr (NORM) {
   // Each row's sum of squares: per thread, a warp butterfly, one partial per
@@ -137,8 +152,8 @@ for (int i = tid; i < M * NC; i += blockDim.x) {
 __syncthreads();
 
 const int stride = nwarps * ROWS_PER_WARP;
-for (int base = gwarp * ROWS_PER_WARP; base < N; base += stride) {
-
+// One pass: rows base + r * SUB + sub (r < RPW) from the register set given.
+auto compute_pass = [&](const auto& wv, const auto& sc, const auto& bi, int base) {
   float acc[M][RPW];
 #pragma unroll
   for (int m = 0; m < M; ++m) {
@@ -192,7 +207,35 @@ for (int base = gwarp * ROWS_PER_WARP; base < N; base += stride) {
       }
     }
   }
-  if (base + stride < N) {
-    load_pass(base + stride);  // the next pass's loads
+};
+
+if constexpr (PIPE) {
+  // The next pass's loads go out into set 2 before this pass's arithmetic;
+  // set 2 then moves into set 1 (register moves, which wait for those loads:
+  // the arithmetic that needs them comes next anyway).
+  for (int base = gwarp * ROWS_PER_WARP; base < N; base += stride) {
+    const bool more = base + stride < N;
+    if (more) {
+      load_into(wv2, sc2, bi2, base + stride);
+    }
+    compute_pass(wv, sc, bi, base);
+    if (more) {
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+#pragma unroll
+        for (int i = 0; i < CPL; ++i) {
+          wv[r][i] = wv2[r][i];
+          sc[r][i] = sc2[r][i];
+          bi[r][i] = bi2[r][i];
+        }
+      }
+    }
+  }
+} else {
+  for (int base = gwarp * ROWS_PER_WARP; base < N; base += stride) {
+    compute_pass(wv, sc, bi, base);
+    if (base + stride < N) {
+      load_into(wv, sc, bi, base + stride);  // the next pass's loads
+    }
   }
 }

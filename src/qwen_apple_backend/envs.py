@@ -11,7 +11,8 @@ Variables:
         switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``, ``moe-route``, ``moe-block``,
         ``attn-blocks``, ``attn-split``, ``attn-kernel``, ``qk-prep``, ``decode-compile``,
         ``proj-concat``, ``gemv-kernel``, ``proj-gemv``, ``add-norm``, ``norm-proj``,
-        ``next-norm``, ``kv-in-place``, ``moe-block-stage``), for ablations.
+        ``next-norm``, ``kv-in-place``, ``moe-block-stage``, ``gemv-pipe``,
+        ``attn-lanes``), for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
         leaves kernels on. Anything else is an error.
@@ -22,9 +23,10 @@ Variables:
         applying the next layer's input RMSNorm on CUDA: measured no faster
         on the H200; ``proj-gemv``, the concatenated input projections on
         the CUDA dense GEMV kernel: less GPU time, but decode at 4K measured
-        slower on the H200; ``moe-block-stage``, the one-launch MoE block's
-        down items staging the gate/up activations in shared memory: less
-        GPU time per launch on the H200, not yet run in a whole model there).
+        slower on the H200; ``gemv-pipe``, those projections' GEMV with
+        double-buffered passes, and ``attn-lanes``, the decode attention's
+        lane-group first pass: each faster in one 4K run on the H200, slower
+        in two later ones).
         ``QAB_DISABLE`` wins over it. ``next-norm`` needs
         ``moe-route``, which needs ``add-norm`` and ``moe-kernel``.
     QAB_UNVERIFIED_KERNELS: a boolean like ``QAB_DISABLE_KERNELS``; on, it also
@@ -93,9 +95,20 @@ OPTIMIZATIONS = {
     # the compiled decode step writes each token's K/V rows into the cache in place (decode.py)
     "kv-in-place": "model",
     # the one-launch MoE block's down items copy the token's gate/up activations into shared
-    # memory once (CUDA; opt-in with QAB_ENABLE: 34.3 vs 43 us per launch under ncu on the
-    # H200 (two runs), not yet run in a whole model on the GPU)
+    # memory once (CUDA; 34.3 vs 43 us per launch under ncu on the H200, two runs; 4K decode
+    # 142.0 vs 133.5 tok/s, same run, same greedy ids)
     "moe-block-stage": "moe",
+    # the decoder layers' concatenated input projections (norm-proj, proj-gemv) on the dense
+    # GEMV kernel's double-buffered build (PIPE: each pass's loads issued before the
+    # arithmetic of the pass before; a grid of about one resident wave; same output). H200,
+    # ncu: 16.5 vs 19.4 us at the Gated DeltaNet's in_proj with its norm; opt-in with QAB_ENABLE
+    # (4K decode faster in one run, slower in two later ones)
+    "gemv-pipe": "model",
+    # the split-K decode attention's first pass below 64K keys as the lane-group build
+    # (gqa_decode_partial_lanes: several lanes per key, several warps per key block, their
+    # partials merged in shared memory; CUDA; opt-in with QAB_ENABLE). H200, 4K decode: 333.6
+    # vs 322.0 tok/s in one run, slower in two later ones
+    "attn-lanes": "attn",
 }
 
 
@@ -211,7 +224,7 @@ def kernels_disabled() -> bool:
 # Optimizations that are not on everywhere by default and that QAB_ENABLE can
 # switch on: decode-compile is on by default on a GPU only (host-bound decode:
 # measured on the H200) and off on the CPU (measured no faster there).
-OPT_IN = ("decode-compile", "next-norm", "proj-gemv", "moe-block-stage")
+OPT_IN = ("decode-compile", "next-norm", "proj-gemv", "gemv-pipe", "attn-lanes")
 
 
 def enabled_opt_in() -> frozenset[str]:

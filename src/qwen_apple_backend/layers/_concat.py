@@ -90,6 +90,10 @@ class ConcatProjection:
         #: Whether one-token calls may take the CUDA dense GEMV kernel
         #: (``proj-gemv``; see :meth:`gemv_backend`). Set by the fusing code.
         self.gemv = False
+        #: Whether the GEMV kernel runs its double-buffered build
+        #: (the opt-in ``gemv-pipe``; see
+        #: :func:`~qwen_apple_backend.ops.linear.gemv_launch`). Set by the fusing code.
+        self.gemv_pipe = False
         offs, total = [], 0
         for n in sizes[:-1]:
             total += n
@@ -202,7 +206,7 @@ class ConcatProjection:
             return None
         c = self.cat
         return qlinear.gemv_ready(x, c["weight"], c["scales"], c["biases"], self.kind[1],
-                                  self.kind[2], self.kind[3], min_bytes=0)
+                                  self.kind[2], self.kind[3], min_bytes=0, pipe=self.gemv_pipe)
 
     def _quantized_with_biases(self) -> bool:
         # The kernels' layout: quantized children with affine biases, no bias term.
@@ -221,7 +225,8 @@ class ConcatProjection:
             return None
         c = self.cat
         return norm_gemv_ready(x, norm["weight"], norm.eps, c["weight"], c["scales"],
-                               c["biases"], self.kind[1], bits=self.kind[2], mode=self.kind[3])
+                               c["biases"], self.kind[1], bits=self.kind[2], mode=self.kind[3],
+                               pipe=self.gemv_pipe)
 
     def norm_matmul(self, x: mx.array, weight: mx.array, eps: float, backend: str) -> mx.array:
         """``matmul(mx.fast.rms_norm(x, weight, eps))`` as one launch (``backend`` from
@@ -229,7 +234,7 @@ class ConcatProjection:
         c = self.cat
         return norm_gemv(x, weight, eps, c["weight"], c["scales"], c["biases"],
                          group_size=self.kind[1], bits=self.kind[2], mode=self.kind[3],
-                         backend=backend)
+                         backend=backend, pipe=self.gemv_pipe)
 
     def matmul(self, x: mx.array, gemv_backend: Optional[str] = None) -> mx.array:
         """The one matmul's output, ``[..., sum of the children's outputs]``, not split.
@@ -241,7 +246,7 @@ class ConcatProjection:
         c = self.cat
         if gemv_backend is not None:
             return qlinear.quantized_gemv_kernel(x, c["weight"], c["scales"], c["biases"],
-                                                 self.kind[1])
+                                                 self.kind[1], pipe=self.gemv_pipe)
         if self.kind[0] == "q":
             y = mx.quantized_matmul(x, c["weight"], c["scales"], c.get("biases"), transpose=True,
                                     group_size=self.kind[1], bits=self.kind[2],

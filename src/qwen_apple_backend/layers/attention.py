@@ -100,6 +100,11 @@ class FusedGQAAttention(nn.Module):
             RoPE as ``ops.attention.prep_qk_decode`` (the ``qk-prep``
             optimization: one launch instead of four, and no transposes) when
             its self-check passed. Default True.
+        decode_lanes (bool): with ``decode_kernel``, the kernel pair's first
+            pass below ``ops.attention._LANES_MAX_KEYS`` cached keys is the
+            lane-group build (the opt-in ``attn-lanes``: several lanes per key,
+            several warps per key block; H200, 4K decode: 333.6 vs 322.0 tok/s
+            in one run, slower in two later ones). Default False.
     """
 
     def __init__(
@@ -121,6 +126,7 @@ class FusedGQAAttention(nn.Module):
         split_keys: bool = True,
         decode_kernel: bool = True,
         prep_kernel: bool = True,
+        decode_lanes: bool = False,
     ):
         super().__init__()
         self.num_key_value_heads = num_key_value_heads
@@ -140,6 +146,7 @@ class FusedGQAAttention(nn.Module):
         self.split_keys = split_keys
         self.decode_kernel = decode_kernel
         self.prep_kernel = prep_kernel
+        self.decode_lanes = decode_lanes
 
     @classmethod
     def from_stock(
@@ -313,7 +320,8 @@ class FusedGQAAttention(nn.Module):
         else:
             if (self.decode_kernel and self.use_kernel and not self.training
                     and q.shape[2] == 1):
-                gated = gqa_decode_attention_gated(q, k, v, self.scale, mask, gate)
+                gated = gqa_decode_attention_gated(q, k, v, self.scale, mask, gate,
+                                                   lanes=self.decode_lanes)
                 if gated is not None:
                     return self.o_proj(gated)
             rows = q.shape[2]

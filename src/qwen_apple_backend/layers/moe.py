@@ -285,7 +285,7 @@ class FusedSparseMoeBlock(nn.Module):
     ``one_launch`` (default True; the ``moe-block`` optimization) runs that
     launch and the two expert kernels as one
     (:func:`~qwen_apple_backend.ops.moe.moe_decode_block`, CUDA; same outputs).
-    Attribute ``stage_down`` (default False; the opt-in ``moe-block-stage``
+    Attribute ``stage_down`` (default True; the ``moe-block-stage``
     optimization) builds that launch with its down items staging the token's
     gate/up activations in shared memory (``STAGE``; same outputs).
 
@@ -324,7 +324,7 @@ class FusedSparseMoeBlock(nn.Module):
     dequant_gemm: bool = True
     fused_route: bool = True
     one_launch: bool = True
-    stage_down: bool = False
+    stage_down: bool = True
 
     def __init__(
         self,

@@ -345,6 +345,9 @@ class QwenHybridAdapter(Adapter):
                      "gate/up, down), not one (moe-block in QAB_DISABLE / disable=)",
         "moe-gemm": "quantized MoE experts' prefill runs MLX's gathered quantized matmul, not "
                     "dequantize-then-GEMM (moe-gemm in QAB_DISABLE / disable=)",
+        "moe-block-stage": "on CUDA the one-launch MoE block's down items read the token's "
+                           "gate/up activations from L2 chunk by chunk, not staged in shared "
+                           "memory (moe-block-stage in QAB_DISABLE / disable=)",
     }
 
     def fuse(self, model, config, *, disable=frozenset(), use_fallback=True, report):
@@ -355,11 +358,12 @@ class QwenHybridAdapter(Adapter):
         # H200 (234.2 vs 243.9 tok/s, same run): a custom launch costs the host
         # more, and 4K decode is host-bound.
         proj_gemv = "proj-gemv" in enabled and "proj-gemv" not in disable
-        # Opt-in (QAB_ENABLE=moe-block-stage): the one-launch MoE block built with
-        # its down items staging the gate/up activations in shared memory: 34.3
-        # vs 43 us per launch under ncu on the H200, not yet run in a whole model
-        # on the GPU.
-        stage_down = "moe-block-stage" in enabled and "moe-block-stage" not in disable
+        # Opt-in (QAB_ENABLE=gemv-pipe / attn-lanes): each measured faster on the
+        # H200 in one bench run (4K: 333.6 with both vs 324.1 without gemv-pipe and
+        # 322.0 without attn-lanes) and slower in two later runs on a noisier
+        # machine (e.g. 147.9 vs 171.8 and 161.4), so off until that is resolved.
+        pipe_on = "gemv-pipe" in enabled and "gemv-pipe" not in disable
+        lanes_on = "attn-lanes" in enabled and "attn-lanes" not in disable
         switched_off: set[str] = set()  # optimizations off in at least one fused module
         for layer in model.layers:
             base = names.get(id(layer), "layers.?")
@@ -403,8 +407,12 @@ class QwenHybridAdapter(Adapter):
                     fused.fused_route = False
                 if "moe-block" in off:
                     fused.one_launch = False
-                if stage_down and hasattr(fused, "stage_down"):
-                    fused.stage_down = True
+                if "moe-block-stage" in off:
+                    # On by default: the block's down items stage the gate/up
+                    # activations in shared memory (34.3 vs 43 us per launch under
+                    # ncu on the H200, two runs; 4K decode 142.0 vs 133.5 tok/s,
+                    # one run, same greedy ids).
+                    fused.stage_down = False
                 if "attn-blocks" in off:
                     fused.block_queries = False
                 if "attn-split" in off:
@@ -413,12 +421,15 @@ class QwenHybridAdapter(Adapter):
                     fused.decode_kernel = False
                 if "qk-prep" in off:
                     fused.prep_kernel = False
+                if lanes_on and hasattr(fused, "decode_lanes"):
+                    fused.decode_lanes = True
                 switched_off.update(off)
                 if "proj-concat" not in disable and hasattr(fused, "concat_projections"):
                     fused.concat_projections()
                     cat = getattr(fused, "_proj_cat", None)
                     if cat is not None:
                         cat.gemv = proj_gemv
+                        cat.gemv_pipe = pipe_on
                 setattr(layer, attr, fused)
                 report.modules.append(ModuleRecord(
                     path, kind, type(stock).__name__, type(fused).__name__,
@@ -427,6 +438,15 @@ class QwenHybridAdapter(Adapter):
         if "proj-concat" in disable:
             report.notes.append("input projections run separately (proj-concat in QAB_DISABLE / "
                                 "disable=)")
+        for name, what in (("gemv-pipe", "the concatenated input projections' GEMV launches "
+                                         "run double-buffered passes"),
+                           ("attn-lanes", "decode attention's first pass below 64K keys runs "
+                                          "the lane-group kernel, several lanes per key")):
+            if name in enabled and any(m.fused for m in report.modules):
+                report.notes.append(
+                    f"{name} from QAB_ENABLE is not used: also in QAB_DISABLE / disable=, "
+                    "which wins" if name in disable else
+                    f"on CUDA {what} ({name} from QAB_ENABLE" + _cuda_only_end())
         if "proj-gemv" in enabled and "proj-concat" in disable:
             report.notes.append("proj-gemv from QAB_ENABLE is not used: it needs proj-concat "
                                 "(in QAB_DISABLE / disable=)")
@@ -437,15 +457,6 @@ class QwenHybridAdapter(Adapter):
                 if "proj-gemv" in disable else
                 "on CUDA a decode token's concatenated input projections run on the dense "
                 "GEMV kernel (proj-gemv from QAB_ENABLE" + _cuda_only_end())
-        if "moe-block-stage" in enabled and any(m.fused and m.kind == "moe"
-                                                for m in report.modules):
-            report.notes.append(
-                "the one-launch MoE block reads its gate/up activations from L2 "
-                "(moe-block-stage from QAB_ENABLE, but also in QAB_DISABLE / disable=, which wins)"
-                if "moe-block-stage" in disable else
-                "on CUDA the one-launch MoE block's down items stage the token's gate/up "
-                "activations in shared memory (moe-block-stage from QAB_ENABLE; needs moe-block"
-                + _cuda_only_end())
         if "gemv-kernel" in disable:
             report.notes.append("lm_head on MLX's quantized matmul (gemv-kernel in QAB_DISABLE / "
                                 "disable=)")

@@ -523,12 +523,81 @@ def _split_kernel_block(B: int, Hk: int, S: int) -> int:
     return 1024
 
 
+#: The lane-group first pass (``attn-lanes``,
+#: ``kernels/cuda/gqa_decode_partial_lanes.cu``): LPK lanes per key, WARPS
+#: warps per thread block sharing its key block and merging their partials in
+#: shared memory. Thread blocks one launch aims for: about one per H200 SM (132;
+#: at 214 registers per thread, the model's build, one block of 8 warps fits an
+#: SM), and at 4K keys 64 partials per query head, two steps of loads for the
+#: second pass's 16 warps. A reasoned choice, not a measured one (the pass
+#: measured faster end to end on the H200 than the lane-per-key one).
+_LANES_CTAS = 128
+_LANES_WARPS = 8
+#: Most lanes per key (8: a bf16 K row of 256 elements is 4 16-byte loads per
+#: lane and a warp step takes 4 keys).
+_LANES_LPK = 8
+#: Keys from which the lane-per-key first pass runs even with ``attn-lanes``
+#: on: at 64K and more that pass is bandwidth-bound already (about 2,000 warps).
+_LANES_MAX_KEYS = 65536
+
+
+def _lanes_params(B: int, Hk: int, S: int, G: int, D: int,
+                  dtype: mx.Dtype) -> Optional[tuple[int, int, int]]:
+    """``(BLOCK, LPK, WARPS)`` of the lane-group first pass, or None where it does not build.
+
+    LPK is the most lanes per key, up to :data:`_LANES_LPK`, that split a K
+    row's 16-byte pieces evenly; BLOCK (keys per thread block, one partial per
+    query head) the smallest value of the ladder ``R x 1, 1.25, 1.5, 1.75, 2,
+    2.5, ...`` (R = one round of steps, ``32 / LPK * WARPS`` keys: no idle warp but
+    in the last block) that keeps ``B * Hk * ceil(S / BLOCK)`` thread blocks
+    within :data:`_LANES_CTAS` (one block of all S keys per (b, KV head) where
+    ``B * Hk`` alone is more). BLOCK is a template value, so the ladder keeps a
+    growing cache at four builds per doubling. At Qwen3.6's shape (B 1, Hk 2,
+    G 8, D 256, bf16) LPK is 8 and BLOCK 64 / 80 / 512 / 2,048 at 4,096 /
+    4,352 / 32K / 128K keys: 128, 110, 128, 128 blocks of 8 warps; 32 at 1,000
+    keys (64 blocks). None for
+    ``G * D > 2048`` (a lane's ``G x D / 32`` float32 o, with the loads in
+    flight, would spill).
+    """
+    if G * D > 2048:
+        return None
+    pieces = D * dtype.size // 16  # 16-byte pieces per K row
+    lpk = next((n for n in (_LANES_LPK, 4, 2) if n <= _LANES_LPK and pieces % n == 0), None)
+    if lpk is None:
+        return None
+    kps = 32 // lpk  # keys per warp step
+    per = max(1, _LANES_CTAS // (B * Hk))  # thread blocks per (b, KV head)
+    need = max(kps * _LANES_WARPS, kps * -(-S // (per * kps)))
+    # BLOCK is a template value (one JIT build each) and a decode cache grows:
+    # take it from the ladder round x 1, 1.25, 1.5, 1.75, 2, 2.5, ... (steps of a
+    # quarter of the power of two below, all multiples of a step): four builds
+    # per doubling of the cache, not one per 256 keys.
+    block = kps * _LANES_WARPS
+    while block < need:
+        block += (1 << (block.bit_length() - 1)) // 4
+    return block, lpk, _LANES_WARPS
+
+
 @functools.lru_cache(maxsize=None)
 def _split_objects(backend: str):
     # CUDA only: no Metal source yet (Metal runs gqa_attention_split's MLX ops).
     part = build_kernel("gqa_decode_partial", backend, ensure_row_contiguous=False)
     comb = build_kernel("gqa_decode_combine", backend, ensure_row_contiguous=False)
     return None if part is None or comb is None else (part, comb)
+
+
+@functools.lru_cache(maxsize=None)
+def _lanes_object(backend: str):
+    # The lane-group first pass (attn-lanes); its second pass is gqa_decode_combine.
+    return build_kernel("gqa_decode_partial_lanes", backend, ensure_row_contiguous=False)
+
+
+def _lanes_usable(backend: str, q: mx.array, k: mx.array) -> bool:
+    """Whether the lane-group first pass takes this shape and builds here (any S)."""
+    B, Hq, _, D = q.shape
+    Hk = k.shape[1]
+    return (_lanes_params(B, Hk, k.shape[2], Hq // Hk, D, q.dtype) is not None
+            and _lanes_object(backend) is not None)
 
 
 def _row_mask(mask: Mask, B: int, S: int) -> tuple[bool, Optional[mx.array]]:
@@ -545,21 +614,35 @@ def _row_mask(mask: Mask, B: int, S: int) -> tuple[bool, Optional[mx.array]]:
 
 
 def _split_kernel_call(backend: str, q, k, v, scale: float, mask, gate=None,
-                       block: Optional[int] = None) -> mx.array:
+                       block: Optional[int] = None, lanes: bool = False) -> mx.array:
+    # lanes: the lane-group first pass (gqa_decode_partial_lanes; the caller
+    # checked _lanes_usable), whose block is its thread block's keys.
     part, comb = _split_objects(backend)
     B, Hq, _, D = q.shape
     Hk, S = k.shape[1], k.shape[2]
-    block = block or _split_kernel_block(B, Hk, S)
-    nb = -(-S // block)
     has_mask = mask is not None
     m = mask if has_mask else padded_zeros(mx.bool_)  # not read without HAS_MASK
-    o, ml = part(inputs=[q, k, v, m, f32_scalar(float(scale))],
-                 template=[("InT", q.dtype), ("D", D), ("G", Hq // Hk), ("BLOCK", block),
-                           ("HAS_MASK", has_mask)],
-                 grid=(32 * _SPLIT_CTA_WARPS * -(-nb // _SPLIT_CTA_WARPS), Hk, B),
-                 threadgroup=(32 * _SPLIT_CTA_WARPS, 1, 1),
-                 output_shapes=[(B, Hq, nb, D), (B, Hq, nb, 2)],
-                 output_dtypes=[mx.float32, mx.float32])
+    if lanes:
+        lblock, lpk, warps = _lanes_params(B, Hk, S, Hq // Hk, D, q.dtype)
+        block = block or lblock
+        nb = -(-S // block)
+        o, ml = _lanes_object(backend)(
+            inputs=[q, k, v, m, f32_scalar(float(scale))],
+            template=[("InT", q.dtype), ("D", D), ("G", Hq // Hk), ("BLOCK", block),
+                      ("LPK", lpk), ("WARPS", warps), ("HAS_MASK", has_mask)],
+            grid=(32 * warps * nb, Hk, B), threadgroup=(32 * warps, 1, 1),
+            output_shapes=[(B, Hq, nb, D), (B, Hq, nb, 2)],
+            output_dtypes=[mx.float32, mx.float32])
+    else:
+        block = block or _split_kernel_block(B, Hk, S)
+        nb = -(-S // block)
+        o, ml = part(inputs=[q, k, v, m, f32_scalar(float(scale))],
+                     template=[("InT", q.dtype), ("D", D), ("G", Hq // Hk), ("BLOCK", block),
+                               ("HAS_MASK", has_mask)],
+                     grid=(32 * _SPLIT_CTA_WARPS * -(-nb // _SPLIT_CTA_WARPS), Hk, B),
+                     threadgroup=(32 * _SPLIT_CTA_WARPS, 1, 1),
+                     output_shapes=[(B, Hq, nb, D), (B, Hq, nb, 2)],
+                     output_dtypes=[mx.float32, mx.float32])
     has_gate = gate is not None
     (out,) = comb(inputs=[o, ml, gate if has_gate else padded_zeros(q.dtype)],
                   template=[("OutT", q.dtype), ("D", D), ("HAS_GATE", has_gate)],
@@ -570,7 +653,7 @@ def _split_kernel_call(backend: str, q, k, v, scale: float, mask, gate=None,
 
 
 def split_kernel_ready(q: mx.array, k: mx.array, v: mx.array, mask: Mask,
-                       gate: Optional[mx.array] = None) -> Optional[str]:
+                       gate: Optional[mx.array] = None, lanes: bool = False) -> Optional[str]:
     """The GPU backend whose split-K decode attention kernel may run this call, or None.
 
     One query row, ``Hq / Hk`` at most 16, ``D`` a multiple of 32 up to 256
@@ -587,6 +670,13 @@ def split_kernel_ready(q: mx.array, k: mx.array, v: mx.array, mask: Mask,
     inside its trace after an eager first token (unmasked). A row whose keys
     are all masked gives NaN (MLX's SDPA gives the mean of V); decode never
     has one (the new key is always allowed).
+
+    With ``lanes`` (``attn-lanes``) and where the lane-group first pass
+    (``kernels/cuda/gqa_decode_partial_lanes.cu``) takes the shape and builds,
+    the self-check also runs that pass on the same inputs (one round of steps
+    per warp, and 8 steps per warp), under its own verdict: a call may take
+    either first pass (:func:`gqa_decode_attention_gated` keeps the
+    lane-per-key one from :data:`_LANES_MAX_KEYS` keys).
 
     Returns:
         Optional[str]: ``"cuda"``, or None.
@@ -609,7 +699,8 @@ def split_kernel_ready(q: mx.array, k: mx.array, v: mx.array, mask: Mask,
         return None
     if _split_objects(backend) is None:
         return None
-    key = (Hq, Hk, D, str(q.dtype))
+    lanes = lanes and _lanes_usable(backend, q, k)
+    key = (Hq, Hk, D, str(q.dtype), lanes)
 
     def make_inputs():
         kq, kk, kv, km, kg = mx.random.split(mx.random.key(7), 5)
@@ -624,16 +715,23 @@ def split_kernel_ready(q: mx.array, k: mx.array, v: mx.array, mask: Mask,
         return q_, k_, v_, m_, g_
 
     def kernel(q_, k_, v_, m_, g_):
-        return [_split_kernel_call(backend, q_, k_, v_, D ** -0.5, None),
-                _split_kernel_call(backend, q_, k_, v_, D ** -0.5, m_),
-                _split_kernel_call(backend, q_, k_, v_, D ** -0.5, m_[:1], g_),
-                # Several 32-key tiles per warp, as long caches run.
-                _split_kernel_call(backend, q_, k_, v_, D ** -0.5, m_, block=128)]
+        out = []
+        for lane_pass in (False, True) if lanes else (False,):
+            out += [_split_kernel_call(backend, q_, k_, v_, D ** -0.5, None, lanes=lane_pass),
+                    _split_kernel_call(backend, q_, k_, v_, D ** -0.5, m_, lanes=lane_pass),
+                    _split_kernel_call(backend, q_, k_, v_, D ** -0.5, m_[:1], g_,
+                                       lanes=lane_pass),
+                    # Several 32-key tiles per warp (lanes: 256 keys per thread
+                    # block, 8 steps of 4 keys per warp at LPK 8), as long caches run.
+                    _split_kernel_call(backend, q_, k_, v_, D ** -0.5, m_,
+                                       block=256 if lane_pass else 128, lanes=lane_pass)]
+        return out
 
     def reference(q_, k_, v_, m_, g_):
         masked = gqa_attention_ops(q_, k_, v_, D ** -0.5, m_)
         return [gqa_attention_ops(q_, k_, v_, D ** -0.5, None), masked,
-                gate_output(gqa_attention_ops(q_, k_, v_, D ** -0.5, m_[:1]), g_), masked]
+                gate_output(gqa_attention_ops(q_, k_, v_, D ** -0.5, m_[:1]), g_),
+                masked] * (2 if lanes else 1)
 
     tol = 1e-4 if q.dtype == mx.float32 else 2e-2
     ok = self_checked("gqa_decode_attention", backend, key, kernel=kernel, reference=reference,
@@ -642,7 +740,8 @@ def split_kernel_ready(q: mx.array, k: mx.array, v: mx.array, mask: Mask,
 
 
 def gqa_decode_attention_gated(q: mx.array, k: mx.array, v: mx.array, scale: float,
-                               mask: Mask, gate: mx.array) -> Optional[mx.array]:
+                               mask: Mask, gate: mx.array,
+                               lanes: bool = False) -> Optional[mx.array]:
     """One decode token's gated attention in two launches, or None where the kernel cannot run.
 
     ``gate_output(gqa_attention_ops(q, k, v, scale, mask), gate)``, i.e.
@@ -665,6 +764,12 @@ def gqa_decode_attention_gated(q: mx.array, k: mx.array, v: mx.array, scale: flo
         mask (None | str | mx.array): None, ``"causal"`` (one row: nothing
             masked) or a boolean row of keys per batch row.
         gate (mx.array): gate logits, dtype of q.
+        lanes (bool): the ``attn-lanes`` first pass
+            (``kernels/cuda/gqa_decode_partial_lanes.cu``: several lanes per
+            key, several warps per key block) below :data:`_LANES_MAX_KEYS`
+            keys, where it builds and takes the shape; else the lane-per-key
+            one. Default False (the attention layer passes its
+            ``decode_lanes``, on by default).
 
     Returns:
         mx.array | None: the gated output, dtype of q; None when
@@ -676,11 +781,12 @@ def gqa_decode_attention_gated(q: mx.array, k: mx.array, v: mx.array, scale: flo
         q: ``[B, Hq, 1, D]``; k, v: ``[B, Hk, S, D]``; gate: ``[B, 1, Hq, D]``;
         mask: ``[1 or B, 1, 1, S]``; returns ``[B, 1, Hq * D]``
     """
-    backend = split_kernel_ready(q, k, v, mask, gate)
+    backend = split_kernel_ready(q, k, v, mask, gate, lanes=lanes)
     if backend is None:
         return None
+    lanes = lanes and k.shape[2] < _LANES_MAX_KEYS and _lanes_usable(backend, q, k)
     return _split_kernel_call(backend, q, k, v, scale, _row_mask(mask, q.shape[0], k.shape[2])[1],
-                              gate)
+                              gate, lanes=lanes)
 
 
 # --------------------------------------------------------------------------

@@ -56,6 +56,31 @@ def gpu_backend() -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def cuda_sm_count() -> int:
+    """Streaming multiprocessors of CUDA device 0 (MLX's default GPU), or 0 when unknown.
+
+    Read once from the CUDA driver (``cuDeviceGetAttribute``, attribute 16,
+    ``CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT``) through ``ctypes``: MLX's
+    ``mx.device_info()`` does not report it. 0 without a CUDA driver (Metal,
+    CPU) or when any call fails; callers then keep a size-independent launch.
+    """
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    dev, count = ctypes.c_int(0), ctypes.c_int(0)
+    try:
+        if (lib.cuInit(0) != 0 or lib.cuDeviceGet(ctypes.byref(dev), 0) != 0
+                or lib.cuDeviceGetAttribute(ctypes.byref(count), 16, dev) != 0):
+            return 0
+    except AttributeError:
+        return 0
+    return max(0, int(count.value))
+
+
 def build_kernel(op: str, backend: str, **options: Any) -> Optional[Callable[..., Any]]:
     """Compile-on-first-call kernel object for ``op`` on ``backend`` from its sources.
 

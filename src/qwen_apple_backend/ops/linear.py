@@ -40,8 +40,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import envs
-from .device import (build_kernel, f32_scalar, gpu_backend, padded_zeros, self_check_passed,
-                     self_checked)
+from .device import (build_kernel, cuda_sm_count, f32_scalar, gpu_backend, padded_zeros,
+                     self_check_passed, self_checked)
 
 __all__ = [
     "GEMV_MAX_ROWS",
@@ -73,25 +73,58 @@ _MAX_SMEM = 32 * 1024
 _WARPS = 8
 _MAX_BLOCKS = 1024
 _DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+#: The default of every ``pipe`` argument here: double-buffered passes (the
+#: kernel's PIPE) with a grid of about one resident wave
+#: (:data:`PIPE_BLOCKS_PER_SM` blocks per SM). Off: on the H200 it left
+#: ``lm_head`` as it was (138.6 vs 137.6 us under ncu); the decoder layers'
+#: concatenated projections pass ``pipe=True`` with the opt-in ``gemv-pipe``
+#: (16.5 vs 19.4 us at the Gated DeltaNet's in_proj with its norm, 14.4 vs
+#: 17.6 at attention's q/k/v; ``benchmarks/profile_gemv_gpu.py``).
+GEMV_PIPE = False
+#: Thread blocks per SM of a PIPE launch (the kernel at 256 threads and
+#: <= 64 registers per thread fits 4 per SM of a 64K-register file).
+PIPE_BLOCKS_PER_SM = 4
 
-def gemv_launch(M: int, N: int, K: int) -> dict:
+
+def gemv_launch(M: int, N: int, K: int, pipe: Optional[bool] = None,
+                sms: Optional[int] = None) -> dict:
     """Launch parameters of the GEMV kernel for ``y[M, N] = x[M, K] W[N, K]^T``.
+
+    Args:
+        M, N, K (int): rows of x, output columns (rows of W), input size.
+        pipe (bool | None): double-buffered passes; None: :data:`GEMV_PIPE`.
+        sms (int | None): SMs of the device for the PIPE grid; None:
+            :func:`~qwen_apple_backend.ops.device.cuda_sm_count` (0 = unknown:
+            the grid is capped at 1,024 blocks only).
 
     Returns:
         dict: ``LPR`` (lanes per row: the largest power of two <= 32
         dividing ``K / 32``), ``RPW`` (row sets per warp pass, more for
-        taller matrices so a pass keeps more loads in flight), ``blocks``,
-        ``threads`` (per block).
+        taller matrices so a pass keeps more loads in flight; with PIPE one
+        fewer step, since two passes are in flight), ``PIPE``, ``blocks``,
+        ``threads`` (per block). Without PIPE the grid covers every row in
+        one pass up to 1,024 blocks; with it, at most
+        :data:`PIPE_BLOCKS_PER_SM` blocks per SM (every warp walks several
+        passes, their loads one pass ahead of the arithmetic).
     """
+    pipe = GEMV_PIPE if pipe is None else bool(pipe)
     nc = K // 32
     lpr = 32
     while nc % lpr:
         lpr //= 2
     sub = 32 // lpr
-    rpw = 1 if N <= 4096 else (2 if N <= 32768 else 4)
+    if pipe:
+        rpw = 1 if N <= 32768 else 2
+    else:
+        rpw = 1 if N <= 4096 else (2 if N <= 32768 else 4)
     rows_per_block = _WARPS * sub * rpw
-    blocks = max(1, min(_MAX_BLOCKS, -(-N // rows_per_block)))
-    return {"LPR": lpr, "RPW": rpw, "blocks": blocks, "threads": 32 * _WARPS}
+    cap = _MAX_BLOCKS
+    if pipe:
+        sms = cuda_sm_count() if sms is None else sms
+        if sms > 0:
+            cap = min(cap, PIPE_BLOCKS_PER_SM * sms)
+    blocks = max(1, min(cap, -(-N // rows_per_block)))
+    return {"LPR": lpr, "RPW": rpw, "PIPE": pipe, "blocks": blocks, "threads": 32 * _WARPS}
 
 
 def _gemv_contract(M: int, w: mx.array, scales: mx.array, biases: Optional[mx.array],
@@ -140,7 +173,8 @@ def _gemv_object(backend: str):
 
 def quantized_gemv_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
                           group_size: int, norm_weight: Optional[mx.array] = None,
-                          eps: float = 0.0) -> mx.array:
+                          eps: float = 0.0,
+                          pipe: Optional[bool] = None) -> mx.array:
     """``x @ dequantize(w).T`` on the CUDA GEMV kernel (no self-check, no fallback).
 
     With ``norm_weight``, ``mx.fast.rms_norm(x, norm_weight, eps) @
@@ -155,6 +189,8 @@ def quantized_gemv_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx
         norm_weight (mx.array | None): ``[K]``, dtype of ``x``: normalise
             ``x`` first. Default None.
         eps (float): the norm's epsilon (with ``norm_weight``).
+        pipe (bool | None): the double-buffered build (see
+            :func:`gemv_launch`); None: :data:`GEMV_PIPE`. Same output.
 
     Returns:
         mx.array: ``[..., N]``, dtype of ``x``.
@@ -170,7 +206,7 @@ def quantized_gemv_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx
     N = w.shape[0]
     lead = x.shape[:-1]
     M = x.size // K
-    p = gemv_launch(M, N, K)
+    p = gemv_launch(M, N, K, pipe=pipe)
     norm = norm_weight is not None
     # nw when NORM is off: never read, but of x's dtype (MLX caches a CUDA
     # kernel by its template arguments, so every launch of one instantiation
@@ -183,7 +219,7 @@ def quantized_gemv_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx
         # ST: MLX caches a CUDA kernel by its template arguments alone, so the
         # scales' dtype must be one of them.
         template=[("OutT", x.dtype), ("ST", scales.dtype), ("KD", K), ("N", N), ("G", group_size), ("M", M),
-                  ("LPR", p["LPR"]), ("RPW", p["RPW"]), ("NORM", norm)],
+                  ("LPR", p["LPR"]), ("RPW", p["RPW"]), ("NORM", norm), ("PIPE", p["PIPE"])],
         grid=(p["blocks"] * p["threads"], 1, 1), threadgroup=(p["threads"], 1, 1),
         # The callers' shape: no reshape primitive after the launch.
         output_shapes=[(*lead, N)], output_dtypes=[x.dtype])
@@ -191,7 +227,8 @@ def quantized_gemv_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx
 
 
 def norm_gemv_kernel(x: mx.array, norm_weight: mx.array, eps: float, w: mx.array,
-                     scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
+                     scales: mx.array, biases: mx.array, group_size: int,
+                     pipe: Optional[bool] = None) -> mx.array:
     """``rms_norm(x) @ dequantize(w).T`` in one CUDA launch (no self-check, no fallback).
 
     The GEMV kernel with the RMSNorm in its prologue: every thread block
@@ -213,16 +250,18 @@ def norm_gemv_kernel(x: mx.array, norm_weight: mx.array, eps: float, w: mx.array
         RuntimeError: as :func:`quantized_gemv_kernel`.
     """
     return quantized_gemv_kernel(x, w, scales, biases, group_size, norm_weight=norm_weight,
-                                 eps=eps)
+                                 eps=eps, pipe=pipe)
 
 
-def _key(M, w, scales, group_size, dtype) -> tuple:
-    return (M, int(w.shape[0]), int(w.shape[1]) * 8, group_size, str(dtype), str(scales.dtype))
+def _key(M, w, scales, group_size, dtype, pipe: Optional[bool] = None) -> tuple:
+    # pipe: each build (and launch shape) self-checks on its own.
+    return (M, int(w.shape[0]), int(w.shape[1]) * 8, group_size, str(dtype), str(scales.dtype),
+            bool(GEMV_PIPE if pipe is None else pipe))
 
 
 def gemv_ready(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array],
                group_size: int, bits: int = 4, mode: str = "affine", *,
-               min_bytes: Optional[int] = None) -> Optional[str]:
+               min_bytes: Optional[int] = None, pipe: Optional[bool] = None) -> Optional[str]:
     """The backend whose GEMV kernel may run ``x @ dequantize(w).T``, or None.
 
     Call it outside ``mx.compile``: the first call per shape class (rows,
@@ -232,7 +271,8 @@ def gemv_ready(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.a
 
     ``min_bytes``: the smallest packed weight taken (None:
     :data:`GEMV_MIN_BYTES`, i.e. ``lm_head``); the concatenated input
-    projections (``proj-gemv``, ``layers/_concat.py``) pass 0.
+    projections (``proj-gemv``, ``layers/_concat.py``) pass 0. ``pipe``: the
+    build to check (see :func:`quantized_gemv_kernel`), keyed apart.
 
     Returns:
         Optional[str]: ``"cuda"``, or None (not CUDA, all kernels disabled
@@ -266,15 +306,17 @@ def gemv_ready(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.a
     # (~3 significant digits) dominates.
     rtol = 1e-4 if dtype == mx.float32 else 1e-2
     ok = self_checked(
-        "quantized_gemv", "cuda", _key(M, w, scales, group_size, dtype),
-        kernel=lambda xs, w_, s_, b_: [quantized_gemv_kernel(xs, w_, s_, b_, group_size)],
+        "quantized_gemv", "cuda", _key(M, w, scales, group_size, dtype, pipe),
+        kernel=lambda xs, w_, s_, b_: [quantized_gemv_kernel(xs, w_, s_, b_, group_size,
+                                                             pipe=pipe)],
         reference=reference, make_inputs=make_inputs, rtol=rtol)
     return "cuda" if ok else None
 
 
 def norm_gemv_ready(x: mx.array, norm_weight: mx.array, eps: float, w: mx.array,
                     scales: mx.array, biases: Optional[mx.array], group_size: int,
-                    bits: int = 4, mode: str = "affine") -> Optional[str]:
+                    bits: int = 4, mode: str = "affine",
+                    pipe: Optional[bool] = None) -> Optional[str]:
     """The backend whose one-launch ``rms_norm(x) @ dequantize(w).T`` may run this call, or None.
 
     Call it outside ``mx.compile``: the first call per shape class (rows, N,
@@ -290,6 +332,8 @@ def norm_gemv_ready(x: mx.array, norm_weight: mx.array, eps: float, w: mx.array,
         norm_weight (mx.array): RMSNorm weight ``[K]``.
         eps (float): RMSNorm epsilon.
         w, scales, biases, group_size, bits, mode: the quantized projection.
+        pipe (bool | None): the build to check (see
+            :func:`quantized_gemv_kernel`), keyed apart.
 
     Returns:
         Optional[str]: ``"cuda"``, or None (not CUDA, kernels disabled,
@@ -314,7 +358,7 @@ def norm_gemv_ready(x: mx.array, norm_weight: mx.array, eps: float, w: mx.array,
         return xs, nw
 
     def kernel(xs, nw):
-        return [norm_gemv_kernel(xs, nw, eps, w, scales, biases, group_size)]
+        return [norm_gemv_kernel(xs, nw, eps, w, scales, biases, group_size, pipe=pipe)]
 
     def reference(xs, nw):
         xn = mx.fast.rms_norm(xs, nw, eps)
@@ -328,28 +372,29 @@ def norm_gemv_ready(x: mx.array, norm_weight: mx.array, eps: float, w: mx.array,
     # the float32 sum of squares (an ulp of the activation dtype, rarely).
     rtol = 1e-4 if dtype == mx.float32 else 1e-2
     ok = self_checked("quantized_gemv", "cuda", ("norm", float(eps))
-                      + _key(M, w, scales, group_size, dtype),
+                      + _key(M, w, scales, group_size, dtype, pipe),
                       kernel=kernel, reference=reference, make_inputs=make_inputs, rtol=rtol)
     return "cuda" if ok else None
 
 
 def norm_gemv(x: mx.array, norm_weight: mx.array, eps: float, w: mx.array, scales: mx.array,
               biases: Optional[mx.array], *, group_size: int, bits: int, mode: str = "affine",
-              backend: Optional[str] = None) -> mx.array:
+              backend: Optional[str] = None, pipe: Optional[bool] = None) -> mx.array:
     """``mx.quantized_matmul(mx.fast.rms_norm(x, norm_weight, eps), w, ...)``, in one launch with a backend.
 
     A decoder layer's input RMSNorm and the projection after it (the
     ``norm-proj`` optimization): on MLX's CUDA backend every launch costs the
     host a near-fixed ~10 us at decode, more than this norm costs the GPU
     inside the GEMV. With ``backend`` (what :func:`norm_gemv_ready` returned
-    for this call's shape class) :func:`norm_gemv_kernel`, no self-check here
-    (safe inside ``mx.compile``); with None, the two stock operations.
+    for this call's shape class) :func:`norm_gemv_kernel` (the ``pipe`` build
+    that check passed), no self-check here (safe inside ``mx.compile``); with
+    None, the two stock operations.
 
     Shapes: x ``[..., K]``; norm_weight ``[K]``; w ``[N, K * bits / 32]``;
     returns ``[..., N]`` in ``x``'s dtype.
     """
     if backend is not None:
-        return norm_gemv_kernel(x, norm_weight, eps, w, scales, biases, group_size)
+        return norm_gemv_kernel(x, norm_weight, eps, w, scales, biases, group_size, pipe=pipe)
     return mx.quantized_matmul(mx.fast.rms_norm(x, norm_weight, eps), w, scales, biases,
                                transpose=True, group_size=group_size, bits=bits, mode=mode)
 

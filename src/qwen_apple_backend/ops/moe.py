@@ -1593,11 +1593,10 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: of each lane reading its chunks from L2 one after another (the default of
 #: :func:`moe_decode_block`'s ``stage``; the ``moe-block-stage`` switch sets it
 #: per model). The defaults were the fastest of
-#: benchmarks/profile_moe_block_gpu.py's variants on the H200, except STAGE:
-#: 34.3 against 43 us per launch there (two runs), but not yet run in a whole model on the
-#: GPU, so off until it is.
+#: benchmarks/profile_moe_block_gpu.py's variants on the H200 (STAGE: 34.3
+#: against 43 us per launch there, two runs).
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
-                        "STAGE": False}
+                        "STAGE": True}
 
 
 def decode_block_counter_length(rows: int = FOLD_NORM_MAX_ROWS) -> int:
