@@ -18,8 +18,8 @@ shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
 * ``split-kernel``: the same through the split-K kernel pair where this
   device has it (``split_kernel_ready``), else absent;
 * ``split-kernel-lanes``: the same pair with the lane-group first pass
-  (``attn-lanes``: ``gqa_decode_partial_lanes``, built with
-  ``QAB_UNVERIFIED_KERNELS=1``) where it builds, else absent;
+  (the opt-in ``attn-lanes``: ``gqa_decode_partial_lanes``) where it builds,
+  else absent;
 * ``kv-update``: the compiled decode step's cache write alone: one
   ``mx.slice_update`` of a new key and value row into the K and V buffers
   at an array offset, compiled, each call's outputs replacing the buffers
