@@ -128,14 +128,9 @@ def _with_launch(lin, fn, rpw: int = 0, pipe: bool = False, bps: int = 0):
     def call():
         chosen = lin.gemv_launch
 
-        def launch(M, N, K, pipe_=None, sms=None):
-            p = chosen(M, N, K, pipe=pipe)
-            r = rpw or p["RPW"]
-            rows = p["threads"] // 32 * (32 // p["LPR"]) * r
-            cap = lin._MAX_BLOCKS
-            if pipe and lin.cuda_sm_count() > 0:
-                cap = min(cap, (bps or lin.PIPE_BLOCKS_PER_SM) * lin.cuda_sm_count())
-            return {**p, "RPW": r, "blocks": max(1, min(cap, -(-N // rows)))}
+        def launch(M, N, K, **_caller):
+            # The variant's build and grid, whatever the caller asked for.
+            return chosen(M, N, K, pipe=pipe, rpw=rpw or None, blocks_per_sm=bps or None)
 
         lin.gemv_launch = launch
         try:

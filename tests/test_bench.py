@@ -1009,6 +1009,30 @@ def test_profile_gemv_gpu_makes_each_kind_of_epsilon_array():
         assert mx.all(a == mx.array(1e-6, dtype=mx.float32)).item()
 
 
+def test_profile_gemv_gpu_launch_variants_reach_the_kernel_call(monkeypatch):
+    # --variants / --rpw: the wrapped candidate launches with the variant's
+    # build and grid even though the kernel call passes its own pipe.
+    import importlib.util
+    from pathlib import Path
+
+    from qwen_apple_backend.ops import linear as lin
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_gemv_gpu.py"
+    spec = importlib.util.spec_from_file_location("profile_gemv_gpu_v", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.parse_variant("pipe+rpw2+bps3") == {"pipe": True, "rpw": 2, "bps": 3}
+    with pytest.raises(ValueError, match="'rpw0' in 'pipe\\+rpw0'"):
+        mod.parse_variant("pipe+rpw0")
+    monkeypatch.setattr(lin, "cuda_sm_count", lambda: 10)
+    seen = lambda: lin.gemv_launch(1, 12352, 2048, pipe=False)  # noqa: E731 (the kernel's call)
+    p = mod._with_launch(lin, seen, rpw=2, pipe=True, bps=3)()
+    assert (p["PIPE"], p["RPW"], p["blocks"]) == (True, 2, 30)
+    p = mod._with_launch(lin, seen, rpw=4)()
+    assert (p["PIPE"], p["RPW"], p["blocks"]) == (False, 4, -(-12352 // 32))
+    assert lin.gemv_launch(1, 12352, 2048) == seen()  # put back after the call
+
+
 def test_fidelity_lines_stay_aligned_for_long_labels(capsys):
     from qwen_apple_backend.bench.cli import _print_fidelity
 

@@ -529,8 +529,9 @@ def _split_kernel_block(B: int, Hk: int, S: int) -> int:
 #: shared memory. Thread blocks one launch aims for: about one per H200 SM (132;
 #: at 214 registers per thread, the model's build, one block of 8 warps fits an
 #: SM), and at 4K keys 64 partials per query head, two steps of loads for the
-#: second pass's 16 warps. A reasoned choice, not a measured one (the pass
-#: measured faster end to end on the H200 than the lane-per-key one).
+#: second pass's 16 warps. A reasoned choice, not a measured one (end to end
+#: on the H200 the pass measured faster than the lane-per-key one in one run,
+#: slower in two later ones).
 _LANES_CTAS = 128
 _LANES_WARPS = 8
 #: Most lanes per key (8: a bf16 K row of 256 elements is 4 16-byte loads per
@@ -626,23 +627,17 @@ def _split_kernel_call(backend: str, q, k, v, scale: float, mask, gate=None,
         lblock, lpk, warps = _lanes_params(B, Hk, S, Hq // Hk, D, q.dtype)
         block = block or lblock
         nb = -(-S // block)
-        o, ml = _lanes_object(backend)(
-            inputs=[q, k, v, m, f32_scalar(float(scale))],
-            template=[("InT", q.dtype), ("D", D), ("G", Hq // Hk), ("BLOCK", block),
-                      ("LPK", lpk), ("WARPS", warps), ("HAS_MASK", has_mask)],
-            grid=(32 * warps * nb, Hk, B), threadgroup=(32 * warps, 1, 1),
-            output_shapes=[(B, Hq, nb, D), (B, Hq, nb, 2)],
-            output_dtypes=[mx.float32, mx.float32])
+        part, extra, ctas = _lanes_object(backend), [("LPK", lpk), ("WARPS", warps)], nb
     else:
         block = block or _split_kernel_block(B, Hk, S)
         nb = -(-S // block)
-        o, ml = part(inputs=[q, k, v, m, f32_scalar(float(scale))],
-                     template=[("InT", q.dtype), ("D", D), ("G", Hq // Hk), ("BLOCK", block),
-                               ("HAS_MASK", has_mask)],
-                     grid=(32 * _SPLIT_CTA_WARPS * -(-nb // _SPLIT_CTA_WARPS), Hk, B),
-                     threadgroup=(32 * _SPLIT_CTA_WARPS, 1, 1),
-                     output_shapes=[(B, Hq, nb, D), (B, Hq, nb, 2)],
-                     output_dtypes=[mx.float32, mx.float32])
+        warps, extra, ctas = _SPLIT_CTA_WARPS, [], -(-nb // _SPLIT_CTA_WARPS)
+    o, ml = part(inputs=[q, k, v, m, f32_scalar(float(scale))],
+                 template=[("InT", q.dtype), ("D", D), ("G", Hq // Hk), ("BLOCK", block),
+                           *extra, ("HAS_MASK", has_mask)],
+                 grid=(32 * warps * ctas, Hk, B), threadgroup=(32 * warps, 1, 1),
+                 output_shapes=[(B, Hq, nb, D), (B, Hq, nb, 2)],
+                 output_dtypes=[mx.float32, mx.float32])
     has_gate = gate is not None
     (out,) = comb(inputs=[o, ml, gate if has_gate else padded_zeros(q.dtype)],
                   template=[("OutT", q.dtype), ("D", D), ("HAS_GATE", has_gate)],
@@ -769,7 +764,7 @@ def gqa_decode_attention_gated(q: mx.array, k: mx.array, v: mx.array, scale: flo
             key, several warps per key block) below :data:`_LANES_MAX_KEYS`
             keys, where it builds and takes the shape; else the lane-per-key
             one. Default False (the attention layer passes its
-            ``decode_lanes``, on by default).
+            ``decode_lanes``, set by the opt-in ``attn-lanes``).
 
     Returns:
         mx.array | None: the gated output, dtype of q; None when

@@ -87,7 +87,8 @@ PIPE_BLOCKS_PER_SM = 4
 
 
 def gemv_launch(M: int, N: int, K: int, pipe: Optional[bool] = None,
-                sms: Optional[int] = None) -> dict:
+                sms: Optional[int] = None, rpw: Optional[int] = None,
+                blocks_per_sm: Optional[int] = None) -> dict:
     """Launch parameters of the GEMV kernel for ``y[M, N] = x[M, K] W[N, K]^T``.
 
     Args:
@@ -96,6 +97,10 @@ def gemv_launch(M: int, N: int, K: int, pipe: Optional[bool] = None,
         sms (int | None): SMs of the device for the PIPE grid; None:
             :func:`~qwen_apple_backend.ops.device.cuda_sm_count` (0 = unknown:
             the grid is capped at 1,024 blocks only).
+        rpw (int | None): row sets per warp pass instead of the rule below
+            (profiling; the grid follows).
+        blocks_per_sm (int | None): the PIPE grid's blocks per SM instead of
+            :data:`PIPE_BLOCKS_PER_SM` (profiling).
 
     Returns:
         dict: ``LPR`` (lanes per row: the largest power of two <= 32
@@ -113,16 +118,17 @@ def gemv_launch(M: int, N: int, K: int, pipe: Optional[bool] = None,
     while nc % lpr:
         lpr //= 2
     sub = 32 // lpr
-    if pipe:
-        rpw = 1 if N <= 32768 else 2
-    else:
-        rpw = 1 if N <= 4096 else (2 if N <= 32768 else 4)
+    if rpw is None:
+        if pipe:
+            rpw = 1 if N <= 32768 else 2
+        else:
+            rpw = 1 if N <= 4096 else (2 if N <= 32768 else 4)
     rows_per_block = _WARPS * sub * rpw
     cap = _MAX_BLOCKS
     if pipe:
         sms = cuda_sm_count() if sms is None else sms
         if sms > 0:
-            cap = min(cap, PIPE_BLOCKS_PER_SM * sms)
+            cap = min(cap, (blocks_per_sm or PIPE_BLOCKS_PER_SM) * sms)
     blocks = max(1, min(cap, -(-N // rows_per_block)))
     return {"LPR": lpr, "RPW": rpw, "PIPE": pipe, "blocks": blocks, "threads": 32 * _WARPS}
 
