@@ -143,7 +143,7 @@ def parse_variant(text: str) -> dict:
             out[key] = int(value)
         except ValueError:
             raise ValueError(f"variant {text!r}: {key}={value!r} is not an integer") from None
-        low = 0 if key in ("SLEEP", "PERSIST", "PREFETCH", "RELAXED", "STAGE") else 1
+        low = 0 if key in ("SLEEP", "PERSIST", "PREFETCH", "RELAXED", "STAGE", "EARLY") else 1
         if out[key] < low:
             raise ValueError(f"variant {text!r}: {key} must be >= {low}, got {out[key]}")
     return out
@@ -304,12 +304,12 @@ def timeline(layer, variants, reps: int, spin: int = 0) -> list[dict]:
     busy = mx.random.normal((4096, 4096)).astype(mx.bfloat16)
     mx.eval(flush, busy)
     N, E, H, I, K = SHAPE
-    _, _, blocks = moe_ops._decode_block_launch(E, H, I, K)
-    rblk = moe_ops._add_norm_route_launch(E)[2]
-    gblk = moe_ops._fold_grid_x(K, I) // moe_ops._GEMV_BLOCK
-    bounds = [0, rblk * N, (rblk + gblk) * N, blocks * N]
     results = []
     for name, v in variants:
+        with _Options(v):  # GRPW sets the gate/up phase's block count
+            rblk, gblk, dblk = moe_ops._decode_block_phase_blocks(E, H, I, K)
+        blocks = rblk + gblk + dblk
+        bounds = [0, rblk * N, (rblk + gblk) * N, blocks * N]
         with _Options(v, stamps=blocks * N):
             counter = moe_ops.serial_counter(moe_ops.decode_block_counter_length())
             samples = []

@@ -1459,8 +1459,8 @@ def test_add_norm_route_reads_the_blocks_own_counter_in_the_decode_step_trace(mo
         assert all(c.shape == (moe_ops.FOLD_NORM_MAX_ROWS,) and c.dtype == mx.uint32
                    and not mx.any(c).item() for c in own)
     # The compiled graphs of the two counters are kept apart (the key ends with
-    # serial, block, stage).
-    assert {k[-3] for k in blocks[0]._compiled} == {False, True}
+    # serial, block, stage, early).
+    assert {k[-4] for k in blocks[0]._compiled} == {False, True}
 
 
 def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monkeypatch):
@@ -1470,15 +1470,17 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
     # from the three-launch path's), else the per-launch copy of a zero view;
     # one_launch off (QAB_DISABLE=moe-block) keeps the three launches;
     # stage_down (on by default; QAB_DISABLE=moe-block-stage clears it)
-    # reaches the call as its stage.
+    # reaches the call as its stage, early_gate_up (off by default;
+    # QAB_ENABLE=moe-block-early sets it) as its early.
     from qwen_apple_backend.layers import moe as moe_layer
 
     seen = []
     stages = []
 
-    def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None, stage=None):
+    def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None, stage=None,
+              early=None):
         seen.append((backend, counter))
-        stages.append(stage)
+        stages.append((stage, early))
         return (x + r) * 3
 
     monkeypatch.setattr(moe_layer, "moe_decode_block", block)
@@ -1488,7 +1490,7 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
                         lambda self, *a, **k: (None, "fake", "fake", None,
                                                "fake" if self.one_launch else None))
     b = FusedSparseMoeBlock.from_stock(make_stock(seed=4))
-    assert b.one_launch and b.stage_down
+    assert b.one_launch and b.stage_down and not b.early_gate_up
     b.stage_down = False
     norm = nn.RMSNorm(H)
     x, r = inputs((1, 1, H)), inputs((1, 1, H), seed=3)
@@ -1508,10 +1510,14 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
         assert "_serial_counter" not in b.__dict__
         assert own.shape == (n,) and own.dtype == mx.uint32 and not mx.any(own).item()
         assert seen == [("fake", own)]
-    assert stages == [False] * 4
+    assert stages == [(False, False)] * 4
     b.stage_down = True
     b.add_norm_forward(x, r, norm)
-    assert stages[-1] is True
+    assert stages[-1] == (True, False)
+    b.early_gate_up = True
+    b.add_norm_forward(x, r, norm)
+    assert stages[-1] == (True, True)
+    b.early_gate_up = False
     b.stage_down = False
     b.one_launch = False
     monkeypatch.setattr(moe_layer, "add_norm_route",

@@ -237,26 +237,30 @@ def test_moe_block_stage_switch_reaches_every_fused_moe_block(tiny_q4, monkeypat
         load(tiny_q4, "fused")
 
 
-def test_attn_lanes_switch_reaches_every_fused_attention_layer(tiny_q4, monkeypatch):
-    # QAB_ENABLE=attn-lanes sets FusedGQAAttention.decode_lanes (off by
-    # default); disable=["attn-lanes"] wins; the report says which.
-    from qwen_apple_backend.layers.attention import FusedGQAAttention
+@pytest.mark.parametrize("name,cls,attr,says", [
+    ("attn-lanes", "FusedGQAAttention", "decode_lanes", "lane-group kernel"),
+    ("moe-block-early", "FusedSparseMoeBlock", "early_gate_up", "stage the token's norm"),
+])
+def test_opt_in_switch_reaches_every_fused_layer(tiny_q4, monkeypatch, name, cls, attr, says):
+    # QAB_ENABLE=attn-lanes sets FusedGQAAttention.decode_lanes, and
+    # QAB_ENABLE=moe-block-early FusedSparseMoeBlock.early_gate_up (both off by
+    # default); disable=[name] wins; the report says which.
+    from qwen_apple_backend.layers import attention, moe
 
+    klass = getattr(attention, cls, None) or getattr(moe, cls)
     monkeypatch.delenv("QAB_DISABLE", raising=False)
-    for enable, disable, want in (("", [], False), ("attn-lanes", [], True),
-                                  ("attn-lanes", ["attn-lanes"], False)):
+    for enable, disable, want in (("", [], False), (name, [], True), (name, [name], False)):
         monkeypatch.setenv("QAB_ENABLE", enable)
         model = load(tiny_q4, "fused", disable=disable)[0]
-        layers = [m for _, m in model.named_modules() if isinstance(m, FusedGQAAttention)]
-        assert layers and all(m.decode_lanes is want for m in layers)
-        assert all(m.decode_kernel for m in layers)
-        notes = [n for n in get_report(model).notes if "attn-lanes" in n]
+        layers = [m for _, m in model.named_modules() if isinstance(m, klass)]
+        assert layers and all(getattr(m, attr) is want for m in layers)
+        notes = [n for n in get_report(model).notes if name in n]
         if not enable:
             assert notes == []
         elif disable:
             assert len(notes) == 1 and "which wins" in notes[0]
         else:
-            assert len(notes) == 1 and "lane-group kernel" in notes[0]
+            assert len(notes) == 1 and says in notes[0]
 
 
 @pytest.mark.parametrize("opt", sorted(_OFF_NOTES))

@@ -4,6 +4,73 @@
 // the block that counted last and routed the row. Arithmetic, layout and
 // arguments: see moe_add_norm_route.cu. Needs common.cuh and moe_route_row.cuh.
 
+// Phase 1 of the route for token row n, every thread of a BLOCK-thread block:
+//   h[n] = T(x[n] + r[n]),  y[n] = T(nw * T(h[n] * rsqrt(mean(h[n]^2) + eps)))
+// into a shared-memory copy of y[n] (returned; one buffer per instantiation,
+// valid after the helper's closing barrier until the caller's next write to
+// it), and into h, y when `write` (one block per row writes them). Each
+// thread holds elements t + BLOCK j; the sum of squares: per thread, a warp
+// butterfly, one partial per warp, every warp adding the partials in order.
+// Used by the route and by moe_decode_block.cu's EARLY gate/up items (which
+// stage y themselves instead of waiting for the route to write it): the same
+// code, so the same bits.
+template <typename T, int D, int BLOCK>
+__device__ __forceinline__ const T* qab_add_norm_row(const size_t n, const T* x, const T* r,
+                                                     const T* nw, const float* eps, T* h, T* y,
+                                                     const bool write) {
+  constexpr int WARPS = BLOCK / 32;
+  constexpr int PER = (D + BLOCK - 1) / BLOCK;
+  __shared__ __align__(16) T ys[D];
+  __shared__ float partial[WARPS];
+  const int t = threadIdx.x;
+  const int lane = t & 31;
+  const int warp = t >> 5;
+  const size_t base = n * D;
+  float hv[PER];
+  float rv[PER];
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int i = t + BLOCK * j;
+    hv[j] = i < D ? static_cast<float>(x[base + i]) : 0.f;
+    rv[j] = i < D ? static_cast<float>(r[base + i]) : 0.f;
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int i = t + BLOCK * j;
+    if (i < D) {
+      const T hr = static_cast<T>(hv[j] + rv[j]);
+      if (write) {
+        h[base + i] = hr;
+      }
+      hv[j] = static_cast<float>(hr);
+      ss += hv[j] * hv[j];
+    }
+  }
+  ss = qab_warp_sum(ss);
+  if (lane == 0) {
+    partial[warp] = ss;
+  }
+  __syncthreads();
+  float total = lane < WARPS ? partial[lane] : 0.f;
+  total = qab_warp_sum(total);
+  const float inv = rsqrtf(total / static_cast<float>(D) + eps[0]);
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int i = t + BLOCK * j;
+    if (i < D) {
+      const float v = static_cast<float>(static_cast<T>(hv[j] * inv));
+      const T yv = static_cast<T>(static_cast<float>(nw[i]) * v);
+      if (write) {
+        y[base + i] = yv;
+      }
+      ys[i] = yv;
+    }
+  }
+  __syncthreads();
+  return ys;
+}
+
 template <typename T, int D, int E, int K, int G, bool NORM, int BLOCK, int RB>
 __device__ __forceinline__ bool qab_add_norm_route_part(
     const int part, const int nparts, const size_t n, const T* x, const T* r, const T* nw,
@@ -13,20 +80,16 @@ __device__ __forceinline__ bool qab_add_norm_route_part(
   static_assert(D % 256 == 0, "moe_add_norm_route: D % 256 == 0 (no residue step)");
   static_assert(G % 8 == 0 && D % G == 0, "moe_add_norm_route: a lane's 8 weights share a group");
   constexpr int WARPS = BLOCK / 32;
-  constexpr int PER = (D + BLOCK - 1) / BLOCK;
   constexpr int EPT = 8;                 // weights per lane and step (MLX's qmv for 8 bits)
   constexpr int STEPS = D / (32 * EPT);  // steps per row
   constexpr int GPR = D / G;             // quantization groups per row
   constexpr int EPB = WARPS * RB;        // experts per block
-  __shared__ __align__(16) T ys[D];
   __shared__ T ls[E];
-  __shared__ float partial[WARPS];
   __shared__ bool last;
 
   const int t = threadIdx.x;
   const int lane = t & 31;
   const int warp = t >> 5;
-  const size_t base = n * D;
 
   // This block's router weights, scales and biases: loaded first, so that their
   // trip to memory overlaps phase 1 (they do not depend on it).
@@ -48,48 +111,7 @@ __device__ __forceinline__ bool qab_add_norm_route_part(
   }
 
   // Phase 1: h = x + r, y = rms_norm(h) * nw (every block; block 0 writes them).
-  float hv[PER];
-  float rv[PER];
-#pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    const int i = t + BLOCK * j;
-    hv[j] = i < D ? static_cast<float>(x[base + i]) : 0.f;
-    rv[j] = i < D ? static_cast<float>(r[base + i]) : 0.f;
-  }
-  float ss = 0.f;
-#pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    const int i = t + BLOCK * j;
-    if (i < D) {
-      const T hr = static_cast<T>(hv[j] + rv[j]);
-      if (part == 0) {
-        h[base + i] = hr;
-      }
-      hv[j] = static_cast<float>(hr);
-      ss += hv[j] * hv[j];
-    }
-  }
-  ss = qab_warp_sum(ss);
-  if (lane == 0) {
-    partial[warp] = ss;
-  }
-  __syncthreads();
-  float total = lane < WARPS ? partial[lane] : 0.f;
-  total = qab_warp_sum(total);
-  const float inv = rsqrtf(total / static_cast<float>(D) + eps[0]);
-#pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    const int i = t + BLOCK * j;
-    if (i < D) {
-      const float v = static_cast<float>(static_cast<T>(hv[j] * inv));
-      const T yv = static_cast<T>(static_cast<float>(nw[i]) * v);
-      if (part == 0) {
-        y[base + i] = yv;
-      }
-      ys[i] = yv;
-    }
-  }
-  __syncthreads();
+  const T* ys = qab_add_norm_row<T, D, BLOCK>(n, x, r, nw, eps, h, y, part == 0);
 
   // Phase 2: this block's router logits, RB expert rows per warp.
   {

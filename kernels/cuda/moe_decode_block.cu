@@ -55,7 +55,7 @@
 // Launch: grid (BLOCK * (RBLK + GBLK + DBLK) * N, 1, 1) threads (with PERSIST
 // any number of blocks, e.g. as many as fit on the GPU at once), threadgroup
 // (BLOCK, 1, 1), BLOCK = 256 (the three kernels' block), with
-//   RBLK = ceil(E / (RB BLOCK / 32)), GBLK = ceil(32 ((K + 1) I / 2 + 1) / BLOCK),
+//   RBLK = ceil(E / (RB BLOCK / 32)), GBLK = ceil(32 ((K + 1) I / GRPW + 1) / BLOCK),
 //   DBLK = ceil(32 H / 2 / BLOCK).
 // Template: T (activations, norm weight, router scales/biases, scores),
 // H (hidden size), E, K, I (expert intermediate size), G (experts' group
@@ -65,8 +65,14 @@
 // (down items load their weights before waiting for gate/up), STAGE (a down
 // block copies the token's gate/up activations into shared memory once, with
 // cp.async, instead of each lane reading its chunks from L2 one after
-// another: ncu on the H200, 34.3 against 43 us per launch (two runs); not yet run in a
-// whole model on the GPU, so off by default).
+// another: ncu on the H200, 34.3 against 43 us per launch, two runs; on by
+// default since a whole-model run), GRPW ((gate, up) row pairs per gate/up
+// warp: 2 as the standalone kernel; 4 halves the gate/up blocks, so that with
+// two blocks per SM the launch's blocks nearly all fit at once), EARLY (a
+// gate/up item stages y itself with the route's add + norm code instead of
+// waiting for the route to write it, waits for the route only when it holds
+// routed rows, and a row's gate/up items run last block first, so the shared
+// expert's rows and the gate logit, which need no route, run during it).
 // Requirements: each of the three kernels' (see their sources).
 // Inputs: x, r [N, H] T (residual stream, mixer output); nw [H] T; eps [4]
 // float32; gw [E, H / 4] uint32, gs, gb [E, H / RG] T (8-bit router); w,
@@ -82,7 +88,7 @@
 // MLX allocates them; callers drop them).
 
 constexpr int RBLK = (E + (BLOCK / 32) * RB - 1) / ((BLOCK / 32) * RB);
-constexpr int GBLK = (32 * ((K + 1) * I / QAB_GATE_UP_RPW + 1) + BLOCK - 1) / BLOCK;
+constexpr int GBLK = (32 * ((K + 1) * I / GRPW + 1) + BLOCK - 1) / BLOCK;
 constexpr int DBLK = (32 * H / QAB_DOWN_RPW + BLOCK - 1) / BLOCK;
 static_assert(!(PREFETCH || STAGE) || H % ((BLOCK / 32) * QAB_DOWN_RPW) == 0,
               "moe_decode_block: PREFETCH and STAGE need every warp of a down block busy");
@@ -129,15 +135,37 @@ while (true) {
   } else if (tk < (RBLK + GBLK) * rows) {
     const int g = tk - RBLK * rows;
     const int n = g / GBLK;
-    if (tid == 0) {
-      qab_wait_count(routed, static_cast<uint32_t>(rows));
+    if constexpr (EARLY) {
+      // The last blocks of a row first: the shared expert's and the gate
+      // logit's, which wait for nothing. Each item stages y itself (the
+      // route's own add + norm code), then waits for the route only if it
+      // holds a routed row.
+      const int bx = GBLK - 1 - (g - n * GBLK);
+      const T* ys = qab_add_norm_row<T, H, BLOCK>(n, x, r, nw, eps, h, y, false);
+      const bool routed_rows = bx * (BLOCK / 32) * GRPW < K * I;
+      qab_moe_gate_up_shared_part<T, H, I, K, G, SGB, SGG, true, GRPW>(
+          bx, n, rows, qab_row_load<false>(ys), inds, w, scales, biases, s_gate_w,
+          s_gate_scales, s_gate_biases, s_up_w, s_up_scales, s_up_biases, sg_w, sg_scales,
+          sg_biases, act, sg_logit, [&]() {
+            if (routed_rows) {
+              if (tid == 0) {
+                qab_wait_count(routed, static_cast<uint32_t>(rows));
+              }
+              __syncthreads();
+            }
+            QAB_MARK(1);
+          });
+    } else {
+      if (tid == 0) {
+        qab_wait_count(routed, static_cast<uint32_t>(rows));
+      }
+      __syncthreads();
+      QAB_MARK(1);
+      qab_moe_gate_up_shared_part<T, H, I, K, G, SGB, SGG, true, GRPW>(
+          g - n * GBLK, n, rows, qab_row_load<true>(y + (size_t)n * H), inds, w, scales, biases,
+          s_gate_w, s_gate_scales, s_gate_biases, s_up_w, s_up_scales, s_up_biases, sg_w,
+          sg_scales, sg_biases, act, sg_logit);
     }
-    __syncthreads();
-    QAB_MARK(1);
-    qab_moe_gate_up_shared_part<T, H, I, K, G, SGB, SGG, true>(
-        g - n * GBLK, n, rows, y, inds, w, scales, biases, s_gate_w, s_gate_scales,
-        s_gate_biases, s_up_w, s_up_scales, s_up_biases, sg_w, sg_scales, sg_biases, act,
-        sg_logit);
     QAB_MARK(2);
     __syncthreads();
     if (tid == 0) {

@@ -1,21 +1,39 @@
 // moe_gate_up_shared_gemv's work for one block: block bx (along x) of token
 // row n, of `rows` token rows (the kernel moe_gate_up_shared_gemv.cu, one
-// block per (bx, row), and the gate/up phase of moe_decode_block.cu). With
-// CG, x and inds are read through L2 (another block of the same launch wrote
-// them). Arithmetic, layout and arguments: see moe_gate_up_shared_gemv.cu.
+// block per (bx, row), and the gate/up phase of moe_decode_block.cu). The
+// token's input comes from `xv`, a functor giving x[n, k] as float (a row of
+// a global array, QabRowLoad, or moe_decode_block.cu's EARLY shared copy);
+// with CG, inds are read through L2 (another block of the same launch wrote
+// them). `wait` runs after x is staged and before any inds read, in every
+// thread of the block (it may hold a block barrier). RPW: (gate, up) row
+// pairs per warp (the standalone kernel's QAB_GATE_UP_RPW; the block's GRPW).
+// Arithmetic, layout and arguments: see moe_gate_up_shared_gemv.cu.
 // Needs common.cuh.
 
-constexpr int QAB_GATE_UP_RPW = 2;  // (gate, up) row pairs per warp
+constexpr int QAB_GATE_UP_RPW = 2;  // (gate, up) row pairs per warp (standalone kernel)
 
-template <typename OutT, int H, int I, int K, int G, int SGB, int SGG, bool CG, typename XT,
-          typename QT, typename GQT>
+// x[n, k] of a row-contiguous [N, H] array as float: `row` points at x[n]; with
+// CG through L2.
+template <typename T, bool CG>
+struct QabRowLoad {
+  const T* row;
+  __device__ __forceinline__ float operator()(const int k) const {
+    return static_cast<float>(qab_ld<CG>(row + k));
+  }
+};
+template <bool CG, typename T>
+__device__ __forceinline__ QabRowLoad<T, CG> qab_row_load(const T* row) {
+  return QabRowLoad<T, CG>{row};
+}
+
+template <typename OutT, int H, int I, int K, int G, int SGB, int SGG, bool CG, int RPW,
+          typename XF, typename QT, typename GQT, typename Wait = QabNoWait>
 __device__ __forceinline__ void qab_moe_gate_up_shared_part(
-    const int bx, const int n, const int rows, const XT* x, const uint32_t* inds,
+    const int bx, const int n, const int rows, const XF xv_of, const uint32_t* inds,
     const uint32_t* w, const QT* scales, const QT* biases, const uint32_t* s_gate_w,
     const QT* s_gate_scales, const QT* s_gate_biases, const uint32_t* s_up_w,
     const QT* s_up_scales, const QT* s_up_biases, const uint32_t* sg_w, const GQT* sg_scales,
-    const GQT* sg_biases, OutT* h, float* sg_logit) {
-  constexpr int RPW = QAB_GATE_UP_RPW;
+    const GQT* sg_biases, OutT* h, float* sg_logit, Wait wait = Wait()) {
   constexpr int NC = H / 32;          // 32-value chunks per row
   constexpr int CPL = H / 1024;       // 32-value chunks per lane
   constexpr int WPR = H / 8;          // uint32 words per 4-bit weight row
@@ -32,11 +50,8 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
   for (int e = tid; e < NC * 8; e += blockDim.x) {
     const int c = e >> 3;
     const int j4 = e & 7;
-    const size_t b = (size_t)n * H + c * 32 + j4 * 4;
-    xs[j4][c] = make_float4(static_cast<float>(qab_ld<CG>(x + b)),
-                            static_cast<float>(qab_ld<CG>(x + b + 1)),
-                            static_cast<float>(qab_ld<CG>(x + b + 2)),
-                            static_cast<float>(qab_ld<CG>(x + b + 3)));
+    const int b = c * 32 + j4 * 4;
+    xs[j4][c] = make_float4(xv_of(b), xv_of(b + 1), xv_of(b + 2), xv_of(b + 3));
   }
   __syncthreads();
   for (int c = tid; c < NC; c += blockDim.x) {
@@ -52,6 +67,7 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
     xsum[c] = s;
   }
   __syncthreads();
+  wait();
   if (warp > NRW) {
     return;
   }

@@ -37,6 +37,7 @@
 // token row; at least 16 bytes, see ops.device.unpooled_length; the elements
 // past N are written 0 and never read).
 
-qab_moe_gate_up_shared_part<OutT, H, I, K, G, SGB, SGG, false>(
-    blockIdx.x, blockIdx.y, gridDim.y, x, inds, w, scales, biases, s_gate_w, s_gate_scales,
-    s_gate_biases, s_up_w, s_up_scales, s_up_biases, sg_w, sg_scales, sg_biases, h, sg_logit);
+qab_moe_gate_up_shared_part<OutT, H, I, K, G, SGB, SGG, false, QAB_GATE_UP_RPW>(
+    blockIdx.x, blockIdx.y, gridDim.y, qab_row_load<false>(x + (size_t)blockIdx.y * H), inds, w,
+    scales, biases, s_gate_w, s_gate_scales, s_gate_biases, s_up_w, s_up_scales, s_up_biases,
+    sg_w, sg_scales, sg_biases, h, sg_logit);

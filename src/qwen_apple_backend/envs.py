@@ -12,7 +12,7 @@ Variables:
         ``attn-blocks``, ``attn-split``, ``attn-kernel``, ``qk-prep``, ``decode-compile``,
         ``proj-concat``, ``gemv-kernel``, ``proj-gemv``, ``add-norm``, ``norm-proj``,
         ``next-norm``, ``kv-in-place``, ``moe-block-stage``, ``gemv-pipe``,
-        ``attn-lanes``), for ablations.
+        ``attn-lanes``, ``moe-block-early``), for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
         leaves kernels on. Anything else is an error.
@@ -26,7 +26,8 @@ Variables:
         slower on the H200; ``gemv-pipe``, those projections' GEMV with
         double-buffered passes, and ``attn-lanes``, the decode attention's
         lane-group first pass: each faster in one 4K run on the H200, slower
-        in two later ones).
+        in two later ones; ``moe-block-early``, the one-launch MoE block's
+        gate/up items staging the norm themselves).
         ``QAB_DISABLE`` wins over it. ``next-norm`` needs
         ``moe-route``, which needs ``add-norm`` and ``moe-kernel``.
     QAB_UNVERIFIED_KERNELS: a boolean like ``QAB_DISABLE_KERNELS``; on, it also
@@ -109,6 +110,11 @@ OPTIMIZATIONS = {
     # partials merged in shared memory; CUDA; opt-in with QAB_ENABLE). H200, 4K decode: 333.6
     # vs 322.0 tok/s in one run, slower in two later ones
     "attn-lanes": "attn",
+    # the one-launch MoE block's gate/up items stage the token's norm themselves (the route's
+    # own add + norm code), wait for the route only when they hold routed rows (the shared
+    # expert's rows run during it) and take four row pairs per warp (EARLY, GRPW 4; CUDA;
+    # same outputs; opt-in with QAB_ENABLE)
+    "moe-block-early": "moe",
 }
 
 
@@ -224,7 +230,8 @@ def kernels_disabled() -> bool:
 # Optimizations that are not on everywhere by default and that QAB_ENABLE can
 # switch on: decode-compile is on by default on a GPU only (host-bound decode:
 # measured on the H200) and off on the CPU (measured no faster there).
-OPT_IN = ("decode-compile", "next-norm", "proj-gemv", "gemv-pipe", "attn-lanes")
+OPT_IN = ("decode-compile", "next-norm", "proj-gemv", "gemv-pipe", "attn-lanes",
+          "moe-block-early")
 
 
 def enabled_opt_in() -> frozenset[str]:

@@ -97,8 +97,8 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
                         f"optimizations ({','.join(OPTIMIZATIONS)}): adds one "
                         "`fused-no-<name>` backend per name, the fused backend with that kind "
                         "kept stock or that optimization switched off (the opt-in ones, "
-                        "next-norm, proj-gemv, gemv-pipe and attn-lanes, are on in `fused` "
-                        "only with QAB_ENABLE=NAME)")
+                        "next-norm, proj-gemv, gemv-pipe, attn-lanes and moe-block-early, are "
+                        "on in `fused` only with QAB_ENABLE=NAME)")
     b.add_argument("--prefill-step-size", type=positive_int, default=None,
                    help="prefill chunk in tokens (default: mlx-lm's, 2048)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -288,6 +288,10 @@ class FusedSparseMoeBlock(nn.Module):
     Attribute ``stage_down`` (default True; the ``moe-block-stage``
     optimization) builds that launch with its down items staging the token's
     gate/up activations in shared memory (``STAGE``; same outputs).
+    Attribute ``early_gate_up`` (default False; the opt-in ``moe-block-early``
+    optimization) builds it with gate/up items that stage the token's norm
+    themselves, wait for the route only for routed rows and take four row
+    pairs per warp (``EARLY``; same outputs).
 
     Attribute ``dequant_gemm`` (default True; the ``moe-gemm`` optimization)
     lets prefill-sized calls on quantized experts dequantize them and run a
@@ -325,6 +329,7 @@ class FusedSparseMoeBlock(nn.Module):
     fused_route: bool = True
     one_launch: bool = True
     stage_down: bool = True
+    early_gate_up: bool = False
 
     def __init__(
         self,
@@ -597,7 +602,7 @@ class FusedSparseMoeBlock(nn.Module):
         nkey, next_key = norm_key(norm), norm_key(next_norm)
         key = (x.shape, x.dtype, decode, envs.kernels_disabled(),
                envs.unverified_kernels_allowed(), self._weights_signature(), nkey, next_key,
-               self.one_launch, self.stage_down)
+               self.one_launch, self.stage_down, self.early_gate_up)
         cache = self.__dict__.get("_choices")
         if cache is None:
             cache = {}
@@ -621,7 +626,7 @@ class FusedSparseMoeBlock(nn.Module):
                     x, norm["weight"], norm.eps, linear_weights(self.gate), self.top_k,
                     self.norm_topk_prob, expert_weights(self.switch_mlp.gate_up_proj),
                     expert_weights(self.switch_mlp.down_proj), self._shared_weights(),
-                    stage=self.stage_down)
+                    stage=self.stage_down, early=self.early_gate_up)
             hit = (router, fold, route, down_norm, block)
             if len(cache) >= 64:
                 cache.clear()
@@ -732,7 +737,7 @@ class FusedSparseMoeBlock(nn.Module):
                                     expert_weights(self.switch_mlp.gate_up_proj),
                                     expert_weights(self.switch_mlp.down_proj),
                                     self._shared_weights(), block, counter=counter,
-                                    stage=self.stage_down)
+                                    stage=self.stage_down, early=self.early_gate_up)
         h, y, _, inds, scores = add_norm_route(x, r, norm_weight, eps, gate, self.top_k,
                                                self.norm_topk_prob, backend=route,
                                                counter=counter)
@@ -818,7 +823,8 @@ class FusedSparseMoeBlock(nn.Module):
             fns = self.__dict__.setdefault("_compiled", {})
             key = ("add_norm_route", route, fold, norm.eps, down_norm,
                    None if down_norm is None else next_norm.eps, serial, block,
-                   block is not None and self.stage_down)
+                   block is not None and self.stage_down,
+                   block is not None and self.early_gate_up)
             fn = fns.get(key)
             if fn is None:
                 # The module is the captured input tree (parameters replaced

@@ -364,6 +364,7 @@ class QwenHybridAdapter(Adapter):
         # machine (e.g. 147.9 vs 171.8 and 161.4), so off until that is resolved.
         pipe_on = "gemv-pipe" in enabled and "gemv-pipe" not in disable
         lanes_on = "attn-lanes" in enabled and "attn-lanes" not in disable
+        early_on = "moe-block-early" in enabled and "moe-block-early" not in disable
         switched_off: set[str] = set()  # optimizations off in at least one fused module
         for layer in model.layers:
             base = names.get(id(layer), "layers.?")
@@ -423,6 +424,8 @@ class QwenHybridAdapter(Adapter):
                     fused.prep_kernel = False
                 if lanes_on and hasattr(fused, "decode_lanes"):
                     fused.decode_lanes = True
+                if early_on and hasattr(fused, "early_gate_up"):
+                    fused.early_gate_up = True
                 switched_off.update(off)
                 if "proj-concat" not in disable and hasattr(fused, "concat_projections"):
                     fused.concat_projections()
@@ -441,7 +444,10 @@ class QwenHybridAdapter(Adapter):
         for name, what in (("gemv-pipe", "the concatenated input projections' GEMV launches "
                                          "run double-buffered passes"),
                            ("attn-lanes", "decode attention's first pass below 64K keys runs "
-                                          "the lane-group kernel, several lanes per key")):
+                                          "the lane-group kernel, several lanes per key"),
+                           ("moe-block-early", "the one-launch MoE block's gate/up items stage "
+                                               "the token's norm themselves and start before "
+                                               "the route ends")):
             if name in enabled and any(m.fused for m in report.modules):
                 report.notes.append(
                     f"{name} from QAB_ENABLE is not used: also in QAB_DISABLE / disable=, "

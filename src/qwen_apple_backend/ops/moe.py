@@ -1592,11 +1592,14 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: the token's gate/up activations into shared memory once (cp.async) instead
 #: of each lane reading its chunks from L2 one after another (the default of
 #: :func:`moe_decode_block`'s ``stage``; the ``moe-block-stage`` switch sets it
-#: per model). The defaults were the fastest of
-#: benchmarks/profile_moe_block_gpu.py's variants on the H200 (STAGE: 34.3
-#: against 43 us per launch there, two runs).
+#: per model); GRPW, (gate, up) row pairs per gate/up warp (2 as the
+#: standalone kernel; 4 halves the gate/up blocks); EARLY, whether a gate/up
+#: item stages the token's norm itself and waits for the route only when it
+#: holds routed rows (the shared expert's rows then run during the route).
+#: The defaults were the fastest of benchmarks/profile_moe_block_gpu.py's
+#: variants on the H200 (STAGE: 34.3 against 43 us per launch there, two runs).
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
-                        "STAGE": True}
+                        "STAGE": True, "GRPW": 2, "EARLY": False}
 
 
 def decode_block_counter_length(rows: int = FOLD_NORM_MAX_ROWS) -> int:
@@ -1610,24 +1613,55 @@ def _decode_block_object(backend: str):
     return build_kernel("moe_decode_block", backend)
 
 
-def _decode_block_launch(E: int, H: int, I: int, K: int) -> tuple[int, int, int]:
+#: Gate/up row pairs per warp of the ``early`` build (:func:`moe_decode_block`).
+EARLY_GRPW = 4
+
+
+def _decode_block_build(I: int, stage: Optional[bool] = None,
+                        early: Optional[bool] = None) -> dict:
+    """The build a :func:`moe_decode_block` call runs: ``DECODE_BLOCK_OPTIONS``
+    with ``stage`` (STAGE) and ``early`` (EARLY, and GRPW :data:`EARLY_GRPW`
+    where it divides ``I``) put in where given."""
+    opts = dict(DECODE_BLOCK_OPTIONS)
+    if stage is not None:
+        opts["STAGE"] = bool(stage)
+    if early is not None:
+        opts["EARLY"] = bool(early)
+        if early and I % EARLY_GRPW == 0:
+            opts["GRPW"] = EARLY_GRPW
+    return opts
+
+
+def _decode_block_phase_blocks(E: int, H: int, I: int, K: int,
+                               grpw: Optional[int] = None) -> tuple[int, int, int]:
+    """Blocks per token row of each :func:`moe_decode_block` phase: ``(route,
+    gate/up, down)``, as the kernel derives them (``grpw`` gate/up row pairs
+    per warp; None: ``DECODE_BLOCK_OPTIONS["GRPW"]``)."""
+    block, _, route_blocks = _add_norm_route_launch(E)
+    grpw = int(DECODE_BLOCK_OPTIONS["GRPW"] if grpw is None else grpw)
+    gate_up_blocks = -(-32 * ((K + 1) * I // grpw + 1) // block)
+    down_blocks = -(-_down_grid_x(H) // block)
+    return route_blocks, gate_up_blocks, down_blocks
+
+
+def _decode_block_launch(E: int, H: int, I: int, K: int,
+                         grpw: Optional[int] = None) -> tuple[int, int, int]:
     """``(BLOCK, RB, blocks per token row)`` of a moe_decode_block launch: the
     route's, the fold's gate/up and the fold's down blocks, one after the other."""
-    block, rb, route_blocks = _add_norm_route_launch(E)
+    block, rb, _ = _add_norm_route_launch(E)
     # The kernel derives every phase's block count from its one BLOCK.
     if block != _GEMV_BLOCK:
         raise RuntimeError(f"moe_decode_block needs the route's and the fold's threadgroups "
                            f"equal, got {block} and {_GEMV_BLOCK}")
-    gate_up_blocks = _fold_grid_x(K, I) // _GEMV_BLOCK
-    down_blocks = -(-_down_grid_x(H) // _GEMV_BLOCK)
-    return block, rb, route_blocks + gate_up_blocks + down_blocks
+    return block, rb, sum(_decode_block_phase_blocks(E, H, I, K, grpw))
 
 
 def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: mx.array,
                            eps: float, gate: "ExpertWeights", top_k: int, norm_topk_prob: bool,
                            gate_up: ExpertWeights, down: ExpertWeights,
                            shared: SharedExpertWeights, counter: mx.array,
-                           stage: Optional[bool] = None) -> mx.array:
+                           stage: Optional[bool] = None,
+                           early: Optional[bool] = None) -> mx.array:
     obj = _decode_block_object(backend)
     if obj is None:
         raise RuntimeError(f"no moe_decode_block source or MLX API for {backend}")
@@ -1640,11 +1674,14 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
         raise ValueError(f"r {r.shape} {r.dtype} must have x's shape {x.shape} and dtype {x.dtype}")
     E, K = gate.weight.shape[0], int(top_k)
     I = gate_up.weight.shape[1] // 2
-    block, rb, blocks = _decode_block_launch(E, H, I, K)
-    opts = DECODE_BLOCK_OPTIONS
+    opts = _decode_block_build(I, stage, early)
     if int(opts["CS"]) < 1 or (opts["GRID"] is not None and int(opts["GRID"]) < 1):
         raise ValueError(f"DECODE_BLOCK_OPTIONS: CS must be >= 1 and GRID None or >= 1, got "
                          f"CS={opts['CS']!r}, GRID={opts['GRID']!r}")
+    if int(opts["GRPW"]) not in (1, 2, 4) or I % int(opts["GRPW"]):
+        raise ValueError(f"DECODE_BLOCK_OPTIONS: GRPW must be 1, 2 or 4 and divide the "
+                         f"experts' intermediate size {I}, got GRPW={opts['GRPW']!r}")
+    block, rb, blocks = _decode_block_launch(E, H, I, K, int(opts["GRPW"]))
     grid_blocks = blocks * N
     if opts["PERSIST"] and opts["GRID"]:
         grid_blocks = min(grid_blocks, int(opts["GRID"]))
@@ -1661,7 +1698,8 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
                   ("NORM", bool(norm_topk_prob)), ("BLOCK", block), ("RB", rb),
                   ("CS", int(opts["CS"])), ("PERSIST", bool(opts["PERSIST"])),
                   ("PREFETCH", bool(opts["PREFETCH"])),
-                  ("STAGE", bool(opts["STAGE"] if stage is None else stage))],
+                  ("STAGE", bool(opts["STAGE"])), ("GRPW", int(opts["GRPW"])),
+                  ("EARLY", bool(opts["EARLY"]))],
         grid=(block * grid_blocks, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[x.shape, x.shape, x.shape, (*lead, E), (*lead, K), (*lead, K),
                        (N, K + 1, I), (unpooled_length(N, mx.float32),)],
@@ -1690,7 +1728,8 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
                        gate: Optional["ExpertWeights"], top_k: int, norm_topk_prob: bool,
                        gate_up: ExpertWeights, down: ExpertWeights,
                        shared: SharedExpertWeights,
-                       stage: Optional[bool] = None) -> Optional[str]:
+                       stage: Optional[bool] = None,
+                       early: Optional[bool] = None) -> Optional[str]:
     """The GPU backend whose one-launch MoE decode block may run this call, or None.
 
     ``kernels/cuda/moe_decode_block``: :func:`add_norm_route` and the
@@ -1718,6 +1757,9 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
         stage (bool | None): the build with the down items' activations staged
             in shared memory (``STAGE``), checked on its own; None:
             ``DECODE_BLOCK_OPTIONS["STAGE"]``.
+        early (bool | None): the build whose gate/up items stage the norm
+            themselves (``EARLY``, with :data:`EARLY_GRPW` row pairs per
+            warp), checked on its own; None: ``DECODE_BLOCK_OPTIONS``.
 
     Returns:
         Optional[str]: ``"cuda"``, or None (not CUDA, kernels disabled,
@@ -1738,12 +1780,12 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
         return None
     H, dtype, E, K = x.shape[-1], x.dtype, gate.weight.shape[0], int(top_k)
     norm = bool(norm_topk_prob)
-    stage = bool(DECODE_BLOCK_OPTIONS["STAGE"] if stage is None else stage)
+    build = _decode_block_build(gate_up.weight.shape[1] // 2, stage, early)
 
     def kernel(xs, rs, ws):
         counter = fold_norm_counter(decode_block_counter_length())
         return [_moe_decode_block_call("cuda", xs, rs, ws, eps, gate, K, norm, gate_up, down,
-                                       shared, counter, stage)]
+                                       shared, counter, stage, early)]
 
     def reference(xs, rs, ws):
         h, y, _, inds, scores = _add_norm_route_call("cuda", xs, rs, ws, eps, gate, K, norm,
@@ -1755,7 +1797,7 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
     key = (H, str(dtype), E, gate.group_size, K, norm, float(eps),
            tuple(gate_up.weight.shape), gate_up.group_size, down.group_size,
            shared.gate.bits, shared.gate.group_size,
-           tuple(sorted({**DECODE_BLOCK_OPTIONS, "STAGE": stage}.items())))
+           tuple(sorted(build.items())))
     ok = self_checked("moe_decode_block", "cuda", key, kernel=kernel, reference=reference,
                       make_inputs=_add_norm_route_check_inputs(H, dtype), rtol=0.0)
     return "cuda" if ok else None
@@ -1765,7 +1807,7 @@ def moe_decode_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float
                      gate: "ExpertWeights", top_k: int, norm_topk_prob: bool,
                      gate_up: ExpertWeights, down: ExpertWeights, shared: SharedExpertWeights,
                      backend: str, counter: Optional[mx.array] = None,
-                     stage: Optional[bool] = None) -> mx.array:
+                     stage: Optional[bool] = None, early: Optional[bool] = None) -> mx.array:
     """A decode token's MoE layer half in one launch: ``h + moe(rms_norm(h))``, ``h = x + r``.
 
     One launch of ``kernels/cuda/moe_decode_block``: the residual add, the
@@ -1801,6 +1843,11 @@ def moe_decode_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float
             in shared memory (the ``STAGE`` build, same output); None:
             ``DECODE_BLOCK_OPTIONS["STAGE"]``. Check it with the same
             ``stage`` in :func:`decode_block_ready`.
+        early (bool | None): gate/up items stage the token's norm themselves
+            and wait for the route only for routed rows, with
+            :data:`EARLY_GRPW` row pairs per warp where that divides I (the
+            ``EARLY`` build, same output); None: ``DECODE_BLOCK_OPTIONS``.
+            Check it with the same ``early`` in :func:`decode_block_ready`.
 
     Returns:
         mx.array: the layer's output, ``x``'s shape and dtype.
@@ -1814,7 +1861,7 @@ def moe_decode_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float
     if counter is None:
         counter = fold_norm_counter(decode_block_counter_length())
     return _moe_decode_block_call(backend, x, r, norm_weight, eps, gate, top_k, norm_topk_prob,
-                                  gate_up, down, shared, counter, stage)
+                                  gate_up, down, shared, counter, stage, early)
 
 
 # Tile heights of the grouped GEMM kernel (kernels/{cuda,metal}/moe_grouped_gemm):
