@@ -143,7 +143,7 @@ def parse_variant(text: str) -> dict:
             out[key] = int(value)
         except ValueError:
             raise ValueError(f"variant {text!r}: {key}={value!r} is not an integer") from None
-        low = 0 if key in ("SLEEP", "PERSIST", "PREFETCH", "RELAXED", "STAGE", "EARLY") else 1
+        low = 0 if key in ("SLEEP", "PERSIST", "PREFETCH", "RELAXED", "STAGE", "EARLY", "DPF") else 1
         if out[key] < low:
             raise ValueError(f"variant {text!r}: {key} must be >= {low}, got {out[key]}")
     return out

@@ -299,6 +299,8 @@ void* dynamic_shared();
 void cp_async(void* smem, const void* gmem, int bytes);
 void cp_async_commit();
 void cp_async_wait(int pending);
+// qab_prefetch_l2 (common.cuh): no effect here; the range must lie in one input.
+void check_prefetch(const void* p, uint32_t bytes);
 // qab_wait_count (common.cuh): blocks run one after another here, so a count
 // that is not reached yet never will be; reported instead of spinning forever.
 inline void wait_count(const uint32_t* p, uint32_t target) {
@@ -682,6 +684,7 @@ alignas(256) unsigned char arena[kArena];
 size_t dyn_bytes = 0, next_off = 0, static_bytes = 0, static_peak = 0;
 std::vector<std::pair<size_t, size_t>> shared_table;
 std::vector<void*> args;
+std::vector<std::pair<const unsigned char*, size_t>> input_ranges;  // each input's buffer
 std::vector<ArgShape> shapes;
 
 void switch_to_fiber(Fiber& f) {
@@ -871,6 +874,13 @@ void run_block(const uint3& blk, bool reverse, unsigned char shared_poison) {
 }  // namespace
 
 void* arg(int i) { return args[size_t(i)]; }
+void check_prefetch(const void* p, uint32_t bytes) {
+  const unsigned char* a = static_cast<const unsigned char*>(p);
+  for (const auto& r : input_ranges) {
+    if (a >= r.first && a + bytes <= r.first + r.second) return;
+  }
+  fail("qab_prefetch_l2 of %u bytes at %p: not inside one input buffer", bytes, p);
+}
 const ArgShape& input_shape(int i) { return shapes[size_t(i)]; }
 
 void fail(const char* fmt, ...) {
@@ -1036,6 +1046,7 @@ int main(int argc, char** argv) {
     if (nbytes) memcpy(base, data.data(), nbytes);
     input_bases[i] = base;
     inputs[i] = static_cast<unsigned char*>(base) + offset;
+    input_ranges.emplace_back(static_cast<const unsigned char*>(base), nbytes);
   }
   if (fscanf(spec, " outputs %u", &n_out) != 1) return 3;
   std::vector<size_t> out_bytes(n_out), guard(n_out);
@@ -1112,6 +1123,11 @@ SUBSTITUTES = {
     "qab_wait_count": (
         "__device__ __forceinline__ void qab_wait_count(const uint32_t* p, uint32_t target)",
         "::qab::wait_count(p, target);"),
+    # An L2 prefetch is a hint with no visible effect: the emulator only checks
+    # that the range lies in one input buffer.
+    "qab_prefetch_l2": (
+        "__device__ __forceinline__ void qab_prefetch_l2(const void* p, uint32_t bytes)",
+        "::qab::check_prefetch(p, bytes);"),
 }
 
 _C_TYPES = {

@@ -2009,17 +2009,21 @@ def test_moe_decode_block_is_the_three_launches_emulated(shape, dtype, rg, norm)
                                      {"CS": 1, "PERSIST": True, "PREFETCH": False, "GRID": 5},
                                      {"STAGE": True}, {"STAGE": True, "PREFETCH": False},
                                      {"STAGE": True, "PERSIST": True, "GRID": 3},
-                                     {"GRPW": 4}, {"GRPW": 1}, {"EARLY": True},
+                                     {"GRPW": 4}, {"GRPW": 1}, {"EARLY": False},
+                                     {"EARLY": False, "STAGE": False},
                                      {"EARLY": True, "GRPW": 4, "STAGE": True},
-                                     {"EARLY": True, "PERSIST": True, "GRID": 3}],
+                                     {"EARLY": True, "PERSIST": True, "GRID": 3},
+                                     {"DPF": True}, {"DPF": True, "GRPW": 1}],
                          ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 def test_moe_decode_block_build_options_are_the_three_launches_emulated(options, monkeypatch):
     # Adjacent or spaced counters, down items that load before they wait or
     # not, that stage h in shared memory or not, 1, 2 or 4 gate/up row pairs
     # per warp, gate/up items that stage the norm themselves (EARLY: the
-    # shared expert's blocks first, not waiting for the route), and a grid of
-    # fewer blocks than tickets (each block takes tickets until none is left)
-    # give the same outputs, and leave the counter zero.
+    # shared expert's blocks first, not waiting for the route) or not, that
+    # prefetch the down items' weights into L2 (DPF: the emulator checks each
+    # prefetched range lies in one input), and a grid of fewer blocks than
+    # tickets (each block takes tickets until none is left) give the same
+    # outputs, and leave the counter zero.
     for key, value in options.items():
         monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)
     shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
@@ -2067,22 +2071,27 @@ def test_moe_decode_block_dispatcher_self_checks_the_emulated_kernel(monkeypatch
                                             moe_ops.fold_norm_counter(
                                                 moe_ops.decode_block_counter_length()))
         assert out.shape == x.shape
-        # The moe-block-early build (EARLY, GRPW 4: I = 64) self-checks under its own
-        # key and gives the same output; early=False keeps the default build.
-        assert moe_ops.decode_block_ready(x, w, 1e-6, gate, 4, True, gu, dn, sw,
-                                          early=True) == "cuda"
+        # The build without EARLY (moe-block-early off) and the L2-prefetch build
+        # (PF) each self-check under their own key and give the same output.
+        for kw in (dict(early=False), dict(prefetch=True)):
+            assert moe_ops.decode_block_ready(x, w, 1e-6, gate, 4, True, gu, dn, sw,
+                                              **kw) == "cuda", kw
         keys = [k for k in device.self_check_results() if k[0] == "moe_decode_block"]
-        assert len(keys) == 2
-        early = moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
-                                         early=True)
-        assert mx.array_equal(early, out).item()
-        assert moe_ops._decode_block_build(64, early=True)["GRPW"] == 4
-        assert moe_ops._decode_block_build(96, early=True)["GRPW"] == 4
-        assert moe_ops._decode_block_build(98, early=True)["GRPW"] == 2  # 4 does not divide it
-        assert moe_ops._decode_block_build(64, early=False) == moe_ops.DECODE_BLOCK_OPTIONS
+        assert len(keys) == 3
+        late = moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
+                                        early=False)
+        pf = moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
+                                      prefetch=(gu.weight, gu.scales, w))
+        assert mx.array_equal(late, out).item() and mx.array_equal(pf, out).item()
+        assert moe_ops._decode_block_build(early=True, prefetch=True)["PF"]
+        assert not moe_ops._decode_block_build(early=False, prefetch=True)["PF"]
+        with pytest.raises(ValueError, match="at most 3 arrays"):
+            moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
+                                     prefetch=(w, w, w, w))
         # Build options that cannot work: counters on one element, an empty grid,
-        # 3 gate/up row pairs per warp.
-        for bad in ({"CS": 0}, {"PERSIST": True, "GRID": 0}, {"GRPW": 3}):
+        # 3 gate/up row pairs per warp, DPF without EARLY.
+        for bad in ({"CS": 0}, {"PERSIST": True, "GRID": 0}, {"GRPW": 3},
+                    {"DPF": True, "EARLY": False}):
             with monkeypatch.context() as m:
                 for k, v in bad.items():
                     m.setitem(moe_ops.DECODE_BLOCK_OPTIONS, k, v)

@@ -505,28 +505,30 @@ def test_moe_decode_block_is_the_three_launches(shape, dtype, rg, norm):
 
 @pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_CASES,
                          ids=lambda v: str(v).replace("mlx.core.", "").replace(" ", ""))
-def test_moe_decode_block_early_build_is_the_three_launches(shape, dtype, rg, norm):
-    # The moe-block-early build through the public call (early=True: EARLY and
-    # GRPW 4 where it divides I; at the odd shape I = 96, K = 3 one gate/up
-    # block holds routed and shared rows): bit-identical to the three launches,
-    # and ready after its own self-check.
+def test_moe_decode_block_public_builds_are_the_three_launches(shape, dtype, rg, norm):
+    # The builds a model picks through the public call: early off
+    # (moe-block-early disabled), the default (EARLY, STAGE) and with the L2
+    # prefetch of the next projection (l2-prefetch: PF): bit-identical to the
+    # three launches, each ready after its own self-check, the counter zero
+    # after every launch.
     from qwen_apple_backend.ops import moe as moe_ops
 
     backend = gd.gpu_backend()
-    x, r, w, gate, gu, dn, sw = case = _block_case(shape, dtype, rg)
+    x, r, w, gate, gu, dn, sw = _block_case(shape, dtype, rg)
     K = shape[4]
-    assert moe_ops.decode_block_ready(x, w, 1e-6, gate, K, norm, gu, dn, sw,
-                                      early=True) == backend
     counter = moe_ops.serial_counter(moe_ops.decode_block_counter_length())
     h, y, _, inds, scores = moe_ops._add_norm_route_call(backend, x, r, w, 1e-6, gate, K, norm,
                                                          moe_ops.fold_norm_counter())
     ref = moe_ops._moe_shared_decode_kernel_call(backend, y, inds, scores, gu, dn, sw,
                                                  residual=h)
-    for i in range(5):
-        out = moe_ops.moe_decode_block(x, r, w, 1e-6, gate, K, norm, gu, dn, sw, backend,
-                                       counter=counter, early=True)
-        assert mx.array_equal(out, ref).item(), f"launch {i}"
-        assert not mx.any(counter).item(), counter.tolist()
+    for early, pf in ((False, ()), (None, ()), (None, (gu.weight, gu.scales, gu.biases))):
+        assert moe_ops.decode_block_ready(x, w, 1e-6, gate, K, norm, gu, dn, sw, early=early,
+                                          prefetch=bool(pf)) == backend
+        for i in range(5):
+            out = moe_ops.moe_decode_block(x, r, w, 1e-6, gate, K, norm, gu, dn, sw, backend,
+                                           counter=counter, early=early, prefetch=pf)
+            assert mx.array_equal(out, ref).item(), f"early={early} pf={len(pf)} launch {i}"
+            assert not mx.any(counter).item(), counter.tolist()
 
 
 @pytest.mark.parametrize("options", [{"CS": 1, "PREFETCH": False}, {"PREFETCH": False},
@@ -534,8 +536,9 @@ def test_moe_decode_block_early_build_is_the_three_launches(shape, dtype, rg, no
                                      {"CS": 1, "PERSIST": True, "PREFETCH": False, "GRID": 264},
                                      {"STAGE": True}, {"STAGE": True, "PERSIST": True,
                                                        "GRID": 132},
-                                     {"GRPW": 4}, {"EARLY": True}, {"EARLY": True, "GRPW": 4},
-                                     {"EARLY": True, "GRPW": 4, "PERSIST": True, "GRID": 132}],
+                                     {"GRPW": 4}, {"EARLY": False}, {"EARLY": True, "GRPW": 4},
+                                     {"EARLY": True, "GRPW": 4, "PERSIST": True, "GRID": 132},
+                                     {"DPF": True}],
                          ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 @pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_CASES[:2],
                          ids=lambda v: str(v).replace("mlx.core.", "").replace(" ", ""))
@@ -545,8 +548,8 @@ def test_moe_decode_block_build_options_are_the_three_launches(shape, dtype, rg,
     # ops.moe.DECODE_BLOCK_OPTIONS): adjacent counters, down items that load
     # after they wait, fewer blocks than tickets, down items that stage h in
     # shared memory (STAGE), 4 gate/up row pairs per warp (GRPW), gate/up
-    # items that stage the norm themselves and run the shared expert's rows
-    # during the route (EARLY). Same output as the three launches, five
+    # items that wait for the route's normed input (EARLY off), that prefetch
+    # the down weights into L2 (DPF). Same output as the three launches, five
     # launches in a row on one serial counter.
     from qwen_apple_backend.ops import moe as moe_ops
 
@@ -562,18 +565,25 @@ def test_moe_decode_block_build_options_are_the_three_launches(shape, dtype, rg,
         assert not mx.any(counter).item(), counter.tolist()
 
 
-@pytest.mark.parametrize("stage,early", [(False, False), (True, False), (True, True)],
-                         ids=["no-stage", "stage", "stage-early"])
-def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(stage, early):
+@pytest.mark.parametrize("stage,early,l2", [(False, False, False), (True, False, False),
+                                             (True, True, False), (True, True, True)],
+                         ids=["no-stage", "stage", "stage-early", "stage-early-l2"])
+def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(stage, early, l2):
     # Qwen3-Next layers at D = 2048, 4-bit experts, 8-bit router and shared
     # gate, bf16: teacher-forced tokens through the compiled fused model with
     # the one-launch block (moe-block; with stage, its moe-block-stage build;
-    # with early, its moe-block-early build) and without it: identical logits,
-    # and every block's counter back at zero.
+    # with early, its moe-block-early build; with l2, each block prefetching
+    # the next layer's input projection: l2-prefetch) and without it:
+    # identical logits, and every block's counter back at zero.
+    from qwen_apple_backend.models._hybrid import _link_l2_prefetch
+
     models, caches = _prefilled_fused_next_models([[], ["moe-block"]])
     for layer in models[0].layers:
         layer.mlp.stage_down = stage
         layer.mlp.early_gate_up = early
+    if l2:
+        _link_l2_prefetch(models[0])
+        assert all(layer.mlp._l2_prefetch_arrays() for layer in models[0].layers[:-1])
     for t in range(16):
         tok = mx.array([[(t * 53 + 7) % 500]])
         a, b = (m(tok, cache=c) for m, c in zip(models, caches))

@@ -1459,8 +1459,8 @@ def test_add_norm_route_reads_the_blocks_own_counter_in_the_decode_step_trace(mo
         assert all(c.shape == (moe_ops.FOLD_NORM_MAX_ROWS,) and c.dtype == mx.uint32
                    and not mx.any(c).item() for c in own)
     # The compiled graphs of the two counters are kept apart (the key ends with
-    # serial, block, stage, early).
-    assert {k[-4] for k in blocks[0]._compiled} == {False, True}
+    # serial, block, stage, early, prefetch).
+    assert {k[-5] for k in blocks[0]._compiled} == {False, True}
 
 
 def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monkeypatch):
@@ -1478,7 +1478,7 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
     stages = []
 
     def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None, stage=None,
-              early=None):
+              early=None, prefetch=()):
         seen.append((backend, counter))
         stages.append((stage, early))
         return (x + r) * 3
@@ -1490,8 +1490,9 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
                         lambda self, *a, **k: (None, "fake", "fake", None,
                                                "fake" if self.one_launch else None))
     b = FusedSparseMoeBlock.from_stock(make_stock(seed=4))
-    assert b.one_launch and b.stage_down and not b.early_gate_up
+    assert b.one_launch and b.stage_down and b.early_gate_up
     b.stage_down = False
+    b.early_gate_up = False
     norm = nn.RMSNorm(H)
     x, r = inputs((1, 1, H)), inputs((1, 1, H), seed=3)
     n = moe_ops.decode_block_counter_length()

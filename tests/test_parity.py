@@ -206,6 +206,9 @@ _OFF_NOTES = {
     "moe-block-stage": "on CUDA the one-launch MoE block's down items read the token's "
                        "gate/up activations from L2 chunk by chunk, not staged in shared "
                        "memory (moe-block-stage in QAB_DISABLE / disable=)",
+    "moe-block-early": "on CUDA the one-launch MoE block's gate/up items wait for the route "
+                       "and read its normed input, not stage it themselves (moe-block-early "
+                       "in QAB_DISABLE / disable=)",
 }
 
 
@@ -219,48 +222,79 @@ def test_moe_block_switch_reaches_every_fused_moe_block(tiny_q4):
         assert blocks and all(b.one_launch is want for b in blocks)
 
 
-def test_moe_block_stage_switch_reaches_every_fused_moe_block(tiny_q4, monkeypatch):
-    # FusedSparseMoeBlock.stage_down is on by default; QAB_DISABLE /
-    # disable=["moe-block-stage"] clears it in every block, and QAB_ENABLE no
+@pytest.mark.parametrize("name,attr", [("moe-block-stage", "stage_down"),
+                                       ("moe-block-early", "early_gate_up")])
+def test_moe_block_build_switch_reaches_every_fused_moe_block(tiny_q4, monkeypatch, name, attr):
+    # FusedSparseMoeBlock.stage_down and .early_gate_up are on by default;
+    # QAB_DISABLE / disable=[name] clears it in every block, and QAB_ENABLE no
     # longer takes the name (it is on already).
     from qwen_apple_backend.errors import EnvVarError
     from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
 
     monkeypatch.delenv("QAB_DISABLE", raising=False)
     monkeypatch.delenv("QAB_ENABLE", raising=False)
-    for disable, want in (([], True), (["moe-block-stage"], False)):
+    for disable, want in (([], True), ([name], False)):
         model = load(tiny_q4, "fused", disable=disable)[0]
         blocks = [m for _, m in model.named_modules() if isinstance(m, FusedSparseMoeBlock)]
-        assert blocks and all(b.stage_down is want for b in blocks)
-    monkeypatch.setenv("QAB_ENABLE", "moe-block-stage")
-    with pytest.raises(EnvVarError, match="'moe-block-stage' is on by default"):
+        assert blocks and all(getattr(b, attr) is want for b in blocks)
+    monkeypatch.setenv("QAB_ENABLE", name)
+    with pytest.raises(EnvVarError, match=f"'{name}' is on by default"):
         load(tiny_q4, "fused")
 
 
-@pytest.mark.parametrize("name,cls,attr,says", [
-    ("attn-lanes", "FusedGQAAttention", "decode_lanes", "lane-group kernel"),
-    ("moe-block-early", "FusedSparseMoeBlock", "early_gate_up", "stage the token's norm"),
-])
-def test_opt_in_switch_reaches_every_fused_layer(tiny_q4, monkeypatch, name, cls, attr, says):
-    # QAB_ENABLE=attn-lanes sets FusedGQAAttention.decode_lanes, and
-    # QAB_ENABLE=moe-block-early FusedSparseMoeBlock.early_gate_up (both off by
-    # default); disable=[name] wins; the report says which.
-    from qwen_apple_backend.layers import attention, moe
+def test_l2_prefetch_links_each_moe_block_to_the_next_layers_projection(tiny_q4, monkeypatch):
+    # QAB_ENABLE=l2-prefetch gives every fused MoE block but the last the next
+    # layer's concatenated input projection (FusedSparseMoeBlock.l2_next),
+    # whose weight, scales and biases its one launch prefetches; off by
+    # default, disable=["l2-prefetch"] wins, and without proj-concat there is
+    # nothing to link.
+    from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
 
-    klass = getattr(attention, cls, None) or getattr(moe, cls)
     monkeypatch.delenv("QAB_DISABLE", raising=False)
-    for enable, disable, want in (("", [], False), (name, [], True), (name, [name], False)):
+    for enable, disable, want in (("", [], False), ("l2-prefetch", [], True),
+                                  ("l2-prefetch", ["l2-prefetch"], False),
+                                  ("l2-prefetch", ["proj-concat"], False)):
         monkeypatch.setenv("QAB_ENABLE", enable)
         model = load(tiny_q4, "fused", disable=disable)[0]
-        layers = [m for _, m in model.named_modules() if isinstance(m, klass)]
-        assert layers and all(getattr(m, attr) is want for m in layers)
-        notes = [n for n in get_report(model).notes if name in n]
+        layers = model.model.layers if hasattr(model, "model") else model.layers
+        blocks = [layer.mlp for layer in layers]
+        assert all(isinstance(b, FusedSparseMoeBlock) for b in blocks)
+        assert blocks[-1].l2_next is None
+        for b, nxt in zip(blocks, layers[1:]):
+            mixer = nxt.get("linear_attn") or nxt.get("self_attn")
+            assert (b.l2_next is mixer._proj_cat) if want else b.l2_next is None
+            arrays = b._l2_prefetch_arrays()
+            if want:
+                cat = mixer._proj_cat.cat
+                assert [a is cat[k] for a, k in zip(arrays, ("weight", "scales", "biases"))] == [
+                    True] * 3
+            else:
+                assert arrays == ()
+        notes = [n for n in get_report(model).notes if "l2-prefetch" in n]
+        assert len(notes) == (1 if enable and "proj-concat" not in disable else
+                              1 if enable else 0)
+
+
+def test_attn_lanes_switch_reaches_every_fused_attention_layer(tiny_q4, monkeypatch):
+    # QAB_ENABLE=attn-lanes sets FusedGQAAttention.decode_lanes (off by
+    # default); disable=["attn-lanes"] wins; the report says which.
+    from qwen_apple_backend.layers.attention import FusedGQAAttention
+
+    monkeypatch.delenv("QAB_DISABLE", raising=False)
+    for enable, disable, want in (("", [], False), ("attn-lanes", [], True),
+                                  ("attn-lanes", ["attn-lanes"], False)):
+        monkeypatch.setenv("QAB_ENABLE", enable)
+        model = load(tiny_q4, "fused", disable=disable)[0]
+        layers = [m for _, m in model.named_modules() if isinstance(m, FusedGQAAttention)]
+        assert layers and all(m.decode_lanes is want for m in layers)
+        assert all(m.decode_kernel for m in layers)
+        notes = [n for n in get_report(model).notes if "attn-lanes" in n]
         if not enable:
             assert notes == []
         elif disable:
             assert len(notes) == 1 and "which wins" in notes[0]
         else:
-            assert len(notes) == 1 and says in notes[0]
+            assert len(notes) == 1 and "lane-group kernel" in notes[0]
 
 
 @pytest.mark.parametrize("opt", sorted(_OFF_NOTES))

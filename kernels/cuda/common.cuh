@@ -37,6 +37,50 @@ __device__ __forceinline__ void qab_cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+__device__ __forceinline__ void qab_prefetch_l2(const void* p, uint32_t bytes) {
+  // Asks the L2 to fetch [p, p + bytes) for a later read (a hint: nothing
+  // returned, nothing to wait for). sm_90: one bulk prefetch (16-byte aligned
+  // start and whole 16-byte units: the start is rounded down, the end up,
+  // within the allocation's 256-byte granules); before it one
+  // prefetch.global.L2 per 128-byte line.
+#if __CUDA_ARCH__ >= 900
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t lo = a & ~static_cast<uintptr_t>(15);
+  const uint32_t n = static_cast<uint32_t>(((a + bytes + 15) & ~static_cast<uintptr_t>(15)) - lo);
+  if (bytes != 0) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(lo), "r"(n) : "memory");
+  }
+#else
+  for (uint32_t o = 0; o < bytes; o += 128) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + o));
+  }
+#endif
+}
+
+// Bytes of an input of mx.fast.cuda_kernel from its shape arguments.
+template <typename T, typename S>
+__device__ __forceinline__ size_t qab_input_bytes(const T*, const S& shape, const int ndim) {
+  size_t n = sizeof(T);
+  for (int i = 0; i < ndim; ++i) {
+    n *= static_cast<size_t>(shape[i]);
+  }
+  return n;
+}
+
+// Thread t of `nthreads` prefetches its share of [p, p + bytes) into L2:
+// chunks of QAB_PREFETCH_CHUNK bytes, grid-stride.
+constexpr uint32_t QAB_PREFETCH_CHUNK = 4096;
+__device__ __forceinline__ void qab_prefetch_l2_share(const void* p, const size_t bytes,
+                                                      const int t, const int nthreads) {
+  const char* b = static_cast<const char*>(p);
+  for (size_t o = static_cast<size_t>(t) * QAB_PREFETCH_CHUNK; o < bytes;
+       o += static_cast<size_t>(nthreads) * QAB_PREFETCH_CHUNK) {
+    const size_t left = bytes - o;
+    qab_prefetch_l2(b + o, left < QAB_PREFETCH_CHUNK ? static_cast<uint32_t>(left)
+                                                     : QAB_PREFETCH_CHUNK);
+  }
+}
+
 constexpr int qab_vec_align(int elem, int n) {
   // Alignment of n contiguous elements of elem bytes read as one vector:
   // their size when it is a power of two (at most 16), 16 above, else elem.

@@ -12,7 +12,7 @@ Variables:
         ``attn-blocks``, ``attn-split``, ``attn-kernel``, ``qk-prep``, ``decode-compile``,
         ``proj-concat``, ``gemv-kernel``, ``proj-gemv``, ``add-norm``, ``norm-proj``,
         ``next-norm``, ``kv-in-place``, ``moe-block-stage``, ``gemv-pipe``,
-        ``attn-lanes``, ``moe-block-early``), for ablations.
+        ``attn-lanes``, ``moe-block-early``, ``l2-prefetch``), for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
         leaves kernels on. Anything else is an error.
@@ -26,8 +26,8 @@ Variables:
         slower on the H200; ``gemv-pipe``, those projections' GEMV with
         double-buffered passes, and ``attn-lanes``, the decode attention's
         lane-group first pass: each faster in one 4K run on the H200, slower
-        in two later ones; ``moe-block-early``, the one-launch MoE block's
-        gate/up items staging the norm themselves).
+        in two later ones; ``l2-prefetch``, the one-launch MoE block asking
+        the L2 for the next layer's input projection while its route runs).
         ``QAB_DISABLE`` wins over it. ``next-norm`` needs
         ``moe-route``, which needs ``add-norm`` and ``moe-kernel``.
     QAB_UNVERIFIED_KERNELS: a boolean like ``QAB_DISABLE_KERNELS``; on, it also
@@ -111,10 +111,15 @@ OPTIMIZATIONS = {
     # vs 322.0 tok/s in one run, slower in two later ones
     "attn-lanes": "attn",
     # the one-launch MoE block's gate/up items stage the token's norm themselves (the route's
-    # own add + norm code), wait for the route only when they hold routed rows (the shared
-    # expert's rows run during it) and take four row pairs per warp (EARLY, GRPW 4; CUDA;
-    # same outputs; opt-in with QAB_ENABLE)
+    # own add + norm code) and wait for the route only when they hold routed rows, so the
+    # shared expert's rows run during it (EARLY; CUDA; same outputs). H200, ncu: 29.5 vs 34.6
+    # us per launch
     "moe-block-early": "moe",
+    # with moe-block-early, the one-launch MoE block's gate/up items that wait for nothing
+    # ask the L2 to fetch the next decoder layer's concatenated input projection while the
+    # route runs (DRAM is idle then), so the next launch's GEMV reads it from L2 (PF; CUDA;
+    # same outputs; opt-in with QAB_ENABLE)
+    "l2-prefetch": "moe",
 }
 
 
@@ -231,7 +236,7 @@ def kernels_disabled() -> bool:
 # switch on: decode-compile is on by default on a GPU only (host-bound decode:
 # measured on the H200) and off on the CPU (measured no faster there).
 OPT_IN = ("decode-compile", "next-norm", "proj-gemv", "gemv-pipe", "attn-lanes",
-          "moe-block-early")
+          "l2-prefetch")
 
 
 def enabled_opt_in() -> frozenset[str]:

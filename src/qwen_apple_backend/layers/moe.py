@@ -288,10 +288,13 @@ class FusedSparseMoeBlock(nn.Module):
     Attribute ``stage_down`` (default True; the ``moe-block-stage``
     optimization) builds that launch with its down items staging the token's
     gate/up activations in shared memory (``STAGE``; same outputs).
-    Attribute ``early_gate_up`` (default False; the opt-in ``moe-block-early``
+    Attribute ``early_gate_up`` (default True; the ``moe-block-early``
     optimization) builds it with gate/up items that stage the token's norm
-    themselves, wait for the route only for routed rows and take four row
-    pairs per warp (``EARLY``; same outputs).
+    themselves and wait for the route only for routed rows (``EARLY``; same
+    outputs). Attribute ``l2_next`` (default None; set by the fusing code
+    with the opt-in ``l2-prefetch``): the next decoder layer's concatenated
+    input projection, whose arrays that launch asks the L2 to fetch while its
+    route runs (``PF``; same outputs).
 
     Attribute ``dequant_gemm`` (default True; the ``moe-gemm`` optimization)
     lets prefill-sized calls on quantized experts dequantize them and run a
@@ -329,7 +332,8 @@ class FusedSparseMoeBlock(nn.Module):
     fused_route: bool = True
     one_launch: bool = True
     stage_down: bool = True
-    early_gate_up: bool = False
+    early_gate_up: bool = True
+    l2_next = None
 
     def __init__(
         self,
@@ -602,7 +606,8 @@ class FusedSparseMoeBlock(nn.Module):
         nkey, next_key = norm_key(norm), norm_key(next_norm)
         key = (x.shape, x.dtype, decode, envs.kernels_disabled(),
                envs.unverified_kernels_allowed(), self._weights_signature(), nkey, next_key,
-               self.one_launch, self.stage_down, self.early_gate_up)
+               self.one_launch, self.stage_down, self.early_gate_up,
+               bool(self._l2_prefetch_arrays()))
         cache = self.__dict__.get("_choices")
         if cache is None:
             cache = {}
@@ -626,7 +631,8 @@ class FusedSparseMoeBlock(nn.Module):
                     x, norm["weight"], norm.eps, linear_weights(self.gate), self.top_k,
                     self.norm_topk_prob, expert_weights(self.switch_mlp.gate_up_proj),
                     expert_weights(self.switch_mlp.down_proj), self._shared_weights(),
-                    stage=self.stage_down, early=self.early_gate_up)
+                    stage=self.stage_down, early=self.early_gate_up,
+                    prefetch=bool(self._l2_prefetch_arrays()))
             hit = (router, fold, route, down_norm, block)
             if len(cache) >= 64:
                 cache.clear()
@@ -725,6 +731,16 @@ class FusedSparseMoeBlock(nn.Module):
             y = residual + y
         return y
 
+    def _l2_prefetch_arrays(self) -> tuple:
+        """The arrays the one-launch block prefetches into L2 (``l2-prefetch``):
+        :attr:`l2_next`'s concatenated weight, scales and biases, or () (no
+        next projection, or not one quantized with biases)."""
+        cat = self.l2_next
+        if cat is None or not cat._quantized_with_biases():
+            return ()
+        c = cat.cat
+        return (c["weight"], c["scales"], c["biases"])
+
     def _add_norm_route_forward(self, x: mx.array, r: mx.array, norm_weight: mx.array,
                                 next_weight: Optional[mx.array] = None, *, eps: float,
                                 route: str, fold: str, down_norm: Optional[str] = None,
@@ -737,7 +753,8 @@ class FusedSparseMoeBlock(nn.Module):
                                     expert_weights(self.switch_mlp.gate_up_proj),
                                     expert_weights(self.switch_mlp.down_proj),
                                     self._shared_weights(), block, counter=counter,
-                                    stage=self.stage_down, early=self.early_gate_up)
+                                    stage=self.stage_down, early=self.early_gate_up,
+                                    prefetch=self._l2_prefetch_arrays())
         h, y, _, inds, scores = add_norm_route(x, r, norm_weight, eps, gate, self.top_k,
                                                self.norm_topk_prob, backend=route,
                                                counter=counter)
@@ -824,7 +841,8 @@ class FusedSparseMoeBlock(nn.Module):
             key = ("add_norm_route", route, fold, norm.eps, down_norm,
                    None if down_norm is None else next_norm.eps, serial, block,
                    block is not None and self.stage_down,
-                   block is not None and self.early_gate_up)
+                   block is not None and self.early_gate_up,
+                   block is not None and bool(self._l2_prefetch_arrays()))
             fn = fns.get(key)
             if fn is None:
                 # The module is the captured input tree (parameters replaced

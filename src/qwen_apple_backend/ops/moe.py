@@ -1593,13 +1593,17 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: of each lane reading its chunks from L2 one after another (the default of
 #: :func:`moe_decode_block`'s ``stage``; the ``moe-block-stage`` switch sets it
 #: per model); GRPW, (gate, up) row pairs per gate/up warp (2 as the
-#: standalone kernel; 4 halves the gate/up blocks); EARLY, whether a gate/up
-#: item stages the token's norm itself and waits for the route only when it
-#: holds routed rows (the shared expert's rows then run during the route).
-#: The defaults were the fastest of benchmarks/profile_moe_block_gpu.py's
-#: variants on the H200 (STAGE: 34.3 against 43 us per launch there, two runs).
+#: standalone kernel; 4 halves the gate/up blocks: slower, 38.1 against 34.6
+#: us per launch); EARLY, whether a gate/up item stages the token's norm
+#: itself and waits for the route only when it holds routed rows (the shared
+#: expert's rows then run during the route; the default of
+#: :func:`moe_decode_block`'s ``early``); DPF, whether with EARLY the gate/up
+#: items ask the L2 for the down items' weights ahead of them. The defaults
+#: were the fastest of benchmarks/profile_moe_block_gpu.py's variants on the
+#: H200 (STAGE: 34.3 against 43 us per launch there, two runs; EARLY: 29.5
+#: against 34.6, one run).
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
-                        "STAGE": True, "GRPW": 2, "EARLY": False}
+                        "STAGE": True, "GRPW": 2, "EARLY": True, "DPF": False}
 
 
 def decode_block_counter_length(rows: int = FOLD_NORM_MAX_ROWS) -> int:
@@ -1613,22 +1617,17 @@ def _decode_block_object(backend: str):
     return build_kernel("moe_decode_block", backend)
 
 
-#: Gate/up row pairs per warp of the ``early`` build (:func:`moe_decode_block`).
-EARLY_GRPW = 4
-
-
-def _decode_block_build(I: int, stage: Optional[bool] = None,
-                        early: Optional[bool] = None) -> dict:
+def _decode_block_build(stage: Optional[bool] = None, early: Optional[bool] = None,
+                        prefetch: bool = False) -> dict:
     """The build a :func:`moe_decode_block` call runs: ``DECODE_BLOCK_OPTIONS``
-    with ``stage`` (STAGE) and ``early`` (EARLY, and GRPW :data:`EARLY_GRPW`
-    where it divides ``I``) put in where given."""
+    with ``stage`` (STAGE) and ``early`` (EARLY) put in where given, and PF
+    (the L2 prefetch of the arrays given, which needs EARLY) set."""
     opts = dict(DECODE_BLOCK_OPTIONS)
     if stage is not None:
         opts["STAGE"] = bool(stage)
     if early is not None:
         opts["EARLY"] = bool(early)
-        if early and I % EARLY_GRPW == 0:
-            opts["GRPW"] = EARLY_GRPW
+    opts["PF"] = bool(prefetch and opts["EARLY"])
     return opts
 
 
@@ -1661,7 +1660,8 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
                            gate_up: ExpertWeights, down: ExpertWeights,
                            shared: SharedExpertWeights, counter: mx.array,
                            stage: Optional[bool] = None,
-                           early: Optional[bool] = None) -> mx.array:
+                           early: Optional[bool] = None,
+                           prefetch: Sequence[mx.array] = ()) -> mx.array:
     obj = _decode_block_object(backend)
     if obj is None:
         raise RuntimeError(f"no moe_decode_block source or MLX API for {backend}")
@@ -1674,7 +1674,11 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
         raise ValueError(f"r {r.shape} {r.dtype} must have x's shape {x.shape} and dtype {x.dtype}")
     E, K = gate.weight.shape[0], int(top_k)
     I = gate_up.weight.shape[1] // 2
-    opts = _decode_block_build(I, stage, early)
+    if len(prefetch) > 3:
+        raise ValueError(f"moe_decode_block prefetches at most 3 arrays, got {len(prefetch)}")
+    opts = _decode_block_build(stage, early, bool(prefetch))
+    if opts["DPF"] and not opts["EARLY"]:
+        raise ValueError("DECODE_BLOCK_OPTIONS: DPF needs EARLY")
     if int(opts["CS"]) < 1 or (opts["GRID"] is not None and int(opts["GRID"]) < 1):
         raise ValueError(f"DECODE_BLOCK_OPTIONS: CS must be >= 1 and GRID None or >= 1, got "
                          f"CS={opts['CS']!r}, GRID={opts['GRID']!r}")
@@ -1691,7 +1695,8 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
         inputs=[x, r, norm_weight, f32_scalar(float(eps)), gate.weight, gate.scales, gate.biases,
                 gate_up.weight, gate_up.scales, gate_up.biases, sg.weight, sg.scales, sg.biases,
                 su.weight, su.scales, su.biases, sgate.weight, sgate.scales, sgate.biases,
-                down.weight, down.scales, down.biases, sd.weight, sd.scales, sd.biases, counter],
+                down.weight, down.scales, down.biases, sd.weight, sd.scales, sd.biases, counter,
+                *(list(prefetch) + [counter] * (3 - len(prefetch)))],
         template=[("T", x.dtype), ("H", H), ("E", E), ("K", K), ("I", I),
                   ("G", int(gate_up.group_size)), ("RG", int(gate.group_size)),
                   ("SGB", int(sgate.bits)), ("SGG", int(sgate.group_size)),
@@ -1699,7 +1704,8 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
                   ("CS", int(opts["CS"])), ("PERSIST", bool(opts["PERSIST"])),
                   ("PREFETCH", bool(opts["PREFETCH"])),
                   ("STAGE", bool(opts["STAGE"])), ("GRPW", int(opts["GRPW"])),
-                  ("EARLY", bool(opts["EARLY"]))],
+                  ("EARLY", bool(opts["EARLY"])), ("PF", bool(opts["PF"])),
+                  ("DPF", bool(opts["DPF"]))],
         grid=(block * grid_blocks, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[x.shape, x.shape, x.shape, (*lead, E), (*lead, K), (*lead, K),
                        (N, K + 1, I), (unpooled_length(N, mx.float32),)],
@@ -1729,7 +1735,7 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
                        gate_up: ExpertWeights, down: ExpertWeights,
                        shared: SharedExpertWeights,
                        stage: Optional[bool] = None,
-                       early: Optional[bool] = None) -> Optional[str]:
+                       early: Optional[bool] = None, prefetch: bool = False) -> Optional[str]:
     """The GPU backend whose one-launch MoE decode block may run this call, or None.
 
     ``kernels/cuda/moe_decode_block``: :func:`add_norm_route` and the
@@ -1758,8 +1764,10 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
             in shared memory (``STAGE``), checked on its own; None:
             ``DECODE_BLOCK_OPTIONS["STAGE"]``.
         early (bool | None): the build whose gate/up items stage the norm
-            themselves (``EARLY``, with :data:`EARLY_GRPW` row pairs per
-            warp), checked on its own; None: ``DECODE_BLOCK_OPTIONS``.
+            themselves (``EARLY``), checked on its own; None:
+            ``DECODE_BLOCK_OPTIONS["EARLY"]``.
+        prefetch (bool): the build that prefetches arrays into L2 (``PF``;
+            with ``early`` only), checked on its own.
 
     Returns:
         Optional[str]: ``"cuda"``, or None (not CUDA, kernels disabled,
@@ -1780,12 +1788,14 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
         return None
     H, dtype, E, K = x.shape[-1], x.dtype, gate.weight.shape[0], int(top_k)
     norm = bool(norm_topk_prob)
-    build = _decode_block_build(gate_up.weight.shape[1] // 2, stage, early)
+    build = _decode_block_build(stage, early, prefetch)
+    # The prefetch build's check prefetches arrays of three dtypes.
+    pf = (gate_up.weight, gate_up.scales, norm_weight) if build["PF"] else ()
 
     def kernel(xs, rs, ws):
         counter = fold_norm_counter(decode_block_counter_length())
         return [_moe_decode_block_call("cuda", xs, rs, ws, eps, gate, K, norm, gate_up, down,
-                                       shared, counter, stage, early)]
+                                       shared, counter, stage, early, pf)]
 
     def reference(xs, rs, ws):
         h, y, _, inds, scores = _add_norm_route_call("cuda", xs, rs, ws, eps, gate, K, norm,
@@ -1807,7 +1817,8 @@ def moe_decode_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float
                      gate: "ExpertWeights", top_k: int, norm_topk_prob: bool,
                      gate_up: ExpertWeights, down: ExpertWeights, shared: SharedExpertWeights,
                      backend: str, counter: Optional[mx.array] = None,
-                     stage: Optional[bool] = None, early: Optional[bool] = None) -> mx.array:
+                     stage: Optional[bool] = None, early: Optional[bool] = None,
+                     prefetch: Sequence[mx.array] = ()) -> mx.array:
     """A decode token's MoE layer half in one launch: ``h + moe(rms_norm(h))``, ``h = x + r``.
 
     One launch of ``kernels/cuda/moe_decode_block``: the residual add, the
@@ -1844,10 +1855,15 @@ def moe_decode_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float
             ``DECODE_BLOCK_OPTIONS["STAGE"]``. Check it with the same
             ``stage`` in :func:`decode_block_ready`.
         early (bool | None): gate/up items stage the token's norm themselves
-            and wait for the route only for routed rows, with
-            :data:`EARLY_GRPW` row pairs per warp where that divides I (the
-            ``EARLY`` build, same output); None: ``DECODE_BLOCK_OPTIONS``.
-            Check it with the same ``early`` in :func:`decode_block_ready`.
+            and wait for the route only for routed rows (the ``EARLY`` build,
+            same output); None: ``DECODE_BLOCK_OPTIONS["EARLY"]``. Check it
+            with the same ``early`` in :func:`decode_block_ready`.
+        prefetch (Sequence[mx.array]): up to 3 arrays (any shapes and dtypes:
+            the next decoder layer's input projection weight, scales, biases)
+            that the gate/up items which wait for nothing ask the L2 to fetch
+            while the route runs (the ``PF`` build, with ``early`` only; same
+            output). Check it with ``prefetch=True`` in
+            :func:`decode_block_ready`.
 
     Returns:
         mx.array: the layer's output, ``x``'s shape and dtype.
@@ -1855,13 +1871,14 @@ def moe_decode_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float
     Raises:
         RuntimeError: with no kernel for ``backend`` (no source or MLX API,
             or unverified without ``QAB_UNVERIFIED_KERNELS=1``).
-        ValueError: for ``r`` of another shape or dtype than ``x``, or more
-            token rows than ``counter`` covers.
+        ValueError: for ``r`` of another shape or dtype than ``x``, more
+            token rows than ``counter`` covers, or more than 3 ``prefetch``
+            arrays.
     """
     if counter is None:
         counter = fold_norm_counter(decode_block_counter_length())
     return _moe_decode_block_call(backend, x, r, norm_weight, eps, gate, top_k, norm_topk_prob,
-                                  gate_up, down, shared, counter, stage, early)
+                                  gate_up, down, shared, counter, stage, early, tuple(prefetch))
 
 
 # Tile heights of the grouped GEMM kernel (kernels/{cuda,metal}/moe_grouped_gemm):
