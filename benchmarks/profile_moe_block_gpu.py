@@ -43,8 +43,15 @@ launch (``tickets``). Writes ``profile-moe-block-gpu-<device>.json`` (the
 summary) or ``profile-moe-block-gpu-timeline-<device>.json`` into OUT. Needs
 MLX's CUDA backend, except ``--summarize``.
 
+With ``--next`` each variant runs after an L2 flush and before the next decoder
+layer's input projection (norm + GEMV at the Gated DeltaNet in_proj's shape),
+once as is and once prefetching that projection's arrays into L2 (``PF``, the
+``l2-prefetch`` build): under ``ncu --cache-control none`` the projection's time
+shows what the prefetch saves the next launch, the block's what it costs.
+
 Usage:
     python benchmarks/profile_moe_block_gpu.py OUT [--variants default,CS=32,...] [--reps 5]
+    ncu --cache-control none ... python benchmarks/profile_moe_block_gpu.py OUT --next
     python benchmarks/profile_moe_block_gpu.py OUT --summarize CSV
     python benchmarks/profile_moe_block_gpu.py OUT --timeline [--variants ...] [--reps 20]
 """
@@ -143,7 +150,7 @@ def parse_variant(text: str) -> dict:
             out[key] = int(value)
         except ValueError:
             raise ValueError(f"variant {text!r}: {key}={value!r} is not an integer") from None
-        low = 0 if key in ("SLEEP", "PERSIST", "PREFETCH", "RELAXED", "STAGE", "EARLY", "DPF") else 1
+        low = 0 if key in ("SLEEP", "PERSIST", "PREFETCH", "RELAXED", "STAGE", "EARLY") else 1
         if out[key] < low:
             raise ValueError(f"variant {text!r}: {key} must be >= {low}, got {out[key]}")
     return out
@@ -239,6 +246,52 @@ def _candidates(layer, variants):
             with _Options(v):
                 return _block(layer, counter)
         cands.append((name, fn))
+    return cands
+
+
+#: The next decoder layer's input projection of ``--next``: the Gated
+#: DeltaNet's concatenated in_proj of Qwen3.6-35B-A3B, [N, K] 4-bit, group 64,
+#: run with its input RMSNorm (the model's norm-proj launch).
+NEXT_SHAPE = (12352, 2048)
+
+
+def _next_candidates(layer, variants):
+    """``--next``: per variant, the block then the next layer's input projection
+    (``V>next``) and the block prefetching that projection into L2 then it
+    (``V+PF>next``, the ``l2-prefetch`` build), each after an L2 flush (a
+    256 MB write), for ncu with ``--cache-control none``: the projection's
+    time shows whether it reads its weights from L2."""
+    import mlx.core as mx
+
+    from qwen_apple_backend.ops import linear as lin_ops
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    x, r, nw, gate, gate_up, down, shared = layer
+    N, K = NEXT_SHAPE
+    k = mx.random.split(mx.random.key(11), 2)
+    wq, sc, bi = mx.quantize((0.02 * mx.random.normal((N, K), key=k[0])).astype(mx.bfloat16),
+                             group_size=64, bits=4)
+    norm_w = (1.0 + 0.1 * mx.random.normal((K,), key=k[1])).astype(mx.bfloat16)
+    flush = mx.zeros((64 * 1024 * 1024,), dtype=mx.float32)
+    mx.eval(wq, sc, bi, norm_w, flush)
+    backend = lin_ops.norm_gemv_ready(x, norm_w, 1e-6, wq, sc, bi, 64, bits=4)
+    if backend != "cuda":
+        raise SystemExit("--next: the norm GEMV kernel is not ready on this device")
+    cands = []
+    for name, v in variants:
+        for pf in ((), (wq, sc, bi)):
+            with _Options(v):
+                counter = moe_ops.serial_counter(moe_ops.decode_block_counter_length())
+
+            def fn(v=v, counter=counter, pf=pf):
+                mx.eval(flush + 1.0)
+                with _Options(v):
+                    out = moe_ops._moe_decode_block_call(
+                        "cuda", x, r, nw, 1e-6, gate, SHAPE[4], True, gate_up, down, shared,
+                        counter, prefetch=pf)
+                return lin_ops.norm_gemv(out, norm_w, 1e-6, wq, sc, bi, group_size=64, bits=4,
+                                         backend=backend)
+            cands.append((f"{name}{'+PF' if pf else ''}>next", fn))
     return cands
 
 
@@ -401,6 +454,10 @@ def main(argv=None) -> int:
                    help="record each ticket's phase times instead of running for ncu")
     p.add_argument("--spin", type=int, default=0,
                    help="--timeline: 4096^2 bf16 matmuls before each launch (GPU clocks up)")
+    p.add_argument("--next", action="store_true",
+                   help="profile each variant followed by the next layer's input projection, "
+                        "without and with the block prefetching it into L2 (run ncu with "
+                        "--cache-control none)")
     p.add_argument("--summarize", type=Path, default=None, metavar="CSV",
                    help="summarize an ncu --csv log of an earlier run instead of running")
     args = p.parse_args(argv)
@@ -409,6 +466,8 @@ def main(argv=None) -> int:
         p.error("--reps must be >= 1")
     if args.spin < 0:
         p.error("--spin must be >= 0")
+    if args.next and args.timeline:
+        p.error("--next profiles under ncu; it does not go with --timeline")
     try:
         variants = [(v, parse_variant(v)) for v in args.variants.split(",") if v]
     except ValueError as exc:
@@ -442,6 +501,12 @@ def main(argv=None) -> int:
     cands = _candidates(layer, variants)
     check_variants(cands)
     print(f"{len(cands) - 1} variant(s) equal the three launches bit for bit")
+    if args.next:
+        cands = _next_candidates(layer, variants)
+        a, b = cands[0][1](), cands[1][1]()
+        mx.eval(a, b)
+        if not mx.array_equal(a, b).item():
+            raise SystemExit("--next: the prefetching block changed the output")
     typed = list(argv if argv is not None else sys.argv[1:])
     command = "python benchmarks/profile_moe_block_gpu.py " + " ".join(
         "OUT" if a == args.out else a for a in typed)

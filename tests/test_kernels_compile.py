@@ -119,8 +119,7 @@ CASES = {
         ["bf16", "bf16", "bf16", "bf16", "u32", "bf16", "bf16", "f32"],
         {"T": "bf16", "H": 2048, "E": 256, "K": 8, "I": 512, "G": 64, "RG": 64, "SGB": 8,
          "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1, "CS": 32, "PERSIST": False,
-         "PREFETCH": True, "STAGE": False, "GRPW": 2, "EARLY": False, "PF": False,
-         "DPF": False}),
+         "PREFETCH": True, "STAGE": False, "GRPW": 2, "EARLY": False, "PF": False}),
 }
 
 # More template values of one op: (op, case) as in CASES.
@@ -129,14 +128,14 @@ EXTRA_CASES = [
     ("moe_decode_block", (CASES["moe_decode_block"][0], CASES["moe_decode_block"][1],
                           {**CASES["moe_decode_block"][2], "STAGE": True})),
     # ... with 4 gate/up row pairs per warp and gate/up items staging the norm
-    # themselves; the shipped build (STAGE, EARLY) with both L2 prefetches.
+    # themselves; the shipped build (STAGE, EARLY) with the L2 prefetch (PF).
     ("moe_decode_block", (CASES["moe_decode_block"][0], CASES["moe_decode_block"][1],
                           {**CASES["moe_decode_block"][2], "STAGE": True, "GRPW": 4,
                            "EARLY": True})),
     ("moe_decode_block", (CASES["moe_decode_block"][0][:-3] + ["u32", "bf16", "bf16"],
                           CASES["moe_decode_block"][1],
                           {**CASES["moe_decode_block"][2], "STAGE": True, "EARLY": True,
-                           "PF": True, "DPF": True})),
+                           "PF": True})),
     # The dense GEMV with double-buffered passes at the GDN in_proj's shape
     # (K = 2048; 56 registers with nvcc 13, so 4 blocks of 256 threads per SM) and o_proj's.
     ("quantized_gemv", (CASES["quantized_gemv"][0], CASES["quantized_gemv"][1],

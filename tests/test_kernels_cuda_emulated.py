@@ -2012,18 +2012,15 @@ def test_moe_decode_block_is_the_three_launches_emulated(shape, dtype, rg, norm)
                                      {"GRPW": 4}, {"GRPW": 1}, {"EARLY": False},
                                      {"EARLY": False, "STAGE": False},
                                      {"EARLY": True, "GRPW": 4, "STAGE": True},
-                                     {"EARLY": True, "PERSIST": True, "GRID": 3},
-                                     {"DPF": True}, {"DPF": True, "GRPW": 1}],
+                                     {"EARLY": True, "PERSIST": True, "GRID": 3}],
                          ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 def test_moe_decode_block_build_options_are_the_three_launches_emulated(options, monkeypatch):
     # Adjacent or spaced counters, down items that load before they wait or
     # not, that stage h in shared memory or not, 1, 2 or 4 gate/up row pairs
     # per warp, gate/up items that stage the norm themselves (EARLY: the
-    # shared expert's blocks first, not waiting for the route) or not, that
-    # prefetch the down items' weights into L2 (DPF: the emulator checks each
-    # prefetched range lies in one input), and a grid of fewer blocks than
-    # tickets (each block takes tickets until none is left) give the same
-    # outputs, and leave the counter zero.
+    # shared expert's blocks first, not waiting for the route) or not, and a
+    # grid of fewer blocks than tickets (each block takes tickets until none is
+    # left) give the same outputs, and leave the counter zero.
     for key, value in options.items():
         monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)
     shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
@@ -2053,6 +2050,26 @@ def test_moe_decode_block_emulated_fails_when_a_phase_does_not_wait(monkeypatch)
     counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
     with pytest.raises(emu.KernelFault, match="qab_wait_count"):
         _assert_block_is_the_three_launches("cuda", case, 4, True, counter)
+
+
+def test_moe_decode_block_prefetch_stays_inside_its_arrays_emulated(monkeypatch):
+    # PF: the gate/up items that wait for nothing prefetch each given array
+    # whole (the emulator checks every prefetched range lies in one input);
+    # a byte count one array too long is caught.
+    x, r, w, gate, gu, dn, sw = case = _block_case(*BLOCK_EMU_CASES[0][:3])
+    counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    ref = moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
+                                   counter=counter)
+    # Odd sizes: a 4-chunk weight, 36 bytes of scales, a 3-element norm weight.
+    pf = (mx.zeros((4 * 4096 // 4 + 5,), mx.uint32), gu.scales[:1, :1, :18], w[:3])
+    out = moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
+                                   counter=counter, prefetch=pf)
+    assert mx.array_equal(out, ref).item()
+    _broken(monkeypatch, "moe_decode_block", "qab_input_bytes(pf1, pf1_shape, pf1_ndim)",
+            "2 * qab_input_bytes(pf1, pf1_shape, pf1_ndim)")
+    with pytest.raises(emu.KernelFault, match="qab_prefetch_l2"):
+        moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
+                                 counter=counter, prefetch=pf)
 
 
 def test_moe_decode_block_dispatcher_self_checks_the_emulated_kernel(monkeypatch):
@@ -2089,9 +2106,8 @@ def test_moe_decode_block_dispatcher_self_checks_the_emulated_kernel(monkeypatch
             moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
                                      prefetch=(w, w, w, w))
         # Build options that cannot work: counters on one element, an empty grid,
-        # 3 gate/up row pairs per warp, DPF without EARLY.
-        for bad in ({"CS": 0}, {"PERSIST": True, "GRID": 0}, {"GRPW": 3},
-                    {"DPF": True, "EARLY": False}):
+        # 3 gate/up row pairs per warp.
+        for bad in ({"CS": 0}, {"PERSIST": True, "GRID": 0}, {"GRPW": 3}):
             with monkeypatch.context() as m:
                 for k, v in bad.items():
                     m.setitem(moe_ops.DECODE_BLOCK_OPTIONS, k, v)

@@ -537,8 +537,7 @@ def test_moe_decode_block_public_builds_are_the_three_launches(shape, dtype, rg,
                                      {"STAGE": True}, {"STAGE": True, "PERSIST": True,
                                                        "GRID": 132},
                                      {"GRPW": 4}, {"EARLY": False}, {"EARLY": True, "GRPW": 4},
-                                     {"EARLY": True, "GRPW": 4, "PERSIST": True, "GRID": 132},
-                                     {"DPF": True}],
+                                     {"EARLY": True, "GRPW": 4, "PERSIST": True, "GRID": 132}],
                          ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 @pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_CASES[:2],
                          ids=lambda v: str(v).replace("mlx.core.", "").replace(" ", ""))
@@ -548,9 +547,8 @@ def test_moe_decode_block_build_options_are_the_three_launches(shape, dtype, rg,
     # ops.moe.DECODE_BLOCK_OPTIONS): adjacent counters, down items that load
     # after they wait, fewer blocks than tickets, down items that stage h in
     # shared memory (STAGE), 4 gate/up row pairs per warp (GRPW), gate/up
-    # items that wait for the route's normed input (EARLY off), that prefetch
-    # the down weights into L2 (DPF). Same output as the three launches, five
-    # launches in a row on one serial counter.
+    # items that wait for the route's normed input (EARLY off). Same output as
+    # the three launches, five launches in a row on one serial counter.
     from qwen_apple_backend.ops import moe as moe_ops
 
     for key, value in options.items():

@@ -1597,13 +1597,12 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: us per launch); EARLY, whether a gate/up item stages the token's norm
 #: itself and waits for the route only when it holds routed rows (the shared
 #: expert's rows then run during the route; the default of
-#: :func:`moe_decode_block`'s ``early``); DPF, whether with EARLY the gate/up
-#: items ask the L2 for the down items' weights ahead of them. The defaults
-#: were the fastest of benchmarks/profile_moe_block_gpu.py's variants on the
-#: H200 (STAGE: 34.3 against 43 us per launch there, two runs; EARLY: 29.5
-#: against 34.6, one run).
+#: :func:`moe_decode_block`'s ``early``). The defaults were the fastest of
+#: benchmarks/profile_moe_block_gpu.py's variants on the H200 (STAGE: 34.3
+#: against 43 us per launch there, two runs; EARLY: 29.5 / 29.3 against 34.6
+#: / 35.4, two runs).
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
-                        "STAGE": True, "GRPW": 2, "EARLY": True, "DPF": False}
+                        "STAGE": True, "GRPW": 2, "EARLY": True}
 
 
 def decode_block_counter_length(rows: int = FOLD_NORM_MAX_ROWS) -> int:
@@ -1677,8 +1676,6 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
     if len(prefetch) > 3:
         raise ValueError(f"moe_decode_block prefetches at most 3 arrays, got {len(prefetch)}")
     opts = _decode_block_build(stage, early, bool(prefetch))
-    if opts["DPF"] and not opts["EARLY"]:
-        raise ValueError("DECODE_BLOCK_OPTIONS: DPF needs EARLY")
     if int(opts["CS"]) < 1 or (opts["GRID"] is not None and int(opts["GRID"]) < 1):
         raise ValueError(f"DECODE_BLOCK_OPTIONS: CS must be >= 1 and GRID None or >= 1, got "
                          f"CS={opts['CS']!r}, GRID={opts['GRID']!r}")
@@ -1704,8 +1701,7 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
                   ("CS", int(opts["CS"])), ("PERSIST", bool(opts["PERSIST"])),
                   ("PREFETCH", bool(opts["PREFETCH"])),
                   ("STAGE", bool(opts["STAGE"])), ("GRPW", int(opts["GRPW"])),
-                  ("EARLY", bool(opts["EARLY"])), ("PF", bool(opts["PF"])),
-                  ("DPF", bool(opts["DPF"]))],
+                  ("EARLY", bool(opts["EARLY"])), ("PF", bool(opts["PF"]))],
         grid=(block * grid_blocks, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[x.shape, x.shape, x.shape, (*lead, E), (*lead, K), (*lead, K),
                        (N, K + 1, I), (unpooled_length(N, mx.float32),)],
