@@ -50,7 +50,14 @@
 // launch costs more GPU time: a phase's blocks start only as the earlier
 // phase's blocks leave their slots (125 registers: two blocks of 256 per SM,
 // 264 of the 449), and the down items end ~14 us after the gate/up items
-// against ~8 us for the down launch alone.
+// against ~8 us for the down launch alone. Since then (same script, later
+// runs): STAGE 34.3-34.6 us; STAGE + EARLY 29.5 and 29.3 (the three launches
+// 28.1-28.2 in the same runs); EARLY with GRPW 4 34.2, GRPW 4 alone 38.1;
+// EARLY's timeline: gate/up items done at 15.6 us instead of 21.2, the launch
+// at 24.1 instead of 28.6. With EARLY a gate/up item that holds routed rows
+// no longer waits on the route's y write, and the 33 blocks of the shared
+// expert and the gate logit run during the route and leave their slots to
+// the later gate/up blocks.
 //
 // Launch: grid (BLOCK * (RBLK + GBLK + DBLK) * N, 1, 1) threads (with PERSIST
 // any number of blocks, e.g. as many as fit on the GPU at once), threadgroup
@@ -76,7 +83,10 @@
 // (with EARLY: those first gate/up blocks, which wait for nothing, ask the L2
 // to fetch pf0, pf1, pf2, the next decoder layer's input projection, while
 // the route runs: DRAM is idle then, and the next launch's GEMV then reads
-// its weights from L2). Measured and dropped: the down items' weights
+// its weights from L2: under ncu without cache flushes, after an L2 flush,
+// 16.8 against 19.2 us for the next layer's norm + in_proj GEMV, but the
+// block itself 32.4 against 30.2: the prefetch competes with the route's and
+// the gate/up items' loads). Measured and dropped: the down items' weights
 // prefetched into L2 by the gate/up items (37.0 against 29.3 us per launch).
 // Requirements: each of the three kernels' (see their sources).
 // Inputs: x, r [N, H] T (residual stream, mixer output); nw [H] T; eps [4]

@@ -387,6 +387,9 @@ class QwenHybridAdapter(Adapter):
         # machine (e.g. 147.9 vs 171.8 and 161.4), so off until that is resolved.
         pipe_on = "gemv-pipe" in enabled and "gemv-pipe" not in disable
         lanes_on = "attn-lanes" in enabled and "attn-lanes" not in disable
+        # Opt-in (QAB_ENABLE=l2-prefetch): under ncu on the H200 the next layer's
+        # norm + in_proj GEMV took 16.8 instead of 19.2 us but the block 32.4
+        # instead of 30.2; 4K decode 211.7 vs 206.0 tok/s in one run.
         l2_on = "l2-prefetch" in enabled and "l2-prefetch" not in disable
         switched_off: set[str] = set()  # optimizations off in at least one fused module
         for layer in model.layers:
