@@ -253,7 +253,8 @@ def test_l2_prefetch_links_each_moe_block_to_the_next_layers_projection(tiny_q4,
     monkeypatch.delenv("QAB_DISABLE", raising=False)
     for enable, disable, want in (("", [], False), ("l2-prefetch", [], True),
                                   ("l2-prefetch", ["l2-prefetch"], False),
-                                  ("l2-prefetch", ["proj-concat"], False)):
+                                  ("l2-prefetch", ["proj-concat"], False),
+                                  ("l2-prefetch", ["moe-block-early"], True)):
         monkeypatch.setenv("QAB_ENABLE", enable)
         model = load(tiny_q4, "fused", disable=disable)[0]
         layers = model.model.layers if hasattr(model, "model") else model.layers
@@ -271,8 +272,13 @@ def test_l2_prefetch_links_each_moe_block_to_the_next_layers_projection(tiny_q4,
             else:
                 assert arrays == ()
         notes = [n for n in get_report(model).notes if "l2-prefetch" in n]
-        assert len(notes) == (1 if enable and "proj-concat" not in disable else
-                              1 if enable else 0)
+        assert len(notes) == (1 if enable else 0), notes
+        if disable and disable != ["l2-prefetch"]:
+            # Linked or not, the prefetch needs both: the note says which is off.
+            assert notes[0] == (f"l2-prefetch from QAB_ENABLE is not used: it needs "
+                                f"{disable[0]} (in QAB_DISABLE / disable=)")
+        if "moe-block-early" in disable:
+            assert not any(b.early_gate_up for b in blocks)
 
 
 def test_attn_lanes_switch_reaches_every_fused_attention_layer(tiny_q4, monkeypatch):

@@ -75,7 +75,8 @@
 // another: ncu on the H200, 34.3 against 43 us per launch, two runs; on by
 // default since a whole-model run), GRPW ((gate, up) row pairs per gate/up
 // warp: 2 as the standalone kernel; 4 halves the gate/up blocks, so that with
-// two blocks per SM the launch's blocks nearly all fit at once), EARLY (a
+// two blocks per SM the launch's blocks nearly all fit at once, but measured
+// slower: 38.1 against 34.6 us, with EARLY 34.2 against 29.5), EARLY (a
 // gate/up item stages y itself with the route's add + norm code instead of
 // waiting for the route to write it, waits for the route only when it holds
 // routed rows, and a row's gate/up items run last block first, so the shared

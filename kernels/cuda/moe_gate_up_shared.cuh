@@ -1,7 +1,7 @@
 // moe_gate_up_shared_gemv's work for one block: block bx (along x) of token
 // row n, of `rows` token rows (the kernel moe_gate_up_shared_gemv.cu, one
 // block per (bx, row), and the gate/up phase of moe_decode_block.cu). The
-// token's input comes from `xv`, a functor giving x[n, k] as float (a row of
+// token's input comes from `xv_of`, a functor giving x[n, k] as float (a row of
 // a global array, QabRowLoad, or moe_decode_block.cu's EARLY shared copy);
 // with CG, inds are read through L2 (another block of the same launch wrote
 // them). `wait` runs after x is staged and before any inds read, in every

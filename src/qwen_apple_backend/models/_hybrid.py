@@ -477,9 +477,15 @@ class QwenHybridAdapter(Adapter):
                            ("l2-prefetch", "the one-launch MoE block asks the L2 for the next "
                                            "layer's input projection while its route runs")):
             if name in enabled and any(m.fused for m in report.modules):
+                # What the switch needs: the prefetch's arrays are the concatenated
+                # projections, and only the EARLY build's blocks issue it.
+                needs = [n for n in {"l2-prefetch": ("proj-concat", "moe-block-early")}.get(
+                    name, ()) if n in disable]
                 report.notes.append(
                     f"{name} from QAB_ENABLE is not used: also in QAB_DISABLE / disable=, "
                     "which wins" if name in disable else
+                    f"{name} from QAB_ENABLE is not used: it needs {', '.join(needs)} (in "
+                    "QAB_DISABLE / disable=)" if needs else
                     f"on CUDA {what} ({name} from QAB_ENABLE" + _cuda_only_end())
         if "proj-gemv" in enabled and "proj-concat" in disable:
             report.notes.append("proj-gemv from QAB_ENABLE is not used: it needs proj-concat "
