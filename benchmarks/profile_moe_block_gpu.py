@@ -72,7 +72,7 @@ from _common import check_out, device_name, write_result  # noqa: E402
 from profile_decode_gpu import (_profiler, kernel_group, marked_segments,  # noqa: E402
                                 read_run_record)
 
-DEFAULT_VARIANTS = "default,CS=32,CS=32+PREFETCH,CS=32+PERSIST+GRID=264,CS=32+PERSIST+PREFETCH+GRID=264"
+DEFAULT_VARIANTS = "default,EARLY=0,STAGE=0+EARLY=0,CS=1+PREFETCH=0+STAGE=0+EARLY=0,PERSIST+GRID=264"
 #: (N, E, H, I, K): one decode token of Qwen3.6-35B-A3B's MoE layer.
 SHAPE = (1, 256, 2048, 512, 8)
 PHASES = ("route", "gate/up", "down")
@@ -150,7 +150,12 @@ def parse_variant(text: str) -> dict:
             out[key] = int(value)
         except ValueError:
             raise ValueError(f"variant {text!r}: {key}={value!r} is not an integer") from None
-        low = 0 if key in ("SLEEP", "PERSIST", "PREFETCH", "RELAXED", "STAGE", "EARLY") else 1
+        if key in ("PERSIST", "PREFETCH", "RELAXED", "STAGE", "EARLY"):
+            if out[key] not in (0, 1):
+                raise ValueError(f"variant {text!r}: {key} is a flag: 0 or 1, got {out[key]}")
+            out[key] = bool(out[key])
+            continue
+        low = 0 if key == "SLEEP" else 1
         if out[key] < low:
             raise ValueError(f"variant {text!r}: {key} must be >= {low}, got {out[key]}")
     return out
@@ -279,6 +284,9 @@ def _next_candidates(layer, variants):
         raise SystemExit("--next: the norm GEMV kernel is not ready on this device")
     cands = []
     for name, v in variants:
+        with _Options(v):
+            if not moe_ops._decode_block_build(prefetch=True)["PF"]:
+                raise SystemExit(f"--next: variant {name} has EARLY off; the prefetch needs it")
         for pf in ((), (wq, sc, bi)):
             with _Options(v):
                 counter = moe_ops.serial_counter(moe_ops.decode_block_counter_length())

@@ -926,7 +926,10 @@ def test_profile_moe_block_gpu_build_keys_and_prefetch_wait_median():
     finally:
         sys.path.remove(str(root / "benchmarks"))
     assert prof.parse_variant("RELAXED+STAGE") == {"RELAXED": True, "STAGE": True}
-    assert prof.parse_variant("STAGE=0") == {"STAGE": 0}
+    assert prof.parse_variant("STAGE=0+EARLY=1") == {"STAGE": False, "EARLY": True}
+    assert prof.parse_variant("GRPW=4+MINB=2") == {"GRPW": 4, "MINB": 2}
+    with pytest.raises(ValueError, match="EARLY is a flag: 0 or 1, got 2"):
+        prof.parse_variant("EARLY=2")
     assert prof.build_prefix({"RELAXED": True}) == "#define QAB_WAIT_RELAXED 1\n"
     assert prof.build_prefix({"RELAXED": 0, "STAGE": True}) == ""
     # A row per ticket: marks 0 (start), 1 (wait end), 2 (work end), 3, then the SM.
@@ -1042,3 +1045,22 @@ def test_fidelity_lines_stay_aligned_for_long_labels(capsys):
                      "backends": {"stock": row, "fused-no-norm-proj": row}})
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "top-1" in ln]
     assert len(lines) == 2 and len({ln.index("top-1") for ln in lines}) == 1
+
+
+def test_ablating_an_opt_in_that_is_off_warns(monkeypatch, capsys):
+    # --ablate of an opt-in optimization without QAB_ENABLE would add a column
+    # identical to `fused`: bench and compare say so on stderr (and only then).
+    import argparse
+
+    from qwen_apple_backend.bench.cli import _warn_opt_in_ablations
+
+    monkeypatch.delenv("QAB_ENABLE", raising=False)
+    _warn_opt_in_ablations(argparse.Namespace(ablate="moe, l2-prefetch,gemv-pipe"))
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"warning: --ablate {n}: opt-in, so `fused` runs without it too unless "
+        f"QAB_ENABLE={n}: fused-no-{n} is the same model as fused"
+        for n in ("l2-prefetch", "gemv-pipe")]
+    monkeypatch.setenv("QAB_ENABLE", "l2-prefetch")
+    _warn_opt_in_ablations(argparse.Namespace(ablate="l2-prefetch,moe-block"))
+    assert capsys.readouterr().err == ""

@@ -276,9 +276,22 @@ def test_l2_prefetch_links_each_moe_block_to_the_next_layers_projection(tiny_q4,
         if disable and disable != ["l2-prefetch"]:
             # Linked or not, the prefetch needs both: the note says which is off.
             assert notes[0] == (f"l2-prefetch from QAB_ENABLE is not used: it needs "
-                                f"{disable[0]} (in QAB_DISABLE / disable=)")
+                                f"{disable[0]}, which QAB_DISABLE / disable= switches off")
         if "moe-block-early" in disable:
             assert not any(b.early_gate_up for b in blocks)
+    # Whatever takes the one-launch block away is named, several at once too;
+    # next-norm (whose kernels replace the block) as well.
+    monkeypatch.setenv("QAB_ENABLE", "l2-prefetch")
+    for disable, says in ((["moe-route"], "moe-route"), (["moe", "proj-concat"],
+                                                         "moe and proj-concat")):
+        notes = [n for n in get_report(load(tiny_q4, "fused", disable=disable)[0]).notes
+                 if "l2-prefetch" in n]
+        assert notes == [f"l2-prefetch from QAB_ENABLE is not used: it needs {says}, which "
+                         "QAB_DISABLE / disable= switches off"]
+    monkeypatch.setenv("QAB_ENABLE", "l2-prefetch,next-norm")
+    notes = [n for n in get_report(load(tiny_q4, "fused")[0]).notes if "l2-prefetch" in n]
+    assert notes == ["l2-prefetch from QAB_ENABLE is not used: next-norm, also from QAB_ENABLE, "
+                     "replaces the one-launch MoE block"]
 
 
 def test_attn_lanes_switch_reaches_every_fused_attention_layer(tiny_q4, monkeypatch):

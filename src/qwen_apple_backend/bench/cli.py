@@ -93,8 +93,8 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
     from ..envs import FUSABLE_KINDS, OPTIMIZATIONS
 
     b.add_argument("--ablate", default="", metavar="NAMES",
-                   help=f"comma-separated fused module kinds ({','.join(FUSABLE_KINDS)}) or "
-                        f"optimizations ({','.join(OPTIMIZATIONS)}): adds one "
+                   help=f"comma-separated fused module kinds ({', '.join(FUSABLE_KINDS)}) or "
+                        f"optimizations ({', '.join(OPTIMIZATIONS)}): adds one "
                         "`fused-no-<name>` backend per name, the fused backend with that kind "
                         "kept stock or that optimization switched off (the opt-in ones, "
                         "next-norm, proj-gemv, gemv-pipe, attn-lanes and l2-prefetch, are "
@@ -104,13 +104,24 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Raw description and epilog; option help wrapped at spaces only, so that
+    hyphenated names (``moe-block-early``) stay whole for copying."""
+
+    def _split_lines(self, text, width):
+        import textwrap
+
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width,
+                             break_on_hyphens=False)
+
+
 def add_parsers(subparsers: Any) -> None:
     """Add the ``bench`` and ``compare`` subcommands to ``qab``'s subparsers.
 
     Args:
         subparsers: the object ``ArgumentParser.add_subparsers()`` returned.
     """
-    fmt = argparse.RawDescriptionHelpFormatter
+    fmt = _HelpFormatter
     p = subparsers.add_parser("bench", help="prefill/decode throughput sweep, backends side "
                               "by side (JSON + PNG + table)", description=_BENCH_DESCRIPTION,
                               epilog=_BENCH_EPILOG, formatter_class=fmt)
@@ -253,6 +264,20 @@ def _usage_error(command: str, problem: str) -> int:
     return 2
 
 
+def _warn_opt_in_ablations(args: argparse.Namespace) -> None:
+    """Say on stderr when ``--ablate`` names an opt-in optimization that
+    ``QAB_ENABLE`` does not switch on: ``fused`` runs without it too, so its
+    ``fused-no-<name>`` column measures nothing."""
+    from ..envs import OPT_IN, enabled_opt_in
+
+    names = [n.strip().lower() for n in (args.ablate or "").split(",") if n.strip()]
+    for name in names:
+        if name in OPT_IN and name != "decode-compile" and name not in enabled_opt_in():
+            print(f"warning: --ablate {name}: opt-in, so `fused` runs without it too unless "
+                  f"QAB_ENABLE={name}: fused-no-{name} is the same model as fused",
+                  file=sys.stderr)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """``qab bench``: run the sweep, print the table, write JSON (+ PNG)."""
     from .harness import BenchConfig, parse_lengths, run_bench, write_outputs
@@ -263,6 +288,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         problem = f"--out {args.out!r} exists and is not a folder"
     if problem:
         return _usage_error("bench", problem)
+    _warn_opt_in_ablations(args)
 
     cfg = BenchConfig(
         **_source_kwargs(args),
@@ -324,6 +350,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     problem = _usage_problem(args, prompts)
     if problem:
         return _usage_error("compare", problem)
+    _warn_opt_in_ablations(args)
     cfg = CompareConfig(**_source_kwargs(args), prompts=prompts, max_tokens=args.max_tokens,
                         rounds=args.rounds, warmup=args.warmup,
                         chat_template=args.chat_template, fidelity=args.fidelity,

@@ -234,7 +234,7 @@ def parse_backend_specs(backends: Union[str, Iterable[str]],
     specs = [BackendSpec(n, n, model=path) for n, path in items]
     for kind in _split(ablate or ()):
         if kind not in FUSABLE_KINDS and kind not in OPTIMIZATIONS:
-            raise ValueError(f"--ablate: unknown module kind {kind!r}; expected a "
+            raise ValueError(f"--ablate: unknown module kind or optimization {kind!r}; expected a "
                              f"comma-separated subset of {list(FUSABLE_KINDS)} or "
                              f"optimizations {list(OPTIMIZATIONS)}")
         label = f"fused-no-{kind}"

@@ -201,6 +201,12 @@ def _cuda_only_end() -> str:
     return ")" if gpu_backend() == "cuda" else "; no effect on this device, which is not CUDA)"
 
 
+# What l2-prefetch needs: the fused MoE block, the one-launch block (and what
+# that needs) in its EARLY build, and the concatenated input projections.
+_L2_PREFETCH_NEEDS = ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block", "moe-block-early",
+                      "proj-concat")
+
+
 def _link_l2_prefetch(model) -> None:
     """``l2-prefetch``: give each decoder layer's fused MoE block the next layer's
     concatenated input projection (Gated DeltaNet in_proj, attention q/k/v),
@@ -478,15 +484,23 @@ class QwenHybridAdapter(Adapter):
                                            "layer's input projection while its route runs")):
             if name in enabled and any(m.fused for m in report.modules):
                 # What the switch needs: the prefetch's arrays are the concatenated
-                # projections, and only the EARLY build's blocks issue it.
-                needs = [n for n in {"l2-prefetch": ("proj-concat", "moe-block-early")}.get(
-                    name, ()) if n in disable]
-                report.notes.append(
-                    f"{name} from QAB_ENABLE is not used: also in QAB_DISABLE / disable=, "
-                    "which wins" if name in disable else
-                    f"{name} from QAB_ENABLE is not used: it needs {', '.join(needs)} (in "
-                    "QAB_DISABLE / disable=)" if needs else
-                    f"on CUDA {what} ({name} from QAB_ENABLE" + _cuda_only_end())
+                # projections, and only the one-launch block's EARLY build issues
+                # it (next-norm's kernels take that block's place).
+                needs = [n for n in _L2_PREFETCH_NEEDS if n in disable] if (
+                    name == "l2-prefetch") else []
+                if needs:
+                    report.notes.append(
+                        f"l2-prefetch from QAB_ENABLE is not used: it needs "
+                        f"{' and '.join(needs)}, which QAB_DISABLE / disable= switches off")
+                elif name == "l2-prefetch" and "next-norm" in enabled and (
+                        "next-norm" not in disable and name not in disable):
+                    report.notes.append("l2-prefetch from QAB_ENABLE is not used: next-norm, "
+                                        "also from QAB_ENABLE, replaces the one-launch MoE block")
+                else:
+                    report.notes.append(
+                        f"{name} from QAB_ENABLE is not used: also in QAB_DISABLE / disable=, "
+                        "which wins" if name in disable else
+                        f"on CUDA {what} ({name} from QAB_ENABLE" + _cuda_only_end())
         if "proj-gemv" in enabled and "proj-concat" in disable:
             report.notes.append("proj-gemv from QAB_ENABLE is not used: it needs proj-concat "
                                 "(in QAB_DISABLE / disable=)")
