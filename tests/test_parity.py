@@ -282,8 +282,7 @@ def test_l2_prefetch_links_each_moe_block_to_the_next_layers_projection(tiny_q4,
     # Whatever takes the one-launch block away is named, several at once too;
     # next-norm (whose kernels replace the block) as well.
     monkeypatch.setenv("QAB_ENABLE", "l2-prefetch")
-    for disable, says in ((["moe-route"], "moe-route"), (["moe", "proj-concat"],
-                                                         "moe and proj-concat")):
+    for disable, says in ((["moe-route", "proj-concat"], "moe-route and proj-concat"),):
         notes = [n for n in get_report(load(tiny_q4, "fused", disable=disable)[0]).notes
                  if "l2-prefetch" in n]
         assert notes == [f"l2-prefetch from QAB_ENABLE is not used: it needs {says}, which "
