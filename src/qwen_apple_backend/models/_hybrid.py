@@ -201,10 +201,12 @@ def _cuda_only_end() -> str:
     return ")" if gpu_backend() == "cuda" else "; no effect on this device, which is not CUDA)"
 
 
-# What l2-prefetch needs: the fused MoE block, the one-launch block (and what
-# that needs) in its EARLY build, and the concatenated input projections.
-_L2_PREFETCH_NEEDS = ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block", "moe-block-early",
-                      "proj-concat")
+# What an opt-in switch needs, by name: l2-prefetch, the fused MoE block, the
+# one-launch block (and what that needs) in its EARLY build, and the
+# concatenated input projections whose arrays it prefetches. The report says
+# when one of them is switched off.
+_OPT_IN_NEEDS = {"l2-prefetch": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block",
+                                 "moe-block-early", "proj-concat")}
 
 
 def _link_l2_prefetch(model) -> None:
@@ -482,25 +484,21 @@ class QwenHybridAdapter(Adapter):
                                           "the lane-group kernel, several lanes per key"),
                            ("l2-prefetch", "the one-launch MoE block asks the L2 for the next "
                                            "layer's input projection while its route runs")):
-            if name in enabled and any(m.fused for m in report.modules):
-                # What the switch needs: the prefetch's arrays are the concatenated
-                # projections, and only the one-launch block's EARLY build issues
-                # it (next-norm's kernels take that block's place).
-                needs = [n for n in _L2_PREFETCH_NEEDS if n in disable] if (
-                    name == "l2-prefetch") else []
-                if needs:
-                    report.notes.append(
-                        f"l2-prefetch from QAB_ENABLE is not used: it needs "
-                        f"{' and '.join(needs)}, which QAB_DISABLE / disable= switches off")
-                elif name == "l2-prefetch" and "next-norm" in enabled and (
-                        "next-norm" not in disable and name not in disable):
-                    report.notes.append("l2-prefetch from QAB_ENABLE is not used: next-norm, "
-                                        "also from QAB_ENABLE, replaces the one-launch MoE block")
-                else:
-                    report.notes.append(
-                        f"{name} from QAB_ENABLE is not used: also in QAB_DISABLE / disable=, "
-                        "which wins" if name in disable else
-                        f"on CUDA {what} ({name} from QAB_ENABLE" + _cuda_only_end())
+            if name not in enabled or not any(m.fused for m in report.modules):
+                continue
+            needs = [n for n in _OPT_IN_NEEDS.get(name, ()) if n in disable]
+            unused = f"{name} from QAB_ENABLE is not used: "
+            if needs:
+                note = (unused + f"it needs {' and '.join(needs)}, which QAB_DISABLE / "
+                        "disable= switches off")
+            elif name in disable:
+                note = unused + "also in QAB_DISABLE / disable=, which wins"
+            elif name == "l2-prefetch" and "next-norm" in enabled and "next-norm" not in disable:
+                # next-norm's kernels take the one-launch block's place.
+                note = unused + "next-norm, also from QAB_ENABLE, replaces the one-launch MoE block"
+            else:
+                note = f"on CUDA {what} ({name} from QAB_ENABLE" + _cuda_only_end()
+            report.notes.append(note)
         if "proj-gemv" in enabled and "proj-concat" in disable:
             report.notes.append("proj-gemv from QAB_ENABLE is not used: it needs proj-concat "
                                 "(in QAB_DISABLE / disable=)")

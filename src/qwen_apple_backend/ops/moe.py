@@ -1203,10 +1203,11 @@ def _fold_objects(backend: str):
     return None if gu is None or dn is None else (gu, dn)
 
 
-def _fold_grid_x(K: int, I: int) -> int:
+def _fold_grid_x(K: int, I: int, rpw: int = _GEMV_RPW) -> int:
     # (K + 1) * I / RPW row-pair warps and one gate-logit warp per token,
-    # rounded up to whole threadgroups (the kernels' spare warps exit).
-    threads = 32 * ((K + 1) * I // _GEMV_RPW + 1)
+    # rounded up to whole threadgroups (the kernels' spare warps exit); rpw:
+    # the row pairs per warp (moe_decode_block's GRPW).
+    threads = 32 * ((K + 1) * I // rpw + 1)
     return -(-threads // _GEMV_BLOCK) * _GEMV_BLOCK
 
 
@@ -1635,10 +1636,10 @@ def _decode_block_phase_blocks(E: int, H: int, I: int, K: int,
     """Blocks per token row of each :func:`moe_decode_block` phase: ``(route,
     gate/up, down)``, as the kernel derives them (``grpw`` gate/up row pairs
     per warp; None: ``DECODE_BLOCK_OPTIONS["GRPW"]``)."""
-    block, _, route_blocks = _add_norm_route_launch(E)
+    _, _, route_blocks = _add_norm_route_launch(E)
     grpw = int(DECODE_BLOCK_OPTIONS["GRPW"] if grpw is None else grpw)
-    gate_up_blocks = -(-32 * ((K + 1) * I // grpw + 1) // block)
-    down_blocks = -(-_down_grid_x(H) // block)
+    gate_up_blocks = _fold_grid_x(K, I, grpw) // _GEMV_BLOCK
+    down_blocks = -(-_down_grid_x(H) // _GEMV_BLOCK)
     return route_blocks, gate_up_blocks, down_blocks
 
 
