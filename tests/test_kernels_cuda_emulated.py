@@ -45,6 +45,7 @@ from qwen_apple_backend.ops._sources import kernel_source
 from . import _cuda_emulation as emu
 from ._metrics import mx_rel_l2
 from .test_kernels_gpu import (_anr_inputs, _assert_block_is_the_three_launches,
+                               _assert_out_proj_block_is_gemv_then_block, _out_proj_case,
                                _assert_masked_scan, _assert_scan_matches_reference, _block_case,
                                _experts, _inputs)
 
@@ -66,6 +67,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(gd, "build_kernel", emu.build_kernel)
     monkeypatch.setattr(moe_ops, "build_kernel", emu.build_kernel)
     monkeypatch.setattr(attn_ops, "build_kernel", emu.build_kernel)
+    monkeypatch.setattr(lin_ops, "build_kernel", emu.build_kernel)
     _clear_kernel_caches()
     yield
     _clear_kernel_caches()
@@ -2026,8 +2028,36 @@ def test_moe_decode_block_build_options_are_the_three_launches_emulated(options,
     shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
     case = _block_case(shape, dtype, rg)
     counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
-    assert counter.size == 4 * moe_ops.DECODE_BLOCK_OPTIONS["CS"] + moe_ops.FOLD_NORM_MAX_ROWS
+    assert counter.size == 5 * moe_ops.DECODE_BLOCK_OPTIONS["CS"] + moe_ops.FOLD_NORM_MAX_ROWS
     _assert_block_is_the_three_launches("cuda", case, shape[4], norm, counter, str(options))
+
+
+@pytest.mark.parametrize("options", [{}, {"EARLY": False}, {"PERSIST": True, "GRID": 3}],
+                         ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()) or "default")
+def test_moe_decode_block_out_proj_is_the_gemv_then_the_block_emulated(options, monkeypatch):
+    # OP: the mixer's 4-bit output projection as the launch's first phase
+    # (2048 inputs, two rows) equals quantized_gemv's output fed to the block,
+    # bit for bit, with route and gate/up items waiting for it (EARLY or not;
+    # a grid of fewer blocks than tickets), and leaves the counter zero.
+    for key, value in options.items():
+        monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)
+    shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
+    case = _block_case(shape, dtype, rg)
+    counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    _assert_out_proj_block_is_gemv_then_block("cuda", case, shape[4], norm, counter,
+                                              _out_proj_case(case, 2048), str(options))
+
+
+def test_moe_decode_block_out_proj_emulated_fails_when_the_route_does_not_wait(monkeypatch):
+    # Route and gate/up items must wait for every out-projection item: waiting
+    # for one fewer is caught (the emulator checks the count it waits for).
+    _broken(monkeypatch, "moe_decode_block", "static_cast<uint32_t>(OBLK * rows)",
+            "static_cast<uint32_t>(OBLK * rows + 1)")
+    case = _block_case(*BLOCK_EMU_CASES[0][:3])
+    counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    with pytest.raises(emu.KernelFault, match="qab_wait_count"):
+        _assert_out_proj_block_is_gemv_then_block("cuda", case, 4, True, counter,
+                                                  _out_proj_case(case, 2048))
 
 
 def test_moe_decode_block_emulated_fails_without_the_reset(monkeypatch):
@@ -2093,8 +2123,31 @@ def test_moe_decode_block_dispatcher_self_checks_the_emulated_kernel(monkeypatch
         for kw in (dict(early=False), dict(prefetch=True)):
             assert moe_ops.decode_block_ready(x, w, 1e-6, gate, 4, True, gu, dn, sw,
                                               **kw) == "cuda", kw
+        # The out-projection build (OP) self-checks under its own key against
+        # quantized_gemv + the three launches; a projection outside its
+        # contract (8-bit, or an input width of 1,536, not a multiple of 1,024) is None
+        # from ready and an error from the call, naming out_proj.
+        op = _out_proj_case((x, r, w, gate, gu, dn, sw), 2048)
+        assert moe_ops.decode_block_ready(x, w, 1e-6, gate, 4, True, gu, dn, sw,
+                                          out_proj=op) == "cuda"
         keys = [k for k in device.self_check_results() if k[0] == "moe_decode_block"]
-        assert len(keys) == 3
+        assert len(keys) == 4
+        projected = moe_ops.moe_decode_block(x, None, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
+                                             out_proj=op)
+        r_op = lin_ops.quantized_gemv_kernel(op.x, op.weights.weight, op.weights.scales,
+                                             op.weights.biases, 64, pipe=False)
+        assert mx.array_equal(projected, moe_ops.moe_decode_block(
+            x, r_op, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda")).item()
+        q8 = moe_ops.ExpertWeights(*mx.quantize(mx.dequantize(
+            op.weights.weight, op.weights.scales, op.weights.biases, 64), 64, 8),
+            group_size=64, bits=8)
+        narrow = _out_proj_case((x, r, w, gate, gu, dn, sw), 1536)
+        for bad in (op._replace(weights=q8), narrow):
+            assert moe_ops.decode_block_ready(x, w, 1e-6, gate, 4, True, gu, dn, sw,
+                                              out_proj=bad) is None
+            with pytest.raises(ValueError, match="out_proj"):
+                moe_ops.moe_decode_block(x, None, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
+                                         out_proj=bad)
         late = moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
                                         early=False)
         pf = moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",

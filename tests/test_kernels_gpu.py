@@ -372,6 +372,44 @@ def _assert_block_is_the_three_launches(backend, case, K, norm, counter, where="
     return out
 
 
+def _out_proj_case(case, DO, seed=7, group_size=64):
+    """A mixer output ``[N, 1, DO]`` and its 4-bit output projection ``[H, DO]``
+    for :func:`_block_case`'s ``case`` (moe_decode_block's OP phase)."""
+    from qwen_apple_backend.ops.moe import ExpertWeights, OutProjection
+
+    x = case[0]
+    H, dtype = x.shape[-1], x.dtype
+    kw, kx = mx.random.split(mx.random.key(seed))
+    w = (mx.random.normal((H, DO), key=kw) * DO ** -0.5).astype(dtype)
+    q, s, b = mx.quantize(w, group_size=group_size, bits=4)
+    ox = mx.random.normal((*x.shape[:-1], DO), key=kx).astype(dtype)
+    return OutProjection(ox, ExpertWeights(q, s, b, group_size=group_size, bits=4))
+
+
+def _assert_out_proj_block_is_gemv_then_block(backend, case, K, norm, counter, out_proj,
+                                              where=""):
+    """moe_decode_block with its out-projection phase (OP) equals this package's
+    GEMV kernel on the mixer output followed by the block without it, bit for
+    bit, and leaves the counter zero."""
+    from qwen_apple_backend.ops import linear as lin_ops
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    x, _, w, gate, gu, dn, sw = case
+    ow = out_proj.weights
+    r = lin_ops.quantized_gemv_kernel(out_proj.x, ow.weight, ow.scales, ow.biases,
+                                      ow.group_size, pipe=False)
+    ref = moe_ops._moe_decode_block_call(backend, x, r, w, 1e-6, gate, K, norm, gu, dn, sw,
+                                         counter)
+    out = moe_ops._moe_decode_block_call(backend, x, None, w, 1e-6, gate, K, norm, gu, dn, sw,
+                                         counter, out_proj=out_proj)
+    assert out.shape == x.shape and out.dtype == x.dtype, where
+    assert mx.all(mx.isfinite(out.astype(mx.float32))).item(), where
+    assert mx.array_equal(out, ref).item(), (
+        f"{where}: rel-L2 {mx_rel_l2(out, ref):.3g} from the GEMV + block")
+    assert not mx.any(counter).item(), f"{where}: the launch left its counter non-zero"
+    return out
+
+
 class _Sentinel:
     """A kernel object whose outputs start as NaN (unwritten elements show), recording them."""
 

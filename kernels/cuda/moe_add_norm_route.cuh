@@ -11,10 +11,11 @@
 // it), and into h, y when `write` (one block per row writes them). Each
 // thread holds elements t + BLOCK j; the sum of squares: per thread, a warp
 // butterfly, one partial per warp, every warp adding the partials in order.
-// Used by the route and by moe_decode_block.cu's EARLY gate/up items (which
+// With RCG r is read through L2 (moe_decode_block.cu's OP phase wrote it in
+// the same launch). Used by the route and by moe_decode_block.cu's EARLY gate/up items (which
 // stage y themselves instead of waiting for the route to write it): the same
 // code, so the same bits.
-template <typename T, int D, int BLOCK>
+template <typename T, int D, int BLOCK, bool RCG = false>
 __device__ __forceinline__ const T* qab_add_norm_row(const size_t n, const T* x, const T* r,
                                                      const T* nw, const float* eps, T* h, T* y,
                                                      const bool write) {
@@ -32,7 +33,7 @@ __device__ __forceinline__ const T* qab_add_norm_row(const size_t n, const T* x,
   for (int j = 0; j < PER; ++j) {
     const int i = t + BLOCK * j;
     hv[j] = i < D ? static_cast<float>(x[base + i]) : 0.f;
-    rv[j] = i < D ? static_cast<float>(r[base + i]) : 0.f;
+    rv[j] = i < D ? static_cast<float>(qab_ld<RCG>(r + base + i)) : 0.f;
   }
   float ss = 0.f;
 #pragma unroll
@@ -71,11 +72,12 @@ __device__ __forceinline__ const T* qab_add_norm_row(const size_t n, const T* x,
   return ys;
 }
 
-template <typename T, int D, int E, int K, int G, bool NORM, int BLOCK, int RB>
+template <typename T, int D, int E, int K, int G, bool NORM, int BLOCK, int RB, bool RCG = false,
+          typename Wait = QabNoWait>
 __device__ __forceinline__ bool qab_add_norm_route_part(
     const int part, const int nparts, const size_t n, const T* x, const T* r, const T* nw,
     const float* eps, const uint32_t* gw, const T* gs, const T* gb, const uint32_t* count, T* h,
-    T* y, T* logits, uint32_t* inds, T* scores) {
+    T* y, T* logits, uint32_t* inds, T* scores, Wait wait = Wait()) {
   static_assert(sizeof(T) == 2, "moe_add_norm_route: T is bfloat16 or float16");
   static_assert(D % 256 == 0, "moe_add_norm_route: D % 256 == 0 (no residue step)");
   static_assert(G % 8 == 0 && D % G == 0, "moe_add_norm_route: a lane's 8 weights share a group");
@@ -110,8 +112,13 @@ __device__ __forceinline__ bool qab_add_norm_route_part(
     }
   }
 
+  // `wait` (every thread; it may hold a block barrier) until r is written
+  // (moe_decode_block.cu's OP: another block of the launch writes it, read
+  // through L2 with RCG).
+  wait();
+
   // Phase 1: h = x + r, y = rms_norm(h) * nw (every block; block 0 writes them).
-  const T* ys = qab_add_norm_row<T, D, BLOCK>(n, x, r, nw, eps, h, y, part == 0);
+  const T* ys = qab_add_norm_row<T, D, BLOCK, RCG>(n, x, r, nw, eps, h, y, part == 0);
 
   // Phase 2: this block's router logits, RB expert rows per warp.
   {

@@ -13,10 +13,23 @@
 // CUDA backend is bound by the host's per-launch cost: two launches fewer per
 // MoE layer and token.
 //
+// With OP the mixer's output projection comes first, as a fourth phase:
+//
+//   r[n] = ox[n] ow^T                                          (out-projection phase)
+//
+// (the attention's o_proj or the Gated DeltaNet's out_proj, 4-bit, computed
+// as quantized_gemv.cu computes it, gemv_q4.cuh: the same bits), written to
+// the output ro and read by the route and gate/up items instead of the input
+// r: one launch, and its fixed cost, fewer per decoder layer and token.
+//
 // Ticketed phases (no grid-wide barrier, no co-residency assumption): a block
-// takes a ticket (atomicAdd on the ticket counter); tickets in [0, RBLK N)
-// are route items (part t % RBLK of row t / RBLK), the next GBLK N gate/up
-// items, the last DBLK N down items. An item waits only on items with
+// takes a ticket (atomicAdd on the ticket counter); with OP tickets in
+// [0, OBLK N) are out-projection items (rows of r[t / OBLK]), the next RBLK N
+// route items (part t % RBLK of row t / RBLK), the next GBLK N gate/up
+// items, the last DBLK N down items. Route items issue their router weight
+// loads, then wait for every out-projection item (`o_done` == OBLK N); so do
+// EARLY gate/up items before they stage the norm; the later phases' waits
+// imply it. An item waits only on items with
 // smaller tickets, which blocks already running took before it, so the
 // launch always makes progress whatever the hardware schedules. Gate/up items
 // wait until every row is routed (`routed` == N, counted by each row's
@@ -32,16 +45,16 @@
 // produced arrays through L2 (the CG loads). Without PERSIST a block runs one
 // item (grid = every item); with PERSIST it takes tickets until none is left
 // (any grid works: a block waits on smaller tickets only, held by running
-// blocks). The last block out (`exits` == gridDim.x) zeroes the four
+// blocks). The last block out (`exits` == gridDim.x) zeroes the five
 // launch-wide counters; the route zeroes its per-row counts itself. So count
 // must be zeros at launch and is zeros again after it; launches that share it
 // must not overlap (the callers pass a serial counter in the compiled decode
 // step, otherwise a per-launch copy of a zero view).
 //
-// Counter layout: tickets, routed, gu_done, exits at elements 0, CS, 2 CS,
-// 3 CS (CS apart so that waiting blocks' polls and the counts they wait on do
-// not share a cache line with the ticket counter), then the route's per-row
-// counts at 4 CS + n.
+// Counter layout: tickets, routed, gu_done, exits, o_done at elements 0, CS,
+// 2 CS, 3 CS, 4 CS (CS apart so that waiting blocks' polls and the counts they
+// wait on do not share a cache line with the ticket counter), then the
+// route's per-row counts at 5 CS + n.
 //
 // Measured on the H200 (benchmarks/profile_moe_block_gpu.py, ncu, Qwen3.6's
 // shape): CS 32 with PREFETCH 43.0 us per launch against 44.3 with adjacent
@@ -59,11 +72,11 @@
 // expert and the gate logit run during the route and leave their slots to
 // the later gate/up blocks.
 //
-// Launch: grid (BLOCK * (RBLK + GBLK + DBLK) * N, 1, 1) threads (with PERSIST
-// any number of blocks, e.g. as many as fit on the GPU at once), threadgroup
-// (BLOCK, 1, 1), BLOCK = 256 (the three kernels' block), with
-//   RBLK = ceil(E / (RB BLOCK / 32)), GBLK = ceil(32 ((K + 1) I / GRPW + 1) / BLOCK),
-//   DBLK = ceil(32 H / 2 / BLOCK).
+// Launch: grid (BLOCK * (OBLK + RBLK + GBLK + DBLK) * N, 1, 1) threads (with
+// PERSIST any number of blocks, e.g. as many as fit on the GPU at once),
+// threadgroup (BLOCK, 1, 1), BLOCK = 256 (the three kernels' block), with
+//   OBLK = OP ? ceil(H / (2 BLOCK / 32)) : 0, RBLK = ceil(E / (RB BLOCK / 32)),
+//   GBLK = ceil(32 ((K + 1) I / GRPW + 1) / BLOCK), DBLK = ceil(32 H / 2 / BLOCK).
 // Template: T (activations, norm weight, router scales/biases, scores),
 // H (hidden size), E, K, I (expert intermediate size), G (experts' group
 // size), RG (router group size), SGB, SGG (shared gate bits and group size),
@@ -89,7 +102,10 @@
 // block itself 32.4 against 30.2: the prefetch competes with the route's and
 // the gate/up items' loads). Measured and dropped: the down items' weights
 // prefetched into L2 by the gate/up items (37.0 against 29.3 us per launch).
-// Requirements: each of the three kernels' (see their sources).
+// OP (the out-projection phase above), DO (its input width), OG (its group
+// size).
+// Requirements: each of the three kernels' (see their sources); with OP,
+// DO % 1024 == 0 and OG % 32 == 0.
 // Inputs: x, r [N, H] T (residual stream, mixer output); nw [H] T; eps [4]
 // float32; gw [E, H / 4] uint32, gs, gb [E, H / RG] T (8-bit router); w,
 // scales, biases: the experts' fused gate+up [E, 2I, H / 8] uint32,
@@ -97,13 +113,20 @@
 // [I, H / G]; sg_*: the shared gate's [1, H SGB / 32], [1, H / SGG]; d_w,
 // d_scales, d_biases: the experts' down [E, H, I / 8], [E, H, I / G];
 // s_down_*: the shared expert's [H, I / 8], [H, I / G] (scales and biases of
-// the experts' dtype); count [>= 4 CS + N] uint32 zeros; pf0, pf1, pf2: any
-// arrays (PF: prefetched whole into L2; else not read).
+// the experts' dtype); count [>= 5 CS + N] uint32 zeros; pf0, pf1, pf2: any
+// arrays (PF: prefetched whole into L2; else not read); ox [N, DO] T (OP: the
+// mixer's output before its projection), ow [H, DO / 8] uint32, os, ob
+// [H, DO / OG] T (OP: that projection, 4-bit; else any arrays, not read; r
+// is then not read either).
 // Outputs: out [N, H] T (the layer's output, x's shape); h, y [N, H] T,
 // logits [N, E] T, inds [N, K] uint32, scores [N, K] T, act [N, K + 1, I] T,
-// sg_logit [max(N, 4)] float32: the phases' intermediates (outputs so that
-// MLX allocates them; callers drop them).
+// sg_logit [max(N, 4)] float32, ro [N, H] T (OP; else at least one
+// element, element 0 zeroed): the phases' intermediates (outputs so that MLX allocates them;
+// callers drop them).
 
+// The out-projection phase (OP): blocks per token row, QAB_OUT_RPW rows per warp.
+constexpr int QAB_OUT_RPW = 2;
+constexpr int OBLK = OP ? (H + (BLOCK / 32) * QAB_OUT_RPW - 1) / ((BLOCK / 32) * QAB_OUT_RPW) : 0;
 constexpr int RBLK = (E + (BLOCK / 32) * RB - 1) / ((BLOCK / 32) * RB);
 constexpr int GBLK = (32 * ((K + 1) * I / GRPW + 1) + BLOCK - 1) / BLOCK;
 constexpr int DBLK = (32 * H / QAB_DOWN_RPW + BLOCK - 1) / BLOCK;
@@ -120,13 +143,27 @@ uint32_t* tickets = c;            // next ticket
 uint32_t* routed = c + CS;        // token rows routed
 uint32_t* gu_done = c + 2 * CS;   // gate/up items done
 uint32_t* exits = c + 3 * CS;     // blocks finished
-uint32_t* route_counts = c + 4 * CS;  // per row: route blocks done (the route resets them)
+uint32_t* o_done = c + 4 * CS;    // out-projection items done (OP)
+uint32_t* route_counts = c + 5 * CS;  // per row: route blocks done (the route resets them)
 const int tid = threadIdx.x;
 int rows = 1;
 for (int i = 0; i + 1 < x_ndim; ++i) {
   rows *= x_shape[i];
 }
-const int items = (RBLK + GBLK + DBLK) * rows;
+const int items = (OBLK + RBLK + GBLK + DBLK) * rows;
+// The mixer's output: an input, or with OP this launch's own out-projection
+// (written by its first items, read through L2 once they are all done).
+const T* rr = OP ? ro : r;
+// With OP: every thread, until each out-projection item is done (thread 0
+// polls, then a block barrier).
+auto wait_out_proj = [&]() {
+  if constexpr (OP) {
+    if (tid == 0) {
+      qab_wait_count(o_done, static_cast<uint32_t>(OBLK * rows));
+    }
+    __syncthreads();
+  }
+};
 
 while (true) {
   if (tid == 0) {
@@ -140,11 +177,24 @@ while (true) {
   }
   QAB_MARK(0);
 
-  if (tk < RBLK * rows) {
-    const int n = tk / RBLK;
-    const bool last = qab_add_norm_route_part<T, H, E, K, RG, NORM, BLOCK, RB>(
-        tk - n * RBLK, RBLK, n, x, r, nw, eps, gw, gs, gb, route_counts, h, y, logits, inds,
-        scores);
+  if (tk < OBLK * rows) {
+    // Out-projection item: rows [o * 8 QAB_OUT_RPW, ...) of r[n] = ox[n] ow^T.
+    const int n = tk / OBLK;
+    const int o = tk - n * OBLK;
+    qab_q4_gemv_rows<T, T, DO, OG, QAB_OUT_RPW>(
+        o * (BLOCK / 32) * QAB_OUT_RPW, H, qab_row_load<false>(ox + (size_t)n * DO), ow, os, ob,
+        ro + (size_t)n * H);
+    QAB_MARK(2);
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();
+      atomicAdd(o_done, 1u);
+    }
+  } else if (tk < (OBLK + RBLK) * rows) {
+    const int n = (tk - OBLK * rows) / RBLK;
+    const bool last = qab_add_norm_route_part<T, H, E, K, RG, NORM, BLOCK, RB, OP>(
+        tk - OBLK * rows - n * RBLK, RBLK, n, x, rr, nw, eps, gw, gs, gb, route_counts, h, y,
+        logits, inds, scores, wait_out_proj);
     QAB_MARK(2);
     if (last) {
       __syncthreads();
@@ -153,8 +203,8 @@ while (true) {
         atomicAdd(routed, 1u);
       }
     }
-  } else if (tk < (RBLK + GBLK) * rows) {
-    const int g = tk - RBLK * rows;
+  } else if (tk < (OBLK + RBLK + GBLK) * rows) {
+    const int g = tk - (OBLK + RBLK) * rows;
     const int n = g / GBLK;
     if constexpr (EARLY) {
       // The last blocks of a row first: the shared expert's and the gate
@@ -174,7 +224,8 @@ while (true) {
           qab_prefetch_l2_share(pf2, qab_input_bytes(pf2, pf2_shape, pf2_ndim), t, nt);
         }
       }
-      const T* ys = qab_add_norm_row<T, H, BLOCK>(n, x, r, nw, eps, h, y, false);
+      wait_out_proj();
+      const T* ys = qab_add_norm_row<T, H, BLOCK, OP>(n, x, rr, nw, eps, h, y, false);
       qab_moe_gate_up_shared_part<T, H, I, K, G, SGB, SGG, true, GRPW>(
           bx, n, rows, qab_row_load<false>(ys), inds, w, scales, biases, s_gate_w,
           s_gate_scales, s_gate_biases, s_up_w, s_up_scales, s_up_biases, sg_w, sg_scales,
@@ -205,7 +256,7 @@ while (true) {
       atomicAdd(gu_done, 1u);
     }
   } else {
-    const int d = tk - (RBLK + GBLK) * rows;
+    const int d = tk - (OBLK + RBLK + GBLK) * rows;
     const int n = d / DBLK;
     const uint32_t gu_items = static_cast<uint32_t>(GBLK * rows);
     if (tid == 0) {
@@ -246,6 +297,10 @@ if (tid == 0) {
     *tickets = 0u;
     *routed = 0u;
     *gu_done = 0u;
+    *o_done = 0u;
     *exits = 0u;
+    if (!OP) {
+      ro[0] = static_cast<T>(0.f);  // the one-element placeholder: written, never read
+    }
   }
 }

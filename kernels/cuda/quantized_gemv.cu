@@ -17,8 +17,8 @@
 // (xs[m][j / 4][c] holds x[m, 32 c + j .. + 3] as a float4) so that lanes
 // reading consecutive chunks hit consecutive 16-byte words (no bank
 // conflicts), with each chunk's sum xsum[m][c] beside it.
-// Nibbles become floats with the 2^23 trick (or into a float's mantissa, then
-// subtract 2^23): two integer ops and one add instead of a slow conversion.
+// A chunk's dot product, its staged inputs and their sum are gemv_q4.cuh's
+// (shared with moe_decode_block.cu's out-projection phase: the same bits).
 //
 // NORM: x is the un-normalised input and the kernel stages its RMSNorm
 // instead (a decoder layer's input norm and the projection after it, one
@@ -141,13 +141,7 @@ __syncthreads();
 for (int i = tid; i < M * NC; i += blockDim.x) {
   const int m = i / NC;
   const int c = i - m * NC;
-  float s = 0.f;
-#pragma unroll
-  for (int j4 = 0; j4 < 8; ++j4) {
-    const float4 v = xs[m][j4][c];
-    s += (v.x + v.y) + (v.z + v.w);
-  }
-  xsum[m][c] = s;
+  xsum[m][c] = qab_q4_chunk_sum<NC>(xs[m], c);
 }
 __syncthreads();
 
@@ -169,29 +163,11 @@ auto compute_pass = [&](const auto& wv, const auto& sc, const auto& bi, int base
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       float xv[32];
-#pragma unroll
-      for (int j4 = 0; j4 < 8; ++j4) {
-        const float4 v = xs[m][j4][c];
-        xv[4 * j4] = v.x;
-        xv[4 * j4 + 1] = v.y;
-        xv[4 * j4 + 2] = v.z;
-        xv[4 * j4 + 3] = v.w;
-      }
+      qab_q4_chunk_x<NC>(xs[m], c, xv);
       const float xs_sum = xsum[m][c];
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
-        const uint32_t words[4] = {wv[r][i].x, wv[r][i].y, wv[r][i].z, wv[r][i].w};
-        float d = 0.f;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-#pragma unroll
-          for (int b = 0; b < 8; ++b) {
-            const float qv =
-                __uint_as_float(0x4B000000u | ((words[q] >> (4 * b)) & 15u)) - 8388608.f;
-            d = fmaf(qv, xv[q * 8 + b], d);
-          }
-        }
-        acc[m][r] = fmaf(sc[r][i], d, fmaf(bi[r][i], xs_sum, acc[m][r]));
+        acc[m][r] = fmaf(sc[r][i], qab_q4_dot32(wv[r][i], xv), fmaf(bi[r][i], xs_sum, acc[m][r]));
       }
     }
   }

@@ -105,6 +105,8 @@ __all__ = [
     "decode_block_supported",
     "decode_block_counter_length",
     "DECODE_BLOCK_OPTIONS",
+    "OutProjection",
+    "out_projection_supported",
     "moe_combine_ops",
     "combine_kernel_ready",
 ]
@@ -1608,8 +1610,56 @@ DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": No
 
 def decode_block_counter_length(rows: int = FOLD_NORM_MAX_ROWS) -> int:
     """Elements of the counter a :func:`moe_decode_block` launch needs for ``rows`` token rows:
-    its four launch-wide counters ``CS`` elements apart, then one per row."""
-    return 4 * DECODE_BLOCK_OPTIONS["CS"] + rows
+    its five launch-wide counters ``CS`` elements apart, then one per row."""
+    return 5 * DECODE_BLOCK_OPTIONS["CS"] + rows
+
+
+#: Output rows per warp of moe_decode_block's out-projection items (the
+#: kernel's QAB_OUT_RPW).
+_OUT_PROJ_RPW = 2
+
+
+class OutProjection(NamedTuple):
+    """A mixer's output projection, handed to :func:`moe_decode_block` to run
+    as its first phase (``r = x @ dequantize(weights).T``; the ``OP`` build).
+
+    Attributes:
+        x (mx.array): the mixer's output before its projection ``[..., DO]``
+            (the attention's gated heads, the Gated DeltaNet's normed heads),
+            the dtype of the block's activations.
+        weights (ExpertWeights): the projection ``[H, DO]``, 4-bit affine
+            (:func:`~qwen_apple_backend.layers.moe.linear_weights` of the
+            mixer's ``o_proj`` / ``out_proj``).
+    """
+
+    x: mx.array
+    weights: ExpertWeights
+
+
+def out_projection_supported(x: mx.array, out_proj: OutProjection) -> bool:
+    """Whether moe_decode_block's out-projection phase covers ``out_proj`` (no backend check).
+
+    4-bit affine weights ``[H, DO / 8]`` uint32 (``H`` = ``x.shape[-1]``)
+    with scales and biases ``[H, DO / group_size]`` of ``x``'s dtype, no
+    additive bias, ``DO % 1024 == 0``, ``group_size % 32 == 0``, and the
+    projection's input ``[..., DO]`` with ``x``'s rows and dtype.
+    """
+    w, px = out_proj.weights, out_proj.x
+    if (w.bits != 4 or w.mode != "affine" or w.biases is None or w.bias is not None
+            or w.scales is None or not w.group_size or w.group_size % 32
+            or w.weight.dtype != mx.uint32 or w.weight.ndim != 2 or px.ndim == 0):
+        return False
+    H, DO = x.shape[-1], px.shape[-1]
+    return (w.weight.shape == (H, DO // 8) and DO % 1024 == 0 and DO % w.group_size == 0
+            and w.scales.shape == (H, DO // w.group_size) and w.biases.shape == w.scales.shape
+            and w.scales.dtype == x.dtype and w.biases.dtype == x.dtype
+            and px.dtype == x.dtype and px.size // DO == x.size // H)
+
+
+def _out_proj_blocks(H: int) -> int:
+    """Out-projection blocks per token row of a moe_decode_block launch with OP."""
+    rows = (_GEMV_BLOCK // 32) * _OUT_PROJ_RPW
+    return -(-H // rows)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1618,16 +1668,18 @@ def _decode_block_object(backend: str):
 
 
 def _decode_block_build(stage: Optional[bool] = None, early: Optional[bool] = None,
-                        prefetch: bool = False) -> dict:
+                        prefetch: bool = False, out_proj: bool = False) -> dict:
     """The build a :func:`moe_decode_block` call runs: ``DECODE_BLOCK_OPTIONS``
-    with ``stage`` (STAGE) and ``early`` (EARLY) put in where given, and PF
-    (the L2 prefetch of the arrays given, which needs EARLY) set."""
+    with ``stage`` (STAGE) and ``early`` (EARLY) put in where given, PF
+    (the L2 prefetch of the arrays given, which needs EARLY) and OP (the
+    out-projection phase) set."""
     opts = dict(DECODE_BLOCK_OPTIONS)
     if stage is not None:
         opts["STAGE"] = bool(stage)
     if early is not None:
         opts["EARLY"] = bool(early)
     opts["PF"] = bool(prefetch and opts["EARLY"])
+    opts["OP"] = bool(out_proj)
     return opts
 
 
@@ -1643,16 +1695,18 @@ def _decode_block_phase_blocks(E: int, H: int, I: int, K: int,
     return route_blocks, gate_up_blocks, down_blocks
 
 
-def _decode_block_launch(E: int, H: int, I: int, K: int,
-                         grpw: Optional[int] = None) -> tuple[int, int, int]:
-    """``(BLOCK, RB, blocks per token row)`` of a moe_decode_block launch: the
-    route's, the fold's gate/up and the fold's down blocks, one after the other."""
+def _decode_block_launch(E: int, H: int, I: int, K: int, grpw: Optional[int] = None,
+                         out_proj: bool = False) -> tuple[int, int, int]:
+    """``(BLOCK, RB, blocks per token row)`` of a moe_decode_block launch: with
+    ``out_proj`` the out-projection's, then the route's, the fold's gate/up and
+    the fold's down blocks, one after the other."""
     block, rb, _ = _add_norm_route_launch(E)
     # The kernel derives every phase's block count from its one BLOCK.
     if block != _GEMV_BLOCK:
         raise RuntimeError(f"moe_decode_block needs the route's and the fold's threadgroups "
                            f"equal, got {block} and {_GEMV_BLOCK}")
-    return block, rb, sum(_decode_block_phase_blocks(E, H, I, K, grpw))
+    return block, rb, (sum(_decode_block_phase_blocks(E, H, I, K, grpw))
+                       + (_out_proj_blocks(H) if out_proj else 0))
 
 
 def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: mx.array,
@@ -1661,7 +1715,8 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
                            shared: SharedExpertWeights, counter: mx.array,
                            stage: Optional[bool] = None,
                            early: Optional[bool] = None,
-                           prefetch: Sequence[mx.array] = ()) -> mx.array:
+                           prefetch: Sequence[mx.array] = (),
+                           out_proj: Optional[OutProjection] = None) -> mx.array:
     obj = _decode_block_object(backend)
     if obj is None:
         raise RuntimeError(f"no moe_decode_block source or MLX API for {backend}")
@@ -1670,31 +1725,48 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
     if decode_block_counter_length(N) > counter.size:
         raise ValueError(f"{N} token rows need a counter of {decode_block_counter_length(N)} "
                          f"elements, got {counter.size}")
-    if r.shape != x.shape or r.dtype != x.dtype:
-        raise ValueError(f"r {r.shape} {r.dtype} must have x's shape {x.shape} and dtype {x.dtype}")
+    if out_proj is not None:
+        if not out_projection_supported(x, out_proj):
+            w = out_proj.weights
+            raise ValueError(
+                f"out_proj: {w.bits}-bit {w.mode} weight {w.weight.shape} (group size "
+                f"{w.group_size}) over input {out_proj.x.shape} {out_proj.x.dtype} is not a 4-bit "
+                f"affine [{H}, DO / 8] projection with DO % 1024 == 0 for x {x.shape} {x.dtype}")
+        r = x  # not read: the launch computes r itself
+    elif r is None or r.shape != x.shape or r.dtype != x.dtype:
+        raise ValueError(f"r {None if r is None else (r.shape, r.dtype)} must have x's shape "
+                         f"{x.shape} and dtype {x.dtype}")
     E, K = gate.weight.shape[0], int(top_k)
     I = gate_up.weight.shape[1] // 2
     if len(prefetch) > 3:
         raise ValueError(f"moe_decode_block prefetches at most 3 arrays, got {len(prefetch)}")
-    opts = _decode_block_build(stage, early, bool(prefetch))
+    opts = _decode_block_build(stage, early, bool(prefetch), out_proj is not None)
     if int(opts["CS"]) < 1 or (opts["GRID"] is not None and int(opts["GRID"]) < 1):
         raise ValueError(f"DECODE_BLOCK_OPTIONS: CS must be >= 1 and GRID None or >= 1, got "
                          f"CS={opts['CS']!r}, GRID={opts['GRID']!r}")
     if int(opts["GRPW"]) not in (1, 2, 4) or I % int(opts["GRPW"]):
         raise ValueError(f"DECODE_BLOCK_OPTIONS: GRPW must be 1, 2 or 4 and divide the "
                          f"experts' intermediate size {I}, got GRPW={opts['GRPW']!r}")
-    block, rb, blocks = _decode_block_launch(E, H, I, K, int(opts["GRPW"]))
+    block, rb, blocks = _decode_block_launch(E, H, I, K, int(opts["GRPW"]), opts["OP"])
     grid_blocks = blocks * N
     if opts["PERSIST"] and opts["GRID"]:
         grid_blocks = min(grid_blocks, int(opts["GRID"]))
     sg, su, sd, sgate = shared
     lead = x.shape[:-1]
+    if out_proj is not None:
+        ow = out_proj.weights
+        op_inputs = [out_proj.x, ow.weight, ow.scales, ow.biases]
+        DO, OG = out_proj.x.shape[-1], int(ow.group_size)
+    else:
+        # Not read; of the dtypes an OP build reads (MLX caches a CUDA kernel
+        # by its template arguments, which include OP).
+        op_inputs, DO, OG = [x, counter, x, x], 1024, 32
     outs = obj(
         inputs=[x, r, norm_weight, f32_scalar(float(eps)), gate.weight, gate.scales, gate.biases,
                 gate_up.weight, gate_up.scales, gate_up.biases, sg.weight, sg.scales, sg.biases,
                 su.weight, su.scales, su.biases, sgate.weight, sgate.scales, sgate.biases,
                 down.weight, down.scales, down.biases, sd.weight, sd.scales, sd.biases, counter,
-                *(list(prefetch) + [counter] * (3 - len(prefetch)))],
+                *(list(prefetch) + [counter] * (3 - len(prefetch))), *op_inputs],
         template=[("T", x.dtype), ("H", H), ("E", E), ("K", K), ("I", I),
                   ("G", int(gate_up.group_size)), ("RG", int(gate.group_size)),
                   ("SGB", int(sgate.bits)), ("SGG", int(sgate.group_size)),
@@ -1702,12 +1774,14 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
                   ("CS", int(opts["CS"])), ("PERSIST", bool(opts["PERSIST"])),
                   ("PREFETCH", bool(opts["PREFETCH"])),
                   ("STAGE", bool(opts["STAGE"])), ("GRPW", int(opts["GRPW"])),
-                  ("EARLY", bool(opts["EARLY"])), ("PF", bool(opts["PF"]))],
+                  ("EARLY", bool(opts["EARLY"])), ("PF", bool(opts["PF"])),
+                  ("OP", bool(opts["OP"])), ("DO", int(DO)), ("OG", OG)],
         grid=(block * grid_blocks, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[x.shape, x.shape, x.shape, (*lead, E), (*lead, K), (*lead, K),
-                       (N, K + 1, I), (unpooled_length(N, mx.float32),)],
+                       (N, K + 1, I), (unpooled_length(N, mx.float32),),
+                       (N, H) if out_proj is not None else (1,)],
         output_dtypes=[x.dtype, x.dtype, x.dtype, x.dtype, mx.uint32, x.dtype, x.dtype,
-                       mx.float32])
+                       mx.float32, x.dtype])
     return outs[0]
 
 
@@ -1732,7 +1806,8 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
                        gate_up: ExpertWeights, down: ExpertWeights,
                        shared: SharedExpertWeights,
                        stage: Optional[bool] = None,
-                       early: Optional[bool] = None, prefetch: bool = False) -> Optional[str]:
+                       early: Optional[bool] = None, prefetch: bool = False,
+                       out_proj: Optional[OutProjection] = None) -> Optional[str]:
     """The GPU backend whose one-launch MoE decode block may run this call, or None.
 
     ``kernels/cuda/moe_decode_block``: :func:`add_norm_route` and the
@@ -1765,10 +1840,19 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
             ``DECODE_BLOCK_OPTIONS["EARLY"]``.
         prefetch (bool): the build that prefetches arrays into L2 (``PF``;
             with ``early`` only), checked on its own.
+        out_proj (OutProjection | None): the build that computes the mixer's
+            output projection as its first phase (``OP``), checked on its own
+            against this package's GEMV kernel
+            (:func:`~qwen_apple_backend.ops.linear.quantized_gemv_kernel`, the
+            same arithmetic) followed by the three launches; it needs
+            :func:`out_projection_supported` and that kernel. Only the shapes,
+            dtypes and weights of ``out_proj`` matter (its ``x`` may be a
+            stand-in).
 
     Returns:
         Optional[str]: ``"cuda"``, or None (not CUDA, kernels disabled,
-        outside :func:`decode_block_supported`, a part not ready, the kernel
+        outside :func:`decode_block_supported` or
+        :func:`out_projection_supported`, a part not ready, the kernel
         unverified without ``QAB_UNVERIFIED_KERNELS``, or a failed self-check,
         which also warns).
     """
@@ -1785,29 +1869,58 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
         return None
     H, dtype, E, K = x.shape[-1], x.dtype, gate.weight.shape[0], int(top_k)
     norm = bool(norm_topk_prob)
-    build = _decode_block_build(stage, early, prefetch)
+    ow = None
+    if out_proj is not None:
+        from .linear import _gemv_object, quantized_gemv_kernel
+
+        if not out_projection_supported(x, out_proj) or _gemv_object("cuda") is None:
+            return None
+        ow = out_proj.weights
+    build = _decode_block_build(stage, early, prefetch, ow is not None)
     # The prefetch build's check prefetches arrays of three dtypes.
     pf = (gate_up.weight, gate_up.scales, norm_weight) if build["PF"] else ()
 
+    def r_of(rs):
+        # With OP the check's second input is the projection's input.
+        if ow is None:
+            return rs
+        return quantized_gemv_kernel(rs, ow.weight, ow.scales, ow.biases, int(ow.group_size),
+                                     pipe=False)
+
     def kernel(xs, rs, ws):
         counter = fold_norm_counter(decode_block_counter_length())
-        return [_moe_decode_block_call("cuda", xs, rs, ws, eps, gate, K, norm, gate_up, down,
-                                       shared, counter, stage, early, pf)]
+        op = None if ow is None else OutProjection(rs, ow)
+        return [_moe_decode_block_call("cuda", xs, None if op else rs, ws, eps, gate, K, norm,
+                                       gate_up, down, shared, counter, stage, early, pf, op)]
 
     def reference(xs, rs, ws):
-        h, y, _, inds, scores = _add_norm_route_call("cuda", xs, rs, ws, eps, gate, K, norm,
-                                                     fold_norm_counter())
+        h, y, _, inds, scores = _add_norm_route_call("cuda", xs, r_of(rs), ws, eps, gate, K,
+                                                     norm, fold_norm_counter())
         return [_moe_shared_decode_kernel_call("cuda", y, inds, scores, gate_up, down, shared,
                                                residual=h)]
 
-    # The same per-block code as the three launches: bit-identical.
+    # The same per-block code as the three launches (and, with OP, the same
+    # GEMV arithmetic as quantized_gemv): bit-identical.
     key = (H, str(dtype), E, gate.group_size, K, norm, float(eps),
            tuple(gate_up.weight.shape), gate_up.group_size, down.group_size,
            shared.gate.bits, shared.gate.group_size,
-           tuple(sorted(build.items())))
+           tuple(sorted(build.items())),
+           None if ow is None else (tuple(ow.weight.shape), int(ow.group_size)))
+    make = _add_norm_route_check_inputs(H, dtype)
+    if ow is not None:
+        make = _out_proj_check_inputs(make, ow.weight.shape[1] * 8, dtype)
     ok = self_checked("moe_decode_block", "cuda", key, kernel=kernel, reference=reference,
-                      make_inputs=_add_norm_route_check_inputs(H, dtype), rtol=0.0)
+                      make_inputs=make, rtol=0.0)
     return "cuda" if ok else None
+
+
+def _out_proj_check_inputs(make, DO: int, dtype: mx.Dtype):
+    """The self-check's inputs with the mixer's un-projected output in r's place."""
+    def make_op():
+        x, r, w = make()
+        k = mx.random.key(4343)
+        return x, mx.random.normal((*r.shape[:-1], DO), key=k).astype(dtype), w
+    return make_op
 
 
 def moe_decode_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float,
@@ -1815,7 +1928,8 @@ def moe_decode_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float
                      gate_up: ExpertWeights, down: ExpertWeights, shared: SharedExpertWeights,
                      backend: str, counter: Optional[mx.array] = None,
                      stage: Optional[bool] = None, early: Optional[bool] = None,
-                     prefetch: Sequence[mx.array] = ()) -> mx.array:
+                     prefetch: Sequence[mx.array] = (),
+                     out_proj: Optional[OutProjection] = None) -> mx.array:
     """A decode token's MoE layer half in one launch: ``h + moe(rms_norm(h))``, ``h = x + r``.
 
     One launch of ``kernels/cuda/moe_decode_block``: the residual add, the
@@ -1832,7 +1946,8 @@ def moe_decode_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float
 
     Args:
         x (mx.array): residual stream ``[..., H]``, bfloat16 / float16.
-        r (mx.array): the mixer's output, same shape and dtype.
+        r (mx.array | None): the mixer's output, same shape and dtype (None
+            with ``out_proj``).
         norm_weight (mx.array): post-attention RMSNorm weight ``[H]``.
         eps (float): RMSNorm epsilon.
         gate (ExpertWeights): the 8-bit router ``[E, H]``.
@@ -1855,6 +1970,12 @@ def moe_decode_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float
             and wait for the route only for routed rows (the ``EARLY`` build,
             same output); None: ``DECODE_BLOCK_OPTIONS["EARLY"]``. Check it
             with the same ``early`` in :func:`decode_block_ready`.
+        out_proj (OutProjection | None): compute ``r`` in the launch, as its
+            first phase: ``r = out_proj.x @ dequantize(out_proj.weights).T``
+            (the mixer's 4-bit output projection, ``o_proj`` / ``out_proj``,
+            with the arithmetic of this package's GEMV kernel: one launch less
+            per decoder layer; the ``OP`` build). Check it with the same
+            ``out_proj`` in :func:`decode_block_ready`.
         prefetch (Sequence[mx.array]): up to 3 arrays (any shapes and dtypes:
             the next decoder layer's input projection weight, scales, biases)
             that the gate/up items which wait for nothing ask the L2 to fetch
@@ -1868,14 +1989,16 @@ def moe_decode_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float
     Raises:
         RuntimeError: with no kernel for ``backend`` (no source or MLX API,
             or unverified without ``QAB_UNVERIFIED_KERNELS=1``).
-        ValueError: for ``r`` of another shape or dtype than ``x``, more
-            token rows than ``counter`` covers, or more than 3 ``prefetch``
-            arrays.
+        ValueError: for ``r`` of another shape or dtype than ``x`` (or
+            None without ``out_proj``), an ``out_proj`` outside
+            :func:`out_projection_supported`, more token rows than
+            ``counter`` covers, or more than 3 ``prefetch`` arrays.
     """
     if counter is None:
         counter = fold_norm_counter(decode_block_counter_length())
     return _moe_decode_block_call(backend, x, r, norm_weight, eps, gate, top_k, norm_topk_prob,
-                                  gate_up, down, shared, counter, stage, early, tuple(prefetch))
+                                  gate_up, down, shared, counter, stage, early, tuple(prefetch),
+                                  out_proj)
 
 
 # Tile heights of the grouped GEMM kernel (kernels/{cuda,metal}/moe_grouped_gemm):

@@ -1,0 +1,128 @@
+// Dense 4-bit affine GEMV pieces shared by quantized_gemv.cu and the
+// out-projection phase of moe_decode_block.cu (OP), so both compute a row
+// with the same arithmetic in the same order, hence the same bits.
+// Needs common.cuh.
+
+// One 32-value chunk of a row: 32 packed 4-bit weights (a 16-byte uint4,
+// value j of a word at bits 4j, MLX's affine layout) dotted with the 32
+// staged float inputs xv, in the order (word q, value b) = (0, 0), (0, 1),
+// ... Nibbles become floats with the 2^23 trick (into a float's mantissa,
+// then subtract 2^23): two integer ops and one add instead of a conversion.
+__device__ __forceinline__ float qab_q4_dot32(const uint4 wv, const float (&xv)[32]) {
+  const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
+  float d = 0.f;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+      const float qv = __uint_as_float(0x4B000000u | ((words[q] >> (4 * b)) & 15u)) - 8388608.f;
+      d = fmaf(qv, xv[q * 8 + b], d);
+    }
+  }
+  return d;
+}
+
+// The 32 staged inputs of chunk c from the chunk-transposed staging
+// xs[j4][c] (x[32 c + 4 j4 .. + 3] as a float4).
+template <int NC>
+__device__ __forceinline__ void qab_q4_chunk_x(const float4 (&xs)[8][NC], const int c,
+                                               float (&xv)[32]) {
+#pragma unroll
+  for (int j4 = 0; j4 < 8; ++j4) {
+    const float4 v = xs[j4][c];
+    xv[4 * j4] = v.x;
+    xv[4 * j4 + 1] = v.y;
+    xv[4 * j4 + 2] = v.z;
+    xv[4 * j4 + 3] = v.w;
+  }
+}
+
+// A chunk's input sum, the bias term's factor, in quantized_gemv.cu's order.
+template <int NC>
+__device__ __forceinline__ float qab_q4_chunk_sum(const float4 (&xs)[8][NC], const int c) {
+  float s = 0.f;
+#pragma unroll
+  for (int j4 = 0; j4 < 8; ++j4) {
+    const float4 v = xs[j4][c];
+    s += (v.x + v.y) + (v.z + v.w);
+  }
+  return s;
+}
+
+// One thread block's share of y = x W^T for ONE token row, rows
+// [row0, row0 + (BLOCK / 32) RPW) of the NOUT outputs (rows past NOUT are
+// skipped), as quantized_gemv.cu computes them with M = 1, LPR = 32 (a warp's
+// 32 lanes share a row, lane l taking chunks l, l + 32, ...), RPW rows per
+// warp and one pass: the same bits. The block's weight loads are issued
+// first, then it stages x (KD values, read through `xv_of`, a functor giving
+// x[k] as float) in shared memory. Every thread of the block must call it
+// (it holds block barriers). Requires KD % 1024 == 0, G % 32 == 0.
+// w [NOUT, KD / 8] uint32; scales, biases [NOUT, KD / G] ST; y: the token
+// row's NOUT outputs.
+template <typename OutT, typename ST, int KD, int G, int RPW, typename XF>
+__device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout, const XF xv_of,
+                                                 const uint32_t* w, const ST* scales,
+                                                 const ST* biases, OutT* y) {
+  static_assert(KD % 1024 == 0 && G % 32 == 0, "qab_q4_gemv_rows: KD % 1024, G % 32");
+  constexpr int NC = KD / 32;   // 32-value chunks per row
+  constexpr int CPL = NC / 32;  // chunks per lane
+  constexpr int WPR = KD / 8;   // uint32 words per row
+  constexpr int GPR = KD / G;   // quantization groups per row
+  __shared__ float4 xs[8][NC];
+  __shared__ float xsum[NC];
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int base = row0 + (tid >> 5) * RPW;
+
+  uint4 wv[RPW][CPL];
+  float sc[RPW][CPL];
+  float bi[RPW][CPL];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const int row = base + r;
+    const bool ok = row < nout;
+    const uint4* wrow = reinterpret_cast<const uint4*>(w + (size_t)(ok ? row : 0) * WPR);
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      const int c = lane + 32 * i;
+      wv[r][i] = ok ? wrow[c] : make_uint4(0u, 0u, 0u, 0u);
+      const size_t gi = (size_t)(ok ? row : 0) * GPR + (c * 32) / G;
+      sc[r][i] = ok ? static_cast<float>(scales[gi]) : 0.f;
+      bi[r][i] = ok ? static_cast<float>(biases[gi]) : 0.f;
+    }
+  }
+  for (int e = tid; e < NC * 8; e += blockDim.x) {
+    const int c = e >> 3;
+    const int j4 = e & 7;
+    const int k0 = c * 32 + j4 * 4;
+    xs[j4][c] = make_float4(xv_of(k0), xv_of(k0 + 1), xv_of(k0 + 2), xv_of(k0 + 3));
+  }
+  __syncthreads();
+  for (int c = tid; c < NC; c += blockDim.x) {
+    xsum[c] = qab_q4_chunk_sum<NC>(xs, c);
+  }
+  __syncthreads();
+  float acc[RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    acc[r] = 0.f;
+  }
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = lane + 32 * i;
+    float xv[32];
+    qab_q4_chunk_x<NC>(xs, c, xv);
+    const float s = xsum[c];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      acc[r] = fmaf(sc[r][i], qab_q4_dot32(wv[r][i], xv), fmaf(bi[r][i], s, acc[r]));
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const float v = qab_warp_sum(acc[r]);
+    if (lane == 0 && base + r < nout) {
+      y[base + r] = static_cast<OutT>(v);
+    }
+  }
+}
