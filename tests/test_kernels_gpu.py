@@ -569,6 +569,39 @@ def test_moe_decode_block_public_builds_are_the_three_launches(shape, dtype, rg,
             assert not mx.any(counter).item(), counter.tolist()
 
 
+@pytest.mark.parametrize("options", [{}, {"EARLY": False}, {"PERSIST": True, "GRID": 132}],
+                         ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_CASES,
+                         ids=lambda v: str(v).replace("mlx.core.", "").replace(" ", ""))
+def test_moe_decode_block_out_proj_is_the_gemv_then_the_block(shape, dtype, rg, norm, options,
+                                                              monkeypatch):
+    # OP: the mixer's 4-bit output projection (Qwen3.6's o_proj / out_proj:
+    # 4,096 inputs; 2,048 for the odd case) as the launch's first phase:
+    # bit-identical to quantized_gemv's output fed to the block, in the serial
+    # counter five launches in a row and in the per-launch copy, and through
+    # the public call after its self-check.
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    for key, value in options.items():
+        monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)
+    backend = gd.gpu_backend()
+    case = _block_case(shape, dtype, rg)
+    K = shape[4]
+    op = _out_proj_case(case, 2 * shape[2])
+    counter = moe_ops.serial_counter(moe_ops.decode_block_counter_length())
+    for i in range(5):
+        out = _assert_out_proj_block_is_gemv_then_block(backend, case, K, norm, counter, op,
+                                                        f"launch {i}")
+    copied = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    _assert_out_proj_block_is_gemv_then_block(backend, case, K, norm, copied, op, "copied")
+    x, _, w, gate, gu, dn, sw = case
+    assert moe_ops.decode_block_ready(x, w, 1e-6, gate, K, norm, gu, dn, sw,
+                                      out_proj=op) == backend
+    public = moe_ops.moe_decode_block(x, None, w, 1e-6, gate, K, norm, gu, dn, sw, backend,
+                                      out_proj=op)
+    assert mx.array_equal(public, out).item()
+
+
 @pytest.mark.parametrize("options", [{"CS": 1, "PREFETCH": False}, {"PREFETCH": False},
                                      {"PERSIST": True, "GRID": 132},
                                      {"CS": 1, "PERSIST": True, "PREFETCH": False, "GRID": 264},

@@ -1459,8 +1459,65 @@ def test_add_norm_route_reads_the_blocks_own_counter_in_the_decode_step_trace(mo
         assert all(c.shape == (moe_ops.FOLD_NORM_MAX_ROWS,) and c.dtype == mx.uint32
                    and not mx.any(c).item() for c in own)
     # The compiled graphs of the two counters are kept apart (the key ends with
-    # serial, block, stage, early, prefetch).
-    assert {k[-5] for k in blocks[0]._compiled} == {False, True}
+    # serial, block, stage, early, prefetch, the out-projection's group size).
+    assert {k[-6] for k in blocks[0]._compiled} == {False, True}
+
+
+@pytest.mark.parametrize("ready", [True, False], ids=["block-projects", "projected-first"])
+def test_add_norm_forward_takes_a_deferred_out_projection(monkeypatch, ready):
+    # moe-block-out-proj: given the mixer's output before its 4-bit output
+    # projection, a ready block build runs the projection as its first phase
+    # (moe_decode_block gets out_proj = that input and the projection's
+    # arrays, and no r); when that build is not ready, or out_proj_phase is
+    # off, the projection runs first (the DeferredProjection's apply) and the
+    # block gets r as before.
+    from qwen_apple_backend.layers import moe as moe_layer
+    from qwen_apple_backend.layers.linear import DeferredProjection
+
+    calls = []
+
+    def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None, stage=None,
+              early=None, prefetch=(), out_proj=None):
+        calls.append((r, out_proj))
+        if out_proj is not None:
+            ow = out_proj.weights
+            r = mx.quantized_matmul(out_proj.x, ow.weight, ow.scales, ow.biases,
+                                    group_size=ow.group_size, bits=4)
+        return (x + r) * 3
+
+    def choice(self, x, decode, norm=None, next_norm=None, out_proj=None):
+        ok = ready or out_proj is None
+        return (None, "fake", "fake", None, "fake" if ok else None)
+
+    monkeypatch.setattr(moe_layer, "moe_decode_block", block)
+    monkeypatch.setattr(FusedSparseMoeBlock, "_kernel_choice", choice)
+    b = FusedSparseMoeBlock.from_stock(make_stock(seed=4))
+    assert b.out_proj_phase and FusedSparseMoeBlock.takes_out_proj
+    proj = nn.QuantizedLinear(1024, H, bias=False, group_size=64, bits=4)
+    norm = nn.RMSNorm(H)
+    x, pre = inputs((1, 1, H)), inputs((1, 1, 1024), seed=5)
+    want = (x + proj(pre)) * 3
+    for compiled in (False, True):
+        b.compile_decode = compiled
+        calls.clear()
+        out, _ = b.add_norm_forward(x, DeferredProjection(pre, proj), norm)
+        assert mx.allclose(out, want, atol=1e-5).item()
+        (r, op), = calls
+        if ready:
+            assert r is None and op.weights.group_size == 64 and op.x.shape == pre.shape
+        else:  # (inside a compiled call r is a trace placeholder)
+            assert op is None and (compiled or mx.allclose(r, proj(pre)).item())
+    b.compile_decode = False  # (a compiled replay would not call the stand-in again)
+    b.out_proj_phase = False
+    calls.clear()
+    out, _ = b.add_norm_forward(x, DeferredProjection(pre, proj), norm)
+    assert calls[0][1] is None and mx.allclose(out, want, atol=1e-5).item()
+    # A projection the phase does not take (8-bit) runs first as well.
+    b.out_proj_phase = True
+    calls.clear()
+    proj8 = nn.QuantizedLinear(1024, H, bias=False, group_size=64, bits=8)
+    out, _ = b.add_norm_forward(x, DeferredProjection(pre, proj8), norm)
+    assert calls[0][1] is None and mx.allclose(out, (x + proj8(pre)) * 3, atol=1e-5).item()
 
 
 def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monkeypatch):
@@ -1478,7 +1535,8 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
     stages = []
 
     def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None, stage=None,
-              early=None, prefetch=()):
+              early=None, prefetch=(), out_proj=None):
+        assert out_proj is None
         seen.append((backend, counter))
         stages.append((stage, early))
         return (x + r) * 3

@@ -209,6 +209,9 @@ _OFF_NOTES = {
     "moe-block-early": "on CUDA the one-launch MoE block's gate/up items wait for the route "
                        "and read its normed input, not stage it themselves (moe-block-early "
                        "in QAB_DISABLE / disable=)",
+    "moe-block-out-proj": "on CUDA each mixer's output projection runs as its own launch, "
+                          "not as the first phase of the one-launch MoE block "
+                          "(moe-block-out-proj in QAB_DISABLE / disable=)",
 }
 
 
@@ -223,7 +226,8 @@ def test_moe_block_switch_reaches_every_fused_moe_block(tiny_q4):
 
 
 @pytest.mark.parametrize("name,attr", [("moe-block-stage", "stage_down"),
-                                       ("moe-block-early", "early_gate_up")])
+                                       ("moe-block-early", "early_gate_up"),
+                                       ("moe-block-out-proj", "out_proj_phase")])
 def test_moe_block_build_switch_reaches_every_fused_moe_block(tiny_q4, monkeypatch, name, attr):
     # FusedSparseMoeBlock.stage_down and .early_gate_up are on by default;
     # QAB_DISABLE / disable=[name] clears it in every block, and QAB_ENABLE no
@@ -240,6 +244,37 @@ def test_moe_block_build_switch_reaches_every_fused_moe_block(tiny_q4, monkeypat
     monkeypatch.setenv("QAB_ENABLE", name)
     with pytest.raises(EnvVarError, match=f"'{name}' is on by default"):
         load(tiny_q4, "fused")
+
+
+def test_mixers_hand_the_moe_block_their_output_before_its_projection(tiny_q4, monkeypatch):
+    # moe-block-out-proj: each decoder layer asks its fused mixer for the
+    # output before o_proj / out_proj (a DeferredProjection) and hands it to
+    # the fused MoE block; with the switch off the block gets the projected
+    # output. Either way (here on the CPU, where the block projects first, as
+    # the mixer would have) the logits equal the stock model's path through
+    # the same fused modules.
+    from qwen_apple_backend.layers.linear import DeferredProjection
+    from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
+
+    monkeypatch.delenv("QAB_DISABLE", raising=False)
+    seen = []
+    real = FusedSparseMoeBlock.add_norm_forward
+
+    def spy(self, x, r, norm, next_norm=None):
+        seen.append(type(r))
+        return real(self, x, r, norm, next_norm)
+
+    monkeypatch.setattr(FusedSparseMoeBlock, "add_norm_forward", spy)
+    tokens = mx.array([[3, 17, 42, 5, 9]])
+    logits = {}
+    for disable in ([], ["moe-block-out-proj"]):
+        model = load(tiny_q4, "fused", disable=disable)[0]
+        seen.clear()
+        logits[bool(disable)] = model(tokens)
+        n_layers = len(model.language_model.model.layers)
+        want = mx.array if disable else DeferredProjection
+        assert len(seen) == n_layers and all(t is want for t in seen), seen
+    assert mx.array_equal(logits[False], logits[True]).item()
 
 
 def test_l2_prefetch_links_each_moe_block_to_the_next_layers_projection(tiny_q4, monkeypatch):

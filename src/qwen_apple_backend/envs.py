@@ -12,7 +12,8 @@ Variables:
         ``attn-blocks``, ``attn-split``, ``attn-kernel``, ``qk-prep``, ``decode-compile``,
         ``proj-concat``, ``gemv-kernel``, ``proj-gemv``, ``add-norm``, ``norm-proj``,
         ``next-norm``, ``kv-in-place``, ``moe-block-stage``, ``gemv-pipe``,
-        ``attn-lanes``, ``moe-block-early``, ``l2-prefetch``), for ablations.
+        ``attn-lanes``, ``moe-block-early``, ``l2-prefetch``,
+        ``moe-block-out-proj``), for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
         leaves kernels on. Anything else is an error.
@@ -122,6 +123,10 @@ OPTIMIZATIONS = {
     # opt-in with QAB_ENABLE). H200, ncu: the next GEMV 16.8 vs 19.2 us, the block 32.4 vs
     # 30.2; 4K decode 211.7 vs 206.0 tok/s (one run, ahead in 4 of 6 paired rounds)
     "l2-prefetch": "moe",
+    # the one-launch MoE block computes the mixer's 4-bit output projection (attention's
+    # o_proj, the Gated DeltaNet's out_proj) as its first phase (OP; CUDA; the projection's
+    # arithmetic is the dense GEMV kernel's): one launch fewer per decoder layer and token
+    "moe-block-out-proj": "moe",
 }
 
 

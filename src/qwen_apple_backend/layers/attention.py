@@ -10,7 +10,7 @@ heads.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,6 +18,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 from qwen_apple_backend.layers._concat import ConcatProjection
+from qwen_apple_backend.layers.linear import DeferredProjection
 from qwen_apple_backend.ops import attention as attn_ops
 from qwen_apple_backend.ops.attention import (
     RUNAHEAD_EVAL_ROWS,
@@ -235,6 +236,9 @@ class FusedGQAAttention(nn.Module):
     #: un-normalised hidden states (``input_norm=``, the ``norm-proj``
     #: optimization): the norm then runs inside the q/k/v projection's launch.
     takes_input_norm = True
+    #: The decoder layer may ask for the output before ``o_proj``
+    #: (``defer_out_proj=True``, the ``moe-block-out-proj`` optimization).
+    defers_out_proj = True
 
     def __call__(
         self,
@@ -242,7 +246,8 @@ class FusedGQAAttention(nn.Module):
         mask: Optional[mx.array] = None,
         cache: Optional[Any] = None,
         input_norm: Optional[nn.Module] = None,
-    ) -> mx.array:
+        defer_out_proj: bool = False,
+    ) -> Union[mx.array, DeferredProjection]:
         """Gated grouped-query self-attention over ``x`` and the cache.
 
         Args:
@@ -257,16 +262,23 @@ class FusedGQAAttention(nn.Module):
                 applied here: ``attn(x, input_norm=n)`` equals ``attn(n(x))``
                 (on CUDA a decode call with the concatenated projections runs
                 it in the projection's launch). Default None.
+            defer_out_proj (bool): return the gated attention output before
+                ``o_proj`` as a
+                :class:`~qwen_apple_backend.layers.linear.DeferredProjection`,
+                for the decoder layer's fused MoE block to project in its own
+                launch. Default False.
 
         Decode-sized calls run projections, q/k norm and RoPE as one
         compiled graph (see ``compile_decode``); attention and the cache
         update stay outside it, since the cache is updated in place.
 
         Returns:
-            mx.array: output, dtype of ``x``.
+            mx.array | DeferredProjection: output, dtype of ``x`` (or its
+            deferred form).
 
         Shapes:
-            x: ``[B, T, H]``; returns ``[B, T, H]``; S = cache length + T.
+            x: ``[B, T, H]``; returns ``[B, T, H]`` (deferred: ``[B, T, Hq * D]``
+            and ``o_proj``); S = cache length + T.
         """
         B, L, _ = x.shape
         offset = cache.offset if cache is not None else 0
@@ -323,7 +335,8 @@ class FusedGQAAttention(nn.Module):
                 gated = gqa_decode_attention_gated(q, k, v, self.scale, mask, gate,
                                                    lanes=self.decode_lanes)
                 if gated is not None:
-                    return self.o_proj(gated)
+                    return (DeferredProjection(gated, self.o_proj) if defer_out_proj
+                            else self.o_proj(gated))
             rows = q.shape[2]
             if self.block_queries and not self.training and rows > 1:
                 rows = score_block_rows(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
@@ -340,7 +353,8 @@ class FusedGQAAttention(nn.Module):
                 if (self.block_queries and not self.training
                         and q.shape[2] >= RUNAHEAD_EVAL_ROWS):
                     eval_outside_traces(out)  # see RUNAHEAD_EVAL_ROWS
-        return self.o_proj(gate_output(out, gate))
+        gated = gate_output(out, gate)
+        return DeferredProjection(gated, self.o_proj) if defer_out_proj else self.o_proj(gated)
 
     def concat_projections(self) -> bool:
         """Run ``q_proj``, ``k_proj``, ``v_proj`` as one matmul from now on (``proj-concat``).

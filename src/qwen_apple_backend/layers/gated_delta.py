@@ -28,13 +28,14 @@ Transformers with the Delta Rule over Sequence Length", NeurIPS 2024.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import sum_gradients
 
 from ._concat import ConcatProjection
+from .linear import DeferredProjection
 from ..ops.gated_delta import (
     compute_gates,
     decode_kernel_ready,
@@ -337,6 +338,9 @@ class FusedGatedDeltaNet(nn.Module):
     #: un-normalised hidden states (``input_norm=``, the ``norm-proj``
     #: optimization): the norm then runs inside the input projection's launch.
     takes_input_norm = True
+    #: The decoder layer may ask for the output before ``out_proj``
+    #: (``defer_out_proj=True``, the ``moe-block-out-proj`` optimization).
+    defers_out_proj = True
 
     def __call__(
         self,
@@ -344,7 +348,8 @@ class FusedGatedDeltaNet(nn.Module):
         mask: Optional[mx.array] = None,
         cache: Optional[Any] = None,
         input_norm: Optional[nn.Module] = None,
-    ) -> mx.array:
+        defer_out_proj: bool = False,
+    ) -> Union[mx.array, DeferredProjection]:
         """Run the layer, updating ``cache`` in place like the stock module.
 
         Args:
@@ -360,14 +365,19 @@ class FusedGatedDeltaNet(nn.Module):
                 applied here: ``layer(x, input_norm=n)`` equals ``layer(n(x))``
                 (on CUDA a decode call with the concatenated projections runs
                 it in the projection's launch). Default None.
+            defer_out_proj (bool): return the output before ``out_proj`` as a
+                :class:`~qwen_apple_backend.layers.linear.DeferredProjection`
+                (unsharded layers only), for the decoder layer's fused MoE
+                block to project in its own launch. Default False.
 
         Returns:
-            mx.array: layer output, dtype of ``inputs``.
+            mx.array | DeferredProjection: layer output, dtype of ``inputs``
+            (or its deferred form).
 
         Shapes:
             - inputs: [B, S, hidden_size]
             - mask: [B, S]
-            - output: [B, S, hidden_size]
+            - output: [B, S, hidden_size] (deferred: [B, S, Hv * Dv] and out_proj)
         """
         B, S, _ = inputs.shape
         if self.sharding_group is not None:
@@ -438,6 +448,8 @@ class FusedGatedDeltaNet(nn.Module):
             # The decode kernel returns [B, 1, Hv * Dv] already; a reshape to the
             # same shape would still be one more primitive the host encodes per token.
             out = out.reshape(B, S, -1)
+        if defer_out_proj and self.sharding_group is None:
+            return DeferredProjection(out, self.out_proj)
         out = self.out_proj(out)
         if self.sharding_group is not None:
             out = mx.distributed.all_sum(out, group=self.sharding_group)

@@ -10,14 +10,36 @@ few-row calls take :func:`qwen_apple_backend.ops.linear.linear`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..ops import linear as qlinear
 
-__all__ = ["DecodeQuantizedLinear", "install_gemv_lm_head"]
+__all__ = ["DecodeQuantizedLinear", "DeferredProjection", "install_gemv_lm_head"]
+
+
+class DeferredProjection(NamedTuple):
+    """A mixer's output with its output projection not yet applied.
+
+    A fused mixer called with ``defer_out_proj=True`` returns this instead of
+    ``proj(x)``, so that the decoder layer's fused MoE block may run the
+    projection in its own launch (the ``moe-block-out-proj`` optimization,
+    ``layers/norm.py``); whoever cannot calls :meth:`apply`, which is exactly
+    the mixer's own last step.
+
+    Attributes:
+        x (mx.array): the mixer's output before the projection ``[B, T, DO]``.
+        proj (nn.Module): the projection (``o_proj`` / ``out_proj``), ``DO -> H``.
+    """
+
+    x: mx.array
+    proj: nn.Module
+
+    def apply(self) -> mx.array:
+        """``proj(x)``: the mixer's output as it would have returned it, ``[B, T, H]``."""
+        return self.proj(self.x)
 
 
 class DecodeQuantizedLinear(nn.QuantizedLinear):

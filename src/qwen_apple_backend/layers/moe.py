@@ -28,9 +28,11 @@ from mlx_lm.models.switch_layers import (
 
 from qwen_apple_backend import envs
 from qwen_apple_backend.layers._concat import ConcatProjection
+from qwen_apple_backend.layers.linear import DeferredProjection
 from qwen_apple_backend.ops.moe import (
     SORT_THRESHOLD,
     ExpertWeights,
+    OutProjection,
     SharedExpertWeights,
     add_norm_route,
     add_norm_route_ready,
@@ -42,6 +44,7 @@ from qwen_apple_backend.ops.moe import (
     moe_experts,
     moe_shared_experts_kernel,
     moe_shared_experts_norm_kernel,
+    out_projection_supported,
     router_kernel_ready,
     serial_counter,
     serial_decode_tracing,
@@ -294,7 +297,13 @@ class FusedSparseMoeBlock(nn.Module):
     outputs). Attribute ``l2_next`` (default None; set by the fusing code
     with the opt-in ``l2-prefetch``): the next decoder layer's concatenated
     input projection, whose arrays that launch asks the L2 to fetch while its
-    route runs (``PF``; same outputs).
+    route runs (``PF``; same outputs). Attribute ``out_proj_phase`` (default
+    True; the ``moe-block-out-proj`` optimization): when the decoder layer
+    hands :meth:`add_norm_forward` the mixer's output before its 4-bit
+    output projection (a
+    :class:`~qwen_apple_backend.layers.linear.DeferredProjection`), that
+    launch computes the projection as its first phase (``OP``; the
+    projection's arithmetic is this package's GEMV kernel's).
 
     Attribute ``dequant_gemm`` (default True; the ``moe-gemm`` optimization)
     lets prefill-sized calls on quantized experts dequantize them and run a
@@ -317,6 +326,9 @@ class FusedSparseMoeBlock(nn.Module):
     #: :meth:`add_norm_forward` may run the decoder layer's residual add and
     #: post-attention norm with the block (``layers/norm.py``).
     takes_mixer_output = True
+    #: :meth:`add_norm_forward` takes the mixer's output before its output
+    #: projection (a DeferredProjection; ``layers/norm.py``).
+    takes_out_proj = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -327,12 +339,15 @@ class FusedSparseMoeBlock(nn.Module):
                 cls.takes_residual = False
             if "takes_mixer_output" not in cls.__dict__:
                 cls.takes_mixer_output = False
+            if "takes_out_proj" not in cls.__dict__:
+                cls.takes_out_proj = False
 
     dequant_gemm: bool = True
     fused_route: bool = True
     one_launch: bool = True
     stage_down: bool = True
     early_gate_up: bool = True
+    out_proj_phase: bool = True
     l2_next = None
 
     def __init__(
@@ -574,7 +589,8 @@ class FusedSparseMoeBlock(nn.Module):
         return tuple(sig)
 
     def _kernel_choice(self, x: mx.array, decode: bool, norm: Optional[nn.Module] = None,
-                       next_norm: Optional[nn.Module] = None) -> tuple:
+                       next_norm: Optional[nn.Module] = None,
+                       out_proj: Optional[OutProjection] = None) -> tuple:
         """``(router, fold, route, down_norm, block)`` backends for this call.
 
         ``router`` and ``fold``: see :meth:`_router_ready` and
@@ -588,7 +604,8 @@ class FusedSparseMoeBlock(nn.Module):
         ``route`` is ready, else None; ``block``: the backend of the one-launch
         MoE half (:func:`~qwen_apple_backend.ops.moe.decode_block_ready`, the
         ``moe-block`` optimization) when ``route`` is ready, ``one_launch`` is
-        set and no ``down_norm`` applies, else None.
+        set and no ``down_norm`` applies, else None; with ``out_proj``, the
+        backend of that launch's build with the out-projection phase.
 
         Decode is bound by the host, and building the weight descriptions
         for the readiness checks cost more Python than the rest of the
@@ -604,10 +621,15 @@ class FusedSparseMoeBlock(nn.Module):
             return (None if w is None else (id(w), w.shape, w.dtype), m.eps)
 
         nkey, next_key = norm_key(norm), norm_key(next_norm)
+        okey = None
+        if out_proj is not None:
+            ow = out_proj.weights
+            okey = (out_proj.x.shape, out_proj.x.dtype, id(ow.weight), ow.weight.shape,
+                    id(ow.scales), id(ow.biases), ow.scales.dtype, ow.group_size, ow.bits)
         key = (x.shape, x.dtype, decode, envs.kernels_disabled(),
                envs.unverified_kernels_allowed(), self._weights_signature(), nkey, next_key,
                self.one_launch, self.stage_down, self.early_gate_up,
-               bool(self._l2_prefetch_arrays()))
+               bool(self._l2_prefetch_arrays()), okey)
         cache = self.__dict__.get("_choices")
         if cache is None:
             cache = {}
@@ -632,7 +654,7 @@ class FusedSparseMoeBlock(nn.Module):
                     self.norm_topk_prob, expert_weights(self.switch_mlp.gate_up_proj),
                     expert_weights(self.switch_mlp.down_proj), self._shared_weights(),
                     stage=self.stage_down, early=self.early_gate_up,
-                    prefetch=bool(self._l2_prefetch_arrays()))
+                    prefetch=bool(self._l2_prefetch_arrays()), out_proj=out_proj)
             hit = (router, fold, route, down_norm, block)
             if len(cache) >= 64:
                 cache.clear()
@@ -742,30 +764,38 @@ class FusedSparseMoeBlock(nn.Module):
         return (c["weight"], c["scales"], c["biases"])
 
     def _add_norm_route_forward(self, x: mx.array, r: mx.array, norm_weight: mx.array,
-                                next_weight: Optional[mx.array] = None, *, eps: float,
+                                *extra: mx.array, eps: float,
                                 route: str, fold: str, down_norm: Optional[str] = None,
                                 next_eps: float = 0.0, counter: Optional[mx.array] = None,
-                                block: Optional[str] = None):
+                                block: Optional[str] = None, out_group: int = 0):
+        # extra: the next norm's weight (with down_norm), or with out_group
+        # the mixer's output projection (weight, scales, biases; r is then its
+        # input): arrays, so that a compiled call takes them as inputs.
         gate = linear_weights(self.gate)
         if block is not None:
+            op = None
+            if out_group:
+                op = OutProjection(r, ExpertWeights(*extra, group_size=out_group, bits=4))
+                r = None
             return moe_decode_block(x, r, norm_weight, eps, gate, self.top_k,
                                     self.norm_topk_prob,
                                     expert_weights(self.switch_mlp.gate_up_proj),
                                     expert_weights(self.switch_mlp.down_proj),
                                     self._shared_weights(), block, counter=counter,
                                     stage=self.stage_down, early=self.early_gate_up,
-                                    prefetch=self._l2_prefetch_arrays())
+                                    prefetch=self._l2_prefetch_arrays(), out_proj=op)
         h, y, _, inds, scores = add_norm_route(x, r, norm_weight, eps, gate, self.top_k,
                                                self.norm_topk_prob, backend=route,
                                                counter=counter)
         args = (y, inds, scores, expert_weights(self.switch_mlp.gate_up_proj),
                 expert_weights(self.switch_mlp.down_proj), self._shared_weights())
         if down_norm is not None:
-            return moe_shared_experts_norm_kernel(down_norm)(*args, h, next_weight, next_eps,
+            return moe_shared_experts_norm_kernel(down_norm)(*args, h, extra[0], next_eps,
                                                              counter)
         return moe_shared_experts_kernel(fold)(*args, residual=h)
 
-    def add_norm_forward(self, x: mx.array, r: mx.array, norm: nn.Module,
+    def add_norm_forward(self, x: mx.array, r: Union[mx.array, DeferredProjection],
+                         norm: nn.Module,
                          next_norm: Optional[nn.Module] = None) -> Optional[tuple]:
         """``h + block(norm(h))`` with ``h = x + r``, in one or three launches, or None.
 
@@ -780,8 +810,14 @@ class FusedSparseMoeBlock(nn.Module):
         (:func:`~qwen_apple_backend.ops.moe.moe_decode_block`, same output). Given the
         NEXT decoder layer's input norm, the last kernel also applies it to
         the output (:func:`~qwen_apple_backend.ops.moe.moe_shared_experts_norm_kernel`),
-        so that layer's norm is no launch of its own. Returns None (the
-        caller runs its usual path) when any part does not apply: training,
+        so that layer's norm is no launch of its own. Given the mixer's output
+        before its output projection (``r`` a
+        :class:`~qwen_apple_backend.layers.linear.DeferredProjection`), the one
+        launch computes the projection as its first phase when
+        ``out_proj_phase`` is set and that build is ready
+        (``moe-block-out-proj``), else the projection runs first, as the
+        mixer would have run it. Returns None (the caller runs its usual
+        path, applying a deferred ``r`` itself) when any part does not apply: training,
         ``fused_route`` or ``use_kernel`` off, a sharded block, a norm other
         than ``nn.RMSNorm``, a prefill-sized call, ``x`` and ``r`` of
         different shapes or dtypes, or a kernel that is not ready (see
@@ -790,7 +826,8 @@ class FusedSparseMoeBlock(nn.Module):
 
         Args:
             x (mx.array): the residual stream entering the layer.
-            r (mx.array): the mixer's output.
+            r (mx.array | DeferredProjection): the mixer's output, or its
+                output before the output projection.
             norm (nn.Module): the layer's ``post_attention_layernorm``.
             next_norm (nn.Module | None): the next layer's ``input_layernorm``
                 (an ``nn.RMSNorm``), or None.
@@ -805,12 +842,27 @@ class FusedSparseMoeBlock(nn.Module):
         """
         if (not self.fused_route or not self.use_kernel or self.training
                 or self.sharding_group is not None or type(norm) is not nn.RMSNorm
-                or r.shape != x.shape or r.dtype != x.dtype or x.ndim == 0
-                or (x.size // x.shape[-1]) * self.top_k >= SORT_THRESHOLD):
+                or x.ndim == 0 or (x.size // x.shape[-1]) * self.top_k >= SORT_THRESHOLD):
             return None
         if next_norm is not None and type(next_norm) is not nn.RMSNorm:
             next_norm = None
-        _, fold, route, down_norm, block = self._kernel_choice(x, True, norm, next_norm)
+        op = None
+        if isinstance(r, DeferredProjection):
+            ow = linear_weights(r.proj) if self.out_proj_phase and self.one_launch else None
+            if ow is not None and ow.bits == 4:
+                op = OutProjection(r.x, ow)
+                if not out_projection_supported(x, op):
+                    op = None
+        choice = self._kernel_choice(x, True, norm, next_norm, op) if op is not None else None
+        if choice is None or choice[4] is None:
+            # No one-launch block with the projection in it: project first.
+            op = None
+            if isinstance(r, DeferredProjection):
+                r = r.apply()
+            if r.shape != x.shape or r.dtype != x.dtype:
+                return None
+            choice = self._kernel_choice(x, True, norm, next_norm)
+        _, fold, route, down_norm, block = choice
         if route is None:
             return None
         w = norm["weight"]
@@ -834,6 +886,11 @@ class FusedSparseMoeBlock(nn.Module):
         if down_norm is not None:
             kw.update(down_norm=down_norm, next_eps=next_norm.eps)
             args = (x, r, w, next_norm["weight"])
+        elif op is not None:
+            # The projection's input in r's place, its arrays as arguments.
+            ow = op.weights
+            kw.update(out_group=int(ow.group_size))
+            args = (x, op.x, w, ow.weight, ow.scales, ow.biases)
         if not self.compile_decode:
             fn = partial(self._add_norm_route_forward, **kw)
         else:
@@ -842,7 +899,8 @@ class FusedSparseMoeBlock(nn.Module):
                    None if down_norm is None else next_norm.eps, serial, block,
                    block is not None and self.stage_down,
                    block is not None and self.early_gate_up,
-                   block is not None and bool(self._l2_prefetch_arrays()))
+                   block is not None and bool(self._l2_prefetch_arrays()),
+                   0 if op is None else int(op.weights.group_size))
             fn = fns.get(key)
             if fn is None:
                 # The module is the captured input tree (parameters replaced

@@ -42,6 +42,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_5, qwen3_next
 
 from ..ops.norm import add_rms_norm, add_rms_norm_ready
+from .linear import DeferredProjection
 
 __all__ = [
     "AddNormDecoderLayer",
@@ -117,18 +118,27 @@ class _AddNorm:
         # The stock DecoderLayer.__call__ of qwen3_5 and qwen3_next, with the
         # residual add and the post-attention norm as one call when ready.
         mixer = self.linear_attn if self.is_linear else self.self_attn
+        mlp = self.mlp
+        takes = getattr(mlp, "takes_mixer_output", False) and not self._training
+        # A fused MoE block may run the mixer's output projection in its own
+        # launch (moe-block-out-proj): the mixer then returns its output
+        # before that projection (a DeferredProjection).
+        kw = ({"defer_out_proj": True}
+              if takes and getattr(mixer, "defers_out_proj", False)
+              and getattr(mlp, "takes_out_proj", False) and getattr(mlp, "out_proj_phase", False)
+              else {})
         xn = _take_handoff(x, self.input_layernorm)
         if xn is not None:
-            r = mixer(xn, mask, cache)
+            r = mixer(xn, mask, cache, **kw)
         elif (self.__dict__.get(_NORM_PROJ) and getattr(mixer, "takes_input_norm", False)
               and not self._training):
             # A fused mixer applies the input norm itself: on CUDA a decode
             # call runs it in its input projection's launch (norm-proj).
-            r = mixer(x, mask, cache, input_norm=self.input_layernorm)
+            r = mixer(x, mask, cache, input_norm=self.input_layernorm, **kw)
         else:
-            r = mixer(self.input_layernorm(x), mask, cache)
+            r = mixer(self.input_layernorm(x), mask, cache, **kw)
         norm = self.post_attention_layernorm
-        if getattr(self.mlp, "takes_mixer_output", False) and not self._training:
+        if takes:
             # A fused MoE block may run the add, the norm and its router in one
             # launch ahead of its expert kernels (decode on CUDA), and the next
             # layer's input norm in its last kernel; None otherwise.
@@ -139,6 +149,8 @@ class _AddNorm:
                 if out_norm is not None:
                     _HANDOFF.value = (out, out_norm, nxt)
                 return out
+        if isinstance(r, DeferredProjection):
+            r = r.apply()
         backend = self._add_norm_backend(x, r, norm)
         if backend is None:
             h = x + r

@@ -379,6 +379,9 @@ class QwenHybridAdapter(Adapter):
         "moe-block-early": "on CUDA the one-launch MoE block's gate/up items wait for the route "
                            "and read its normed input, not stage it themselves (moe-block-early "
                            "in QAB_DISABLE / disable=)",
+        "moe-block-out-proj": "on CUDA each mixer's output projection runs as its own launch, "
+                              "not as the first phase of the one-launch MoE block "
+                              "(moe-block-out-proj in QAB_DISABLE / disable=)",
     }
 
     def fuse(self, model, config, *, disable=frozenset(), use_fallback=True, report):
@@ -451,6 +454,9 @@ class QwenHybridAdapter(Adapter):
                 if "moe-block-early" in off:
                     # On by default: 29.5 vs 34.6 us per launch under ncu on the H200.
                     fused.early_gate_up = False
+                if "moe-block-out-proj" in off:
+                    # On by default: the mixer's output projection in the block's launch.
+                    fused.out_proj_phase = False
                 if "attn-blocks" in off:
                     fused.block_queries = False
                 if "attn-split" in off:
