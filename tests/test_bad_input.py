@@ -317,6 +317,9 @@ def test_disable_argument_is_checked_like_the_variable():
 
     assert envs.check_disable(["MOE", " attn-blocks "]) == frozenset({"moe", "attn-blocks"})
     assert envs.check_disable(["all", "add-norm"]) == frozenset({"moe", "gdn", "attn", "add-norm"})
+    # One string is read as QAB_DISABLE is: comma-separated names, not letters.
+    assert envs.check_disable("moe-block-out-proj, qk-prep") == frozenset(
+        {"moe-block-out-proj", "qk-prep"})
     with pytest.raises(EnvVarError, match=r"^disable=: unknown optimizations 'attn_blocks', 'mo' "
                                           r"\(known: moe, gdn, attn, all, "):
         envs.check_disable(["attn_blocks", "mo"])

@@ -115,11 +115,13 @@ CASES = {
     "moe_decode_block": (
         ["bf16", "bf16", "bf16", "f32", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "u32",
          "bf16", "bf16", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "u32", "bf16", "bf16",
-         "u32", "bf16", "bf16", "u32", "u32", "u32", "u32"],
-        ["bf16", "bf16", "bf16", "bf16", "u32", "bf16", "bf16", "f32"],
+         "u32", "bf16", "bf16", "u32", "u32", "u32", "u32",
+         "bf16", "u32", "bf16", "bf16", "bf16", "f32", "u32", "bf16", "bf16"],
+        ["bf16", "bf16", "bf16", "bf16", "u32", "bf16", "bf16", "f32", "bf16", "bf16"],
         {"T": "bf16", "H": 2048, "E": 256, "K": 8, "I": 512, "G": 64, "RG": 64, "SGB": 8,
          "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1, "CS": 32, "PERSIST": False,
-         "PREFETCH": True, "STAGE": False, "GRPW": 2, "EARLY": False, "PF": False}),
+         "PREFETCH": True, "STAGE": False, "GRPW": 2, "EARLY": False, "PF": False,
+         "OP": False, "DO": 1024, "OG": 32, "NP": False, "PN": 1, "PG": 32}),
 }
 
 # More template values of one op: (op, case) as in CASES.
@@ -132,10 +134,22 @@ EXTRA_CASES = [
     ("moe_decode_block", (CASES["moe_decode_block"][0], CASES["moe_decode_block"][1],
                           {**CASES["moe_decode_block"][2], "STAGE": True, "GRPW": 4,
                            "EARLY": True})),
-    ("moe_decode_block", (CASES["moe_decode_block"][0][:-3] + ["u32", "bf16", "bf16"],
+    ("moe_decode_block", (CASES["moe_decode_block"][0][:-12] + ["u32", "bf16", "bf16"]
+                          + CASES["moe_decode_block"][0][-9:],
                           CASES["moe_decode_block"][1],
                           {**CASES["moe_decode_block"][2], "STAGE": True, "EARLY": True,
                            "PF": True})),
+    # The shipped build with the mixer's output projection (OP, Qwen3.6's 4,096
+    # inputs), and with the next layer's norm + in_proj too (NP, 12,352 rows):
+    # both projection phases share one staging buffer (static shared memory
+    # stays under 48 KB).
+    ("moe_decode_block", (CASES["moe_decode_block"][0], CASES["moe_decode_block"][1],
+                          {**CASES["moe_decode_block"][2], "STAGE": True, "EARLY": True,
+                           "OP": True, "DO": 4096, "OG": 64})),
+    ("moe_decode_block", (CASES["moe_decode_block"][0], CASES["moe_decode_block"][1],
+                          {**CASES["moe_decode_block"][2], "STAGE": True, "EARLY": True,
+                           "OP": True, "DO": 4096, "OG": 64, "NP": True, "PN": 12352,
+                           "PG": 64})),
     # The dense GEMV with double-buffered passes at the GDN in_proj's shape
     # (K = 2048; 56 registers with nvcc 13, so 4 blocks of 256 threads per SM) and o_proj's.
     ("quantized_gemv", (CASES["quantized_gemv"][0], CASES["quantized_gemv"][1],

@@ -45,7 +45,9 @@ from qwen_apple_backend.ops._sources import kernel_source
 from . import _cuda_emulation as emu
 from ._metrics import mx_rel_l2
 from .test_kernels_gpu import (_anr_inputs, _assert_block_is_the_three_launches,
-                               _assert_out_proj_block_is_gemv_then_block, _out_proj_case,
+                               _assert_next_proj_block_is_block_then_norm_gemv,
+                               _assert_out_proj_block_is_gemv_then_block, _next_proj_case,
+                               _out_proj_case,
                                _assert_masked_scan, _assert_scan_matches_reference, _block_case,
                                _experts, _inputs)
 
@@ -2028,7 +2030,7 @@ def test_moe_decode_block_build_options_are_the_three_launches_emulated(options,
     shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
     case = _block_case(shape, dtype, rg)
     counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
-    assert counter.size == 5 * moe_ops.DECODE_BLOCK_OPTIONS["CS"] + moe_ops.FOLD_NORM_MAX_ROWS
+    assert counter.size == 6 * moe_ops.DECODE_BLOCK_OPTIONS["CS"] + moe_ops.FOLD_NORM_MAX_ROWS
     _assert_block_is_the_three_launches("cuda", case, shape[4], norm, counter, str(options))
 
 
@@ -2046,6 +2048,37 @@ def test_moe_decode_block_out_proj_is_the_gemv_then_the_block_emulated(options, 
     counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
     _assert_out_proj_block_is_gemv_then_block("cuda", case, shape[4], norm, counter,
                                               _out_proj_case(case, 2048), str(options))
+
+
+@pytest.mark.parametrize("options,op", [({}, False), ({"EARLY": False}, True),
+                                        ({"PERSIST": True, "GRID": 3}, True)],
+                         ids=["default", "EARLYFalse-op", "PERSIST-op"])
+def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(options, op,
+                                                                             monkeypatch):
+    # NP: the next layer's input RMSNorm + 4-bit input projection (80 rows: a
+    # partial last block) as the launch's last phase equals quantized_gemv's
+    # norm build on the block's output, bit for bit, with or without the
+    # out-projection phase and with a grid of fewer blocks than tickets.
+    for key, value in options.items():
+        monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)
+    shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
+    case = _block_case(shape, dtype, rg)
+    counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    _assert_next_proj_block_is_block_then_norm_gemv(
+        "cuda", case, shape[4], norm, counter, _next_proj_case(case, 80),
+        _out_proj_case(case, 2048) if op else None, str(options))
+
+
+def test_moe_decode_block_next_proj_emulated_fails_when_it_does_not_wait(monkeypatch):
+    # Next-projection items must wait for every down item: waiting for one
+    # more than there are is caught (the emulator checks the count it waits for).
+    _broken(monkeypatch, "moe_decode_block", "static_cast<uint32_t>(DBLK * rows)",
+            "static_cast<uint32_t>(DBLK * rows + 1)")
+    case = _block_case(*BLOCK_EMU_CASES[0][:3])
+    counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    with pytest.raises(emu.KernelFault, match="qab_wait_count"):
+        _assert_next_proj_block_is_block_then_norm_gemv("cuda", case, 4, True, counter,
+                                                        _next_proj_case(case, 80))
 
 
 def test_moe_decode_block_out_proj_emulated_fails_when_the_route_does_not_wait(monkeypatch):
@@ -2148,6 +2181,25 @@ def test_moe_decode_block_dispatcher_self_checks_the_emulated_kernel(monkeypatch
             with pytest.raises(ValueError, match="out_proj"):
                 moe_ops.moe_decode_block(x, None, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
                                          out_proj=bad)
+        # The next-projection build (NP) self-checks under its own key against
+        # the three launches + quantized_gemv's norm build, both outputs; the
+        # public call returns (out, po); an 8-bit projection is refused.
+        npc = _next_proj_case((x, r, w, gate, gu, dn, sw), 48)
+        assert moe_ops.decode_block_ready(x, w, 1e-6, gate, 4, True, gu, dn, sw,
+                                          next_proj=npc) == "cuda"
+        assert len([k for k in device.self_check_results() if k[0] == "moe_decode_block"]) == 5
+        got, po = moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
+                                           next_proj=npc)
+        assert mx.array_equal(got, out).item() and po.shape == (*x.shape[:-1], 48)
+        ref_po = lin_ops.norm_gemv_kernel(out, npc.norm_weight, npc.eps, npc.weights.weight,
+                                          npc.weights.scales, npc.weights.biases, 64, pipe=False)
+        assert mx.array_equal(po, ref_po).item()
+        bad = npc._replace(weights=q8)
+        assert moe_ops.decode_block_ready(x, w, 1e-6, gate, 4, True, gu, dn, sw,
+                                          next_proj=bad) is None
+        with pytest.raises(ValueError, match="next_proj"):
+            moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
+                                     next_proj=bad)
         late = moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
                                         early=False)
         pf = moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",

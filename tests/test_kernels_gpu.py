@@ -410,6 +410,47 @@ def _assert_out_proj_block_is_gemv_then_block(backend, case, K, norm, counter, o
     return out
 
 
+def _next_proj_case(case, PN, seed=11, group_size=64):
+    """The next layer's input norm weight and a 4-bit ``[PN, H]`` input
+    projection for :func:`_block_case`'s ``case`` (moe_decode_block's NP phase)."""
+    from qwen_apple_backend.ops.moe import ExpertWeights, NextProjection
+
+    x = case[0]
+    H, dtype = x.shape[-1], x.dtype
+    kw, kn = mx.random.split(mx.random.key(seed))
+    w = (mx.random.normal((PN, H), key=kw) * H ** -0.5).astype(dtype)
+    q, s, b = mx.quantize(w, group_size=group_size, bits=4)
+    nw = (1.0 + 0.2 * mx.random.normal((H,), key=kn)).astype(dtype)
+    return NextProjection(nw, 1e-6, ExpertWeights(q, s, b, group_size=group_size, bits=4))
+
+
+def _assert_next_proj_block_is_block_then_norm_gemv(backend, case, K, norm, counter, next_proj,
+                                                    out_proj=None, where=""):
+    """moe_decode_block with its next-projection phase (NP) returns the block's
+    output and, bit for bit, quantized_gemv's norm build on it; the counter is
+    left zero. With ``out_proj``, the OP phase runs too."""
+    from qwen_apple_backend.ops import linear as lin_ops
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    x, r, w, gate, gu, dn, sw = case
+    r_in = None if out_proj is not None else r
+    ref = moe_ops._moe_decode_block_call(backend, x, r_in, w, 1e-6, gate, K, norm, gu, dn, sw,
+                                         counter, out_proj=out_proj)
+    pw = next_proj.weights
+    ref_po = lin_ops.norm_gemv_kernel(ref, next_proj.norm_weight, next_proj.eps, pw.weight,
+                                      pw.scales, pw.biases, pw.group_size, pipe=False)
+    out, po = moe_ops._moe_decode_block_call(backend, x, r_in, w, 1e-6, gate, K, norm, gu, dn,
+                                             sw, counter, out_proj=out_proj,
+                                             next_proj=next_proj)
+    assert out.shape == x.shape and po.shape == (*x.shape[:-1], pw.weight.shape[0]), where
+    assert mx.all(mx.isfinite(po.astype(mx.float32))).item(), where
+    assert mx.array_equal(out, ref).item(), f"{where}: the block's output changed"
+    assert mx.array_equal(po, ref_po).item(), (
+        f"{where}: rel-L2 {mx_rel_l2(po, ref_po):.3g} from the block + norm GEMV")
+    assert not mx.any(counter).item(), f"{where}: the launch left its counter non-zero"
+    return out, po
+
+
 class _Sentinel:
     """A kernel object whose outputs start as NaN (unwritten elements show), recording them."""
 

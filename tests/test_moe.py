@@ -1463,6 +1463,35 @@ def test_add_norm_route_reads_the_blocks_own_counter_in_the_decode_step_trace(mo
     assert {k[-6] for k in blocks[0]._compiled} == {False, True}
 
 
+def test_moe_decode_block_checks_its_arguments_before_it_needs_a_kernel():
+    # The argument errors name what is wrong on any device; only a call that
+    # passes them asks for the CUDA kernel (on the CPU: none).
+    from qwen_apple_backend.ops.moe import ExpertWeights, NextProjection, OutProjection
+
+    x = mx.zeros((1, 1, 1024), mx.bfloat16)
+    w4, s4, b4 = mx.quantize(mx.zeros((1024, 2048), mx.bfloat16), group_size=64, bits=4)
+    op = OutProjection(mx.zeros((1, 1, 2048), mx.bfloat16),
+                       ExpertWeights(w4, s4, b4, group_size=64, bits=4))
+    w8, s8, b8 = mx.quantize(mx.zeros((1024, 2048), mx.bfloat16), group_size=64, bits=8)
+    bad_op = op._replace(weights=ExpertWeights(w8, s8, b8, group_size=64, bits=8))
+    np8 = NextProjection(mx.ones((1024,), mx.bfloat16), 1e-6,
+                         ExpertWeights(*mx.quantize(mx.zeros((64, 1024), mx.bfloat16), 64, 8),
+                                       group_size=64, bits=8))
+    call = lambda r, **kw: moe_ops.moe_decode_block(  # noqa: E731
+        x, r, x[0, 0], 1e-6, None, 8, True, None, None, None, "cpu", **kw)
+    with pytest.raises(ValueError, match="r must be None with out_proj"):
+        call(x, out_proj=op)
+    with pytest.raises(ValueError, match=r"^out_proj: 8-bit affine weight"):
+        call(None, out_proj=bad_op)
+    with pytest.raises(ValueError, match=r"^next_proj: 8-bit affine weight"):
+        call(x, next_proj=np8)
+    with pytest.raises(ValueError, match="must have x's shape"):
+        call(None)
+    assert not moe_ops.out_projection_supported(x, op._replace(weights=None))
+    with pytest.raises((RuntimeError, AttributeError)):
+        call(x)  # valid arguments: then the kernel (none here) or the weights are needed
+
+
 @pytest.mark.parametrize("ready", [True, False], ids=["block-projects", "projected-first"])
 def test_add_norm_forward_takes_a_deferred_out_projection(monkeypatch, ready):
     # moe-block-out-proj: given the mixer's output before its 4-bit output

@@ -267,7 +267,7 @@ def test_mixers_hand_the_moe_block_their_output_before_its_projection(tiny_q4, m
     monkeypatch.setattr(FusedSparseMoeBlock, "add_norm_forward", spy)
     tokens = mx.array([[3, 17, 42, 5, 9]])
     logits = {}
-    for disable in ([], ["moe-block-out-proj"]):
+    for disable in ([], "moe-block-out-proj"):  # (a string: comma-separated names)
         model = load(tiny_q4, "fused", disable=disable)[0]
         seen.clear()
         logits[bool(disable)] = model(tokens)

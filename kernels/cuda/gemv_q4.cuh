@@ -55,21 +55,27 @@ __device__ __forceinline__ float qab_q4_chunk_sum(const float4 (&xs)[8][NC], con
 // 32 lanes share a row, lane l taking chunks l, l + 32, ...), RPW rows per
 // warp and one pass: the same bits. The block's weight loads are issued
 // first, then it stages x (KD values, read through `xv_of`, a functor giving
-// x[k] as float) in shared memory. Every thread of the block must call it
-// (it holds block barriers). Requires KD % 1024 == 0, G % 32 == 0.
+// x[k] as float) in the caller's shared memory: `stage`, at least 8 KD / 32
+// float4, and `stage_sum`, at least KD / 32 floats (one buffer a kernel may
+// share between calls of several widths). `wait` runs between the two in every
+// thread (it may hold a block barrier: moe_decode_block.cu's next-projection
+// items wait there for the row they read). Every thread of the block must
+// call it (it holds block barriers). Requires KD % 1024 == 0, G % 32 == 0.
 // w [NOUT, KD / 8] uint32; scales, biases [NOUT, KD / G] ST; y: the token
 // row's NOUT outputs.
-template <typename OutT, typename ST, int KD, int G, int RPW, typename XF>
+template <typename OutT, typename ST, int KD, int G, int RPW, typename XF,
+          typename Wait = QabNoWait>
 __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout, const XF xv_of,
                                                  const uint32_t* w, const ST* scales,
-                                                 const ST* biases, OutT* y) {
+                                                 const ST* biases, OutT* y, float4* stage,
+                                                 float* stage_sum, Wait wait = Wait()) {
   static_assert(KD % 1024 == 0 && G % 32 == 0, "qab_q4_gemv_rows: KD % 1024, G % 32");
   constexpr int NC = KD / 32;   // 32-value chunks per row
   constexpr int CPL = NC / 32;  // chunks per lane
   constexpr int WPR = KD / 8;   // uint32 words per row
   constexpr int GPR = KD / G;   // quantization groups per row
-  __shared__ float4 xs[8][NC];
-  __shared__ float xsum[NC];
+  auto& xs = *reinterpret_cast<float4(*)[8][NC]>(stage);
+  float* xsum = stage_sum;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int base = row0 + (tid >> 5) * RPW;
@@ -91,6 +97,7 @@ __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout,
       bi[r][i] = ok ? static_cast<float>(biases[gi]) : 0.f;
     }
   }
+  wait();
   for (int e = tid; e < NC * 8; e += blockDim.x) {
     const int c = e >> 3;
     const int j4 = e & 7;
@@ -125,4 +132,36 @@ __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout,
       y[base + r] = static_cast<OutT>(v);
     }
   }
+}
+
+// quantized_gemv.cu's NORM factor for one row (its M loop at M = 1):
+// inv = rsqrt(sum_k x[k]^2 / KD + eps) with the sum in its order: per thread
+// over k = tid, tid + blockDim.x, ..., a warp butterfly, then the warps'
+// partials added in warp order. x[k] comes from `xv_of` (a functor giving it
+// as float). Every thread of the block must call it (block barriers); every
+// thread gets inv.
+template <int KD, typename XF>
+__device__ __forceinline__ float qab_q4_row_norm_inv(const XF xv_of, const float eps) {
+  __shared__ float red[32];
+  __shared__ float inv_s;
+  const int tid = threadIdx.x;
+  float ss = 0.f;
+  for (int k = tid; k < KD; k += blockDim.x) {
+    const float v = xv_of(k);
+    ss += v * v;
+  }
+  ss = qab_warp_sum(ss);
+  if ((tid & 31) == 0) {
+    red[tid >> 5] = ss;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float total = 0.f;
+    for (int wi = 0; wi < (int)(blockDim.x >> 5); ++wi) {
+      total += red[wi];
+    }
+    inv_s = rsqrtf(total / static_cast<float>(KD) + eps);
+  }
+  __syncthreads();
+  return inv_s;
 }

@@ -13,6 +13,16 @@
 // CUDA backend is bound by the host's per-launch cost: two launches fewer per
 // MoE layer and token.
 //
+// With NP the NEXT decoder layer's input RMSNorm and its 4-bit input
+// projection follow, as a last phase:
+//
+//   po[n] = rms_norm(out[n], pnw, peps) pw^T                    (next-projection phase)
+//
+// (quantized_gemv.cu's NORM arithmetic, gemv_q4.cuh: the same bits), written
+// to the output po for the next layer's mixer: its norm + projection launch,
+// the largest GEMV of a layer, is gone, and its weight loads are issued as
+// soon as its blocks start, while the down items still run.
+//
 // With OP the mixer's output projection comes first, as a fourth phase:
 //
 //   r[n] = ox[n] ow^T                                          (out-projection phase)
@@ -26,7 +36,9 @@
 // takes a ticket (atomicAdd on the ticket counter); with OP tickets in
 // [0, OBLK N) are out-projection items (rows of r[t / OBLK]), the next RBLK N
 // route items (part t % RBLK of row t / RBLK), the next GBLK N gate/up
-// items, the last DBLK N down items. Route items issue their router weight
+// items, the next DBLK N down items, with NP the last PBLK N
+// next-projection items (they issue their weight loads, then wait for every
+// down item: `d_done` == DBLK N). Route items issue their router weight
 // loads, then wait for every out-projection item (`o_done` == OBLK N); so do
 // EARLY gate/up items before they stage the norm; the later phases' waits
 // imply it. An item waits only on items with
@@ -45,16 +57,16 @@
 // produced arrays through L2 (the CG loads). Without PERSIST a block runs one
 // item (grid = every item); with PERSIST it takes tickets until none is left
 // (any grid works: a block waits on smaller tickets only, held by running
-// blocks). The last block out (`exits` == gridDim.x) zeroes the five
+// blocks). The last block out (`exits` == gridDim.x) zeroes the six
 // launch-wide counters; the route zeroes its per-row counts itself. So count
 // must be zeros at launch and is zeros again after it; launches that share it
 // must not overlap (the callers pass a serial counter in the compiled decode
 // step, otherwise a per-launch copy of a zero view).
 //
-// Counter layout: tickets, routed, gu_done, exits, o_done at elements 0, CS,
-// 2 CS, 3 CS, 4 CS (CS apart so that waiting blocks' polls and the counts they
-// wait on do not share a cache line with the ticket counter), then the
-// route's per-row counts at 5 CS + n.
+// Counter layout: tickets, routed, gu_done, exits, o_done, d_done at
+// elements 0, CS, 2 CS, 3 CS, 4 CS, 5 CS (CS apart so that waiting blocks'
+// polls and the counts they wait on do not share a cache line with the
+// ticket counter), then the route's per-row counts at 6 CS + n.
 //
 // Measured on the H200 (benchmarks/profile_moe_block_gpu.py, ncu, Qwen3.6's
 // shape): CS 32 with PREFETCH 43.0 us per launch against 44.3 with adjacent
@@ -72,11 +84,12 @@
 // expert and the gate logit run during the route and leave their slots to
 // the later gate/up blocks.
 //
-// Launch: grid (BLOCK * (OBLK + RBLK + GBLK + DBLK) * N, 1, 1) threads (with
+// Launch: grid (BLOCK * (OBLK + RBLK + GBLK + DBLK + PBLK) * N, 1, 1) threads (with
 // PERSIST any number of blocks, e.g. as many as fit on the GPU at once),
 // threadgroup (BLOCK, 1, 1), BLOCK = 256 (the three kernels' block), with
 //   OBLK = OP ? ceil(H / (2 BLOCK / 32)) : 0, RBLK = ceil(E / (RB BLOCK / 32)),
-//   GBLK = ceil(32 ((K + 1) I / GRPW + 1) / BLOCK), DBLK = ceil(32 H / 2 / BLOCK).
+//   GBLK = ceil(32 ((K + 1) I / GRPW + 1) / BLOCK), DBLK = ceil(32 H / 2 / BLOCK),
+//   PBLK = NP ? ceil(PN / (2 BLOCK / 32)) : 0.
 // Template: T (activations, norm weight, router scales/biases, scores),
 // H (hidden size), E, K, I (expert intermediate size), G (experts' group
 // size), RG (router group size), SGB, SGG (shared gate bits and group size),
@@ -103,9 +116,10 @@
 // the gate/up items' loads). Measured and dropped: the down items' weights
 // prefetched into L2 by the gate/up items (37.0 against 29.3 us per launch).
 // OP (the out-projection phase above), DO (its input width), OG (its group
+// size); NP (the next-projection phase above), PN (its rows), PG (its group
 // size).
 // Requirements: each of the three kernels' (see their sources); with OP,
-// DO % 1024 == 0 and OG % 32 == 0.
+// DO % 1024 == 0 and OG % 32 == 0; with NP, H % 1024 == 0 and PG % 32 == 0.
 // Inputs: x, r [N, H] T (residual stream, mixer output); nw [H] T; eps [4]
 // float32; gw [E, H / 4] uint32, gs, gb [E, H / RG] T (8-bit router); w,
 // scales, biases: the experts' fused gate+up [E, 2I, H / 8] uint32,
@@ -113,20 +127,30 @@
 // [I, H / G]; sg_*: the shared gate's [1, H SGB / 32], [1, H / SGG]; d_w,
 // d_scales, d_biases: the experts' down [E, H, I / 8], [E, H, I / G];
 // s_down_*: the shared expert's [H, I / 8], [H, I / G] (scales and biases of
-// the experts' dtype); count [>= 5 CS + N] uint32 zeros; pf0, pf1, pf2: any
+// the experts' dtype); count [>= 6 CS + N] uint32 zeros; pf0, pf1, pf2: any
 // arrays (PF: prefetched whole into L2; else not read); ox [N, DO] T (OP: the
 // mixer's output before its projection), ow [H, DO / 8] uint32, os, ob
 // [H, DO / OG] T (OP: that projection, 4-bit; else any arrays, not read; r
-// is then not read either).
+// is then not read either); pnw [H] T, peps [4] float32 (element 0), pw
+// [PN, H / 8] uint32, ps, pb [PN, H / PG] T (NP: the next layer's input norm
+// and projection; else any arrays, not read).
 // Outputs: out [N, H] T (the layer's output, x's shape); h, y [N, H] T,
 // logits [N, E] T, inds [N, K] uint32, scores [N, K] T, act [N, K + 1, I] T,
 // sg_logit [max(N, 4)] float32, ro [N, H] T (OP; else at least one
-// element, element 0 zeroed): the phases' intermediates (outputs so that MLX allocates them;
+// element, element 0 zeroed), po [N, PN] T (NP: the next layer's projected
+// input, a real output; else at least one element, element 0 zeroed): the
+// phases' intermediates (outputs so that MLX allocates them;
 // callers drop them).
 
 // The out-projection phase (OP): blocks per token row, QAB_OUT_RPW rows per warp.
 constexpr int QAB_OUT_RPW = 2;
 constexpr int OBLK = OP ? (H + (BLOCK / 32) * QAB_OUT_RPW - 1) / ((BLOCK / 32) * QAB_OUT_RPW) : 0;
+// The next-projection phase (NP): blocks per token row, 2 rows per warp.
+constexpr int PBLK = NP ? (PN + (BLOCK / 32) * QAB_OUT_RPW - 1) / ((BLOCK / 32) * QAB_OUT_RPW) : 0;
+// One staging buffer for both projection phases' input rows (DO or H values).
+constexpr int QAB_STAGE_NC = !(OP || NP) ? 1 : (OP && DO > H) ? DO / 32 : H / 32;
+__shared__ float4 gemv_stage[8 * QAB_STAGE_NC];
+__shared__ float gemv_stage_sum[QAB_STAGE_NC];
 constexpr int RBLK = (E + (BLOCK / 32) * RB - 1) / ((BLOCK / 32) * RB);
 constexpr int GBLK = (32 * ((K + 1) * I / GRPW + 1) + BLOCK - 1) / BLOCK;
 constexpr int DBLK = (32 * H / QAB_DOWN_RPW + BLOCK - 1) / BLOCK;
@@ -144,13 +168,14 @@ uint32_t* routed = c + CS;        // token rows routed
 uint32_t* gu_done = c + 2 * CS;   // gate/up items done
 uint32_t* exits = c + 3 * CS;     // blocks finished
 uint32_t* o_done = c + 4 * CS;    // out-projection items done (OP)
-uint32_t* route_counts = c + 5 * CS;  // per row: route blocks done (the route resets them)
+uint32_t* d_done = c + 5 * CS;    // down items done (NP)
+uint32_t* route_counts = c + 6 * CS;  // per row: route blocks done (the route resets them)
 const int tid = threadIdx.x;
 int rows = 1;
 for (int i = 0; i + 1 < x_ndim; ++i) {
   rows *= x_shape[i];
 }
-const int items = (OBLK + RBLK + GBLK + DBLK) * rows;
+const int items = (OBLK + RBLK + GBLK + DBLK + PBLK) * rows;
 // The mixer's output: an input, or with OP this launch's own out-projection
 // (written by its first items, read through L2 once they are all done).
 const T* rr = OP ? ro : r;
@@ -183,7 +208,7 @@ while (true) {
     const int o = tk - n * OBLK;
     qab_q4_gemv_rows<T, T, DO, OG, QAB_OUT_RPW>(
         o * (BLOCK / 32) * QAB_OUT_RPW, H, qab_row_load<false>(ox + (size_t)n * DO), ow, os, ob,
-        ro + (size_t)n * H);
+        ro + (size_t)n * H, gemv_stage, gemv_stage_sum);
     QAB_MARK(2);
     __syncthreads();
     if (tid == 0) {
@@ -255,7 +280,7 @@ while (true) {
       __threadfence();
       atomicAdd(gu_done, 1u);
     }
-  } else {
+  } else if (tk < (OBLK + RBLK + GBLK + DBLK) * rows) {
     const int d = tk - (OBLK + RBLK + GBLK) * rows;
     const int n = d / DBLK;
     const uint32_t gu_items = static_cast<uint32_t>(GBLK * rows);
@@ -282,6 +307,40 @@ while (true) {
           s_down_scales, s_down_biases, sg_logit, h, out, wait_gate_up);
     }
     QAB_MARK(2);
+    if constexpr (NP) {
+      __syncthreads();
+      if (tid == 0) {
+        __threadfence();
+        atomicAdd(d_done, 1u);
+      }
+    }
+  } else {
+    // Next-projection item: rows [p * 8 QAB_OUT_RPW, ...) of
+    // po[n] = rms_norm(out[n], pnw, peps) pw^T. Its weight loads go out
+    // first; then it waits for every down item and reads out[n] through L2.
+    const int q = tk - (OBLK + RBLK + GBLK + DBLK) * rows;
+    const int n = q / PBLK;
+    const int p = q - n * PBLK;
+    const T* orow = out + (size_t)n * H;
+    float inv = 0.f;
+    qab_q4_gemv_rows<T, T, H, PG, QAB_OUT_RPW>(
+        p * (BLOCK / 32) * QAB_OUT_RPW, PN,
+        [&](const int k) {
+          // quantized_gemv's NORM staging: T(nw * T(x * inv)).
+          const float nv = static_cast<float>(static_cast<T>(
+              static_cast<float>(qab_ldcg(orow + k)) * inv));
+          return static_cast<float>(static_cast<T>(static_cast<float>(pnw[k]) * nv));
+        },
+        pw, ps, pb, po + (size_t)n * PN, gemv_stage, gemv_stage_sum, [&]() {
+          if (tid == 0) {
+            qab_wait_count(d_done, static_cast<uint32_t>(DBLK * rows));
+          }
+          __syncthreads();
+          QAB_MARK(1);
+          inv = qab_q4_row_norm_inv<H>(
+              [&](const int k) { return static_cast<float>(qab_ldcg(orow + k)); }, peps[0]);
+        });
+    QAB_MARK(2);
   }
   if (!PERSIST) {
     break;
@@ -298,9 +357,13 @@ if (tid == 0) {
     *routed = 0u;
     *gu_done = 0u;
     *o_done = 0u;
+    *d_done = 0u;
     *exits = 0u;
     if (!OP) {
-      ro[0] = static_cast<T>(0.f);  // the one-element placeholder: written, never read
+      ro[0] = static_cast<T>(0.f);  // the one-element placeholders: written, never read
+    }
+    if (!NP) {
+      po[0] = static_cast<T>(0.f);
     }
   }
 }

@@ -209,8 +209,9 @@ def check_disable(names: Iterable[str]) -> frozenset[str]:
     """Validate a ``disable=`` argument as ``QAB_DISABLE`` is validated.
 
     Args:
-        names (Iterable[str]): module kinds (``moe``, ``gdn``, ``attn``,
-            ``all``) and/or optimization names (any case).
+        names (Iterable[str] | str): module kinds (``moe``, ``gdn``,
+            ``attn``, ``all``) and/or optimization names (any case), or one
+            comma-separated string of them (as ``QAB_DISABLE``).
 
     Returns:
         frozenset[str]: the lower-cased names, ``all`` expanded to every kind.
@@ -220,7 +221,7 @@ def check_disable(names: Iterable[str]) -> frozenset[str]:
             and the accepted ones.
     """
     if isinstance(names, str):
-        names = [names]
+        names = names.split(",")
     got = {str(n).strip().lower() for n in names if str(n).strip()}
     unknown = got - set(FUSABLE_KINDS) - set(OPTIMIZATIONS) - {"all"}
     if unknown:

@@ -175,7 +175,7 @@ def _resolve_adapter(config: dict):
 def load_model(model_path: Union[str, Path], backend: Optional[str] = None, *, lazy: bool = False,
                strict: bool = True, model_config: Optional[dict] = None,
                trust_remote_code: bool = False, use_fallback: bool = True,
-               disable: Optional[frozenset] = None):
+               disable: Optional[Union[frozenset, str]] = None):
     """Build and load a model from a local checkpoint directory.
 
     Args:
@@ -416,9 +416,10 @@ def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
             trust_remote_code: as in ``mlx_lm.load``.
         use_fallback (bool): keep a module stock when it cannot be fused (True), or
             raise ``FuseError`` naming the layer and reason (False). Default True.
-        disable (Iterable[str], optional): module kinds to keep stock (``moe``,
-            ``gdn``, ``attn``, ``all``) and/or optimizations to switch off (the
-            names ``QAB_DISABLE`` takes); default from ``QAB_DISABLE``.
+        disable (Iterable[str] | str, optional): module kinds to keep stock
+            (``moe``, ``gdn``, ``attn``, ``all``) and/or optimizations to
+            switch off (the names ``QAB_DISABLE`` takes), or one
+            comma-separated string of them; default from ``QAB_DISABLE``.
 
     Returns:
         ``(model, tokenizer)`` or ``(model, tokenizer, config)``; what was replaced
@@ -456,7 +457,8 @@ def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
     model, config, _ = load_model(model_path, backend, lazy=lazy, model_config=model_config,
                                   trust_remote_code=trust_remote_code,
                                   use_fallback=use_fallback,
-                                  disable=None if disable is None else frozenset(disable))
+                                  disable=(None if disable is None else disable
+                                           if isinstance(disable, str) else frozenset(disable)))
     from mlx_lm import utils as mlx_utils
 
     if adapter_path is not None:

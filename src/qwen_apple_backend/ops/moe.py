@@ -107,6 +107,8 @@ __all__ = [
     "DECODE_BLOCK_OPTIONS",
     "OutProjection",
     "out_projection_supported",
+    "NextProjection",
+    "next_projection_supported",
     "moe_combine_ops",
     "combine_kernel_ready",
 ]
@@ -1610,8 +1612,8 @@ DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": No
 
 def decode_block_counter_length(rows: int = FOLD_NORM_MAX_ROWS) -> int:
     """Elements of the counter a :func:`moe_decode_block` launch needs for ``rows`` token rows:
-    its five launch-wide counters ``CS`` elements apart, then one per row."""
-    return 5 * DECODE_BLOCK_OPTIONS["CS"] + rows
+    its six launch-wide counters ``CS`` elements apart, then one per row."""
+    return 6 * DECODE_BLOCK_OPTIONS["CS"] + rows
 
 
 #: Output rows per warp of moe_decode_block's out-projection items (the
@@ -1629,7 +1631,8 @@ class OutProjection(NamedTuple):
             the dtype of the block's activations.
         weights (ExpertWeights): the projection ``[H, DO]``, 4-bit affine
             (:func:`~qwen_apple_backend.layers.moe.linear_weights` of the
-            mixer's ``o_proj`` / ``out_proj``).
+            mixer's ``o_proj`` / ``out_proj``); the limits on its shape and
+            group size: :func:`out_projection_supported`.
     """
 
     x: mx.array
@@ -1643,8 +1646,19 @@ def out_projection_supported(x: mx.array, out_proj: OutProjection) -> bool:
     with scales and biases ``[H, DO / group_size]`` of ``x``'s dtype, no
     additive bias, ``DO % 1024 == 0``, ``group_size % 32 == 0``, and the
     projection's input ``[..., DO]`` with ``x``'s rows and dtype.
+
+    Args:
+        x (mx.array): the block's residual stream ``[..., H]``.
+        out_proj (OutProjection): the projection's input and weights
+            (``weights`` None, e.g. ``linear_weights`` of a LoRA wrapper:
+            not covered).
+
+    Returns:
+        bool: whether the ``OP`` build can run it.
     """
     w, px = out_proj.weights, out_proj.x
+    if w is None or px is None:
+        return False
     if (w.bits != 4 or w.mode != "affine" or w.biases is None or w.bias is not None
             or w.scales is None or not w.group_size or w.group_size % 32
             or w.weight.dtype != mx.uint32 or w.weight.ndim != 2 or px.ndim == 0):
@@ -1657,9 +1671,51 @@ def out_projection_supported(x: mx.array, out_proj: OutProjection) -> bool:
 
 
 def _out_proj_blocks(H: int) -> int:
-    """Out-projection blocks per token row of a moe_decode_block launch with OP."""
+    """Out-projection blocks per token row of a moe_decode_block launch with OP
+    (H output rows; also the next-projection blocks of NP for H = its rows)."""
     rows = (_GEMV_BLOCK // 32) * _OUT_PROJ_RPW
     return -(-H // rows)
+
+
+class NextProjection(NamedTuple):
+    """The NEXT decoder layer's input RMSNorm and 4-bit input projection, handed
+    to :func:`moe_decode_block` to run as its last phase
+    (``po = rms_norm(out, norm_weight, eps) @ dequantize(weights).T``; the
+    ``NP`` build).
+
+    Attributes:
+        norm_weight (mx.array): the next layer's input RMSNorm weight ``[H]``,
+            the dtype of the block's activations.
+        eps (float): that norm's epsilon.
+        weights (ExpertWeights): the next mixer's (concatenated) input
+            projection ``[PN, H]``, 4-bit affine.
+    """
+
+    norm_weight: mx.array
+    eps: float
+    weights: ExpertWeights
+
+
+def next_projection_supported(x: mx.array, next_proj: NextProjection) -> bool:
+    """Whether moe_decode_block's next-projection phase covers ``next_proj`` (no backend check).
+
+    4-bit affine weights ``[PN, H / 8]`` uint32 (``H`` = ``x.shape[-1]``, a
+    multiple of 1,024) with scales and biases ``[PN, H / group_size]`` of
+    ``x``'s dtype, no additive bias, ``group_size % 32 == 0``, ``PN >= 1``,
+    and a norm weight ``[H]`` of ``x``'s dtype.
+    """
+    w, H = next_proj.weights, x.shape[-1]
+    if w is None:
+        return False
+    if (w.bits != 4 or w.mode != "affine" or w.biases is None or w.bias is not None
+            or w.scales is None or not w.group_size or w.group_size % 32
+            or w.weight.dtype != mx.uint32 or w.weight.ndim != 2 or H % 1024):
+        return False
+    PN = w.weight.shape[0]
+    return (PN >= 1 and w.weight.shape == (PN, H // 8) and H % w.group_size == 0
+            and w.scales.shape == (PN, H // w.group_size) and w.biases.shape == w.scales.shape
+            and w.scales.dtype == x.dtype and w.biases.dtype == x.dtype
+            and next_proj.norm_weight.shape == (H,) and next_proj.norm_weight.dtype == x.dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1668,11 +1724,12 @@ def _decode_block_object(backend: str):
 
 
 def _decode_block_build(stage: Optional[bool] = None, early: Optional[bool] = None,
-                        prefetch: bool = False, out_proj: bool = False) -> dict:
+                        prefetch: bool = False, out_proj: bool = False,
+                        next_proj: bool = False) -> dict:
     """The build a :func:`moe_decode_block` call runs: ``DECODE_BLOCK_OPTIONS``
     with ``stage`` (STAGE) and ``early`` (EARLY) put in where given, PF
-    (the L2 prefetch of the arrays given, which needs EARLY) and OP (the
-    out-projection phase) set."""
+    (the L2 prefetch of the arrays given, which needs EARLY), OP (the
+    out-projection phase) and NP (the next-projection phase) set."""
     opts = dict(DECODE_BLOCK_OPTIONS)
     if stage is not None:
         opts["STAGE"] = bool(stage)
@@ -1680,6 +1737,7 @@ def _decode_block_build(stage: Optional[bool] = None, early: Optional[bool] = No
         opts["EARLY"] = bool(early)
     opts["PF"] = bool(prefetch and opts["EARLY"])
     opts["OP"] = bool(out_proj)
+    opts["NP"] = bool(next_proj)
     return opts
 
 
@@ -1696,30 +1754,31 @@ def _decode_block_phase_blocks(E: int, H: int, I: int, K: int,
 
 
 def _decode_block_launch(E: int, H: int, I: int, K: int, grpw: Optional[int] = None,
-                         out_proj: bool = False) -> tuple[int, int, int]:
+                         out_proj: bool = False, next_rows: int = 0) -> tuple[int, int, int]:
     """``(BLOCK, RB, blocks per token row)`` of a moe_decode_block launch: with
     ``out_proj`` the out-projection's, then the route's, the fold's gate/up and
-    the fold's down blocks, one after the other."""
+    the fold's down blocks, one after the other, then with ``next_rows`` (the
+    next projection's rows) the next-projection's."""
     block, rb, _ = _add_norm_route_launch(E)
     # The kernel derives every phase's block count from its one BLOCK.
     if block != _GEMV_BLOCK:
         raise RuntimeError(f"moe_decode_block needs the route's and the fold's threadgroups "
                            f"equal, got {block} and {_GEMV_BLOCK}")
     return block, rb, (sum(_decode_block_phase_blocks(E, H, I, K, grpw))
-                       + (_out_proj_blocks(H) if out_proj else 0))
+                       + (_out_proj_blocks(H) if out_proj else 0)
+                       + (_out_proj_blocks(next_rows) if next_rows else 0))
 
 
-def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: mx.array,
+def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
+                           norm_weight: mx.array,
                            eps: float, gate: "ExpertWeights", top_k: int, norm_topk_prob: bool,
                            gate_up: ExpertWeights, down: ExpertWeights,
                            shared: SharedExpertWeights, counter: mx.array,
                            stage: Optional[bool] = None,
                            early: Optional[bool] = None,
                            prefetch: Sequence[mx.array] = (),
-                           out_proj: Optional[OutProjection] = None) -> mx.array:
-    obj = _decode_block_object(backend)
-    if obj is None:
-        raise RuntimeError(f"no moe_decode_block source or MLX API for {backend}")
+                           out_proj: Optional[OutProjection] = None,
+                           next_proj: Optional[NextProjection] = None):
     H = x.shape[-1]
     N = x.size // H
     if decode_block_counter_length(N) > counter.size:
@@ -1732,22 +1791,36 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
                 f"out_proj: {w.bits}-bit {w.mode} weight {w.weight.shape} (group size "
                 f"{w.group_size}) over input {out_proj.x.shape} {out_proj.x.dtype} is not a 4-bit "
                 f"affine [{H}, DO / 8] projection with DO % 1024 == 0 for x {x.shape} {x.dtype}")
+        if r is not None:
+            raise ValueError("r must be None with out_proj (the launch computes it), got an "
+                             f"array {r.shape} {r.dtype}")
         r = x  # not read: the launch computes r itself
-    elif r is None or r.shape != x.shape or r.dtype != x.dtype:
+    if next_proj is not None and not next_projection_supported(x, next_proj):
+        w = next_proj.weights
+        raise ValueError(
+            f"next_proj: {w.bits}-bit {w.mode} weight {w.weight.shape} (group size "
+            f"{w.group_size}) with norm weight {next_proj.norm_weight.shape} is not a 4-bit "
+            f"affine [PN, {H} / 8] projection for x {x.shape} {x.dtype} (H % 1024 == 0)")
+    if out_proj is None and (r is None or r.shape != x.shape or r.dtype != x.dtype):
         raise ValueError(f"r {None if r is None else (r.shape, r.dtype)} must have x's shape "
                          f"{x.shape} and dtype {x.dtype}")
     E, K = gate.weight.shape[0], int(top_k)
     I = gate_up.weight.shape[1] // 2
+    obj = _decode_block_object(backend)
+    if obj is None:
+        raise RuntimeError(f"no moe_decode_block source or MLX API for {backend}")
     if len(prefetch) > 3:
         raise ValueError(f"moe_decode_block prefetches at most 3 arrays, got {len(prefetch)}")
-    opts = _decode_block_build(stage, early, bool(prefetch), out_proj is not None)
+    opts = _decode_block_build(stage, early, bool(prefetch), out_proj is not None,
+                               next_proj is not None)
     if int(opts["CS"]) < 1 or (opts["GRID"] is not None and int(opts["GRID"]) < 1):
         raise ValueError(f"DECODE_BLOCK_OPTIONS: CS must be >= 1 and GRID None or >= 1, got "
                          f"CS={opts['CS']!r}, GRID={opts['GRID']!r}")
     if int(opts["GRPW"]) not in (1, 2, 4) or I % int(opts["GRPW"]):
         raise ValueError(f"DECODE_BLOCK_OPTIONS: GRPW must be 1, 2 or 4 and divide the "
                          f"experts' intermediate size {I}, got GRPW={opts['GRPW']!r}")
-    block, rb, blocks = _decode_block_launch(E, H, I, K, int(opts["GRPW"]), opts["OP"])
+    PN = next_proj.weights.weight.shape[0] if next_proj is not None else 0
+    block, rb, blocks = _decode_block_launch(E, H, I, K, int(opts["GRPW"]), opts["OP"], PN)
     grid_blocks = blocks * N
     if opts["PERSIST"] and opts["GRID"]:
         grid_blocks = min(grid_blocks, int(opts["GRID"]))
@@ -1761,12 +1834,20 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
         # Not read; of the dtypes an OP build reads (MLX caches a CUDA kernel
         # by its template arguments, which include OP).
         op_inputs, DO, OG = [x, counter, x, x], 1024, 32
+    if next_proj is not None:
+        pw = next_proj.weights
+        np_inputs = [next_proj.norm_weight, f32_scalar(float(next_proj.eps)), pw.weight,
+                     pw.scales, pw.biases]
+        PG = int(pw.group_size)
+    else:
+        # Not read; of the dtypes an NP build reads (see op_inputs).
+        np_inputs, PG = [x, f32_scalar(0.0), counter, x, x], 32
     outs = obj(
         inputs=[x, r, norm_weight, f32_scalar(float(eps)), gate.weight, gate.scales, gate.biases,
                 gate_up.weight, gate_up.scales, gate_up.biases, sg.weight, sg.scales, sg.biases,
                 su.weight, su.scales, su.biases, sgate.weight, sgate.scales, sgate.biases,
                 down.weight, down.scales, down.biases, sd.weight, sd.scales, sd.biases, counter,
-                *(list(prefetch) + [counter] * (3 - len(prefetch))), *op_inputs],
+                *(list(prefetch) + [counter] * (3 - len(prefetch))), *op_inputs, *np_inputs],
         template=[("T", x.dtype), ("H", H), ("E", E), ("K", K), ("I", I),
                   ("G", int(gate_up.group_size)), ("RG", int(gate.group_size)),
                   ("SGB", int(sgate.bits)), ("SGG", int(sgate.group_size)),
@@ -1775,14 +1856,16 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: mx.array, norm_weight: 
                   ("PREFETCH", bool(opts["PREFETCH"])),
                   ("STAGE", bool(opts["STAGE"])), ("GRPW", int(opts["GRPW"])),
                   ("EARLY", bool(opts["EARLY"])), ("PF", bool(opts["PF"])),
-                  ("OP", bool(opts["OP"])), ("DO", int(DO)), ("OG", OG)],
+                  ("OP", bool(opts["OP"])), ("DO", int(DO)), ("OG", OG),
+                  ("NP", bool(opts["NP"])), ("PN", max(int(PN), 1)), ("PG", PG)],
         grid=(block * grid_blocks, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[x.shape, x.shape, x.shape, (*lead, E), (*lead, K), (*lead, K),
                        (N, K + 1, I), (unpooled_length(N, mx.float32),),
-                       (N, H) if out_proj is not None else (1,)],
+                       (N, H) if out_proj is not None else (1,),
+                       (*lead, PN) if next_proj is not None else (1,)],
         output_dtypes=[x.dtype, x.dtype, x.dtype, x.dtype, mx.uint32, x.dtype, x.dtype,
-                       mx.float32, x.dtype])
-    return outs[0]
+                       mx.float32, x.dtype, x.dtype])
+    return (outs[0], outs[-1]) if next_proj is not None else outs[0]
 
 
 def decode_block_supported(x: mx.array, norm_weight: mx.array, gate: Optional["ExpertWeights"],
@@ -1807,7 +1890,8 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
                        shared: SharedExpertWeights,
                        stage: Optional[bool] = None,
                        early: Optional[bool] = None, prefetch: bool = False,
-                       out_proj: Optional[OutProjection] = None) -> Optional[str]:
+                       out_proj: Optional[OutProjection] = None,
+                       next_proj: Optional[NextProjection] = None) -> Optional[str]:
     """The GPU backend whose one-launch MoE decode block may run this call, or None.
 
     ``kernels/cuda/moe_decode_block``: :func:`add_norm_route` and the
@@ -1848,6 +1932,12 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
             :func:`out_projection_supported` and that kernel. Only the shapes,
             dtypes and weights of ``out_proj`` matter (its ``x`` may be a
             stand-in).
+        next_proj (NextProjection | None): the build that also runs the next
+            layer's input RMSNorm and input projection as its last phase
+            (``NP``), checked on its own against the three launches followed
+            by :func:`~qwen_apple_backend.ops.linear.norm_gemv_kernel` (the
+            same arithmetic): both outputs bit for bit; it needs
+            :func:`next_projection_supported` and that kernel.
 
     Returns:
         Optional[str]: ``"cuda"``, or None (not CUDA, kernels disabled,
@@ -1870,13 +1960,17 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
     H, dtype, E, K = x.shape[-1], x.dtype, gate.weight.shape[0], int(top_k)
     norm = bool(norm_topk_prob)
     ow = None
-    if out_proj is not None:
-        from .linear import _gemv_object, quantized_gemv_kernel
+    from .linear import _gemv_object, norm_gemv_kernel, quantized_gemv_kernel
 
-        if not out_projection_supported(x, out_proj) or _gemv_object("cuda") is None:
+    if (out_proj is not None or next_proj is not None) and _gemv_object("cuda") is None:
+        return None
+    if out_proj is not None:
+        if not out_projection_supported(x, out_proj):
             return None
         ow = out_proj.weights
-    build = _decode_block_build(stage, early, prefetch, ow is not None)
+    if next_proj is not None and not next_projection_supported(x, next_proj):
+        return None
+    build = _decode_block_build(stage, early, prefetch, ow is not None, next_proj is not None)
     # The prefetch build's check prefetches arrays of three dtypes.
     pf = (gate_up.weight, gate_up.scales, norm_weight) if build["PF"] else ()
 
@@ -1890,14 +1984,21 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
     def kernel(xs, rs, ws):
         counter = fold_norm_counter(decode_block_counter_length())
         op = None if ow is None else OutProjection(rs, ow)
-        return [_moe_decode_block_call("cuda", xs, None if op else rs, ws, eps, gate, K, norm,
-                                       gate_up, down, shared, counter, stage, early, pf, op)]
+        out = _moe_decode_block_call("cuda", xs, None if op else rs, ws, eps, gate, K, norm,
+                                     gate_up, down, shared, counter, stage, early, pf, op,
+                                     next_proj)
+        return list(out) if next_proj is not None else [out]
 
     def reference(xs, rs, ws):
         h, y, _, inds, scores = _add_norm_route_call("cuda", xs, r_of(rs), ws, eps, gate, K,
                                                      norm, fold_norm_counter())
-        return [_moe_shared_decode_kernel_call("cuda", y, inds, scores, gate_up, down, shared,
-                                               residual=h)]
+        out = _moe_shared_decode_kernel_call("cuda", y, inds, scores, gate_up, down, shared,
+                                             residual=h)
+        if next_proj is None:
+            return [out]
+        pw = next_proj.weights
+        return [out, norm_gemv_kernel(out, next_proj.norm_weight, next_proj.eps, pw.weight,
+                                      pw.scales, pw.biases, int(pw.group_size), pipe=False)]
 
     # The same per-block code as the three launches (and, with OP, the same
     # GEMV arithmetic as quantized_gemv): bit-identical.
@@ -1905,7 +2006,10 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
            tuple(gate_up.weight.shape), gate_up.group_size, down.group_size,
            shared.gate.bits, shared.gate.group_size,
            tuple(sorted(build.items())),
-           None if ow is None else (tuple(ow.weight.shape), int(ow.group_size)))
+           None if ow is None else (tuple(ow.weight.shape), int(ow.group_size)),
+           None if next_proj is None else (tuple(next_proj.weights.weight.shape),
+                                           int(next_proj.weights.group_size),
+                                           float(next_proj.eps)))
     make = _add_norm_route_check_inputs(H, dtype)
     if ow is not None:
         make = _out_proj_check_inputs(make, ow.weight.shape[1] * 8, dtype)
@@ -1923,13 +2027,14 @@ def _out_proj_check_inputs(make, DO: int, dtype: mx.Dtype):
     return make_op
 
 
-def moe_decode_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float,
+def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, eps: float,
                      gate: "ExpertWeights", top_k: int, norm_topk_prob: bool,
                      gate_up: ExpertWeights, down: ExpertWeights, shared: SharedExpertWeights,
                      backend: str, counter: Optional[mx.array] = None,
                      stage: Optional[bool] = None, early: Optional[bool] = None,
                      prefetch: Sequence[mx.array] = (),
-                     out_proj: Optional[OutProjection] = None) -> mx.array:
+                     out_proj: Optional[OutProjection] = None,
+                     next_proj: Optional[NextProjection] = None):
     """A decode token's MoE layer half in one launch: ``h + moe(rms_norm(h))``, ``h = x + r``.
 
     One launch of ``kernels/cuda/moe_decode_block``: the residual add, the
@@ -1970,35 +2075,48 @@ def moe_decode_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float
             and wait for the route only for routed rows (the ``EARLY`` build,
             same output); None: ``DECODE_BLOCK_OPTIONS["EARLY"]``. Check it
             with the same ``early`` in :func:`decode_block_ready`.
-        out_proj (OutProjection | None): compute ``r`` in the launch, as its
-            first phase: ``r = out_proj.x @ dequantize(out_proj.weights).T``
-            (the mixer's 4-bit output projection, ``o_proj`` / ``out_proj``,
-            with the arithmetic of this package's GEMV kernel: one launch less
-            per decoder layer; the ``OP`` build). Check it with the same
-            ``out_proj`` in :func:`decode_block_ready`.
         prefetch (Sequence[mx.array]): up to 3 arrays (any shapes and dtypes:
             the next decoder layer's input projection weight, scales, biases)
             that the gate/up items which wait for nothing ask the L2 to fetch
             while the route runs (the ``PF`` build, with ``early`` only; same
             output). Check it with ``prefetch=True`` in
             :func:`decode_block_ready`.
+        out_proj (OutProjection | None): compute ``r`` in the launch, as its
+            first phase: ``r = out_proj.x @ dequantize(out_proj.weights).T``
+            (the mixer's 4-bit output projection, ``o_proj`` / ``out_proj``,
+            with the arithmetic of this package's GEMV kernel: one launch less
+            per decoder layer; the ``OP`` build). Check it with the same
+            ``out_proj`` in :func:`decode_block_ready`.
+        next_proj (NextProjection | None): also compute, as the launch's last
+            phase, the next decoder layer's normed and projected input
+            ``po = rms_norm(out, next_proj.norm_weight, next_proj.eps) @
+            dequantize(next_proj.weights).T`` (that layer's input norm and
+            concatenated input projection, with the arithmetic of this
+            package's GEMV kernel's norm build; the ``NP`` build); its blocks
+            issue their weight loads before they wait for the down items.
+            Check it with the same ``next_proj`` in :func:`decode_block_ready`.
+            (The fused models do not pass it yet: the next layer's mixer
+            cannot take a precomputed projection so far.)
 
     Returns:
-        mx.array: the layer's output, ``x``'s shape and dtype.
+        mx.array | tuple[mx.array, mx.array]: the layer's output, ``x``'s
+        shape and dtype; with ``next_proj`` ``(out, po)``, ``po`` of shape
+        ``[..., PN]``.
 
     Raises:
         RuntimeError: with no kernel for ``backend`` (no source or MLX API,
             or unverified without ``QAB_UNVERIFIED_KERNELS=1``).
         ValueError: for ``r`` of another shape or dtype than ``x`` (or
-            None without ``out_proj``), an ``out_proj`` outside
-            :func:`out_projection_supported`, more token rows than
+            None without ``out_proj``, or given with it), an ``out_proj`` outside
+            :func:`out_projection_supported`, a ``next_proj`` outside
+            :func:`next_projection_supported`, more token rows than
             ``counter`` covers, or more than 3 ``prefetch`` arrays.
     """
     if counter is None:
         counter = fold_norm_counter(decode_block_counter_length())
     return _moe_decode_block_call(backend, x, r, norm_weight, eps, gate, top_k, norm_topk_prob,
                                   gate_up, down, shared, counter, stage, early, tuple(prefetch),
-                                  out_proj)
+                                  out_proj, next_proj)
 
 
 # Tile heights of the grouped GEMM kernel (kernels/{cuda,metal}/moe_grouped_gemm):
