@@ -643,6 +643,29 @@ def test_moe_decode_block_out_proj_is_the_gemv_then_the_block(shape, dtype, rg, 
     assert mx.array_equal(public, out).item()
 
 
+@pytest.mark.parametrize("pn,op", [(12352, True), (9216, True), (80, False)],
+                         ids=["gdn-in-proj-op", "attn-qkv-op", "odd-rows"])
+@pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_CASES[:2],
+                         ids=lambda v: str(v).replace("mlx.core.", "").replace(" ", ""))
+def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv(shape, dtype, rg, norm, pn,
+                                                                    op):
+    # NP: the next layer's input RMSNorm + 4-bit input projection (Qwen3.6's
+    # Gated DeltaNet in_proj rows, attention's q/k/v rows, an odd count) as
+    # the launch's last phase, with and without OP: the block's output
+    # unchanged and the projection bit-identical to quantized_gemv's norm
+    # build, five launches in a row on one serial counter.
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    backend = gd.gpu_backend()
+    case = _block_case(shape, dtype, rg)
+    nxt = _next_proj_case(case, pn)
+    oproj = _out_proj_case(case, 2 * shape[2]) if op else None
+    counter = moe_ops.serial_counter(moe_ops.decode_block_counter_length())
+    for i in range(5):
+        _assert_next_proj_block_is_block_then_norm_gemv(backend, case, shape[4], norm, counter,
+                                                        nxt, oproj, f"launch {i}")
+
+
 @pytest.mark.parametrize("options", [{"CS": 1, "PREFETCH": False}, {"PREFETCH": False},
                                      {"PERSIST": True, "GRID": 132},
                                      {"CS": 1, "PERSIST": True, "PREFETCH": False, "GRID": 264},
