@@ -269,7 +269,10 @@ def test_fused_moe_block_may_take_the_mixer_output(on_cpu, monkeypatch):
     # The add-norm layer first offers x, r, its post-attention norm and the
     # NEXT layer's input norm to the fused MoE block (add_norm_forward: the
     # fused route on CUDA); it returns what the block returns, and runs its own
-    # path when the block says None (always on the CPU).
+    # path when the block says None (always on the CPU). The fused mixers hand
+    # r before their output projection (moe-block-out-proj), which projects
+    # to x's shape.
+    from qwen_apple_backend.layers.linear import DeferredProjection
     from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
 
     seen = []
@@ -277,7 +280,9 @@ def test_fused_moe_block_may_take_the_mixer_output(on_cpu, monkeypatch):
 
     def spy(self, x, r, norm, next_norm=None):
         out = real(self, x, r, norm, next_norm)
-        seen.append((x.shape == r.shape, type(norm) is nn.RMSNorm, next_norm, out is None))
+        assert isinstance(r, DeferredProjection)
+        seen.append((x.shape == r.apply().shape, type(norm) is nn.RMSNorm, next_norm,
+                     out is None))
         return out
 
     monkeypatch.setattr(FusedSparseMoeBlock, "add_norm_forward", spy)
