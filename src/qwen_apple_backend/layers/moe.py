@@ -847,12 +847,11 @@ class FusedSparseMoeBlock(nn.Module):
         if next_norm is not None and type(next_norm) is not nn.RMSNorm:
             next_norm = None
         op = None
-        if isinstance(r, DeferredProjection):
-            ow = linear_weights(r.proj) if self.out_proj_phase and self.one_launch else None
-            if ow is not None and ow.bits == 4:
-                op = OutProjection(r.x, ow)
-                if not out_projection_supported(x, op):
-                    op = None
+        if isinstance(r, DeferredProjection) and self.out_proj_phase and self.one_launch:
+            # (linear_weights gives None for a module that is not a plain linear.)
+            op = OutProjection(r.x, linear_weights(r.proj))
+            if not out_projection_supported(x, op):
+                op = None
         choice = self._kernel_choice(x, True, norm, next_norm, op) if op is not None else None
         if choice is None or choice[4] is None:
             # No one-launch block with the projection in it: project first.

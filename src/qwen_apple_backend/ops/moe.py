@@ -1656,25 +1656,33 @@ def out_projection_supported(x: mx.array, out_proj: OutProjection) -> bool:
     Returns:
         bool: whether the ``OP`` build can run it.
     """
-    w, px = out_proj.weights, out_proj.x
-    if w is None or px is None:
-        return False
-    if (w.bits != 4 or w.mode != "affine" or w.biases is None or w.bias is not None
-            or w.scales is None or not w.group_size or w.group_size % 32
-            or w.weight.dtype != mx.uint32 or w.weight.ndim != 2 or px.ndim == 0):
+    px = out_proj.x
+    if px is None or px.ndim == 0:
         return False
     H, DO = x.shape[-1], px.shape[-1]
-    return (w.weight.shape == (H, DO // 8) and DO % 1024 == 0 and DO % w.group_size == 0
-            and w.scales.shape == (H, DO // w.group_size) and w.biases.shape == w.scales.shape
-            and w.scales.dtype == x.dtype and w.biases.dtype == x.dtype
-            and px.dtype == x.dtype and px.size // DO == x.size // H)
+    return (DO % 1024 == 0 and px.dtype == x.dtype and px.size // DO == x.size // H
+            and _q4_affine_matrix(out_proj.weights, H, DO, x.dtype))
 
 
-def _out_proj_blocks(H: int) -> int:
-    """Out-projection blocks per token row of a moe_decode_block launch with OP
-    (H output rows; also the next-projection blocks of NP for H = its rows)."""
-    rows = (_GEMV_BLOCK // 32) * _OUT_PROJ_RPW
-    return -(-H // rows)
+def _q4_affine_matrix(w: Optional[ExpertWeights], rows: int, cols: int, dtype: mx.Dtype) -> bool:
+    """Whether ``w`` is a 4-bit affine ``[rows, cols]`` matrix as the block's
+    projection phases read it: packed ``[rows, cols / 8]`` uint32, scales and
+    biases ``[rows, cols / group_size]`` of ``dtype``, ``group_size % 32 ==
+    0``, no additive bias."""
+    return (w is not None and w.bits == 4 and w.mode == "affine" and w.biases is not None
+            and w.bias is None and w.scales is not None and bool(w.group_size)
+            and w.group_size % 32 == 0 and cols % w.group_size == 0
+            and w.weight.dtype == mx.uint32 and w.weight.shape == (rows, cols // 8)
+            and w.scales.shape == (rows, cols // w.group_size)
+            and w.biases.shape == w.scales.shape
+            and w.scales.dtype == dtype and w.biases.dtype == dtype)
+
+
+def _proj_phase_blocks(rows: int) -> int:
+    """Blocks per token row of a moe_decode_block projection phase with
+    ``rows`` output rows (OP: H; NP: the next projection's rows)."""
+    per_block = (_GEMV_BLOCK // 32) * _OUT_PROJ_RPW
+    return -(-rows // per_block)
 
 
 class NextProjection(NamedTuple):
@@ -1705,16 +1713,10 @@ def next_projection_supported(x: mx.array, next_proj: NextProjection) -> bool:
     and a norm weight ``[H]`` of ``x``'s dtype.
     """
     w, H = next_proj.weights, x.shape[-1]
-    if w is None:
-        return False
-    if (w.bits != 4 or w.mode != "affine" or w.biases is None or w.bias is not None
-            or w.scales is None or not w.group_size or w.group_size % 32
-            or w.weight.dtype != mx.uint32 or w.weight.ndim != 2 or H % 1024):
+    if w is None or w.weight.ndim != 2 or H % 1024:
         return False
     PN = w.weight.shape[0]
-    return (PN >= 1 and w.weight.shape == (PN, H // 8) and H % w.group_size == 0
-            and w.scales.shape == (PN, H // w.group_size) and w.biases.shape == w.scales.shape
-            and w.scales.dtype == x.dtype and w.biases.dtype == x.dtype
+    return (PN >= 1 and _q4_affine_matrix(w, PN, H, x.dtype)
             and next_proj.norm_weight.shape == (H,) and next_proj.norm_weight.dtype == x.dtype)
 
 
@@ -1765,8 +1767,8 @@ def _decode_block_launch(E: int, H: int, I: int, K: int, grpw: Optional[int] = N
         raise RuntimeError(f"moe_decode_block needs the route's and the fold's threadgroups "
                            f"equal, got {block} and {_GEMV_BLOCK}")
     return block, rb, (sum(_decode_block_phase_blocks(E, H, I, K, grpw))
-                       + (_out_proj_blocks(H) if out_proj else 0)
-                       + (_out_proj_blocks(next_rows) if next_rows else 0))
+                       + (_proj_phase_blocks(H) if out_proj else 0)
+                       + (_proj_phase_blocks(next_rows) if next_rows else 0))
 
 
 def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
@@ -1941,8 +1943,9 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
 
     Returns:
         Optional[str]: ``"cuda"``, or None (not CUDA, kernels disabled,
-        outside :func:`decode_block_supported` or
-        :func:`out_projection_supported`, a part not ready, the kernel
+        outside :func:`decode_block_supported`,
+        :func:`out_projection_supported` or :func:`next_projection_supported`,
+        a part not ready, the kernel
         unverified without ``QAB_UNVERIFIED_KERNELS``, or a failed self-check,
         which also warns).
     """
@@ -1959,11 +1962,11 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
         return None
     H, dtype, E, K = x.shape[-1], x.dtype, gate.weight.shape[0], int(top_k)
     norm = bool(norm_topk_prob)
-    ow = None
     from .linear import _gemv_object, norm_gemv_kernel, quantized_gemv_kernel
 
     if (out_proj is not None or next_proj is not None) and _gemv_object("cuda") is None:
         return None
+    ow = None
     if out_proj is not None:
         if not out_projection_supported(x, out_proj):
             return None
