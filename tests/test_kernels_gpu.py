@@ -386,6 +386,16 @@ def _out_proj_case(case, DO, seed=7, group_size=64):
     return OutProjection(ox, ExpertWeights(q, s, b, group_size=group_size, bits=4))
 
 
+def _row_by_row(gemv, x, *args, **kwargs):
+    """``gemv`` (this package's GEMV kernels) on each token row of ``x`` alone,
+    concatenated: their contract holds at most GEMV_MAX_ROWS rows whose float
+    copy fits 32 KB, fewer than 3 rows of 4,096; the per-row arithmetic does not
+    depend on the row count."""
+    rows = x.reshape(-1, 1, x.shape[-1])
+    out = mx.concatenate([gemv(rows[i], *args, **kwargs) for i in range(rows.shape[0])])
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 def _assert_out_proj_block_is_gemv_then_block(backend, case, K, norm, counter, out_proj,
                                               where=""):
     """moe_decode_block with its out-projection phase (OP) equals this package's
@@ -396,8 +406,8 @@ def _assert_out_proj_block_is_gemv_then_block(backend, case, K, norm, counter, o
 
     x, _, w, gate, gu, dn, sw = case
     ow = out_proj.weights
-    r = lin_ops.quantized_gemv_kernel(out_proj.x, ow.weight, ow.scales, ow.biases,
-                                      ow.group_size, pipe=False)
+    r = _row_by_row(lin_ops.quantized_gemv_kernel, out_proj.x, ow.weight, ow.scales,
+                    ow.biases, ow.group_size, pipe=False)
     ref = moe_ops._moe_decode_block_call(backend, x, r, w, 1e-6, gate, K, norm, gu, dn, sw,
                                          counter)
     out = moe_ops._moe_decode_block_call(backend, x, None, w, 1e-6, gate, K, norm, gu, dn, sw,
@@ -437,8 +447,8 @@ def _assert_next_proj_block_is_block_then_norm_gemv(backend, case, K, norm, coun
     ref = moe_ops._moe_decode_block_call(backend, x, r_in, w, 1e-6, gate, K, norm, gu, dn, sw,
                                          counter, out_proj=out_proj)
     pw = next_proj.weights
-    ref_po = lin_ops.norm_gemv_kernel(ref, next_proj.norm_weight, next_proj.eps, pw.weight,
-                                      pw.scales, pw.biases, pw.group_size, pipe=False)
+    ref_po = _row_by_row(lin_ops.norm_gemv_kernel, ref, next_proj.norm_weight, next_proj.eps,
+                         pw.weight, pw.scales, pw.biases, pw.group_size, pipe=False)
     out, po = moe_ops._moe_decode_block_call(backend, x, r_in, w, 1e-6, gate, K, norm, gu, dn,
                                              sw, counter, out_proj=out_proj,
                                              next_proj=next_proj)

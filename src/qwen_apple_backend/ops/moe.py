@@ -1979,10 +1979,15 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
 
     def r_of(rs):
         # With OP the check's second input is the projection's input.
+        # One row per GEMV launch: quantized_gemv's contract holds up to
+        # GEMV_MAX_ROWS rows of 32 KB of input, less than the check's rows;
+        # its per-row arithmetic does not depend on the row count.
         if ow is None:
             return rs
-        return quantized_gemv_kernel(rs, ow.weight, ow.scales, ow.biases, int(ow.group_size),
-                                     pipe=False)
+        return mx.concatenate([
+            quantized_gemv_kernel(rs[i:i + 1], ow.weight, ow.scales, ow.biases,
+                                  int(ow.group_size), pipe=False)
+            for i in range(rs.shape[0])])
 
     def kernel(xs, rs, ws):
         counter = fold_norm_counter(decode_block_counter_length())
@@ -2000,8 +2005,10 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
         if next_proj is None:
             return [out]
         pw = next_proj.weights
-        return [out, norm_gemv_kernel(out, next_proj.norm_weight, next_proj.eps, pw.weight,
-                                      pw.scales, pw.biases, int(pw.group_size), pipe=False)]
+        return [out, mx.concatenate([  # one row per launch, as r_of
+            norm_gemv_kernel(out[i:i + 1], next_proj.norm_weight, next_proj.eps, pw.weight,
+                             pw.scales, pw.biases, int(pw.group_size), pipe=False)
+            for i in range(out.shape[0])])]
 
     # The same per-block code as the three launches (and, with OP, the same
     # GEMV arithmetic as quantized_gemv): bit-identical.
