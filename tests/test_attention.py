@@ -240,14 +240,16 @@ def test_text_mrope_reduces_to_plain_partial_rope():
 
 def test_signature_parameters_and_attributes_equal_stock():
     stock, fused = make_pair()
-    # Stock's parameters in order, then only input_norm=None (norm-proj) and
-    # defer_out_proj=False (moe-block-out-proj).
+    # Stock's parameters in order, then only input_norm=None (norm-proj),
+    # defer_out_proj=False (moe-block-out-proj) and projected=None
+    # (moe-block-next-proj).
     assert list(inspect.signature(FusedGQAAttention.__call__).parameters) == list(
         inspect.signature(Qwen3NextAttention.__call__).parameters
-    ) + ["input_norm", "defer_out_proj"]
+    ) + ["input_norm", "defer_out_proj", "projected"]
     assert inspect.signature(FusedGQAAttention.__call__).parameters["input_norm"].default is None
     assert inspect.signature(FusedGQAAttention.__call__).parameters[
         "defer_out_proj"].default is False
+    assert inspect.signature(FusedGQAAttention.__call__).parameters["projected"].default is None
     assert inspect.signature(FusedGQAAttention.__call__).parameters["mask"].default is None
     sk = dict(tree_flatten(stock.parameters()))
     fk = dict(tree_flatten(fused.parameters()))

@@ -301,7 +301,7 @@ def test_bad_boolean_and_list_variables_name_themselves(monkeypatch):
                                           r"moe-kernel, moe-route, moe-block, attn-blocks, attn-split, attn-kernel, qk-prep, decode-compile, "
                                           r"proj-concat, gemv-kernel, proj-gemv, add-norm, norm-proj, next-norm, kv-in-place, "
                                           r"moe-block-stage, gemv-pipe, attn-lanes, moe-block-early, "
-                                          r"l2-prefetch, moe-block-out-proj\)$"):
+                                          r"l2-prefetch, moe-block-out-proj, moe-block-next-proj\)$"):
         envs.validate()
     monkeypatch.setenv("QAB_DISABLE", "all")
     assert envs.disabled_kinds() == frozenset({"moe", "gdn", "attn"})
@@ -361,7 +361,7 @@ def test_disable_argument_is_checked_like_the_variable():
     # QAB_* variables are checked before any model is built, as qab's commands do.
     ("decode_split.py", ["--preset", "tiny", "QAB_ENABLE=bogus"],
      "QAB_ENABLE: unknown optimization 'bogus' (known: decode-compile, next-norm, proj-gemv, "
-     "gemv-pipe, attn-lanes, l2-prefetch)"),
+     "gemv-pipe, attn-lanes, l2-prefetch, moe-block-next-proj)"),
     ("profile_attention_decode.py", ["QAB_DISABLE=warp"], "QAB_DISABLE: unknown optimization"),
 ])
 def test_benchmark_scripts_reject_bad_arguments_in_one_line(script, args, message, tmp_path):

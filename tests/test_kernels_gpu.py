@@ -708,14 +708,17 @@ def test_moe_decode_block_build_options_are_the_three_launches(shape, dtype, rg,
         assert not mx.any(counter).item(), counter.tolist()
 
 
-@pytest.mark.parametrize("stage,early,l2,op", [(False, False, False, False),
-                                                (True, False, False, False),
-                                                (True, True, False, False),
-                                                (True, True, True, False),
-                                                (True, True, False, True)],
-                         ids=["no-stage", "stage", "stage-early", "stage-early-l2", "out-proj"])
+@pytest.mark.parametrize("stage,early,l2,op,np_", [(False, False, False, False, False),
+                                                    (True, False, False, False, False),
+                                                    (True, True, False, False, False),
+                                                    (True, True, True, False, False),
+                                                    (True, True, False, True, False),
+                                                    (True, True, False, True, True)],
+                         ids=["no-stage", "stage", "stage-early", "stage-early-l2", "out-proj",
+                              "next-proj"])
 def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(stage, early, l2,
-                                                                              op, monkeypatch):
+                                                                              op, np_,
+                                                                              monkeypatch):
     # Qwen3-Next layers at D = 2048, 4-bit experts, 8-bit router and shared
     # gate, bf16: teacher-forced tokens through the compiled fused model with
     # the one-launch block (moe-block; with stage, its moe-block-stage build;
@@ -729,7 +732,11 @@ def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(s
     # logits. (At head_dim 256, needed for a 1,024-wide projection input, the
     # one-launch and the three-launch models' logits differ by ~2 % rel-L2
     # with or without the phase, a difference not yet explained; see the
-    # project notes.)
+    # project notes.) With np_ (moe-block-next-proj) each block also runs the
+    # next layer's input norm and its mixer's input projection: against the
+    # same model with op but without that phase, whose mixers run that
+    # projection on the norm GEMV kernel themselves (norm-proj), identical
+    # logits.
     import mlx.nn as nn
 
     from qwen_apple_backend.layers.linear import DecodeQuantizedLinear
@@ -738,7 +745,10 @@ def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(s
 
     models, caches = _prefilled_fused_next_models([[], [] if op else ["moe-block"]],
                                                   256 if op else 64)
-    if op:
+    if np_:
+        for layer in models[0].layers:
+            layer.mlp.next_proj_phase = True
+    elif op:
         monkeypatch.setattr(lin_ops, "GEMV_MIN_BYTES", 0)
         for layer in models[1].layers:
             layer.mlp.out_proj_phase = False
@@ -758,7 +768,12 @@ def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(s
         a, b = (m(tok, cache=c) for m, c in zip(models, caches))
         mx.eval(a, b)
         assert mx.array_equal(a, b).item(), f"token {t}: rel-L2 {mx_rel_l2(a, b):.3g}"
-        if t >= 1 and op:
+        if t >= 1 and np_:
+            # Every block but the last took the next-projection build.
+            took = [any(k[-1] is not None and v[4] is not None
+                        for k, v in layer.mlp._choices.items()) for layer in models[0].layers]
+            assert took == [True] * (len(took) - 1) + [False], took
+        if t >= 1 and op and not np_:
             # Every block whose mixer's projection is wide enough (its input a
             # multiple of 1,024: out_projection_supported) took the
             # out-projection build, and at least one did.
@@ -767,7 +782,7 @@ def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(s
                 mixer = layer.linear_attn if layer.is_linear else layer.self_attn
                 proj = mixer.out_proj if layer.is_linear else mixer.o_proj
                 wide = proj["weight"].shape[1] * 8 % 1024 == 0
-                taken = any(k[-1] is not None and v[4] is not None
+                taken = any(k[-2] is not None and v[4] is not None
                             for k, v in layer.mlp._choices.items())
                 assert taken == wide, (type(mixer).__name__, proj["weight"].shape)
                 took.append(taken)

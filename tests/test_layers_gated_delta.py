@@ -142,13 +142,14 @@ def test_call_signature_matches_stock(variant):
         return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
 
     # The stock parameters, in order, then only input_norm=None (the
-    # decoder layer's norm, norm-proj) and defer_out_proj=False
-    # (moe-block-out-proj), which stock callers never pass.
+    # decoder layer's norm, norm-proj), defer_out_proj=False
+    # (moe-block-out-proj) and projected=None (moe-block-next-proj), which
+    # stock callers never pass.
     stock_shape = shape(stock_cls.__call__)
     fused_shape = shape(fused_cls.__call__)
     assert fused_shape[:len(stock_shape)] == stock_shape
     assert [(n, d) for n, _, d in fused_shape[len(stock_shape):]] == [
-        ("input_norm", None), ("defer_out_proj", False)]
+        ("input_norm", None), ("defer_out_proj", False), ("projected", None)]
 
 
 def test_from_stock_rejects_the_other_layout():

@@ -389,3 +389,98 @@ def test_an_enabled_switch_whose_prerequisite_is_off_says_so(tiny_q4, monkeypatc
     notes = get_report(fused).notes
     assert f"{enable} from QAB_ENABLE is not used: it needs {need} (in QAB_DISABLE / disable=)" \
         in notes
+
+
+def _fake_one_launch_block(monkeypatch, calls):
+    """The fused MoE blocks take the one-launch path on the pretend CUDA device:
+    ``_add_norm_route_forward`` computes ``h + block(rms_norm(h))`` with the
+    block's own MLX path and, with an NP phase, the next layer's norm +
+    projection with the GEMV kernel's reference arithmetic (what the mixer's
+    own norm-proj launch computes on the fake device). ``calls`` gets the
+    NP phase's projection rows per call (0 without it)."""
+    from qwen_apple_backend.layers import moe as moe_layer
+    from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
+
+    def choice(self, x, decode, norm=None, next_norm=None, out_proj=None, next_proj=None):
+        if norm is None:  # the block's own __call__: its MLX path
+            return (None, None, None, None, None)
+        return (None, "fake", "fake", None, "fake")
+
+    def forward(self, x, r, norm_weight, *extra, eps, proj_group=0, proj_eps=0.0,
+                out_group=0, **kw):
+        assert not out_group  # (the tiny mixers' outputs are too narrow for OP)
+        h = x + r
+        out = h + self(mx.fast.rms_norm(h, norm_weight, eps))
+        calls.append(extra[1].shape[0] if proj_group else 0)
+        if not proj_group:
+            return out
+        nw, pw, ps, pb = extra
+        return out, _reference_kernel(out, pw, ps, pb, proj_group, norm_weight=nw, eps=proj_eps)
+
+    monkeypatch.setattr(FusedSparseMoeBlock, "_kernel_choice", choice)
+    monkeypatch.setattr(FusedSparseMoeBlock, "_add_norm_route_forward", forward)
+    # (at H = 64 below the kernel's 1,024-multiple rule)
+    monkeypatch.setattr(moe_layer, "next_projection_supported", lambda x, np_: True)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "decode-compile"])
+def test_next_proj_hands_the_next_mixer_its_projection(tiny_q4, fake_cuda, monkeypatch,
+                                                       compiled):
+    # moe-block-next-proj (opt-in): each MoE block's one launch ends with the
+    # next layer's input RMSNorm and its mixer's concatenated 4-bit input
+    # projection; that mixer then takes it (projected=) and runs no norm +
+    # projection launch of its own. Here on a pretend CUDA device with the
+    # block's launch faked (_fake_one_launch_block): the same logits, token
+    # for token, as the model without the switch, whose mixers run those
+    # projections themselves, and one norm-proj launch per token (the first
+    # layer's) instead of one per layer.
+    monkeypatch.delenv("QAB_DISABLE", raising=False)
+    calls = []
+    _fake_one_launch_block(monkeypatch, calls)
+    extra = ",decode-compile" if compiled else ""
+    monkeypatch.setenv("QAB_ENABLE", "moe-block-next-proj" + extra)
+    on, _ = load(tiny_q4, "fused")
+    assert any("moe-block-next-proj from QAB_ENABLE" in n for n in get_report(on).notes)
+    monkeypatch.setenv("QAB_ENABLE", extra.lstrip(","))
+    off, _ = load(tiny_q4, "fused")
+    layers = on.language_model.model.layers
+    assert all(layer.mlp.next_proj_phase for layer in layers)
+    assert not any(layer.mlp.next_proj_phase for layer in off.language_model.model.layers)
+    rows_of_next = [(layer.linear_attn if layer.is_linear else layer.self_attn)
+                    ._proj_cat.cat["weight"].shape[0] for layer in layers[1:]]
+    prompt = mx.array([[(i * 37) % 900 for i in range(12)]])
+    co, cf = make_prompt_cache(on), make_prompt_cache(off)
+    assert mx.array_equal(on(prompt, cache=co), off(prompt, cache=cf)).item()
+    linear = [layer.is_linear for layer in layers]
+    assert linear[0] and not all(linear)
+    for t in range(4):
+        tok = mx.array([[(t * 53 + 7) % 900]])
+        calls.clear()
+        before = fake_cuda["norm_calls"]
+        yo = on(tok, cache=co)
+        mx.eval(yo)
+        launches_on = fake_cuda["norm_calls"] - before
+        np_rows = list(calls)
+        calls.clear()
+        before = fake_cuda["norm_calls"]
+        yf = off(tok, cache=cf)
+        mx.eval(yf)
+        launches_off = fake_cuda["norm_calls"] - before
+        assert mx.array_equal(yo, yf).item(), f"token {t}: rel-L2 {mx_rel_l2(yo, yf):.3g}"
+        if t == 0 and not compiled:
+            # The blocks' compiled calls trace here: every block but the
+            # last ran the next mixer's projection (NP), the model without
+            # the switch none.
+            assert np_rows[:-1] == rows_of_next and np_rows[-1] == 0, np_rows
+            assert calls == [0] * len(layers)
+        if t >= 1 and not compiled:
+            # Replays: the Gated DeltaNet mixers' own norm + projection calls
+            # (eager; attention's compiled projection replays): only the first
+            # layer's with the switch, every one without.
+            assert launches_on == 1 and launches_off == sum(linear)
+    # The attention layers split the handed projection (their compiled
+    # projection step keyed pre=True), those of the model without the switch not.
+    for model, want in ((on, True), (off, False)):
+        for layer in model.language_model.model.layers:
+            if not layer.is_linear:
+                assert any(k[-1] for k in layer.self_attn._compiled) == want

@@ -1459,8 +1459,9 @@ def test_add_norm_route_reads_the_blocks_own_counter_in_the_decode_step_trace(mo
         assert all(c.shape == (moe_ops.FOLD_NORM_MAX_ROWS,) and c.dtype == mx.uint32
                    and not mx.any(c).item() for c in own)
     # The compiled graphs of the two counters are kept apart (the key ends with
-    # serial, block, stage, early, prefetch, the out-projection's group size).
-    assert {k[-6] for k in blocks[0]._compiled} == {False, True}
+    # serial, block, stage, early, prefetch, the out-projection's group size,
+    # the next projection's group size and eps).
+    assert {k[-7] for k in blocks[0]._compiled} == {False, True}
 
 
 def test_moe_decode_block_checks_its_arguments_before_it_needs_a_kernel():
@@ -1506,7 +1507,7 @@ def test_add_norm_forward_takes_a_deferred_out_projection(monkeypatch, ready):
     calls = []
 
     def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None, stage=None,
-              early=None, prefetch=(), out_proj=None):
+              early=None, prefetch=(), out_proj=None, next_proj=None):
         calls.append((r, out_proj))
         if out_proj is not None:
             ow = out_proj.weights
@@ -1514,7 +1515,7 @@ def test_add_norm_forward_takes_a_deferred_out_projection(monkeypatch, ready):
                                     group_size=ow.group_size, bits=4)
         return (x + r) * 3
 
-    def choice(self, x, decode, norm=None, next_norm=None, out_proj=None):
+    def choice(self, x, decode, norm=None, next_norm=None, out_proj=None, next_proj=None):
         ok = ready or out_proj is None
         return (None, "fake", "fake", None, "fake" if ok else None)
 
@@ -1564,7 +1565,7 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
     stages = []
 
     def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None, stage=None,
-              early=None, prefetch=(), out_proj=None):
+              early=None, prefetch=(), out_proj=None, next_proj=None):
         assert out_proj is None
         seen.append((backend, counter))
         stages.append((stage, early))
@@ -1617,3 +1618,79 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
     seen.clear()
     out, _ = b.add_norm_forward(x, r, norm)
     assert seen == [] and mx.allclose(out, 2 * (x + r)).item()
+
+
+@pytest.mark.parametrize("ready", [True, False], ids=["next-proj", "not-ready"])
+def test_add_norm_forward_runs_the_next_projection_phase(monkeypatch, ready):
+    # moe-block-next-proj: given the next layer's input norm and a mixer with a
+    # valid 4-bit concatenated projection, a block with next_proj_phase set asks
+    # for the NP build and, when ready, passes moe_decode_block a
+    # NextProjection of that norm's weight and eps and the concatenation's
+    # arrays, and returns its second output as a ProjectedInput of that mixer.
+    # Not ready, switched off, another norm class, a mixer that does not take
+    # a projected input, or more rows than the mixer's own launch: no NP.
+    from qwen_apple_backend.layers import moe as moe_layer
+    from qwen_apple_backend.layers.linear import ProjectedInput
+
+    calls = []
+
+    def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None, stage=None,
+              early=None, prefetch=(), out_proj=None, next_proj=None):
+        calls.append(next_proj)
+        out = (x + r) * 3
+        if next_proj is None:
+            return out
+        return out, mx.full((*x.shape[:-1], next_proj.weights.weight.shape[0]), 2.0, x.dtype)
+
+    def choice(self, x, decode, norm=None, next_norm=None, out_proj=None, next_proj=None):
+        ok = ready or next_proj is None
+        return (None, "fake", "fake", None, "fake" if ok else None)
+
+    monkeypatch.setattr(moe_layer, "moe_decode_block", block)
+    monkeypatch.setattr(FusedSparseMoeBlock, "_kernel_choice", choice)
+    monkeypatch.setattr(moe_layer, "next_projection_supported", lambda x, np_: True)
+    q, s, b = mx.quantize(inputs((96, H)), group_size=64, bits=4)
+
+    class Cat:
+        kind = ("q", 64, 4, "affine")
+        cat = {"weight": q, "scales": s, "biases": b}
+
+        def valid(self, owner):
+            return True
+
+        def _quantized_with_biases(self):
+            return True
+
+    class Mixer:
+        takes_projected = True
+        training = False
+        _proj_cat = Cat()
+
+    mixer, next_norm, norm = Mixer(), nn.RMSNorm(H, eps=1e-5), nn.RMSNorm(H)
+    b = FusedSparseMoeBlock.from_stock(make_stock(seed=4))
+    assert not b.next_proj_phase  # opt-in
+    x, r = inputs((1, 1, H)), inputs((1, 1, H), seed=3)
+
+    def run(**kw):
+        calls.clear()
+        out, nxt = b.add_norm_forward(x, r, norm, **kw)
+        assert mx.allclose(out, (x + r) * 3).item()
+        return nxt, calls[-1]
+
+    b.compile_decode = False
+    assert run(next_layer=(next_norm, mixer)) == (None, None)  # switched off
+    b.next_proj_phase = True
+    nxt, np_ = run(next_layer=(next_norm, mixer))
+    if ready:
+        assert isinstance(nxt, ProjectedInput) and nxt.mixer is mixer
+        assert nxt.y.shape == (1, 1, 96) and mx.all(nxt.y == 2).item()
+        assert np_.norm_weight is next_norm["weight"] and np_.eps == 1e-5
+        assert np_.weights.weight is q and np_.weights.group_size == 64
+    else:
+        assert nxt is None and np_ is None
+    assert run(next_layer=(nn.LayerNorm(H), mixer)) == (None, None)
+    Mixer.takes_projected = False
+    assert run(next_layer=(next_norm, mixer)) == (None, None)
+    Mixer.takes_projected = True
+    x, r = inputs((1, 5, H)), inputs((1, 5, H), seed=3)  # 5 > GEMV_MAX_ROWS
+    assert run(next_layer=(next_norm, mixer)) == (None, None)

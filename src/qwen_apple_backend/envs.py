@@ -13,7 +13,7 @@ Variables:
         ``proj-concat``, ``gemv-kernel``, ``proj-gemv``, ``add-norm``, ``norm-proj``,
         ``next-norm``, ``kv-in-place``, ``moe-block-stage``, ``gemv-pipe``,
         ``attn-lanes``, ``moe-block-early``, ``l2-prefetch``,
-        ``moe-block-out-proj``), for ablations.
+        ``moe-block-out-proj``, ``moe-block-next-proj``), for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
         leaves kernels on. Anything else is an error.
@@ -29,7 +29,9 @@ Variables:
         lane-group first pass: each faster in one 4K run on the H200, slower
         in two later ones; ``l2-prefetch``, the one-launch MoE block asking
         the L2 for the next layer's input projection while its route runs:
-        what the next launch gains, the block measured to lose on the H200).
+        what the next launch gains, the block measured to lose on the H200;
+        ``moe-block-next-proj``, the one-launch MoE block ending with the
+        next layer's input RMSNorm and input projection, until measured).
         ``QAB_DISABLE`` wins over it. ``next-norm`` needs
         ``moe-route``, which needs ``add-norm`` and ``moe-kernel``.
     QAB_UNVERIFIED_KERNELS: a boolean like ``QAB_DISABLE_KERNELS``; on, it also
@@ -127,6 +129,11 @@ OPTIMIZATIONS = {
     # o_proj, the Gated DeltaNet's out_proj) as its first phase (OP; CUDA; the projection's
     # arithmetic is the dense GEMV kernel's): one launch fewer per decoder layer and token
     "moe-block-out-proj": "moe",
+    # the one-launch MoE block also computes the NEXT decoder layer's input RMSNorm and its
+    # mixer's concatenated 4-bit input projection as its last phase (NP; CUDA; the norm
+    # GEMV kernel's arithmetic), which that layer's mixer takes instead of its own launch:
+    # one launch fewer per decoder layer but the first; opt-in with QAB_ENABLE
+    "moe-block-next-proj": "moe",
 }
 
 
@@ -244,7 +251,7 @@ def kernels_disabled() -> bool:
 # switch on: decode-compile is on by default on a GPU only (host-bound decode:
 # measured on the H200) and off on the CPU (measured no faster there).
 OPT_IN = ("decode-compile", "next-norm", "proj-gemv", "gemv-pipe", "attn-lanes",
-          "l2-prefetch")
+          "l2-prefetch", "moe-block-next-proj")
 
 
 def enabled_opt_in() -> frozenset[str]:

@@ -239,6 +239,10 @@ class FusedGQAAttention(nn.Module):
     #: The decoder layer may ask for the output before ``o_proj``
     #: (``defer_out_proj=True``, the ``moe-block-out-proj`` optimization).
     defers_out_proj = True
+    #: The decoder layer may pass the input norm and concatenated q/k/v
+    #: projection computed by the previous layer's MoE block (``projected=``,
+    #: the ``moe-block-next-proj`` optimization).
+    takes_projected = True
 
     def __call__(
         self,
@@ -247,6 +251,7 @@ class FusedGQAAttention(nn.Module):
         cache: Optional[Any] = None,
         input_norm: Optional[nn.Module] = None,
         defer_out_proj: bool = False,
+        projected: Optional[mx.array] = None,
     ) -> Union[mx.array, DeferredProjection]:
         """Gated grouped-query self-attention over ``x`` and the cache.
 
@@ -267,6 +272,11 @@ class FusedGQAAttention(nn.Module):
                 :class:`~qwen_apple_backend.layers.linear.DeferredProjection`,
                 for the decoder layer's fused MoE block to project in its own
                 launch. Default False.
+            projected (mx.array | None): ``concat_qkv(input_norm(x))``
+                computed already (``[B, T, N]``, N = q/k/v outputs; the
+                previous layer's MoE block, ``moe-block-next-proj``); used
+                instead of running the projection while the concatenation is
+                valid, else ignored. Default None.
 
         Decode-sized calls run projections, q/k norm and RoPE as one
         compiled graph (see ``compile_decode``); attention and the cache
@@ -284,14 +294,19 @@ class FusedGQAAttention(nn.Module):
         offset = cache.offset if cache is not None else 0
         use_cat = self._use_cat()
         norm_backend = None
-        if input_norm is not None:
+        if projected is not None and not (use_cat and not self.training):
+            projected = None
+        if projected is not None:
+            input_norm = None  # (applied already, as the projection)
+        elif input_norm is not None:
             if use_cat and not self.training:
                 norm_backend = self._proj_cat.norm_backend(x, input_norm)
             if norm_backend is None:
                 x, input_norm = input_norm(x), None
         # The concatenated q/k/v projection on the dense GEMV kernel (proj-gemv).
         gemv = (self._proj_cat.gemv_backend(x)
-                if use_cat and norm_backend is None and not self.training else None)
+                if use_cat and norm_backend is None and projected is None and not self.training
+                else None)
         if (
             self.compile_decode
             and not self.training
@@ -301,13 +316,18 @@ class FusedGQAAttention(nn.Module):
             if not isinstance(offset, mx.array):
                 offset = mx.array(offset, dtype=mx.int32)
             prep = self._prep_kernel_ready(x, offset)
-            if norm_backend is None:
+            if projected is not None:
+                q, k, v, gate = self._compiled_project(use_cat, prep, pre=True)(projected, offset)
+            elif norm_backend is None:
                 q, k, v, gate = self._compiled_project(use_cat, prep, gemv=gemv)(x, offset)
             else:
                 fn = self._compiled_project(use_cat, prep, norm_backend, input_norm.eps)
                 q, k, v, gate = fn(x, offset, input_norm["weight"])
             if use_cat:
                 self._proj_cat.refresh()  # a trace re-wraps the module's arrays
+        elif projected is not None:
+            q, k, v, gate = self._project(projected, offset, use_cat,
+                                          self._prep_kernel_ready(x, offset), pre=True)
         else:
             q, k, v, gate = self._project(
                 x, offset, use_cat, self._prep_kernel_ready(x, offset),
@@ -390,16 +410,19 @@ class FusedGQAAttention(nn.Module):
 
     def _project(self, x: mx.array, offset, use_cat: bool = False, prep_kernel: bool = False,
                  norm_weight: Optional[mx.array] = None, norm_backend: Optional[str] = None,
-                 norm_eps: float = 0.0, gemv: Optional[str] = None):
+                 norm_eps: float = 0.0, gemv: Optional[str] = None, pre: bool = False):
         """Projections, q/k norm and RoPE: everything before the KV cache
         (``prep_kernel``: norm and RoPE of a one-token call in one CUDA launch,
         when :meth:`_prep_kernel_ready` said so; ``norm_backend``: ``x`` is
         not yet normalised and the decoder layer's input RMSNorm of weight
         ``norm_weight`` runs in the concatenated projection's launch; ``gemv``:
         the concatenated projection runs on that backend's dense GEMV kernel,
-        from :meth:`ConcatProjection.gemv_backend`)."""
+        from :meth:`ConcatProjection.gemv_backend`; ``pre``: ``x`` is that
+        projection's output already, ``[B, L, N]``)."""
         B, L, _ = x.shape
-        if norm_backend is not None:
+        if pre:
+            qg, k, v = mx.split(x, self._proj_cat.split_at, axis=-1)
+        elif norm_backend is not None:
             cat = self._proj_cat
             qg, k, v = mx.split(cat.norm_matmul(x, norm_weight, norm_eps, norm_backend),
                                 cat.split_at, axis=-1)
@@ -437,9 +460,9 @@ class FusedGQAAttention(nn.Module):
 
     def _compiled_project(self, use_cat: bool = False, prep_kernel: bool = False,
                           norm_backend: Optional[str] = None, norm_eps: float = 0.0,
-                          gemv: Optional[str] = None):
+                          gemv: Optional[str] = None, pre: bool = False):
         fns = self.__dict__.setdefault("_compiled", {})
-        key = (use_cat, prep_kernel, norm_backend, norm_eps, gemv)
+        key = (use_cat, prep_kernel, norm_backend, norm_eps, gemv, pre)
         fn = fns.get(key)
         if fn is None:
             # The module is the captured input tree, so parameters replaced
@@ -449,7 +472,7 @@ class FusedGQAAttention(nn.Module):
             # norm (whose weight, the decoder layer's, is an argument).
             def project(x, offset, norm_weight=None):
                 return self._project(x, offset, use_cat, prep_kernel, norm_weight, norm_backend,
-                                     norm_eps, gemv)
+                                     norm_eps, gemv, pre)
 
             fn = mx.compile(project, inputs=self)
             fns[key] = fn

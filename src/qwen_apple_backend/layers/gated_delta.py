@@ -291,15 +291,21 @@ class FusedGatedDeltaNet(nn.Module):
         return cat is not None
 
     def _projections_packed(self, inputs: mx.array,
-                            input_norm: Optional[nn.Module] = None) -> tuple:
+                            input_norm: Optional[nn.Module] = None,
+                            projected: Optional[mx.array] = None) -> tuple:
         """``(projections, packed)``: the input projections' outputs and, when they ran as
         one concatenated matmul, its unsplit output (else None). The split views
         cost nothing when only ``packed`` is used: MLX encodes what a launch reads.
         With ``input_norm`` (the decoder layer's, ``norm-proj``), ``inputs`` are
         not yet normalised: the norm runs in the concatenated matmul's launch
-        when that kernel is ready, else as its own operation first."""
+        when that kernel is ready, else as its own operation first.
+        ``projected``: that launch's output computed already (by the previous
+        layer's MoE block, ``moe-block-next-proj``), used while the
+        concatenation is valid."""
         cat = getattr(self, "_proj_cat", None)
         if cat is not None and cat.valid(self):
+            if projected is not None:
+                return tuple(mx.split(projected, cat.split_at, axis=-1)), projected
             backend = None
             if input_norm is not None and not self.training:
                 backend = cat.norm_backend(inputs, input_norm)
@@ -341,6 +347,10 @@ class FusedGatedDeltaNet(nn.Module):
     #: The decoder layer may ask for the output before ``out_proj``
     #: (``defer_out_proj=True``, the ``moe-block-out-proj`` optimization).
     defers_out_proj = True
+    #: The decoder layer may pass the input norm and concatenated input
+    #: projection computed by the previous layer's MoE block (``projected=``,
+    #: the ``moe-block-next-proj`` optimization).
+    takes_projected = True
 
     def __call__(
         self,
@@ -349,6 +359,7 @@ class FusedGatedDeltaNet(nn.Module):
         cache: Optional[Any] = None,
         input_norm: Optional[nn.Module] = None,
         defer_out_proj: bool = False,
+        projected: Optional[mx.array] = None,
     ) -> Union[mx.array, DeferredProjection]:
         """Run the layer, updating ``cache`` in place like the stock module.
 
@@ -369,6 +380,12 @@ class FusedGatedDeltaNet(nn.Module):
                 :class:`~qwen_apple_backend.layers.linear.DeferredProjection`
                 (unsharded layers only), for the decoder layer's fused MoE
                 block to project in its own launch. Default False.
+            projected (Optional[mx.array]): ``concat_proj(input_norm(inputs))``
+                computed already (``[B, S, N]``, N the concatenated
+                projections' outputs; the previous layer's MoE block,
+                ``moe-block-next-proj``); used instead of running the
+                projection while the concatenation is valid and the layer is
+                unsharded, else ignored. Default None.
 
         Returns:
             mx.array | DeferredProjection: layer output, dtype of ``inputs``
@@ -384,10 +401,13 @@ class FusedGatedDeltaNet(nn.Module):
             if input_norm is not None:
                 inputs, input_norm = input_norm(inputs), None
             inputs = sum_gradients(self.sharding_group)(inputs)
+            projected = None
+        if self.training:
+            projected = None
 
         Hk, Hv = self.num_k_heads, self.num_v_heads
         Dk, Dv = self.head_k_dim, self.head_v_dim
-        projs, packed = self._projections_packed(inputs, input_norm)
+        projs, packed = self._projections_packed(inputs, input_norm, projected)
 
         if cache is not None and cache[0] is not None:
             conv_state = cache[0]

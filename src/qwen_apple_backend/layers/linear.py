@@ -17,7 +17,8 @@ import mlx.nn as nn
 
 from ..ops import linear as qlinear
 
-__all__ = ["DecodeQuantizedLinear", "DeferredProjection", "install_gemv_lm_head"]
+__all__ = ["DecodeQuantizedLinear", "DeferredProjection", "ProjectedInput",
+           "install_gemv_lm_head"]
 
 
 class DeferredProjection(NamedTuple):
@@ -40,6 +41,26 @@ class DeferredProjection(NamedTuple):
     def apply(self) -> mx.array:
         """``proj(x)``: the mixer's output as it would have returned it, ``[B, T, H]``."""
         return self.proj(self.x)
+
+
+class ProjectedInput(NamedTuple):
+    """A decoder layer's input already normalised and projected by the layer before.
+
+    The fused MoE block's one launch may end with the NEXT layer's input
+    RMSNorm and its mixer's concatenated 4-bit input projection (the
+    ``moe-block-next-proj`` optimization, ``layers/norm.py``); the next layer
+    passes ``y`` to that mixer (``projected=``), which then skips its own
+    projection launch. Only the mixer it was computed for may take it.
+
+    Attributes:
+        y (mx.array): ``concat_proj(rms_norm(x))``, unsplit: ``[B, T, N]``
+            (N: the sum of the mixer's input projections' outputs), dtype of
+            ``x``.
+        mixer (nn.Module): the mixer whose concatenated projection ``y`` is.
+    """
+
+    y: mx.array
+    mixer: nn.Module
 
 
 class DecodeQuantizedLinear(nn.QuantizedLinear):

@@ -28,10 +28,12 @@ from mlx_lm.models.switch_layers import (
 
 from qwen_apple_backend import envs
 from qwen_apple_backend.layers._concat import ConcatProjection
-from qwen_apple_backend.layers.linear import DeferredProjection
+from qwen_apple_backend.layers.linear import DeferredProjection, ProjectedInput
+from qwen_apple_backend.ops.linear import GEMV_MAX_ROWS
 from qwen_apple_backend.ops.moe import (
     SORT_THRESHOLD,
     ExpertWeights,
+    NextProjection,
     OutProjection,
     SharedExpertWeights,
     add_norm_route,
@@ -44,6 +46,7 @@ from qwen_apple_backend.ops.moe import (
     moe_experts,
     moe_shared_experts_kernel,
     moe_shared_experts_norm_kernel,
+    next_projection_supported,
     out_projection_supported,
     router_kernel_ready,
     serial_counter,
@@ -260,6 +263,28 @@ class FusedSwitchGLU(nn.Module):
         )
 
 
+def _next_projection(x: mx.array, norm: nn.Module, mixer: nn.Module) -> Optional[NextProjection]:
+    """The next decoder layer's input RMSNorm and its mixer's concatenated
+    4-bit input projection as a
+    :class:`~qwen_apple_backend.ops.moe.NextProjection` for the one-launch
+    block's ``NP`` phase, or None (a norm other than ``nn.RMSNorm``, a mixer
+    without a valid concatenation or that does not take a projected input, a
+    projection the phase does not take: see
+    :func:`~qwen_apple_backend.ops.moe.next_projection_supported`; more token
+    rows than the mixer's own norm + GEMV launch takes,
+    :data:`~qwen_apple_backend.ops.linear.GEMV_MAX_ROWS`)."""
+    cat = getattr(mixer, "_proj_cat", None)
+    if (x.ndim == 0 or x.size // x.shape[-1] > GEMV_MAX_ROWS or type(norm) is not nn.RMSNorm or cat is None or not getattr(mixer, "takes_projected", False)
+            or getattr(mixer, "training", True) or not cat._quantized_with_biases()
+            or cat.kind[2] != 4 or cat.kind[3] != "affine" or not cat.valid(mixer)):
+        return None
+    c = cat.cat
+    np_ = NextProjection(norm["weight"], norm.eps,
+                         ExpertWeights(c["weight"], c["scales"], c["biases"],
+                                       group_size=cat.kind[1], bits=4))
+    return np_ if next_projection_supported(x, np_) else None
+
+
 class FusedSparseMoeBlock(nn.Module):
     """Drop-in for ``Qwen3NextSparseMoeBlock`` with fused routing and experts.
 
@@ -303,7 +328,13 @@ class FusedSparseMoeBlock(nn.Module):
     output projection (a
     :class:`~qwen_apple_backend.layers.linear.DeferredProjection`), that
     launch computes the projection as its first phase (``OP``; the
-    projection's arithmetic is this package's GEMV kernel's).
+    projection's arithmetic is this package's GEMV kernel's). Attribute
+    ``next_proj_phase`` (default False; the opt-in ``moe-block-next-proj``):
+    when the decoder layer names the next layer's input norm and mixer, that
+    launch also computes the next layer's input RMSNorm and the mixer's
+    concatenated 4-bit input projection as its last phase (``NP``; the
+    arithmetic of this package's norm GEMV kernel), which the next layer hands
+    its mixer (a :class:`~qwen_apple_backend.layers.linear.ProjectedInput`).
 
     Attribute ``dequant_gemm`` (default True; the ``moe-gemm`` optimization)
     lets prefill-sized calls on quantized experts dequantize them and run a
@@ -348,6 +379,7 @@ class FusedSparseMoeBlock(nn.Module):
     stage_down: bool = True
     early_gate_up: bool = True
     out_proj_phase: bool = True
+    next_proj_phase: bool = False
     l2_next = None
 
     def __init__(
@@ -590,7 +622,8 @@ class FusedSparseMoeBlock(nn.Module):
 
     def _kernel_choice(self, x: mx.array, decode: bool, norm: Optional[nn.Module] = None,
                        next_norm: Optional[nn.Module] = None,
-                       out_proj: Optional[OutProjection] = None) -> tuple:
+                       out_proj: Optional[OutProjection] = None,
+                       next_proj: Optional[NextProjection] = None) -> tuple:
         """``(router, fold, route, down_norm, block)`` backends for this call.
 
         ``router`` and ``fold``: see :meth:`_router_ready` and
@@ -604,8 +637,9 @@ class FusedSparseMoeBlock(nn.Module):
         ``route`` is ready, else None; ``block``: the backend of the one-launch
         MoE half (:func:`~qwen_apple_backend.ops.moe.decode_block_ready`, the
         ``moe-block`` optimization) when ``route`` is ready, ``one_launch`` is
-        set and no ``down_norm`` applies, else None; with ``out_proj``, the
-        backend of that launch's build with the out-projection phase.
+        set and no ``down_norm`` applies, else None; with ``out_proj`` /
+        ``next_proj``, the backend of that launch's build with the
+        out-projection / next-projection phase.
 
         Decode is bound by the host, and building the weight descriptions
         for the readiness checks cost more Python than the rest of the
@@ -626,10 +660,17 @@ class FusedSparseMoeBlock(nn.Module):
             ow = out_proj.weights
             okey = (out_proj.x.shape, out_proj.x.dtype, id(ow.weight), ow.weight.shape,
                     id(ow.scales), id(ow.biases), ow.scales.dtype, ow.group_size, ow.bits)
+        pkey = None
+        if next_proj is not None:
+            pw = next_proj.weights
+            nw = next_proj.norm_weight
+            pkey = ((id(nw), nw.shape, nw.dtype, next_proj.eps), id(pw.weight), pw.weight.shape,
+                    id(pw.scales),
+                    id(pw.biases), pw.scales.dtype, pw.group_size, pw.bits)
         key = (x.shape, x.dtype, decode, envs.kernels_disabled(),
                envs.unverified_kernels_allowed(), self._weights_signature(), nkey, next_key,
                self.one_launch, self.stage_down, self.early_gate_up,
-               bool(self._l2_prefetch_arrays()), okey)
+               bool(self._l2_prefetch_arrays()), okey, pkey)
         cache = self.__dict__.get("_choices")
         if cache is None:
             cache = {}
@@ -654,7 +695,8 @@ class FusedSparseMoeBlock(nn.Module):
                     self.norm_topk_prob, expert_weights(self.switch_mlp.gate_up_proj),
                     expert_weights(self.switch_mlp.down_proj), self._shared_weights(),
                     stage=self.stage_down, early=self.early_gate_up,
-                    prefetch=bool(self._l2_prefetch_arrays()), out_proj=out_proj)
+                    prefetch=bool(self._l2_prefetch_arrays()), out_proj=out_proj,
+                    next_proj=next_proj)
             hit = (router, fold, route, down_norm, block)
             if len(cache) >= 64:
                 cache.clear()
@@ -767,23 +809,30 @@ class FusedSparseMoeBlock(nn.Module):
                                 *extra: mx.array, eps: float,
                                 route: str, fold: str, down_norm: Optional[str] = None,
                                 next_eps: float = 0.0, counter: Optional[mx.array] = None,
-                                block: Optional[str] = None, out_group: int = 0):
-        # extra: the next norm's weight (with down_norm), or with out_group
-        # the mixer's output projection (weight, scales, biases; r is then its
-        # input): arrays, so that a compiled call takes them as inputs.
+                                block: Optional[str] = None, out_group: int = 0,
+                                proj_group: int = 0, proj_eps: float = 0.0):
+        # extra: the next norm's weight (with down_norm); with out_group the
+        # mixer's output projection (weight, scales, biases; r is then its
+        # input); then with proj_group the next layer's input norm weight and
+        # its mixer's concatenated projection (weight, scales, biases): arrays,
+        # so that a compiled call takes them as inputs.
         gate = linear_weights(self.gate)
         if block is not None:
-            op = None
+            op = np_ = None
             if out_group:
-                op = OutProjection(r, ExpertWeights(*extra, group_size=out_group, bits=4))
-                r = None
+                op = OutProjection(r, ExpertWeights(*extra[:3], group_size=out_group, bits=4))
+                r, extra = None, extra[3:]
+            if proj_group:
+                np_ = NextProjection(extra[0], proj_eps,
+                                     ExpertWeights(*extra[1:4], group_size=proj_group, bits=4))
             return moe_decode_block(x, r, norm_weight, eps, gate, self.top_k,
                                     self.norm_topk_prob,
                                     expert_weights(self.switch_mlp.gate_up_proj),
                                     expert_weights(self.switch_mlp.down_proj),
                                     self._shared_weights(), block, counter=counter,
                                     stage=self.stage_down, early=self.early_gate_up,
-                                    prefetch=self._l2_prefetch_arrays(), out_proj=op)
+                                    prefetch=self._l2_prefetch_arrays(), out_proj=op,
+                                    next_proj=np_)
         h, y, _, inds, scores = add_norm_route(x, r, norm_weight, eps, gate, self.top_k,
                                                self.norm_topk_prob, backend=route,
                                                counter=counter)
@@ -796,7 +845,8 @@ class FusedSparseMoeBlock(nn.Module):
 
     def add_norm_forward(self, x: mx.array, r: Union[mx.array, DeferredProjection],
                          norm: nn.Module,
-                         next_norm: Optional[nn.Module] = None) -> Optional[tuple]:
+                         next_norm: Optional[nn.Module] = None,
+                         next_layer: Optional[tuple] = None) -> Optional[tuple]:
         """``h + block(norm(h))`` with ``h = x + r``, in one or three launches, or None.
 
         The decoder layer's second half (``layers/norm.py``) for a decode
@@ -816,7 +866,11 @@ class FusedSparseMoeBlock(nn.Module):
         launch computes the projection as its first phase when
         ``out_proj_phase`` is set and that build is ready
         (``moe-block-out-proj``), else the projection runs first, as the
-        mixer would have run it. Returns None (the caller runs its usual
+        mixer would have run it. Given the next layer's input norm and mixer
+        (``next_layer``) and with ``next_proj_phase`` set, the one launch also
+        computes that mixer's concatenated 4-bit input projection of the
+        normalised output as its last phase, when that build is ready
+        (``moe-block-next-proj``). Returns None (the caller runs its usual
         path, applying a deferred ``r`` itself) when any part does not apply: training,
         ``fused_route`` or ``use_kernel`` off, a sharded block, a norm other
         than ``nn.RMSNorm``, a prefill-sized call, ``x`` and ``r`` of
@@ -831,14 +885,21 @@ class FusedSparseMoeBlock(nn.Module):
             norm (nn.Module): the layer's ``post_attention_layernorm``.
             next_norm (nn.Module | None): the next layer's ``input_layernorm``
                 (an ``nn.RMSNorm``), or None.
+            next_layer (tuple | None): ``(input_layernorm, mixer)`` of the
+                next decoder layer, whose mixer has a concatenated input
+                projection (``_proj_cat``) and ``takes_projected``; or None.
+                Not used together with ``next_norm``.
 
         Returns:
-            tuple | None: ``(out, out_norm)``: the layer's output (shape and
-            dtype of ``x``) and ``next_norm(out)``, or None in its place when
-            the next norm was not applied.
+            tuple | None: ``(out, out_next)``: the layer's output (shape and
+            dtype of ``x``) and ``next_norm(out)``, or a
+            :class:`~qwen_apple_backend.layers.linear.ProjectedInput` of
+            ``next_layer``'s mixer, or None in its place when neither was
+            applied.
 
         Shapes:
-            x, r, out, out_norm: ``[B, T, H]``.
+            x, r, out, out_norm: ``[B, T, H]``; a ProjectedInput's ``y``:
+            ``[B, T, N]``.
         """
         if (not self.fused_route or not self.use_kernel or self.training
                 or self.sharding_group is not None or type(norm) is not nn.RMSNorm
@@ -852,14 +913,26 @@ class FusedSparseMoeBlock(nn.Module):
             op = OutProjection(r.x, linear_weights(r.proj))
             if not out_projection_supported(x, op):
                 op = None
-        choice = self._kernel_choice(x, True, norm, next_norm, op) if op is not None else None
-        if choice is None or choice[4] is None:
-            # No one-launch block with the projection in it: project first.
-            op = None
+        np_ = None
+        if next_layer is not None and next_norm is None and self.next_proj_phase \
+                and self.one_launch:
+            np_ = _next_projection(x, *next_layer)
+        choice = None
+        if op is not None or np_ is not None:
+            # The block with its projection phases, else without NP, else none.
+            choice = self._kernel_choice(x, True, norm, next_norm, op, np_)
+            if choice[4] is None and np_ is not None and op is not None:
+                np_ = None
+                choice = self._kernel_choice(x, True, norm, next_norm, op)
+            if choice[4] is None:
+                choice = np_ = op = None
+        if op is None:
             if isinstance(r, DeferredProjection):
+                # No one-launch block with the projection in it: project first.
                 r = r.apply()
             if r.shape != x.shape or r.dtype != x.dtype:
                 return None
+        if choice is None:
             choice = self._kernel_choice(x, True, norm, next_norm)
         _, fold, route, down_norm, block = choice
         if route is None:
@@ -890,6 +963,10 @@ class FusedSparseMoeBlock(nn.Module):
             ow = op.weights
             kw.update(out_group=int(ow.group_size))
             args = (x, op.x, w, ow.weight, ow.scales, ow.biases)
+        if np_ is not None:
+            pw = np_.weights
+            kw.update(proj_group=int(pw.group_size), proj_eps=float(np_.eps))
+            args = args + (np_.norm_weight, pw.weight, pw.scales, pw.biases)
         if not self.compile_decode:
             fn = partial(self._add_norm_route_forward, **kw)
         else:
@@ -899,7 +976,8 @@ class FusedSparseMoeBlock(nn.Module):
                    block is not None and self.stage_down,
                    block is not None and self.early_gate_up,
                    block is not None and bool(self._l2_prefetch_arrays()),
-                   0 if op is None else int(op.weights.group_size))
+                   0 if op is None else int(op.weights.group_size),
+                   None if np_ is None else (int(np_.weights.group_size), float(np_.eps)))
             fn = fns.get(key)
             if fn is None:
                 # The module is the captured input tree (parameters replaced
@@ -908,4 +986,7 @@ class FusedSparseMoeBlock(nn.Module):
                 fn = mx.compile(partial(self._add_norm_route_forward, **kw), inputs=self)
                 fns[key] = fn
         out = fn(*args)
+        if np_ is not None:
+            out, po = out
+            return out, ProjectedInput(po, next_layer[1])
         return tuple(out) if down_norm is not None else (out, None)

@@ -19,6 +19,10 @@ may also apply the next layer's input RMSNorm: the layer hands that result to
 the next layer (a per-thread slot holding the output, its norm and the norm
 module), which uses it instead of calling its ``input_layernorm`` only when
 its input is that very output array and its norm that very module.
+Likewise the block's one launch may end with the next layer's input norm
+AND its mixer's concatenated input projection (``moe-block-next-proj``): the
+next layer then hands that projection to its mixer (``projected=``), under
+the same identity checks, and the mixer's own projection launch is skipped.
 A fused mixer (``takes_input_norm``: the fused Gated DeltaNet and attention)
 gets the un-normalised ``x`` and the layer's ``input_layernorm`` instead
 (``norm-proj``): on CUDA a decode call runs the norm in the prologue of its
@@ -35,14 +39,14 @@ code.
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_5, qwen3_next
 
 from ..ops.norm import add_rms_norm, add_rms_norm_ready
-from .linear import DeferredProjection
+from .linear import DeferredProjection, ProjectedInput
 
 __all__ = [
     "AddNormDecoderLayer",
@@ -58,15 +62,19 @@ _VERDICTS = "_qab_add_norm_verdicts"
 _NEXT_NORM = "_qab_next_input_norm"
 # Whether a fused mixer gets the input norm to apply itself (norm-proj), per layer.
 _NORM_PROJ = "_qab_norm_proj"
+# The next decoder layer's (input_layernorm, mixer) when that mixer may take a
+# projected input (moe-block-next-proj), per layer instance (install_add_norm).
+_NEXT_LAYER = "_qab_next_layer"
 
-# A layer's output and its next layer's input norm of it, computed by the
-# output's last kernel: (out, out_norm, the norm module). Per thread; the next
-# layer takes it only when its input IS that output and its input norm IS
-# that module, and every layer clears it.
+# A layer's output and its next layer's input norm of it (or a ProjectedInput:
+# that norm and the next mixer's input projection), computed by the output's
+# last kernel: (out, out_norm, the norm module). Per thread; the next layer
+# takes it only when its input IS that output and its input norm IS that
+# module (and a ProjectedInput's mixer IS its mixer), and every layer clears it.
 _HANDOFF = threading.local()
 
 
-def _take_handoff(x: mx.array, norm: Any) -> Optional[mx.array]:
+def _take_handoff(x: mx.array, norm: Any) -> Optional[Union[mx.array, ProjectedInput]]:
     hand = getattr(_HANDOFF, "value", None)
     if hand is None:
         return None
@@ -128,7 +136,13 @@ class _AddNorm:
               and getattr(mlp, "takes_out_proj", False) and getattr(mlp, "out_proj_phase", False)
               else {})
         xn = _take_handoff(x, self.input_layernorm)
-        if xn is not None:
+        if isinstance(xn, ProjectedInput) and (xn.mixer is not mixer or self._training):
+            xn = None
+        if isinstance(xn, ProjectedInput):
+            # The previous layer's MoE block ran this layer's input norm and
+            # its mixer's input projection (moe-block-next-proj).
+            r = mixer(x, mask, cache, input_norm=self.input_layernorm, projected=xn.y, **kw)
+        elif xn is not None:
             r = mixer(xn, mask, cache, **kw)
         elif (self.__dict__.get(_NORM_PROJ) and getattr(mixer, "takes_input_norm", False)
               and not self._training):
@@ -143,10 +157,16 @@ class _AddNorm:
             # launch ahead of its expert kernels (decode on CUDA), and the next
             # layer's input norm in its last kernel; None otherwise.
             nxt = self.__dict__.get(_NEXT_NORM)
-            got = self.mlp.add_norm_forward(x, r, norm, nxt)
+            nxt_layer = self.__dict__.get(_NEXT_LAYER)
+            if nxt_layer is not None and getattr(mlp, "next_proj_phase", False):
+                got = mlp.add_norm_forward(x, r, norm, nxt, next_layer=nxt_layer)
+            else:
+                got = mlp.add_norm_forward(x, r, norm, nxt)
             if got is not None:
                 out, out_norm = got
-                if out_norm is not None:
+                if isinstance(out_norm, ProjectedInput):
+                    _HANDOFF.value = (out, out_norm, nxt_layer[0])
+                elif out_norm is not None:
                     _HANDOFF.value = (out, out_norm, nxt)
                 return out
         if isinstance(r, DeferredProjection):
@@ -168,6 +188,7 @@ class _AddNorm:
         self.__dict__.pop(_VERDICTS, None)
         self.__dict__.pop(_NEXT_NORM, None)
         self.__dict__.pop(_NORM_PROJ, None)
+        self.__dict__.pop(_NEXT_LAYER, None)
         self.__class__ = self._qab_stock_class
         return self
 
@@ -232,11 +253,20 @@ def install_add_norm(model: Any, next_norm: bool = False, norm_proj: bool = True
             object.__setattr__(layer, _NORM_PROJ, bool(norm_proj))
     # Each swapped layer knows the next layer's input norm (for the fused MoE
     # block's last kernel to apply it; see FusedSparseMoeBlock.add_norm_forward).
+    # And the next layer's input norm and mixer, when that mixer may take a
+    # projected input: a block whose next_proj_phase is set (the opt-in
+    # moe-block-next-proj) may compute it.
     for layer, nxt in zip(layers, layers[1:] + [None]):
         if getattr(type(layer), "_qab_add_norm", False):
             norm = None if nxt is None else dict.get(nxt, "input_layernorm")
             keep = next_norm and type(norm) is nn.RMSNorm
             object.__setattr__(layer, _NEXT_NORM, norm if keep else None)
+            mixer = None
+            if nxt is not None and getattr(type(nxt), "_qab_add_norm", False):
+                mixer = dict.get(nxt, "linear_attn" if nxt.is_linear else "self_attn")
+            takes = (type(norm) is nn.RMSNorm and getattr(mixer, "takes_projected", False)
+                     and getattr(mixer, "takes_input_norm", False))
+            object.__setattr__(layer, _NEXT_LAYER, (norm, mixer) if takes else None)
     return n
 
 
