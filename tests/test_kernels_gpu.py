@@ -745,9 +745,11 @@ def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(s
 
     models, caches = _prefilled_fused_next_models([[], [] if op else ["moe-block"]],
                                                   256 if op else 64)
+    for layer in models[0].layers:
+        layer.mlp.next_proj_phase = np_  # (on by default)
     if np_:
-        for layer in models[0].layers:
-            layer.mlp.next_proj_phase = True
+        for layer in models[1].layers:
+            layer.mlp.next_proj_phase = False
     elif op:
         monkeypatch.setattr(lin_ops, "GEMV_MIN_BYTES", 0)
         for layer in models[1].layers:

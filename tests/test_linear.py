@@ -426,23 +426,23 @@ def _fake_one_launch_block(monkeypatch, calls):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "decode-compile"])
 def test_next_proj_hands_the_next_mixer_its_projection(tiny_q4, fake_cuda, monkeypatch,
                                                        compiled):
-    # moe-block-next-proj (opt-in): each MoE block's one launch ends with the
+    # moe-block-next-proj (on by default): each MoE block's one launch ends with the
     # next layer's input RMSNorm and its mixer's concatenated 4-bit input
     # projection; that mixer then takes it (projected=) and runs no norm +
     # projection launch of its own. Here on a pretend CUDA device with the
     # block's launch faked (_fake_one_launch_block): the same logits, token
-    # for token, as the model without the switch, whose mixers run those
+    # for token, as the model with the switch off, whose mixers run those
     # projections themselves, and one norm-proj launch per token (the first
     # layer's) instead of one per layer.
     monkeypatch.delenv("QAB_DISABLE", raising=False)
     calls = []
     _fake_one_launch_block(monkeypatch, calls)
-    extra = ",decode-compile" if compiled else ""
-    monkeypatch.setenv("QAB_ENABLE", "moe-block-next-proj" + extra)
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile" if compiled else "")
     on, _ = load(tiny_q4, "fused")
-    assert any("moe-block-next-proj from QAB_ENABLE" in n for n in get_report(on).notes)
-    monkeypatch.setenv("QAB_ENABLE", extra.lstrip(","))
+    monkeypatch.setenv("QAB_DISABLE", "moe-block-next-proj")
     off, _ = load(tiny_q4, "fused")
+    assert not any("moe-block-next-proj" in n for n in get_report(on).notes)
+    assert any("(moe-block-next-proj in QAB_DISABLE" in n for n in get_report(off).notes)
     layers = on.language_model.model.layers
     assert all(layer.mlp.next_proj_phase for layer in layers)
     assert not any(layer.mlp.next_proj_phase for layer in off.language_model.model.layers)

@@ -1668,7 +1668,8 @@ def test_add_norm_forward_runs_the_next_projection_phase(monkeypatch, ready):
 
     mixer, next_norm, norm = Mixer(), nn.RMSNorm(H, eps=1e-5), nn.RMSNorm(H)
     b = FusedSparseMoeBlock.from_stock(make_stock(seed=4))
-    assert not b.next_proj_phase  # opt-in
+    assert b.next_proj_phase  # on by default
+    b.next_proj_phase = False
     x, r = inputs((1, 1, H)), inputs((1, 1, H), seed=3)
 
     def run(**kw):

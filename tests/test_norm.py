@@ -278,8 +278,8 @@ def test_fused_moe_block_may_take_the_mixer_output(on_cpu, monkeypatch):
     seen = []
     real = FusedSparseMoeBlock.add_norm_forward
 
-    def spy(self, x, r, norm, next_norm=None):
-        out = real(self, x, r, norm, next_norm)
+    def spy(self, x, r, norm, next_norm=None, next_layer=None):
+        out = real(self, x, r, norm, next_norm, next_layer=next_layer)
         assert isinstance(r, DeferredProjection)
         seen.append((x.shape == r.apply().shape, type(norm) is nn.RMSNorm, next_norm,
                      out is None))
@@ -300,7 +300,7 @@ def test_fused_moe_block_may_take_the_mixer_output(on_cpu, monkeypatch):
     seven = mx.full(x.shape, 7.0, dtype=x.dtype)
     asked = []
 
-    def answer(self, x, r, norm, next_norm=None):
+    def answer(self, x, r, norm, next_norm=None, next_layer=None):
         asked.append(norm is layer0.post_attention_layernorm and next_norm is nexts[0])
         return seven, None
 
@@ -331,7 +331,8 @@ def test_next_input_norm_is_handed_to_the_next_layer_only_for_its_own_input(on_c
     out = mx.random.normal((1, 1, 64), key=mx.random.key(2)).astype(mx.bfloat16)
     out_norm = layer1.input_layernorm(out)
     monkeypatch.setattr(FusedSparseMoeBlock, "add_norm_forward",
-                        lambda self, x, r, norm, next_norm=None: (out, out_norm))
+                        lambda self, x, r, norm, next_norm=None, next_layer=None:
+                        (out, out_norm))
     normed = []
     real_norm = nn.RMSNorm.__call__
     monkeypatch.setattr(nn.RMSNorm, "__call__",
@@ -358,6 +359,25 @@ def test_next_input_norm_is_handed_to_the_next_layer_only_for_its_own_input(on_c
     layer1(out, None, cache[1])
     assert any(m is layer1.input_layernorm for m in normed)
     layer_norm._HANDOFF.value = None
+
+
+def test_layers_know_the_next_layers_norm_and_mixer_for_its_projection():
+    # moe-block-next-proj: each add-norm layer but the last knows the next
+    # layer's input norm and mixer (which takes a projected input), for its
+    # MoE block's launch to compute that mixer's projection; to_stock forgets.
+    model = _tiny()
+    layers = model.layers
+    want = [(n.input_layernorm, n.linear_attn if n.is_linear else n.self_attn)
+            for n in layers[1:]] + [None]
+    got = [layer.__dict__[layer_norm._NEXT_LAYER] for layer in layers]
+    assert got[-1] is None and all(g[0] is w[0] and g[1] is w[1]
+                                   for g, w in zip(got[:-1], want[:-1]))
+    assert all(getattr(g[1], "takes_projected", False) for g in got[:-1])
+    layers[0].to_stock()
+    assert layer_norm._NEXT_LAYER not in layers[0].__dict__
+    # Stock mixers (QAB_DISABLE=gdn,attn) take no projected input: no entry.
+    stock_mixers = _tiny(disable=["gdn", "attn"])
+    assert all(layer.__dict__[layer_norm._NEXT_LAYER] is None for layer in stock_mixers.layers)
 
 
 def test_layers_know_the_next_input_norm_only_when_enabled(monkeypatch):

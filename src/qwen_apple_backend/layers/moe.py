@@ -329,7 +329,7 @@ class FusedSparseMoeBlock(nn.Module):
     :class:`~qwen_apple_backend.layers.linear.DeferredProjection`), that
     launch computes the projection as its first phase (``OP``; the
     projection's arithmetic is this package's GEMV kernel's). Attribute
-    ``next_proj_phase`` (default False; the opt-in ``moe-block-next-proj``):
+    ``next_proj_phase`` (default True; the ``moe-block-next-proj`` optimization):
     when the decoder layer names the next layer's input norm and mixer, that
     launch also computes the next layer's input RMSNorm and the mixer's
     concatenated 4-bit input projection as its last phase (``NP``; the
@@ -379,7 +379,7 @@ class FusedSparseMoeBlock(nn.Module):
     stage_down: bool = True
     early_gate_up: bool = True
     out_proj_phase: bool = True
-    next_proj_phase: bool = False
+    next_proj_phase: bool = True
     l2_next = None
 
     def __init__(

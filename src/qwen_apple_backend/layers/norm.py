@@ -254,8 +254,8 @@ def install_add_norm(model: Any, next_norm: bool = False, norm_proj: bool = True
     # Each swapped layer knows the next layer's input norm (for the fused MoE
     # block's last kernel to apply it; see FusedSparseMoeBlock.add_norm_forward).
     # And the next layer's input norm and mixer, when that mixer may take a
-    # projected input: a block whose next_proj_phase is set (the opt-in
-    # moe-block-next-proj) may compute it.
+    # projected input: a block whose next_proj_phase is set (the
+    # moe-block-next-proj optimization, on by default) may compute it.
     for layer, nxt in zip(layers, layers[1:] + [None]):
         if getattr(type(layer), "_qab_add_norm", False):
             norm = None if nxt is None else dict.get(nxt, "input_layernorm")
