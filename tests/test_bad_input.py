@@ -307,6 +307,47 @@ def test_bad_boolean_and_list_variables_name_themselves(monkeypatch):
     assert envs.disabled_kinds() == frozenset({"moe", "gdn", "attn"})
 
 
+def test_misspelt_names_are_quoted_as_typed(monkeypatch):
+    # Names match in any case, but an error quotes the user's spelling, not a
+    # lower-cased copy of it.
+    from qwen_apple_backend import envs
+    from qwen_apple_backend.errors import EnvVarError
+
+    known = ", ".join([*envs.FUSABLE_KINDS, "all", *envs.OPTIMIZATIONS])
+    monkeypatch.setenv("QAB_DISABLE", "moe,Moe-Blok")
+    with pytest.raises(EnvVarError) as info:
+        envs.validate()
+    assert str(info.value) == f"QAB_DISABLE: unknown optimization 'Moe-Blok' (known: {known})"
+    monkeypatch.setenv("QAB_DISABLE", " MOE-BLOCK, Attn ")
+    assert envs.disabled_kinds() == frozenset({"moe-block", "attn"})
+    monkeypatch.delenv("QAB_DISABLE")
+
+    monkeypatch.setenv("QAB_ENABLE", "Warp-Drive,L2-Prefetch")
+    with pytest.raises(EnvVarError) as info:
+        envs.validate()
+    assert str(info.value) == ("QAB_ENABLE: unknown optimization 'Warp-Drive' (known: "
+                               f"{', '.join(envs.OPT_IN)})")
+    monkeypatch.setenv("QAB_ENABLE", "Add-Norm")
+    with pytest.raises(EnvVarError) as info:
+        envs.enabled_opt_in()
+    assert str(info.value) == (f"QAB_ENABLE: 'Add-Norm' is on by default (QAB_ENABLE names "
+                               f"only {', '.join(envs.OPT_IN)}; switch others off with "
+                               "QAB_DISABLE)")
+    monkeypatch.setenv("QAB_ENABLE", " L2-Prefetch ")
+    assert envs.enabled_opt_in() == frozenset({"l2-prefetch"})
+    monkeypatch.delenv("QAB_ENABLE")
+
+    monkeypatch.setenv("QAB_BACKEND", "Turbo")
+    with pytest.raises(EnvVarError) as info:
+        envs.backend(envs.MLX_BACKENDS)
+    assert str(info.value) == "QAB_BACKEND: unknown backend 'Turbo' (known: auto, fused, stock)"
+    monkeypatch.setenv("QAB_BACKEND", "FUSED")
+    assert envs.backend(envs.MLX_BACKENDS) == "fused"
+    with pytest.raises(EnvVarError) as info:
+        envs.check_disable(["Attn_Blocks", "MOE"])
+    assert str(info.value) == f"disable=: unknown optimization 'Attn_Blocks' (known: {known})"
+
+
 def test_disable_argument_is_checked_like_the_variable():
     # load(disable=...) / fuse_in_memory(disable=...) take QAB_DISABLE's names;
     # a misspelt one is an error naming the argument, not a silent no-op.

@@ -430,6 +430,35 @@ def test_environment_records_the_program_by_name_only(monkeypatch):
     assert report.environment(["qab", "bench"])["process_argv"] == ["qab", "bench", "--quick"]
 
 
+def test_environment_command_line_keeps_every_option_given():
+    # --backends given at its default (stock,fused) was left out of command_line,
+    # while process_argv had it: command_line must paste back as the same run.
+    import shlex
+
+    from qwen_apple_backend.bench.cli import _command_line
+    from qwen_apple_backend.cli import build_parser
+
+    def settings(ns):
+        return {k: v for k, v in vars(ns).items() if k not in ("_given", "_parser", "func")}
+
+    argv = ["bench", "--preset", "tiny", "--backends", "stock,fused", "--ablate", "moe-block",
+            "--warmup=1", "--quick"]
+    args = build_parser().parse_args(argv)
+    env = report.environment(_command_line(args, "bench"))
+    assert env["command_line"] == ("qab bench --preset tiny --backends stock,fused --ablate "
+                                   "moe-block --quick --warmup 1")
+    assert "--backends stock,fused" in env["command_line"]
+    assert "--ablate moe-block" in env["command_line"]
+    pasted = shlex.split(env["command_line"])
+    assert pasted[:2] == ["qab", "bench"]
+    assert settings(build_parser().parse_args(pasted[1:])) == settings(args)
+    # Options left out stay out; a value that starts with "-" pastes back as --flag=VALUE.
+    args = build_parser().parse_args(["compare", "--preset", "tiny", "--prompt=-5 apples"])
+    line = report.environment(_command_line(args, "compare"))["command_line"]
+    assert line == "qab compare --preset tiny '--prompt=-5 apples'"
+    assert settings(build_parser().parse_args(shlex.split(line)[1:])) == settings(args)
+
+
 def _decode_split(out, context):
     """Run benchmarks/decode_split.py on the tiny preset (fused, stock, --dot);
     returns (the process, its result rows)."""

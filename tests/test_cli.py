@@ -126,6 +126,27 @@ def test_bad_environment_stops_demo_and_compare_too(tmp_path):
         assert out.stderr.startswith("qab: error: QAB_GDN_CHUNK: expected a positive integer")
 
 
+def test_every_subcommand_checks_the_environment_but_help_does_not(tmp_path):
+    # backends and make-checkpoint read no QAB_* variable but still report a
+    # misspelt one (as typed); help and --version work whatever the variables hold.
+    from qwen_apple_backend.envs import FUSABLE_KINDS, OPTIMIZATIONS
+
+    env = {"QAB_DISABLE": "Moe-Blok"}
+    message = ("qab: error: QAB_DISABLE: unknown optimization 'Moe-Blok' (known: "
+               f"{', '.join([*FUSABLE_KINDS, 'all', *OPTIMIZATIONS])})")
+    for args in (["backends"], ["make-checkpoint", str(tmp_path / "ckpt"), "--quiet"],
+                 ["generate", "--model", str(tmp_path / "missing"), "--prompt", "x"]):
+        out = _qab(*args, env=env, timeout=120)
+        assert out.returncode == 2, (args, out.stderr)
+        assert out.stderr.strip() == message, (args, out.stderr)
+    assert not (tmp_path / "ckpt").exists()
+    for args in (["--help"], ["--version"], ["backends", "--help"], ["make-checkpoint", "-h"],
+                 ["bench", "--help"], ["generate", "--help"]):
+        out = _qab(*args, env=env, timeout=120)
+        assert out.returncode == 0, (args, out.stderr)
+        assert out.stdout and "error" not in out.stderr, (args, out.stderr)
+
+
 def test_unknown_plugin_in_qab_plugins_lists_the_available_ones(tmp_path):
     from importlib.metadata import entry_points
 

@@ -14,7 +14,9 @@ Bad input ends a command before any work with one ``error:`` line: the ``QAB_*``
 environment variables and ``--backend`` (exit status 2), non-positive token counts
 (argparse, exit status 2), a missing or broken checkpoint (exit status 1). A
 variable found unusable only at run time (a ``QAB_CACHE_DIR`` that cannot be
-written) is the same one ``qab: error: VAR: ...`` line, exit status 2.
+written) is the same one ``qab: error: VAR: ...`` line, exit status 2. Every
+subcommand checks the environment at startup, except that ``--help`` (``-h``) and
+``--version`` print without checking it, so help works whatever the variables hold.
 """
 
 from __future__ import annotations
@@ -148,10 +150,6 @@ def _check_environment(command: str) -> None:
         envs.validate(backends=backends)
     except EnvVarError as exc:
         raise UsageError(str(exc)) from None
-
-
-#: Commands that run models, so read the QAB_* variables.
-_ENV_COMMANDS = (*PASSTHROUGH, "demo", "bench", "compare")
 
 
 def _explain(exc: BaseException) -> Optional[str]:
@@ -405,12 +403,13 @@ def _main(argv: Sequence[str]) -> int:
     if func is None:
         parser.print_help()
         return 2
-    if args.command in _ENV_COMMANDS:
-        try:
-            _check_environment(args.command)
-        except UsageError as exc:
-            print(f"qab: error: {exc}", file=sys.stderr)
-            return 2
+    # Every subcommand, also those that read no QAB_* variable (backends,
+    # make-checkpoint): a misspelt one is reported by the first command run.
+    try:
+        _check_environment(args.command)
+    except UsageError as exc:
+        print(f"qab: error: {exc}", file=sys.stderr)
+        return 2
     try:
         return func(args)
     except EnvVarError as exc:  # found at run time: QAB_PLUGINS, QAB_CACHE_DIR

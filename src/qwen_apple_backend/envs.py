@@ -149,12 +149,19 @@ FALSE_VALUES = ("0", "false", "no", "off")
 MLX_BACKENDS = ("auto", "fused", "stock")
 
 
-def _names(raw: str) -> list[str]:
-    return [n.strip().lower() for n in raw.split(",") if n.strip()]
+def _names(names: Iterable[str]) -> dict[str, str]:
+    """Names compared in any case: each lower-cased name -> its first spelling as given
+    (stripped), so that an error quotes the value the user typed."""
+    out: dict[str, str] = {}
+    for name in names:
+        name = str(name).strip()
+        if name:
+            out.setdefault(name.lower(), name)
+    return out
 
 
 def _unknown(var: str, what: str, unknown: Iterable[str], known: Iterable[str]) -> EnvVarError:
-    unknown = sorted(set(unknown))
+    unknown = sorted(set(unknown), key=lambda n: (n.lower(), n))
     names = ", ".join(repr(n) for n in unknown)
     plural = "s" if len(unknown) > 1 else ""
     return EnvVarError(f"{var}: unknown {what}{plural} {names} (known: {', '.join(known)})")
@@ -186,25 +193,29 @@ def backend(known: Optional[Iterable[str]] = None) -> str:
     Raises:
         EnvVarError: if ``known`` is given and the value is not in it.
     """
-    value = (_get("QAB_BACKEND", "auto") or "auto").strip().lower() or "auto"
+    raw = (_get("QAB_BACKEND", "auto") or "auto").strip() or "auto"
+    value = raw.lower()
     if known is not None:
         known = list(known)
         if value not in known:
-            raise _unknown("QAB_BACKEND", "backend", [value], known)
+            raise _unknown("QAB_BACKEND", "backend", [raw], known)
     return value
 
 
 def disabled_kinds() -> frozenset[str]:
     """Module kinds forced to stock, and optimizations switched off, by ``QAB_DISABLE``.
 
+    Names match in any case; an error quotes them as given.
+
     Raises:
         EnvVarError: if a name is not one of ``moe``, ``gdn``, ``attn``,
             ``all`` or an optimization name (a key of :data:`OPTIMIZATIONS`).
     """
-    names = set(_names(_get("QAB_DISABLE", "") or ""))
+    given = _names((_get("QAB_DISABLE", "") or "").split(","))
+    names = set(given)
     unknown = names - set(FUSABLE_KINDS) - set(OPTIMIZATIONS) - {"all"}
     if unknown:
-        raise _unknown("QAB_DISABLE", "optimization", unknown,
+        raise _unknown("QAB_DISABLE", "optimization", [given[n] for n in unknown],
                        [*FUSABLE_KINDS, "all", *OPTIMIZATIONS])
     if "all" in names:
         return frozenset(FUSABLE_KINDS)
@@ -224,14 +235,16 @@ def check_disable(names: Iterable[str]) -> frozenset[str]:
 
     Raises:
         EnvVarError: (a ``ValueError``) naming ``disable=``, the unknown names
-            and the accepted ones.
+            as given and the accepted ones.
     """
     if isinstance(names, str):
         names = names.split(",")
-    got = {str(n).strip().lower() for n in names if str(n).strip()}
+    given = _names(names)
+    got = set(given)
     unknown = got - set(FUSABLE_KINDS) - set(OPTIMIZATIONS) - {"all"}
     if unknown:
-        raise _unknown("disable=", "optimization", unknown, [*FUSABLE_KINDS, "all", *OPTIMIZATIONS])
+        raise _unknown("disable=", "optimization", [given[n] for n in unknown],
+                       [*FUSABLE_KINDS, "all", *OPTIMIZATIONS])
     if "all" in got:
         got = (got - {"all"}) | set(FUSABLE_KINDS)
     return frozenset(got)
@@ -256,19 +269,22 @@ OPT_IN = ("decode-compile", "next-norm", "proj-gemv", "gemv-pipe", "attn-lanes",
 def enabled_opt_in() -> frozenset[str]:
     """Optimizations switched on by ``QAB_ENABLE`` (comma-separated) where they are off by default.
 
+    Names match in any case; an error quotes them as given.
+
     Raises:
         EnvVarError: for a name that is not in :data:`OPT_IN` (one that is on
             by default says so).
     """
-    names = set(_names(_get("QAB_ENABLE", "") or ""))
+    given = _names((_get("QAB_ENABLE", "") or "").split(","))
+    names = set(given)
     unknown = names - set(OPT_IN)
     on_already = sorted(unknown & set(OPTIMIZATIONS))
     if on_already:
         raise EnvVarError(
-            f"QAB_ENABLE: {on_already[0]!r} is on by default (QAB_ENABLE names only "
+            f"QAB_ENABLE: {given[on_already[0]]!r} is on by default (QAB_ENABLE names only "
             f"{', '.join(OPT_IN)}; switch others off with QAB_DISABLE)")
     if unknown:
-        raise _unknown("QAB_ENABLE", "optimization", unknown, OPT_IN)
+        raise _unknown("QAB_ENABLE", "optimization", [given[n] for n in unknown], OPT_IN)
     return frozenset(names)
 
 

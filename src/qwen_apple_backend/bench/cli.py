@@ -104,6 +104,36 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+class _NoteGiven(argparse.Action):
+    """Mixin for an option's action: also adds its ``dest`` to ``namespace._given``
+    when the command line gives the option (in any spelling: ``--flag=V``, an
+    abbreviation), so :func:`_command_line` keeps options given at their default."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        namespace._given = (*getattr(namespace, "_given", ()), self.dest)
+
+
+class _Store(_NoteGiven, argparse._StoreAction):
+    pass
+
+
+class _StoreTrue(_NoteGiven, argparse._StoreTrueAction):
+    pass
+
+
+class _Append(_NoteGiven, argparse._AppendAction):
+    pass
+
+
+def _note_given_options(p: argparse.ArgumentParser) -> None:
+    """Make the options that ``p`` adds from now on record that they were given."""
+    for name, action in ((None, _Store), ("store", _Store), ("store_true", _StoreTrue),
+                         ("append", _Append)):
+        p.register("action", name, action)
+    p.set_defaults(_given=())
+
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Raw description and epilog; option help wrapped at spaces only, so that
     hyphenated names (``moe-block-early``) stay whole for copying."""
@@ -125,6 +155,7 @@ def add_parsers(subparsers: Any) -> None:
     p = subparsers.add_parser("bench", help="prefill/decode throughput sweep, backends side "
                               "by side (JSON + PNG + table)", description=_BENCH_DESCRIPTION,
                               epilog=_BENCH_EPILOG, formatter_class=fmt)
+    _note_given_options(p)
     _add_source_args(p)
     s = p.add_argument_group("sweep")
     s.add_argument("--lengths", default=None, type=_lengths,
@@ -174,6 +205,7 @@ def add_parsers(subparsers: Any) -> None:
                               "by side (speed, agreement, first divergence)",
                               description=_COMPARE_DESCRIPTION, epilog=_COMPARE_EPILOG,
                               formatter_class=fmt)
+    _note_given_options(p)
     _add_source_args(p)
     q = p.add_argument_group("prompts")
     q.add_argument("--prompt", action="append", default=[], metavar="TEXT",
@@ -200,25 +232,29 @@ def add_parsers(subparsers: Any) -> None:
 
 
 def _command_line(args: argparse.Namespace, command: str) -> list[str]:
-    """The effective command: ``qab <command>`` plus every option that differs from its default."""
+    """The effective command, to paste back: ``qab <command>`` plus every option the
+    command line gave (also one given at its default, such as ``--backends
+    stock,fused``) or that differs from its default, in the parser's order.
+
+    A value starting with ``-`` is written ``--flag=VALUE``, as argparse needs it.
+    """
     parser: Optional[argparse.ArgumentParser] = getattr(args, "_parser", None)
     out = ["qab", command]
     if parser is None:
         return out
+    given = set(getattr(args, "_given", ()))
     for action in parser._actions:  # the parser's own option table
         if not action.option_strings or action.dest in ("help", "func", "_parser"):
             continue
         value = getattr(args, action.dest, None)
-        if value == action.default:
+        if action.dest not in given and value == action.default:
             continue
         flag = action.option_strings[-1]
         if isinstance(action, argparse._StoreTrueAction):
             out.append(flag)
-        elif isinstance(value, list):
-            for v in value:
-                out += [flag, str(v)]
-        else:
-            out += [flag, str(value)]
+            continue
+        for v in value if isinstance(value, list) else [value]:
+            out += [f"{flag}={v}"] if str(v).startswith("-") else [flag, str(v)]
     return out
 
 
