@@ -484,3 +484,33 @@ def test_next_proj_hands_the_next_mixer_its_projection(tiny_q4, fake_cuda, monke
         for layer in model.language_model.model.layers:
             if not layer.is_linear:
                 assert any(k[-1] for k in layer.self_attn._compiled) == want
+
+
+def test_a_wrong_projected_input_is_refused_and_the_mixer_keeps_working(tiny_q4, monkeypatch):
+    # projected= (moe-block-next-proj's handoff) of the wrong width, token
+    # count or dtype is a ValueError naming it, before any compiled call (an
+    # error inside a trace would leave the module's arrays replaced by the
+    # trace's placeholders); the right one gives the output of input_norm=.
+    monkeypatch.delenv("QAB_DISABLE", raising=False)
+    monkeypatch.delenv("QAB_ENABLE", raising=False)
+    fused, _ = load(tiny_q4, "fused")
+    layers = fused.language_model.model.layers
+    for layer in (layers[0], layers[3]):
+        mixer = layer.linear_attn if layer.is_linear else layer.self_attn
+        norm, cat = layer.input_layernorm, mixer._proj_cat
+        x = mx.random.normal((1, 1, norm.weight.shape[0]), key=mx.random.key(3))
+        x = x.astype(mx.bfloat16)
+        good = cat.matmul(norm(x))
+        n = good.shape[-1]
+        bad = [good[..., :-1], mx.concatenate([good, good], axis=1), good.astype(mx.float32),
+               good.reshape(n)]
+        for p in bad:
+            with pytest.raises(ValueError, match=r"^projected: expected the concatenated input "
+                                                 rf"projection's output of shape \(1, 1, {n}\) "
+                                                 r"and dtype mlx.core.bfloat16, got shape"):
+                mixer(x, None, make_prompt_cache(fused)[layers.index(layer)],
+                      input_norm=norm, projected=p)
+        want = mixer(x, None, make_prompt_cache(fused)[layers.index(layer)], input_norm=norm)
+        got = mixer(x, None, make_prompt_cache(fused)[layers.index(layer)], input_norm=norm,
+                    projected=good)
+        assert mx.array_equal(got, want).item(), type(mixer).__name__

@@ -365,19 +365,39 @@ def test_layers_know_the_next_layers_norm_and_mixer_for_its_projection():
     # moe-block-next-proj: each add-norm layer but the last knows the next
     # layer's input norm and mixer (which takes a projected input), for its
     # MoE block's launch to compute that mixer's projection; to_stock forgets.
+    # Read at each call: a next layer given back its stock class, a replaced
+    # mixer that takes no projected input, norm-proj off (the projection the
+    # phase computes is that launch's) or no phase: nothing to project.
     model = _tiny()
     layers = model.layers
-    want = [(n.input_layernorm, n.linear_attn if n.is_linear else n.self_attn)
-            for n in layers[1:]] + [None]
-    got = [layer.__dict__[layer_norm._NEXT_LAYER] for layer in layers]
-    assert got[-1] is None and all(g[0] is w[0] and g[1] is w[1]
-                                   for g, w in zip(got[:-1], want[:-1]))
-    assert all(getattr(g[1], "takes_projected", False) for g in got[:-1])
-    layers[0].to_stock()
-    assert layer_norm._NEXT_LAYER not in layers[0].__dict__
-    # Stock mixers (QAB_DISABLE=gdn,attn) take no projected input: no entry.
+    assert [layer.__dict__[layer_norm._NEXT_LAYER] for layer in layers] == [*layers[1:], None]
+    mlp = layers[0].mlp
+    assert mlp.next_proj_phase
+    for layer, nxt in zip(layers, layers[1:]):
+        norm, mixer = layer_norm._next_layer_projection(nxt, layer.mlp)
+        assert norm is nxt.input_layernorm
+        assert mixer is (nxt.linear_attn if nxt.is_linear else nxt.self_attn)
+        assert mixer.takes_projected
+    assert layer_norm._next_layer_projection(None, mlp) is None
+    mlp.next_proj_phase = False
+    assert layer_norm._next_layer_projection(layers[1], mlp) is None
+    mlp.next_proj_phase = True
+    layers[1].train()
+    assert layer_norm._next_layer_projection(layers[1], mlp) is None
+    layers[1].eval()
+    mixer1 = layers[1].linear_attn
+    layers[1].linear_attn = mixer1.to_stock() if hasattr(mixer1, "to_stock") else object()
+    assert layer_norm._next_layer_projection(layers[1], mlp) is None
+    layers[1].linear_attn = mixer1
+    layers[1].to_stock()
+    assert layer_norm._next_layer_projection(layers[1], mlp) is None
+    assert layer_norm._NEXT_LAYER not in layers[1].__dict__
+    off = _tiny(disable=["norm-proj"])
+    assert layer_norm._next_layer_projection(off.layers[1], off.layers[0].mlp) is None
+    # Stock mixers (QAB_DISABLE=gdn,attn) take no projected input.
     stock_mixers = _tiny(disable=["gdn", "attn"])
-    assert all(layer.__dict__[layer_norm._NEXT_LAYER] is None for layer in stock_mixers.layers)
+    assert layer_norm._next_layer_projection(stock_mixers.layers[1],
+                                             stock_mixers.layers[0].mlp) is None
 
 
 def test_layers_know_the_next_input_norm_only_when_enabled(monkeypatch):

@@ -188,6 +188,23 @@ class ConcatProjection:
         """Outputs of every child for input ``x``, from one matmul (see :meth:`matmul`)."""
         return mx.split(self.matmul(x, gemv_backend), self.split_at, axis=-1)
 
+    def check_projected(self, x: mx.array, projected: mx.array) -> None:
+        """Check a precomputed output of :meth:`matmul` for input ``x``
+        (``projected=`` of the fused mixers, ``moe-block-next-proj``).
+
+        Raises:
+            ValueError: naming ``projected`` when its shape is not
+                ``[*x.shape[:-1], N]`` (N: the concatenation's output rows) or
+                its dtype is not ``x``'s.
+        """
+        n = self.cat["weight"].shape[0]
+        if (not isinstance(projected, mx.array) or projected.shape != (*x.shape[:-1], n)
+                or projected.dtype != x.dtype):
+            got = (f"shape {tuple(projected.shape)} {projected.dtype}"
+                   if isinstance(projected, mx.array) else type(projected).__name__)
+            raise ValueError(f"projected: expected the concatenated input projection's output "
+                             f"of shape {(*x.shape[:-1], n)} and dtype {x.dtype}, got {got}")
+
     def gemv_backend(self, x: mx.array) -> Optional[str]:
         """The backend whose dense GEMV kernel may run :meth:`matmul` for this call, or None.
 

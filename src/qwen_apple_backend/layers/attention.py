@@ -273,10 +273,15 @@ class FusedGQAAttention(nn.Module):
                 for the decoder layer's fused MoE block to project in its own
                 launch. Default False.
             projected (mx.array | None): ``concat_qkv(input_norm(x))``
-                computed already (``[B, T, N]``, N = q/k/v outputs; the
-                previous layer's MoE block, ``moe-block-next-proj``); used
-                instead of running the projection while the concatenation is
-                valid, else ignored. Default None.
+                computed already (``[B, T, N]``, N = q/k/v outputs, dtype of
+                ``x``; the previous layer's MoE block, ``moe-block-next-proj``);
+                used instead of running the projection while the
+                concatenation is valid and the module is in eval mode, else
+                ignored. Default None.
+
+        Raises:
+            ValueError: naming ``projected`` when it is used and its shape or
+                dtype is not the projection's.
 
         Decode-sized calls run projections, q/k norm and RoPE as one
         compiled graph (see ``compile_decode``); attention and the cache
@@ -297,6 +302,9 @@ class FusedGQAAttention(nn.Module):
         if projected is not None and not (use_cat and not self.training):
             projected = None
         if projected is not None:
+            # Checked before any compiled call: an error while tracing would
+            # leave the module's arrays replaced by the trace's placeholders.
+            self._proj_cat.check_projected(x, projected)
             input_norm = None  # (applied already, as the projection)
         elif input_norm is not None:
             if use_cat and not self.training:

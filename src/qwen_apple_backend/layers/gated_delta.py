@@ -305,6 +305,7 @@ class FusedGatedDeltaNet(nn.Module):
         cat = getattr(self, "_proj_cat", None)
         if cat is not None and cat.valid(self):
             if projected is not None:
+                cat.check_projected(inputs, projected)
                 return tuple(mx.split(projected, cat.split_at, axis=-1)), projected
             backend = None
             if input_norm is not None and not self.training:
@@ -382,10 +383,15 @@ class FusedGatedDeltaNet(nn.Module):
                 block to project in its own launch. Default False.
             projected (Optional[mx.array]): ``concat_proj(input_norm(inputs))``
                 computed already (``[B, S, N]``, N the concatenated
-                projections' outputs; the previous layer's MoE block,
-                ``moe-block-next-proj``); used instead of running the
-                projection while the concatenation is valid and the layer is
-                unsharded, else ignored. Default None.
+                projections' outputs, dtype of ``inputs``; the previous
+                layer's MoE block, ``moe-block-next-proj``); used instead of
+                running the projection while the concatenation is valid and
+                the layer is unsharded and in eval mode, else ignored.
+                Default None.
+
+        Raises:
+            ValueError: naming ``projected`` when it is used and its shape or
+                dtype is not the projection's.
 
         Returns:
             mx.array | DeferredProjection: layer output, dtype of ``inputs``

@@ -898,8 +898,9 @@ class FusedSparseMoeBlock(nn.Module):
             applied.
 
         Shapes:
-            x, r, out, out_norm: ``[B, T, H]``; a ProjectedInput's ``y``:
-            ``[B, T, N]``.
+            x, r (an array), out, out_next (an array): ``[B, T, H]``; a
+            DeferredProjection's ``x``: ``[B, T, DO]``; a ProjectedInput's
+            ``y``: ``[B, T, N]``.
         """
         if (not self.fused_route or not self.use_kernel or self.training
                 or self.sharding_group is not None or type(norm) is not nn.RMSNorm

@@ -62,8 +62,9 @@ _VERDICTS = "_qab_add_norm_verdicts"
 _NEXT_NORM = "_qab_next_input_norm"
 # Whether a fused mixer gets the input norm to apply itself (norm-proj), per layer.
 _NORM_PROJ = "_qab_norm_proj"
-# The next decoder layer's (input_layernorm, mixer) when that mixer may take a
-# projected input (moe-block-next-proj), per layer instance (install_add_norm).
+# The next decoder layer (an add-norm layer), per layer instance
+# (install_add_norm): its input norm and mixer, read at each call, are what a
+# fused MoE block's launch may project for it (moe-block-next-proj).
 _NEXT_LAYER = "_qab_next_layer"
 
 # A layer's output and its next layer's input norm of it (or a ProjectedInput:
@@ -81,6 +82,26 @@ def _take_handoff(x: mx.array, norm: Any) -> Optional[Union[mx.array, ProjectedI
     _HANDOFF.value = None
     out, out_norm, by = hand
     return out_norm if (out is x and by is norm) else None
+
+
+def _next_layer_projection(layer: Any, mlp: Any) -> Optional[tuple]:
+    """``(input_layernorm, mixer)`` of the next decoder layer ``layer`` when the
+    MoE block ``mlp`` may compute that mixer's input projection for it
+    (``next_proj_phase``, ``moe-block-next-proj``): ``layer`` is still an
+    add-norm layer, its norm an ``nn.RMSNorm`` and its mixer one that takes a
+    projected input; else None. Read at each call, so a layer or mixer
+    replaced after :func:`install_add_norm` is never projected for."""
+    if layer is None or not getattr(mlp, "next_proj_phase", False):
+        return None
+    if not getattr(type(layer), "_qab_add_norm", False) or layer._training:
+        return None
+    d = layer.__dict__
+    mixer = dict.get(layer, "linear_attn" if layer.is_linear else "self_attn")
+    norm = dict.get(layer, "input_layernorm")
+    if (type(norm) is not nn.RMSNorm or not getattr(mixer, "takes_projected", False)
+            or not d.get(_NORM_PROJ)):
+        return None
+    return norm, mixer
 
 
 class _AddNorm:
@@ -123,6 +144,23 @@ class _AddNorm:
 
     def __call__(self, x: mx.array, mask: Optional[mx.array] = None,
                  cache: Optional[Any] = None) -> mx.array:
+        """The stock ``DecoderLayer.__call__`` of qwen3_5 and qwen3_next, fused.
+
+        ``h = x + mixer(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))``,
+        with the residual add and the post-attention norm as one call when
+        ready; a fused MoE block may take the whole second half (and the
+        mixer's output projection, and the next layer's input norm or input
+        projection: see the module doc); a fused mixer may take the input
+        norm, or the projection the previous layer's block computed for it.
+
+        Args:
+            x (mx.array): hidden states ``[B, T, hidden_size]``.
+            mask: the stock layer's mask (attention mask or SSM mask).
+            cache: the stock layer's cache entry.
+
+        Returns:
+            mx.array: ``[B, T, hidden_size]``, dtype of ``x``.
+        """
         # The stock DecoderLayer.__call__ of qwen3_5 and qwen3_next, with the
         # residual add and the post-attention norm as one call when ready.
         mixer = self.linear_attn if self.is_linear else self.self_attn
@@ -157,8 +195,8 @@ class _AddNorm:
             # launch ahead of its expert kernels (decode on CUDA), and the next
             # layer's input norm in its last kernel; None otherwise.
             nxt = self.__dict__.get(_NEXT_NORM)
-            nxt_layer = self.__dict__.get(_NEXT_LAYER)
-            if nxt_layer is not None and getattr(mlp, "next_proj_phase", False):
+            nxt_layer = _next_layer_projection(self.__dict__.get(_NEXT_LAYER), mlp)
+            if nxt_layer is not None:
                 got = mlp.add_norm_forward(x, r, norm, nxt, next_layer=nxt_layer)
             else:
                 got = mlp.add_norm_forward(x, r, norm, nxt)
@@ -236,6 +274,13 @@ def install_add_norm(model: Any, next_norm: bool = False, norm_proj: bool = True
             runs the norm in its input projection's launch (the
             ``norm-proj`` optimization). Default True.
 
+    Each swapped layer also records the next one (when that is an add-norm
+    layer too), so that its fused MoE block may end with the next layer's
+    input norm and mixer projection (``moe-block-next-proj``, the block's
+    ``next_proj_phase``); whether it may is decided at each call from the
+    next layer's current norm, mixer and class. Calling this again re-records
+    it (e.g. after replacing layers), even when it swaps nothing.
+
     Returns:
         int: the number of layers swapped (0 when none is exactly a stock
         ``qwen3_5.DecoderLayer`` / ``qwen3_next.Qwen3NextDecoderLayer`` with an
@@ -253,20 +298,16 @@ def install_add_norm(model: Any, next_norm: bool = False, norm_proj: bool = True
             object.__setattr__(layer, _NORM_PROJ, bool(norm_proj))
     # Each swapped layer knows the next layer's input norm (for the fused MoE
     # block's last kernel to apply it; see FusedSparseMoeBlock.add_norm_forward).
-    # And the next layer's input norm and mixer, when that mixer may take a
-    # projected input: a block whose next_proj_phase is set (the
-    # moe-block-next-proj optimization, on by default) may compute it.
+    # And the next layer itself: a block whose next_proj_phase is set (the
+    # moe-block-next-proj optimization, on by default) may compute that
+    # layer's input norm and its mixer's input projection (checked per call).
     for layer, nxt in zip(layers, layers[1:] + [None]):
         if getattr(type(layer), "_qab_add_norm", False):
             norm = None if nxt is None else dict.get(nxt, "input_layernorm")
             keep = next_norm and type(norm) is nn.RMSNorm
             object.__setattr__(layer, _NEXT_NORM, norm if keep else None)
-            mixer = None
-            if nxt is not None and getattr(type(nxt), "_qab_add_norm", False):
-                mixer = dict.get(nxt, "linear_attn" if nxt.is_linear else "self_attn")
-            takes = (type(norm) is nn.RMSNorm and getattr(mixer, "takes_projected", False)
-                     and getattr(mixer, "takes_input_norm", False))
-            object.__setattr__(layer, _NEXT_LAYER, (norm, mixer) if takes else None)
+            add_norm = nxt is not None and getattr(type(nxt), "_qab_add_norm", False)
+            object.__setattr__(layer, _NEXT_LAYER, nxt if add_norm else None)
     return n
 
 
