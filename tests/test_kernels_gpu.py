@@ -796,6 +796,20 @@ def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(s
             assert all(not mx.any(c).item() for c in counters)
 
 
+@pytest.mark.parametrize("disable", [[], ["moe-block"]], ids=["one-launch", "three-launch"])
+def test_fused_decode_at_head_dim_256_is_deterministic(disable):
+    # Two fused models built alike (the test model at head_dim 256, eager
+    # decode) decode identical logits: the ~2 % rel-L2 between the one-launch
+    # and three-launch models at this head_dim (see the compiled-step test
+    # above) is then not run-to-run nondeterminism in one of them.
+    models, caches = _prefilled_fused_next_models([disable + ["decode-compile"]] * 2, 256)
+    for t in range(4):
+        tok = mx.array([[(t * 53 + 7) % 500]])
+        a, b = (m(tok, cache=c) for m, c in zip(models, caches))
+        mx.eval(a, b)
+        assert mx.array_equal(a, b).item(), f"token {t}: rel-L2 {mx_rel_l2(a, b):.3g}"
+
+
 def test_moe_block_decode_folds_the_shared_expert_and_matches_stock():
     from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
     from qwen_apple_backend.ops.device import reset_self_checks, self_check_results
