@@ -260,9 +260,9 @@ def test_mixers_hand_the_moe_block_their_output_before_its_projection(tiny_q4, m
     seen = []
     real = FusedSparseMoeBlock.add_norm_forward
 
-    def spy(self, x, r, norm, next_norm=None):
+    def spy(self, x, r, norm, next_norm=None, next_layer=None):
         seen.append(type(r))
-        return real(self, x, r, norm, next_norm)
+        return real(self, x, r, norm, next_norm, next_layer=next_layer)
 
     monkeypatch.setattr(FusedSparseMoeBlock, "add_norm_forward", spy)
     tokens = mx.array([[3, 17, 42, 5, 9]])
