@@ -514,3 +514,29 @@ def test_a_wrong_projected_input_is_refused_and_the_mixer_keeps_working(tiny_q4,
         got = mixer(x, None, make_prompt_cache(fused)[layers.index(layer)], input_norm=norm,
                     projected=good)
         assert mx.array_equal(got, want).item(), type(mixer).__name__
+
+
+def test_report_says_when_a_switch_takes_the_blocks_phases_away(tiny_q4, monkeypatch):
+    # moe-block-out-proj and moe-block-next-proj (on by default) live in the
+    # one-launch MoE block: the report says when another switch takes it away
+    # (or, for next-proj, the concatenated projections or norm-proj), and says
+    # nothing by default or when they are switched off themselves (their own note).
+    monkeypatch.delenv("QAB_DISABLE", raising=False)
+    monkeypatch.delenv("QAB_ENABLE", raising=False)
+
+    def notes(**kw):
+        return [n for n in get_report(load(tiny_q4, "fused", **kw)[0]).notes
+                if "is not used" in n and "moe-block-" in n]
+
+    assert notes() == []
+    assert notes(disable=["moe-block"]) == [
+        "moe-block-out-proj is not used: it needs moe-block, which QAB_DISABLE / disable= "
+        "switches off",
+        "moe-block-next-proj is not used: it needs moe-block, which QAB_DISABLE / disable= "
+        "switches off"]
+    assert notes(disable=["proj-concat", "moe-block-out-proj"]) == [
+        "moe-block-next-proj is not used: it needs proj-concat, which QAB_DISABLE / disable= "
+        "switches off"]
+    monkeypatch.setenv("QAB_ENABLE", "next-norm")
+    assert notes() == [f"{n} is not used: next-norm from QAB_ENABLE replaces the one-launch "
+                       "MoE block" for n in ("moe-block-out-proj", "moe-block-next-proj")]

@@ -207,6 +207,12 @@ def _cuda_only_end() -> str:
 # when one of them is switched off.
 _OPT_IN_NEEDS = {"l2-prefetch": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block",
                                  "moe-block-early", "proj-concat")}
+# Likewise for switches on by default that live inside the one-launch block.
+_DEFAULT_NEEDS = {
+    "moe-block-out-proj": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block"),
+    "moe-block-next-proj": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block",
+                            "proj-concat", "norm-proj"),
+}
 
 
 def _link_l2_prefetch(model) -> None:
@@ -513,6 +519,20 @@ class QwenHybridAdapter(Adapter):
             else:
                 note = f"on CUDA {what} ({name} from QAB_ENABLE" + _cuda_only_end()
             report.notes.append(note)
+        if any(m.fused for m in report.modules):
+            # On-by-default phases of the one-launch block that another switch
+            # takes away: say so (their own QAB_DISABLE has its OFF note).
+            for name, needs in _DEFAULT_NEEDS.items():
+                if name in disable:
+                    continue
+                off = [n for n in needs if n in disable]
+                unused = f"{name} is not used: "
+                if off:
+                    report.notes.append(unused + f"it needs {' and '.join(off)}, which "
+                                        "QAB_DISABLE / disable= switches off")
+                elif "next-norm" in enabled and "next-norm" not in disable:
+                    report.notes.append(unused + "next-norm from QAB_ENABLE replaces the "
+                                        "one-launch MoE block")
         if "proj-gemv" in enabled and "proj-concat" in disable:
             report.notes.append("proj-gemv from QAB_ENABLE is not used: it needs proj-concat "
                                 "(in QAB_DISABLE / disable=)")
