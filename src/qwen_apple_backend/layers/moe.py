@@ -274,7 +274,8 @@ def _next_projection(x: mx.array, norm: nn.Module, mixer: nn.Module) -> Optional
     rows than the mixer's own norm + GEMV launch takes,
     :data:`~qwen_apple_backend.ops.linear.GEMV_MAX_ROWS`)."""
     cat = getattr(mixer, "_proj_cat", None)
-    if (x.ndim == 0 or x.size // x.shape[-1] > GEMV_MAX_ROWS or type(norm) is not nn.RMSNorm or cat is None or not getattr(mixer, "takes_projected", False)
+    if (x.ndim == 0 or x.size // x.shape[-1] > GEMV_MAX_ROWS or type(norm) is not nn.RMSNorm
+            or cat is None or not getattr(mixer, "takes_projected", False)
             or getattr(mixer, "training", True) or not cat._quantized_with_biases()
             or cat.kind[2] != 4 or cat.kind[3] != "affine" or not cat.valid(mixer)):
         return None
@@ -665,8 +666,7 @@ class FusedSparseMoeBlock(nn.Module):
             pw = next_proj.weights
             nw = next_proj.norm_weight
             pkey = ((id(nw), nw.shape, nw.dtype, next_proj.eps), id(pw.weight), pw.weight.shape,
-                    id(pw.scales),
-                    id(pw.biases), pw.scales.dtype, pw.group_size, pw.bits)
+                    id(pw.scales), id(pw.biases), pw.scales.dtype, pw.group_size, pw.bits)
         key = (x.shape, x.dtype, decode, envs.kernels_disabled(),
                envs.unverified_kernels_allowed(), self._weights_signature(), nkey, next_key,
                self.one_launch, self.stage_down, self.early_gate_up,
