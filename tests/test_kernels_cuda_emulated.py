@@ -2069,28 +2069,24 @@ def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(opt
         _out_proj_case(case, 2048) if op else None, str(options))
 
 
-def test_moe_decode_block_next_proj_emulated_fails_when_it_does_not_wait(monkeypatch):
-    # Next-projection items must wait for every down item: waiting for one
-    # more than there are is caught (the emulator checks the count it waits for).
-    _broken(monkeypatch, "moe_decode_block", "static_cast<uint32_t>(DBLK * rows)",
-            "static_cast<uint32_t>(DBLK * rows + 1)")
+@pytest.mark.parametrize("phase", ["out-proj", "next-proj"])
+def test_moe_decode_block_projection_phase_emulated_fails_when_a_wait_is_off(monkeypatch, phase):
+    # Route and gate/up items must wait for every out-projection item (OBLK
+    # per row), next-projection items for every down item (DBLK per row):
+    # waiting for one more than there are is caught (the emulator checks the
+    # count it waits for).
+    blocks = "OBLK" if phase == "out-proj" else "DBLK"
+    _broken(monkeypatch, "moe_decode_block", f"static_cast<uint32_t>({blocks} * rows)",
+            f"static_cast<uint32_t>({blocks} * rows + 1)")
     case = _block_case(*BLOCK_EMU_CASES[0][:3])
     counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
     with pytest.raises(emu.KernelFault, match="qab_wait_count"):
-        _assert_next_proj_block_is_block_then_norm_gemv("cuda", case, 4, True, counter,
-                                                        _next_proj_case(case, 80))
-
-
-def test_moe_decode_block_out_proj_emulated_fails_when_the_route_does_not_wait(monkeypatch):
-    # Route and gate/up items must wait for every out-projection item: waiting
-    # for one fewer is caught (the emulator checks the count it waits for).
-    _broken(monkeypatch, "moe_decode_block", "static_cast<uint32_t>(OBLK * rows)",
-            "static_cast<uint32_t>(OBLK * rows + 1)")
-    case = _block_case(*BLOCK_EMU_CASES[0][:3])
-    counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
-    with pytest.raises(emu.KernelFault, match="qab_wait_count"):
-        _assert_out_proj_block_is_gemv_then_block("cuda", case, 4, True, counter,
-                                                  _out_proj_case(case, 2048))
+        if phase == "out-proj":
+            _assert_out_proj_block_is_gemv_then_block("cuda", case, 4, True, counter,
+                                                      _out_proj_case(case, 2048))
+        else:
+            _assert_next_proj_block_is_block_then_norm_gemv("cuda", case, 4, True, counter,
+                                                            _next_proj_case(case, 80))
 
 
 def test_moe_decode_block_emulated_fails_without_the_reset(monkeypatch):

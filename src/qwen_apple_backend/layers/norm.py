@@ -95,11 +95,10 @@ def _next_layer_projection(layer: Any, mlp: Any) -> Optional[tuple]:
         return None
     if not getattr(type(layer), "_qab_add_norm", False) or layer._training:
         return None
-    d = layer.__dict__
     mixer = dict.get(layer, "linear_attn" if layer.is_linear else "self_attn")
     norm = dict.get(layer, "input_layernorm")
     if (type(norm) is not nn.RMSNorm or not getattr(mixer, "takes_projected", False)
-            or not d.get(_NORM_PROJ)):
+            or not layer.__dict__.get(_NORM_PROJ)):
         return None
     return norm, mixer
 
@@ -196,10 +195,7 @@ class _AddNorm:
             # layer's input norm in its last kernel; None otherwise.
             nxt = self.__dict__.get(_NEXT_NORM)
             nxt_layer = _next_layer_projection(self.__dict__.get(_NEXT_LAYER), mlp)
-            if nxt_layer is not None:
-                got = mlp.add_norm_forward(x, r, norm, nxt, next_layer=nxt_layer)
-            else:
-                got = mlp.add_norm_forward(x, r, norm, nxt)
+            got = mlp.add_norm_forward(x, r, norm, nxt, next_layer=nxt_layer)
             if got is not None:
                 out, out_norm = got
                 if isinstance(out_norm, ProjectedInput):

@@ -215,6 +215,14 @@ _DEFAULT_NEEDS = {
 }
 
 
+def _needs_off(needs, disable) -> str:
+    """The end of an "is not used" note for a switch whose prerequisites ``needs``
+    are partly in ``disable``, or "" when none is."""
+    off = [n for n in needs if n in disable]
+    return (f"it needs {' and '.join(off)}, which QAB_DISABLE / disable= switches off"
+            if off else "")
+
+
 def _link_l2_prefetch(model) -> None:
     """``l2-prefetch``: give each decoder layer's fused MoE block the next layer's
     concatenated input projection (Gated DeltaNet in_proj, attention q/k/v),
@@ -506,11 +514,10 @@ class QwenHybridAdapter(Adapter):
                                            "layer's input projection while its route runs")):
             if name not in enabled or not any(m.fused for m in report.modules):
                 continue
-            needs = [n for n in _OPT_IN_NEEDS.get(name, ()) if n in disable]
+            needs = _needs_off(_OPT_IN_NEEDS.get(name, ()), disable)
             unused = f"{name} from QAB_ENABLE is not used: "
             if needs:
-                note = (unused + f"it needs {' and '.join(needs)}, which QAB_DISABLE / "
-                        "disable= switches off")
+                note = unused + needs
             elif name in disable:
                 note = unused + "also in QAB_DISABLE / disable=, which wins"
             elif name == "l2-prefetch" and "next-norm" in enabled and "next-norm" not in disable:
@@ -525,11 +532,10 @@ class QwenHybridAdapter(Adapter):
             for name, needs in _DEFAULT_NEEDS.items():
                 if name in disable:
                     continue
-                off = [n for n in needs if n in disable]
+                off = _needs_off(needs, disable)
                 unused = f"{name} is not used: "
                 if off:
-                    report.notes.append(unused + f"it needs {' and '.join(off)}, which "
-                                        "QAB_DISABLE / disable= switches off")
+                    report.notes.append(unused + off)
                 elif "next-norm" in enabled and "next-norm" not in disable:
                     report.notes.append(unused + "next-norm from QAB_ENABLE replaces the "
                                         "one-launch MoE block")
