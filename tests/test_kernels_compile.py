@@ -67,6 +67,11 @@ CASES = {
     # Qwen3.6's decode q/k preparation: 64 of 256 dims rotated ("rotate half").
     "qk_norm_rope": (["bf16", "bf16", "bf16", "bf16", "f32", "i32"], ["bf16", "bf16"],
                      {"InT": "bf16", "D": 256, "R": 64, "TRAD": False}),
+    # The one-launch decode attention step (attn-step) at the model's 4K launch.
+    "gqa_decode_step": (
+        ["bf16", "bf16", "bf16", "f32", "i32", "bf16", "bf16", "u32"], ["bf16", "f32", "f32"],
+        {"InT": "bf16", "D": 256, "G": 8, "R": 64, "TRAD": False, "BLOCK": 64, "LPK": 8,
+         "WARPS": 8}),
     # The compiled decode step's in-place KV cache write.
     "kv_cache_write": (["bf16", "bf16", "bf16", "bf16", "i32"], ["bool"], {"InT": "bf16"}),
     "moe_grouped_gemm": (
@@ -187,6 +192,11 @@ EXTRA_CASES = [
     ("gqa_decode_partial_lanes", (["f32", "f32", "f32", "bool", "f32"], ["f32", "f32"],
                                   {"InT": "f32", "D": 128, "G": 16, "BLOCK": 64, "LPK": 8,
                                    "WARPS": 8, "HAS_MASK": False})),
+    # The attention step in float32 at D = 128, traditional RoPE, G = 16.
+    ("gqa_decode_step", (["f32", "f32", "f32", "f32", "i32", "f32", "f32", "u32"],
+                         ["f32", "f32", "f32"],
+                         {"InT": "f32", "D": 128, "G": 16, "R": 32, "TRAD": True, "BLOCK": 512,
+                          "LPK": 8, "WARPS": 8})),
     # Traditional (adjacent-pair) RoPE in float32 at D = 128.
     ("qk_norm_rope", (["f32", "f32", "f32", "f32", "f32", "i32"], ["f32", "f32"],
                       {"InT": "f32", "D": 128, "R": 32, "TRAD": True})),

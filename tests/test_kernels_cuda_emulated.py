@@ -1684,7 +1684,8 @@ def test_split_decode_attention_lanes_broken_merge_fails_emulated(what, monkeypa
                                      mask)
     good = attn_ops._split_kernel_call("cuda", q, k, v, D ** -0.5, mask, lanes=True)
     assert mx_rel_l2(good, ref) <= _split_tol(BF16)
-    _broken(monkeypatch, "gqa_decode_partial_lanes", *LANES_BREAKS[what])
+    # The pass lives in gqa_lanes.cuh (shared with gqa_decode_step).
+    _broken(monkeypatch, "gqa_decode_partial_lanes", *LANES_BREAKS[what], header=True)
     bad = attn_ops._split_kernel_call("cuda", q, k, v, D ** -0.5, mask, lanes=True)
     assert mx_rel_l2(bad, ref) > 10 * _split_tol(BF16), what
 
@@ -2223,5 +2224,151 @@ def test_moe_decode_block_dispatcher_self_checks_the_emulated_kernel(monkeypatch
         # Outside the contract: float32 activations.
         assert moe_ops.decode_block_ready(x.astype(F32), w, 1e-6, gate, 4, True, gu, dn,
                                           sw) is None
+    finally:
+        device.reset_self_checks()
+
+
+# --------------------------------------------------------------------------
+# The one-launch decode attention step (gqa_decode_step, attn-step)
+# --------------------------------------------------------------------------
+
+# (B, Hq, Hk, D, S, offset, dtype, RoPE dims, traditional, thread blocks one
+# launch aims for): Qwen3.6's 8 query heads per KV head at D 256 with its
+# partial RoPE (64 of 256 dims) and key blocks past the token; float32 at D
+# 128 with the token in the buffer's last row; float16, traditional full RoPE,
+# one big key block and an empty one; the first token (offset 0), G 1, D 32.
+STEP_CASES = [
+    (1, 16, 2, 256, 150, 137, BF16, 64, False, 128),
+    (2, 8, 2, 128, 77, 76, F32, 32, False, 128),
+    (1, 4, 1, 64, 300, 40, F16, 64, True, 2),
+    (2, 2, 2, 32, 45, 0, BF16, 32, False, 128),
+]
+
+
+def _step_case(B, Hq, Hk, D, S, off, dtype, R, trad):
+    kx, kw, kk, kv = mx.random.split(mx.random.key(S + D + off), 4)
+    qkv = mx.random.normal((B, 1, Hq * 2 * D + 2 * Hk * D), key=kx).astype(dtype)
+    w = (1.0 + 0.2 * mx.random.normal((2, D), key=kw)).astype(dtype)
+    # The cache's form: a view of the first S rows of a longer buffer.
+    k_buf = mx.random.normal((B, Hk, S + 9, D), key=kk).astype(dtype)[:, :, :S]
+    v_buf = mx.random.normal((B, Hk, S + 9, D), key=kv).astype(dtype)[:, :, :S]
+    rope = attn_ops.RopeSpec(R, trad, 10000.0, 1.0)
+    return qkv, w[0], w[1], k_buf, v_buf, mx.array(off, dtype=mx.int32), rope
+
+
+def _step_id(c):
+    return "x".join(map(str, c[:6])) + f"-{c[6]}-R{c[7]}{'trad' if c[8] else ''}-ctas{c[9]}"
+
+
+def _four_launches(qkv, qw, kw, k_buf, v_buf, offset, Hq, rope, lanes=True):
+    """The same token through qk_norm_rope, the buffers written by MLX ops (the
+    emulator does not hand in-place writes back), the split-K pair with the
+    step's mask, and the gate: the launches the step replaces."""
+    B, Hk, D = qkv.shape[0], k_buf.shape[1], k_buf.shape[3]
+    qg, k, v = mx.split(qkv, [Hq * 2 * D, Hq * 2 * D + Hk * D], axis=-1)
+    q, gate = mx.split(qg.reshape(B, 1, Hq, 2 * D), 2, axis=-1)
+    q, k = attn_ops.prep_qk_decode(q, k.reshape(B, 1, Hk, D), qw, kw, q_eps=1e-6, k_eps=1e-5,
+                                   rope=rope, offset=offset)
+    kb, vb, mask = attn_ops.kv_cache_write_ops(
+        k, v.reshape(B, 1, Hk, D).transpose(0, 2, 1, 3), k_buf, v_buf, offset)
+    return attn_ops._split_kernel_call("cuda", q, kb, vb, D ** -0.5, mask, gate, lanes=lanes)
+
+
+def _step(case, counter=None):
+    qkv, qw, kw, k_buf, v_buf, offset, rope = case
+    B, Hk = k_buf.shape[:2]
+    Hq = (qkv.shape[-1] - 2 * Hk * k_buf.shape[3]) // (2 * k_buf.shape[3])
+    return attn_ops._step_call("cuda", qkv, qw, kw, k_buf, v_buf, offset, Hq, 1e-6, 1e-5, rope,
+                               k_buf.shape[3] ** -0.5,
+                               attn_ops.step_counter(B, Hk) if counter is None else counter)
+
+
+@pytest.mark.parametrize("case", STEP_CASES, ids=_step_id)
+def test_decode_step_is_the_four_launches_emulated(case, monkeypatch):
+    B, Hq, Hk, D, S, off, dtype, R, trad, ctas = case
+    monkeypatch.setattr(attn_ops, "_LANES_CTAS", ctas)
+    c = _step_case(B, Hq, Hk, D, S, off, dtype, R, trad)
+    qkv, qw, kw, k_buf, v_buf, offset, rope = c
+    # Both schedules run on the SAME counter: one the launch leaves non-zero
+    # breaks the second.
+    counter = attn_ops.step_counter(B, Hk)
+    out = _step(c, counter)
+    assert out.shape == (B, 1, Hq * D) and out.dtype == dtype
+    assert np.all(np.array(counter) == 0)
+    ref, kb, vb = attn_ops.gqa_decode_step_ops(
+        *(a.astype(F32) for a in (qkv, qw, kw, k_buf, v_buf)), offset, heads=Hq, q_eps=1e-6,
+        k_eps=1e-5, rope=rope, scale=D ** -0.5)
+    assert mx_rel_l2(out, ref) <= 2 * _split_tol(dtype)
+    # The same arithmetic as the four launches but for the order of the key
+    # blocks' merge (float32): at most a last-bit difference of the output dtype.
+    four = _four_launches(qkv, qw, kw, k_buf, v_buf, offset, Hq, rope)
+    assert mx_rel_l2(out, four) <= (1e-6 if dtype == F32 else 4e-3)
+    # The public entry takes the same launch.
+    pub = attn_ops.gqa_decode_step(qkv, qw, kw, k_buf, v_buf, offset, counter, heads=Hq,
+                                   q_eps=1e-6, k_eps=1e-5, rope=rope, scale=D ** -0.5)
+    assert mx.array_equal(pub, out).item()
+
+
+# Mutations the checks must catch: the token's row never written (its key is
+# then the buffer's old row), the count not reset (the second schedule's
+# launch finds it non-zero: nobody merges), the last block taken one count
+# early (a key block merged before it is written), the merge's weights not
+# rescaled to the common max.
+STEP_BREAKS = {
+    "row-not-written": ("kw[(int64_t)d * k_buf_strides[3]] = ko[e];", ""),
+    "count-not-reset": ("const_cast<uint32_t*>(count)[(int64_t)b * Hk + h] = 0u;", ""),
+    "last-too-early": ("static_cast<uint32_t>(NB - 1);", "static_cast<uint32_t>(NB - 2);"),
+    "no-rescale": ("const float wi = exp2f(qab_ldcg(ml + (base + i) * 2) - M);",
+                   "const float wi = 1.f;"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(STEP_BREAKS))
+def test_decode_step_broken_fails_emulated(what, monkeypatch):
+    case = _step_case(*STEP_CASES[0][:9])
+    qkv, qw, kw, k_buf, v_buf, offset, rope = case
+    ref = _four_launches(qkv, qw, kw, k_buf, v_buf, offset, 16, rope)
+    assert mx_rel_l2(_step(case), ref) <= 4e-3
+    _broken(monkeypatch, "gqa_decode_step", *STEP_BREAKS[what])
+    try:
+        bad = _step(case)
+    except emu.KernelFault:
+        return  # e.g. an output element never written
+    # (One wrong key of 138 moves the output ~3 %; the intact launch is within 4e-3.)
+    assert not (mx_rel_l2(bad, ref) <= 8e-3), what
+
+
+def test_decode_step_dispatch_and_errors_emulated(monkeypatch):
+    # step_kernel_ready self-checks the launch (output and both written
+    # buffers; the emulator hands no in-place write back, so the buffer
+    # outputs fail there) and declines shapes it does not take; the public
+    # entry names what does not fit.
+    monkeypatch.setattr(attn_ops, "gpu_backend", lambda: "cuda")
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    rope = attn_ops.RopeSpec(64, False, 10000.0, 1.0)
+    device.reset_self_checks()
+    try:
+        assert attn_ops.step_kernel_ready(1, 16, 2, 256, BF16, None) is None
+        assert attn_ops.step_kernel_ready(1, 16, 2, 256, BF16,
+                                          attn_ops.RopeSpec(60, False, 1e4, 1.0)) is None
+        assert attn_ops.step_kernel_ready(1, 34, 2, 256, BF16, rope) is None  # G 17
+        assert attn_ops.step_kernel_ready(1, 16, 2, 256, mx.int32, rope) is None
+        case = _step_case(*STEP_CASES[0][:9])
+        qkv, qw, kw, k_buf, v_buf, offset, _ = case
+        counter = attn_ops.step_counter(1, 2)
+        kw_ = dict(heads=16, q_eps=1e-6, k_eps=1e-5, rope=rope, scale=0.0625)
+        with pytest.raises(ValueError, match=r"qkv must be \[B, 1, Hq \* 2 D \+ 2 Hk D\]"):
+            attn_ops.gqa_decode_step(qkv[..., 1:], qw, kw, k_buf, v_buf, offset, counter, **kw_)
+        with pytest.raises(ValueError, match="one dtype expected"):
+            attn_ops.gqa_decode_step(qkv, qw.astype(F32), kw, k_buf, v_buf, offset, counter,
+                                     **kw_)
+        with pytest.raises(ValueError, match="k_buf and v_buf"):
+            attn_ops.gqa_decode_step(qkv, qw, kw, k_buf, v_buf[:, :, :9], offset, counter,
+                                     **kw_)
+        with pytest.raises(ValueError, match="counter must be uint32 of >= 2"):
+            attn_ops.gqa_decode_step(qkv, qw, kw, k_buf, v_buf, offset,
+                                     mx.zeros((4,), mx.int32), **kw_)
+        with pytest.raises(ValueError, match="B >= 1 and Hk >= 1"):
+            attn_ops.step_counter(0, 2)
     finally:
         device.reset_self_checks()

@@ -195,3 +195,15 @@ __device__ __forceinline__ void qab_wait_count(const uint32_t* p, uint32_t targe
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
 #endif
 }
+
+// y * sigmoid(x) rounded as mlx-lm's `out * mx.sigmoid(gate)` in T (Qwen3-Next's
+// attention output gate): each step of MLX's sigmoid (e = exp(|x|), r = 1 / (1 + e),
+// x < 0 ? r : 1 - r) and the product rounded to T.
+template <typename T>
+__device__ __forceinline__ T qab_sigmoid_gate(const T y, const float x) {
+  const T ex = static_cast<T>(expf(fabsf(x)));
+  const T one_e = static_cast<T>(1.f + static_cast<float>(ex));
+  const T r = static_cast<T>(1.f / static_cast<float>(one_e));
+  const T sg = x < 0.f ? r : static_cast<T>(1.f - static_cast<float>(r));
+  return static_cast<T>(static_cast<float>(y) * static_cast<float>(sg));
+}

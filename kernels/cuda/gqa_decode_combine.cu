@@ -4,9 +4,8 @@
 // float32, rounded once to OutT. Blocks with no allowed key (m = -inf, l = 0)
 // weigh 0; a head with no allowed key at all gives NaN (0 / 0; never in
 // decode, where the new key is allowed). With HAS_GATE, Qwen3-Next's output gate follows in the same
-// launch, rounded as mlx-lm's `out * mx.sigmoid(gate)` in OutT: each step of
-// MLX's sigmoid (y = 1 / (1 + exp(|x|)), x < 0 ? y : 1 - y) and the product
-// rounded to OutT.
+// launch, rounded as mlx-lm's `out * mx.sigmoid(gate)` in OutT (common.cuh's
+// qab_sigmoid_gate).
 //
 // One thread block per (b, query head) of W = blockDim.x / 32 warps (at most
 // 16): warp w merges blocks w, w + W, ... two at a time (both blocks' loads
@@ -83,14 +82,9 @@ if (w == 0) {
     const int d = lane * EPL + e;
     OutT y = static_cast<OutT>(nt[e] / dt);
     if (HAS_GATE) {
-      const float x = static_cast<float>(
-          gate[(int64_t)b * gate_strides[0] + (int64_t)hq * gate_strides[2] +
-               (int64_t)d * gate_strides[3]]);
-      const OutT ex = static_cast<OutT>(expf(fabsf(x)));
-      const OutT one_e = static_cast<OutT>(1.f + static_cast<float>(ex));
-      const OutT r = static_cast<OutT>(1.f / static_cast<float>(one_e));
-      const OutT sg = x < 0.f ? r : static_cast<OutT>(1.f - static_cast<float>(r));
-      y = static_cast<OutT>(static_cast<float>(y) * static_cast<float>(sg));
+      y = qab_sigmoid_gate<OutT>(
+          y, static_cast<float>(gate[(int64_t)b * gate_strides[0] + (int64_t)hq * gate_strides[2] +
+                                     (int64_t)d * gate_strides[3]]));
     }
     out[((int64_t)b * gridDim.y + hq) * D + d] = y;
   }

@@ -41,7 +41,7 @@ import mlx.core as mx
 
 from qwen_apple_backend import envs
 from qwen_apple_backend.ops.device import (build_kernel, f32_scalar, gpu_backend, padded_zeros,
-                                           self_checked)
+                                           self_checked, unpooled_length)
 
 __all__ = [
     "RopeSpec",
@@ -63,6 +63,10 @@ __all__ = [
     "kv_cache_write",
     "kv_cache_write_ops",
     "kv_write_ready",
+    "gqa_decode_step",
+    "gqa_decode_step_ops",
+    "step_counter",
+    "step_kernel_ready",
 ]
 
 #: Budget for one attention call's score matrix (float32 bytes of [B, Hq, rows, S]).
@@ -927,6 +931,245 @@ def kv_cache_write(backend: str, k_new: mx.array, v_new: mx.array, k_buf: mx.arr
         grid=(-(-n // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(1, 1, 1, S)], output_dtypes=[mx.bool_])
     return mask
+
+
+# --------------------------------------------------------------------------
+# One decode token's full-attention core in one launch (kernels/cuda/gqa_decode_step)
+# --------------------------------------------------------------------------
+
+
+def gqa_decode_step_ops(qkv: mx.array, q_weight: mx.array, k_weight: mx.array,
+                        k_buf: mx.array, v_buf: mx.array, offset: mx.array, *, heads: int,
+                        q_eps: float, k_eps: float, rope: RopeSpec,
+                        scale: float) -> tuple[mx.array, mx.array, mx.array]:
+    """Portable reference of :func:`gqa_decode_step`: new buffers instead of in-place writes.
+
+    Stock Qwen3-Next attention between its projections and ``o_proj`` for one
+    token: the projection row split into query heads with their gates, keys
+    and values; q/k RMSNorm and RoPE (:func:`prep_qk`); the row written at
+    ``offset`` (:func:`kv_cache_write_ops`); attention over keys
+    ``0..offset`` (:func:`gqa_attention_ops`); the sigmoid gate
+    (:func:`gate_output`).
+
+    Args:
+        qkv (mx.array): the concatenated ``q_proj | k_proj | v_proj`` output of the token.
+        q_weight (mx.array): ``[D]`` query RMSNorm weight. k_weight (mx.array): key's.
+        k_buf (mx.array): key cache buffer. v_buf (mx.array): value cache buffer.
+        offset (mx.array): the token's position (``< S``), int32, one element.
+        heads (int): query heads Hq.
+        q_eps (float): query RMSNorm epsilon. k_eps (float): key's.
+        rope (RopeSpec): the plain RoPE. scale (float): score scale.
+
+    Returns:
+        tuple[mx.array, mx.array, mx.array]: ``(out, k_buf', v_buf')``, out
+        in the promoted dtype of the inputs.
+
+    Shapes:
+        qkv: ``[B, 1, Hq * 2 D + 2 Hk D]``; k_buf, v_buf: ``[B, Hk, S, D]``;
+        out: ``[B, 1, Hq * D]``
+    """
+    B = qkv.shape[0]
+    Hk, D = k_buf.shape[1], k_buf.shape[3]
+    qg, k, v = mx.split(qkv, [heads * 2 * D, heads * 2 * D + Hk * D], axis=-1)
+    q, gate = mx.split(qg.reshape(B, 1, heads, 2 * D), 2, axis=-1)
+    q, k = prep_qk(q, k.reshape(B, 1, Hk, D), q_weight, k_weight, q_eps=q_eps, k_eps=k_eps,
+                   rope=rope, offset=offset.reshape(()))
+    v = v.reshape(B, 1, Hk, D).transpose(0, 2, 1, 3)
+    kb, vb, mask = kv_cache_write_ops(k.astype(k_buf.dtype), v.astype(v_buf.dtype), k_buf, v_buf,
+                                      offset.reshape(()))
+    return gate_output(gqa_attention_ops(q, kb, vb, scale, mask), gate), kb, vb
+
+
+@functools.lru_cache(maxsize=None)
+def _step_object(backend: str):
+    # CUDA only (no Metal source: Metal keeps the separate ops).
+    return build_kernel("gqa_decode_step", backend, ensure_row_contiguous=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _step_params(q_eps: float, k_eps: float, rope_scale: float, base: float,
+                 scale: float) -> mx.array:
+    # [8] float32 (32 bytes: not MLX's small managed pool), evaluated once per value set.
+    import numpy as np
+
+    log2_base = float(np.log2(np.float32(base), dtype=np.float32))  # as MLX's rope
+    a = mx.array([q_eps, k_eps, rope_scale, log2_base, scale, 0.0, 0.0, 0.0], dtype=mx.float32)
+    mx.eval(a)
+    return a
+
+
+def step_counter(B: int, Hk: int) -> mx.array:
+    """The counter of :func:`gqa_decode_step`: uint32 zeros, one per (batch row, KV head).
+
+    A real, evaluated buffer that each launch reads and leaves at zero (its
+    last thread block per (row, head) resets its element), so launches that
+    share one must not overlap: one per attention layer, used inside the
+    compiled decode step (its launches run one after another). At least 16
+    bytes (:func:`ops.device.unpooled_length`).
+
+    Raises:
+        ValueError: if ``B`` or ``Hk`` is below 1.
+    """
+    if B < 1 or Hk < 1:
+        raise ValueError(f"a step counter needs B >= 1 and Hk >= 1, got B={B}, Hk={Hk}")
+    c = mx.zeros((unpooled_length(B * Hk, mx.uint32),), dtype=mx.uint32)
+    mx.eval(c)
+    return c
+
+
+def _step_call(backend: str, qkv: mx.array, q_weight: mx.array, k_weight: mx.array,
+               k_buf: mx.array, v_buf: mx.array, offset: mx.array, heads: int, q_eps: float,
+               k_eps: float, rope: RopeSpec, scale: float, counter: mx.array) -> mx.array:
+    B = qkv.shape[0]
+    Hk, S, D = k_buf.shape[1], k_buf.shape[2], k_buf.shape[3]
+    G = heads // Hk
+    block, lpk, warps = _lanes_params(B, Hk, S, G, D, qkv.dtype)
+    nb = -(-S // block)
+    params = _step_params(float(q_eps), float(k_eps), float(rope.scale), float(rope.base),
+                          float(scale))
+    out, _, _ = _step_object(backend)(
+        inputs=[qkv, q_weight, k_weight, params, offset, k_buf, v_buf, counter],
+        template=[("InT", qkv.dtype), ("D", D), ("G", G), ("R", rope.dims),
+                  ("TRAD", rope.traditional), ("BLOCK", block), ("LPK", lpk),
+                  ("WARPS", warps)],
+        grid=(32 * warps * nb, Hk, B), threadgroup=(32 * warps, 1, 1),
+        output_shapes=[(B, 1, heads * D), (B, heads, nb, D), (B, heads, nb, 2)],
+        output_dtypes=[qkv.dtype, mx.float32, mx.float32])
+    return out
+
+
+def _step_shapes_ok(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
+                    rope: Optional[RopeSpec]) -> bool:
+    epl = D // 32
+    if (rope is None or B < 1 or Hk < 1 or Hq % Hk or Hq // Hk > 16 or D % 32 or D > 256
+            or dtype not in (mx.float32, mx.bfloat16, mx.float16)):
+        return False
+    R = rope.dims
+    if R % 2 or R <= 0 or R > D or (epl % 2 if rope.traditional else (R // 2) % epl):
+        return False
+    # The lane-group pass's build (LPK dividing a K row's 16-byte pieces, its float32 o).
+    return _lanes_params(B, Hk, 1, Hq // Hk, D, dtype) is not None
+
+
+def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
+                      rope: Optional[RopeSpec]) -> Optional[str]:
+    """The GPU backend whose one-launch decode attention step may run, or None.
+
+    :func:`gqa_decode_step` takes a plain RoPE (``rope`` not None) as the
+    q/k preparation kernel does (R even, ``(R / 2) % (D / 32) == 0``,
+    traditional: ``D / 32`` even), ``D`` a multiple of 32 up to 256,
+    ``Hq / Hk`` at most 16 with ``G * D <= 2048`` (the lane-group pass),
+    float32 / bf16 / f16 with norm weights and KV buffers of that dtype. CUDA
+    only (``kernels/cuda/gqa_decode_step.cu``), built once its manifest entry
+    records a GPU verification or with ``QAB_UNVERIFIED_KERNELS=1``, and
+    self-checked once per ``(Hq, Hk, D, dtype, rope)`` against
+    :func:`gqa_decode_step_ops` (output and both written buffers) on a
+    strided cache view of batch 2 with key blocks past the token. The check
+    evaluates only arrays of its own, so it may run while a compiled step
+    traces.
+
+    Returns:
+        Optional[str]: ``"cuda"``, or None.
+    """
+    if envs.kernels_disabled():
+        return None
+    backend = gpu_backend()
+    if backend != "cuda" or not _step_shapes_ok(B, Hq, Hk, D, dtype, rope):
+        return None
+    if _step_object(backend) is None:
+        return None
+    key = (Hq, Hk, D, str(dtype), rope)
+    S = 777  # the cache's view: [:, :, :S] of a longer buffer
+    off = 700  # key blocks past the token, a partial block holding it
+
+    def make_inputs():
+        kx, kw, kk, kv = mx.random.split(mx.random.key(13), 4)
+        qkv = mx.random.normal((2, 1, Hq * 2 * D + 2 * Hk * D), key=kx).astype(dtype)
+        w = (1.0 + 0.2 * mx.random.normal((2, D), key=kw)).astype(dtype)
+        k_full = mx.random.normal((2, Hk, S + 40, D), key=kk).astype(dtype)
+        v_full = mx.random.normal((2, Hk, S + 40, D), key=kv).astype(dtype)
+        return qkv, w[0], w[1], k_full, v_full, mx.array(off, dtype=mx.int32)
+
+    def kernel(qkv, qw, kw_, k_full, v_full, offset):
+        kf, vf = k_full * 1, v_full * 1  # private copies: the kernel writes them
+        mx.eval(kf, vf)
+        kb, vb = kf[:, :, :S], vf[:, :, :S]
+        out = _step_call(backend, qkv, qw, kw_, kb, vb, offset, Hq, 1e-6, 1e-5, rope,
+                         D ** -0.5, step_counter(2, Hk))
+        mx.eval(out)
+        return [out, kb, vb]
+
+    def reference(qkv, qw, kw_, k_full, v_full, offset):
+        return list(gqa_decode_step_ops(qkv, qw, kw_, k_full[:, :, :S], v_full[:, :, :S],
+                                        offset, heads=Hq, q_eps=1e-6, k_eps=1e-5, rope=rope,
+                                        scale=D ** -0.5))
+
+    # As the q/k kernel's check (RoPE at position 700) and the split pair's.
+    tol = 1e-4 if dtype == mx.float32 else 2e-2
+    ok = self_checked("gqa_decode_step", backend, key, kernel=kernel, reference=reference,
+                      make_inputs=make_inputs, rtol=(tol, tol, tol))
+    return backend if ok else None
+
+
+def gqa_decode_step(qkv: mx.array, q_weight: mx.array, k_weight: mx.array, k_buf: mx.array,
+                    v_buf: mx.array, offset: mx.array, counter: mx.array, *, heads: int,
+                    q_eps: float, k_eps: float, rope: RopeSpec, scale: float) -> mx.array:
+    """One decode token's gated attention core in one CUDA launch; writes the KV cache IN PLACE.
+
+    :func:`gqa_decode_step_ops` (q/k RMSNorm and RoPE, the KV row written at
+    ``offset``, split-K attention over keys ``0..offset`` with GQA packing,
+    the sigmoid output gate) as ``kernels/cuda/gqa_decode_step.cu``: four
+    launches (``qk_norm_rope``, ``kv_cache_write``, the split-K pair) in
+    one. The arithmetic is theirs (the q/k kernel's, the lane-group first
+    pass's, the gate's rounding); only the merge of key blocks sums in
+    another order. As :func:`kv_cache_write`, the caller must own ``k_buf``
+    / ``v_buf`` exclusively (MLX does not know they change), and no other
+    op of the step may read them. Call only after :func:`step_kernel_ready`
+    said ``"cuda"`` for these shapes.
+
+    Args:
+        qkv (mx.array): the token's concatenated q/k/v projection (dtype of the buffers).
+        q_weight (mx.array): ``[D]`` query RMSNorm weight. k_weight (mx.array): key's.
+        k_buf (mx.array): key cache buffer (written). v_buf (mx.array): value's (written).
+        offset (mx.array): the token's position (``< S``), int32, one element.
+        counter (mx.array): :func:`step_counter` of ``(B, Hk)``, owned by the
+            call site; launches sharing it must not overlap.
+        heads (int): query heads Hq.
+        q_eps (float): query RMSNorm epsilon. k_eps (float): key's.
+        rope (RopeSpec): the plain RoPE. scale (float): score scale.
+
+    Returns:
+        mx.array: the gated attention output, dtype of ``qkv``.
+
+    Raises:
+        ValueError: naming the argument whose shape or dtype does not fit.
+
+    Shapes:
+        qkv: ``[B, 1, Hq * 2 D + 2 Hk D]``; weights ``[D]``; k_buf, v_buf:
+        ``[B, Hk, S, D]``; counter ``>= B * Hk``; returns ``[B, 1, Hq * D]``
+    """
+    if k_buf.ndim != 4 or v_buf.shape != k_buf.shape:
+        raise ValueError(f"gqa_decode_step: k_buf and v_buf must be one [B, Hk, S, D] shape, "
+                         f"got {k_buf.shape} and {v_buf.shape}")
+    B, Hk, _, D = k_buf.shape
+    width = heads * 2 * D + 2 * Hk * D
+    if qkv.shape != (B, 1, width):
+        raise ValueError(f"gqa_decode_step: qkv must be [B, 1, Hq * 2 D + 2 Hk D] = "
+                         f"{[B, 1, width]}, got {list(qkv.shape)}")
+    if not (qkv.dtype == q_weight.dtype == k_weight.dtype == k_buf.dtype == v_buf.dtype):
+        raise ValueError(f"gqa_decode_step: one dtype expected, got qkv {qkv.dtype}, weights "
+                         f"{q_weight.dtype} / {k_weight.dtype}, buffers {k_buf.dtype} / "
+                         f"{v_buf.dtype}")
+    if q_weight.shape != (D,) or k_weight.shape != (D,):
+        raise ValueError(f"gqa_decode_step: norm weights must be [{D}], got "
+                         f"{list(q_weight.shape)} / {list(k_weight.shape)}")
+    if counter.dtype != mx.uint32 or counter.size < B * Hk:
+        raise ValueError(f"gqa_decode_step: counter must be uint32 of >= {B * Hk} elements, "
+                         f"got {counter.dtype} of {counter.size}")
+    if offset.size != 1:
+        raise ValueError(f"gqa_decode_step: offset must be one element, got {offset.shape}")
+    return _step_call("cuda", qkv, q_weight, k_weight, k_buf, v_buf, offset.astype(mx.int32),
+                      heads, q_eps, k_eps, rope, scale, counter)
 
 
 @functools.partial(mx.compile, shapeless=True)

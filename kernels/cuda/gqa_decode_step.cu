@@ -1,0 +1,197 @@
+// One decode token's whole full-attention core in ONE launch, between the
+// concatenated q/k/v projection and o_proj (Qwen3-Next / Qwen3.5 gated
+// attention): what qk_norm_rope.cu, kv_cache_write.cu, the lane-group
+// split-K pass gqa_decode_partial_lanes.cu and gqa_decode_combine.cu (with
+// the gate) compute in four launches. Per batch row b, with the token at
+// position p = offset and its projection row qkv[b] = [q | gate per query
+// head (2 D each), k (Hk D), v (Hk D)]:
+//
+//   q_g = rope(rms_norm(q_g, q_weight), p),  k = rope(rms_norm(k, k_weight), p)
+//   k_buf[b, h, p] = k,  v_buf[b, h, p] = v                       (IN PLACE)
+//   out[b, g] = softmax(q_g k_buf[b, h, :p + 1]^T * scale) v_buf[b, h, :p + 1]
+//               * sigmoid(gate_g)
+//
+// for each query head g of KV head h (GQA). The q/k arithmetic is
+// qk_norm_rope.cuh's (qk_norm_rope.cu's bits), the pass over keys
+// gqa_lanes.cuh's (gqa_decode_partial_lanes.cu's partials, without a mask:
+// the keys are rows 0..p), the gate common.cuh's qab_sigmoid_gate (the
+// combine's rounding); only the merge of the key blocks sums in another
+// order than gqa_decode_combine.cu (float32: the output can differ from the
+// four launches' in the last bit of InT). Flash-decoding (Dao et al.,
+// "Flash-Decoding for long-context inference", 2023) with GQA packing.
+//
+// Why: decode on MLX's CUDA backend pays a host cost per launch, and the
+// three small launches around the attention pass (q/k preparation, the KV
+// write, the merge) cost GPU time for almost no work; here a Qwen3.6
+// full-attention layer is one launch instead of four.
+//
+// One thread block per (b, KV head h, key block j) of WARPS warps, key block
+// j = keys [j BLOCK, (j + 1) BLOCK) of the p + 1 keys:
+// 1. the block's warps normalise and rotate the G query heads of h (one warp
+//    per head, as qk_norm_rope.cu) into shared memory, scaled to log2 units;
+//    the block holding key p also normalises and rotates the new key row and
+//    writes it and the value row into the cache buffers, before a barrier
+//    (its own warps then read them back; no other block reads row p);
+// 2. qab_lanes_block over its keys; warp 0 writes the block's partial (m, l,
+//    o) per query head to o_part / ml (a block past key p writes m = -inf,
+//    l = 0, o = 0 without staging anything);
+// 3. the block meets at a barrier, thread 0 fences and counts the block done
+//    in count[b Hk + h]; the last of the NB blocks of (b, h) (the count it
+//    read is NB - 1) fences, then merges: warp w takes query heads w, w +
+//    WARPS, ...: M = max over the key blocks with keys, out = sum_j w_j o_j /
+//    sum_j w_j l_j with w_j = exp2(m_j - M), read through L2 (the CG loads),
+//    rounded once to InT, times the sigmoid gate; then it resets the count
+//    to 0. So count must be zeros at launch and is zeros again after it;
+//    launches sharing it must not overlap (the compiled decode step's
+//    launches run one after another).
+//
+// The caller owns k_buf / v_buf exclusively (see kv_cache_write.cu; MLX does
+// not know they change) and reads no other array of this launch's writes but
+// out. Keys past p in the buffers are never read.
+//
+// Launch: grid (32 * WARPS * NB, Hk, B) threads, threadgroup (32 * WARPS, 1,
+// 1), NB = ceil(S / BLOCK) (S: the buffers' length). Inputs: qkv [B, 1, N]
+// InT, N = Hq * 2 D + 2 Hk D (any strides); q_weight, k_weight [D] InT;
+// params [8] float32 (q eps, k eps, RoPE scale, log2(RoPE base), attention
+// scale, unused); offset int32, one element (0 <= offset < S); k_buf, v_buf
+// [B, Hk, S, D] InT (any strides; row offset written); count uint32, >= B Hk
+// elements (zeros). Outputs: out [B, 1, Hq D] InT; o_part [B, Hq, NB, D],
+// ml [B, Hq, NB, 2] float32 (the partials; scratch for the caller).
+// Requires what gqa_decode_partial_lanes.cu and qk_norm_rope.cu require, G = Hq / Hk.
+
+constexpr int EPL = D / 32;                  // elements per lane of a head row
+constexpr int CH = 16 / sizeof(InT);         // K elements per 16-byte piece
+constexpr int KPS = 32 / LPK;                // keys per warp step
+constexpr int SMF = qab_lanes_smem_floats<InT, D, G, WARPS>();  // floats
+static_assert(BLOCK % KPS == 0, "BLOCK must be a multiple of 32 / LPK");
+static_assert(SMF * 4 + 2 * WARPS * G * 4 + 16 <= 48 * 1024, "static shared memory over 48 KB");
+__shared__ __align__(16) float sm[SMF];
+__shared__ float sm_m[WARPS * G];
+__shared__ float sm_l[WARPS * G];
+__shared__ int sm_last;
+const int lane = threadIdx.x & 31;
+const int w = threadIdx.x >> 5;
+const int r = lane % LPK;
+const int j = blockIdx.x;
+const int h = blockIdx.y;
+const int b = blockIdx.z;
+const int Hk = gridDim.y;
+const int Hq = Hk * G;
+const int NB = gridDim.x;
+const int off = offset[0];
+const int n = off + 1;                       // keys 0..off: the cache's and this token's
+const int NBe = (n + BLOCK - 1) / BLOCK;     // key blocks holding keys
+const InT* row = qkv + (int64_t)b * qkv_strides[0];
+const int64_t es = qkv_strides[2];
+const float pos = params[2] * static_cast<float>(off);
+const int s0 = j * BLOCK;
+const int s1 = min(s0 + BLOCK, n);
+
+float m[G], l[G], o[G][EPL];
+if (s0 < n) {
+  // 1. The query heads, as qk_norm_rope.cu rounds them, scaled to log2 units.
+  const float qscale = params[4] * 1.4426950408889634f;  // log2(e)
+  for (int g = w; g < G; g += WARPS) {
+    InT qo[EPL];
+    qab_qk_norm_rope_row<InT, D, R, TRAD>(row + (int64_t)(h * G + g) * 2 * D * es, es,
+                                          q_weight, params[0], pos, params[3], lane, qo);
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+      sm[qab_lanes_q_at<InT, D>(g, lane * EPL + e)] = static_cast<float>(qo[e]) * qscale;
+    }
+  }
+  if (j == off / BLOCK && w == WARPS - 1) {
+    // This token's key and value rows, into the cache at row off.
+    InT ko[EPL];
+    qab_qk_norm_rope_row<InT, D, R, TRAD>(row + (int64_t)(Hq * 2 * D + h * D) * es, es,
+                                          k_weight, params[1], pos, params[3], lane, ko);
+    const InT* vn = row + (int64_t)(Hq * 2 * D + Hk * D + h * D) * es;
+    InT* kw = const_cast<InT*>(k_buf) + (int64_t)b * k_buf_strides[0] +
+              (int64_t)h * k_buf_strides[1] + (int64_t)off * k_buf_strides[2];
+    InT* vw = const_cast<InT*>(v_buf) + (int64_t)b * v_buf_strides[0] +
+              (int64_t)h * v_buf_strides[1] + (int64_t)off * v_buf_strides[2];
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+      const int d = lane * EPL + e;
+      kw[(int64_t)d * k_buf_strides[3]] = ko[e];
+      vw[(int64_t)d * v_buf_strides[3]] = vn[(int64_t)d * es];
+    }
+  }
+  __syncthreads();  // the query rows staged, row off written
+
+  // 2. The block's keys.
+  const InT* kb = k_buf + (int64_t)b * k_buf_strides[0] + (int64_t)h * k_buf_strides[1] +
+                  (int64_t)r * CH * k_buf_strides[3];
+  const InT* vp = v_buf + (int64_t)b * v_buf_strides[0] + (int64_t)h * v_buf_strides[1] +
+                  (int64_t)lane * EPL * v_buf_strides[3];
+  const int64_t ks = k_buf_strides[2], kd = k_buf_strides[3], vs = v_buf_strides[2];
+  constexpr int VA = alignof(QabVec<InT, EPL>) / sizeof(InT);  // elements per alignment unit
+  const bool kvec = kd == 1 && ks % CH == 0 && qab_vec_aligned<InT, CH>(kb);
+  const bool vvec = v_buf_strides[3] == 1 && vs % VA == 0 && qab_vec_aligned<InT, EPL>(vp);
+  qab_lanes_block<InT, D, G, LPK, WARPS, false>(sm, sm_m, sm_l, kb, vp, ks, kd, vs,
+                                                v_buf_strides[3], kvec, vvec, nullptr, 0, s0,
+                                                s1, m, l, o);
+} else {
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) o[g][e] = 0.f;
+  }
+}
+if (w == 0) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const int64_t prow = ((int64_t)b * Hq + h * G + g) * NB + j;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) o_part[prow * D + lane * EPL + e] = o[g][e];
+    if (lane == 0) {
+      ml[prow * 2] = m[g];
+      ml[prow * 2 + 1] = l[g];
+    }
+  }
+}
+
+// 3. Count the block done; the last of (b, h) merges.
+__syncthreads();
+if (threadIdx.x == 0) {
+  __threadfence();
+  sm_last = atomicAdd(const_cast<uint32_t*>(count) + (int64_t)b * Hk + h, 1u) ==
+            static_cast<uint32_t>(NB - 1);
+}
+__syncthreads();
+if (!sm_last) {
+  return;
+}
+__threadfence();
+for (int g = w; g < G; g += WARPS) {
+  const int hq = h * G + g;
+  const int64_t base = ((int64_t)b * Hq + hq) * NB;
+  float M = -INFINITY;
+  for (int i = lane; i < NBe; i += 32) M = fmaxf(M, qab_ldcg(ml + (base + i) * 2));
+#pragma unroll
+  for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
+  float den = 0.f, num[EPL];
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) num[e] = 0.f;
+#pragma unroll 4
+  for (int i = 0; i < NBe; ++i) {
+    // Every block below NBe holds keys (no mask): m_i is finite.
+    const float wi = exp2f(qab_ldcg(ml + (base + i) * 2) - M);
+    den += wi * qab_ldcg(ml + (base + i) * 2 + 1);
+    const float* op = o_part + (base + i) * D + lane * EPL;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) num[e] += wi * qab_ldcg(op + e);
+  }
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) {
+    const int d = lane * EPL + e;
+    const InT y = static_cast<InT>(num[e] / den);
+    out[((int64_t)b * Hq + hq) * D + d] =
+        qab_sigmoid_gate<InT>(y, static_cast<float>(row[(int64_t)(hq * 2 * D + D + d) * es]));
+  }
+}
+if (threadIdx.x == 0) {
+  const_cast<uint32_t*>(count)[(int64_t)b * Hk + h] = 0u;
+}
