@@ -20,6 +20,14 @@ shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
 * ``split-kernel-lanes``: the same pair with the lane-group first pass
   (the opt-in ``attn-lanes``: ``gqa_decode_partial_lanes``) where it builds,
   else absent;
+* ``step``: the whole attention core of the compiled decode step in one
+  launch (``attn-step``: ``gqa_decode_step``: q/k norm and RoPE, the KV row
+  written in place, the lane-group pass, the merge and the gate) where this
+  device has it, and ``step-ctasN`` the same with the pass sized for about N
+  thread blocks (``--step-ctas``) instead of ``_LANES_CTAS``;
+* ``four-launches``: the launches ``step`` replaces (``qk_norm_rope``,
+  ``kv_cache_write``, the lane-per-key pass and ``gqa_decode_combine`` with
+  the gate), where this device has them;
 * ``kv-update``: the compiled decode step's cache write alone: one
   ``mx.slice_update`` of a new key and value row into the K and V buffers
   at an array offset, compiled, each call's outputs replacing the buffers
@@ -62,7 +70,13 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", type=token_lengths, default="4096,32768,131072",
                    help="comma-separated cached keys S (K = 1024)")
     p.add_argument("--repeats", type=positive_int, default=20, help="timed runs per form")
+    p.add_argument("--forms", default="",
+                   help="comma-separated forms to time (default: every form this device has)")
+    p.add_argument("--step-ctas", default="",
+                   help="comma-separated thread-block targets for extra step-ctasN forms")
     args = p.parse_args(argv)
+    wanted = {f for f in args.forms.split(",") if f}
+    step_ctas = [int(c) for c in args.step_ctas.split(",") if c]
     from _common import check_out, write_result
 
     check_out(p, args.out)
@@ -131,15 +145,54 @@ def main(argv=None) -> int:
                 and attn_ops._lanes_usable("cuda", q, kbuf)):
             forms["split-kernel-lanes"] = lambda: attn_ops._split_kernel_call(
                 "cuda", q, kbuf, vbuf, scale, mask, lanes=True)
+        rope = attn_ops.RopeSpec(64, False, 1e7, 1.0)
+        if attn_ops.step_kernel_ready(B, HQ, HK, D, mx.bfloat16, rope) is not None:
+            qkv = mx.random.normal((B, 1, HQ * 2 * D + 2 * HK * D), key=kq).astype(mx.bfloat16)
+            nw = mx.ones((D,), dtype=mx.bfloat16)
+            sk, sv = kbuf * 1, vbuf * 1  # the step's own buffers (written in place)
+            counter = attn_ops.step_counter(B, HK)
+            mx.eval(qkv, nw, sk, sv)
+
+            def step(ctas=None):
+                old = attn_ops._LANES_CTAS
+                attn_ops._LANES_CTAS = ctas or old
+                try:
+                    return attn_ops.gqa_decode_step(qkv, nw, nw, sk, sv, offset.reshape(()), counter,
+                                                    heads=HQ, q_eps=1e-6, k_eps=1e-6, rope=rope,
+                                                    scale=scale)
+                finally:
+                    attn_ops._LANES_CTAS = old
+
+            forms["step"] = step
+            for c in step_ctas:
+                forms[f"step-ctas{c}"] = lambda c=c: step(c)
+            fk, fv = kbuf * 1, vbuf * 1
+            mx.eval(fk, fv)
+
+            def four():
+                qg, k_, v_ = mx.split(qkv, [HQ * 2 * D, HQ * 2 * D + HK * D], axis=-1)
+                q_, gate = mx.split(qg.reshape(B, 1, HQ, 2 * D), 2, axis=-1)
+                q4, k4 = attn_ops.prep_qk_decode(q_, k_.reshape(B, 1, HK, D), nw, nw,
+                                                 q_eps=1e-6, k_eps=1e-6, rope=rope,
+                                                 offset=offset.reshape(()))
+                m_ = attn_ops.kv_cache_write("cuda", k4, v_.reshape(B, 1, HK, D).transpose(
+                    0, 2, 1, 3), fk, fv, offset.reshape(()))
+                return attn_ops.gqa_decode_attention_gated(q4, fk, fv, scale, m_, gate)
+
+            forms["four-launches"] = four
+        if wanted:
+            forms = {k: f for k, f in forms.items() if k in wanted}
         kv_bytes = 2 * B * HK * S * D * 2
         row = dict(S=S, kv_bytes=kv_bytes)
         for name, fn in forms.items():
             row[name + "_ms"] = 1e3 * timeit(fn, args.repeats)
-        ref = (probs @ v).astype(mx.float32)
-        row["pv_split_max_abs_diff"] = float(mx.abs(pv_split() - ref).max())
+        if "pv-split" in forms:
+            ref = (probs @ v).astype(mx.float32)
+            row["pv_split_max_abs_diff"] = float(mx.abs(pv_split() - ref).max())
         rows.append(row)
         print(f"S {S:7d}: " + "  ".join(f"{k[:-3]} {row[k]:.3f}" for k in row if k.endswith("_ms"))
-              + f" ms; KV {kv_bytes / 1e6:.1f} MB -> sdpa {kv_bytes / row['sdpa_ms'] / 1e6:.1f} GB/s",
+              + f" ms; KV {kv_bytes / 1e6:.1f} MB"
+              + (f" -> sdpa {kv_bytes / row['sdpa_ms'] / 1e6:.1f} GB/s" if "sdpa_ms" in row else ""),
               flush=True)
     path = write_result(args.out, "profile-attention-decode",
                         dict(B=B, Hq=HQ, Hk=HK, D=D, split=SPLIT, repeats=args.repeats, rows=rows))

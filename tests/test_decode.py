@@ -527,3 +527,78 @@ def test_the_step_traces_under_the_serial_marker(tiny_hf_f32, monkeypatch):
     # runs no Python.
     assert marks == [(3, False)] * layers + [(1, False)] * layers + [(1, True)] * layers
     assert not serial_decode_tracing()
+
+
+def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monkeypatch):
+    # attn-step: inside the compiled decode step (in-place KV backend faked
+    # here: the CPU has none), each full-attention layer hands its
+    # concatenated q/k/v projection row, norm weights, cache buffers, the
+    # step's offset and its own counter to ops.attention.gqa_decode_step (faked
+    # with its portable reference, gqa_decode_step_ops, whose new buffers the
+    # fake hands back to the cache: MLX ops cannot write in place). Logits
+    # equal those of the model without the step (QAB_DISABLE=kv-in-place:
+    # slice_update) token after token; QAB_DISABLE=attn-step keeps the four
+    # launches and says so in the report.
+    from qwen_apple_backend import decode
+    from qwen_apple_backend.layers import attention as attn_layer
+    from qwen_apple_backend.ops import attention as attn_ops
+
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    monkeypatch.setenv("QAB_DISABLE", "kv-in-place")
+    ref, _ = load(tiny_hf_f32, "fused")
+    monkeypatch.delenv("QAB_DISABLE")
+    claimed, calls = [], []
+
+    def claim(self):  # the buffers, not marked written: the step returns them as outputs
+        if self.in_place is None:
+            return None
+        claimed.append(self)
+        return self.keys, self.values, self.offset
+
+    def fake_step(qkv, qw, kw, k_buf, v_buf, offset, counter, **kw_):
+        calls.append((qkv.shape, k_buf.shape, offset.shape, counter.dtype, kw_["heads"]))
+        out, kb, vb = attn_ops.gqa_decode_step_ops(qkv, qw, kw, k_buf, v_buf, offset, **kw_)
+        c = claimed.pop()
+        c.keys, c.values = kb, vb
+        return out
+
+    monkeypatch.setattr(decode, "kv_write_ready", lambda probe, k: "fake")
+    monkeypatch.setattr(decode._StepKV, "claim_in_place", claim)
+    monkeypatch.setattr(attn_ops, "step_kernel_ready", lambda *a: "cuda")
+    monkeypatch.setattr(attn_ops, "gqa_decode_step", fake_step)
+    # The step runs only inside the decode step's trace (the serial counters).
+    monkeypatch.setattr(attn_layer, "serial_decode_tracing", lambda: True)
+    m, _ = load(tiny_hf_f32, "fused")
+    assert not any("attn-step" in n for n in m.qab_report.notes)
+    caches = [make_prompt_cache(x) for x in (m, ref)]
+    for x, c in zip((m, ref), caches):
+        mx.eval(x(mx.array([[1, 2, 3, 4]]), cache=c))
+    n_attn = sum(1 for c in caches[0] if hasattr(c, "offset"))
+    for t in range(4):
+        tok = mx.array([[5 + t]])
+        a, b = m(tok, cache=caches[0]), ref(tok, cache=caches[1])
+        mx.eval(a, b)
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-4).item(), t
+    # The first decode token runs eagerly (no in-place cache: no step); the
+    # next traces the step (one call per full-attention layer: the row
+    # [B, 1, N] of the projection, a 0-d offset, a uint32 counter), the last
+    # two replay it.
+    assert m.language_model.__dict__["_qab_decode"].compiled_calls == 3
+    assert len(calls) == n_attn and not claimed
+    heads = m.language_model.args.num_attention_heads
+    assert all(len(q) == 3 and q[:2] == (1, 1) and off == () and dt == mx.uint32 and h == heads
+               for q, _, off, dt, h in calls)
+    monkeypatch.setenv("QAB_DISABLE", "attn-step")
+    # (The separate in-place write, faked: only which path runs is checked.)
+    monkeypatch.setattr(decode, "kv_cache_write", lambda backend, k, v, kb, vb, off:
+                        attn_ops.kv_cache_write_ops(k, v, kb, vb, off)[2])
+    off_model, _ = load(tiny_hf_f32, "fused")
+    assert any("attn-step in QAB_DISABLE" in n for n in off_model.qab_report.notes)
+    assert all(not getattr(layer.self_attn, "decode_step", True)
+               for layer in off_model.language_model.model.layers
+               if hasattr(layer, "self_attn"))
+    calls.clear()
+    c = make_prompt_cache(off_model)
+    for t in range(3):
+        mx.eval(off_model(mx.array([[1 + t]]), cache=c))
+    assert calls == []

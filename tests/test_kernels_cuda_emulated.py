@@ -2236,12 +2236,15 @@ def test_moe_decode_block_dispatcher_self_checks_the_emulated_kernel(monkeypatch
 # launch aims for): Qwen3.6's 8 query heads per KV head at D 256 with its
 # partial RoPE (64 of 256 dims) and key blocks past the token; float32 at D
 # 128 with the token in the buffer's last row; float16, traditional full RoPE,
-# one big key block and an empty one; the first token (offset 0), G 1, D 32.
+# one big key block and an empty one; the first token (offset 0), G 1, D 32;
+# many key blocks (two chunks of merge weights).
 STEP_CASES = [
     (1, 16, 2, 256, 150, 137, BF16, 64, False, 128),
     (2, 8, 2, 128, 77, 76, F32, 32, False, 128),
     (1, 4, 1, 64, 300, 40, F16, 64, True, 2),
     (2, 2, 2, 32, 45, 0, BF16, 32, False, 128),
+    # 130 key blocks with keys: the merge's weights staged in two chunks (128 at D 32).
+    (1, 2, 1, 32, 4200, 4150, F32, 32, False, 512),
 ]
 
 
@@ -2298,7 +2301,10 @@ def test_decode_step_is_the_four_launches_emulated(case, monkeypatch):
     ref, kb, vb = attn_ops.gqa_decode_step_ops(
         *(a.astype(F32) for a in (qkv, qw, kw, k_buf, v_buf)), offset, heads=Hq, q_eps=1e-6,
         k_eps=1e-5, rope=rope, scale=D ** -0.5)
-    assert mx_rel_l2(out, ref) <= 2 * _split_tol(dtype)
+    # float32: RoPE at position 4,150 turns a last-bit difference in the angle
+    # between the kernel's formula and MLX's rope into ~3e-5 (as the q/k
+    # kernel's self-check allows); the four launches share the kernel's formula.
+    assert mx_rel_l2(out, ref) <= (1e-4 if dtype == F32 else 2 * _split_tol(dtype))
     # The same arithmetic as the four launches but for the order of the key
     # blocks' merge (float32): at most a last-bit difference of the output dtype.
     four = _four_launches(qkv, qw, kw, k_buf, v_buf, offset, Hq, rope)
@@ -2320,6 +2326,9 @@ STEP_BREAKS = {
     "last-too-early": ("static_cast<uint32_t>(NB - 1);", "static_cast<uint32_t>(NB - 2);"),
     "no-rescale": ("const float wi = exp2f(qab_ldcg(ml + (base + i) * 2) - M);",
                    "const float wi = 1.f;"),
+    # A repeated row past the chunk's end not weighed 0.
+    "repeat-weighs": ("const float wi = i0 + u < c1 ? sw[i0 + u - c0] : 0.f;",
+                      "const float wi = sw[min(i0 + u, c1 - 1) - c0];"),
 }
 
 

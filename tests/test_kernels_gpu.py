@@ -2095,3 +2095,92 @@ def test_compiled_decode_writes_the_kv_cache_in_place(tiny_hf_f32, monkeypatch):
             n = b.offset
             assert a.offset == n + 8
             assert mx.allclose(a.keys[..., :n, :], b.keys[..., :n, :], atol=1e-5).item()
+
+
+# --------------------------------------------------------------------------
+# The one-launch decode attention step (kernels/cuda/gqa_decode_step.cu, attn-step)
+# --------------------------------------------------------------------------
+
+# (S buffer rows, offset, dtype): Qwen3.6 full attention (Hq 16, Hk 2, D 256,
+# 64 rotated dims) at 4K and 128K keys with rows past the token, float32 and
+# bf16; the first token of a cache.
+STEP_SHAPES = [(4352, 4100, mx.bfloat16), (4352, 4100, mx.float32), (131328, 131100, mx.bfloat16),
+               (256, 0, mx.bfloat16)]
+
+
+@pytest.mark.parametrize("S,off,dtype", STEP_SHAPES, ids=lambda v: str(v).replace("mlx.core.", ""))
+def test_decode_step_kernel_is_the_four_launches(S, off, dtype):
+    # The step against the launches it replaces (qk_norm_rope, kv_cache_write,
+    # the lane-group first pass, gqa_decode_combine with the gate): the cache
+    # rows bit-identical (the same q/k arithmetic), the output within the
+    # merge's float32 reordering; against the float32 MLX reference within the
+    # split pair's tolerance; three launches in a row on one counter, left zero.
+    from qwen_apple_backend.ops import attention as attn_ops
+
+    if attn_ops.gpu_backend() != "cuda":
+        pytest.skip("CUDA kernel")
+    Hq, Hk, D = 16, 2, 256
+    rope = attn_ops.RopeSpec(64, False, 1e7, 1.0)
+    assert attn_ops.step_kernel_ready(1, Hq, Hk, D, dtype, rope) == "cuda"
+    kx, kw, kk, kv = mx.random.split(mx.random.key(S + off), 4)
+    w = (1.0 + 0.2 * mx.random.normal((2, D), key=kw)).astype(dtype)
+    k0 = mx.random.normal((1, Hk, S, D), key=kk).astype(dtype)
+    v0 = mx.random.normal((1, Hk, S, D), key=kv).astype(dtype)
+    counter = attn_ops.step_counter(1, Hk)
+    offset = mx.array(off, dtype=mx.int32)
+    for rep in range(3):
+        qkv = mx.random.normal((1, 1, Hq * 2 * D + 2 * Hk * D), key=mx.random.key(rep)).astype(dtype)
+        kb, vb = k0 * 1, v0 * 1
+        mx.eval(kb, vb)
+        out = attn_ops.gqa_decode_step(qkv, w[0], w[1], kb, vb, offset, counter, heads=Hq,
+                                       q_eps=1e-6, k_eps=1e-6, rope=rope, scale=D ** -0.5)
+        mx.eval(out)
+        assert not mx.any(counter).item(), counter.tolist()
+        # The four launches.
+        qg, k, v = mx.split(qkv, [Hq * 2 * D, Hq * 2 * D + Hk * D], axis=-1)
+        q, gate = mx.split(qg.reshape(1, 1, Hq, 2 * D), 2, axis=-1)
+        q4, k4 = attn_ops.prep_qk_decode(q, k.reshape(1, 1, Hk, D), w[0], w[1], q_eps=1e-6,
+                                         k_eps=1e-6, rope=rope, offset=offset)
+        kb4, vb4 = k0 * 1, v0 * 1
+        mx.eval(kb4, vb4)
+        mask = attn_ops.kv_cache_write("cuda", k4, v.reshape(1, 1, Hk, D).transpose(0, 2, 1, 3),
+                                       kb4, vb4, offset)
+        four = attn_ops._split_kernel_call("cuda", q4, kb4, vb4, D ** -0.5, mask, gate,
+                                           lanes=True)
+        mx.eval(four)
+        assert mx.array_equal(kb, kb4).item() and mx.array_equal(vb, vb4).item()
+        err4 = mx_rel_l2(out, four)
+        ref, _, _ = attn_ops.gqa_decode_step_ops(
+            *(a.astype(mx.float32) for a in (qkv, w[0], w[1], k0, v0)), offset, heads=Hq,
+            q_eps=1e-6, k_eps=1e-6, rope=rope, scale=D ** -0.5)
+        err = mx_rel_l2(out, ref)
+        print(f"S={S} off={off} {dtype}: vs four launches {err4:.3g}, vs float32 ops {err:.3g}")
+        assert err4 <= (1e-6 if dtype == mx.float32 else 4e-3)
+        assert err <= (1e-4 if dtype == mx.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_decode_step_runs_in_the_compiled_step(head_dim):
+    # Qwen3-Next layers at D = 2048, bf16, 4-bit: teacher-forced tokens through
+    # the compiled fused model with the attention step (attn-step, default) and
+    # without it (its four launches): the step ran (each attention layer's
+    # counter exists and is back at zero), logits within bf16 rounding of the
+    # merge order, and the greedy ids the same.
+    models, caches = _prefilled_fused_next_models([[], ["attn-step"]], head_dim)
+    worst, same = 0.0, 0
+    for t in range(16):
+        tok = mx.array([[(t * 53 + 7) % 500]])
+        a, b = (m(tok, cache=c) for m, c in zip(models, caches))
+        mx.eval(a, b)
+        worst = max(worst, mx_rel_l2(a, b))
+        same += int(mx.array_equal(mx.argmax(a, -1), mx.argmax(b, -1)).item())
+        if t >= 1:
+            counters = [layer.self_attn.__dict__.get("_step_counters", {}).get(1)
+                        for layer in models[0].layers if not layer.is_linear]
+            assert counters and all(c is not None for c in counters), "the step did not run"
+            assert all(not mx.any(c).item() for c in counters)
+            assert all("_step_counters" not in layer.self_attn.__dict__
+                       for layer in models[1].layers if not layer.is_linear)
+    print(f"head_dim {head_dim}: attn-step vs four launches: worst logits rel-L2 {worst:.3g}, "
+          f"same greedy id in {same} of 16")
+    assert worst <= 2e-2 and same >= 15

@@ -39,8 +39,11 @@
 //    in count[b Hk + h]; the last of the NB blocks of (b, h) (the count it
 //    read is NB - 1) fences, then merges: warp w takes query heads w, w +
 //    WARPS, ...: M = max over the key blocks with keys, out = sum_j w_j o_j /
-//    sum_j w_j l_j with w_j = exp2(m_j - M), read through L2 (the CG loads),
-//    rounded once to InT, times the sigmoid gate; then it resets the count
+//    sum_j w_j l_j with w_j = exp2(m_j - M) (staged in shared memory; the o
+//    rows read 8 at a time, every load of the 8 issued before their sums:
+//    the first build summed row by row and, under ncu on the H200, its merge
+//    took most of a 51.8 us launch at 4K keys), read through L2 (the CG
+//    loads), rounded once to InT, times the sigmoid gate; then it resets the count
 //    to 0. So count must be zeros at launch and is zeros again after it;
 //    launches sharing it must not overlap (the compiled decode step's
 //    launches run one after another).
@@ -165,6 +168,11 @@ if (!sm_last) {
   return;
 }
 __threadfence();
+// The merge, a warp per query head: the key blocks' weights w_j = exp2(m_j -
+// M) staged in shared memory (MCH blocks at a time; the pass is done with it),
+// then the o rows read U at a time, all U rows' loads issued before their sums.
+constexpr int MCH = SMF / G;  // key blocks whose weights fit at once (>= 4 D)
+constexpr int U = 8;          // o rows in flight per lane
 for (int g = w; g < G; g += WARPS) {
   const int hq = h * G + g;
   const int64_t base = ((int64_t)b * Hq + hq) * NB;
@@ -172,17 +180,37 @@ for (int g = w; g < G; g += WARPS) {
   for (int i = lane; i < NBe; i += 32) M = fmaxf(M, qab_ldcg(ml + (base + i) * 2));
 #pragma unroll
   for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
+  float* sw = sm + g * MCH;
   float den = 0.f, num[EPL];
 #pragma unroll
   for (int e = 0; e < EPL; ++e) num[e] = 0.f;
-#pragma unroll 4
-  for (int i = 0; i < NBe; ++i) {
-    // Every block below NBe holds keys (no mask): m_i is finite.
-    const float wi = exp2f(qab_ldcg(ml + (base + i) * 2) - M);
-    den += wi * qab_ldcg(ml + (base + i) * 2 + 1);
-    const float* op = o_part + (base + i) * D + lane * EPL;
+  for (int c0 = 0; c0 < NBe; c0 += MCH) {
+    const int c1 = min(c0 + MCH, NBe);
+    float dl = 0.f;
+    for (int i = c0 + lane; i < c1; i += 32) {
+      // Every block below NBe holds keys (no mask): m_i is finite.
+      const float wi = exp2f(qab_ldcg(ml + (base + i) * 2) - M);
+      sw[i - c0] = wi;
+      dl += wi * qab_ldcg(ml + (base + i) * 2 + 1);
+    }
+    den += qab_warp_sum(dl);
+    __syncwarp();
+    for (int i0 = c0; i0 < c1; i0 += U) {
+      float ov[U][EPL];
 #pragma unroll
-    for (int e = 0; e < EPL; ++e) num[e] += wi * qab_ldcg(op + e);
+      for (int u = 0; u < U; ++u) {
+        const float* op = o_part + (base + min(i0 + u, c1 - 1)) * D + lane * EPL;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) ov[u][e] = qab_ldcg(op + e);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float wi = i0 + u < c1 ? sw[i0 + u - c0] : 0.f;  // a repeated row weighs 0
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) num[e] += wi * ov[u][e];
+      }
+    }
+    __syncwarp();  // the weights read before the next chunk overwrites them
   }
 #pragma unroll
   for (int e = 0; e < EPL; ++e) {

@@ -86,13 +86,23 @@ class _StepKV:
 
     def write_in_place(self, keys: mx.array, values: mx.array):
         """``(keys buffer, values buffer, mask)`` after an in-place write, or None when off."""
-        if self.in_place is None:
+        claimed = self.claim_in_place()
+        if claimed is None:
             return None
         mask = kv_cache_write(self.in_place, keys.astype(self.keys.dtype),
                               values.astype(self.values.dtype), self.keys, self.values,
                               self.offset)
-        self.written = True
         return self.keys, self.values, mask
+
+    def claim_in_place(self):
+        """``(keys buffer, values buffer, offset)`` for a kernel that writes this
+        token's row into the buffers in place (``kv_cache_write``, the attention
+        step ``gqa_decode_step``), or None when off. Marks the buffers written:
+        the step then keeps them instead of returning copies."""
+        if self.in_place is None:
+            return None
+        self.written = True
+        return self.keys, self.values, self.offset
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         # The query is at position `offset`; keys 0..offset are written.

@@ -20,6 +20,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextAttention
 from qwen_apple_backend.layers._concat import ConcatProjection
 from qwen_apple_backend.layers.linear import DeferredProjection
 from qwen_apple_backend.ops import attention as attn_ops
+from qwen_apple_backend.ops.moe import serial_decode_tracing
 from qwen_apple_backend.ops.attention import (
     RUNAHEAD_EVAL_ROWS,
     RopeSpec,
@@ -106,6 +107,13 @@ class FusedGQAAttention(nn.Module):
             lane-group build (the opt-in ``attn-lanes``: several lanes per key,
             several warps per key block; H200, 4K decode: 333.6 vs 322.0 tok/s
             in one run, slower in two later ones). Default False.
+        decode_step (bool): on CUDA, inside the compiled decode step (whose
+            KV cache is written in place), run a one-token call's q/k RMSNorm
+            and RoPE, the KV row's write, the attention and its output gate
+            as ``ops.attention.gqa_decode_step`` (the ``attn-step``
+            optimization: one launch instead of four) when the concatenated
+            projection runs (``proj-concat``), ``decode_kernel`` and
+            ``prep_kernel`` are on and its self-check passed. Default True.
     """
 
     def __init__(
@@ -128,6 +136,7 @@ class FusedGQAAttention(nn.Module):
         decode_kernel: bool = True,
         prep_kernel: bool = True,
         decode_lanes: bool = False,
+        decode_step: bool = True,
     ):
         super().__init__()
         self.num_key_value_heads = num_key_value_heads
@@ -148,6 +157,7 @@ class FusedGQAAttention(nn.Module):
         self.decode_kernel = decode_kernel
         self.prep_kernel = prep_kernel
         self.decode_lanes = decode_lanes
+        self.decode_step = decode_step
 
     @classmethod
     def from_stock(
@@ -315,6 +325,22 @@ class FusedGQAAttention(nn.Module):
         gemv = (self._proj_cat.gemv_backend(x)
                 if use_cat and norm_backend is None and projected is None and not self.training
                 else None)
+        if L == 1 and self._step_ready(x, cache, use_cat):
+            # attn-step: everything up to o_proj in one launch, the cache row
+            # written in place (the compiled decode step's cache).
+            if projected is not None:
+                qkv = projected
+            elif norm_backend is not None:
+                qkv = self._proj_cat.norm_matmul(x, input_norm["weight"], input_norm.eps,
+                                                 norm_backend)
+            else:
+                qkv = self._proj_cat.matmul(x, gemv)
+            k_buf, v_buf, position = cache.claim_in_place()
+            gated = attn_ops.gqa_decode_step(
+                qkv, self.q_norm["weight"], self.k_norm["weight"], k_buf, v_buf, position,
+                self._step_counter(B), heads=self.num_attention_heads, q_eps=self.q_norm.eps,
+                k_eps=self.k_norm.eps, rope=rope_spec(self.rope), scale=self.scale)
+            return DeferredProjection(gated, self.o_proj) if defer_out_proj else self.o_proj(gated)
         if (
             self.compile_decode
             and not self.training
@@ -401,6 +427,40 @@ class FusedGQAAttention(nn.Module):
     def _use_cat(self) -> bool:
         cat = getattr(self, "_proj_cat", None)
         return cat is not None and cat.valid(self)
+
+    def _step_ready(self, x: mx.array, cache: Any, use_cat: bool) -> bool:
+        """Whether this one-token call runs as ``ops.attention.gqa_decode_step``
+        (``attn-step``): a cache that lends its buffers for in-place writes (the
+        compiled decode step's, inside its serial trace), the concatenated
+        projection, the kernels it replaces switched on, one dtype throughout,
+        and the kernel's self-check passed for the shape (it evaluates only
+        arrays of its own: safe while the step traces)."""
+        if (cache is None or not (self.decode_step and self.decode_kernel and self.prep_kernel
+                                  and self.use_kernel and use_cat) or self.training
+                or getattr(cache, "in_place", None) is None
+                or getattr(cache, "claim_in_place", None) is None
+                or not serial_decode_tracing()):
+            return False
+        qw, kw = self.q_norm["weight"], self.k_norm["weight"]
+        kb, vb = cache.keys, cache.values
+        D = self.head_dim
+        if (qw.shape != (D,) or kw.shape != (D,) or kb.ndim != 4 or vb.shape != kb.shape
+                or kb.shape[1] != self.num_key_value_heads or kb.shape[3] != D
+                or kb.shape[0] != x.shape[0]
+                or not (x.dtype == qw.dtype == kw.dtype == kb.dtype == vb.dtype)):
+            return False
+        return attn_ops.step_kernel_ready(x.shape[0], self.num_attention_heads,
+                                          self.num_key_value_heads, D, x.dtype,
+                                          rope_spec(self.rope)) is not None
+
+    def _step_counter(self, B: int) -> mx.array:
+        """This layer's counter for its attention step launches (one per batch size;
+        a graph constant, not a parameter: kept in ``__dict__``)."""
+        counters = self.__dict__.setdefault("_step_counters", {})
+        c = counters.get(B)
+        if c is None:
+            c = counters[B] = attn_ops.step_counter(B, self.num_key_value_heads)
+        return c
 
     def _prep_kernel_ready(self, x: mx.array, offset) -> bool:
         """Whether a one-token call's q/k norm and RoPE run as the CUDA kernel

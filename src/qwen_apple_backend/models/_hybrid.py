@@ -212,6 +212,10 @@ _DEFAULT_NEEDS = {
     "moe-block-out-proj": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block"),
     "moe-block-next-proj": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block",
                             "proj-concat", "norm-proj"),
+    # The one-launch attention step replaces the q/k kernel, the KV write and the
+    # kernel pair, inside the compiled decode step.
+    "attn-step": ("attn", "attn-kernel", "qk-prep", "proj-concat", "kv-in-place",
+                  "decode-compile"),
 }
 
 
@@ -375,6 +379,8 @@ class QwenHybridAdapter(Adapter):
                        "split-K CUDA kernel pair (attn-kernel in QAB_DISABLE / disable=)",
         "qk-prep": "a decode token's q/k RMSNorm and RoPE run as four MLX ops, not one CUDA "
                    "launch (qk-prep in QAB_DISABLE / disable=)",
+        "attn-step": "on CUDA a decode token's q/k preparation, KV cache write and attention "
+                     "run as four launches, not one (attn-step in QAB_DISABLE / disable=)",
         "gdn-kernel": "Gated DeltaNet scans and decode steps run as MLX ops, without the GPU "
                       "gated-delta kernels (gdn-kernel in QAB_DISABLE / disable=)",
         "moe-kernel": "MoE routing and experts run as MLX ops, without the GPU MoE kernels "
@@ -487,6 +493,8 @@ class QwenHybridAdapter(Adapter):
                     fused.decode_kernel = False
                 if "qk-prep" in off:
                     fused.prep_kernel = False
+                if "attn-step" in off:
+                    fused.decode_step = False
                 if lanes_on and hasattr(fused, "decode_lanes"):
                     fused.decode_lanes = True
                 switched_off.update(off)
@@ -527,8 +535,9 @@ class QwenHybridAdapter(Adapter):
                 note = f"on CUDA {what} ({name} from QAB_ENABLE" + _cuda_only_end()
             report.notes.append(note)
         if any(m.fused for m in report.modules):
-            # On-by-default phases of the one-launch block that another switch
-            # takes away: say so (their own QAB_DISABLE has its OFF note).
+            # On-by-default phases of the one-launch block, and the attention
+            # step, that another switch takes away: say so (their own
+            # QAB_DISABLE has its OFF note).
             for name, needs in _DEFAULT_NEEDS.items():
                 if name in disable:
                     continue
@@ -536,6 +545,8 @@ class QwenHybridAdapter(Adapter):
                 unused = f"{name} is not used: "
                 if off:
                     report.notes.append(unused + off)
+                elif name == "attn-step":
+                    continue
                 elif "next-norm" in enabled and "next-norm" not in disable:
                     report.notes.append(unused + "next-norm from QAB_ENABLE replaces the "
                                         "one-launch MoE block")
