@@ -588,10 +588,20 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
     heads = m.language_model.args.num_attention_heads
     assert all(len(q) == 3 and q[:2] == (1, 1) and off == () and dt == mx.uint32 and h == heads
                for q, _, off, dt, h in calls)
-    monkeypatch.setenv("QAB_DISABLE", "attn-step")
-    # (The separate in-place write, faked: only which path runs is checked.)
     monkeypatch.setattr(decode, "kv_cache_write", lambda backend, k, v, kb, vb, off:
                         attn_ops.kv_cache_write_ops(k, v, kb, vb, off)[2])
+    # From STEP_MAX_KEYS buffer rows the layer keeps the four launches (the
+    # tiny model's buffers hold 256 rows; a fresh trace for another limit).
+    monkeypatch.setattr(attn_ops, "STEP_MAX_KEYS", 256)
+    calls.clear()
+    long_model, _ = load(tiny_hf_f32, "fused")
+    c = make_prompt_cache(long_model)
+    for t in range(3):
+        mx.eval(long_model(mx.array([[1 + t]]), cache=c))
+    assert calls == []
+    monkeypatch.setattr(attn_ops, "STEP_MAX_KEYS", 65536)
+    monkeypatch.setenv("QAB_DISABLE", "attn-step")
+    # (The separate in-place write is faked above: only which path runs is checked.)
     off_model, _ = load(tiny_hf_f32, "fused")
     assert any("attn-step in QAB_DISABLE" in n for n in off_model.qab_report.notes)
     assert all(not getattr(layer.self_attn, "decode_step", True)

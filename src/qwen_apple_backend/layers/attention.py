@@ -431,7 +431,8 @@ class FusedGQAAttention(nn.Module):
     def _step_ready(self, x: mx.array, cache: Any, use_cat: bool) -> bool:
         """Whether this one-token call runs as ``ops.attention.gqa_decode_step``
         (``attn-step``): a cache that lends its buffers for in-place writes (the
-        compiled decode step's, inside its serial trace), the concatenated
+        compiled decode step's, inside its serial trace) of fewer than
+        ``ops.attention.STEP_MAX_KEYS`` rows, the concatenated
         projection, the kernels it replaces switched on, one dtype throughout,
         and the kernel's self-check passed for the shape (it evaluates only
         arrays of its own: safe while the step traces)."""
@@ -446,6 +447,10 @@ class FusedGQAAttention(nn.Module):
         D = self.head_dim
         if (qw.shape != (D,) or kw.shape != (D,) or kb.ndim != 4 or vb.shape != kb.shape
                 or kb.shape[1] != self.num_key_value_heads or kb.shape[3] != D
+                # From 64K cached keys the lane-per-key pass of the kernel pair
+                # streams the cache faster than the step's lane-group pass (H200,
+                # 128K: 156.2 vs 168.3 tok/s with the step everywhere, same run).
+                or kb.shape[2] >= attn_ops.STEP_MAX_KEYS
                 or kb.shape[0] != x.shape[0]
                 or not (x.dtype == qw.dtype == kw.dtype == kb.dtype == vb.dtype)):
             return False

@@ -65,6 +65,7 @@ __all__ = [
     "kv_write_ready",
     "gqa_decode_step",
     "gqa_decode_step_ops",
+    "STEP_MAX_KEYS",
     "step_counter",
     "step_kernel_ready",
 ]
@@ -936,6 +937,12 @@ def kv_cache_write(backend: str, k_new: mx.array, v_new: mx.array, k_buf: mx.arr
 # --------------------------------------------------------------------------
 # One decode token's full-attention core in one launch (kernels/cuda/gqa_decode_step)
 # --------------------------------------------------------------------------
+
+
+#: KV buffer rows from which the attention layer keeps the kernel pair (its
+#: lane-per-key first pass) instead of :func:`gqa_decode_step`, whose pass is
+#: the lane-group one (as ``attn-lanes`` stops at :data:`_LANES_MAX_KEYS`).
+STEP_MAX_KEYS = _LANES_MAX_KEYS
 
 
 def gqa_decode_step_ops(qkv: mx.array, q_weight: mx.array, k_weight: mx.array,
