@@ -127,17 +127,17 @@ OPTIMIZATIONS = {
     # o_proj, the Gated DeltaNet's out_proj) as its first phase (OP; CUDA; the projection's
     # arithmetic is the dense GEMV kernel's): one launch fewer per decoder layer and token
     "moe-block-out-proj": "moe",
-    # one decode token's full-attention core in one CUDA launch inside the compiled decode
-    # step (gqa_decode_step: q/k RMSNorm + RoPE, the KV row written in place, the lane-group
-    # split-K pass, the merge and the output gate; four launches before; needs attn-kernel,
-    # qk-prep, proj-concat, kv-in-place and decode-compile)
-    "attn-step": "attn",
     # the one-launch MoE block also computes the NEXT decoder layer's input RMSNorm and its
     # mixer's concatenated 4-bit input projection as its last phase (NP; CUDA; the norm
     # GEMV kernel's arithmetic), which that layer's mixer takes instead of its own launch:
     # one launch fewer per decoder layer but the first. H200, 4K decode: 195.0 vs 190.1 and
     # 155.4 vs 140.3 tok/s, 128K: 158.1 vs 145.0 (same runs, same greedy ids)
     "moe-block-next-proj": "moe",
+    # one decode token's full-attention core in one CUDA launch inside the compiled decode
+    # step (gqa_decode_step: q/k RMSNorm + RoPE, the KV row written in place, the lane-group
+    # split-K pass, the merge and the output gate; four launches before; needs attn-kernel,
+    # qk-prep, proj-concat, kv-in-place and decode-compile; below 64K cached keys)
+    "attn-step": "attn",
 }
 
 
