@@ -72,11 +72,21 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=positive_int, default=20, help="timed runs per form")
     p.add_argument("--forms", default="",
                    help="comma-separated forms to time (default: every form this device has)")
-    p.add_argument("--step-ctas", default="",
+    def ctas_list(text: str) -> list:
+        out = []
+        for c in (c.strip() for c in text.split(",")):
+            if not c:
+                continue
+            if not c.isdigit() or int(c) < 1:
+                raise argparse.ArgumentTypeError(f"{c!r} is not a positive thread-block count")
+            out.append(int(c))
+        return out
+
+    p.add_argument("--step-ctas", type=ctas_list, default=[],
                    help="comma-separated thread-block targets for extra step-ctasN forms")
     args = p.parse_args(argv)
     wanted = {f for f in args.forms.split(",") if f}
-    step_ctas = [int(c) for c in args.step_ctas.split(",") if c]
+    step_ctas = args.step_ctas
     from _common import check_out, write_result
 
     check_out(p, args.out)
@@ -181,6 +191,10 @@ def main(argv=None) -> int:
 
             forms["four-launches"] = four
         if wanted:
+            unknown = sorted(wanted - set(forms))
+            if unknown:
+                p.error(f"--forms: {', '.join(unknown)} not available here (forms: "
+                        f"{', '.join(forms)})")
             forms = {k: f for k, f in forms.items() if k in wanted}
         kv_bytes = 2 * B * HK * S * D * 2
         row = dict(S=S, kv_bytes=kv_bytes)
