@@ -600,6 +600,10 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
         mx.eval(long_model(mx.array([[1 + t]]), cache=c))
     assert calls == []
     monkeypatch.setattr(attn_ops, "STEP_MAX_KEYS", 65536)
+    # What it needs, switched off, is named.
+    no_prep, _ = load(tiny_hf_f32, "fused", disable=["qk-prep"])
+    assert ("attn-step is not used: it needs qk-prep, which QAB_DISABLE / disable= switches off"
+            in no_prep.qab_report.notes)
     monkeypatch.setenv("QAB_DISABLE", "attn-step")
     # (The separate in-place write is faked above: only which path runs is checked.)
     off_model, _ = load(tiny_hf_f32, "fused")
