@@ -64,7 +64,6 @@
 
 // The pass itself is gqa_lanes.cuh's qab_lanes_block (shared with gqa_decode_step.cu).
 constexpr int EPL = D / 32;                  // o elements per lane
-constexpr int CH = 16 / sizeof(InT);         // K elements per 16-byte piece
 constexpr int KPS = 32 / LPK;                // keys per warp step
 constexpr int SMF = qab_lanes_smem_floats<InT, D, G, WARPS>();  // floats
 static_assert(BLOCK % KPS == 0, "BLOCK must be a multiple of 32 / LPK");
@@ -75,7 +74,6 @@ __shared__ float sm_m[WARPS * G];
 __shared__ float sm_l[WARPS * G];
 const int lane = threadIdx.x & 31;
 const int w = threadIdx.x >> 5;
-const int r = lane % LPK;
 const int j = blockIdx.x;
 const int h = blockIdx.y;
 const int b = blockIdx.z;
@@ -92,14 +90,6 @@ __syncthreads();
 const int s0 = j * BLOCK;
 const int s1 = min(s0 + BLOCK, S);
 
-const InT* kb = k + (int64_t)b * k_strides[0] + (int64_t)h * k_strides[1] +
-                (int64_t)r * CH * k_strides[3];
-const InT* vp = v + (int64_t)b * v_strides[0] + (int64_t)h * v_strides[1] +
-                (int64_t)lane * EPL * v_strides[3];
-const int64_t ks = k_strides[2], kd = k_strides[3], vs = v_strides[2];
-constexpr int VA = alignof(QabVec<InT, EPL>) / sizeof(InT);  // elements per alignment unit
-const bool kvec = kd == 1 && ks % CH == 0 && qab_vec_aligned<InT, CH>(kb);
-const bool vvec = v_strides[3] == 1 && vs % VA == 0 && qab_vec_aligned<InT, EPL>(vp);
 const bool* mp = mask;
 int64_t ms = 0;
 if (HAS_MASK) {
@@ -108,9 +98,10 @@ if (HAS_MASK) {
 }
 
 float m[G], l[G], o[G][EPL];
-qab_lanes_block<InT, D, G, LPK, WARPS, HAS_MASK>(sm, sm_m, sm_l, kb, vp, ks, kd, vs,
-                                                 v_strides[3], kvec, vvec, mp, ms, s0, s1, m,
-                                                 l, o);
+qab_lanes_block<InT, D, G, LPK, WARPS, HAS_MASK>(
+    sm, sm_m, sm_l, k + (int64_t)b * k_strides[0] + (int64_t)h * k_strides[1], k_strides[2],
+    k_strides[3], v + (int64_t)b * v_strides[0] + (int64_t)h * v_strides[1], v_strides[2],
+    v_strides[3], mp, ms, s0, s1, m, l, o);
 if (w == 0) {
 #pragma unroll
   for (int g = 0; g < G; ++g) {

@@ -33,8 +33,8 @@
 //    writes it and the value row into the cache buffers, before a barrier
 //    (its own warps then read them back; no other block reads row p);
 // 2. qab_lanes_block over its keys; warp 0 writes the block's partial (m, l,
-//    o) per query head to o_part / ml (a block past key p writes m = -inf,
-//    l = 0, o = 0 without staging anything);
+//    o) per query head to o_part / ml (a block past key p stages nothing and
+//    writes m = -inf, l = 0, o = 0);
 // 3. the block meets at a barrier, thread 0 fences and counts the block done
 //    in count[b Hk + h]; the last of the NB blocks of (b, h) (the count it
 //    read is NB - 1) fences, then merges: warp w takes query heads w, w +
@@ -63,7 +63,6 @@
 // Requires what gqa_decode_partial_lanes.cu and qk_norm_rope.cu require, G = Hq / Hk.
 
 constexpr int EPL = D / 32;                  // elements per lane of a head row
-constexpr int CH = 16 / sizeof(InT);         // K elements per 16-byte piece
 constexpr int KPS = 32 / LPK;                // keys per warp step
 constexpr int SMF = qab_lanes_smem_floats<InT, D, G, WARPS>();  // floats
 static_assert(BLOCK % KPS == 0, "BLOCK must be a multiple of 32 / LPK");
@@ -74,7 +73,6 @@ __shared__ float sm_l[WARPS * G];
 __shared__ int sm_last;
 const int lane = threadIdx.x & 31;
 const int w = threadIdx.x >> 5;
-const int r = lane % LPK;
 const int j = blockIdx.x;
 const int h = blockIdx.y;
 const int b = blockIdx.z;
@@ -90,7 +88,6 @@ const float pos = params[2] * static_cast<float>(off);
 const int s0 = j * BLOCK;
 const int s1 = min(s0 + BLOCK, n);
 
-float m[G], l[G], o[G][EPL];
 if (s0 < n) {
   // 1. The query heads, as qk_norm_rope.cu rounds them, scaled to log2 units.
   const float qscale = params[4] * 1.4426950408889634f;  // log2(e)
@@ -120,29 +117,16 @@ if (s0 < n) {
       vw[(int64_t)d * v_buf_strides[3]] = vn[(int64_t)d * es];
     }
   }
-  __syncthreads();  // the query rows staged, row off written
-
-  // 2. The block's keys.
-  const InT* kb = k_buf + (int64_t)b * k_buf_strides[0] + (int64_t)h * k_buf_strides[1] +
-                  (int64_t)r * CH * k_buf_strides[3];
-  const InT* vp = v_buf + (int64_t)b * v_buf_strides[0] + (int64_t)h * v_buf_strides[1] +
-                  (int64_t)lane * EPL * v_buf_strides[3];
-  const int64_t ks = k_buf_strides[2], kd = k_buf_strides[3], vs = v_buf_strides[2];
-  constexpr int VA = alignof(QabVec<InT, EPL>) / sizeof(InT);  // elements per alignment unit
-  const bool kvec = kd == 1 && ks % CH == 0 && qab_vec_aligned<InT, CH>(kb);
-  const bool vvec = v_buf_strides[3] == 1 && vs % VA == 0 && qab_vec_aligned<InT, EPL>(vp);
-  qab_lanes_block<InT, D, G, LPK, WARPS, false>(sm, sm_m, sm_l, kb, vp, ks, kd, vs,
-                                                v_buf_strides[3], kvec, vvec, nullptr, 0, s0,
-                                                s1, m, l, o);
-} else {
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) o[g][e] = 0.f;
-  }
 }
+__syncthreads();  // the query rows staged, row off written
+
+// 2. The block's keys (none in a block past key off: m = -inf, l = 0, o = 0).
+float m[G], l[G], o[G][EPL];
+qab_lanes_block<InT, D, G, LPK, WARPS, false>(
+    sm, sm_m, sm_l, k_buf + (int64_t)b * k_buf_strides[0] + (int64_t)h * k_buf_strides[1],
+    k_buf_strides[2], k_buf_strides[3],
+    v_buf + (int64_t)b * v_buf_strides[0] + (int64_t)h * v_buf_strides[1], v_buf_strides[2],
+    v_buf_strides[3], nullptr, 0, s0, s1, m, l, o);
 if (w == 0) {
 #pragma unroll
   for (int g = 0; g < G; ++g) {

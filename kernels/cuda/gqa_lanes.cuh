@@ -9,12 +9,11 @@
 // memory), sm_m and sm_l of WARPS * G floats each. Every thread of the block
 // must call it (it has barriers).
 //
-// kb: the (b, KV head) key rows shifted by this lane's first piece (r * CH
-// elements along the last axis); vp: the value rows shifted by this lane's
-// EPL elements; ks / kd / vs / vd: element strides of a row and along the
-// last axis; kvec / vvec: vector loads allowed; mp / ms: the mask row and its
-// stride (read only if HAS_MASK); keys [s0, s1) (none when s1 <= s0: m =
-// -inf, l = 0, o = 0).
+// k0 / v0: the (b, KV head) key and value rows (row 0, element 0); ks / kd /
+// vs / vd: their element strides of a row and along the last axis (vector
+// loads where the last axis is contiguous and the rows aligned, else scalar
+// loads); mp / ms: the mask row and its stride (read only if HAS_MASK); keys
+// [s0, s1) (none when s1 <= s0: m = -inf, l = 0, o = 0).
 
 template <typename InT, int D>
 __device__ __forceinline__ int qab_lanes_q_at(const int g, const int d) {
@@ -35,10 +34,9 @@ __host__ __device__ constexpr int qab_lanes_smem_floats() {
 
 template <typename InT, int D, int G, int LPK, int WARPS, bool HAS_MASK>
 __device__ __forceinline__ void qab_lanes_block(
-    float* sm, float* sm_m, float* sm_l, const InT* kb, const InT* vp, const int64_t ks,
-    const int64_t kd, const int64_t vs, const int64_t vd, const bool kvec, const bool vvec,
-    const bool* mp, const int64_t ms, const int s0, const int s1, float (&m)[G], float (&l)[G],
-    float (&o)[G][D / 32]) {
+    float* sm, float* sm_m, float* sm_l, const InT* k0, const int64_t ks, const int64_t kd,
+    const InT* v0, const int64_t vs, const int64_t vd, const bool* mp, const int64_t ms,
+    const int s0, const int s1, float (&m)[G], float (&l)[G], float (&o)[G][D / 32]) {
   constexpr int EPL = D / 32;                  // o elements per lane
   constexpr int CH = 16 / sizeof(InT);         // K elements per 16-byte piece
   constexpr int NP = D / CH;                   // K pieces per row
@@ -57,6 +55,12 @@ __device__ __forceinline__ void qab_lanes_block(
   const int w = threadIdx.x >> 5;
   const int grp = lane / LPK;
   const int r = lane % LPK;
+  // This lane's first K piece (r * CH elements in) and its EPL elements of V.
+  const InT* kb = k0 + (int64_t)r * CH * kd;
+  const InT* vp = v0 + (int64_t)lane * EPL * vd;
+  constexpr int VA = alignof(QabVec<InT, EPL>) / sizeof(InT);  // elements per alignment unit
+  const bool kvec = kd == 1 && ks % CH == 0 && qab_vec_aligned<InT, CH>(kb);
+  const bool vvec = vd == 1 && vs % VA == 0 && qab_vec_aligned<InT, EPL>(vp);
 
 #pragma unroll
   for (int g = 0; g < G; ++g) {

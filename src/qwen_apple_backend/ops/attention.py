@@ -221,6 +221,16 @@ def _qk_prep_call(backend: str, q, k, q_weight, k_weight, q_eps: float, k_eps: f
         output_shapes=[(B, Hq, 1, D), (B, Hk, 1, D)], output_dtypes=[q.dtype, q.dtype])
 
 
+def _qk_rope_fits(D: int, rope: RopeSpec) -> bool:
+    """Whether ``qk_norm_rope.cuh``'s warp-per-head row takes a head of ``D`` and
+    this RoPE: ``D`` a multiple of 32 up to 256, ``R`` even in ``(0, D]``, and its
+    rotated pairs on lanes (``(R / 2) % (D / 32) == 0``; traditional: ``D / 32`` even)."""
+    epl = D // 32
+    R = rope.dims
+    return not (D % 32 or D > 256 or R % 2 or R <= 0 or R > D
+                or (epl % 2 if rope.traditional else (R // 2) % epl))
+
+
 def qk_prep_kernel_ready(Hq: int, Hk: int, D: int, dtype: mx.Dtype, weight_dtype: mx.Dtype,
                          rope: Optional[RopeSpec]) -> Optional[str]:
     """The GPU backend whose decode q/k preparation kernel may run, or None.
@@ -243,11 +253,8 @@ def qk_prep_kernel_ready(Hq: int, Hk: int, D: int, dtype: mx.Dtype, weight_dtype
     backend = gpu_backend()
     if backend != "cuda":
         return None
-    epl = D // 32
-    R = rope.dims
-    if (D % 32 or D > 256 or R % 2 or R <= 0 or R > D
-            or (epl % 2 if rope.traditional else (R // 2) % epl)
-            or dtype not in (mx.float32, mx.bfloat16, mx.float16) or weight_dtype != dtype):
+    if (not _qk_rope_fits(D, rope) or dtype not in (mx.float32, mx.bfloat16, mx.float16)
+            or weight_dtype != dtype):
         return None
     if _qk_prep_object(backend) is None:
         return None
@@ -1047,12 +1054,8 @@ def _step_call(backend: str, qkv: mx.array, q_weight: mx.array, k_weight: mx.arr
 
 def _step_shapes_ok(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
                     rope: Optional[RopeSpec]) -> bool:
-    epl = D // 32
-    if (rope is None or B < 1 or Hk < 1 or Hq % Hk or Hq // Hk > 16 or D % 32 or D > 256
+    if (rope is None or B < 1 or Hk < 1 or Hq % Hk or Hq // Hk > 16 or not _qk_rope_fits(D, rope)
             or dtype not in (mx.float32, mx.bfloat16, mx.float16)):
-        return False
-    R = rope.dims
-    if R % 2 or R <= 0 or R > D or (epl % 2 if rope.traditional else (R // 2) % epl):
         return False
     # The lane-group pass's build (LPK dividing a K row's 16-byte pieces, its float32 o).
     return _lanes_params(B, Hk, 1, Hq // Hk, D, dtype) is not None
