@@ -22,9 +22,11 @@ shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
   else absent;
 * ``step``: the whole attention core of the compiled decode step in one
   launch (``attn-step``: ``gqa_decode_step``: q/k norm and RoPE, the KV row
-  written in place, the lane-group pass, the merge and the gate) where this
-  device has it, and ``step-ctasN`` the same with the pass sized for about N
-  thread blocks (``--step-ctas``) instead of ``_LANES_CTAS``;
+  written in place, the key pass (on tensor cores: ``STEP_MMA``), the merge
+  and the gate) where this device has it, ``step-lanes`` the same with the
+  lane-group key pass (``STEP_MMA`` off), and ``step-ctasN`` the step with
+  the pass sized for about N thread blocks (``--step-ctas``) instead of
+  ``_LANES_CTAS``;
 * ``four-launches``: the launches ``step`` replaces (``qk_norm_rope``,
   ``kv_cache_write``, the lane-per-key pass and ``gqa_decode_combine`` with
   the gate), where this device has them;
@@ -38,11 +40,22 @@ shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
 
 Median of ``--repeats`` synchronised runs after two warm-ups, in ms, and the
 KV bytes read per ms (GB/s). Writes ``profile-attention-decode-<device>.json``
-into OUT.
+into OUT. Every form reads its offset as the compiled decode step hands it: a
+0-d view of a ``[4]`` int32 array filled on the device (not MLX's small host
+pool, where a 4-byte array would sit: ``ops.device.unpooled_length``).
+
+``--timeline``: the ``step`` (and ``step-lanes``) form again, built with phase marks (``QAB_MARK``,
+empty in the shipped kernel: thread 0 stores the GPU's global timer, in ns)
+and an L2 flush before each of ``--repeats`` launches: per launch, from its
+first thread block's start, when the blocks had staged their query rows
+(median, last), finished their pass and partial (median, last), counted
+themselves done, and when the last block per KV head finished the merge;
+medians over the launches, in us. Writes
+``profile-attention-decode-timeline-<device>.json``.
 
 Usage:
     python benchmarks/profile_attention_decode.py OUT [--lengths 4096,32768,131072]
-        [--repeats 20]
+        [--repeats 20] [--forms step,four-launches] [--step-ctas 32,64] [--timeline]
 """
 
 from __future__ import annotations
@@ -59,6 +72,97 @@ for p in (SRC, HERE):
 
 B, HQ, HK, D = 1, 16, 2, 256
 SPLIT = 1024
+#: Marks per thread block in the --timeline build (0 start, 1 query rows staged,
+#: 2 pass and partial done, 3 counted, 4 merge done) and the SM id.
+MARKS = 5
+#: QAB_MARK as the --timeline build defines it: thread 0 of each thread block
+#: stores the global timer (ns) as mark k of its block, and the SM at mark 0.
+MARK_DEFINE = ("#define QAB_MARK(k) do { if (threadIdx.x == 0) { unsigned long long qab_t_; "
+               "const size_t qab_b_ = ((size_t)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x"
+               " + blockIdx.x; "
+               "asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(qab_t_)); "
+               f"stamps[qab_b_ * {MARKS + 1} + (k)] = qab_t_; if ((k) == 0) {{ unsigned s_; "
+               "asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(s_)); "
+               f"stamps[qab_b_ * {MARKS + 1} + {MARKS}] = s_; }} }} }} while (0)\n")
+
+
+def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale):
+    """One launch of the step's kernel built with the phase marks: ``(out, stamps)``,
+    stamps ``[blocks, MARKS + 1]`` uint64 (0 where a mark does not apply)."""
+    import mlx.core as mx
+
+    from qwen_apple_backend.ops import attention as attn_ops
+    from qwen_apple_backend.ops._sources import compact, kernel_source
+
+    global _STAMPED
+    if _STAMPED is None:
+        src = kernel_source("gqa_decode_step", "cuda")
+        _STAMPED = mx.fast.cuda_kernel(
+            name=src.name + "_timeline", input_names=list(src.inputs),
+            output_names=list(src.outputs) + ["stamps"], source=compact(src.body),
+            header=MARK_DEFINE + compact(src.header), ensure_row_contiguous=False)
+    Hk, S = k_buf.shape[1], k_buf.shape[2]
+    G = HQ // Hk
+    block, lpk, warps = attn_ops._lanes_params(B, Hk, S, G, D, qkv.dtype)
+    nb = -(-S // block)
+    params = attn_ops._step_params(1e-6, 1e-6, float(rope.scale), float(rope.base), scale)
+    out, _, _, stamps = _STAMPED(
+        inputs=[qkv, nw, nw, params, offset, k_buf, v_buf, counter],
+        template=[("InT", qkv.dtype), ("D", D), ("G", G), ("R", rope.dims),
+                  ("TRAD", rope.traditional), ("BLOCK", block), ("LPK", lpk), ("WARPS", warps),
+                  ("MMA", attn_ops._step_mma(G, D, qkv.dtype))],
+        grid=(32 * warps * nb, Hk, B), threadgroup=(32 * warps, 1, 1),
+        output_shapes=[(B, 1, HQ * D), (B, HQ, nb, D), (B, HQ, nb, 2),
+                       (nb * Hk * B * (MARKS + 1),)],
+        output_dtypes=[qkv.dtype, mx.float32, mx.float32, mx.uint64], init_value=0)
+    return out, stamps.reshape(-1, MARKS + 1)
+
+
+_STAMPED = None
+
+
+def step_timeline(launch, repeats: int) -> dict:
+    """Medians over ``repeats`` launches (each after an L2 flush) of the phase marks,
+    us from the launch's first block start; ``launch()`` returns ``(out, stamps)``."""
+    import statistics
+
+    import mlx.core as mx
+
+    flush = mx.zeros((64 * 1024 * 1024,), dtype=mx.float32)  # 256 MB: past the L2
+    mx.eval(flush)
+    keys = ("start_last", "staged_median", "staged_last", "pass_median", "pass_last",
+            "counted_last", "merged_last")
+    vals = {k: [] for k in keys}
+    blocks = sms = 0
+    for i in range(repeats + 2):
+        mx.eval(flush + 1.0)
+        mx.synchronize()
+        out, stamps = launch()
+        mx.eval(out, stamps)
+        if i < 2:
+            continue  # the first launches build and warm
+        rows = stamps.tolist()
+        live = [r for r in rows if r[1]]  # blocks holding keys stage (all blocks mark 1)
+        t0 = min(r[0] for r in rows)
+
+        def us(x):
+            return (x - t0) / 1000.0
+
+        def med(xs):
+            return statistics.median(xs)
+
+        vals["start_last"].append(us(max(r[0] for r in rows)))
+        vals["staged_median"].append(med([us(r[1]) for r in live]))
+        vals["staged_last"].append(us(max(r[1] for r in live)))
+        vals["pass_median"].append(med([us(r[2]) for r in live]))
+        vals["pass_last"].append(us(max(r[2] for r in live)))
+        vals["counted_last"].append(us(max(r[3] for r in live)))
+        vals["merged_last"].append(us(max(r[4] for r in rows if r[4])))
+        blocks = len(rows)
+        sms = len({r[MARKS] for r in rows})
+    res = {k: round(statistics.median(v), 2) for k, v in vals.items()}
+    res.update(blocks=blocks, sms=sms)
+    return res
 
 
 def main(argv=None) -> int:
@@ -84,6 +188,8 @@ def main(argv=None) -> int:
 
     p.add_argument("--step-ctas", type=ctas_list, default=[],
                    help="comma-separated thread-block targets for extra step-ctasN forms")
+    p.add_argument("--timeline", action="store_true",
+                   help="also time the step's phases inside its launch (a marked build)")
     args = p.parse_args(argv)
     wanted = {f for f in args.forms.split(",") if f}
     step_ctas = args.step_ctas
@@ -95,7 +201,7 @@ def main(argv=None) -> int:
 
     scale = D ** -0.5
     G = HQ // HK
-    rows = []
+    rows, timelines = [], []
     for S in args.lengths:
         kq, kk, kv = mx.random.split(mx.random.key(S), 3)
         q = mx.random.normal((B, HQ, 1, D), key=kq).astype(mx.bfloat16)
@@ -124,7 +230,9 @@ def main(argv=None) -> int:
             mx.slice_update(kb, upd_k, off, axes=(2,)), mx.slice_update(vb, upd_k, off, axes=(2,))))
         live = {"k": mx.array(kbuf), "v": mx.array(vbuf)}
         kept = []
-        offset = mx.array([S - 1], dtype=mx.int32)
+        # As the compiled decode step hands it: a [4] int32 filled on the device
+        # (a [1] array would sit in MLX's small host pool), read as a 0-d view.
+        offset = mx.full((4,), S - 1, dtype=mx.int32)[:1]
         mx.eval(live, offset)
 
         def kv_update(keep: bool):
@@ -173,7 +281,17 @@ def main(argv=None) -> int:
                 finally:
                     attn_ops._LANES_CTAS = old
 
+            def step_lanes():
+                old = attn_ops.STEP_MMA
+                attn_ops.STEP_MMA = False
+                try:
+                    return step()
+                finally:
+                    attn_ops.STEP_MMA = old
+
             forms["step"] = step
+            if attn_ops._step_mma(HQ // HK, D, mx.bfloat16):
+                forms["step-lanes"] = step_lanes
             for c in step_ctas:
                 forms[f"step-ctas{c}"] = lambda c=c: step(c)
             fk, fv = kbuf * 1, vbuf * 1
@@ -200,6 +318,22 @@ def main(argv=None) -> int:
         row = dict(S=S, kv_bytes=kv_bytes)
         for name, fn in forms.items():
             row[name + "_ms"] = 1e3 * timeit(fn, args.repeats)
+        if args.timeline:
+            if "step" not in forms:
+                p.error("--timeline times the step form, which this device does not have"
+                        if not wanted else "--timeline needs the step form in --forms")
+            for name in [f for f in ("step", "step-lanes") if f in forms]:
+                old_mma = attn_ops.STEP_MMA
+                attn_ops.STEP_MMA = name == "step"
+                try:
+                    tl = step_timeline(lambda: stamped_step(
+                        qkv, nw, sk, sv, offset.reshape(()), counter, rope, scale), args.repeats)
+                finally:
+                    attn_ops.STEP_MMA = old_mma
+                row[name.replace("-", "_") + "_timeline_us"] = tl
+                timelines.append(dict(S=S, form=name, **tl))
+                print(f"S {S:7d} {name} timeline (us): "
+                      + "  ".join(f"{k} {v}" for k, v in tl.items()), flush=True)
         if "pv-split" in forms:
             ref = (probs @ v).astype(mx.float32)
             row["pv_split_max_abs_diff"] = float(mx.abs(pv_split() - ref).max())
@@ -211,6 +345,12 @@ def main(argv=None) -> int:
     path = write_result(args.out, "profile-attention-decode",
                         dict(B=B, Hq=HQ, Hk=HK, D=D, split=SPLIT, repeats=args.repeats, rows=rows))
     print(f"wrote {path}")
+    if timelines:
+        path = write_result(args.out, "profile-attention-decode-timeline",
+                            dict(B=B, Hq=HQ, Hk=HK, D=D, repeats=args.repeats, marks=[
+                                "start", "query rows staged", "pass and partial done",
+                                "counted", "merge done"], rows=timelines))
+        print(f"wrote {path}")
     return 0
 
 

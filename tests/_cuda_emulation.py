@@ -65,7 +65,7 @@ block; blocks run one after another):
   ``__float_as_int``; ``expf``, ``__expf``, ``logf``, ``__logf``, ``log1pf``,
   ``rsqrtf``, ``sqrtf``, ``fmaf``, ``fmaxf``, ``fminf``, ``tanhf``, ``min``,
   ``max``, ``__fdividef``, ``__ldg``, ``__ldcg``, ``__ushort_as_bfloat16``,
-  ``__ushort_as_half``, ``__popc``, ``atomicAdd``/``atomicMax``/
+  ``__ushort_as_half``, ``__popc``, ``__byte_perm`` (modes 0-7), ``atomicAdd``/``atomicMax``/
   ``atomicCAS``/``atomicExch`` (trivially atomic: one fiber runs at a time);
   ``__device__``, ``__forceinline__``, ``__restrict__``, ``__align__``,
   ``__launch_bounds__``, ``#pragma unroll`` (ignored), ``cg::this_grid()`` /
@@ -79,8 +79,13 @@ block; blocks run one after another):
   schedules); ``qab_wait_count`` (a block waiting on a counter that other
   blocks of the launch advance) checks the count once and reports a fault
   when it is short (blocks run one after another, so it would never be
-  reached). ``asm`` anywhere else, e.g. the tensor-core ``mma.sync`` of
-  ``moe_grouped_gemm.cu``, raises :class:`NotEmulated`: out of scope.
+  reached); ``qab_mma_16816`` / ``qab_mma_1688`` of ``kernels/cuda/gqa_mma.cuh``
+  (tensor-core ``mma.sync``, bf16 / f16 in, float32 sums) become the warp's
+  product gathered through emulated shuffles (``::qab::mma_warp``: each lane
+  sums its C elements in k order; the hardware's order is unspecified, so
+  tests compare against references with dtype tolerances). ``asm`` anywhere
+  else, e.g. the ``mma.sync`` of ``moe_grouped_gemm.cu``, raises
+  :class:`NotEmulated`: out of scope.
 
 Every launch runs twice (``schedules=2``), with fresh outputs, and the two
 runs must agree bit for bit:
@@ -505,6 +510,58 @@ template <typename T>
 inline T __ldcg(const T* p) { return *p; }
 inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short u) { __nv_bfloat16 b; b.__x = u; return b; }
 inline __half __ushort_as_half(unsigned short u) { __half h; h.__x = u; return h; }
+// __byte_perm (selector modes 0-7 per nibble: byte i of the result is byte
+// (s >> 4 i) & 7 of y:x; the sign-replicate bit 3 is not emulated).
+inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+  const unsigned long long xy = (static_cast<unsigned long long>(y) << 32) | x;
+  unsigned int r = 0;
+  for (int i = 0; i < 4; ++i) {
+    r |= static_cast<unsigned int>((xy >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+  }
+  return r;
+}
+namespace qab {
+// One 16-bit element of a packed pair as float (H: __nv_bfloat16 or __half).
+template <typename H>
+inline float half_bits(unsigned int bits) {
+  if constexpr (sizeof(H) == 2 && std::is_same<H, __half>::value) {
+    return static_cast<float>(__ushort_as_half(static_cast<unsigned short>(bits)));
+  } else {
+    return static_cast<float>(__ushort_as_bfloat16(static_cast<unsigned short>(bits)));
+  }
+}
+// mma.sync.aligned.m16n8k{16,8}.row.col.f32.{bf16,f16}.{bf16,f16}.f32, d += a b,
+// as the warp computes it: all 32 lanes call it together (as the hardware
+// requires), each gathers the others' A and B fragments through the emulated
+// shuffles and sums its own four C elements in k order (the hardware's order
+// within the float32 accumulation is unspecified). Fragments: lane = 4 g + t;
+// A[row][k] in register (row >= 8) + 2 (k >= 8), half k & 1, of lane 4 (row
+// & 7) + (k & 7) / 2; B[k][n] in register k >= 8, half k & 1, of lane 4 n +
+// (k & 7) / 2; C elements c: row g + 8 (c >= 2), column 2 t + (c & 1).
+template <typename H, int K>
+inline void mma_warp(float* d, const unsigned int* a, const unsigned int* b) {
+  constexpr int NA = K / 4, NB = K / 8;
+  unsigned int A[32][NA], B[32][NB];
+  for (int r = 0; r < NA; ++r) {
+    for (int L = 0; L < 32; ++L) A[L][r] = ::__shfl_sync(0xffffffffu, a[r], L);
+  }
+  for (int r = 0; r < NB; ++r) {
+    for (int L = 0; L < 32; ++L) B[L][r] = ::__shfl_sync(0xffffffffu, b[r], L);
+  }
+  const int lane = static_cast<int>(threadIdx.x) & 31, g = lane >> 2, t = lane & 3;
+  for (int c = 0; c < 4; ++c) {
+    const int row = g + (c >= 2 ? 8 : 0), col = 2 * t + (c & 1);
+    float acc = d[c];
+    for (int k = 0; k < K; ++k) {
+      const unsigned int wa = A[(row & 7) * 4 + (k & 7) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
+      const unsigned int wb = B[col * 4 + (k & 7) / 2][k >= 8 ? 1 : 0];
+      acc += half_bits<H>((k & 1) ? wa >> 16 : wa & 0xffffu) *
+             half_bits<H>((k & 1) ? wb >> 16 : wb & 0xffffu);
+    }
+    d[c] = acc;
+  }
+}
+}  // namespace qab
 template <typename A, typename B>
 inline constexpr std::common_type_t<A, B> min(A a, B b) {
   using C = std::common_type_t<A, B>;
@@ -1125,6 +1182,19 @@ SUBSTITUTES = {
         "::qab::wait_count(p, target);"),
     # An L2 prefetch is a hint with no visible effect: the emulator only checks
     # that the range lies in one input buffer.
+    # Tensor-core mma (kernels/cuda/gqa_mma.cuh): the warp's product from every
+    # lane's fragments (::qab::mma_warp, float32 sums in k order).
+    "qab_mma_16816": (
+        "template <typename InT> __device__ __forceinline__ void qab_mma_16816(float (&d)[4], "
+        "const uint32_t a0, const uint32_t a1, const uint32_t a2, const uint32_t a3, "
+        "const uint32_t b0, const uint32_t b1)",
+        "const unsigned int a[4] = {a0, a1, a2, a3}; const unsigned int b[2] = {b0, b1}; "
+        "::qab::mma_warp<InT, 16>(d, a, b);"),
+    "qab_mma_1688": (
+        "template <typename InT> __device__ __forceinline__ void qab_mma_1688(float* d, "
+        "const uint32_t a0, const uint32_t a1, const uint32_t b0)",
+        "const unsigned int a[2] = {a0, a1}; const unsigned int b[1] = {b0}; "
+        "::qab::mma_warp<InT, 8>(d, a, b);"),
     "qab_prefetch_l2": (
         "__device__ __forceinline__ void qab_prefetch_l2(const void* p, uint32_t bytes)",
         "::qab::check_prefetch(p, bytes);"),

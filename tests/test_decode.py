@@ -555,8 +555,11 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
         claimed.append(self)
         return self.keys, self.values, self.offset
 
-    def fake_step(qkv, qw, kw, k_buf, v_buf, offset, counter, **kw_):
+    mmas = []  # the mma flag of each step_kernel_ready / gqa_decode_step call
+
+    def fake_step(qkv, qw, kw, k_buf, v_buf, offset, counter, mma=None, **kw_):
         calls.append((qkv.shape, k_buf.shape, offset.shape, counter.dtype, kw_["heads"]))
+        mmas.append(mma)
         out, kb, vb = attn_ops.gqa_decode_step_ops(qkv, qw, kw, k_buf, v_buf, offset, **kw_)
         c = claimed.pop()
         c.keys, c.values = kb, vb
@@ -564,7 +567,8 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
 
     monkeypatch.setattr(decode, "kv_write_ready", lambda probe, k: "fake")
     monkeypatch.setattr(decode._StepKV, "claim_in_place", claim)
-    monkeypatch.setattr(attn_ops, "step_kernel_ready", lambda *a: "cuda")
+    monkeypatch.setattr(attn_ops, "step_kernel_ready",
+                        lambda *a, mma=None: mmas.append(mma) or "cuda")
     monkeypatch.setattr(attn_ops, "gqa_decode_step", fake_step)
     # The step runs only inside the decode step's trace (the serial counters).
     monkeypatch.setattr(attn_layer, "serial_decode_tracing", lambda: True)
@@ -588,6 +592,18 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
     heads = m.language_model.args.num_attention_heads
     assert all(len(q) == 3 and q[:2] == (1, 1) and off == () and dt == mx.uint32 and h == heads
                for q, _, off, dt, h in calls)
+    # The tensor-core key pass is asked for, of the check and of the launch
+    # alike; QAB_DISABLE=attn-mma asks for the lane-group pass.
+    assert mmas and all(f is True for f in mmas), mmas
+    mmas.clear()
+    calls.clear()
+    no_mma, _ = load(tiny_hf_f32, "fused", disable=["attn-mma"])
+    assert any("attn-mma in QAB_DISABLE" in n for n in no_mma.qab_report.notes)
+    c = make_prompt_cache(no_mma)
+    for t in range(3):
+        mx.eval(no_mma(mx.array([[1 + t]]), cache=c))
+    assert len(calls) == n_attn and mmas and all(f is False for f in mmas), mmas
+    claimed.clear()
     monkeypatch.setattr(decode, "kv_cache_write", lambda backend, k, v, kb, vb, off:
                         attn_ops.kv_cache_write_ops(k, v, kb, vb, off)[2])
     # From STEP_MAX_KEYS buffer rows the layer keeps the four launches (the
@@ -603,6 +619,8 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
     # What it needs, switched off, is named.
     no_prep, _ = load(tiny_hf_f32, "fused", disable=["qk-prep"])
     assert ("attn-step is not used: it needs qk-prep, which QAB_DISABLE / disable= switches off"
+            in no_prep.qab_report.notes)
+    assert ("attn-mma is not used: it needs qk-prep, which QAB_DISABLE / disable= switches off"
             in no_prep.qab_report.notes)
     monkeypatch.setenv("QAB_DISABLE", "attn-step")
     # (The separate in-place write is faked above: only which path runs is checked.)

@@ -2245,16 +2245,35 @@ STEP_CASES = [
     (2, 2, 2, 32, 45, 0, BF16, 32, False, 128),
     # 130 key blocks with keys: the merge's weights staged in two chunks (128 at D 32).
     (1, 2, 1, 32, 4200, 4150, F32, 32, False, 512),
+    # Two key blocks of 328 keys: each warp of the tensor-core pass takes 5-6
+    # steps (its running max and rescale), G 8 at D 64.
+    (1, 8, 1, 64, 700, 650, BF16, 64, False, 2),
 ]
+
+
+def _aligned16(shape, key, dtype):
+    """Random values of ``shape`` in a view whose first element sits on a 16-byte
+    boundary, as MLX's GPU buffers do (its CPU buffers may start 8 bytes off,
+    which the kernels' vector and tensor-core paths refuse)."""
+    n = int(np.prod(shape))
+    flat = mx.random.normal((n + 16,), key=key).astype(dtype)
+    mx.eval(flat)
+    ptr = np.asarray(emu._numpy_compatible(flat)).__array_interface__["data"][0]
+    skip = (-ptr % 16) // dtype.size
+    view = flat[skip:skip + n].reshape(shape)
+    mx.eval(view)
+    assert emu._view_bytes(view)[2] == 0, "not a 16-byte aligned view"
+    return view
 
 
 def _step_case(B, Hq, Hk, D, S, off, dtype, R, trad):
     kx, kw, kk, kv = mx.random.split(mx.random.key(S + D + off), 4)
     qkv = mx.random.normal((B, 1, Hq * 2 * D + 2 * Hk * D), key=kx).astype(dtype)
     w = (1.0 + 0.2 * mx.random.normal((2, D), key=kw)).astype(dtype)
-    # The cache's form: a view of the first S rows of a longer buffer.
-    k_buf = mx.random.normal((B, Hk, S + 9, D), key=kk).astype(dtype)[:, :, :S]
-    v_buf = mx.random.normal((B, Hk, S + 9, D), key=kv).astype(dtype)[:, :, :S]
+    # The cache's form: a view of the first S rows of a longer buffer (16-byte
+    # aligned, as on the GPU: the tensor-core pass needs it).
+    k_buf = _aligned16((B, Hk, S + 9, D), kk, dtype)[:, :, :S]
+    v_buf = _aligned16((B, Hk, S + 9, D), kv, dtype)[:, :, :S]
     rope = attn_ops.RopeSpec(R, trad, 10000.0, 1.0)
     return qkv, w[0], w[1], k_buf, v_buf, mx.array(off, dtype=mx.int32), rope
 
@@ -2286,10 +2305,17 @@ def _step(case, counter=None):
                                attn_ops.step_counter(B, Hk) if counter is None else counter)
 
 
+@pytest.mark.parametrize("mma", [True, False], ids=["mma", "lanes"])
 @pytest.mark.parametrize("case", STEP_CASES, ids=_step_id)
-def test_decode_step_is_the_four_launches_emulated(case, monkeypatch):
+def test_decode_step_is_the_four_launches_emulated(case, mma, monkeypatch):
+    # mma: the tensor-core key pass (gqa_mma.cuh) where the case allows it
+    # (16-bit inputs, G <= 8, D a multiple of 64: the first and third cases),
+    # else, and with mma False, the lane-group pass.
     B, Hq, Hk, D, S, off, dtype, R, trad, ctas = case
+    if not mma and not attn_ops._step_mma(Hq // Hk, D, dtype):
+        pytest.skip("the lane-group pass either way")
     monkeypatch.setattr(attn_ops, "_LANES_CTAS", ctas)
+    monkeypatch.setattr(attn_ops, "STEP_MMA", mma)
     c = _step_case(B, Hq, Hk, D, S, off, dtype, R, trad)
     qkv, qw, kw, k_buf, v_buf, offset, rope = c
     # Both schedules run on the SAME counter: one the launch leaves non-zero
@@ -2313,6 +2339,13 @@ def test_decode_step_is_the_four_launches_emulated(case, monkeypatch):
     pub = attn_ops.gqa_decode_step(qkv, qw, kw, k_buf, v_buf, offset, counter, heads=Hq,
                                    q_eps=1e-6, k_eps=1e-5, rope=rope, scale=D ** -0.5)
     assert mx.array_equal(pub, out).item()
+    if mma and attn_ops._step_mma(Hq // Hk, D, dtype):
+        # The tensor-core pass no further from float32 than the lane-group pass
+        # (both round float32 sums to the output dtype once; 10 % + a hair).
+        monkeypatch.setattr(attn_ops, "STEP_MMA", False)
+        lanes = _step(c)
+        assert mx_rel_l2(out, ref) <= 1.1 * mx_rel_l2(lanes, ref) + 1e-4
+        assert mx_rel_l2(out, lanes) <= 4e-3
 
 
 # Mutations the checks must catch: the token's row never written (its key is
@@ -2330,6 +2363,39 @@ STEP_BREAKS = {
     "repeat-weighs": ("const float wi = i0 + u < c1 ? sw[i0 + u - c0] : 0.f;",
                       "const float wi = sw[min(i0 + u, c1 - 1) - c0];"),
 }
+
+
+# The tensor-core pass (gqa_mma.cuh, a header): a lane's o not rescaled when
+# its head's max grows, the keys past the block weighed, one V row of the
+# pair read twice, the probabilities' low part dropped (p to 8 bits).
+STEP_MMA_BREAKS = {
+    "mma-no-rescale": ("      o[4 * i] *= c0;\n      o[4 * i + 1] *= c1;\n      o[4 * i + 2] *= c0;\n"
+                       "      o[4 * i + 3] *= c1;\n    }\n    uint32_t phi",
+                       "    }\n    uint32_t phi"),
+    "mma-keys-past-block": ("const float x1 = t0 + 2 * t + 1 < s1 ?", "const float x1 = true ?"),
+    "mma-v-row-twice": ("min(t0 + 2 * t + 1, s1 - 1) * vs", "min(t0 + 2 * t, s1 - 1) * vs"),
+    "mma-p-low-part-dropped": ("qab_mma_1688<InT>(o + 4 * i, a0, a1, plo);", ""),
+}
+
+
+@pytest.mark.parametrize("what", sorted(STEP_MMA_BREAKS))
+def test_decode_step_mma_broken_fails_emulated(what, monkeypatch):
+    # The last case (bf16, G 8, D 64, warps of 5-6 steps) through the
+    # tensor-core pass against the same launch with the lane-group pass (float32
+    # p v): intact, only a rare last-bit rounding of the output differs; each
+    # break must move it well past that.
+    case = _step_case(*STEP_CASES[-1][:9])
+    monkeypatch.setattr(attn_ops, "_LANES_CTAS", STEP_CASES[-1][9])
+    monkeypatch.setattr(attn_ops, "STEP_MMA", False)
+    lanes = _step(case)
+    monkeypatch.setattr(attn_ops, "STEP_MMA", True)
+    good = mx_rel_l2(_step(case), lanes)
+    _broken(monkeypatch, "gqa_decode_step", *STEP_MMA_BREAKS[what], header=True)
+    try:
+        bad = _step(case)
+    except emu.KernelFault:
+        return
+    assert mx_rel_l2(bad, lanes) > max(4 * good, 2e-4), (what, good, mx_rel_l2(bad, lanes))
 
 
 @pytest.mark.parametrize("what", sorted(STEP_BREAKS))

@@ -152,6 +152,45 @@ __device__ __forceinline__ QabVec<T, N> qab_load_vec_cg(const T* p, bool vec) {
   return r;
 }
 
+// N float32 at p through L2 (data another block of this launch wrote): N / 4
+// 16-byte loads when vec (N a multiple of 4, p 16-byte aligned), else N
+// scalar loads; and the matching stores. The values are the same either way:
+// only the number of load instructions (and L2 requests) differs.
+template <int N>
+__device__ __forceinline__ void qab_ldcg_f32(const float* p, bool vec, float (&r)[N]) {
+  if constexpr (N % 4 == 0) {
+    if (vec) {
+#pragma unroll
+      for (int i = 0; i < N / 4; ++i) {
+        const float4 t = __ldcg(reinterpret_cast<const float4*>(p) + i);
+        r[4 * i] = t.x;
+        r[4 * i + 1] = t.y;
+        r[4 * i + 2] = t.z;
+        r[4 * i + 3] = t.w;
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < N; ++e) r[e] = qab_ldcg(p + e);
+}
+
+template <int N>
+__device__ __forceinline__ void qab_store_f32(float* p, bool vec, const float (&r)[N]) {
+  if constexpr (N % 4 == 0) {
+    if (vec) {
+#pragma unroll
+      for (int i = 0; i < N / 4; ++i) {
+        reinterpret_cast<float4*>(p)[i] = make_float4(r[4 * i], r[4 * i + 1], r[4 * i + 2],
+                                                      r[4 * i + 3]);
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < N; ++e) p[e] = r[e];
+}
+
 // A phase mark of a ticketed kernel (moe_decode_block.cu): nothing, unless a
 // profiling build defines it first (benchmarks/profile_moe_block_gpu.py
 // records a timestamp per ticket and mark).

@@ -40,7 +40,8 @@
 //    read is NB - 1) fences, then merges: warp w takes query heads w, w +
 //    WARPS, ...: M = max over the key blocks with keys, out = sum_j w_j o_j /
 //    sum_j w_j l_j with w_j = exp2(m_j - M) (staged in shared memory; the o
-//    rows read 8 at a time, every load of the 8 issued before their sums:
+//    rows read 8 at a time, every load of the 8 issued before their sums,
+//    16 bytes per load where EPL is a multiple of 4 (as the partials are written):
 //    the first build summed row by row and, under ncu on the H200, its merge
 //    took most of a 51.8 us launch at 4K keys), read through L2 (the CG
 //    loads), rounded once to InT, times the sigmoid gate; then it resets the count
@@ -64,12 +65,19 @@
 
 constexpr int EPL = D / 32;                  // elements per lane of a head row
 constexpr int KPS = 32 / LPK;                // keys per warp step
-constexpr int SMF = qab_lanes_smem_floats<InT, D, G, WARPS>();  // floats
-static_assert(BLOCK % KPS == 0, "BLOCK must be a multiple of 32 / LPK");
-static_assert(SMF * 4 + 2 * WARPS * G * 4 + 16 <= 48 * 1024, "static shared memory over 48 KB");
+constexpr int G8 = G > 8 ? G : 8;            // heads the MMA pass's arrays hold
+constexpr int SMF_L = qab_lanes_smem_floats<InT, D, G, WARPS>();
+constexpr int SMF_M = (WARPS > 1 ? WARPS / 2 : 1) * 8 * D;
+constexpr int SMF = MMA && SMF_M > SMF_L ? SMF_M : SMF_L;  // floats
+static_assert(BLOCK % KPS == 0 && BLOCK % 8 == 0, "BLOCK must be a multiple of 8 and 32 / LPK");
+static_assert(!MMA || (G <= 8 && sizeof(InT) == 2 && D % 64 == 0),
+              "the MMA pass takes 16-bit inputs, G <= 8 and D a multiple of 64");
+static_assert(SMF * 4 + 2 * WARPS * G8 * 4 + (MMA ? 8 * D * sizeof(InT) : 16) + 16 <= 48 * 1024,
+              "static shared memory over 48 KB");
 __shared__ __align__(16) float sm[SMF];
-__shared__ float sm_m[WARPS * G];
-__shared__ float sm_l[WARPS * G];
+__shared__ float sm_m[WARPS * G8];
+__shared__ float sm_l[WARPS * G8];
+__shared__ __align__(16) InT sq[MMA ? 8 * D : 8];
 __shared__ int sm_last;
 const int lane = threadIdx.x & 31;
 const int w = threadIdx.x >> 5;
@@ -87,6 +95,15 @@ const int64_t es = qkv_strides[2];
 const float pos = params[2] * static_cast<float>(off);
 const int s0 = j * BLOCK;
 const int s1 = min(s0 + BLOCK, n);
+const InT* kh = k_buf + (int64_t)b * k_buf_strides[0] + (int64_t)h * k_buf_strides[1];
+const InT* vh = v_buf + (int64_t)b * v_buf_strides[0] + (int64_t)h * v_buf_strides[1];
+// The tensor-core pass where the build has it and the K/V rows allow 16-byte
+// loads (contiguous along the head dim, rows 16-byte aligned); else the
+// lane-group pass.
+const bool mma = MMA && k_buf_strides[3] == 1 && v_buf_strides[3] == 1 &&
+                 k_buf_strides[2] % 8 == 0 && v_buf_strides[2] % 8 == 0 &&
+                 qab_vec_aligned<InT, 8>(kh) && qab_vec_aligned<InT, 8>(vh);
+QAB_MARK(0);
 
 if (s0 < n) {
   // 1. The query heads, as qk_norm_rope.cu rounds them, scaled to log2 units.
@@ -95,10 +112,19 @@ if (s0 < n) {
     InT qo[EPL];
     qab_qk_norm_rope_row<InT, D, R, TRAD>(row + (int64_t)(h * G + g) * 2 * D * es, es,
                                           q_weight, params[0], pos, params[3], lane, qo);
+    if (MMA && mma) {
+      // As rounded (InT), unscaled: the MMA pass scales the scores.
 #pragma unroll
-    for (int e = 0; e < EPL; ++e) {
-      sm[qab_lanes_q_at<InT, D>(g, lane * EPL + e)] = static_cast<float>(qo[e]) * qscale;
+      for (int e = 0; e < EPL; ++e) sq[g * D + lane * EPL + e] = qo[e];
+    } else {
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) {
+        sm[qab_lanes_q_at<InT, D>(g, lane * EPL + e)] = static_cast<float>(qo[e]) * qscale;
+      }
     }
+  }
+  if (MMA && mma && G < 8) {
+    for (int i = threadIdx.x; i < (8 - G) * D; i += 32 * WARPS) sq[G * D + i] = static_cast<InT>(0.f);
   }
   if (j == off / BLOCK && w == WARPS - 1) {
     // This token's key and value rows, into the cache at row off.
@@ -119,28 +145,44 @@ if (s0 < n) {
   }
 }
 __syncthreads();  // the query rows staged, row off written
+QAB_MARK(1);
 
-// 2. The block's keys (none in a block past key off: m = -inf, l = 0, o = 0).
-float m[G], l[G], o[G][EPL];
-qab_lanes_block<InT, D, G, LPK, WARPS, false>(
-    sm, sm_m, sm_l, k_buf + (int64_t)b * k_buf_strides[0] + (int64_t)h * k_buf_strides[1],
-    k_buf_strides[2], k_buf_strides[3],
-    v_buf + (int64_t)b * v_buf_strides[0] + (int64_t)h * v_buf_strides[1], v_buf_strides[2],
-    v_buf_strides[3], nullptr, 0, s0, s1, m, l, o);
-if (w == 0) {
+// 2. The block's keys (none in a block past key off: m = -inf, l = 0, o = 0):
+// the tensor-core pass (gqa_mma.cuh) where the build has it and the rows
+// allow, else the lane-group pass; warp 0 writes the block's partial, as
+// 16-byte pieces where it can (each lane's floats of a row are contiguous;
+// rows of D floats from a 16-byte aligned base; the merge reads them so too).
+const bool pvec = EPL % 4 == 0 && qab_vec_aligned<float, 4>(o_part);
+if (MMA && mma) {
+  if constexpr (MMA) {
+    float mm, lm, om[D / 4];
+    qab_mma_block<InT, D, WARPS>(sq, sm, sm_m, sm_l, kh, k_buf_strides[2], vh, v_buf_strides[2],
+                                 s0, s1, params[4] * 1.4426950408889634f, mm, lm, om);
+    if (w == 0) {
+      qab_mma_store_partial<D, G>(om, mm, lm, o_part, ml, ((int64_t)b * Hq + h * G) * NB + j,
+                                  NB, pvec);
+    }
+  }
+} else {
+  float m[G], l[G], o[G][EPL];
+  qab_lanes_block<InT, D, G, LPK, WARPS, false>(
+      sm, sm_m, sm_l, kh, k_buf_strides[2], k_buf_strides[3], vh, v_buf_strides[2],
+      v_buf_strides[3], nullptr, 0, s0, s1, m, l, o);
+  if (w == 0) {
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const int64_t prow = ((int64_t)b * Hq + h * G + g) * NB + j;
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) o_part[prow * D + lane * EPL + e] = o[g][e];
-    if (lane == 0) {
-      ml[prow * 2] = m[g];
-      ml[prow * 2 + 1] = l[g];
+    for (int g = 0; g < G; ++g) {
+      const int64_t prow = ((int64_t)b * Hq + h * G + g) * NB + j;
+      qab_store_f32<EPL>(o_part + prow * D + lane * EPL, pvec, o[g]);
+      if (lane == 0) {
+        ml[prow * 2] = m[g];
+        ml[prow * 2 + 1] = l[g];
+      }
     }
   }
 }
 
 // 3. Count the block done; the last of (b, h) merges.
+QAB_MARK(2);
 __syncthreads();
 if (threadIdx.x == 0) {
   __threadfence();
@@ -148,6 +190,7 @@ if (threadIdx.x == 0) {
             static_cast<uint32_t>(NB - 1);
 }
 __syncthreads();
+QAB_MARK(3);
 if (!sm_last) {
   return;
 }
@@ -156,7 +199,7 @@ __threadfence();
 // M) staged in shared memory (MCH blocks at a time; the pass is done with it),
 // then the o rows read U at a time, all U rows' loads issued before their sums.
 constexpr int MCH = SMF / G;  // key blocks whose weights fit at once (>= 4 D)
-constexpr int U = 8;          // o rows in flight per lane
+constexpr int U = 16;         // o rows in flight per lane
 for (int g = w; g < G; g += WARPS) {
   const int hq = h * G + g;
   const int64_t base = ((int64_t)b * Hq + hq) * NB;
@@ -183,9 +226,7 @@ for (int g = w; g < G; g += WARPS) {
       float ov[U][EPL];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const float* op = o_part + (base + min(i0 + u, c1 - 1)) * D + lane * EPL;
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) ov[u][e] = qab_ldcg(op + e);
+        qab_ldcg_f32<EPL>(o_part + (base + min(i0 + u, c1 - 1)) * D + lane * EPL, pvec, ov[u]);
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -204,6 +245,7 @@ for (int g = w; g < G; g += WARPS) {
         qab_sigmoid_gate<InT>(y, static_cast<float>(row[(int64_t)(hq * 2 * D + D + d) * es]));
   }
 }
+QAB_MARK(4);
 if (threadIdx.x == 0) {
   const_cast<uint32_t*>(count)[(int64_t)b * Hk + h] = 0u;
 }

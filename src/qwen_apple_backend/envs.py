@@ -13,7 +13,8 @@ Variables:
         ``proj-concat``, ``gemv-kernel``, ``proj-gemv``, ``add-norm``, ``norm-proj``,
         ``next-norm``, ``kv-in-place``, ``moe-block-stage``, ``gemv-pipe``,
         ``attn-lanes``, ``moe-block-early``, ``l2-prefetch``,
-        ``moe-block-out-proj``, ``moe-block-next-proj``), for ablations.
+        ``moe-block-out-proj``, ``moe-block-next-proj``, ``attn-step``, ``attn-mma``),
+        for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
         leaves kernels on. Anything else is an error.
@@ -138,6 +139,11 @@ OPTIMIZATIONS = {
     # split-K pass, the merge and the output gate; four launches before; needs attn-kernel,
     # qk-prep, proj-concat, kv-in-place and decode-compile; below 64K cached keys)
     "attn-step": "attn",
+    # with attn-step, its key pass on tensor cores (gqa_mma.cuh: mma.sync for q k and p v,
+    # the probabilities as two 16-bit parts; bf16 / f16 caches with at most 8 query heads per
+    # KV head) instead of the lane-group pass: the pass was issue-bound (H200, 4K keys:
+    # 12-16 us of a ~30 us launch)
+    "attn-mma": "attn",
 }
 
 

@@ -114,6 +114,12 @@ class FusedGQAAttention(nn.Module):
             optimization: one launch instead of four) when the concatenated
             projection runs (``proj-concat``), ``decode_kernel`` and
             ``prep_kernel`` are on and its self-check passed. Default True.
+
+    Attributes:
+        decode_mma (bool): with ``decode_step``, the step's key pass on tensor
+            cores where the cache is bf16 / f16 with at most 8 query heads per
+            KV head (``ops.attention.STEP_MMA``; ``QAB_DISABLE=attn-mma``
+            keeps the lane-group pass). Default True.
     """
 
     def __init__(
@@ -158,6 +164,7 @@ class FusedGQAAttention(nn.Module):
         self.prep_kernel = prep_kernel
         self.decode_lanes = decode_lanes
         self.decode_step = decode_step
+        self.decode_mma = True
 
     @classmethod
     def from_stock(
@@ -339,7 +346,8 @@ class FusedGQAAttention(nn.Module):
             gated = attn_ops.gqa_decode_step(
                 qkv, self.q_norm["weight"], self.k_norm["weight"], k_buf, v_buf, position,
                 self._step_counter(B), heads=self.num_attention_heads, q_eps=self.q_norm.eps,
-                k_eps=self.k_norm.eps, rope=rope_spec(self.rope), scale=self.scale)
+                k_eps=self.k_norm.eps, rope=rope_spec(self.rope), scale=self.scale,
+                mma=self.decode_mma)
             return DeferredProjection(gated, self.o_proj) if defer_out_proj else self.o_proj(gated)
         if (
             self.compile_decode
@@ -456,7 +464,7 @@ class FusedGQAAttention(nn.Module):
             return False
         return attn_ops.step_kernel_ready(x.shape[0], self.num_attention_heads,
                                           self.num_key_value_heads, D, x.dtype,
-                                          rope_spec(self.rope)) is not None
+                                          rope_spec(self.rope), mma=self.decode_mma) is not None
 
     def _step_counter(self, B: int) -> mx.array:
         """This layer's counter for its attention step launches (one per batch size;

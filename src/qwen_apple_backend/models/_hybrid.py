@@ -216,6 +216,9 @@ _DEFAULT_NEEDS = {
     # kernel pair, inside the compiled decode step.
     "attn-step": ("attn", "attn-kernel", "qk-prep", "proj-concat", "kv-in-place",
                   "decode-compile"),
+    # The step's tensor-core key pass lives inside the step.
+    "attn-mma": ("attn", "attn-kernel", "qk-prep", "proj-concat", "kv-in-place",
+                 "decode-compile", "attn-step"),
 }
 
 
@@ -381,6 +384,9 @@ class QwenHybridAdapter(Adapter):
                    "launch (qk-prep in QAB_DISABLE / disable=)",
         "attn-step": "on CUDA a decode token's q/k preparation, KV cache write and attention "
                      "run as four launches, not one (attn-step in QAB_DISABLE / disable=)",
+        "attn-mma": "on CUDA the one-launch attention step's pass over the cached keys runs "
+                    "as the lane-group pass, not on tensor cores (attn-mma in QAB_DISABLE / "
+                    "disable=)",
         "gdn-kernel": "Gated DeltaNet scans and decode steps run as MLX ops, without the GPU "
                       "gated-delta kernels (gdn-kernel in QAB_DISABLE / disable=)",
         "moe-kernel": "MoE routing and experts run as MLX ops, without the GPU MoE kernels "
@@ -495,6 +501,8 @@ class QwenHybridAdapter(Adapter):
                     fused.prep_kernel = False
                 if "attn-step" in off:
                     fused.decode_step = False
+                if "attn-mma" in off and hasattr(fused, "decode_mma"):
+                    fused.decode_mma = False
                 if lanes_on and hasattr(fused, "decode_lanes"):
                     fused.decode_lanes = True
                 switched_off.update(off)
@@ -545,7 +553,7 @@ class QwenHybridAdapter(Adapter):
                 unused = f"{name} is not used: "
                 if off:
                     report.notes.append(unused + off)
-                elif name == "attn-step":
+                elif name in ("attn-step", "attn-mma"):
                     continue
                 elif "next-norm" in enabled and "next-norm" not in disable:
                     report.notes.append(unused + "next-norm from QAB_ENABLE replaces the "

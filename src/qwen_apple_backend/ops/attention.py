@@ -994,6 +994,20 @@ def gqa_decode_step_ops(qkv: mx.array, q_weight: mx.array, k_weight: mx.array,
     return gate_output(gqa_attention_ops(q, kb, vb, scale, mask), gate), kb, vb
 
 
+#: The step's key pass on tensor cores (``kernels/cuda/gqa_mma.cuh``: mma.sync
+#: for q k and p v, the probabilities split into two 16-bit parts) where the
+#: inputs are bf16 / f16, G <= 8 and D a multiple of 64 up to 256; else (and
+#: with this False) the lane-group pass of ``attn-lanes``. Measured on the
+#: H200 at Qwen3.6's shape (``benchmarks/profile_attention_decode.py
+#: --timeline``): see the README's "The attention core in one launch".
+STEP_MMA = True
+
+
+def _step_mma(G: int, D: int, dtype: mx.Dtype, mma: bool = True) -> bool:
+    return (mma and STEP_MMA and dtype in (mx.bfloat16, mx.float16) and G <= 8
+            and D % 64 == 0 and D <= 256)
+
+
 @functools.lru_cache(maxsize=None)
 def _step_object(backend: str):
     # CUDA only (no Metal source: Metal keeps the separate ops).
@@ -1033,7 +1047,8 @@ def step_counter(B: int, Hk: int) -> mx.array:
 
 def _step_call(backend: str, qkv: mx.array, q_weight: mx.array, k_weight: mx.array,
                k_buf: mx.array, v_buf: mx.array, offset: mx.array, heads: int, q_eps: float,
-               k_eps: float, rope: RopeSpec, scale: float, counter: mx.array) -> mx.array:
+               k_eps: float, rope: RopeSpec, scale: float, counter: mx.array,
+               mma: bool = True) -> mx.array:
     B = qkv.shape[0]
     Hk, S, D = k_buf.shape[1], k_buf.shape[2], k_buf.shape[3]
     G = heads // Hk
@@ -1045,7 +1060,7 @@ def _step_call(backend: str, qkv: mx.array, q_weight: mx.array, k_weight: mx.arr
         inputs=[qkv, q_weight, k_weight, params, offset, k_buf, v_buf, counter],
         template=[("InT", qkv.dtype), ("D", D), ("G", G), ("R", rope.dims),
                   ("TRAD", rope.traditional), ("BLOCK", block), ("LPK", lpk),
-                  ("WARPS", warps)],
+                  ("WARPS", warps), ("MMA", _step_mma(G, D, qkv.dtype, mma))],
         grid=(32 * warps * nb, Hk, B), threadgroup=(32 * warps, 1, 1),
         output_shapes=[(B, 1, heads * D), (B, heads, nb, D), (B, heads, nb, 2)],
         output_dtypes=[qkv.dtype, mx.float32, mx.float32])
@@ -1062,7 +1077,7 @@ def _step_shapes_ok(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
 
 
 def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
-                      rope: Optional[RopeSpec]) -> Optional[str]:
+                      rope: Optional[RopeSpec], mma: bool = True) -> Optional[str]:
     """The GPU backend whose one-launch decode attention step may run, or None.
 
     :func:`gqa_decode_step` takes a plain RoPE (``rope`` not None) as the
@@ -1076,7 +1091,9 @@ def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
     :func:`gqa_decode_step_ops` (output and both written buffers) on a
     strided cache view of batch 2 with key blocks past the token. The check
     evaluates only arrays of its own, so it may run while a compiled step
-    traces.
+    traces. ``mma``: the build :func:`gqa_decode_step` will run with that
+    ``mma`` (its key pass on tensor cores where :data:`STEP_MMA` allows;
+    each build is checked on its own).
 
     Returns:
         Optional[str]: ``"cuda"``, or None.
@@ -1088,7 +1105,8 @@ def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
         return None
     if _step_object(backend) is None:
         return None
-    key = (Hq, Hk, D, str(dtype), rope)
+    use_mma = _step_mma(Hq // Hk, D, dtype, mma)
+    key = (Hq, Hk, D, str(dtype), rope, use_mma)
     S = 777  # the cache's view: [:, :, :S] of a longer buffer
     off = 700  # key blocks past the token, a partial block holding it
 
@@ -1105,7 +1123,7 @@ def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
         mx.eval(kf, vf)
         kb, vb = kf[:, :, :S], vf[:, :, :S]
         out = _step_call(backend, qkv, qw, kw_, kb, vb, offset, Hq, 1e-6, 1e-5, rope,
-                         D ** -0.5, step_counter(2, Hk))
+                         D ** -0.5, step_counter(2, Hk), mma=use_mma)
         mx.eval(out)
         return [out, kb, vb]
 
@@ -1123,7 +1141,8 @@ def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
 
 def gqa_decode_step(qkv: mx.array, q_weight: mx.array, k_weight: mx.array, k_buf: mx.array,
                     v_buf: mx.array, offset: mx.array, counter: mx.array, *, heads: int,
-                    q_eps: float, k_eps: float, rope: RopeSpec, scale: float) -> mx.array:
+                    q_eps: float, k_eps: float, rope: RopeSpec, scale: float,
+                    mma: bool = True) -> mx.array:
     """One decode token's gated attention core in one CUDA launch; writes the KV cache IN PLACE.
 
     :func:`gqa_decode_step_ops` (q/k RMSNorm and RoPE, the KV row written at
@@ -1132,7 +1151,12 @@ def gqa_decode_step(qkv: mx.array, q_weight: mx.array, k_weight: mx.array, k_buf
     launches (``qk_norm_rope``, ``kv_cache_write``, the split-K pair) in
     one. The arithmetic is theirs (the q/k kernel's, the lane-group first
     pass's, the gate's rounding); only the merge of key blocks sums in
-    another order. As :func:`kv_cache_write`, the caller must own ``k_buf``
+    another order. With ``mma`` (and :data:`STEP_MMA`), bf16 / f16 inputs
+    with ``Hq / Hk <= 8`` and ``D`` a multiple of 64 run the key pass on
+    tensor cores (``kernels/cuda/gqa_mma.cuh``: mma.sync with float32
+    accumulation; q k in the inputs' 16-bit type, as the four launches
+    round q and k; the probabilities as two 16-bit parts, ~16 bits), which
+    sums in yet another order. As :func:`kv_cache_write`, the caller must own ``k_buf``
     / ``v_buf`` exclusively (MLX does not know they change), and no other
     op of the step may read them. Call only after :func:`step_kernel_ready`
     said ``"cuda"`` for these shapes.
@@ -1147,6 +1171,8 @@ def gqa_decode_step(qkv: mx.array, q_weight: mx.array, k_weight: mx.array, k_buf
         heads (int): query heads Hq.
         q_eps (float): query RMSNorm epsilon. k_eps (float): key's.
         rope (RopeSpec): the plain RoPE. scale (float): score scale.
+        mma (bool): the tensor-core key pass where it applies (default True;
+            :func:`step_kernel_ready` must have said ``"cuda"`` with the same).
 
     Returns:
         mx.array: the gated attention output, dtype of ``qkv``.
@@ -1179,7 +1205,7 @@ def gqa_decode_step(qkv: mx.array, q_weight: mx.array, k_weight: mx.array, k_buf
     if offset.size != 1:
         raise ValueError(f"gqa_decode_step: offset must be one element, got {offset.shape}")
     return _step_call("cuda", qkv, q_weight, k_weight, k_buf, v_buf, offset.astype(mx.int32),
-                      heads, q_eps, k_eps, rope, scale, counter)
+                      heads, q_eps, k_eps, rope, scale, counter, mma=mma)
 
 
 @functools.partial(mx.compile, shapeless=True)
