@@ -2369,9 +2369,7 @@ STEP_BREAKS = {
 # its head's max grows, the keys past the block weighed, one V row of the
 # pair read twice, the probabilities' low part dropped (p to 8 bits).
 STEP_MMA_BREAKS = {
-    "mma-no-rescale": ("      o[4 * i] *= c0;\n      o[4 * i + 1] *= c1;\n      o[4 * i + 2] *= c0;\n"
-                       "      o[4 * i + 3] *= c1;\n    }\n    uint32_t phi",
-                       "    }\n    uint32_t phi"),
+    "mma-no-rescale": ("qab_mma_scale_o<D>(o, c0, c1);\n    uint32_t phi", "uint32_t phi"),
     "mma-keys-past-block": ("const float x1 = t0 + 2 * t + 1 < s1 ?", "const float x1 = true ?"),
     "mma-v-row-twice": ("min(t0 + 2 * t + 1, s1 - 1) * vs", "min(t0 + 2 * t, s1 - 1) * vs"),
     "mma-p-low-part-dropped": ("qab_mma_1688<InT>(o + 4 * i, a0, a1, plo);", ""),

@@ -28,22 +28,25 @@
 // One thread block per (b, KV head h, key block j) of WARPS warps, key block
 // j = keys [j BLOCK, (j + 1) BLOCK) of the p + 1 keys:
 // 1. the block's warps normalise and rotate the G query heads of h (one warp
-//    per head, as qk_norm_rope.cu) into shared memory, scaled to log2 units;
+//    per head, as qk_norm_rope.cu) into shared memory (scaled to log2 units
+//    as float32 for the lane-group pass, as rounded InT for the MMA pass);
 //    the block holding key p also normalises and rotates the new key row and
 //    writes it and the value row into the cache buffers, before a barrier
 //    (its own warps then read them back; no other block reads row p);
-// 2. qab_lanes_block over its keys; warp 0 writes the block's partial (m, l,
-//    o) per query head to o_part / ml (a block past key p stages nothing and
-//    writes m = -inf, l = 0, o = 0);
+// 2. its keys on tensor cores (MMA build and K/V rows that allow 16-byte
+//    loads: gqa_mma.cuh's qab_mma_block) or as the lane-group pass
+//    (qab_lanes_block); warp 0 writes the block's partial (m, l, o) per query
+//    head to o_part / ml (a block past key p stages nothing and writes m =
+//    -inf, l = 0, o = 0);
 // 3. the block meets at a barrier, thread 0 fences and counts the block done
 //    in count[b Hk + h]; the last of the NB blocks of (b, h) (the count it
 //    read is NB - 1) fences, then merges: warp w takes query heads w, w +
 //    WARPS, ...: M = max over the key blocks with keys, out = sum_j w_j o_j /
 //    sum_j w_j l_j with w_j = exp2(m_j - M) (staged in shared memory; the o
-//    rows read 8 at a time, every load of the 8 issued before their sums,
-//    16 bytes per load where EPL is a multiple of 4 (as the partials are written):
-//    the first build summed row by row and, under ncu on the H200, its merge
-//    took most of a 51.8 us launch at 4K keys), read through L2 (the CG
+//    rows read 16 at a time, every load of the 16 issued before their sums,
+//    16 bytes per load where EPL is a multiple of 4 (as the partials are
+//    written; 4-byte loads took 20 of a 39 us launch at 4K keys on the H200,
+//    16-byte ones 11), read through L2 (the CG
 //    loads), rounded once to InT, times the sigmoid gate; then it resets the count
 //    to 0. So count must be zeros at launch and is zeros again after it;
 //    launches sharing it must not overlap (the compiled decode step's
@@ -61,6 +64,8 @@
 // [B, Hk, S, D] InT (any strides; row offset written); count uint32, >= B Hk
 // elements (zeros). Outputs: out [B, 1, Hq D] InT; o_part [B, Hq, NB, D],
 // ml [B, Hq, NB, 2] float32 (the partials; scratch for the caller).
+// Template MMA: build the tensor-core pass too (InT bf16 / f16, G <= 8, D a
+// multiple of 64; the pass runs where the K/V rows allow, checked here).
 // Requires what gqa_decode_partial_lanes.cu and qk_norm_rope.cu require, G = Hq / Hk.
 
 constexpr int EPL = D / 32;                  // elements per lane of a head row
@@ -124,7 +129,9 @@ if (s0 < n) {
     }
   }
   if (MMA && mma && G < 8) {
-    for (int i = threadIdx.x; i < (8 - G) * D; i += 32 * WARPS) sq[G * D + i] = static_cast<InT>(0.f);
+    for (int i = threadIdx.x; i < (8 - G) * D; i += 32 * WARPS) {
+      sq[G * D + i] = static_cast<InT>(0.f);  // query rows past G: zero
+    }
   }
   if (j == off / BLOCK && w == WARPS - 1) {
     // This token's key and value rows, into the cache at row off.

@@ -103,6 +103,19 @@ __device__ __forceinline__ void qab_pack2_split(const float x, const float y, ui
        (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&ly)) << 16);
 }
 
+// A lane's o (qab_mma_block's layout) times c0 for head 2 t, c1 for head 2 t + 1.
+template <int D>
+__device__ __forceinline__ void qab_mma_scale_o(float (&o)[D / 4], const float c0,
+                                                const float c1) {
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) {
+    o[4 * i] *= c0;
+    o[4 * i + 1] *= c1;
+    o[4 * i + 2] *= c0;
+    o[4 * i + 3] *= c1;
+  }
+}
+
 template <typename InT, int D, int WARPS>
 __device__ __forceinline__ void qab_mma_block(const InT* sq, float* sm, float* sm_m, float* sm_l,
                                               const InT* k0, const int64_t ks, const InT* v0,
@@ -169,13 +182,7 @@ __device__ __forceinline__ void qab_mma_block(const InT* sq, float* sm, float* s
     // o holds heads 2 t and 2 t + 1: their groups' rescale factors.
     const float c0 = __shfl_sync(0xffffffffu, corr, 8 * t);
     const float c1 = __shfl_sync(0xffffffffu, corr, 8 * t + 4);
-#pragma unroll
-    for (int i = 0; i < NI; ++i) {
-      o[4 * i] *= c0;
-      o[4 * i + 1] *= c1;
-      o[4 * i + 2] *= c0;
-      o[4 * i + 3] *= c1;
-    }
+    qab_mma_scale_o<D>(o, c0, c1);
     uint32_t phi, plo;
     qab_pack2_split<InT>(p0, p1, phi, plo);
 #pragma unroll
@@ -208,13 +215,7 @@ __device__ __forceinline__ void qab_mma_block(const InT* sq, float* sm, float* s
     const float c1 = m1 == -INFINITY ? 0.f : exp2f(m1 - mb1);
     l *= m == -INFINITY ? 0.f : exp2f(m - mb);
     m = mb;
-#pragma unroll
-    for (int i = 0; i < NI; ++i) {
-      o[4 * i] *= c0;
-      o[4 * i + 1] *= c1;
-      o[4 * i + 2] *= c0;
-      o[4 * i + 3] *= c1;
-    }
+    qab_mma_scale_o<D>(o, c0, c1);
     if (t == 0) sm_l[w * 8 + r] = l;
     // Tree: warps n / 2 .. n - 1 hand their o to warps 0 .. n / 2 - 1 (word e *
     // 32 + lane of a warp's slot: every warp holds the same layout).
