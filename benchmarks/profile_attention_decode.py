@@ -314,14 +314,14 @@ def main(argv=None) -> int:
                 p.error(f"--forms: {', '.join(unknown)} not available here (forms: "
                         f"{', '.join(forms)})")
             forms = {k: f for k, f in forms.items() if k in wanted}
+        if args.timeline and "step" not in forms:
+            p.error("--timeline times the step form, which this device does not have"
+                    if not wanted else "--timeline needs the step form in --forms")
         kv_bytes = 2 * B * HK * S * D * 2
         row = dict(S=S, kv_bytes=kv_bytes)
         for name, fn in forms.items():
             row[name + "_ms"] = 1e3 * timeit(fn, args.repeats)
         if args.timeline:
-            if "step" not in forms:
-                p.error("--timeline times the step form, which this device does not have"
-                        if not wanted else "--timeline needs the step form in --forms")
             for name in [f for f in ("step", "step-lanes") if f in forms]:
                 old_mma = attn_ops.STEP_MMA
                 attn_ops.STEP_MMA = name == "step"
