@@ -22,9 +22,9 @@ shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
   else absent;
 * ``step``: the whole attention core of the compiled decode step in one
   launch (``attn-step``: ``gqa_decode_step``: q/k norm and RoPE, the KV row
-  written in place, the key pass (on tensor cores: ``STEP_MMA``), the merge
+  written in place, the key pass (on tensor cores: ``attn-mma``), the merge
   and the gate) where this device has it, ``step-lanes`` the same with the
-  lane-group key pass (``STEP_MMA`` off), and ``step-ctasN`` the step with
+  lane-group key pass (``mma=False``), and ``step-ctasN`` the step with
   the pass sized for about N thread blocks (``--step-ctas``) instead of
   ``_LANES_CTAS``;
 * ``four-launches``: the launches ``step`` replaces (``qk_norm_rope``,
@@ -86,9 +86,10 @@ MARK_DEFINE = ("#define QAB_MARK(k) do { if (threadIdx.x == 0) { unsigned long l
                f"stamps[qab_b_ * {MARKS + 1} + {MARKS}] = s_; }} }} }} while (0)\n")
 
 
-def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale):
+def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True):
     """One launch of the step's kernel built with the phase marks: ``(out, stamps)``,
-    stamps ``[blocks, MARKS + 1]`` uint64 (0 where a mark does not apply)."""
+    stamps ``[blocks, MARKS + 1]`` uint64 (0 where a mark does not apply); ``mma``
+    as ``gqa_decode_step``'s."""
     import mlx.core as mx
 
     from qwen_apple_backend.ops import attention as attn_ops
@@ -110,7 +111,7 @@ def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale):
         inputs=[qkv, nw, nw, params, offset, k_buf, v_buf, counter],
         template=[("InT", qkv.dtype), ("D", D), ("G", G), ("R", rope.dims),
                   ("TRAD", rope.traditional), ("BLOCK", block), ("LPK", lpk), ("WARPS", warps),
-                  ("MMA", attn_ops._step_mma(G, D, qkv.dtype))],
+                  ("MMA", attn_ops._step_mma(G, D, qkv.dtype, mma))],
         grid=(32 * warps * nb, Hk, B), threadgroup=(32 * warps, 1, 1),
         output_shapes=[(B, 1, HQ * D), (B, HQ, nb, D), (B, HQ, nb, 2),
                        (nb * Hk * B * (MARKS + 1),)],
@@ -273,27 +274,19 @@ def main(argv=None) -> int:
             counter = attn_ops.step_counter(B, HK)
             mx.eval(qkv, nw, sk, sv)
 
-            def step(ctas=None):
+            def step(ctas=None, mma=True):
                 old = attn_ops._LANES_CTAS
                 attn_ops._LANES_CTAS = ctas or old
                 try:
                     return attn_ops.gqa_decode_step(qkv, nw, nw, sk, sv, offset.reshape(()), counter,
                                                     heads=HQ, q_eps=1e-6, k_eps=1e-6, rope=rope,
-                                                    scale=scale)
+                                                    scale=scale, mma=mma)
                 finally:
                     attn_ops._LANES_CTAS = old
 
-            def step_lanes():
-                old = attn_ops.STEP_MMA
-                attn_ops.STEP_MMA = False
-                try:
-                    return step()
-                finally:
-                    attn_ops.STEP_MMA = old
-
             forms["step"] = step
             if attn_ops._step_mma(HQ // HK, D, mx.bfloat16):
-                forms["step-lanes"] = step_lanes
+                forms["step-lanes"] = lambda: step(mma=False)
             for c in step_ctas:
                 forms[f"step-ctas{c}"] = lambda c=c: step(c)
             fk, fv = kbuf * 1, vbuf * 1
@@ -325,13 +318,9 @@ def main(argv=None) -> int:
             row[name + "_ms"] = 1e3 * timeit(fn, args.repeats)
         if args.timeline:
             for name in [f for f in ("step", "step-lanes") if f in forms]:
-                old_mma = attn_ops.STEP_MMA
-                attn_ops.STEP_MMA = name == "step"
-                try:
-                    tl = step_timeline(lambda: stamped_step(
-                        qkv, nw, sk, sv, offset.reshape(()), counter, rope, scale), args.repeats)
-                finally:
-                    attn_ops.STEP_MMA = old_mma
+                tl = step_timeline(lambda: stamped_step(
+                    qkv, nw, sk, sv, offset.reshape(()), counter, rope, scale, name == "step"),
+                    args.repeats)
                 row[name.replace("-", "_") + "_timeline_us"] = tl
                 timelines.append(dict(S=S, form=name, **tl))
                 print(f"S {S:7d} {name} timeline (us): "

@@ -2296,13 +2296,14 @@ def _four_launches(qkv, qw, kw, k_buf, v_buf, offset, Hq, rope, lanes=True):
     return attn_ops._split_kernel_call("cuda", q, kb, vb, D ** -0.5, mask, gate, lanes=lanes)
 
 
-def _step(case, counter=None):
+def _step(case, counter=None, mma=True):
     qkv, qw, kw, k_buf, v_buf, offset, rope = case
     B, Hk = k_buf.shape[:2]
     Hq = (qkv.shape[-1] - 2 * Hk * k_buf.shape[3]) // (2 * k_buf.shape[3])
     return attn_ops._step_call("cuda", qkv, qw, kw, k_buf, v_buf, offset, Hq, 1e-6, 1e-5, rope,
                                k_buf.shape[3] ** -0.5,
-                               attn_ops.step_counter(B, Hk) if counter is None else counter)
+                               attn_ops.step_counter(B, Hk) if counter is None else counter,
+                               mma=mma)
 
 
 @pytest.mark.parametrize("mma", [True, False], ids=["mma", "lanes"])
@@ -2315,13 +2316,12 @@ def test_decode_step_is_the_four_launches_emulated(case, mma, monkeypatch):
     if not mma and not attn_ops._step_mma(Hq // Hk, D, dtype):
         pytest.skip("the lane-group pass either way")
     monkeypatch.setattr(attn_ops, "_LANES_CTAS", ctas)
-    monkeypatch.setattr(attn_ops, "STEP_MMA", mma)
     c = _step_case(B, Hq, Hk, D, S, off, dtype, R, trad)
     qkv, qw, kw, k_buf, v_buf, offset, rope = c
     # Both schedules run on the SAME counter: one the launch leaves non-zero
     # breaks the second.
     counter = attn_ops.step_counter(B, Hk)
-    out = _step(c, counter)
+    out = _step(c, counter, mma=mma)
     assert out.shape == (B, 1, Hq * D) and out.dtype == dtype
     assert np.all(np.array(counter) == 0)
     ref, kb, vb = attn_ops.gqa_decode_step_ops(
@@ -2337,13 +2337,12 @@ def test_decode_step_is_the_four_launches_emulated(case, mma, monkeypatch):
     assert mx_rel_l2(out, four) <= (1e-6 if dtype == F32 else 4e-3)
     # The public entry takes the same launch.
     pub = attn_ops.gqa_decode_step(qkv, qw, kw, k_buf, v_buf, offset, counter, heads=Hq,
-                                   q_eps=1e-6, k_eps=1e-5, rope=rope, scale=D ** -0.5)
+                                   q_eps=1e-6, k_eps=1e-5, rope=rope, scale=D ** -0.5, mma=mma)
     assert mx.array_equal(pub, out).item()
     if mma and attn_ops._step_mma(Hq // Hk, D, dtype):
         # The tensor-core pass no further from float32 than the lane-group pass
         # (both round float32 sums to the output dtype once; 10 % + a hair).
-        monkeypatch.setattr(attn_ops, "STEP_MMA", False)
-        lanes = _step(c)
+        lanes = _step(c, mma=False)
         assert mx_rel_l2(out, ref) <= 1.1 * mx_rel_l2(lanes, ref) + 1e-4
         assert mx_rel_l2(out, lanes) <= 4e-3
 
@@ -2384,9 +2383,7 @@ def test_decode_step_mma_broken_fails_emulated(what, monkeypatch):
     # break must move it well past that.
     case = _step_case(*STEP_CASES[-1][:9])
     monkeypatch.setattr(attn_ops, "_LANES_CTAS", STEP_CASES[-1][9])
-    monkeypatch.setattr(attn_ops, "STEP_MMA", False)
-    lanes = _step(case)
-    monkeypatch.setattr(attn_ops, "STEP_MMA", True)
+    lanes = _step(case, mma=False)
     good = mx_rel_l2(_step(case), lanes)
     _broken(monkeypatch, "gqa_decode_step", *STEP_MMA_BREAKS[what], header=True)
     try:

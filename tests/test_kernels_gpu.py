@@ -2116,7 +2116,7 @@ def test_decode_step_kernel_is_the_four_launches(S, off, dtype, heads):
     # the lane-group first pass, gqa_decode_combine with the gate): the cache
     # rows bit-identical (the same q/k arithmetic), the output within the
     # merge's float32 reordering (and, for 16-bit inputs, the tensor-core key
-    # pass's: STEP_MMA); against the float32 MLX reference within the split
+    # pass's: attn-mma); against the float32 MLX reference within the split
     # pair's tolerance, and the tensor-core pass no further from it than the
     # lane-group pass (within bf16 / f16 output rounding); three launches in
     # a row on one counter, left zero. g4-d64: 4 query heads per KV head (the
@@ -2149,15 +2149,10 @@ def test_decode_step_kernel_is_the_four_launches(S, off, dtype, heads):
         # The same launch with the lane-group key pass.
         kbl, vbl = k0 * 1, v0 * 1
         mx.eval(kbl, vbl)
-        old_mma = attn_ops.STEP_MMA
-        attn_ops.STEP_MMA = False
-        try:
-            lanes = attn_ops.gqa_decode_step(qkv, w[0], w[1], kbl, vbl, offset, counter,
-                                             heads=Hq, q_eps=1e-6, k_eps=1e-6, rope=rope,
-                                             scale=D ** -0.5)
-            mx.eval(lanes)
-        finally:
-            attn_ops.STEP_MMA = old_mma
+        lanes = attn_ops.gqa_decode_step(qkv, w[0], w[1], kbl, vbl, offset, counter, heads=Hq,
+                                         q_eps=1e-6, k_eps=1e-6, rope=rope, scale=D ** -0.5,
+                                         mma=False)
+        mx.eval(lanes)
         assert mx.array_equal(kb, kbl).item() and mx.array_equal(vb, vbl).item()
         # The four launches.
         qg, k, v = mx.split(qkv, [Hq * 2 * D, Hq * 2 * D + Hk * D], axis=-1)

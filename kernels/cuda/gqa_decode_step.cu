@@ -117,7 +117,7 @@ if (s0 < n) {
     InT qo[EPL];
     qab_qk_norm_rope_row<InT, D, R, TRAD>(row + (int64_t)(h * G + g) * 2 * D * es, es,
                                           q_weight, params[0], pos, params[3], lane, qo);
-    if (MMA && mma) {
+    if (mma) {
       // As rounded (InT), unscaled: the MMA pass scales the scores.
 #pragma unroll
       for (int e = 0; e < EPL; ++e) sq[g * D + lane * EPL + e] = qo[e];
@@ -128,7 +128,7 @@ if (s0 < n) {
       }
     }
   }
-  if (MMA && mma && G < 8) {
+  if (mma && G < 8) {
     for (int i = threadIdx.x; i < (8 - G) * D; i += 32 * WARPS) {
       sq[G * D + i] = static_cast<InT>(0.f);  // query rows past G: zero
     }
@@ -160,7 +160,7 @@ QAB_MARK(1);
 // 16-byte pieces where it can (each lane's floats of a row are contiguous;
 // rows of D floats from a 16-byte aligned base; the merge reads them so too).
 const bool pvec = EPL % 4 == 0 && qab_vec_aligned<float, 4>(o_part);
-if (MMA && mma) {
+if (mma) {
   if constexpr (MMA) {
     float mm, lm, om[D / 4];
     qab_mma_block<InT, D, WARPS>(sq, sm, sm_m, sm_l, kh, k_buf_strides[2], vh, v_buf_strides[2],

@@ -118,7 +118,7 @@ class FusedGQAAttention(nn.Module):
     Attributes:
         decode_mma (bool): with ``decode_step``, the step's key pass on tensor
             cores where the cache is bf16 / f16 with at most 8 query heads per
-            KV head (``ops.attention.STEP_MMA``; ``QAB_DISABLE=attn-mma``
+            KV head (``ops.attention.gqa_decode_step``'s ``mma``; ``QAB_DISABLE=attn-mma``
             keeps the lane-group pass). Default True.
     """
 

@@ -994,18 +994,16 @@ def gqa_decode_step_ops(qkv: mx.array, q_weight: mx.array, k_weight: mx.array,
     return gate_output(gqa_attention_ops(q, kb, vb, scale, mask), gate), kb, vb
 
 
-#: The step's key pass on tensor cores (``kernels/cuda/gqa_mma.cuh``: mma.sync
-#: for q k and p v, the probabilities split into two 16-bit parts) where the
-#: inputs are bf16 / f16, G <= 8 and D a multiple of 64 up to 256; else (and
-#: with this False) the lane-group pass of ``attn-lanes``. Measured on the
-#: H200 at Qwen3.6's shape (``benchmarks/profile_attention_decode.py
-#: --timeline``): see the README's "The attention core in one launch".
-STEP_MMA = True
-
-
 def _step_mma(G: int, D: int, dtype: mx.Dtype, mma: bool = True) -> bool:
-    return (mma and STEP_MMA and dtype in (mx.bfloat16, mx.float16) and G <= 8
-            and D % 64 == 0 and D <= 256)
+    # Whether the step's build runs its key pass on tensor cores
+    # (``kernels/cuda/gqa_mma.cuh``: mma.sync for q k and p v, the probabilities
+    # split into two 16-bit parts): asked for (``mma``, the layer's
+    # ``decode_mma``), and bf16 / f16 inputs with G <= 8 and D a multiple of 64
+    # up to 256; else the lane-group pass of ``attn-lanes``. Measured on the
+    # H200 at Qwen3.6's shape (``benchmarks/profile_attention_decode.py
+    # --timeline``): see the README's "Inside the step".
+    return (mma and dtype in (mx.bfloat16, mx.float16) and G <= 8 and D % 64 == 0
+            and D <= 256)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1092,7 +1090,7 @@ def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
     strided cache view of batch 2 with key blocks past the token. The check
     evaluates only arrays of its own, so it may run while a compiled step
     traces. ``mma``: the build :func:`gqa_decode_step` will run with that
-    ``mma`` (its key pass on tensor cores where :data:`STEP_MMA` allows;
+    ``mma`` (its key pass on tensor cores where the shapes allow;
     each build is checked on its own).
 
     Returns:
@@ -1151,7 +1149,7 @@ def gqa_decode_step(qkv: mx.array, q_weight: mx.array, k_weight: mx.array, k_buf
     launches (``qk_norm_rope``, ``kv_cache_write``, the split-K pair) in
     one. The arithmetic is theirs (the q/k kernel's, the lane-group first
     pass's, the gate's rounding); only the merge of key blocks sums in
-    another order. With ``mma`` (and :data:`STEP_MMA`), bf16 / f16 inputs
+    another order. With ``mma``, bf16 / f16 inputs
     with ``Hq / Hk <= 8`` and ``D`` a multiple of 64 run the key pass on
     tensor cores (``kernels/cuda/gqa_mma.cuh``: mma.sync with float32
     accumulation; q k in the inputs' 16-bit type, as the four launches
