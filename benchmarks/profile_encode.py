@@ -9,8 +9,12 @@ the graph into GPU work) and ``wait`` (the GPU finishing after that), each in
 microseconds per operation, eagerly and as one ``mx.compile``-d function. The
 kinds: an elementwise add, RMSNorm, a 4-bit 2048x2048 quantized matmul
 (GEMV), and (CUDA) a custom kernel with a short source, the same with a
-10 KB source (MLX hashes a kernel's source on every encode), and one with a
-134 MB input (inputs count whole towards MLX's per-graph MB limit). Best of
+10 KB and a 36 KB source (MLX hashes a kernel's source on every encode), the
+36 KB one handed to MLX as ``#include`` lines
+(``ops.device.included_cuda_source``, how the package builds its CUDA
+kernels), one with a 134 MB input (inputs count whole towards MLX's
+per-graph MB limit), one with 40 more small inputs and one with 10 outputs
+(the one-launch MoE block has 38 inputs and 10 outputs). Best of
 ``--repeats`` after two warm-ups. Writes ``profile-encode-<device>.json`` into OUT.
 
 Usage:
@@ -69,10 +73,31 @@ def main(argv=None) -> int:
             return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=["out"],
                                        source=body)
 
-        pad = ("// " + "x" * 76 + "\n") * 120
+        from qwen_apple_backend.ops.device import included_cuda_source
+
+        # Header padding as a long kernel's header is: a dead function per line.
+        def pad(kb):
+            return "".join(f"__device__ inline int qab_pad_{i}(int v) {{ return v + {i}; }}\n"
+                           for i in range(kb * 1024 // 56))
+
         ks = kernel("probe_small", _BODY, ["x"])
-        kb = kernel("probe_10kb", pad + _BODY, ["x"])
+        kb = kernel("probe_10kb", ("// " + "x" * 76 + "\n") * 120 + _BODY, ["x"])
+        kb36 = mx.fast.cuda_kernel(name="probe_36kb", input_names=["x"], output_names=["out"],
+                                   header=pad(36), source=_BODY)
+        short = included_cuda_source("probe_36kb_include", pad(36), _BODY, ("x",))
+        if short is None:
+            raise SystemExit("included_cuda_source: the cache folder cannot be written")
+        kinc = mx.fast.cuda_kernel(name="probe_36kb_include", input_names=["x"],
+                                   output_names=["out"], header=short[0], source=short[1])
         ki = kernel("probe_big_input", _BODY, ["x", "w"])
+        many = [f"w{i}" for i in range(40)]
+        kmany = kernel("probe_40_inputs", _BODY, ["x", *many])
+        smalls = [mx.full((4,), float(i)) for i in range(40)]
+        touts = mx.fast.cuda_kernel(
+            name="probe_10_outputs", input_names=["x"], output_names=[f"o{i}" for i in range(10)],
+            source=_BODY.replace("out[i]", "o0[i]") + "  if (i < 4) { "
+            + " ".join(f"o{i}[i] = InT(i);" for i in range(1, 10)) + " }\n")
+        mx.eval(smalls)
 
         def call(k, x, extra=()):
             return k(inputs=[x, *extra], template=[("InT", x.dtype)], grid=(2048, 1, 1),
@@ -81,7 +106,13 @@ def main(argv=None) -> int:
 
         chains["custom_small"] = lambda x: call(ks, x)
         chains["custom_10kb"] = lambda x: call(kb, x)
+        chains["custom_36kb"] = lambda x: call(kb36, x)
+        chains["custom_36kb_include"] = lambda x: call(kinc, x)
         chains["custom_134mb_input"] = lambda x: call(ki, x, (big,))
+        chains["custom_40_inputs"] = lambda x: call(kmany, x, smalls)
+        chains["custom_10_outputs"] = lambda x: touts(
+            inputs=[x], template=[("InT", x.dtype)], grid=(2048, 1, 1), threadgroup=(256, 1, 1),
+            output_shapes=[x.shape] + [(4,)] * 9, output_dtypes=[x.dtype] * 10)[0]
 
     def run(fn, y):
         for _ in range(args.ops):

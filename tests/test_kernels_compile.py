@@ -212,21 +212,25 @@ EXTRA_CASES = [
 ]
 
 
-def wrap(op: str, case=None, raw: bool = False) -> str:
-    """The kernel as MLX's generated source (``raw``: the files' text, not compacted)."""
+def wrap(op: str, case=None, raw: bool = False, texts=None) -> str:
+    """The kernel as MLX's generated source (``raw``: the files' text, not compacted;
+    ``texts``: the ``(header, body)`` handed to MLX, e.g. the ``#include`` form)."""
     src = kernel_source(op, "cuda")
     header, body = (src.header, src.body) if raw else (compact(src.header), compact(src.body))
+    if texts is not None:
+        header, body = texts
     in_types, out_types, template = case or CASES[op]
     assert (len(in_types), len(out_types)) == (len(src.inputs), len(src.outputs)), (
         f"{op}: a type per manifest input and output")
     params = []
     for name, t in zip(src.inputs, in_types):
         params.append(f"const {T[t]}* {name}")
-        if f"{name}_shape" in src.body:
+        # MLX's test: the text it is handed contains the name (a substring search).
+        if f"{name}_shape" in body:
             params.append(f"const __grid_constant__ Shape {name}_shape")
-        if f"{name}_strides" in src.body:
+        if f"{name}_strides" in body:
             params.append(f"const __grid_constant__ Strides {name}_strides")
-        if f"{name}_ndim" in src.body:
+        if f"{name}_ndim" in body:
             params.append(f"const __grid_constant__ int {name}_ndim")
     params += [f"{T[t]}* {name}" for name, t in zip(src.outputs, out_types)]
     consts = []
@@ -286,6 +290,35 @@ def test_compacted_source_is_the_same_code(op, tmp_path):
         text.append(" ".join(" ".join(code).split()))
     assert len(compact(kernel_source(op, "cuda").body)) < len(kernel_source(op, "cuda").body)
     assert text[0] == text[1]
+
+
+def _preprocessed(cu, text):
+    cu.write_text(text, encoding="utf-8")
+    r = subprocess.run([NVCC, "-arch=sm_90", "-E", str(cu)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    code = [ln for ln in r.stdout.splitlines() if not ln.lstrip().startswith("#")]
+    return " ".join(" ".join(code).split())
+
+
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_included_source_is_the_same_code(op, tmp_path, monkeypatch):
+    # What build_kernel hands MLX by default on CUDA (QAB_KERNEL_INCLUDE):
+    # two #include lines of files under the cache dir. After the preprocessor
+    # the kernel is the compacted text's, kernel parameters (the inputs'
+    # shapes / strides MLX passes when the body names them) included.
+    from qwen_apple_backend.ops.device import included_cuda_source
+
+    monkeypatch.setenv("QAB_CACHE_DIR", str(tmp_path / "cache"))
+    included_cuda_source.cache_clear()
+    src = kernel_source(op, "cuda")
+    header, body = compact(src.header), compact(src.body)
+    short = included_cuda_source(src.name, header, body, tuple(src.inputs))
+    included_cuda_source.cache_clear()
+    assert short is not None and len(short[1]) < 400 and "#include" in short[1]
+    assert wrap(op, texts=short) != wrap(op)
+    assert (_preprocessed(tmp_path / "included.cu", wrap(op, texts=short))
+            == _preprocessed(tmp_path / "inline.cu", wrap(op)))
 
 
 def test_every_cuda_op_has_a_compile_case():

@@ -49,7 +49,7 @@ def test_kernel_sources_ship_in_the_wheel_config():
     assert "qwen_apple_backend._kernels" in data
 
 
-def test_unverified_cuda_kernels_are_opt_in(monkeypatch):
+def test_unverified_cuda_kernels_are_opt_in(monkeypatch, tmp_path):
     import dataclasses
 
     import mlx.core as mx
@@ -62,6 +62,7 @@ def test_unverified_cuda_kernels_are_opt_in(monkeypatch):
     src = kernel_source("gated_delta_scan", "cuda")
     assert src.verified  # verified on a GPU: built without opting in
     monkeypatch.delenv("QAB_UNVERIFIED_KERNELS", raising=False)
+    monkeypatch.setenv("QAB_CACHE_DIR", str(tmp_path))  # the include form's files
     assert device.build_kernel("gated_delta_scan", "cuda") == "k"
     unverified = dataclasses.replace(src, verified="")
     monkeypatch.setattr(device, "kernel_source", lambda op, backend: unverified)

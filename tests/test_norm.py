@@ -127,7 +127,7 @@ def test_readiness_gates(fake_cuda, monkeypatch):
         == (True, "passed")
 
 
-def test_unverified_cuda_kernel_is_opt_in(monkeypatch):
+def test_unverified_cuda_kernel_is_opt_in(monkeypatch, tmp_path):
     # Until its GPU tests pass, the manifest entry has no `verified` stamp.
     import dataclasses
 
@@ -138,6 +138,7 @@ def test_unverified_cuda_kernel_is_opt_in(monkeypatch):
     monkeypatch.setattr(norm_ops, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: "k", raising=False)
     monkeypatch.delenv("QAB_UNVERIFIED_KERNELS", raising=False)
+    monkeypatch.setenv("QAB_CACHE_DIR", str(tmp_path))  # the include form's files
     norm_ops._kernel_object.cache_clear()
     try:
         assert norm_ops.add_rms_norm_ready(2048, mx.bfloat16) is None

@@ -37,13 +37,20 @@ Variables:
         uses CUDA kernels whose GPU tests have not yet passed on a GPU
         (``verified`` missing in kernels/MANIFEST.toml); they still pass the
         self-check first. For developing kernels.
+    QAB_KERNEL_INCLUDE: a boolean like ``QAB_DISABLE_KERNELS``, default on:
+        on CUDA, a kernel's header and body reach MLX as ``#include`` lines of
+        content-addressed copies under ``QAB_CACHE_DIR``'s ``cuda-src``
+        folder, so MLX hashes a line, not up to 34 KB of text, at every
+        launch it encodes (the kernel compiled is the same). Off, MLX gets the
+        whole text, as it also does when that folder cannot be written.
     QAB_PLUGINS: comma-separated allowlist of plugin (entry-point) names to
         load; unset loads all. The built-in plugin is named ``qwen``. A name
         no installed plugin has is an error (checked in ``plugins.py``, which
         knows the installed names).
     QAB_GDN_CHUNK: chunk size of the chunked Gated DeltaNet prefill (a positive
         integer). Default 64.
-    QAB_CACHE_DIR: where ``make demo`` caches its checkpoint. Default
+    QAB_CACHE_DIR: where ``make demo`` caches its checkpoint and CUDA kernel
+        texts are written for ``QAB_KERNEL_INCLUDE``. Default
         ``~/.cache/qwen-apple-backend``. One that cannot be created or written
         is an error when the demo model is first copied there (``demo.py``).
 
@@ -308,6 +315,21 @@ def unverified_kernels_allowed() -> bool:
     return _flag("QAB_UNVERIFIED_KERNELS")
 
 
+def kernel_include() -> bool:
+    """``QAB_KERNEL_INCLUDE``: hand MLX a CUDA kernel's text as ``#include`` lines (default on).
+
+    Off (``0``/``false``/``no``/``off``), MLX gets the whole compacted text of
+    every kernel, as before (``ops.device.included_cuda_source`` says why the
+    short form is faster). Unset or empty means on.
+
+    Raises:
+        EnvVarError: for a value that is not a boolean spelling.
+    """
+    if (os.environ.get("QAB_KERNEL_INCLUDE", "") or "").strip() == "":
+        return True
+    return _flag("QAB_KERNEL_INCLUDE")
+
+
 def plugin_allowlist() -> frozenset[str] | None:
     raw = _get("QAB_PLUGINS")
     if raw is None:
@@ -345,6 +367,7 @@ def validate(backends: Optional[Iterable[str]] = None) -> None:
     enabled_opt_in()
     kernels_disabled()
     unverified_kernels_allowed()
+    kernel_include()
     gdn_chunk_size()
     if backends is not None:
         backend(backends)

@@ -16,6 +16,7 @@ This module imports only ``mlx.core``, the standard library, ``envs`` and
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import warnings
 from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple, Union
@@ -107,9 +108,93 @@ def build_kernel(op: str, backend: str, **options: Any) -> Optional[Callable[...
     factory = getattr(mx.fast, f"{backend}_kernel", None)
     if factory is None:
         return None
+    header, body = compact(src.header), compact(src.body)
+    if backend == "cuda" and envs.kernel_include():
+        short = included_cuda_source(src.name, header, body, tuple(src.inputs))
+        if short is not None:
+            header, body = short
     return factory(name=src.name, input_names=list(src.inputs),
-                   output_names=list(src.outputs), source=compact(src.body),
-                   header=compact(src.header), **options)
+                   output_names=list(src.outputs), source=body, header=header, **options)
+
+
+#: MLX passes an input's shape / strides / rank to a CUDA kernel when the body's
+#: text contains ``<name>`` followed by one of these (a substring test).
+_SHAPE_SUFFIXES = ("_shape", "_strides", "_ndim")
+
+
+def _write_once(path: "os.PathLike[str]", text: str) -> None:
+    """``text`` at ``path``, unless the file already holds exactly it (atomic replace).
+
+    Raises:
+        OSError: when the folder or file cannot be created or written.
+    """
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        if path.read_text(encoding="utf-8") == text:
+            return
+    except (OSError, UnicodeDecodeError):
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+@functools.lru_cache(maxsize=None)
+def included_cuda_source(name: str, header: str, body: str,
+                         inputs: Tuple[str, ...]) -> Optional[Tuple[str, str]]:
+    """A CUDA kernel's ``(header, body)`` as ``#include`` lines of files holding them.
+
+    MLX's CUDA backend hashes a custom kernel's whole source (``std::hash``
+    of the text) every time it encodes a launch, about 0.2 us per KB on the
+    H200's host (``benchmarks/profile_encode.py``); the one-launch MoE block
+    is 34 KB compacted and a decode token launches it once per layer. The
+    text itself is written once, content-addressed
+    (``<cache dir>/cuda-src/<name>-<sha256 prefix>-{header,body}.cuh``; the
+    cache dir is ``QAB_CACHE_DIR``'s), and MLX gets two short lines that
+    NVRTC resolves when it compiles: the kernel it builds is the same text,
+    and the digest in the file names changes the module name MLX caches the
+    compiled kernel under whenever the text changes. A comment after the
+    body's include names each input's ``_shape`` / ``_strides`` / ``_ndim``
+    that the full body mentions, because MLX decides from the body's text
+    (a substring search) which of those to pass.
+
+    Args:
+        name (str): the kernel's name (``KernelSource.name``).
+        header (str), body (str): the compacted texts handed to MLX otherwise.
+        inputs (tuple[str, ...]): the kernel's input names.
+
+    Returns:
+        tuple[str, str] | None: the short header and body, or None when the
+        files cannot be written or their path cannot be written inside an
+        ``#include "..."`` (a quote, backslash or line break in it): the
+        caller then hands MLX the full text.
+    """
+    import hashlib
+
+    digest = hashlib.sha256(f"{header}\0{body}".encode()).hexdigest()[:20]
+    try:
+        folder = (envs.cache_dir() / "cuda-src").resolve()
+    except (OSError, RuntimeError):
+        return None
+    paths = [folder / f"{name}-{digest}-{part}.cuh" for part in ("header", "body")]
+    if any(c in str(p) for p in paths for c in '"\\\n\r'):
+        return None
+    try:
+        if header:
+            _write_once(paths[0], header)
+        _write_once(paths[1], body)
+    except OSError:
+        return None
+    uses = sorted(n + suffix for n in inputs for suffix in _SHAPE_SUFFIXES if n + suffix in body)
+    short_body = f'#include "{paths[1]}"\n' + (f"// {' '.join(uses)}\n" if uses else "")
+    return (f'#include "{paths[0]}"\n' if header else ""), short_body
 
 
 #: Elements of a kernel's scalar-input array (see :func:`f32_scalar`): 16 bytes.
