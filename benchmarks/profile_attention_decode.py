@@ -107,15 +107,14 @@ def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True):
     block, lpk, warps = attn_ops._lanes_params(B, Hk, S, G, D, qkv.dtype)
     nb = -(-S // block)
     params = attn_ops._step_params(1e-6, 1e-6, float(rope.scale), float(rope.base), scale)
-    out, _, _, stamps = _STAMPED(
+    out, _, stamps = _STAMPED(
         inputs=[qkv, nw, nw, params, offset, k_buf, v_buf, counter],
         template=[("InT", qkv.dtype), ("D", D), ("G", G), ("R", rope.dims),
                   ("TRAD", rope.traditional), ("BLOCK", block), ("LPK", lpk), ("WARPS", warps),
                   ("MMA", attn_ops._step_mma(G, D, qkv.dtype, mma))],
         grid=(32 * warps * nb, Hk, B), threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(B, 1, HQ * D), (B, HQ, nb, D), (B, HQ, nb, 2),
-                       (nb * Hk * B * (MARKS + 1),)],
-        output_dtypes=[qkv.dtype, mx.float32, mx.float32, mx.uint64], init_value=0)
+        output_shapes=[(B, 1, HQ * D), (B * HQ * nb * (D + 2),), (nb * Hk * B * (MARKS + 1),)],
+        output_dtypes=[qkv.dtype, mx.float32, mx.uint64], init_value=0)
     return out, stamps.reshape(-1, MARKS + 1)
 
 

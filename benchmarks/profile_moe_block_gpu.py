@@ -105,7 +105,7 @@ _KERNELS: dict = {}
 
 def variant_kernel(prefix: str, stamps: bool = False):
     """moe_decode_block built with ``prefix`` before its header (and the phase marks
-    recording into a 9th output ``stamps`` when asked); one object per build."""
+    recording into one more output, ``stamps``, when asked); one object per build."""
     import mlx.core as mx
 
     from qwen_apple_backend.ops._sources import compact, kernel_source

@@ -70,7 +70,7 @@ CASES = {
     # The one-launch decode attention step (attn-step) at the model's 4K launch,
     # with the tensor-core pass (MMA) and its lane-group fallback.
     "gqa_decode_step": (
-        ["bf16", "bf16", "bf16", "f32", "i32", "bf16", "bf16", "u32"], ["bf16", "f32", "f32"],
+        ["bf16", "bf16", "bf16", "f32", "i32", "bf16", "bf16", "u32"], ["bf16", "f32"],
         {"InT": "bf16", "D": 256, "G": 8, "R": 64, "TRAD": False, "BLOCK": 80, "LPK": 8,
          "WARPS": 8, "MMA": True}),
     # The compiled decode step's in-place KV cache write.
@@ -123,7 +123,7 @@ CASES = {
          "bf16", "bf16", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "u32", "bf16", "bf16",
          "u32", "bf16", "bf16", "u32", "u32", "u32", "u32",
          "bf16", "u32", "bf16", "bf16", "bf16", "f32", "u32", "bf16", "bf16"],
-        ["bf16", "bf16", "bf16", "bf16", "u32", "bf16", "bf16", "f32", "bf16", "bf16"],
+        ["bf16", "u32", "bf16"],
         {"T": "bf16", "H": 2048, "E": 256, "K": 8, "I": 512, "G": 64, "RG": 64, "SGB": 8,
          "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1, "CS": 32, "PERSIST": False,
          "PREFETCH": True, "STAGE": False, "GRPW": 2, "EARLY": False, "PF": False,
@@ -195,12 +195,12 @@ EXTRA_CASES = [
                                    "WARPS": 8, "HAS_MASK": False})),
     # The attention step in float32 at D = 128, traditional RoPE, G = 16.
     ("gqa_decode_step", (["f32", "f32", "f32", "f32", "i32", "f32", "f32", "u32"],
-                         ["f32", "f32", "f32"],
+                         ["f32", "f32"],
                          {"InT": "f32", "D": 128, "G": 16, "R": 32, "TRAD": True, "BLOCK": 512,
                           "LPK": 8, "WARPS": 8, "MMA": False})),
     # The step's MMA build in f16 at D = 64 with G = 4 (query rows past G zero).
     ("gqa_decode_step", (["f16", "f16", "f16", "f32", "i32", "f16", "f16", "u32"],
-                         ["f16", "f32", "f32"],
+                         ["f16", "f32"],
                          {"InT": "f16", "D": 64, "G": 4, "R": 64, "TRAD": False, "BLOCK": 64,
                           "LPK": 8, "WARPS": 8, "MMA": True})),
     # Traditional (adjacent-pair) RoPE in float32 at D = 128.

@@ -62,8 +62,9 @@
 // params [8] float32 (q eps, k eps, RoPE scale, log2(RoPE base), attention
 // scale, unused); offset int32, one element (0 <= offset < S); k_buf, v_buf
 // [B, Hk, S, D] InT (any strides; row offset written); count uint32, >= B Hk
-// elements (zeros). Outputs: out [B, 1, Hq D] InT; o_part [B, Hq, NB, D],
-// ml [B, Hq, NB, 2] float32 (the partials; scratch for the caller).
+// elements (zeros). Outputs: out [B, 1, Hq D] InT; ws: the partials, o_part
+// [B, Hq, NB, D] then ml [B, Hq, NB, 2] float32, in one workspace (scratch
+// for the caller: one output instead of two, as moe_decode_block.cu says why).
 // Template MMA: build the tensor-core pass too (InT bf16 / f16, G <= 8, D a
 // multiple of 64; the pass runs where the K/V rows allow, checked here).
 // Requires what gqa_decode_partial_lanes.cu and qk_norm_rope.cu require, G = Hq / Hk.
@@ -92,6 +93,8 @@ const int b = blockIdx.z;
 const int Hk = gridDim.y;
 const int Hq = Hk * G;
 const int NB = gridDim.x;
+float* o_part = ws;
+float* ml = ws + (size_t)gridDim.z * Hq * NB * D;
 const int off = offset[0];
 const int n = off + 1;                       // keys 0..off: the cache's and this token's
 const int NBe = (n + BLOCK - 1) / BLOCK;     // key blocks holding keys

@@ -134,13 +134,16 @@
 // is then not read either); pnw [H] T, peps [4] float32 (element 0), pw
 // [PN, H / 8] uint32, ps, pb [PN, H / PG] T (NP: the next layer's input norm
 // and projection; else any arrays, not read).
-// Outputs: out [N, H] T (the layer's output, x's shape); h, y [N, H] T,
+// Outputs: out [N, H] T (the layer's output, x's shape); ws: the phases'
+// intermediates in one uint32 workspace (an output so that MLX allocates it;
+// callers drop it), 128-byte aligned segments in this order: h, y [N, H] T,
 // logits [N, E] T, inds [N, K] uint32, scores [N, K] T, act [N, K + 1, I] T,
-// sg_logit [max(N, 4)] float32, ro [N, H] T (OP; else at least one
-// element, element 0 zeroed), po [N, PN] T (NP: the next layer's projected
-// input, a real output; else at least one element, element 0 zeroed): the
-// phases' intermediates (outputs so that MLX allocates them;
-// callers drop them).
+// sg_logit [max(N, 4)] float32, ro [N, H] T (OP; else 16 bytes, not used)
+// (ops.moe.decode_block_workspace_words sizes it: one output instead of
+// eight, because MLX's host cost per launch grows by about 1.5 us per
+// output on the H200, benchmarks/profile_encode.py); po [N, PN] T (NP: the
+// next layer's projected input, a real output; else at least one element,
+// element 0 zeroed).
 
 // The out-projection phase (OP): blocks per token row, QAB_OUT_RPW rows per warp.
 constexpr int QAB_OUT_RPW = 2;
@@ -176,6 +179,21 @@ for (int i = 0; i + 1 < x_ndim; ++i) {
   rows *= x_shape[i];
 }
 const int items = (OBLK + RBLK + GBLK + DBLK + PBLK) * rows;
+// The intermediates' segments of ws (see Outputs).
+char* ws_next = reinterpret_cast<char*>(ws);
+auto ws_take = [&](const size_t bytes) {
+  char* at = ws_next;
+  ws_next += (bytes + 127) / 128 * 128;
+  return at;
+};
+T* h = reinterpret_cast<T*>(ws_take(sizeof(T) * rows * H));
+T* y = reinterpret_cast<T*>(ws_take(sizeof(T) * rows * H));
+T* logits = reinterpret_cast<T*>(ws_take(sizeof(T) * rows * E));
+uint32_t* inds = reinterpret_cast<uint32_t*>(ws_take(sizeof(uint32_t) * rows * K));
+T* scores = reinterpret_cast<T*>(ws_take(sizeof(T) * rows * K));
+T* act = reinterpret_cast<T*>(ws_take(sizeof(T) * rows * (K + 1) * I));
+float* sg_logit = reinterpret_cast<float*>(ws_take(sizeof(float) * (rows > 4 ? rows : 4)));
+T* ro = reinterpret_cast<T*>(ws_take(OP ? sizeof(T) * rows * H : 16));
 // The mixer's output: an input, or with OP this launch's own out-projection
 // (written by its first items, read through L2 once they are all done).
 const T* rr = OP ? ro : r;
@@ -359,11 +377,8 @@ if (tid == 0) {
     *o_done = 0u;
     *d_done = 0u;
     *exits = 0u;
-    if (!OP) {
-      ro[0] = static_cast<T>(0.f);  // the one-element placeholders: written, never read
-    }
     if (!NP) {
-      po[0] = static_cast<T>(0.f);
+      po[0] = static_cast<T>(0.f);  // the one-element placeholder: written, never read
     }
   }
 }

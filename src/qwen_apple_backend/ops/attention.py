@@ -1054,14 +1054,16 @@ def _step_call(backend: str, qkv: mx.array, q_weight: mx.array, k_weight: mx.arr
     nb = -(-S // block)
     params = _step_params(float(q_eps), float(k_eps), float(rope.scale), float(rope.base),
                           float(scale))
-    out, _, _ = _step_object(backend)(
+    out, _ = _step_object(backend)(
         inputs=[qkv, q_weight, k_weight, params, offset, k_buf, v_buf, counter],
         template=[("InT", qkv.dtype), ("D", D), ("G", G), ("R", rope.dims),
                   ("TRAD", rope.traditional), ("BLOCK", block), ("LPK", lpk),
                   ("WARPS", warps), ("MMA", _step_mma(G, D, qkv.dtype, mma))],
         grid=(32 * warps * nb, Hk, B), threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(B, 1, heads * D), (B, heads, nb, D), (B, heads, nb, 2)],
-        output_dtypes=[qkv.dtype, mx.float32, mx.float32])
+        # The workspace: the key blocks' partials o [B, Hq, nb, D] then (m, l)
+        # [B, Hq, nb, 2], one output (MLX's host cost grows per output).
+        output_shapes=[(B, 1, heads * D), (B * heads * nb * (D + 2),)],
+        output_dtypes=[qkv.dtype, mx.float32])
     return out
 
 
