@@ -23,9 +23,7 @@ from qwen_apple_backend.ops._sources import compact, kernel_source, manifest
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("QAB_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("QAB_KERNEL_INCLUDE", raising=False)
-    device.included_cuda_source.cache_clear()
-    yield tmp_path / "cache" / "cuda-src"
-    device.included_cuda_source.cache_clear()
+    return tmp_path / "cache" / "cuda-src"
 
 
 def _included_path(line: str):
@@ -57,9 +55,16 @@ def test_texts_are_written_once_and_included_by_absolute_path(cache):
     other = device.included_cuda_source("qab_probe", header, body + "out[1] = 0.f;\n",
                                         ("x", "w", "y"))
     assert _included_path(other[1].splitlines()[0]) != b_path
-    device.included_cuda_source.cache_clear()
     assert device.included_cuda_source("qab_probe", header, body,
                                        ("x", "w", "y")) == (short_header, short_body)
+
+
+def test_another_cache_dir_is_followed(cache, tmp_path, monkeypatch):
+    first = device.included_cuda_source("qab_probe", "", "out[0] = x[0];\n", ("x",))
+    monkeypatch.setenv("QAB_CACHE_DIR", str(tmp_path / "elsewhere"))
+    second = device.included_cuda_source("qab_probe", "", "out[0] = x[0];\n", ("x",))
+    assert _included_path(second[1]).parent == (tmp_path / "elsewhere" / "cuda-src").resolve()
+    assert _included_path(first[1]) != _included_path(second[1])
 
 
 def test_a_changed_file_is_written_again(cache):
@@ -67,7 +72,6 @@ def test_a_changed_file_is_written_again(cache):
     assert short[0] == ""  # no header: no header line, no file
     path = _included_path(short[1])
     path.write_text("out[0] = 7.f;\n", encoding="utf-8")
-    device.included_cuda_source.cache_clear()
     assert device.included_cuda_source("qab_probe", "", "out[0] = x[0];\n", ("x",)) == short
     assert path.read_text(encoding="utf-8") == "out[0] = x[0];\n"
     assert sorted(p.name for p in cache.iterdir()) == [path.name]  # no temporary left
@@ -77,21 +81,19 @@ def test_an_unwritable_cache_dir_falls_back_to_the_full_text(tmp_path, monkeypat
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("x", encoding="utf-8")
     monkeypatch.setenv("QAB_CACHE_DIR", str(blocker))
-    device.included_cuda_source.cache_clear()
-    try:
-        assert device.included_cuda_source("qab_probe", "", "out[0] = x[0];\n", ("x",)) is None
-    finally:
-        device.included_cuda_source.cache_clear()
+    assert device.included_cuda_source("qab_probe", "", "out[0] = x[0];\n", ("x",)) is None
 
 
-def test_a_path_an_include_cannot_hold_falls_back(tmp_path, monkeypatch):
-    monkeypatch.setenv("QAB_CACHE_DIR", str(tmp_path / 'say "hi"'))
-    device.included_cuda_source.cache_clear()
-    try:
-        assert device.included_cuda_source("qab_probe", "", "out[0] = x[0];\n", ("x",)) is None
-        assert not (tmp_path / 'say "hi"').exists()  # nothing written
-    finally:
-        device.included_cuda_source.cache_clear()
+@pytest.mark.parametrize("folder", ['say "hi"', "back\\slash", "x_shape", "not-utf8-\udcff"],
+                         ids=["quote", "backslash", "shape-token", "not-utf8"])
+def test_a_path_an_include_cannot_hold_falls_back(tmp_path, monkeypatch, folder):
+    # A quote or backslash cannot sit in #include "..."; a folder named like an
+    # input's shape parameter would make MLX pass it (its test is a substring
+    # search of the body); a path that is not UTF-8 cannot reach MLX at all.
+    monkeypatch.setenv("QAB_CACHE_DIR", str(tmp_path / folder))
+    body = "out[0] = x[0];\n"
+    assert device.included_cuda_source("qab_probe", "", body, ("x",)) is None
+    assert not (tmp_path / folder).exists()  # nothing written
 
 
 def _capture_builds(monkeypatch):

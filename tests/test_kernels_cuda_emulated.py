@@ -414,6 +414,40 @@ def test_emulator_checks_launch_limits():
                threadgroup=(2048, 1, 1), output_shapes=[(2048,)], output_dtypes=[F32])
 
 
+# A workspace output (named ``ws``) may keep padding unwritten, but what its
+# threads write must not depend on the schedule. mode 0: element 0 written,
+# 1-3 padding; 1: every thread writes element 0 (the last writer differs
+# between the two schedules, which the emulator runs in opposite orders);
+# 2: a write past its end.
+WORKSPACE = r"""
+const int t = threadIdx.x;
+if (m[0] == 0 && t == 0) { OUT[0] = x[0]; }
+if (m[0] == 1) { OUT[0] = x[t]; }
+if (m[0] == 2 && t == 0) { OUT[4] = x[0]; }
+"""
+
+
+@pytest.mark.parametrize("name", ["ws", "out"])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_emulator_workspace_output_may_keep_padding_but_not_races(name, mode):
+    kernel = emu.emulated_cuda_kernel(f"workspace_{name}", ["x", "m"], [name],
+                                      WORKSPACE.replace("OUT", name))
+    call = functools.partial(kernel, inputs=[mx.arange(64, dtype=F32) + 1,
+                                             mx.array([mode], dtype=mx.int32)],
+                             grid=(64, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(4,)],
+                             output_dtypes=[F32])
+    if mode == 0 and name == "ws":
+        (ws,) = call()
+        assert ws[0].item() == 1.0
+    else:
+        # An ordinary output must be written whole, which it reports first.
+        fault = (rf"wrote past the end of output `{name}`" if mode == 2
+                 else r"never wrote 3 of 4 elements of output `out`" if name == "out"
+                 else r"output `ws` differs between schedule A")
+        with pytest.raises(emu.KernelFault, match=fault):
+            call()
+
+
 def test_init_value_fills_outputs():
     kernel = emu.emulated_cuda_kernel("faults", ["x", "m"], ["out"], FAULTS)
     (out,) = kernel(inputs=[mx.arange(128, dtype=F32), mx.array([6], dtype=mx.int32)],

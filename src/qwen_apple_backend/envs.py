@@ -37,7 +37,8 @@ Variables:
         uses CUDA kernels whose GPU tests have not yet passed on a GPU
         (``verified`` missing in kernels/MANIFEST.toml); they still pass the
         self-check first. For developing kernels.
-    QAB_KERNEL_INCLUDE: a boolean like ``QAB_DISABLE_KERNELS``, default on:
+    QAB_KERNEL_INCLUDE: a boolean (the spellings of ``QAB_DISABLE_KERNELS``),
+        but unset or empty means on:
         on CUDA, a kernel's header and body reach MLX as ``#include`` lines of
         content-addressed copies under ``QAB_CACHE_DIR``'s ``cuda-src``
         folder, so MLX hashes a line, not up to 34 KB of text, at every

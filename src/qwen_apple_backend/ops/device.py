@@ -146,7 +146,6 @@ def _write_once(path: "os.PathLike[str]", text: str) -> None:
             tmp.unlink()
 
 
-@functools.lru_cache(maxsize=None)
 def included_cuda_source(name: str, header: str, body: str,
                          inputs: Tuple[str, ...]) -> Optional[Tuple[str, str]]:
     """A CUDA kernel's ``(header, body)`` as ``#include`` lines of files holding them.
@@ -163,7 +162,12 @@ def included_cuda_source(name: str, header: str, body: str,
     compiled kernel under whenever the text changes. A comment after the
     body's include names each input's ``_shape`` / ``_strides`` / ``_ndim``
     that the full body mentions, because MLX decides from the body's text
-    (a substring search) which of those to pass.
+    (a substring search) which of those to pass. MLX compiles a kernel
+    lazily, once per set of template arguments, so the files must outlive
+    the process's kernels: deleting ``cuda-src`` while a process runs makes
+    a later compile in it fail. Not cached: each call checks the files (the
+    callers cache their kernel objects), so a changed ``QAB_CACHE_DIR`` is
+    followed.
 
     Args:
         name (str): the kernel's name (``KernelSource.name``).
@@ -172,9 +176,11 @@ def included_cuda_source(name: str, header: str, body: str,
 
     Returns:
         tuple[str, str] | None: the short header and body, or None when the
-        files cannot be written or their path cannot be written inside an
-        ``#include "..."`` (a quote, backslash or line break in it): the
-        caller then hands MLX the full text.
+        files cannot be written, their path cannot be written inside an
+        ``#include "..."`` (a quote, backslash or line break in it, or not
+        UTF-8), or the path itself would change which shape parameters MLX
+        passes (a folder named like ``x_shape``): the caller then hands MLX
+        the full text.
     """
     import hashlib
 
@@ -187,13 +193,20 @@ def included_cuda_source(name: str, header: str, body: str,
     if any(c in str(p) for p in paths for c in '"\\\n\r'):
         return None
     try:
+        str(folder).encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes in the path (surrogate escapes)
+        return None
+    uses = sorted(n + suffix for n in inputs for suffix in _SHAPE_SUFFIXES if n + suffix in body)
+    short_body = f'#include "{paths[1]}"\n' + (f"// {' '.join(uses)}\n" if uses else "")
+    if any((n + suffix in short_body) != (n + suffix in body)
+           for n in inputs for suffix in _SHAPE_SUFFIXES):
+        return None
+    try:
         if header:
             _write_once(paths[0], header)
         _write_once(paths[1], body)
     except OSError:
         return None
-    uses = sorted(n + suffix for n in inputs for suffix in _SHAPE_SUFFIXES if n + suffix in body)
-    short_body = f'#include "{paths[1]}"\n' + (f"// {' '.join(uses)}\n" if uses else "")
     return (f'#include "{paths[0]}"\n' if header else ""), short_body
 
 
