@@ -38,6 +38,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -72,13 +73,15 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=positive_int, default=200, help="timed calls per form")
     p.add_argument("--tokens", type=positive_int, default=200,
                    help="tokens of the pipelined decode loop")
+    p.add_argument("--as-gpu", choices=["cuda", "metal"], default=None,
+                   help="build that GPU's decode step on any machine (count_decode_ops.py's "
+                        "stand-ins: the launches are markers) and time only its calls, not "
+                        "the pipelined loop")
     args = p.parse_args(argv)
     from _common import check_out, variant_model, write_result
 
     check_out(p, args.out)
     os.environ.setdefault("QAB_ENABLE", "decode-compile")  # the CPU too
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
     from qwen_apple_backend import checkpoint
     from qwen_apple_backend.bench.target import build_preset
 
@@ -91,11 +94,26 @@ def main(argv=None) -> int:
     name = f"{args.preset}-x{args.experts}"
     checkpoint.PRESETS[name] = shape
     b = build_preset(name, seed=0, vocab_size=1024)
+    stand_in = contextlib.ExitStack()
+    if args.as_gpu:
+        from count_decode_ops import GpuStandIn
+
+        stand_in.enter_context(GpuStandIn(args.as_gpu))
+    with stand_in:
+        return _profile(args, b, variant_model, write_result)
+
+
+def _profile(args, b, variant_model, write_result) -> int:
+    """Time the step call (and, on a real device, the pipelined loop); write the result."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
     model = variant_model(b, "fused")
     text = model.language_model
     step = text.__dict__.get("_qab_decode")
     if step is None:
-        p.error("the compiled decode step is not installed (QAB_DISABLE=decode-compile?)")
+        raise SystemExit("profile_decode_host.py: the compiled decode step is not installed "
+                         "(QAB_DISABLE=decode-compile?)")
     n_arrays = len(tree_flatten(text.parameters()))
     # Traced first: tracing with the model as input re-wraps its arrays, which
     # makes the step rebuild once on its next call (in _primed, not timed).
@@ -117,6 +135,17 @@ def main(argv=None) -> int:
     print(f"{n_arrays} arrays: step call {rows['step_build_ms']:.3f} ms; of it the model as a "
           f"compile input {rows['model_as_input_ms']:.3f} ms, the concatenations' checks "
           f"{rows['concats_ms']:.3f} ms", flush=True)
+    device = None
+    if args.as_gpu:
+        from _common import device_name
+
+        device = f"{device_name()} as {args.as_gpu}"
+        path = write_result(args.out, "profile-decode-host",
+                            dict(preset=args.preset, experts=args.experts, repeats=args.repeats,
+                                 layers=len(text.model.layers), as_gpu=args.as_gpu, **rows),
+                            device=device)
+        print(f"wrote {path}")
+        os._exit(0)  # the built, unevaluated graphs are dropped, not evaluated
     mx.eval(y)
     cache, y = _primed(model)  # a fresh context: the timed calls above never ran
     rows.update(_pipelined(model, text, step, cache, y, args.tokens))

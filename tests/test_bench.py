@@ -536,6 +536,28 @@ def test_profile_decode_host_splits_the_pipelined_build(tmp_path):
     assert "pipelined decode:" in r.stdout
 
 
+def test_profile_decode_host_as_gpu_times_that_gpus_step_call(tmp_path):
+    # --as-gpu cuda: the CUDA path's compiled step built on this machine through
+    # count_decode_ops.py's stand-ins; only the step call is timed (the launches
+    # are markers, so no pipelined loop), and the file says so.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "o"
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "profile_decode_host.py"),
+                        str(out), "--preset", "tiny", "--repeats", "5", "--as-gpu", "cuda"],
+                       capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (path,) = out.glob("profile-decode-host-*.json")
+    row = json.loads(path.read_text())
+    assert row["as_gpu"] == "cuda" and row["device"].endswith(" as cuda")
+    assert row["step_build_ms"] > 0 and row["model_as_input_ms"] > 0 and row["layers"] == 4
+    assert "pipelined_tok_s" not in row and "pipelined decode:" not in r.stdout
+
+
 def test_decode_split_runs_several_contexts_on_one_preset(tmp_path):
     # --context 16,8: every variant at each length (one preset build), rows in
     # context order, the graphs named by context.
