@@ -501,25 +501,30 @@ def test_decode_split_counts_every_primitive_and_writes_the_graph(tmp_path):
     assert rows[0]["primitives"] < rows[1]["primitives"]
 
 
-def test_profile_decode_host_splits_the_pipelined_build(tmp_path):
-    # benchmarks/profile_decode_host.py: the step call's host time, and per
-    # token of a pipelined loop the build split into MLX's compiled function,
-    # the step's bookkeeping and what runs outside the step.
+def _profile_decode_host(tmp_path, *args):
+    """Run benchmarks/profile_decode_host.py on the tiny preset: (process, its JSON row)."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    from mlx.utils import tree_flatten
-
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "o"
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "profile_decode_host.py"),
-                        str(out), "--preset", "tiny", "--repeats", "5", "--tokens", "250"],
+                        str(out), "--preset", "tiny", "--repeats", "5", *args],
                        capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stderr[-2000:]
     (path,) = out.glob("profile-decode-host-*.json")
-    row = json.loads(path.read_text())
+    return r, json.loads(path.read_text())
+
+
+def test_profile_decode_host_splits_the_pipelined_build(tmp_path):
+    # benchmarks/profile_decode_host.py: the step call's host time, and per
+    # token of a pipelined loop the build split into MLX's compiled function,
+    # the step's bookkeeping and what runs outside the step.
+    from mlx.utils import tree_flatten
+
+    r, row = _profile_decode_host(tmp_path, "--tokens", "250")
     from qwen_apple_backend.bench.target import build_preset, fuse_in_memory
 
     b = build_preset("tiny", seed=0, vocab_size=1024)
@@ -540,19 +545,7 @@ def test_profile_decode_host_as_gpu_times_that_gpus_step_call(tmp_path):
     # --as-gpu cuda: the CUDA path's compiled step built on this machine through
     # count_decode_ops.py's stand-ins; only the step call is timed (the launches
     # are markers, so no pipelined loop), and the file says so.
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "o"
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "profile_decode_host.py"),
-                        str(out), "--preset", "tiny", "--repeats", "5", "--as-gpu", "cuda"],
-                       capture_output=True, text=True, timeout=300, cwd=root)
-    assert r.returncode == 0, r.stderr[-2000:]
-    (path,) = out.glob("profile-decode-host-*.json")
-    row = json.loads(path.read_text())
+    r, row = _profile_decode_host(tmp_path, "--as-gpu", "cuda")
     assert row["as_gpu"] == "cuda" and row["device"].endswith(" as cuda")
     assert row["step_build_ms"] > 0 and row["model_as_input_ms"] > 0 and row["layers"] == 4
     assert "pipelined_tok_s" not in row and "pipelined decode:" not in r.stdout
