@@ -135,15 +135,13 @@ def _profile(args, b, variant_model, write_result) -> int:
     print(f"{n_arrays} arrays: step call {rows['step_build_ms']:.3f} ms; of it the model as a "
           f"compile input {rows['model_as_input_ms']:.3f} ms, the concatenations' checks "
           f"{rows['concats_ms']:.3f} ms", flush=True)
-    device = None
     if args.as_gpu:
         from _common import device_name
 
-        device = f"{device_name()} as {args.as_gpu}"
         path = write_result(args.out, "profile-decode-host",
                             dict(preset=args.preset, experts=args.experts, repeats=args.repeats,
                                  layers=len(text.model.layers), as_gpu=args.as_gpu, **rows),
-                            device=device)
+                            device=f"{device_name()} as {args.as_gpu}")
         print(f"wrote {path}")
         os._exit(0)  # the built, unevaluated graphs are dropped, not evaluated
     mx.eval(y)

@@ -326,7 +326,7 @@ def kernel_include() -> bool:
     Raises:
         EnvVarError: for a value that is not a boolean spelling.
     """
-    if (os.environ.get("QAB_KERNEL_INCLUDE", "") or "").strip() == "":
+    if not (_get("QAB_KERNEL_INCLUDE") or "").strip():
         return True
     return _flag("QAB_KERNEL_INCLUDE")
 
