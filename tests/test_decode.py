@@ -403,22 +403,26 @@ def test_another_models_eager_calls_do_not_make_the_step_recheck(tiny_hf_f32, mo
     assert records == [1] and step.builds == 1
 
 
-def test_the_offset_advances_on_the_device_between_tokens(tiny_hf_f32, monkeypatch):
-    # The step's offset input is the previous step's output ([4] int32, 16
-    # bytes: out of MLX's small managed pool), not a host-written scalar;
-    # a cache at another position (a new prompt, a trim) gets a fresh one.
+def test_the_offset_is_a_view_of_a_device_table_of_positions(tiny_hf_f32, monkeypatch):
+    # The step's offset input is a slice of a table of positions on the
+    # device ([4] int32, its buffer the table's: out of MLX's small managed
+    # pool), not a host-written scalar and not an output of the previous
+    # step (one launch per token less); a cache at another position (a new
+    # prompt, a trim) gets its own row, and a position past the table's end
+    # a longer table.
     from qwen_apple_backend.decode import OFFSET_PAD
 
     monkeypatch.setenv("QAB_ENABLE", "decode-compile")
     m, _ = load(tiny_hf_f32, "fused")
     step = m.language_model.__dict__["_qab_decode"]
     seen = []
-    fn_calls = []
+    tables = []
     real = step._device_offset
 
     def spy(position):
         off = real(position)
         seen.append((position, off))
+        tables.append(step._positions)
         return off
 
     monkeypatch.setattr(step, "_device_offset", spy)
@@ -426,20 +430,23 @@ def test_the_offset_advances_on_the_device_between_tokens(tiny_hf_f32, monkeypat
     m(mx.array([[1, 2, 3, 4]]), cache=cache)
     for t in range(5, 10):  # first eager, then 4 compiled tokens
         mx.eval(m(mx.array([[t]]), cache=cache))
-        fn_calls.append(step._offset[1])
     assert [p for p, _ in seen] == [5, 6, 7, 8]
-    for (position, off), prev in zip(seen[1:], fn_calls[1:]):
-        assert off is prev  # the previous step's output, handed on as it is
+    assert all(t is tables[0] for t in tables)  # one table for every token
+    assert tables[0].dtype == mx.int32 and tables[0].nbytes > 8
     for position, off in seen:
-        assert off.shape == (OFFSET_PAD,) and off.dtype == mx.int32 and off.nbytes > 8
+        assert off.shape == (OFFSET_PAD,) and off.dtype == mx.int32
         assert off.tolist() == [position] * OFFSET_PAD
-    assert step._offset[0] == 9 and step._offset[1].tolist() == [9] * OFFSET_PAD
-    # Another cache at another position: a new array of that position.
+    # Another cache at another position: that position's row.
     other = make_prompt_cache(m)
     m(mx.array([[1, 2]]), cache=other)
     mx.eval(m(mx.array([[3]]), cache=other))
     mx.eval(m(mx.array([[4]]), cache=other))
     assert seen[-1][0] == 3 and seen[-1][1].tolist() == [3] * OFFSET_PAD
+    # Past the table's end: a table twice as long as needed.
+    rows = tables[0].size // OFFSET_PAD
+    assert real(rows + 3).tolist() == [rows + 3] * OFFSET_PAD
+    assert step._positions.size == 2 * (rows + 4) * OFFSET_PAD
+    assert real(6).tolist() == [6] * OFFSET_PAD
     # And back to the first cache: its logits still equal the eager model's.
     monkeypatch.setenv("QAB_DISABLE", "decode-compile")
     eager, _ = load(tiny_hf_f32, "fused")

@@ -59,6 +59,8 @@ __all__ = ["install_compiled_decode", "compiled_decode_installed"]
 _REFRESHES = operator.attrgetter("refreshes")  # ConcatProjection.refreshes
 #: Elements of the step's offset input (16 bytes: see :meth:`_CompiledDecode._device_offset`).
 OFFSET_PAD = 4
+#: Rows of the first table of positions (:meth:`_CompiledDecode._device_offset`).
+_POSITION_ROWS = 4096
 
 
 class _StepKV:
@@ -180,7 +182,7 @@ class _CompiledDecode:
         self._copied: list = []
         self._in_place: dict = {}  # K/V shapes and dtypes -> backend or None
         self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._offset: tuple = (-1, None)  # (cache position, its device offset array)
+        self._positions: Optional[mx.array] = None  # [n * OFFSET_PAD] int32: row p all p
         self.eager_calls = 0
         self.compiled_calls = 0
         self.builds = 0
@@ -220,19 +222,28 @@ class _CompiledDecode:
     def _device_offset(self, position: int) -> mx.array:
         """The step's offset input for a cache at ``position``: ``[OFFSET_PAD]`` int32.
 
-        The previous step's output when it is for this position (the offset
-        advances on the device, token after token), else a new array filled
-        on the device (first token, a trimmed or replaced cache). Never a
-        host-written scalar: MLX's CUDA allocator keeps buffers of <= 8
-        bytes in a small managed-memory pool that the host's own scalars
-        share (a sampled token read with ``.item()``), so every kernel
-        reading the offset (RoPE, the KV write, the mask) waited on host
-        memory (see :func:`qwen_apple_backend.ops.device.f32_scalar`).
+        A view of row ``position`` of a table of positions kept on the
+        device (``n`` rows of ``OFFSET_PAD`` elements, row p all p, flat;
+        built on the device, twice as long as needed whenever a position
+        passes its end), so no launch per token advances it (the step
+        returned ``offset + 1`` before: one more kernel per token, and one
+        more output). Never a host-written scalar: MLX's CUDA allocator
+        keeps buffers of <= 8 bytes in a small managed-memory pool that the
+        host's own scalars share (a sampled token read with ``.item()``), so
+        every kernel reading the offset (RoPE, the KV write, the mask)
+        waited on host memory (see
+        :func:`qwen_apple_backend.ops.device.f32_scalar`); the view's
+        buffer is the table's.
         """
-        at, dev = self._offset
-        if at != position:
-            dev = mx.full((OFFSET_PAD,), position, dtype=mx.int32)
-        return dev
+        table = self._positions
+        at = position * OFFSET_PAD
+        if table is None or table.shape[0] <= at:
+            rows = max(_POSITION_ROWS, 2 * (position + 1))
+            table = mx.repeat(mx.arange(rows, dtype=mx.int32), OFFSET_PAD)
+            mx.eval(table)
+            self._positions = table
+        # A slice (a view: no launch); an integer index would be a Gather.
+        return table[at:at + OFFSET_PAD]
 
     def _step(self, tokens, offset, kv, ssm, layout, in_place):
         caches, ik, iss = [], 0, 0
@@ -255,7 +266,7 @@ class _CompiledDecode:
         self._copied = [i for i, c in enumerate(steps) if not c.written]
         kv_out = [(steps[i].keys, steps[i].values) for i in self._copied]
         ssm_out = [(c[0], c[1]) for c in caches if isinstance(c, ArraysCache)]
-        return logits, kv_out, ssm_out, offset + tokens.shape[1]
+        return logits, kv_out, ssm_out
 
     def _in_place_backend(self, kvs: list, kv_sig: tuple) -> Optional[str]:
         """The backend writing this call's KV rows in place, or None.
@@ -318,8 +329,8 @@ class _CompiledDecode:
             # One call per module, each depending on the one before: the MoE
             # blocks' counting kernels read their own counters in place.
             with serial_decode_trace():
-                logits, kv_out, ssm_out, next_offset = self._fn(tokens, offset, kv, ssm,
-                                                                tuple(layout), in_place)
+                logits, kv_out, ssm_out = self._fn(tokens, offset, kv, ssm, tuple(layout),
+                                                   in_place)
         finally:
             for c in self._uses:
                 c.tracing = False
@@ -331,7 +342,6 @@ class _CompiledDecode:
             kvs[i].keys, kvs[i].values = pair
         for c in kvs:
             c.offset += tokens.shape[1]
-        self._offset = (kvs[0].offset, next_offset)
         iss = 0
         for c in cache:
             if type(c) is ArraysCache:
