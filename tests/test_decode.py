@@ -641,3 +641,67 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
     for t in range(3):
         mx.eval(off_model(mx.array([[1 + t]]), cache=c))
     assert calls == []
+
+
+def test_final_norm_runs_in_the_lm_head_launch_of_the_step(tiny_q4, monkeypatch):
+    # Where norm_gemv is ready (CUDA; faked here, its kernel replaced by the
+    # two stock ops it fuses), the step's trace runs the final RMSNorm inside
+    # lm_head's GEMV call (the mixers' input projections take it too: the
+    # head's is the vocabulary-wide one), the model's modules are put back,
+    # and the logits equal the eager model's. QAB_DISABLE=norm-proj keeps
+    # the norm apart.
+    import mlx.nn as nn
+
+    from qwen_apple_backend.layers.linear import DecodeQuantizedLinear
+    from qwen_apple_backend.ops import linear as qlinear
+
+    calls = []
+
+    def fake_kernel(x, norm_weight, eps, w, scales, biases, group_size, pipe=None):
+        calls.append(w.shape[0])
+        return mx.quantized_matmul(mx.fast.rms_norm(x, norm_weight, eps), w, scales, biases,
+                                   transpose=True, group_size=group_size, bits=4)
+
+    monkeypatch.setattr(qlinear, "norm_gemv_ready", lambda *a, **k: "cuda")
+    monkeypatch.setattr(qlinear, "norm_gemv_kernel", fake_kernel)
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    comp, _ = load(tiny_q4, "fused")
+    text = comp.language_model
+    assert type(text.lm_head) is DecodeQuantizedLinear
+    head, norm = text.lm_head, text.model.norm
+    monkeypatch.delenv("QAB_ENABLE")
+    monkeypatch.setenv("QAB_DISABLE", "decode-compile")
+    eager, _ = load(tiny_q4, "fused")
+    monkeypatch.delenv("QAB_DISABLE")
+    cache, ec = make_prompt_cache(comp), make_prompt_cache(eager)
+    prompt = mx.array([[3, 1, 4, 1, 5]])
+    comp(prompt, cache=cache)
+    eager(prompt, cache=ec)
+    for t in (9, 2, 6):
+        calls.clear()
+        a = comp(mx.array([[t]]), cache=cache)
+        b = eager(mx.array([[t]]), cache=ec)
+        assert float(mx.abs(a - b).max()) <= 2e-2 * float(mx.abs(b).max())
+        assert mx.array_equal(mx.argmax(a, axis=-1), mx.argmax(b, axis=-1)).item()
+    step = text.__dict__["_qab_decode"]
+    assert step.compiled_calls == 2
+    assert text.lm_head is head and text.model.norm is norm and type(norm) is nn.RMSNorm
+    # A trace calls the fused norm + head once (a replay calls no Python).
+    vocab = head.weight.shape[0]
+    step._fn = None  # rebuild: the next call traces again
+    calls.clear()
+    mx.eval(comp(mx.array([[7]]), cache=cache))
+    assert calls.count(vocab) == 1 and step.builds == 2
+    calls.clear()
+    mx.eval(comp(mx.array([[8]]), cache=cache))
+    assert calls == []
+    # Off with norm-proj.
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    monkeypatch.setenv("QAB_DISABLE", "norm-proj")
+    off, _ = load(tiny_q4, "fused")
+    c = make_prompt_cache(off)
+    off(prompt, cache=c)
+    calls.clear()
+    for t in (9, 2, 6):
+        mx.eval(off(mx.array([[t]]), cache=c))
+    assert vocab not in calls and off.language_model.__dict__["_qab_decode"].compiled_calls == 2

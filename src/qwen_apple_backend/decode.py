@@ -49,6 +49,7 @@ import weakref
 from typing import Any, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from .ops.attention import decode_kv_mask, kv_cache_write, kv_cache_write_ops, kv_write_ready
@@ -150,6 +151,63 @@ def _concats(model: Any) -> list:
     return out
 
 
+class _NormedHead:
+    """Stands in for ``lm_head`` while the step traces: the final RMSNorm in its GEMV launch.
+
+    ``rms_norm(h, norm.weight, norm.eps) @ dequantize(head).T`` through
+    :func:`qwen_apple_backend.ops.linear.norm_gemv` with the backend its
+    readiness check returned (the ``norm-proj`` arithmetic the decoder
+    layers' input projections use: ``mx.fast.rms_norm``'s rounding points),
+    while the text model's final norm is :class:`_PassThrough`: one launch
+    per token fewer. Shapes: x ``[B, T, H]``; returns ``[B, T, V]``.
+    """
+
+    def __init__(self, head: Any, norm: Any, backend: str):
+        self.head, self.norm, self.backend = head, norm, backend
+
+    def __call__(self, x: mx.array) -> mx.array:
+        from .ops.linear import norm_gemv
+
+        h, n = self.head, self.norm
+        return norm_gemv(x, n.weight, n.eps, h.weight, h.scales, h.biases,
+                         group_size=h.group_size, bits=h.bits, mode=h.mode, backend=self.backend)
+
+
+class _PassThrough:
+    """Stands in for the text model's final norm while :class:`_NormedHead` applies it."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x
+
+
+def _final_norm_backend(text: Any, tokens: mx.array) -> Optional[str]:
+    """The backend that runs ``text``'s final RMSNorm inside ``lm_head``'s launch, or None.
+
+    Only for mlx-lm's layout (``text.model.norm`` a plain ``nn.RMSNorm``
+    applied last, then ``text.lm_head``, untied, unsharded) with ``lm_head``
+    on the decode GEMV (:class:`~qwen_apple_backend.layers.linear.DecodeQuantizedLinear`,
+    4-bit affine) and :func:`~qwen_apple_backend.ops.linear.norm_gemv_ready`
+    passing for this shape class (its self-check runs here, outside the
+    trace). Call outside ``mx.compile``.
+    """
+    from .layers.linear import DecodeQuantizedLinear
+    from .ops import linear as qlinear
+
+    inner = text.get("model") if isinstance(text, dict) else None
+    head = text.get("lm_head") if isinstance(text, dict) else None
+    norm = inner.get("norm") if isinstance(inner, dict) else None
+    args = getattr(text, "args", None)
+    if (type(head) is not DecodeQuantizedLinear or type(norm) is not nn.RMSNorm
+            or getattr(args, "tie_word_embeddings", False)
+            or getattr(text, "sharding_group", None) is not None
+            or not qlinear.is_plain_quantized_linear(head) or head.bits != 4
+            or head.mode != "affine"):
+        return None
+    x = mx.zeros((tokens.shape[0], tokens.shape[1], norm.weight.shape[0]), norm.weight.dtype)
+    return qlinear.norm_gemv_ready(x, norm.weight, norm.eps, head.weight, head.scales,
+                                   head.biases, head.group_size)
+
+
 class _CompiledDecode:
     """The traced step of one text model (held weakly, so the model can be freed).
 
@@ -169,9 +227,11 @@ class _CompiledDecode:
     that concatenation.
     """
 
-    def __init__(self, model: Any, call, in_place: bool = True):
+    def __init__(self, model: Any, call, in_place: bool = True, final_norm: bool = True):
         self._model = weakref.ref(model)
         self.allow_in_place = in_place
+        self.allow_final_norm = final_norm
+        self._final_norm: Optional[str] = None  # the trace being built: norm-in-lm_head backend
         self._call = call
         self._fn = None
         self._uses: list = []
@@ -259,7 +319,21 @@ class _CompiledDecode:
                 c[0], c[1] = ssm[iss]
                 caches.append(c)
                 iss += 1
-        logits = self._call(self._model(), tokens, cache=caches)
+        model = self._model()
+        backend = self._final_norm
+        if backend is None:
+            logits = self._call(model, tokens, cache=caches)
+        else:
+            # The final norm and lm_head as one launch: stand-ins while
+            # tracing, the very modules put back after (the trace is what
+            # replays).
+            inner, head = model["model"], model["lm_head"]
+            norm = inner["norm"]
+            inner["norm"], model["lm_head"] = _PassThrough(), _NormedHead(head, norm, backend)
+            try:
+                logits = self._call(model, tokens, cache=caches)
+            finally:
+                inner["norm"], model["lm_head"] = norm, head
         steps = [c for c in caches if isinstance(c, _StepKV)]
         # Buffers written in place are not outputs (the cache keeps them);
         # which ones were is known only while tracing: kept per trace.
@@ -323,6 +397,8 @@ class _CompiledDecode:
         key = (tokens.shape, tokens.dtype, tuple(layout), in_place, kv_sig,
                tuple((a.shape, a.dtype) for pair in ssm for a in pair))
         tracing = key not in self._traced
+        self._final_norm = (_final_norm_backend(self._model(), tokens)
+                            if tracing and self.allow_final_norm else None)
         for c in self._uses:
             c.tracing = tracing
         try:
@@ -373,7 +449,8 @@ def _decode_class(base: type) -> type:
                                         "_qab_compiled_decode": True})
 
 
-def install_compiled_decode(text_model: Any, in_place: bool = True) -> bool:
+def install_compiled_decode(text_model: Any, in_place: bool = True,
+                            final_norm: bool = True) -> bool:
     """Route ``text_model``'s one-token calls through a compiled decode step.
 
     The instance's class is swapped for a subclass that adds the compiled
@@ -386,6 +463,9 @@ def install_compiled_decode(text_model: Any, in_place: bool = True) -> bool:
         in_place (bool): let the step write K/V rows into the cache in place
             where the ``kv_cache_write`` kernel is ready (``kv-in-place``;
             False: ``slice_update``, which copies the buffers). Default True.
+        final_norm (bool): run the text model's final RMSNorm inside
+            ``lm_head``'s GEMV launch where that kernel is ready
+            (``norm-proj``; see :func:`_final_norm_backend`). Default True.
 
     Returns:
         bool: True when installed (False if it already was).
@@ -395,7 +475,7 @@ def install_compiled_decode(text_model: Any, in_place: bool = True) -> bool:
     base = type(text_model)
     text_model.__class__ = _decode_class(base)
     object.__setattr__(text_model, "_qab_decode",
-                       _CompiledDecode(text_model, base.__call__, in_place))
+                       _CompiledDecode(text_model, base.__call__, in_place, final_norm))
     return True
 
 

@@ -617,7 +617,10 @@ class QwenHybridAdapter(Adapter):
             from ..decode import install_compiled_decode
 
             in_place = "kv-in-place" not in disable
-            install_compiled_decode(getattr(model, "language_model", model), in_place=in_place)
+            # norm-proj also puts the final RMSNorm in lm_head's GEMV launch
+            # (the gemv-kernel lm_head): one launch per token fewer.
+            install_compiled_decode(getattr(model, "language_model", model), in_place=in_place,
+                                    final_norm="norm-proj" not in disable)
             report.notes.append("one-token decode runs as a compiled step (decode-compile)")
             if not in_place:
                 report.notes.append("the compiled decode step writes the KV cache with "
