@@ -663,6 +663,7 @@ def test_final_norm_runs_in_the_lm_head_launch_of_the_step(tiny_q4, monkeypatch)
                                    transpose=True, group_size=group_size, bits=4)
 
     monkeypatch.setattr(qlinear, "norm_gemv_ready", lambda *a, **k: "cuda")
+    monkeypatch.setattr(qlinear, "GEMV_MIN_BYTES", 0)  # the tiny head counts as large
     monkeypatch.setattr(qlinear, "norm_gemv_kernel", fake_kernel)
     monkeypatch.setenv("QAB_ENABLE", "decode-compile")
     comp, _ = load(tiny_q4, "fused")
@@ -705,3 +706,9 @@ def test_final_norm_runs_in_the_lm_head_launch_of_the_step(tiny_q4, monkeypatch)
     for t in (9, 2, 6):
         mx.eval(off(mx.array([[t]]), cache=c))
     assert vocab not in calls and off.language_model.__dict__["_qab_decode"].compiled_calls == 2
+    # A head below the GEMV kernel's size keeps MLX's matmul and its own norm.
+    from qwen_apple_backend.decode import _final_norm_backend
+
+    assert _final_norm_backend(text, mx.zeros((1, 1), mx.int32)) == "cuda"
+    monkeypatch.setattr(qlinear, "GEMV_MIN_BYTES", head.weight.nbytes + 1)
+    assert _final_norm_backend(text, mx.zeros((1, 1), mx.int32)) is None
