@@ -99,7 +99,8 @@ OPTIMIZATIONS = {
     "proj-gemv": "model",
     "add-norm": "model",  # residual add + post-attention RMSNorm as one kernel (ops/norm.py)
     # a decode token's input RMSNorm inside the mixer's concatenated input projection's
-    # GEMV launch (CUDA; ops/linear.py norm_gemv; needs add-norm and proj-concat)
+    # GEMV launch (CUDA; ops/linear.py norm_gemv; needs add-norm and proj-concat); in the
+    # compiled decode step also the final RMSNorm inside lm_head's GEMV launch (decode.py)
     "norm-proj": "model",
     # a decode token's MoE down kernel also applies the next layer's input RMSNorm (CUDA;
     # opt-in with QAB_ENABLE: measured no faster on the H200)
