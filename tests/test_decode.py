@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
@@ -433,9 +434,13 @@ def test_the_offset_is_a_view_of_a_device_table_of_positions(tiny_hf_f32, monkey
     assert [p for p, _ in seen] == [5, 6, 7, 8]
     assert all(t is tables[0] for t in tables)  # one table for every token
     assert tables[0].dtype == mx.int32 and tables[0].nbytes > 8
+    base = np.asarray(tables[0]).__array_interface__["data"][0]
     for position, off in seen:
         assert off.shape == (OFFSET_PAD,) and off.dtype == mx.int32
         assert off.tolist() == [position] * OFFSET_PAD
+        # A view into the table's memory (no new buffer, no launch).
+        row = np.asarray(off).__array_interface__["data"][0]
+        assert row == base + position * OFFSET_PAD * 4
     # Another cache at another position: that position's row.
     other = make_prompt_cache(m)
     m(mx.array([[1, 2]]), cache=other)
@@ -444,6 +449,10 @@ def test_the_offset_is_a_view_of_a_device_table_of_positions(tiny_hf_f32, monkey
     assert seen[-1][0] == 3 and seen[-1][1].tolist() == [3] * OFFSET_PAD
     # Past the table's end: a table twice as long as needed.
     rows = tables[0].size // OFFSET_PAD
+    assert real(rows - 1).tolist() == [rows - 1] * OFFSET_PAD and step._positions is tables[0]
+    assert real(rows).tolist() == [rows] * OFFSET_PAD  # the first row past the end
+    assert step._positions.size == 2 * (rows + 1) * OFFSET_PAD
+    rows = step._positions.size // OFFSET_PAD
     assert real(rows + 3).tolist() == [rows + 3] * OFFSET_PAD
     assert step._positions.size == 2 * (rows + 4) * OFFSET_PAD
     assert real(6).tolist() == [6] * OFFSET_PAD
@@ -712,3 +721,65 @@ def test_final_norm_runs_in_the_lm_head_launch_of_the_step(tiny_q4, monkeypatch)
     assert _final_norm_backend(text, mx.zeros((1, 1), mx.int32)) == "cuda"
     monkeypatch.setattr(qlinear, "GEMV_MIN_BYTES", head.weight.nbytes + 1)
     assert _final_norm_backend(text, mx.zeros((1, 1), mx.int32)) is None
+
+
+def test_final_norm_in_the_lm_head_launch_for_qwen3_next(monkeypatch):
+    # Qwen3-Next's layout (qwen3_next.Model: the inner model's norm last, then
+    # lm_head): the trace folds the norm into the head's call once, the
+    # modules are put back, and the logits equal the unfolded model's.
+    import mlx.nn as nn
+
+    from qwen_apple_backend.decode import install_compiled_decode
+    from qwen_apple_backend.layers.linear import install_gemv_lm_head
+    from qwen_apple_backend.ops import linear as qlinear
+
+    from ._qwen3_next import small_qwen3_next
+
+    calls = []
+
+    def fake_kernel(x, norm_weight, eps, w, scales, biases, group_size, pipe=None):
+        calls.append(w.shape[0])
+        return mx.quantized_matmul(mx.fast.rms_norm(x, norm_weight, eps), w, scales, biases,
+                                   transpose=True, group_size=group_size, bits=4)
+
+    monkeypatch.setattr(qlinear, "norm_gemv_ready", lambda *a, **k: "cuda")
+    monkeypatch.setattr(qlinear, "norm_gemv_kernel", fake_kernel)
+    monkeypatch.setattr(qlinear, "GEMV_MIN_BYTES", 0)
+
+    def build():
+        m = small_qwen3_next(mx.float32)
+        m.model.norm.weight = 1.0 + 0.2 * mx.random.normal(m.model.norm.weight.shape,
+                                                           key=mx.random.key(5))
+        nn.quantize(m, group_size=32, bits=4, class_predicate=lambda p, mod: p == "lm_head")
+        mx.eval(m.parameters())
+        assert install_gemv_lm_head(m)
+        return m
+
+    folded, plain = build(), build()
+    install_compiled_decode(folded)
+    install_compiled_decode(plain, final_norm=False)
+    head, norm = folded.lm_head, folded.model.norm
+    cf, cp = make_prompt_cache(folded), make_prompt_cache(plain)
+    prompt = mx.array([[3, 1, 4, 1, 5]])
+    folded(prompt, cache=cf)
+    plain(prompt, cache=cp)
+    vocab = head.weight.shape[0]
+    seen = []
+    for t in (9, 2, 6, 7):
+        calls.clear()
+        a = folded(mx.array([[t]]), cache=cf)
+        b = plain(mx.array([[t]]), cache=cp)
+        seen.append(calls.count(vocab))
+        assert float(mx.abs(a - b).max()) <= 1e-5 * max(1.0, float(mx.abs(b).max()))
+    # Eager first token, then the trace (one fused call), then replays.
+    assert seen == [0, 1, 0, 0]
+    assert folded.lm_head is head and folded.model.norm is norm
+    assert folded.__dict__["_qab_decode"].compiled_calls == 3
+    # Hidden states of another dtype than the norm weight's (the readiness
+    # check saw the weight's): the two modules as they are, no fused call.
+    from qwen_apple_backend.decode import _NormedHead
+
+    calls.clear()
+    x = mx.random.normal((1, 1, norm.weight.shape[0]), key=mx.random.key(3)).astype(mx.bfloat16)
+    y = _NormedHead(head, norm, "cuda")(x)
+    assert calls == [] and mx.array_equal(y, head(norm(x))).item()
