@@ -652,6 +652,25 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
     assert calls == []
 
 
+def _fake_norm_gemv(monkeypatch) -> list:
+    """Fake CUDA's norm + GEMV launch on any device: ready for every shape (any
+    head counts as large), its kernel the two stock ops it fuses; returns the
+    list that each kernel call appends its weight's row count to."""
+    from qwen_apple_backend.ops import linear as qlinear
+
+    calls = []
+
+    def fake_kernel(x, norm_weight, eps, w, scales, biases, group_size, pipe=None):
+        calls.append(w.shape[0])
+        return mx.quantized_matmul(mx.fast.rms_norm(x, norm_weight, eps), w, scales, biases,
+                                   transpose=True, group_size=group_size, bits=4)
+
+    monkeypatch.setattr(qlinear, "norm_gemv_ready", lambda *a, **k: "cuda")
+    monkeypatch.setattr(qlinear, "GEMV_MIN_BYTES", 0)
+    monkeypatch.setattr(qlinear, "norm_gemv_kernel", fake_kernel)
+    return calls
+
+
 def test_final_norm_runs_in_the_lm_head_launch_of_the_step(tiny_q4, monkeypatch):
     # Where norm_gemv is ready (CUDA; faked here, its kernel replaced by the
     # two stock ops it fuses), the step's trace runs the final RMSNorm inside
@@ -664,16 +683,7 @@ def test_final_norm_runs_in_the_lm_head_launch_of_the_step(tiny_q4, monkeypatch)
     from qwen_apple_backend.layers.linear import DecodeQuantizedLinear
     from qwen_apple_backend.ops import linear as qlinear
 
-    calls = []
-
-    def fake_kernel(x, norm_weight, eps, w, scales, biases, group_size, pipe=None):
-        calls.append(w.shape[0])
-        return mx.quantized_matmul(mx.fast.rms_norm(x, norm_weight, eps), w, scales, biases,
-                                   transpose=True, group_size=group_size, bits=4)
-
-    monkeypatch.setattr(qlinear, "norm_gemv_ready", lambda *a, **k: "cuda")
-    monkeypatch.setattr(qlinear, "GEMV_MIN_BYTES", 0)  # the tiny head counts as large
-    monkeypatch.setattr(qlinear, "norm_gemv_kernel", fake_kernel)
+    calls = _fake_norm_gemv(monkeypatch)
     monkeypatch.setenv("QAB_ENABLE", "decode-compile")
     comp, _ = load(tiny_q4, "fused")
     text = comp.language_model
@@ -731,20 +741,10 @@ def test_final_norm_in_the_lm_head_launch_for_qwen3_next(monkeypatch):
 
     from qwen_apple_backend.decode import install_compiled_decode
     from qwen_apple_backend.layers.linear import install_gemv_lm_head
-    from qwen_apple_backend.ops import linear as qlinear
 
     from ._qwen3_next import small_qwen3_next
 
-    calls = []
-
-    def fake_kernel(x, norm_weight, eps, w, scales, biases, group_size, pipe=None):
-        calls.append(w.shape[0])
-        return mx.quantized_matmul(mx.fast.rms_norm(x, norm_weight, eps), w, scales, biases,
-                                   transpose=True, group_size=group_size, bits=4)
-
-    monkeypatch.setattr(qlinear, "norm_gemv_ready", lambda *a, **k: "cuda")
-    monkeypatch.setattr(qlinear, "norm_gemv_kernel", fake_kernel)
-    monkeypatch.setattr(qlinear, "GEMV_MIN_BYTES", 0)
+    calls = _fake_norm_gemv(monkeypatch)
 
     def build():
         m = small_qwen3_next(mx.float32)
