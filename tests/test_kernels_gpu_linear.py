@@ -92,10 +92,13 @@ def test_gemv_ready_passes_and_linear_takes_the_kernel(monkeypatch):
 
 
 # The norm + GEMV launch (norm-proj): the mixers' concatenated projections
-# (GDN in_proj, attention q|k|v), then odd shapes.
+# (GDN in_proj, attention q|k|v), lm_head with the model's final norm (the
+# compiled decode step's fold; a 32K slice of the 248,320 rows: same per-row
+# work), then odd shapes.
 NORM_SHAPES = [
     (1, 12352, 2048, 64),
     (1, 9216, 2048, 64),
+    (1, 32768, 2048, 64),
     (2, 12352, 2048, 64),
     (1, 333, 640, 64),
     (3, 77, 96, 32),
