@@ -39,7 +39,9 @@ makes the ablation column of ``qab bench``. It runs only for one-token
 calls whose caches are plain ``KVCache`` / ``ArraysCache`` objects with room
 for one more position; everything else, and the first decode token of a model
 (which runs the kernels' self-checks eagerly), takes the model's own path.
-Results equal the eager path's (tests/test_decode.py).
+Results equal the eager path's (tests/test_decode.py), up to the order of the
+final RMSNorm's float32 sum of squares where ``norm-proj`` runs it inside
+``lm_head``'s GEMV launch (CUDA, heads of >= 32 MB).
 """
 
 from __future__ import annotations
