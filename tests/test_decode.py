@@ -729,6 +729,11 @@ def test_final_norm_runs_in_the_lm_head_launch_of_the_step(tiny_q4, monkeypatch)
     from qwen_apple_backend.decode import _final_norm_backend
 
     assert _final_norm_backend(text, mx.zeros((1, 1), mx.int32)) == "cuda"
+    # A head with a bias keeps its own call (the norm + GEMV launch adds none).
+    head.bias = mx.zeros((head.weight.shape[0],), dtype=head.scales.dtype)
+    assert _final_norm_backend(text, mx.zeros((1, 1), mx.int32)) is None
+    del head["bias"]
+    assert _final_norm_backend(text, mx.zeros((1, 1), mx.int32)) == "cuda"
     monkeypatch.setattr(qlinear, "GEMV_MIN_BYTES", head.weight.nbytes + 1)
     assert _final_norm_backend(text, mx.zeros((1, 1), mx.int32)) is None
 

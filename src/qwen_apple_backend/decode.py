@@ -195,7 +195,8 @@ def _final_norm_backend(text: Any, tokens: mx.array) -> Optional[str]:
     Only for mlx-lm's layout (``text.model.norm`` a plain ``nn.RMSNorm``
     applied last, then ``text.lm_head``, untied, unsharded) with ``lm_head``
     on the decode GEMV (:class:`~qwen_apple_backend.layers.linear.DecodeQuantizedLinear`,
-    4-bit affine, at least ``GEMV_MIN_BYTES`` of packed weights: the
+    4-bit affine, no ``bias`` (the norm + GEMV launch adds none), at least
+    ``GEMV_MIN_BYTES`` of packed weights: the
     matrices whose eager calls take the GEMV kernel too, so the head's
     arithmetic is that kernel's either way) and
     :func:`~qwen_apple_backend.ops.linear.norm_gemv_ready` passing for this
@@ -212,7 +213,7 @@ def _final_norm_backend(text: Any, tokens: mx.array) -> Optional[str]:
     if (type(head) is not DecodeQuantizedLinear or type(norm) is not nn.RMSNorm
             or getattr(args, "tie_word_embeddings", False)
             or getattr(text, "sharding_group", None) is not None
-            or not qlinear.is_plain_quantized_linear(head) or head.bits != 4
+            or not qlinear.is_plain_quantized_linear(head) or "bias" in head or head.bits != 4
             or head.mode != "affine" or head.weight.nbytes < qlinear.GEMV_MIN_BYTES):
         return None
     x = mx.zeros((tokens.shape[0], tokens.shape[1], norm.weight.shape[0]), norm.weight.dtype)
