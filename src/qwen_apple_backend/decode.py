@@ -195,10 +195,10 @@ def _final_norm_backend(text: Any, tokens: mx.array) -> Optional[str]:
     Only for mlx-lm's layout (``text.model.norm`` a plain ``nn.RMSNorm``
     applied last, then ``text.lm_head``, untied, unsharded) with ``lm_head``
     on the decode GEMV (:class:`~qwen_apple_backend.layers.linear.DecodeQuantizedLinear`,
-    4-bit affine, no ``bias`` (the norm + GEMV launch adds none), at least
-    ``GEMV_MIN_BYTES`` of packed weights: the
-    matrices whose eager calls take the GEMV kernel too, so the head's
-    arithmetic is that kernel's either way) and
+    no ``bias``: the norm + GEMV launch adds none) within
+    :func:`~qwen_apple_backend.ops.linear.gemv_supported` (4-bit affine, at
+    least ``GEMV_MIN_BYTES``: the very test by which its eager calls take the
+    GEMV kernel, so the head's arithmetic is that kernel's either way) and
     :func:`~qwen_apple_backend.ops.linear.norm_gemv_ready` passing for this
     shape class (its self-check runs here, outside the trace). Call outside
     ``mx.compile``.
@@ -213,10 +213,12 @@ def _final_norm_backend(text: Any, tokens: mx.array) -> Optional[str]:
     if (type(head) is not DecodeQuantizedLinear or type(norm) is not nn.RMSNorm
             or getattr(args, "tie_word_embeddings", False)
             or getattr(text, "sharding_group", None) is not None
-            or not qlinear.is_plain_quantized_linear(head) or "bias" in head or head.bits != 4
-            or head.mode != "affine" or head.weight.nbytes < qlinear.GEMV_MIN_BYTES):
+            or not qlinear.is_plain_quantized_linear(head) or "bias" in head):
         return None
     x = mx.zeros((tokens.shape[0], tokens.shape[1], norm.weight.shape[0]), norm.weight.dtype)
+    if not qlinear.gemv_supported(tokens.size, head.weight, head.scales, head.biases,
+                                  head.group_size, head.bits, head.mode, x.dtype):
+        return None
     return qlinear.norm_gemv_ready(x, norm.weight, norm.eps, head.weight, head.scales,
                                    head.biases, head.group_size)
 
