@@ -784,10 +784,10 @@ def test_fused_layer_decode_on_the_emulated_kernel(monkeypatch, variant, concat)
 
 GDN_DECODE_BROKEN = {
     # The q/k conv state of a key head is written by no value head.
-    "q/k conv state never written": ("owner = hv % (Hv / Hk) == 0;\n  } else if",
-                                     "owner = false;\n  } else if"),
+    "q/k conv state never written": ("owner = hv % (Hv / Hk) == 0;\n    } else if",
+                                     "owner = false;\n    } else if"),
     # Warps read the conv outputs before every thread has written them.
-    "missing __syncthreads": ("__syncthreads();\n\n// Phase 2", "\n// Phase 2"),
+    "missing __syncthreads": ("__syncthreads();\n\n  // Phase 2", "\n  // Phase 2"),
     # A finished row's conv state shifts anyway.
     "lengths ignored": ("const int from = shift ? 1 : 0;", "const int from = 1;"),
     # The RMSNorm averages over the wrong length.
@@ -798,7 +798,8 @@ GDN_DECODE_BROKEN = {
 @pytest.mark.parametrize("what", sorted(GDN_DECODE_BROKEN))
 def test_broken_gated_delta_decode_fails(monkeypatch, what):
     old, new = GDN_DECODE_BROKEN[what]
-    _broken(monkeypatch, "gated_delta_decode", old, new)
+    # The per-head code lives in gated_delta_decode.cuh (shared with the MoE block's GD phase).
+    _broken(monkeypatch, "gated_delta_decode", old, new, header=True)
     args, block = _gdn_decode_case(GDN_DECODE_CASES[1], seed=2)
     with pytest.raises(AssertionError) as failure:
         out = gd._decode_kernel_call("cuda", *args, block=block)
