@@ -128,6 +128,21 @@ CASES = {
          "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1, "CS": 32, "PERSIST": False,
          "PREFETCH": True, "STAGE": False, "GRPW": 2, "EARLY": False, "PF": False,
          "OP": False, "DO": 1024, "OG": 32, "NP": False, "PN": 1, "PG": 32}),
+    # The shipped build (STAGE, EARLY, OP, NP) with Qwen3.6's Gated DeltaNet step
+    # first (GD): 16 key and 32 value heads of 128, conv 4, the packed 12,352-wide row.
+    "moe_decode_block_gdn": (
+        ["bf16", "bf16", "bf16", "f32", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "u32",
+         "bf16", "bf16", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "u32", "bf16", "bf16",
+         "u32", "bf16", "bf16", "u32", "u32", "u32", "u32",
+         "bf16", "u32", "bf16", "bf16", "bf16", "f32", "u32", "bf16", "bf16",
+         "bf16", "bf16", "bf16", "bf16", "f32", "bf16", "bf16", "f32", "f32"],
+        ["bf16", "u32", "bf16", "bf16", "f32"],
+        {"T": "bf16", "H": 2048, "E": 256, "K": 8, "I": 512, "G": 64, "RG": 64, "SGB": 8,
+         "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1, "CS": 32, "PERSIST": False,
+         "PREFETCH": True, "STAGE": True, "GRPW": 2, "EARLY": True, "PF": False,
+         "OP": True, "DO": 4096, "OG": 64, "NP": True, "PN": 12352, "PG": 64,
+         "GHk": 16, "GHv": 32, "GDk": 128, "GDv": 128, "GKc": 4, "GBIAS": False,
+         "GW": 12352}),
 }
 
 # More template values of one op: (op, case) as in CASES.

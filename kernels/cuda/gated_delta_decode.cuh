@@ -48,9 +48,17 @@
 // blockIdx.y), moe_decode_block.cu's GD phase once per item. Every thread of
 // the block must call it (it has block barriers). Pointers and layouts: the
 // inputs and outputs of gated_delta_decode.cu (mask and lengths read only
-// when HAS_MASK / HAS_LENGTHS; any pointer type otherwise).
+// when HAS_MASK / HAS_LENGTHS; any pointer type otherwise). PASSES > 1 runs
+// phase 3 over a warp's rows in that many passes of RPW / PASSES rows, each
+// pass's state loads issued as the pass starts (the first pass's before phase
+// 1): fewer state floats live in registers (the MoE block's GD phase, where
+// the whole launch's register count would otherwise grow: 168 against 124
+// registers per thread with nvcc 13 for sm_90, one block of 256 threads per SM
+// instead of two). Each row's arithmetic is the same in every pass layout,
+// so the results are bit-identical.
 template <typename InT, typename WT, int Hk, int Hv, int Dk, int Dv, int Kc, int BLOCK,
-          bool HAS_BIAS, bool HAS_MASK, bool HAS_LENGTHS, int PROJ_W, typename MT, typename LT>
+          bool HAS_BIAS, bool HAS_MASK, bool HAS_LENGTHS, int PROJ_W, int PASSES = 1,
+          typename MT, typename LT>
 __device__ __forceinline__ void qab_gdn_decode_head(
     const int b, const int hv, const InT* qkv, const InT* z, const InT* b_proj,
     const InT* a_proj, const InT* conv_state, const WT* conv_w, const WT* conv_b,
@@ -59,6 +67,8 @@ __device__ __forceinline__ void qab_gdn_decode_head(
     float* state_out) {
   constexpr int NW = BLOCK / 32;            // warps per block
   constexpr int RPW = (Dv + NW - 1) / NW;   // state rows per warp
+  static_assert(PASSES >= 1 && RPW % PASSES == 0, "qab_gdn_decode_head: PASSES must divide RPW");
+  constexpr int RPP = RPW / PASSES;         // state rows per warp and pass
   constexpr int NPER = Dk / 32;             // state floats per lane and row
   constexpr int KEY_DIM = Hk * Dk;
   constexpr int CONV_DIM = 2 * KEY_DIM + Hv * Dv;
@@ -87,17 +97,20 @@ __device__ __forceinline__ void qab_gdn_decode_head(
   const bool live = HAS_MASK ? static_cast<bool>(mask[b]) : true;
   const bool shift = HAS_LENGTHS ? lengths[b] > 0 : true;
 
-  // State loads first: they are in flight during the conv phase.
+  // State loads first (the first pass's rows): in flight during the conv phase.
   const size_t sbase = (size_t)bh * Dv * Dk;
-  float s[RPW][NPER];
-  #pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    const int dv = r * NW + warp;
-  #pragma unroll
-    for (int i = 0; i < NPER; ++i) {
-      s[r][i] = dv < Dv ? state_in[sbase + (size_t)dv * Dk + i * 32 + lane] : 0.f;
+  float s[RPP][NPER];
+  auto load_state = [&](const int pass) {
+#pragma unroll
+    for (int r = 0; r < RPP; ++r) {
+      const int dv = (pass * RPP + r) * NW + warp;
+#pragma unroll
+      for (int i = 0; i < NPER; ++i) {
+        s[r][i] = dv < Dv ? state_in[sbase + (size_t)dv * Dk + i * 32 + lane] : 0.f;
+      }
     }
-  }
+  };
+  load_state(0);
 
   // Phase 1: conv + SiLU of this block's channels; new conv state.
   for (int c = tid; c < NCH; c += BLOCK) {
@@ -114,13 +127,13 @@ __device__ __forceinline__ void qab_gdn_decode_head(
       owner = true;
     }
     float x[Kc];
-  #pragma unroll
+#pragma unroll
     for (int j = 0; j < Kc - 1; ++j) {
       x[j] = static_cast<float>(conv_state[((size_t)b * (Kc - 1) + j) * CONV_DIM + ch]);
     }
     x[Kc - 1] = live ? static_cast<float>(qkv[(size_t)b * QKV_ROW + ch]) : 0.f;
     float acc = 0.f;
-  #pragma unroll
+#pragma unroll
     for (int j = 0; j < Kc; ++j) {
       acc += static_cast<float>(conv_w[(size_t)ch * Kc + j]) * x[j];
     }
@@ -131,7 +144,7 @@ __device__ __forceinline__ void qab_gdn_decode_head(
     conv_s[c] = rnd(acc * rnd(1.f / (1.f + expf(-acc))));  // SiLU = x * sigmoid(x)
     if (owner) {
       const int from = shift ? 1 : 0;
-  #pragma unroll
+#pragma unroll
       for (int j = 0; j < Kc - 1; ++j) {
         conv_state_out[((size_t)b * (Kc - 1) + j) * CONV_DIM + ch] = static_cast<InT>(x[j + from]);
       }
@@ -150,14 +163,14 @@ __device__ __forceinline__ void qab_gdn_decode_head(
   // as the ops path: rms_norm with eps / Dk, then times Dk^-0.5 (k) or 1 / Dk (q).
   float kn[NPER], qn[NPER];
   float kk = 0.f, qq = 0.f;
-  #pragma unroll
+#pragma unroll
   for (int i = 0; i < NPER; ++i) {
     qn[i] = conv_s[i * 32 + lane];
     kn[i] = conv_s[Dk + i * 32 + lane];
     qq += qn[i] * qn[i];
     kk += kn[i] * kn[i];
   }
-  #pragma unroll
+#pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     qq += __shfl_xor_sync(0xffffffffu, qq, o);
     kk += __shfl_xor_sync(0xffffffffu, kk, o);
@@ -166,65 +179,71 @@ __device__ __forceinline__ void qab_gdn_decode_head(
   const float qinv = rsqrtf(qq / Dk + QK_EPS / Dk);
   const float kmul = rnd(1.f / sqrtf(static_cast<float>(Dk)));
   const float qmul = rnd(1.f / static_cast<float>(Dk));
-  #pragma unroll
+#pragma unroll
   for (int i = 0; i < NPER; ++i) {
     kn[i] = rnd(kmul * rnd(kn[i] * kinv));
     qn[i] = rnd(qmul * rnd(qn[i] * qinv));
   }
 
-  // Phase 3: the recurrent step on this warp's rows.
-  float yr[RPW];
-  #pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    yr[r] = 0.f;
-  }
-  if (live) {
-    float kv[RPW];
-  #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      kv[r] = 0.f;
-  #pragma unroll
-      for (int i = 0; i < NPER; ++i) {
-        s[r][i] *= gate;
-        kv[r] += s[r][i] * kn[i];
+  // Phase 3: the recurrent step on this warp's rows, RPP rows per pass.
+#pragma unroll 1
+  for (int pass = 0; pass < PASSES; ++pass) {
+    if (pass > 0) {
+      load_state(pass);
+    }
+    float yr[RPP];
+#pragma unroll
+    for (int r = 0; r < RPP; ++r) {
+      yr[r] = 0.f;
+    }
+    if (live) {
+      float kv[RPP];
+#pragma unroll
+      for (int r = 0; r < RPP; ++r) {
+        kv[r] = 0.f;
+#pragma unroll
+        for (int i = 0; i < NPER; ++i) {
+          s[r][i] *= gate;
+          kv[r] += s[r][i] * kn[i];
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int r = 0; r < RPP; ++r) {
+          kv[r] += __shfl_xor_sync(0xffffffffu, kv[r], o);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < RPP; ++r) {
+        const int dv = (pass * RPP + r) * NW + warp;
+        const float vr = dv < Dv ? conv_s[2 * Dk + dv] : 0.f;
+        const float delta = (vr - kv[r]) * beta;
+#pragma unroll
+        for (int i = 0; i < NPER; ++i) {
+          s[r][i] += kn[i] * delta;
+          yr[r] += s[r][i] * qn[i];
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int r = 0; r < RPP; ++r) {
+          yr[r] += __shfl_xor_sync(0xffffffffu, yr[r], o);
+        }
       }
     }
-  #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-  #pragma unroll
-      for (int r = 0; r < RPW; ++r) {
-        kv[r] += __shfl_xor_sync(0xffffffffu, kv[r], o);
-      }
-    }
-  #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      const int dv = r * NW + warp;
-      const float vr = dv < Dv ? conv_s[2 * Dk + dv] : 0.f;
-      const float delta = (vr - kv[r]) * beta;
-  #pragma unroll
-      for (int i = 0; i < NPER; ++i) {
-        s[r][i] += kn[i] * delta;
-        yr[r] += s[r][i] * qn[i];
-      }
-    }
-  #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-  #pragma unroll
-      for (int r = 0; r < RPW; ++r) {
-        yr[r] += __shfl_xor_sync(0xffffffffu, yr[r], o);
-      }
-    }
-  }
-  #pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    const int dv = r * NW + warp;
-    if (dv < Dv) {
-  #pragma unroll
-      for (int i = 0; i < NPER; ++i) {
-        state_out[sbase + (size_t)dv * Dk + i * 32 + lane] = s[r][i];
-      }
-      if (lane == 0) {
-        y_s[dv] = rnd(yr[r]);
+#pragma unroll
+    for (int r = 0; r < RPP; ++r) {
+      const int dv = (pass * RPP + r) * NW + warp;
+      if (dv < Dv) {
+#pragma unroll
+        for (int i = 0; i < NPER; ++i) {
+          state_out[sbase + (size_t)dv * Dk + i * 32 + lane] = s[r][i];
+        }
+        if (lane == 0) {
+          y_s[dv] = rnd(yr[r]);
+        }
       }
     }
   }
@@ -235,7 +254,7 @@ __device__ __forceinline__ void qab_gdn_decode_head(
   for (int i = lane; i < Dv; i += 32) {
     ss += y_s[i] * y_s[i];
   }
-  #pragma unroll
+#pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     ss += __shfl_xor_sync(0xffffffffu, ss, o);
   }

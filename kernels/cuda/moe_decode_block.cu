@@ -32,9 +32,23 @@
 // the output ro and read by the route and gate/up items instead of the input
 // r: one launch, and its fixed cost, fewer per decoder layer and token.
 //
+// Built with gated_delta_decode.cuh and QAB_BLOCK_GDN defined (the op
+// moe_decode_block_gdn; needs OP), the Gated DeltaNet decode step of this
+// decoder layer's mixer runs first, as a fifth phase:
+//
+//   go[n], gd_conv_state_out, gd_state_out = gdn_step(gd_proj[n], gd_conv_state, gd_state)
+//                                                          (Gated DeltaNet phase)
+//
+// (qab_gdn_decode_head, gated_delta_decode.cu's per-head code: the same
+// bits), one item per (token row, value head); its output go, a workspace
+// segment, is the out-projection phase's input ox: the GDN launch, and its
+// fixed host cost, is gone. Out-projection items issue their weight loads,
+// then wait for every GDN item (`gd_done` == GDBLK N) and read go through L2.
+//
 // Ticketed phases (no grid-wide barrier, no co-residency assumption): a block
-// takes a ticket (atomicAdd on the ticket counter); with OP tickets in
-// [0, OBLK N) are out-projection items (rows of r[t / OBLK]), the next RBLK N
+// takes a ticket (atomicAdd on the ticket counter); with GD the first GDBLK
+// N tickets are GDN items, and the ones below are counted from there; with OP
+// tickets in [0, OBLK N) are out-projection items (rows of r[t / OBLK]), the next RBLK N
 // route items (part t % RBLK of row t / RBLK), the next GBLK N gate/up
 // items, the next DBLK N down items, with NP the last PBLK N
 // next-projection items (they issue their weight loads, then wait for every
@@ -66,7 +80,8 @@
 // Counter layout: tickets, routed, gu_done, exits, o_done, d_done at
 // elements 0, CS, 2 CS, 3 CS, 4 CS, 5 CS (CS apart so that waiting blocks'
 // polls and the counts they wait on do not share a cache line with the
-// ticket counter), then the route's per-row counts at 6 CS + n.
+// ticket counter), then the route's per-row counts at 6 CS + n; with GD,
+// gd_done at 6 CS and the route's per-row counts at 7 CS + n.
 //
 // Measured on the H200 (benchmarks/profile_moe_block_gpu.py, ncu, Qwen3.6's
 // shape): CS 32 with PREFETCH 43.0 us per launch against 44.3 with adjacent
@@ -84,12 +99,12 @@
 // expert and the gate logit run during the route and leave their slots to
 // the later gate/up blocks.
 //
-// Launch: grid (BLOCK * (OBLK + RBLK + GBLK + DBLK + PBLK) * N, 1, 1) threads (with
+// Launch: grid (BLOCK * (GDBLK + OBLK + RBLK + GBLK + DBLK + PBLK) * N, 1, 1) threads (with
 // PERSIST any number of blocks, e.g. as many as fit on the GPU at once),
 // threadgroup (BLOCK, 1, 1), BLOCK = 256 (the three kernels' block), with
 //   OBLK = OP ? ceil(H / (2 BLOCK / 32)) : 0, RBLK = ceil(E / (RB BLOCK / 32)),
 //   GBLK = ceil(32 ((K + 1) I / GRPW + 1) / BLOCK), DBLK = ceil(32 H / 2 / BLOCK),
-//   PBLK = NP ? ceil(PN / (2 BLOCK / 32)) : 0.
+//   PBLK = NP ? ceil(PN / (2 BLOCK / 32)) : 0, GDBLK = GD ? GHv : 0.
 // Template: T (activations, norm weight, router scales/biases, scores),
 // H (hidden size), E, K, I (expert intermediate size), G (experts' group
 // size), RG (router group size), SGB, SGG (shared gate bits and group size),
@@ -144,7 +159,33 @@
 // output on the H200, benchmarks/profile_encode.py); po [N, PN] T (NP: the
 // next layer's projected input, a real output; else at least one element,
 // element 0 zeroed).
+// With GD (op moe_decode_block_gdn; template GHk, GHv, GDk, GDv, GKc, GBIAS,
+// GW: gated_delta_decode.cu's Hk, Hv, Dk, Dv, Kc, HAS_BIAS, PROJ_W > 0; its
+// InT and WT are T, its BLOCK this launch's; no mask, no lengths; DO ==
+// GHv GDv) also inputs gd_proj [N, GW] T (the mixer's concatenated input
+// projection, q | k | v | z | b | a), gd_conv_state [N, GKc - 1, conv_dim] T,
+// gd_conv_w [conv_dim, GKc, 1] T, gd_conv_b [conv_dim] T (read when GBIAS),
+// gd_A_log [GHv] float32, gd_dt_bias [GHv] T, gd_norm_w [GDv] T, gd_eps [4]
+// float32, gd_state [N, GHv, GDv, GDk] float32 (ox is then not read), and
+// outputs gd_conv_state_out, gd_state_out (their shapes); ws ends with one
+// more segment, go [N, GHv GDv] T; count must hold 7 CS + N elements.
 
+#ifdef QAB_BLOCK_GDN
+// The Gated DeltaNet phase (GD): one item per (token row, value head).
+constexpr bool GD = true;
+constexpr int GDBLK = GHv;
+// Phase 3 of the GDN step in passes over a warp's state rows: fewer state
+// floats in registers (see qab_gdn_decode_head). At Qwen3.6's heads (Dv 128,
+// 16 rows per warp) nvcc 13 for sm_90 gives this build 168 registers per
+// thread with one pass, 133 with 2 and 128 with 4 (the build without GD: 124),
+// and two blocks of 256 threads fit an SM only at <= 128.
+constexpr int QAB_GD_ROWS = (GDv + BLOCK / 32 - 1) / (BLOCK / 32);
+constexpr int QAB_GD_PASSES = QAB_GD_ROWS % 4 == 0 ? 4 : QAB_GD_ROWS % 2 == 0 ? 2 : 1;
+static_assert(OP && DO == GHv * GDv, "moe_decode_block: GD needs OP over the GDN's Hv Dv outputs");
+#else
+constexpr bool GD = false;
+constexpr int GDBLK = 0;
+#endif
 // The out-projection phase (OP): blocks per token row, QAB_OUT_RPW rows per warp.
 constexpr int QAB_OUT_RPW = 2;
 constexpr int OBLK = OP ? (H + (BLOCK / 32) * QAB_OUT_RPW - 1) / ((BLOCK / 32) * QAB_OUT_RPW) : 0;
@@ -172,7 +213,8 @@ uint32_t* gu_done = c + 2 * CS;   // gate/up items done
 uint32_t* exits = c + 3 * CS;     // blocks finished
 uint32_t* o_done = c + 4 * CS;    // out-projection items done (OP)
 uint32_t* d_done = c + 5 * CS;    // down items done (NP)
-uint32_t* route_counts = c + 6 * CS;  // per row: route blocks done (the route resets them)
+uint32_t* gd_done = c + 6 * CS;   // GDN items done (GD)
+uint32_t* route_counts = c + (GD ? 7 : 6) * CS;  // per row: route blocks done (the route resets them)
 const int tid = threadIdx.x;
 int rows = 1;
 for (int i = 0; i + 1 < x_ndim; ++i) {
@@ -194,6 +236,9 @@ T* scores = reinterpret_cast<T*>(ws_take(sizeof(T) * rows * K));
 T* act = reinterpret_cast<T*>(ws_take(sizeof(T) * rows * (K + 1) * I));
 float* sg_logit = reinterpret_cast<float*>(ws_take(sizeof(float) * (rows > 4 ? rows : 4)));
 T* ro = reinterpret_cast<T*>(ws_take(OP ? sizeof(T) * rows * H : 16));
+#ifdef QAB_BLOCK_GDN
+T* go = reinterpret_cast<T*>(ws_take(sizeof(T) * rows * DO));  // the GDN phase's output
+#endif
 // The mixer's output: an input, or with OP this launch's own out-projection
 // (written by its first items, read through L2 once they are all done).
 const T* rr = OP ? ro : r;
@@ -213,20 +258,52 @@ while (true) {
     ticket = atomicAdd(tickets, 1u);
   }
   __syncthreads();
-  const int tk = static_cast<int>(ticket);
+  // With GD the GDN items hold the first GDBLK N tickets: tk < 0.
+  const int tk = static_cast<int>(ticket) - GDBLK * rows;
   __syncthreads();  // every thread has read it before thread 0 takes the next
   if (tk >= items) {
     break;
   }
   QAB_MARK(0);
 
+#ifdef QAB_BLOCK_GDN
+  if (tk < 0) {
+    // GDN item: value head hv of token row n, gated_delta_decode's per-head code.
+    const int n = (tk + GDBLK * rows) / GDBLK;
+    const int hv = tk + GDBLK * rows - n * GDBLK;
+    qab_gdn_decode_head<T, T, GHk, GHv, GDk, GDv, GKc, BLOCK, GBIAS, false, false, GW,
+                        QAB_GD_PASSES>(
+        n, hv, gd_proj, gd_proj, gd_proj, gd_proj, gd_conv_state, gd_conv_w, gd_conv_b,
+        gd_A_log, gd_dt_bias, gd_norm_w, gd_eps, gd_state, gd_eps, gd_eps, go,
+        gd_conv_state_out, gd_state_out);
+    QAB_MARK(2);
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();
+      atomicAdd(gd_done, 1u);
+    }
+  } else
+#endif
   if (tk < OBLK * rows) {
     // Out-projection item: rows [o * 8 QAB_OUT_RPW, ...) of r[n] = ox[n] ow^T.
     const int n = tk / OBLK;
     const int o = tk - n * OBLK;
+#ifdef QAB_BLOCK_GDN
+    // The GDN items' output: weight loads first, then the wait, then go through L2.
+    qab_q4_gemv_rows<T, T, DO, OG, QAB_OUT_RPW>(
+        o * (BLOCK / 32) * QAB_OUT_RPW, H, qab_row_load<true>(go + (size_t)n * DO), ow, os, ob,
+        ro + (size_t)n * H, gemv_stage, gemv_stage_sum, [&]() {
+          if (tid == 0) {
+            qab_wait_count(gd_done, static_cast<uint32_t>(GDBLK * rows));
+          }
+          __syncthreads();
+          QAB_MARK(1);
+        });
+#else
     qab_q4_gemv_rows<T, T, DO, OG, QAB_OUT_RPW>(
         o * (BLOCK / 32) * QAB_OUT_RPW, H, qab_row_load<false>(ox + (size_t)n * DO), ow, os, ob,
         ro + (size_t)n * H, gemv_stage, gemv_stage_sum);
+#endif
     QAB_MARK(2);
     __syncthreads();
     if (tid == 0) {
@@ -377,6 +454,9 @@ if (tid == 0) {
     *o_done = 0u;
     *d_done = 0u;
     *exits = 0u;
+    if constexpr (GD) {
+      *gd_done = 0u;
+    }
     if (!NP) {
       po[0] = static_cast<T>(0.f);  // the one-element placeholder: written, never read
     }
