@@ -360,3 +360,22 @@ ADD_NORM_COMPILE_CASES = [
                          ids=lambda c: "-".join(str(v) for v in c[2].values()))
 def test_add_rms_norm_compiles_without_spills(case, tmp_path):
     _compile_without_spills("add_rms_norm", case, tmp_path)
+
+
+@pytest.mark.parametrize("op,case", [("moe_decode_block", EXTRA_CASES[4][1]),
+                                     ("moe_decode_block_gdn", CASES["moe_decode_block_gdn"])],
+                         ids=["op-np", "gd-op-np"])
+def test_moe_block_keeps_two_blocks_per_sm(op, case, tmp_path):
+    # The one-launch MoE block at Qwen3.6's shape (OP + NP; and with the GDN
+    # step first, GD) must fit two blocks of 256 threads on an SM: at most 128
+    # registers per thread (65,536 per SM). With the GDN step's 64 state floats
+    # in registers at once the GD build needed 168 (one block per SM); its
+    # phase 3 therefore runs in passes (qab_gdn_decode_head's PASSES).
+    cu = tmp_path / f"{op}.cu"
+    cu.write_text(wrap(op, case), encoding="utf-8")
+    r = subprocess.run([NVCC, "-arch=sm_90", "-c", "-o", str(tmp_path / f"{op}.o"),
+                        "-Xptxas", "-v", str(cu)], capture_output=True, text=True, timeout=300)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    regs = [int(m) for m in re.findall(r"Used (\d+) registers", log)]
+    assert regs and max(regs) <= 128, log[-2000:]
