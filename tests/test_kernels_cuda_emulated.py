@@ -45,6 +45,7 @@ from qwen_apple_backend.ops._sources import kernel_source
 from . import _cuda_emulation as emu
 from ._metrics import mx_rel_l2
 from .test_kernels_gpu import (_anr_inputs, _assert_block_is_the_three_launches,
+                               _assert_gdn_block_is_gdn_then_block, _gdn_step_case,
                                _assert_next_proj_block_is_block_then_norm_gemv,
                                _assert_out_proj_block_is_gemv_then_block, _next_proj_case,
                                _out_proj_case,
@@ -2066,7 +2067,7 @@ def test_moe_decode_block_build_options_are_the_three_launches_emulated(options,
     shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
     case = _block_case(shape, dtype, rg)
     counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
-    assert counter.size == 6 * moe_ops.DECODE_BLOCK_OPTIONS["CS"] + moe_ops.FOLD_NORM_MAX_ROWS
+    assert counter.size == 7 * moe_ops.DECODE_BLOCK_OPTIONS["CS"] + moe_ops.FOLD_NORM_MAX_ROWS
     _assert_block_is_the_three_launches("cuda", case, shape[4], norm, counter, str(options))
 
 
@@ -2103,6 +2104,65 @@ def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(opt
     _assert_next_proj_block_is_block_then_norm_gemv(
         "cuda", case, shape[4], norm, counter, _next_proj_case(case, 80),
         _out_proj_case(case, 2048) if op else None, str(options))
+
+
+# (Hk, Hv, Dk, Dv), conv bias, next projection rows (0: no NP), build options:
+# 4 passes of 4 state rows per warp (Dv 128 -> 16 rows per warp), 2 passes
+# with 2 lanes' floats per row and a conv bias, and a grid of fewer blocks
+# than tickets.
+GDN_BLOCK_EMU_CASES = [((4, 8, 32, 128), False, 80, {}),
+                       ((2, 16, 64, 64), True, 0, {"EARLY": False}),
+                       ((4, 8, 32, 128), False, 0, {"PERSIST": True, "GRID": 3})]
+
+
+@pytest.mark.parametrize("heads,bias,pn,options", GDN_BLOCK_EMU_CASES,
+                         ids=lambda v: str(v).replace(" ", ""))
+def test_moe_decode_block_gdn_is_the_gdn_launch_then_the_block_emulated(heads, bias, pn, options,
+                                                                     monkeypatch):
+    # GD: the Gated DeltaNet decode step as the launch's first phase (its
+    # per-head code in passes), its output read by the out-projection phase
+    # through L2 after every GDN item is done: the layer output, both states
+    # and the next projection equal the GDN launch followed by the block, bit
+    # for bit, and the counter is left zero.
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    for key, value in options.items():
+        monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)
+    shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
+    case = _block_case(shape, dtype, rg)
+    step, op = _gdn_step_case(case, heads, bias=bias)
+    counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    _assert_gdn_block_is_gdn_then_block("cuda", case, shape[4], norm, counter, step, op,
+                                        _next_proj_case(case, pn) if pn else None,
+                                        str((heads, options)))
+
+
+def test_moe_decode_block_gdn_emulated_fails_when_the_out_projection_does_not_wait(monkeypatch):
+    # Out-projection items must wait for every GDN item (GDBLK per row):
+    # waiting for one more than there are is caught.
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    _broken(monkeypatch, "moe_decode_block_gdn", "static_cast<uint32_t>(GDBLK * rows)",
+            "static_cast<uint32_t>(GDBLK * rows + 1)")
+    shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
+    case = _block_case(shape, dtype, rg)
+    step, op = _gdn_step_case(case, (4, 8, 32, 128))
+    counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    with pytest.raises(emu.KernelFault, match="qab_wait_count"):
+        _assert_gdn_block_is_gdn_then_block("cuda", case, shape[4], norm, counter, step, op)
+
+
+def test_moe_decode_block_gdn_emulated_fails_when_a_pass_loads_the_first_pass_rows(monkeypatch):
+    # The GDN phase runs its state rows in passes (gated_delta_decode.cuh's
+    # PASSES): a pass that loads the first pass's rows again is caught.
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    _broken(monkeypatch, "moe_decode_block_gdn",
+            "const int dv = (pass * RPP + r) * NW + warp;\n#pragma unroll\n      for",
+            "const int dv = r * NW + warp;\n#pragma unroll\n      for", header=True)
+    shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
+    case = _block_case(shape, dtype, rg)
+    step, op = _gdn_step_case(case, (4, 8, 32, 128))
+    counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    with pytest.raises(AssertionError, match="from the GDN launch"):
+        _assert_gdn_block_is_gdn_then_block("cuda", case, shape[4], norm, counter, step, op)
 
 
 @pytest.mark.parametrize("phase", ["out-proj", "next-proj"])

@@ -461,6 +461,65 @@ def _assert_next_proj_block_is_block_then_norm_gemv(backend, case, K, norm, coun
     return out, po
 
 
+def _gdn_step_case(case, heads, Kc=4, bias=False, seed=13):
+    """A Gated DeltaNet decode step for :func:`_block_case`'s ``case``
+    (moe_decode_block's GD phase): the packed projection row, states and
+    weights of ``heads = (Hk, Hv, Dk, Dv)``, and its 4-bit output projection
+    ``[H, Hv Dv]`` (an OutProjection whose ``x`` is None: the phase computes it)."""
+    from qwen_apple_backend.ops.moe import ExpertWeights, GatedDeltaStep, OutProjection
+
+    x = case[0]
+    H, dtype, B = x.shape[-1], x.dtype, x.size // x.shape[-1]
+    Hk, Hv, Dk, Dv = heads
+    args = _decode_args(B, Hk, Hv, Dk, Dv, Kc, dtype, seed=seed, bias=bias)
+    qkv, z, b, a, conv_state, conv_w, conv_b, A_log, dt_bias, norm_w, state = args[:11]
+    proj = mx.concatenate([qkv, z, b, a], axis=-1).reshape(*x.shape[:-1], -1)
+    step = GatedDeltaStep(proj, conv_state, conv_w, conv_b, A_log, dt_bias, norm_w, 1e-6,
+                          state, (Hk, Hv, Dk, Dv))
+    kw = mx.random.key(seed + 1)
+    w = (mx.random.normal((H, Hv * Dv), key=kw) * (Hv * Dv) ** -0.5).astype(dtype)
+    q, sc, bi = mx.quantize(w, group_size=64, bits=4)
+    return step, OutProjection(None, ExpertWeights(q, sc, bi, group_size=64, bits=4))
+
+
+def _assert_gdn_block_is_gdn_then_block(backend, case, K, norm, counter, step, out_proj,
+                                        next_proj=None, where=""):
+    """moe_decode_block with its GDN phase (GD) returns, bit for bit, what
+    gated_delta_decode (its packed build) followed by the block with the
+    out-projection phase on its output returns: the layer output, the next
+    projection (with ``next_proj``) and both new states; the counter is left zero."""
+    from qwen_apple_backend.ops import gated_delta as gdn_ops
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    x, _, w, gate, gu, dn, sw = case
+    Hk, Hv, Dk, Dv = step.heads
+    C = 2 * Hk * Dk + Hv * Dv
+    rows = step.proj.reshape(-1, step.proj.shape[-1])
+    qkv, z, b, a = mx.split(rows, [C, C + Hv * Dv, C + Hv * Dv + Hv], axis=-1)
+    go, ref_cs, ref_st = gdn_ops._decode_kernel_call(
+        backend, qkv, z, b, a, step.conv_state, step.conv_w, step.conv_b, step.A_log,
+        step.dt_bias, step.norm_weight, step.state, norm_eps=step.eps, proj=rows)
+    op = out_proj._replace(x=go.reshape(*x.shape[:-1], Hv * Dv))
+    ref = moe_ops._moe_decode_block_call(backend, x, None, w, 1e-6, gate, K, norm, gu, dn, sw,
+                                         counter, out_proj=op, next_proj=next_proj)
+    ref_out, ref_po = ref if next_proj is not None else (ref, None)
+    out, po, cs, st = moe_ops._moe_decode_block_call(
+        backend, x, None, w, 1e-6, gate, K, norm, gu, dn, sw, counter, out_proj=out_proj,
+        next_proj=next_proj, gdn_step=step)
+    assert out.shape == x.shape and out.dtype == x.dtype, where
+    assert cs.shape == step.conv_state.shape and cs.dtype == step.conv_state.dtype, where
+    assert st.shape == step.state.shape and st.dtype == mx.float32, where
+    assert mx.all(mx.isfinite(out.astype(mx.float32))).item(), where
+    for got, want, name in ((out, ref_out, "out"), (cs, ref_cs, "conv state"),
+                            (st, ref_st, "state")) + (((po, ref_po, "po"),)
+                                                      if next_proj is not None else ()):
+        assert mx.array_equal(got, want).item(), (
+            f"{where}: {name} rel-L2 {mx_rel_l2(got, want):.3g} from the GDN launch + block")
+    assert (po is None) == (next_proj is None), where
+    assert not mx.any(counter).item(), f"{where}: the launch left its counter non-zero"
+    return out, po, cs, st
+
+
 class _Sentinel:
     """A kernel object whose outputs start as NaN (unwritten elements show), recording them."""
 
@@ -674,6 +733,30 @@ def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv(shape, dtype
     for i in range(5):
         _assert_next_proj_block_is_block_then_norm_gemv(backend, case, shape[4], norm, counter,
                                                         nxt, oproj, f"launch {i}")
+
+
+@pytest.mark.parametrize("np_rows", [12352, 0], ids=["np", "no-np"])
+@pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_CASES[:2],
+                         ids=lambda v: str(v).replace("mlx.core.", "").replace(" ", ""))
+def test_moe_decode_block_gdn_is_the_gdn_launch_then_the_block(shape, dtype, rg, norm, np_rows):
+    # GD: Qwen3.6's Gated DeltaNet step (16 key and 32 value heads of 128,
+    # conv 4) as the launch's first phase, its output projected by the OP
+    # phase, with and without the next layer's in_proj (NP): every output
+    # bit-identical to the GDN launch followed by the block, five launches in
+    # a row on one serial counter, and decode_block_ready's self-check passes.
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    backend = gd.gpu_backend()
+    case = _block_case(shape, dtype, rg)
+    step, op = _gdn_step_case(case, (16, 32, 128, 128))
+    nxt = _next_proj_case(case, np_rows) if np_rows else None
+    counter = moe_ops.serial_counter(moe_ops.decode_block_counter_length())
+    for i in range(5):
+        _assert_gdn_block_is_gdn_then_block(backend, case, shape[4], norm, counter, step, op,
+                                            nxt, f"launch {i}")
+    x, _, w, gate, gu, dn, sw = case
+    assert moe_ops.decode_block_ready(x, w, 1e-6, gate, shape[4], norm, gu, dn, sw, out_proj=op,
+                                      next_proj=nxt, gdn_step=step) == backend
 
 
 @pytest.mark.parametrize("options", [{"CS": 1, "PREFETCH": False}, {"PREFETCH": False},

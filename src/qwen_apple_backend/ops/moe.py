@@ -1612,8 +1612,9 @@ DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": No
 
 def decode_block_counter_length(rows: int = FOLD_NORM_MAX_ROWS) -> int:
     """Elements of the counter a :func:`moe_decode_block` launch needs for ``rows`` token rows:
-    its six launch-wide counters ``CS`` elements apart, then one per row."""
-    return 6 * DECODE_BLOCK_OPTIONS["CS"] + rows
+    its six launch-wide counters ``CS`` elements apart (seven with the GDN
+    phase), then one per row."""
+    return 7 * DECODE_BLOCK_OPTIONS["CS"] + rows
 
 
 #: Output rows per warp of moe_decode_block's out-projection items (the
@@ -1720,9 +1721,84 @@ def next_projection_supported(x: mx.array, next_proj: NextProjection) -> bool:
             and next_proj.norm_weight.shape == (H,) and next_proj.norm_weight.dtype == x.dtype)
 
 
+class GatedDeltaStep(NamedTuple):
+    """A decoder layer's Gated DeltaNet decode step, handed to :func:`moe_decode_block`
+    to run as its first phase (the ``GD`` build, op ``moe_decode_block_gdn``):
+    ``gated_delta_decode_kernel``'s arithmetic on the mixer's concatenated
+    input projection, whose output is the out-projection phase's input.
+
+    Attributes:
+        proj (mx.array): the concatenated input projection's output ``[B, 1,
+            GW]`` (or ``[B, GW]``), channels q | k | v | z | b | a, ``GW = 2 Hk
+            Dk + 2 Hv Dv + 2 Hv``, the block's activation dtype.
+        conv_state (mx.array): ``[B, Kc - 1, 2 Hk Dk + Hv Dv]``, that dtype.
+        conv_w (mx.array): the depthwise conv weight ``[conv_dim, Kc, 1]``, that dtype.
+        conv_b (mx.array | None): its bias ``[conv_dim]``, that dtype.
+        A_log (mx.array): ``[Hv]`` (read as float32).
+        dt_bias (mx.array): ``[Hv]``, that dtype.
+        norm_weight (mx.array): the gated RMSNorm weight ``[Dv]``, that dtype.
+        eps (float): that norm's epsilon.
+        state (mx.array): the recurrent state ``[B, Hv, Dv, Dk]`` float32.
+        heads (tuple): ``(Hk, Hv, Dk, Dv)``.
+    """
+
+    proj: mx.array
+    conv_state: mx.array
+    conv_w: mx.array
+    conv_b: Optional[mx.array]
+    A_log: mx.array
+    dt_bias: mx.array
+    norm_weight: mx.array
+    eps: float
+    state: mx.array
+    heads: tuple
+
+
+def gated_delta_step_supported(x: mx.array, step: GatedDeltaStep,
+                               out_weights: Optional[ExpertWeights]) -> bool:
+    """Whether moe_decode_block's Gated DeltaNet phase covers ``step`` (no backend check).
+
+    ``x``'s rows and dtype for the projection row and the conv state, float32
+    state, a depthwise conv weight of the activations' dtype (as its bias,
+    ``dt_bias`` and the norm weight), heads within the GDN decode kernel's
+    limits (``Dk % 32 == 0``, at most 64 state floats per lane, ``Hv % Hk ==
+    0``), and ``out_weights`` (the mixer's output projection, run by the
+    ``OP`` phase) a 4-bit affine ``[H, Hv Dv]`` matrix with ``Hv Dv % 1024 ==
+    0``.
+    """
+    from .gated_delta import _decode_supported
+
+    Hk, Hv, Dk, Dv = (int(v) for v in step.heads)
+    H, dtype = x.shape[-1], x.dtype
+    rows = x.size // H
+    w = step.conv_w
+    if Hk < 1 or Hv % Hk or w.ndim != 3 or w.shape[2] != 1:
+        return False
+    Kc, C = w.shape[1], 2 * Hk * Dk + Hv * Dv
+    GW = C + Hv * Dv + 2 * Hv
+    p, cs, st = step.proj, step.conv_state, step.state
+    DO = Hv * Dv
+    return (_decode_supported(Dk, Dv, Kc, dtype)
+            and p.dtype == dtype and p.ndim >= 1 and p.shape[-1] == GW and p.size == rows * GW
+            and cs.shape == (rows, Kc - 1, C) and cs.dtype == dtype
+            and w.shape[0] == C and w.dtype == dtype
+            and (step.conv_b is None or (step.conv_b.shape == (C,)
+                                         and step.conv_b.dtype == dtype))
+            and step.A_log.shape == (Hv,) and step.dt_bias.shape == (Hv,)
+            and step.dt_bias.dtype == dtype
+            and step.norm_weight.shape == (Dv,) and step.norm_weight.dtype == dtype
+            and st.shape == (rows, Hv, Dv, Dk) and st.dtype == mx.float32
+            and DO % 1024 == 0 and _q4_affine_matrix(out_weights, H, DO, dtype))
+
+
 @functools.lru_cache(maxsize=None)
 def _decode_block_object(backend: str):
     return build_kernel("moe_decode_block", backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_block_gdn_object(backend: str):
+    return build_kernel("moe_decode_block_gdn", backend)
 
 
 def _decode_block_build(stage: Optional[bool] = None, early: Optional[bool] = None,
@@ -1756,8 +1832,10 @@ def _decode_block_phase_blocks(E: int, H: int, I: int, K: int,
 
 
 def _decode_block_launch(E: int, H: int, I: int, K: int, grpw: Optional[int] = None,
-                         out_proj: bool = False, next_rows: int = 0) -> tuple[int, int, int]:
+                         out_proj: bool = False, next_rows: int = 0,
+                         gdn_heads: int = 0) -> tuple[int, int, int]:
     """``(BLOCK, RB, blocks per token row)`` of a moe_decode_block launch: with
+    ``gdn_heads`` (the GDN step's value heads) the GDN step's, with
     ``out_proj`` the out-projection's, then the route's, the fold's gate/up and
     the fold's down blocks, one after the other, then with ``next_rows`` (the
     next projection's rows) the next-projection's."""
@@ -1766,7 +1844,7 @@ def _decode_block_launch(E: int, H: int, I: int, K: int, grpw: Optional[int] = N
     if block != _GEMV_BLOCK:
         raise RuntimeError(f"moe_decode_block needs the route's and the fold's threadgroups "
                            f"equal, got {block} and {_GEMV_BLOCK}")
-    return block, rb, (sum(_decode_block_phase_blocks(E, H, I, K, grpw))
+    return block, rb, (sum(_decode_block_phase_blocks(E, H, I, K, grpw)) + int(gdn_heads)
                        + (_proj_phase_blocks(H) if out_proj else 0)
                        + (_proj_phase_blocks(next_rows) if next_rows else 0))
 
@@ -1780,19 +1858,33 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
                            early: Optional[bool] = None,
                            prefetch: Sequence[mx.array] = (),
                            out_proj: Optional[OutProjection] = None,
-                           next_proj: Optional[NextProjection] = None):
+                           next_proj: Optional[NextProjection] = None,
+                           gdn_step: Optional[GatedDeltaStep] = None):
     H = x.shape[-1]
     N = x.size // H
     if decode_block_counter_length(N) > counter.size:
         raise ValueError(f"{N} token rows need a counter of {decode_block_counter_length(N)} "
                          f"elements, got {counter.size}")
-    if out_proj is not None:
-        if not out_projection_supported(x, out_proj):
-            w = out_proj.weights
+    if gdn_step is not None:
+        # The GDN phase computes the out-projection's input itself.
+        ow = None if out_proj is None else out_proj.weights
+        if ow is None or not gated_delta_step_supported(x, gdn_step, ow):
             raise ValueError(
-                f"out_proj: {w.bits}-bit {w.mode} weight {w.weight.shape} (group size "
-                f"{w.group_size}) over input {out_proj.x.shape} {out_proj.x.dtype} is not a 4-bit "
-                f"affine [{H}, DO / 8] projection with DO % 1024 == 0 for x {x.shape} {x.dtype}")
+                f"gdn_step: heads (Hk, Hv, Dk, Dv) = {tuple(gdn_step.heads)}, proj "
+                f"{gdn_step.proj.shape} {gdn_step.proj.dtype}, conv_state "
+                f"{gdn_step.conv_state.shape}, conv_w {gdn_step.conv_w.shape} "
+                f"{gdn_step.conv_w.dtype}, state {gdn_step.state.shape} "
+                f"{gdn_step.state.dtype} with out_proj weights "
+                f"{None if ow is None else (ow.weight.shape, ow.bits, ow.group_size)} is "
+                f"outside gated_delta_step_supported for x {x.shape} {x.dtype} (the GDN "
+                f"phase needs the out-projection phase over its Hv * Dv outputs)")
+    elif out_proj is not None and not out_projection_supported(x, out_proj):
+        w = out_proj.weights
+        raise ValueError(
+            f"out_proj: {w.bits}-bit {w.mode} weight {w.weight.shape} (group size "
+            f"{w.group_size}) over input {out_proj.x.shape} {out_proj.x.dtype} is not a 4-bit "
+            f"affine [{H}, DO / 8] projection with DO % 1024 == 0 for x {x.shape} {x.dtype}")
+    if out_proj is not None:
         if r is not None:
             raise ValueError("r must be None with out_proj (the launch computes it), got an "
                              f"array {r.shape} {r.dtype}")
@@ -1808,9 +1900,10 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
                          f"{x.shape} and dtype {x.dtype}")
     E, K = gate.weight.shape[0], int(top_k)
     I = gate_up.weight.shape[1] // 2
-    obj = _decode_block_object(backend)
+    op_name = "moe_decode_block" if gdn_step is None else "moe_decode_block_gdn"
+    obj = (_decode_block_object if gdn_step is None else _decode_block_gdn_object)(backend)
     if obj is None:
-        raise RuntimeError(f"no moe_decode_block source or MLX API for {backend}")
+        raise RuntimeError(f"no {op_name} source or MLX API for {backend}")
     if len(prefetch) > 3:
         raise ValueError(f"moe_decode_block prefetches at most 3 arrays, got {len(prefetch)}")
     opts = _decode_block_build(stage, early, bool(prefetch), out_proj is not None,
@@ -1822,7 +1915,9 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
         raise ValueError(f"DECODE_BLOCK_OPTIONS: GRPW must be 1, 2 or 4 and divide the "
                          f"experts' intermediate size {I}, got GRPW={opts['GRPW']!r}")
     PN = next_proj.weights.weight.shape[0] if next_proj is not None else 0
-    block, rb, blocks = _decode_block_launch(E, H, I, K, int(opts["GRPW"]), opts["OP"], PN)
+    gdn_heads = 0 if gdn_step is None else int(gdn_step.heads[1])
+    block, rb, blocks = _decode_block_launch(E, H, I, K, int(opts["GRPW"]), opts["OP"], PN,
+                                             gdn_heads)
     grid_blocks = blocks * N
     if opts["PERSIST"] and opts["GRID"]:
         grid_blocks = min(grid_blocks, int(opts["GRID"]))
@@ -1830,8 +1925,11 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
     lead = x.shape[:-1]
     if out_proj is not None:
         ow = out_proj.weights
-        op_inputs = [out_proj.x, ow.weight, ow.scales, ow.biases]
-        DO, OG = out_proj.x.shape[-1], int(ow.group_size)
+        # With the GDN phase ox is that phase's output in the workspace (not read).
+        ox = x if gdn_step is not None else out_proj.x
+        DO = ow.weight.shape[1] * 8
+        op_inputs = [ox, ow.weight, ow.scales, ow.biases]
+        OG = int(ow.group_size)
     else:
         # Not read; of the dtypes an OP build reads (MLX caches a CUDA kernel
         # by its template arguments, which include OP).
@@ -1844,33 +1942,53 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
     else:
         # Not read; of the dtypes an NP build reads (see op_inputs).
         np_inputs, PG = [x, f32_scalar(0.0), counter, x, x], 32
+    template = [("T", x.dtype), ("H", H), ("E", E), ("K", K), ("I", I),
+                ("G", int(gate_up.group_size)), ("RG", int(gate.group_size)),
+                ("SGB", int(sgate.bits)), ("SGG", int(sgate.group_size)),
+                ("NORM", bool(norm_topk_prob)), ("BLOCK", block), ("RB", rb),
+                ("CS", int(opts["CS"])), ("PERSIST", bool(opts["PERSIST"])),
+                ("PREFETCH", bool(opts["PREFETCH"])),
+                ("STAGE", bool(opts["STAGE"])), ("GRPW", int(opts["GRPW"])),
+                ("EARLY", bool(opts["EARLY"])), ("PF", bool(opts["PF"])),
+                ("OP", bool(opts["OP"])), ("DO", int(DO)), ("OG", OG),
+                ("NP", bool(opts["NP"])), ("PN", max(int(PN), 1)), ("PG", PG)]
+    gd_inputs, gd_shapes, gd_dtypes = [], [], []
+    if gdn_step is not None:
+        Hk, Hv, Dk, Dv = (int(v) for v in gdn_step.heads)
+        Kc = gdn_step.conv_w.shape[1]
+        has_bias = gdn_step.conv_b is not None
+        # gated_delta_decode's inputs (the packed build, no mask, no lengths);
+        # an absent bias is stood in for by the conv weight (same dtype).
+        gd_inputs = [gdn_step.proj, gdn_step.conv_state, gdn_step.conv_w,
+                     gdn_step.conv_b if has_bias else gdn_step.conv_w,
+                     gdn_step.A_log.astype(mx.float32), gdn_step.dt_bias,
+                     gdn_step.norm_weight, f32_scalar(float(gdn_step.eps)), gdn_step.state]
+        template += [("GHk", Hk), ("GHv", Hv), ("GDk", Dk), ("GDv", Dv), ("GKc", int(Kc)),
+                     ("GBIAS", has_bias), ("GW", int(gdn_step.proj.shape[-1]))]
+        gd_shapes = [gdn_step.conv_state.shape, gdn_step.state.shape]
+        gd_dtypes = [x.dtype, mx.float32]
     outs = obj(
         inputs=[x, r, norm_weight, f32_scalar(float(eps)), gate.weight, gate.scales, gate.biases,
                 gate_up.weight, gate_up.scales, gate_up.biases, sg.weight, sg.scales, sg.biases,
                 su.weight, su.scales, su.biases, sgate.weight, sgate.scales, sgate.biases,
                 down.weight, down.scales, down.biases, sd.weight, sd.scales, sd.biases, counter,
-                *(list(prefetch) + [counter] * (3 - len(prefetch))), *op_inputs, *np_inputs],
-        template=[("T", x.dtype), ("H", H), ("E", E), ("K", K), ("I", I),
-                  ("G", int(gate_up.group_size)), ("RG", int(gate.group_size)),
-                  ("SGB", int(sgate.bits)), ("SGG", int(sgate.group_size)),
-                  ("NORM", bool(norm_topk_prob)), ("BLOCK", block), ("RB", rb),
-                  ("CS", int(opts["CS"])), ("PERSIST", bool(opts["PERSIST"])),
-                  ("PREFETCH", bool(opts["PREFETCH"])),
-                  ("STAGE", bool(opts["STAGE"])), ("GRPW", int(opts["GRPW"])),
-                  ("EARLY", bool(opts["EARLY"])), ("PF", bool(opts["PF"])),
-                  ("OP", bool(opts["OP"])), ("DO", int(DO)), ("OG", OG),
-                  ("NP", bool(opts["NP"])), ("PN", max(int(PN), 1)), ("PG", PG)],
+                *(list(prefetch) + [counter] * (3 - len(prefetch))), *op_inputs, *np_inputs,
+                *gd_inputs],
+        template=template,
         grid=(block * grid_blocks, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[x.shape,
                        (decode_block_workspace_words(N, H, E, K, I, x.dtype,
-                                                     out_proj is not None),),
-                       (*lead, PN) if next_proj is not None else (1,)],
-        output_dtypes=[x.dtype, mx.uint32, x.dtype])
-    return (outs[0], outs[-1]) if next_proj is not None else outs[0]
+                                                     out_proj is not None,
+                                                     DO if gdn_step is not None else 0),),
+                       (*lead, PN) if next_proj is not None else (1,), *gd_shapes],
+        output_dtypes=[x.dtype, mx.uint32, x.dtype, *gd_dtypes])
+    if gdn_step is not None:
+        return outs[0], (outs[2] if next_proj is not None else None), outs[3], outs[4]
+    return (outs[0], outs[2]) if next_proj is not None else outs[0]
 
 
 def decode_block_workspace_words(rows: int, H: int, E: int, K: int, I: int, dtype: mx.Dtype,
-                                 out_proj: bool) -> int:
+                                 out_proj: bool, gdn_outputs: int = 0) -> int:
     """uint32 words of ``moe_decode_block``'s workspace output for ``rows`` token rows.
 
     The launch's intermediates, in 128-byte aligned segments in this order
@@ -1879,7 +1997,9 @@ def decode_block_workspace_words(rows: int, H: int, E: int, K: int, I: int, dtyp
     routed experts ``[rows, K]`` uint32 and their scores ``[rows, K]``, the
     gate/up activations ``[rows, K + 1, I]`` (``dtype``), the shared gate's
     logit ``[max(rows, 4)]`` float32 and, with ``out_proj``, the projected
-    mixer output ``[rows, H]`` (else 16 bytes). One output instead of eight:
+    mixer output ``[rows, H]`` (else 16 bytes), then with ``gdn_outputs``
+    (the GD build: the GDN step's ``Hv * Dv`` outputs per row) its output
+    ``[rows, gdn_outputs]``. One output instead of eight:
     MLX's host cost per launch grows by about 1.5 us per output on the H200
     (``benchmarks/profile_encode.py``: a custom kernel with 10 outputs 16.8 us
     to encode against 3.7 us with one).
@@ -1891,7 +2011,8 @@ def decode_block_workspace_words(rows: int, H: int, E: int, K: int, I: int, dtyp
 
     total = (2 * seg(rows * H * t) + seg(rows * E * t) + seg(rows * K * 4) + seg(rows * K * t)
              + seg(rows * (K + 1) * I * t) + seg(max(rows, 4) * 4)
-             + seg(rows * H * t if out_proj else 16))
+             + seg(rows * H * t if out_proj else 16)
+             + (seg(rows * gdn_outputs * t) if gdn_outputs else 0))
     return total // 4
 
 
@@ -1918,7 +2039,8 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
                        stage: Optional[bool] = None,
                        early: Optional[bool] = None, prefetch: bool = False,
                        out_proj: Optional[OutProjection] = None,
-                       next_proj: Optional[NextProjection] = None) -> Optional[str]:
+                       next_proj: Optional[NextProjection] = None,
+                       gdn_step: Optional[GatedDeltaStep] = None) -> Optional[str]:
     """The GPU backend whose one-launch MoE decode block may run this call, or None.
 
     ``kernels/cuda/moe_decode_block``: :func:`add_norm_route` and the
@@ -1965,11 +2087,22 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
             by :func:`~qwen_apple_backend.ops.linear.norm_gemv_kernel` (the
             same arithmetic): both outputs bit for bit; it needs
             :func:`next_projection_supported` and that kernel.
+        gdn_step (GatedDeltaStep | None): the build that runs the decoder
+            layer's Gated DeltaNet decode step as its first phase, whose
+            output the out-projection phase reads (``GD``, op
+            ``moe_decode_block_gdn``; needs ``out_proj``, whose ``x`` is then
+            not read and may be None), checked on its own on seeded random
+            projection rows and states with these weights against
+            :func:`~qwen_apple_backend.ops.gated_delta.gated_delta_decode_kernel`
+            (its packed build) followed by this block with ``out_proj``: every
+            output bit for bit (the same per-head code); it needs
+            :func:`gated_delta_step_supported` and that kernel ready.
 
     Returns:
         Optional[str]: ``"cuda"``, or None (not CUDA, kernels disabled,
         outside :func:`decode_block_supported`,
-        :func:`out_projection_supported` or :func:`next_projection_supported`,
+        :func:`out_projection_supported`, :func:`next_projection_supported`
+        or :func:`gated_delta_step_supported`,
         a part not ready, the kernel
         unverified without ``QAB_UNVERIFIED_KERNELS``, or a failed self-check,
         which also warns).
@@ -1980,6 +2113,10 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
         return None
     if _decode_block_object("cuda") is None:
         return None
+    if gdn_step is not None:
+        if (out_proj is None or _decode_block_gdn_object("cuda") is None
+                or not gated_delta_step_supported(x, gdn_step, out_proj.weights)):
+            return None
     if add_norm_route_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob) != "cuda":
         return None
     probe = mx.zeros((*x.shape[:-1], int(top_k)), dtype=mx.uint32)
@@ -1993,7 +2130,7 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
         return None
     ow = None
     if out_proj is not None:
-        if not out_projection_supported(x, out_proj):
+        if gdn_step is None and not out_projection_supported(x, out_proj):
             return None
         ow = out_proj.weights
     if next_proj is not None and not next_projection_supported(x, next_proj):
@@ -2046,10 +2183,62 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
                                            int(next_proj.weights.group_size),
                                            float(next_proj.eps)))
     make = _add_norm_route_check_inputs(H, dtype)
+    if gdn_step is not None:
+        return _gdn_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared,
+                                stage, early, pf, ow, next_proj, gdn_step, key, make)
     if ow is not None:
         make = _out_proj_check_inputs(make, ow.weight.shape[1] * 8, dtype)
     ok = self_checked("moe_decode_block", "cuda", key, kernel=kernel, reference=reference,
                       make_inputs=make, rtol=0.0)
+    return "cuda" if ok else None
+
+
+def _gdn_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared, stage, early,
+                     pf, ow, next_proj, gdn_step, key, make) -> Optional[str]:
+    """:func:`decode_block_ready`'s part for the ``GD`` build (see there)."""
+    from . import gated_delta as gd
+
+    Hk, Hv, Dk, Dv = (int(v) for v in gdn_step.heads)
+    Kc, dtype = gdn_step.conv_w.shape[1], x.dtype
+    has_bias = gdn_step.conv_b is not None
+    if gd.decode_kernel_ready(Hk, Hv, Dk, Dv, Kc, dtype, has_bias=has_bias,
+                              packed=True) != "cuda":
+        return None
+    C = 2 * Hk * Dk + Hv * Dv
+    split_at = [C, C + Hv * Dv, C + Hv * Dv + Hv]
+
+    def make_gd():
+        xs, _, ws = make()
+        k = mx.random.split(mx.random.key(4344), 3)
+        rows = xs.shape[:-1]
+        gp = mx.random.normal((*rows, gdn_step.proj.shape[-1]), key=k[0]).astype(dtype)
+        cs = mx.random.normal((xs.size // xs.shape[-1], Kc - 1, C), key=k[1]).astype(dtype)
+        st = 0.1 * mx.random.normal((cs.shape[0], Hv, Dv, Dk), key=k[2])
+        return xs, gp, ws, cs, st
+
+    def kernel(xs, gp, ws, cs, st):
+        counter = fold_norm_counter(decode_block_counter_length())
+        step = gdn_step._replace(proj=gp, conv_state=cs, state=st)
+        out, po, ncs, nst = _moe_decode_block_call(
+            "cuda", xs, None, ws, eps, gate, K, norm, gate_up, down, shared, counter, stage,
+            early, pf, OutProjection(None, ow), next_proj, step)
+        return [out, ncs, nst] + ([] if po is None else [po])
+
+    def reference(xs, gp, ws, cs, st):
+        qkv, z, b, a = mx.split(gp, split_at, axis=-1)
+        go, ncs, nst = gd._decode_kernel_call(
+            "cuda", qkv, z, b, a, cs, gdn_step.conv_w, gdn_step.conv_b, gdn_step.A_log,
+            gdn_step.dt_bias, gdn_step.norm_weight, st, norm_eps=float(gdn_step.eps), proj=gp)
+        counter = fold_norm_counter(decode_block_counter_length())
+        got = _moe_decode_block_call(
+            "cuda", xs, None, ws, eps, gate, K, norm, gate_up, down, shared, counter, stage,
+            early, pf, OutProjection(go.reshape(*xs.shape[:-1], Hv * Dv), ow), next_proj)
+        out, po = got if next_proj is not None else (got, None)
+        return [out, ncs, nst] + ([] if po is None else [po])
+
+    key = key + ((Hk, Hv, Dk, Dv, int(Kc), has_bias, float(gdn_step.eps)),)
+    ok = self_checked("moe_decode_block_gdn", "cuda", key, kernel=kernel, reference=reference,
+                      make_inputs=make_gd, rtol=0.0)
     return "cuda" if ok else None
 
 
@@ -2069,7 +2258,8 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
                      stage: Optional[bool] = None, early: Optional[bool] = None,
                      prefetch: Sequence[mx.array] = (),
                      out_proj: Optional[OutProjection] = None,
-                     next_proj: Optional[NextProjection] = None):
+                     next_proj: Optional[NextProjection] = None,
+                     gdn_step: Optional[GatedDeltaStep] = None):
     """A decode token's MoE layer half in one launch: ``h + moe(rms_norm(h))``, ``h = x + r``.
 
     One launch of ``kernels/cuda/moe_decode_block``: the residual add, the
@@ -2130,13 +2320,19 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
             package's GEMV kernel's norm build; the ``NP`` build); its blocks
             issue their weight loads before they wait for the down items.
             Check it with the same ``next_proj`` in :func:`decode_block_ready`.
-            (The fused models do not pass it yet: the next layer's mixer
-            cannot take a precomputed projection so far.)
+        gdn_step (GatedDeltaStep | None): run the decoder layer's Gated
+            DeltaNet decode step first, in the launch, and project ITS output
+            with ``out_proj`` (whose ``x`` is then not read and may be None):
+            the GDN launch and its host cost are gone (the ``GD`` build, op
+            ``moe_decode_block_gdn``; ``moe-block-gdn``). Check it with the
+            same ``gdn_step`` in :func:`decode_block_ready`.
 
     Returns:
-        mx.array | tuple[mx.array, mx.array]: the layer's output, ``x``'s
-        shape and dtype; with ``next_proj`` ``(out, po)``, ``po`` of shape
-        ``[..., PN]``.
+        mx.array | tuple: the layer's output, ``x``'s shape and dtype; with
+        ``next_proj`` ``(out, po)``, ``po`` of shape ``[..., PN]``; with
+        ``gdn_step`` ``(out, po, conv_state, state)`` (``po`` None without
+        ``next_proj``): the GDN step's new conv state (``gdn_step.conv_state``'s
+        shape and dtype) and recurrent state (float32).
 
     Raises:
         RuntimeError: with no kernel for ``backend`` (no source or MLX API,
@@ -2144,14 +2340,16 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
         ValueError: for ``r`` of another shape or dtype than ``x`` (or
             None without ``out_proj``, or given with it), an ``out_proj`` outside
             :func:`out_projection_supported`, a ``next_proj`` outside
-            :func:`next_projection_supported`, more token rows than
-            ``counter`` covers, or more than 3 ``prefetch`` arrays.
+            :func:`next_projection_supported`, a ``gdn_step`` outside
+            :func:`gated_delta_step_supported` or without ``out_proj``, more
+            token rows than ``counter`` covers, or more than 3 ``prefetch``
+            arrays.
     """
     if counter is None:
         counter = fold_norm_counter(decode_block_counter_length())
     return _moe_decode_block_call(backend, x, r, norm_weight, eps, gate, top_k, norm_topk_prob,
                                   gate_up, down, shared, counter, stage, early, tuple(prefetch),
-                                  out_proj, next_proj)
+                                  out_proj, next_proj, gdn_step)
 
 
 # Tile heights of the grouped GEMM kernel (kernels/{cuda,metal}/moe_grouped_gemm):
