@@ -143,13 +143,14 @@ def test_call_signature_matches_stock(variant):
 
     # The stock parameters, in order, then only input_norm=None (the
     # decoder layer's norm, norm-proj), defer_out_proj=False
-    # (moe-block-out-proj) and projected=None (moe-block-next-proj), which
-    # stock callers never pass.
+    # (moe-block-out-proj), projected=None (moe-block-next-proj) and
+    # defer_step=False (moe-block-gdn), which stock callers never pass.
     stock_shape = shape(stock_cls.__call__)
     fused_shape = shape(fused_cls.__call__)
     assert fused_shape[:len(stock_shape)] == stock_shape
     assert [(n, d) for n, _, d in fused_shape[len(stock_shape):]] == [
-        ("input_norm", None), ("defer_out_proj", False), ("projected", None)]
+        ("input_norm", None), ("defer_out_proj", False), ("projected", None),
+        ("defer_step", False)]
 
 
 def test_from_stock_rejects_the_other_layout():

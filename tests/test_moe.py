@@ -1460,8 +1460,8 @@ def test_add_norm_route_reads_the_blocks_own_counter_in_the_decode_step_trace(mo
                    and not mx.any(c).item() for c in own)
     # The compiled graphs of the two counters are kept apart (the key ends with
     # serial, block, stage, early, prefetch, the out-projection's group size,
-    # the next projection's group size and eps).
-    assert {k[-7] for k in blocks[0]._compiled} == {False, True}
+    # the next projection's group size and eps, and the GDN step's heads).
+    assert {k[-8] for k in blocks[0]._compiled} == {False, True}
 
 
 def test_moe_decode_block_checks_its_arguments_before_it_needs_a_kernel():

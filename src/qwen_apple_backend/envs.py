@@ -13,7 +13,8 @@ Variables:
         ``proj-concat``, ``gemv-kernel``, ``proj-gemv``, ``add-norm``, ``norm-proj``,
         ``next-norm``, ``kv-in-place``, ``moe-block-stage``, ``gemv-pipe``,
         ``attn-lanes``, ``moe-block-early``, ``l2-prefetch``,
-        ``moe-block-out-proj``, ``moe-block-next-proj``, ``attn-step``, ``attn-mma``),
+        ``moe-block-out-proj``, ``moe-block-next-proj``, ``moe-block-gdn``, ``attn-step``,
+        ``attn-mma``),
         for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
@@ -143,6 +144,12 @@ OPTIMIZATIONS = {
     # one launch fewer per decoder layer but the first. H200, 4K decode: 195.0 vs 190.1 and
     # 155.4 vs 140.3 tok/s, 128K: 158.1 vs 145.0 (same runs, same greedy ids)
     "moe-block-next-proj": "moe",
+    # the one-launch MoE block also runs the decoder layer's Gated DeltaNet decode step as its
+    # first phase, ahead of the output projection (GD, op moe_decode_block_gdn; CUDA;
+    # gated_delta_decode's per-head code: the same bits): one launch fewer per Gated DeltaNet
+    # layer and token. Its CUDA build is not yet verified on a GPU: it runs only with
+    # QAB_UNVERIFIED_KERNELS=1 (and its self-check) until it is
+    "moe-block-gdn": "moe",
     # one decode token's full-attention core in one CUDA launch inside the compiled decode
     # step (gqa_decode_step: q/k RMSNorm + RoPE, the KV row written in place, the lane-group
     # split-K pass, the merge and the output gate; four launches before; needs attn-kernel,

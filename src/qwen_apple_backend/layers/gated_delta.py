@@ -28,6 +28,7 @@ Transformers with the Delta Rule over Sequence Length", NeurIPS 2024.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Optional, Tuple, Union
 
 import mlx.core as mx
@@ -35,7 +36,9 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import sum_gradients
 
 from ._concat import ConcatProjection
-from .linear import DeferredProjection
+from .linear import DeferredGatedDelta, DeferredProjection
+from ..ops.device import gpu_backend
+from ..ops.moe import GatedDeltaStep
 from ..ops.gated_delta import (
     compute_gates,
     decode_kernel_ready,
@@ -352,6 +355,11 @@ class FusedGatedDeltaNet(nn.Module):
     #: projection computed by the previous layer's MoE block (``projected=``,
     #: the ``moe-block-next-proj`` optimization).
     takes_projected = True
+    #: The decoder layer may ask for the decode step itself deferred too
+    #: (``defer_step=True`` with ``defer_out_proj=True``, the ``moe-block-gdn``
+    #: optimization): a CUDA decode token then returns a
+    #: :class:`~qwen_apple_backend.layers.linear.DeferredGatedDelta`.
+    defers_step = True
 
     def __call__(
         self,
@@ -361,7 +369,8 @@ class FusedGatedDeltaNet(nn.Module):
         input_norm: Optional[nn.Module] = None,
         defer_out_proj: bool = False,
         projected: Optional[mx.array] = None,
-    ) -> Union[mx.array, DeferredProjection]:
+        defer_step: bool = False,
+    ) -> Union[mx.array, DeferredProjection, DeferredGatedDelta]:
         """Run the layer, updating ``cache`` in place like the stock module.
 
         Args:
@@ -388,14 +397,22 @@ class FusedGatedDeltaNet(nn.Module):
                 running the projection while the concatenation is valid and
                 the layer is unsharded and in eval mode, else ignored.
                 Default None.
+            defer_step (bool): with ``defer_out_proj``, return a decode
+                token's step unrun as a
+                :class:`~qwen_apple_backend.layers.linear.DeferredGatedDelta`
+                (its cache advanced, its states written when the step runs)
+                when it would run the one-launch decode kernel on CUDA with the
+                concatenated projection's row, no mask and no ``lengths``: the
+                decoder layer's fused MoE block may then run it in its own
+                launch (``moe-block-gdn``). Default False.
 
         Raises:
             ValueError: naming ``projected`` when it is used and its shape or
                 dtype is not the projection's.
 
         Returns:
-            mx.array | DeferredProjection: layer output, dtype of ``inputs``
-            (or its deferred form).
+            mx.array | DeferredProjection | DeferredGatedDelta: layer output,
+            dtype of ``inputs`` (or a deferred form).
 
         Shapes:
             - inputs: [B, S, hidden_size]
@@ -442,6 +459,21 @@ class FusedGatedDeltaNet(nn.Module):
         use_kernel = allow_kernel and not decode_kernel and kernel_ready(
             Hk, Hv, Dk, Dv, inputs.dtype) is not None
 
+        if (decode_kernel and defer_step and defer_out_proj and packed is not None
+                and mask is None and lengths is None and self.sharding_group is None
+                and gpu_backend() == "cuda"):
+            # The step itself for the MoE block's launch (moe-block-gdn);
+            # run= is this same kernel call, for when the block cannot.
+            run = partial(_decode_step_kernel, projs, conv_state, state, self.conv1d.weight,
+                          conv_b, self.A_log, self.dt_bias, self.norm.weight, None, None,
+                          self._LAYOUT, Hk, Hv, Dk, Dv, self.norm.eps, packed)
+            if cache is not None:
+                cache.advance(S)
+            return DeferredGatedDelta(
+                GatedDeltaStep(packed, conv_state, self.conv1d.weight, conv_b, self.A_log,
+                               self.dt_bias, self.norm.weight, self.norm.eps, state,
+                               (Hk, Hv, Dk, Dv)),
+                self.out_proj, cache, run)
         if decode_kernel:
             out, new_conv_state, state = _decode_step_kernel(
                 projs, conv_state, state, self.conv1d.weight, conv_b,

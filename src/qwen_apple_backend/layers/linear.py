@@ -10,14 +10,14 @@ few-row calls take :func:`qwen_apple_backend.ops.linear.linear`.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..ops import linear as qlinear
 
-__all__ = ["DecodeQuantizedLinear", "DeferredProjection", "ProjectedInput",
+__all__ = ["DecodeQuantizedLinear", "DeferredGatedDelta", "DeferredProjection", "ProjectedInput",
            "install_gemv_lm_head"]
 
 
@@ -41,6 +41,61 @@ class DeferredProjection(NamedTuple):
     def apply(self) -> mx.array:
         """``proj(x)``: the mixer's output as it would have returned it, ``[B, T, H]``."""
         return self.proj(self.x)
+
+
+class DeferredGatedDelta:
+    """A Gated DeltaNet mixer's decode step not yet run, nor its output projection.
+
+    The fused Gated DeltaNet called with ``defer_out_proj=True`` and
+    ``defer_step=True`` returns this for a decode token on CUDA, so that the
+    decoder layer's fused MoE block may run the step as the first phase of
+    its one launch, ahead of the output projection (the ``moe-block-gdn``
+    optimization, ``layers/norm.py``). The mixer has checked the step's
+    kernel (its packed build) and advanced the cache; its conv and recurrent
+    states are written when the step runs: by :meth:`commit` with the
+    block's new states, or by :meth:`deferred` / :meth:`apply`, which run the
+    step in its own launch exactly as the mixer would have (once: later
+    calls return the same arrays).
+
+    Attributes:
+        step (GatedDeltaStep): the step's inputs
+            (:class:`~qwen_apple_backend.ops.moe.GatedDeltaStep`: the
+            concatenated projection ``[B, 1, GW]``, states, weights, heads).
+        proj (nn.Module): the output projection (``out_proj``), ``Hv Dv -> H``.
+        cache (Any): the mixer's ``ArraysCache`` (or None): ``cache[0]`` the
+            conv state, ``cache[1]`` the recurrent state.
+        run (Callable): runs the step in its own launch and returns ``(out
+            [B, 1, Hv Dv], conv_state, state)``.
+    """
+
+    __slots__ = ("step", "proj", "cache", "run", "_ran")
+
+    def __init__(self, step: Any, proj: nn.Module, cache: Any, run: Callable):
+        self.step, self.proj, self.cache, self.run = step, proj, cache, run
+        self._ran: Any = None
+
+    def commit(self, conv_state: mx.array, state: mx.array) -> None:
+        """Store the step's new states (computed elsewhere) in the mixer's cache."""
+        if self.cache is not None:
+            self.cache[0] = conv_state
+            self.cache[1] = state
+
+    def deferred(self) -> DeferredProjection:
+        """Run the step in its own launch (once), store its states; its output unprojected."""
+        if self._ran is None:
+            out, conv_state, state = self.run()
+            self.commit(conv_state, state)
+            self._ran = DeferredProjection(out, self.proj)
+        return self._ran
+
+    def apply(self) -> mx.array:
+        """The mixer's output as it would have returned it, ``[B, 1, H]``."""
+        return self.deferred().apply()
+
+
+#: What a fused mixer returns instead of its output when the decoder layer
+#: asks it to defer work to the MoE block (``layers/norm.py``).
+DEFERRED = (DeferredProjection, DeferredGatedDelta)
 
 
 class ProjectedInput(NamedTuple):

@@ -28,11 +28,12 @@ from mlx_lm.models.switch_layers import (
 
 from qwen_apple_backend import envs
 from qwen_apple_backend.layers._concat import ConcatProjection
-from qwen_apple_backend.layers.linear import DeferredProjection, ProjectedInput
+from qwen_apple_backend.layers.linear import DeferredGatedDelta, DeferredProjection, ProjectedInput
 from qwen_apple_backend.ops.linear import GEMV_MAX_ROWS
 from qwen_apple_backend.ops.moe import (
     SORT_THRESHOLD,
     ExpertWeights,
+    GatedDeltaStep,
     NextProjection,
     OutProjection,
     SharedExpertWeights,
@@ -42,6 +43,7 @@ from qwen_apple_backend.ops.moe import (
     decode_block_ready,
     decode_kernel_ready,
     fold_norm_counter,
+    gated_delta_step_supported,
     moe_decode_block,
     moe_experts,
     moe_shared_experts_kernel,
@@ -336,6 +338,14 @@ class FusedSparseMoeBlock(nn.Module):
     concatenated 4-bit input projection as its last phase (``NP``; the
     arithmetic of this package's norm GEMV kernel), which the next layer hands
     its mixer (a :class:`~qwen_apple_backend.layers.linear.ProjectedInput`).
+    Attribute ``gdn_phase`` (default True; the ``moe-block-gdn``
+    optimization): when the decoder layer hands it a Gated DeltaNet's decode
+    step not yet run (a
+    :class:`~qwen_apple_backend.layers.linear.DeferredGatedDelta`), that
+    launch runs the step as its first phase, ahead of the output projection
+    (``GD``, op ``moe_decode_block_gdn``; gated_delta_decode's per-head code),
+    and stores the mixer's new states; else the step runs in its own launch
+    first.
 
     Attribute ``dequant_gemm`` (default True; the ``moe-gemm`` optimization)
     lets prefill-sized calls on quantized experts dequantize them and run a
@@ -381,6 +391,7 @@ class FusedSparseMoeBlock(nn.Module):
     early_gate_up: bool = True
     out_proj_phase: bool = True
     next_proj_phase: bool = True
+    gdn_phase: bool = True
     l2_next = None
 
     def __init__(
@@ -624,7 +635,8 @@ class FusedSparseMoeBlock(nn.Module):
     def _kernel_choice(self, x: mx.array, decode: bool, norm: Optional[nn.Module] = None,
                        next_norm: Optional[nn.Module] = None,
                        out_proj: Optional[OutProjection] = None,
-                       next_proj: Optional[NextProjection] = None) -> tuple:
+                       next_proj: Optional[NextProjection] = None,
+                       gdn_step: Optional[GatedDeltaStep] = None) -> tuple:
         """``(router, fold, route, down_norm, block)`` backends for this call.
 
         ``router`` and ``fold``: see :meth:`_router_ready` and
@@ -640,7 +652,9 @@ class FusedSparseMoeBlock(nn.Module):
         ``moe-block`` optimization) when ``route`` is ready, ``one_launch`` is
         set and no ``down_norm`` applies, else None; with ``out_proj`` /
         ``next_proj``, the backend of that launch's build with the
-        out-projection / next-projection phase.
+        out-projection / next-projection phase; with ``gdn_step`` (and
+        ``out_proj``, whose ``x`` is then None), of its build with the Gated
+        DeltaNet phase.
 
         Decode is bound by the host, and building the weight descriptions
         for the readiness checks cost more Python than the rest of the
@@ -659,8 +673,16 @@ class FusedSparseMoeBlock(nn.Module):
         okey = None
         if out_proj is not None:
             ow = out_proj.weights
-            okey = (out_proj.x.shape, out_proj.x.dtype, id(ow.weight), ow.weight.shape,
+            ox = out_proj.x
+            okey = (None if ox is None else (ox.shape, ox.dtype), id(ow.weight), ow.weight.shape,
                     id(ow.scales), id(ow.biases), ow.scales.dtype, ow.group_size, ow.bits)
+        gkey = None
+        if gdn_step is not None:
+            g = gdn_step
+            gkey = (tuple(g.heads), g.proj.shape, g.conv_state.shape, g.state.shape,
+                    g.proj.dtype, g.conv_state.dtype, g.state.dtype, float(g.eps)) + tuple(
+                        None if a is None else (id(a), a.shape, a.dtype)
+                        for a in (g.conv_w, g.conv_b, g.A_log, g.dt_bias, g.norm_weight))
         pkey = None
         if next_proj is not None:
             pw = next_proj.weights
@@ -670,7 +692,8 @@ class FusedSparseMoeBlock(nn.Module):
         key = (x.shape, x.dtype, decode, envs.kernels_disabled(),
                envs.unverified_kernels_allowed(), self._weights_signature(), nkey, next_key,
                self.one_launch, self.stage_down, self.early_gate_up,
-               bool(self._l2_prefetch_arrays()), okey, pkey)
+               bool(self._l2_prefetch_arrays()), okey, pkey) + (
+                   (gkey,) if gkey is not None else ())
         cache = self.__dict__.get("_choices")
         if cache is None:
             cache = {}
@@ -696,7 +719,8 @@ class FusedSparseMoeBlock(nn.Module):
                     expert_weights(self.switch_mlp.down_proj), self._shared_weights(),
                     stage=self.stage_down, early=self.early_gate_up,
                     prefetch=bool(self._l2_prefetch_arrays()), out_proj=out_proj,
-                    next_proj=next_proj)
+                    next_proj=next_proj, **({"gdn_step": gdn_step} if gdn_step is not None
+                                           else {}))
             hit = (router, fold, route, down_norm, block)
             if len(cache) >= 64:
                 cache.clear()
@@ -810,29 +834,48 @@ class FusedSparseMoeBlock(nn.Module):
                                 route: str, fold: str, down_norm: Optional[str] = None,
                                 next_eps: float = 0.0, counter: Optional[mx.array] = None,
                                 block: Optional[str] = None, out_group: int = 0,
-                                proj_group: int = 0, proj_eps: float = 0.0):
+                                proj_group: int = 0, proj_eps: float = 0.0,
+                                gdn: Optional[tuple] = None):
         # extra: the next norm's weight (with down_norm); with out_group the
         # mixer's output projection (weight, scales, biases; r is then its
         # input); then with proj_group the next layer's input norm weight and
-        # its mixer's concatenated projection (weight, scales, biases): arrays,
-        # so that a compiled call takes them as inputs.
+        # its mixer's concatenated projection (weight, scales, biases); then
+        # with gdn = (heads, eps, has_bias) the Gated DeltaNet step's conv
+        # state, conv weight (and bias), A_log, dt_bias, norm weight and state
+        # (r is then its concatenated projection's row): arrays, so that a
+        # compiled call takes them as inputs. With gdn it returns (out, conv
+        # state, state), or (out, po, conv state, state) with proj_group.
         gate = linear_weights(self.gate)
         if block is not None:
-            op = np_ = None
+            op = np_ = gs = None
+            if gdn is not None:
+                heads, geps, has_bias = gdn
+                n = 7 if has_bias else 6
+                tail, extra = extra[-n:], extra[:-n]
+                cs, cw = tail[0], tail[1]
+                cb = tail[2] if has_bias else None
+                A_log, dt_bias, gnw, st = tail[-4:]
+                gs = GatedDeltaStep(r, cs, cw, cb, A_log, dt_bias, gnw, geps, st, heads)
             if out_group:
-                op = OutProjection(r, ExpertWeights(*extra[:3], group_size=out_group, bits=4))
+                op = OutProjection(None if gs is not None else r,
+                                   ExpertWeights(*extra[:3], group_size=out_group, bits=4))
                 r, extra = None, extra[3:]
             if proj_group:
                 np_ = NextProjection(extra[0], proj_eps,
                                      ExpertWeights(*extra[1:4], group_size=proj_group, bits=4))
-            return moe_decode_block(x, r, norm_weight, eps, gate, self.top_k,
-                                    self.norm_topk_prob,
-                                    expert_weights(self.switch_mlp.gate_up_proj),
-                                    expert_weights(self.switch_mlp.down_proj),
-                                    self._shared_weights(), block, counter=counter,
-                                    stage=self.stage_down, early=self.early_gate_up,
-                                    prefetch=self._l2_prefetch_arrays(), out_proj=op,
-                                    next_proj=np_)
+            got = moe_decode_block(x, r, norm_weight, eps, gate, self.top_k,
+                                   self.norm_topk_prob,
+                                   expert_weights(self.switch_mlp.gate_up_proj),
+                                   expert_weights(self.switch_mlp.down_proj),
+                                   self._shared_weights(), block, counter=counter,
+                                   stage=self.stage_down, early=self.early_gate_up,
+                                   prefetch=self._l2_prefetch_arrays(), out_proj=op,
+                                   next_proj=np_,
+                                   **({"gdn_step": gs} if gs is not None else {}))
+            if gs is not None:
+                out, po, ncs, nst = got
+                return (out, ncs, nst) if po is None else (out, po, ncs, nst)
+            return got
         h, y, _, inds, scores = add_norm_route(x, r, norm_weight, eps, gate, self.top_k,
                                                self.norm_topk_prob, backend=route,
                                                counter=counter)
@@ -843,7 +886,8 @@ class FusedSparseMoeBlock(nn.Module):
                                                              counter)
         return moe_shared_experts_kernel(fold)(*args, residual=h)
 
-    def add_norm_forward(self, x: mx.array, r: Union[mx.array, DeferredProjection],
+    def add_norm_forward(self, x: mx.array,
+                         r: Union[mx.array, DeferredProjection, DeferredGatedDelta],
                          norm: nn.Module,
                          next_norm: Optional[nn.Module] = None,
                          next_layer: Optional[tuple] = None) -> Optional[tuple]:
@@ -880,8 +924,14 @@ class FusedSparseMoeBlock(nn.Module):
 
         Args:
             x (mx.array): the residual stream entering the layer.
-            r (mx.array | DeferredProjection): the mixer's output, or its
-                output before the output projection.
+            r (mx.array | DeferredProjection | DeferredGatedDelta): the
+                mixer's output, or its output before the output projection,
+                or (a Gated DeltaNet) its decode step not yet run: the one
+                launch then runs the step as its first phase when
+                ``gdn_phase`` is set and that build is ready
+                (``moe-block-gdn``) and stores the mixer's new states, else
+                the step runs first (its own launch; also when None is
+                returned, the caller's ``apply`` runs it only once).
             norm (nn.Module): the layer's ``post_attention_layernorm``.
             next_norm (nn.Module | None): the next layer's ``input_layernorm``
                 (an ``nn.RMSNorm``), or None.
@@ -908,31 +958,50 @@ class FusedSparseMoeBlock(nn.Module):
             return None
         if next_norm is not None and type(next_norm) is not nn.RMSNorm:
             next_norm = None
-        op = None
-        if isinstance(r, DeferredProjection) and self.out_proj_phase and self.one_launch:
-            # (linear_weights gives None for a module that is not a plain linear.)
-            op = OutProjection(r.x, linear_weights(r.proj))
-            if not out_projection_supported(x, op):
-                op = None
         np_ = None
         if next_layer is not None and next_norm is None and self.next_proj_phase \
                 and self.one_launch:
             np_ = _next_projection(x, *next_layer)
-        choice = None
-        if op is not None or np_ is not None:
-            # The block with its projection phases, else without NP, else none.
-            choice = self._kernel_choice(x, True, norm, next_norm, op, np_)
-            if choice[4] is None and np_ is not None and op is not None:
-                np_ = None
-                choice = self._kernel_choice(x, True, norm, next_norm, op)
-            if choice[4] is None:
-                choice = np_ = op = None
-        if op is None:
-            if isinstance(r, DeferredProjection):
-                # No one-launch block with the projection in it: project first.
-                r = r.apply()
-            if r.shape != x.shape or r.dtype != x.dtype:
-                return None
+        op = choice = gd = None
+        if isinstance(r, DeferredGatedDelta):
+            # The block with the Gated DeltaNet step as its first phase
+            # (moe-block-gdn), with NP, else without; else the step runs first.
+            ow = (linear_weights(r.proj)
+                  if self.gdn_phase and self.out_proj_phase and self.one_launch else None)
+            if ow is not None and gated_delta_step_supported(x, r.step, ow):
+                gop = OutProjection(None, ow)
+                choice = self._kernel_choice(x, True, norm, next_norm, gop, np_,
+                                             gdn_step=r.step)
+                if choice[4] is None and np_ is not None:
+                    choice = self._kernel_choice(x, True, norm, next_norm, gop,
+                                                 gdn_step=r.step)
+                    if choice[4] is not None:
+                        np_ = None
+                if choice[4] is not None:
+                    gd, op = r, gop
+            if gd is None:
+                choice = None
+                r = r.deferred()  # the step in its own launch; its output unprojected
+        if gd is None:
+            if isinstance(r, DeferredProjection) and self.out_proj_phase and self.one_launch:
+                # (linear_weights gives None for a module that is not a plain linear.)
+                op = OutProjection(r.x, linear_weights(r.proj))
+                if not out_projection_supported(x, op):
+                    op = None
+            if op is not None or np_ is not None:
+                # The block with its projection phases, else without NP, else none.
+                choice = self._kernel_choice(x, True, norm, next_norm, op, np_)
+                if choice[4] is None and np_ is not None and op is not None:
+                    np_ = None
+                    choice = self._kernel_choice(x, True, norm, next_norm, op)
+                if choice[4] is None:
+                    choice = np_ = op = None
+            if op is None:
+                if isinstance(r, DeferredProjection):
+                    # No one-launch block with the projection in it: project first.
+                    r = r.apply()
+                if r.shape != x.shape or r.dtype != x.dtype:
+                    return None
         if choice is None:
             choice = self._kernel_choice(x, True, norm, next_norm)
         _, fold, route, down_norm, block = choice
@@ -960,14 +1029,23 @@ class FusedSparseMoeBlock(nn.Module):
             kw.update(down_norm=down_norm, next_eps=next_norm.eps)
             args = (x, r, w, next_norm["weight"])
         elif op is not None:
-            # The projection's input in r's place, its arrays as arguments.
+            # The projection's input (with gd: the step's projection row) in
+            # r's place, its arrays as arguments.
             ow = op.weights
             kw.update(out_group=int(ow.group_size))
-            args = (x, op.x, w, ow.weight, ow.scales, ow.biases)
+            args = (x, op.x if gd is None else gd.step.proj, w, ow.weight, ow.scales,
+                    ow.biases)
         if np_ is not None:
             pw = np_.weights
             kw.update(proj_group=int(pw.group_size), proj_eps=float(np_.eps))
             args = args + (np_.norm_weight, pw.weight, pw.scales, pw.biases)
+        gdn_key = None
+        if gd is not None:
+            g = gd.step
+            gdn_key = kw["gdn"] = (tuple(int(v) for v in g.heads), float(g.eps),
+                                   g.conv_b is not None)
+            args = args + (g.conv_state, g.conv_w) + (() if g.conv_b is None else (g.conv_b,)) \
+                + (g.A_log, g.dt_bias, g.norm_weight, g.state)
         if not self.compile_decode:
             fn = partial(self._add_norm_route_forward, **kw)
         else:
@@ -978,7 +1056,8 @@ class FusedSparseMoeBlock(nn.Module):
                    block is not None and self.early_gate_up,
                    block is not None and bool(self._l2_prefetch_arrays()),
                    0 if op is None else int(op.weights.group_size),
-                   None if np_ is None else (int(np_.weights.group_size), float(np_.eps)))
+                   None if np_ is None else (int(np_.weights.group_size), float(np_.eps)),
+                   gdn_key)
             fn = fns.get(key)
             if fn is None:
                 # The module is the captured input tree (parameters replaced
@@ -987,6 +1066,11 @@ class FusedSparseMoeBlock(nn.Module):
                 fn = mx.compile(partial(self._add_norm_route_forward, **kw), inputs=self)
                 fns[key] = fn
         out = fn(*args)
+        if gd is not None:
+            # The block ran the mixer's step: its new states go to its cache.
+            out, po, ncs, nst = out if np_ is not None else (out[0], None, *out[1:])
+            gd.commit(ncs, nst)
+            return out, (None if po is None else ProjectedInput(po, next_layer[1]))
         if np_ is not None:
             out, po = out
             return out, ProjectedInput(po, next_layer[1])

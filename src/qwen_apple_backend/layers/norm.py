@@ -23,6 +23,11 @@ Likewise the block's one launch may end with the next layer's input norm
 AND its mixer's concatenated input projection (``moe-block-next-proj``): the
 next layer then hands that projection to its mixer (``projected=``), under
 the same identity checks, and the mixer's own projection launch is skipped.
+A fused mixer may also hand the block its output before its output
+projection (``defer_out_proj``, ``moe-block-out-proj``), and a fused Gated
+DeltaNet its whole decode step (``defer_step``, ``moe-block-gdn``): the
+block's launch then runs the step and the projection as its first phases and
+stores the mixer's new states.
 A fused mixer (``takes_input_norm``: the fused Gated DeltaNet and attention)
 gets the un-normalised ``x`` and the layer's ``input_layernorm`` instead
 (``norm-proj``): on CUDA a decode call runs the norm in the prologue of its
@@ -46,7 +51,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_5, qwen3_next
 
 from ..ops.norm import add_rms_norm, add_rms_norm_ready
-from .linear import DeferredProjection, ProjectedInput
+from .linear import DEFERRED, ProjectedInput
 
 __all__ = [
     "AddNormDecoderLayer",
@@ -172,6 +177,10 @@ class _AddNorm:
               if takes and getattr(mixer, "defers_out_proj", False)
               and getattr(mlp, "takes_out_proj", False) and getattr(mlp, "out_proj_phase", False)
               else {})
+        # ... and a Gated DeltaNet's decode step itself before that (moe-block-gdn):
+        # the mixer then returns a DeferredGatedDelta.
+        if kw and getattr(mixer, "defers_step", False) and getattr(mlp, "gdn_phase", False):
+            kw["defer_step"] = True
         xn = _take_handoff(x, self.input_layernorm)
         if isinstance(xn, ProjectedInput) and (xn.mixer is not mixer or self._training):
             xn = None
@@ -203,7 +212,7 @@ class _AddNorm:
                 elif out_norm is not None:
                     _HANDOFF.value = (out, out_norm, nxt)
                 return out
-        if isinstance(r, DeferredProjection):
+        if isinstance(r, DEFERRED):
             r = r.apply()
         backend = self._add_norm_backend(x, r, norm)
         if backend is None:

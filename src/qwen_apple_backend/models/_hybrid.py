@@ -212,6 +212,10 @@ _DEFAULT_NEEDS = {
     "moe-block-out-proj": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block"),
     "moe-block-next-proj": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block",
                             "proj-concat", "norm-proj"),
+    # The Gated DeltaNet step ahead of the block's out-projection phase, on the
+    # concatenated projection's row that the GDN decode kernel reads.
+    "moe-block-gdn": ("moe", "gdn", "gdn-kernel", "moe-kernel", "moe-route", "add-norm",
+                      "moe-block", "moe-block-out-proj", "proj-concat"),
     # The one-launch attention step replaces the q/k kernel, the KV write and the
     # kernel pair, inside the compiled decode step.
     "attn-step": ("attn", "attn-kernel", "qk-prep", "proj-concat", "kv-in-place",
@@ -411,6 +415,9 @@ class QwenHybridAdapter(Adapter):
         "moe-block-next-proj": "on CUDA each mixer runs its input RMSNorm and input projection "
                                "as its own launch, not the previous layer's one-launch MoE "
                                "block (moe-block-next-proj in QAB_DISABLE / disable=)",
+        "moe-block-gdn": "on CUDA each Gated DeltaNet decode step runs as its own launch, not "
+                         "as the first phase of the one-launch MoE block (moe-block-gdn in "
+                         "QAB_DISABLE / disable=)",
     }
 
     def fuse(self, model, config, *, disable=frozenset(), use_fallback=True, report):
@@ -491,6 +498,10 @@ class QwenHybridAdapter(Adapter):
                     # the end of the block's launch (H200, 4K decode: 195.0 vs
                     # 190.1 and 155.4 vs 140.3 tok/s, same greedy ids).
                     fused.next_proj_phase = False
+                if "moe-block-gdn" in off:
+                    # On by default where its (not yet GPU-verified) build is
+                    # allowed: the Gated DeltaNet decode step in the block's launch.
+                    fused.gdn_phase = False
                 if "attn-blocks" in off:
                     fused.block_queries = False
                 if "attn-split" in off:
