@@ -2537,3 +2537,104 @@ def test_decode_step_dispatch_and_errors_emulated(monkeypatch):
             attn_ops.step_counter(0, 2)
     finally:
         device.reset_self_checks()
+
+
+# --------------------------------------------------------------------------
+# The Gated DeltaNet step in the MoE block's launch (moe-block-gdn), through
+# the fused model's own layers
+# --------------------------------------------------------------------------
+
+# Two Gated DeltaNet decoder layers and a full-attention one (mlx-lm's model
+# needs one) at widths the one-launch block's phases take (H 1024; Hv Dv = 8 x
+# 128 = 1024 outputs for the out-projection phase), 16 experts of 64, 4 per
+# token, a 512-token vocabulary.
+GDN_BLOCK_PRESET = {
+    "hidden_size": 1024, "num_hidden_layers": 3, "full_attention_interval": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "rope_parameters": {"mrope_section": [3, 3, 2]},
+    "linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 32,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 16,
+    "num_experts_per_tok": 4, "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+}
+
+
+def test_fused_model_runs_the_gdn_step_in_the_moe_block_emulated(monkeypatch):
+    # A fused Qwen3.5-MoE model of two Gated DeltaNet layers (and a stock
+    # attention one) on a faked CUDA device, every kernel emulated, eager
+    # decode from an empty cache: each
+    # layer's mixer leaves its decode step to its MoE block (a
+    # DeferredGatedDelta), whose one launch (moe_decode_block_gdn) runs it
+    # ahead of the output projection, the first block also projecting the
+    # second layer's input (NP). Against the same model with moe-block-gdn off
+    # (the GDN launch, then the block with its out-projection phase): the same
+    # logits and the same conv and recurrent states bit for bit, token after
+    # token, with no GDN launch of its own left in the decode tokens.
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from qwen_apple_backend import checkpoint
+    from qwen_apple_backend.bench.target import fuse_in_memory
+    from qwen_apple_backend.layers import gated_delta as gdn_layer
+    from qwen_apple_backend.ops import norm as norm_ops
+
+    monkeypatch.setitem(checkpoint.PRESETS, "gdn-block", GDN_BLOCK_PRESET)
+    for module in (gd, moe_ops, lin_ops, attn_ops, norm_ops, gdn_layer):
+        monkeypatch.setattr(module, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(norm_ops, "build_kernel", emu.build_kernel)
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    norm_ops._kernel_object.cache_clear()
+    launches = []
+    real_block, real_gdn = moe_ops._moe_decode_block_call, gd._decode_kernel_call
+    def block(*a, **k):  # gdn_step: keyword or the 18th positional argument
+        step = k.get("gdn_step", a[17] if len(a) > 17 else None)
+        launches.append("block" if step is None else "block+gdn")
+        return real_block(*a, **k)
+
+    monkeypatch.setattr(moe_ops, "_moe_decode_block_call", block)
+    monkeypatch.setattr(gd, "_decode_kernel_call",
+                        lambda *a, **k: launches.append("gdn") or real_gdn(*a, **k))
+    device.reset_self_checks()
+    mx.disable_compile()
+    try:
+        models = []
+        for disable in ([], ["moe-block-gdn"]):
+            m = checkpoint.build_random_model("gdn-block", vocab_size=512, seed=3)
+            fuse_in_memory(m, "fused", config=checkpoint.hf_config("gdn-block", 512),
+                           disable=disable + ["decode-compile", "attn"])
+            models.append(m)
+        caches = [make_prompt_cache(m) for m in models]
+        for t in range(2):
+            tok = mx.array([[(t * 53 + 7) % 500]])
+            got = []
+            for m, c in zip(models, caches):
+                launches.clear()
+                got.append(m(tok, cache=c))
+                mx.eval(got[-1], [e.state for e in c])
+                got.append(list(launches))
+            (on, on_launches), (off, off_launches) = got[:2], got[2:]
+            assert mx.array_equal(on, off).item(), f"token {t}: rel-L2 {mx_rel_l2(on, off):.3g}"
+            for layer, (a, b) in enumerate(zip(caches[0][:2], caches[1][:2])):
+                assert mx.array_equal(a[0], b[0]).item(), f"token {t} layer {layer} conv state"
+                assert mx.array_equal(a[1], b[1]).item(), f"token {t} layer {layer} state"
+                assert a[1].dtype == mx.float32
+            if t >= 1:  # (the first token also runs the self-checks)
+                assert on_launches == ["block+gdn", "block+gdn", "block"], on_launches
+                assert off_launches == ["gdn", "block", "gdn", "block", "block"], off_launches
+        verdicts = {k[0]: v for k, v in device.self_check_results().items()}
+        assert verdicts["moe_decode_block_gdn"] == (True, "passed")
+        # With the block's GD build unavailable (as without
+        # QAB_UNVERIFIED_KERNELS while it is unverified), the deferred step
+        # runs in its own launch first: the same logits.
+        monkeypatch.setattr(moe_ops, "_decode_block_gdn_object", lambda backend: None)
+        for layer in models[0].layers:
+            layer.mlp.__dict__.pop("_choices", None)
+        launches.clear()
+        tok = mx.array([[11]])
+        a, b = (m(tok, cache=c) for m, c in zip(models, caches))
+        assert mx.array_equal(a, b).item()
+        assert launches == ["gdn", "block", "gdn", "block", "block"] * 2, launches
+    finally:
+        mx.enable_compile()
+        device.reset_self_checks()
+        norm_ops._kernel_object.cache_clear()

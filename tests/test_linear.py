@@ -540,3 +540,31 @@ def test_report_says_when_a_switch_takes_the_blocks_phases_away(tiny_q4, monkeyp
     monkeypatch.setenv("QAB_ENABLE", "next-norm")
     assert notes() == [f"{n} is not used: next-norm from QAB_ENABLE replaces the one-launch "
                        "MoE block" for n in ("moe-block-out-proj", "moe-block-next-proj")]
+
+
+def test_deferred_gated_delta_runs_its_step_once_and_stores_the_states():
+    # moe-block-gdn: a mixer's deferred decode step. commit() stores states
+    # computed elsewhere (the MoE block's launch) in the mixer's cache;
+    # deferred() runs the step itself once, stores its states and returns its
+    # output with the projection still to apply; apply() projects it. A layer
+    # that gives up on the block after deferred() and then calls apply() does
+    # not run the step twice.
+    from mlx_lm.models.cache import ArraysCache
+
+    from qwen_apple_backend.layers.linear import DEFERRED, DeferredGatedDelta, DeferredProjection
+
+    runs = []
+    out, conv, state = mx.ones((1, 1, 8)), mx.full((1, 3, 4), 2.0), mx.full((1, 2, 4, 4), 3.0)
+    proj = nn.Linear(8, 6, bias=False)
+    cache = ArraysCache(size=2)
+    d = DeferredGatedDelta("step", proj, cache, lambda: runs.append(1) or (out, conv, state))
+    assert isinstance(d, DEFERRED) and not runs
+    d.commit(conv + 1, state + 1)
+    assert mx.array_equal(cache[0], conv + 1).item() and mx.array_equal(cache[1], state + 1).item()
+    dp = d.deferred()
+    assert isinstance(dp, DeferredProjection) and dp.x is out and dp.proj is proj
+    assert cache[0] is conv and cache[1] is state and runs == [1]
+    assert d.deferred() is dp and runs == [1]
+    assert mx.allclose(d.apply(), proj(out)).item() and runs == [1]
+    # No cache (a call without one): nothing to store.
+    assert DeferredGatedDelta("step", proj, None, lambda: (out, conv, state)).deferred().x is out
