@@ -879,6 +879,54 @@ def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(s
             assert all(not mx.any(c).item() for c in counters)
 
 
+def test_compiled_decode_runs_the_gdn_step_in_the_moe_block(monkeypatch):
+    # moe-block-gdn (while its build is unverified: QAB_UNVERIFIED_KERNELS=1):
+    # a Qwen3.5-MoE model at Qwen3.6's widths (H 2048; Gated DeltaNet 16 key
+    # and 32 value heads of 128; 64 experts of 512, 8 per token), 3 Gated
+    # DeltaNet layers and an attention one, through the compiled decode step:
+    # every GDN layer's block takes the GD build, and 16 teacher-forced tokens
+    # give the same logits as the same model with moe-block-gdn off (the GDN
+    # launch, then the block).
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from qwen_apple_backend import checkpoint
+    from qwen_apple_backend.bench.target import fuse_in_memory
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    moe_ops._decode_block_gdn_object.cache_clear()
+    preset = {"hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 16,
+              "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+              "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+              "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 64,
+              "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+              "shared_expert_intermediate_size": 512}
+    monkeypatch.setitem(checkpoint.PRESETS, "gdn-block-gpu", preset)
+    models = []
+    for disable in ([], ["moe-block-gdn"]):
+        m = checkpoint.build_random_model("gdn-block-gpu", vocab_size=512, seed=5)
+        fuse_in_memory(m, "fused", config=checkpoint.hf_config("gdn-block-gpu", 512),
+                       disable=disable)
+        models.append(m)
+    caches = [make_prompt_cache(m) for m in models]
+    prompt = mx.array([[(i * 37) % 500 for i in range(9)]])
+    for m, c in zip(models, caches):
+        mx.eval(m(prompt, cache=c))
+    try:
+        for t in range(16):
+            tok = mx.array([[(t * 53 + 7) % 500]])
+            a, b = (m(tok, cache=c) for m, c in zip(models, caches))
+            mx.eval(a, b)
+            assert mx.array_equal(a, b).item(), f"token {t}: rel-L2 {mx_rel_l2(a, b):.3g}"
+        # (_kernel_choice's key ends with the GD step's key, heads first, when it has one.)
+        took = [any(len(k) == 15 and k[-1][0] == (16, 32, 128, 128) and v[4] is not None
+                    for k, v in layer.mlp._choices.items())
+                for layer in models[0].layers]
+        assert took == [True, True, True, False], took
+    finally:
+        moe_ops._decode_block_gdn_object.cache_clear()
+
+
 @pytest.mark.parametrize("disable", [[], ["moe-block"]], ids=["one-launch", "three-launch"])
 def test_fused_decode_at_head_dim_256_is_deterministic(disable):
     # Two fused models built alike (the test model at head_dim 256, eager
