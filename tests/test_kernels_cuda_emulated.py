@@ -2574,11 +2574,10 @@ def test_fused_model_runs_the_gdn_step_in_the_moe_block_emulated(monkeypatch):
 
     from qwen_apple_backend import checkpoint
     from qwen_apple_backend.bench.target import fuse_in_memory
-    from qwen_apple_backend.layers import gated_delta as gdn_layer
     from qwen_apple_backend.ops import norm as norm_ops
 
     monkeypatch.setitem(checkpoint.PRESETS, "gdn-block", GDN_BLOCK_PRESET)
-    for module in (gd, moe_ops, lin_ops, attn_ops, norm_ops, gdn_layer):
+    for module in (gd, moe_ops, lin_ops, attn_ops, norm_ops):
         monkeypatch.setattr(module, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(norm_ops, "build_kernel", emu.build_kernel)
     monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")

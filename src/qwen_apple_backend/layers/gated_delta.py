@@ -37,7 +37,7 @@ from mlx.nn.layers.distributed import sum_gradients
 
 from ._concat import ConcatProjection
 from .linear import DeferredGatedDelta, DeferredProjection
-from ..ops.device import gpu_backend
+from ..ops import gated_delta as gd_ops
 from ..ops.moe import GatedDeltaStep
 from ..ops.gated_delta import (
     compute_gates,
@@ -461,7 +461,7 @@ class FusedGatedDeltaNet(nn.Module):
 
         if (decode_kernel and defer_step and defer_out_proj and packed is not None
                 and mask is None and lengths is None and self.sharding_group is None
-                and gpu_backend() == "cuda"):
+                and gd_ops.gpu_backend() == "cuda"):
             # The step itself for the MoE block's launch (moe-block-gdn);
             # run= is this same kernel call, for when the block cannot.
             run = partial(_decode_step_kernel, projs, conv_state, state, self.conv1d.weight,
