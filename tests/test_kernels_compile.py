@@ -143,6 +143,10 @@ CASES = {
          "OP": True, "DO": 4096, "OG": 64, "NP": True, "PN": 12352, "PG": 64,
          "GHk": 16, "GHv": 32, "GDk": 128, "GDv": 128, "GKc": 4, "GBIAS": False,
          "GW": 12352}),
+    # Qwen3.6's token embedding (248,320 rows of 2,048, 4-bit, group 64).
+    "embedding_dequantize": (
+        ["u32", "u32", "bf16", "bf16"], ["bf16"],
+        {"T": "bf16", "IdT": "u32", "BITS": 4, "G": 64, "D": 2048, "V": 248320, "BLOCK": 256}),
 }
 
 # More template values of one op: (op, case) as in CASES.
@@ -221,6 +225,13 @@ EXTRA_CASES = [
     # Traditional (adjacent-pair) RoPE in float32 at D = 128.
     ("qk_norm_rope", (["f32", "f32", "f32", "f32", "f32", "i32"], ["f32", "f32"],
                       {"InT": "f32", "D": 128, "R": 32, "TRAD": True})),
+    # An 8-bit embedding in float16 with int32 ids; float32 at group 32.
+    ("embedding_dequantize", (["i32", "u32", "f16", "f16"], ["f16"],
+                              {"T": "f16", "IdT": "i32", "BITS": 8, "G": 64, "D": 1024,
+                               "V": 512, "BLOCK": 256})),
+    ("embedding_dequantize", (["i32", "u32", "f32", "f32"], ["f32"],
+                              {"T": "f32", "IdT": "i32", "BITS": 4, "G": 32, "D": 96,
+                               "V": 7, "BLOCK": 128})),
     # The grouped GEMM's down projection (no GLU epilogue, 2,048 output columns).
     ("moe_grouped_gemm", (["bf16", "u32", "bf16", "bf16", "i32", "i32", "i32"], ["bf16"],
                           {"KDIM": 512, "NOUT": 2048, "E": 256, "GLU": False})),

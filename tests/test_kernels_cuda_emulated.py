@@ -2642,3 +2642,98 @@ def test_fused_model_runs_the_gdn_step_in_the_moe_block_emulated(monkeypatch):
         mx.enable_compile()
         device.reset_self_checks()
         norm_ops._kernel_object.cache_clear()
+
+
+# --------------------------------------------------------------------------
+# A decode token's quantized embedding rows (kernels/cuda/embedding_dequantize.cu)
+# --------------------------------------------------------------------------
+
+# (V, D, bits, group, dtype, ids dtype, ids shape): 4-bit bf16 with uint32 ids
+# (an argmax's), 8-bit f16 with int32 ids in a [2, 3] batch, float32 at
+# group 32 with a row width that is not a multiple of the block.
+EMBED_EMU_CASES = [(300, 1024, 4, 64, BF16, mx.uint32, (1, 1)),
+                   (97, 512, 8, 64, F16, mx.int32, (2, 3)),
+                   (7, 96, 4, 32, F32, mx.int32, (5,))]
+
+
+@pytest.mark.parametrize("case", EMBED_EMU_CASES, ids=lambda c: "-".join(map(str, c[:5])))
+def test_embedding_dequantize_is_mlx_s_gathers_and_dequantize_emulated(case):
+    # The one launch equals mlx-lm's QuantizedEmbedding (three gathers and a
+    # dequantize) bit for bit, the table's first and last rows included; an
+    # id past the table reads its last row.
+    V, D, bits, gs, dtype, id_dtype, shape = case
+    k = mx.random.split(mx.random.key(V + D), 2)
+    table = mx.random.normal((V, D), key=k[0]).astype(dtype)
+    w, s, b = mx.quantize(table, group_size=gs, bits=bits)
+    ids = mx.random.randint(0, V, shape, key=k[1])
+    ids = ids.reshape(-1)
+    ids = mx.concatenate([mx.array([0, V - 1]), ids[2:]]).reshape(shape).astype(id_dtype) \
+        if ids.size > 2 else ids.reshape(shape).astype(id_dtype)
+    out = lin_ops.embedding_dequantize_kernel(ids, w, s, b, gs, bits)
+    ref = lin_ops.embedding_dequantize_ops(ids, w, s, b, gs, bits)
+    assert out.shape == (*shape, D) and out.dtype == dtype
+    assert mx.array_equal(out, ref).item(), f"rel-L2 {mx_rel_l2(out, ref):.3g}"
+    past = lin_ops.embedding_dequantize_kernel(mx.array([V + 5], dtype=mx.int32), w, s, b, gs,
+                                               bits)
+    assert mx.array_equal(past, lin_ops.embedding_dequantize_ops(
+        mx.array([V - 1]), w, s, b, gs, bits)).item()
+
+
+def test_embedding_dequantize_emulated_fails_with_the_wrong_group(monkeypatch):
+    # A group index off by one word is caught by the exact comparison.
+    _broken(monkeypatch, "embedding_dequantize", "(size_t)(j * PER) / G;",
+            "(size_t)(j * PER + PER) / G;")
+    w, s, b = mx.quantize(mx.random.normal((9, 256), key=mx.random.key(1)).astype(BF16),
+                          group_size=32, bits=4)
+    ids = mx.array([[3]], dtype=mx.uint32)
+    out = lin_ops.embedding_dequantize_kernel(ids, w, s, b, 32, 4)
+    assert not mx.array_equal(out, lin_ops.embedding_dequantize_ops(ids, w, s, b, 32, 4)).item()
+
+
+def test_quantized_embedding_decodes_on_the_emulated_kernel(monkeypatch):
+    # embed-kernel: the fused model's QuantizedEmbedding, given the class
+    # DecodeQuantizedEmbedding, runs a decode token's lookup as the one
+    # launch after its self-check (on a faked CUDA device) with the same
+    # values as the stock module; a prompt-sized lookup, training mode and a
+    # failed self-check keep the stock path.
+    from qwen_apple_backend.layers.linear import (DecodeQuantizedEmbedding,
+                                                  install_embedding_kernel)
+
+    monkeypatch.setattr(lin_ops, "gpu_backend", lambda: "cuda")
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    calls = []
+    real = lin_ops.embedding_dequantize_kernel
+    monkeypatch.setattr(lin_ops, "embedding_dequantize_kernel",
+                        lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    device.reset_self_checks()
+    try:
+        emb = nn.Embedding(200, 512)
+        emb.weight = mx.random.normal((200, 512), key=mx.random.key(2)).astype(BF16)
+        q = nn.QuantizedEmbedding.from_embedding(emb, group_size=64, bits=4)
+        stock = nn.QuantizedEmbedding.from_embedding(emb, group_size=64, bits=4)
+        q.eval()  # (a new module is in training mode; mlx-lm's loaded models are not)
+        holder = nn.Module()
+        holder.model = nn.Module()
+        holder.model.embed_tokens = q
+        assert install_embedding_kernel(holder) and type(q) is DecodeQuantizedEmbedding
+        assert not install_embedding_kernel(holder)  # (already swapped)
+        tok = mx.array([[17]], dtype=mx.uint32)
+        assert mx.array_equal(q(tok), stock(tok)).item()
+        assert calls == [(2, 32), (1, 1)]  # the self-check's ids, then the token's
+        verdicts = {k[0]: v for k, v in device.self_check_results().items()}
+        assert verdicts["embedding_dequantize"] == (True, "passed")
+        prompt = mx.arange(70).reshape(1, 70)
+        assert mx.array_equal(q(prompt), stock(prompt)).item() and len(calls) == 2
+        q.train()
+        assert mx.array_equal(q(tok), stock(tok)).item() and len(calls) == 2
+        q.eval()
+        # A kernel that fails its self-check is never used: the stock values.
+        device.reset_self_checks()
+        q.__dict__.pop("_qab_embed_verdicts")
+        monkeypatch.setattr(lin_ops, "embedding_dequantize_kernel",
+                            lambda *a, **k: calls.append("bad") or real(*a, **k) + 1)
+        with pytest.warns(device.KernelSelfCheckWarning, match="embedding_dequantize"):
+            assert mx.array_equal(q(tok), stock(tok)).item()
+        assert calls[2:] == ["bad"]
+    finally:
+        device.reset_self_checks()

@@ -24,8 +24,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.cuda_only]
 def _unverified_kernels_allowed(monkeypatch):
     monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
     ql._gemv_object.cache_clear()
+    ql._embedding_object.cache_clear()
     yield
     ql._gemv_object.cache_clear()
+    ql._embedding_object.cache_clear()
 
 
 def _weights(N, K, group_size, seed, dtype=mx.bfloat16):
@@ -180,3 +182,26 @@ def test_pipelined_gemv_is_the_one_pass_kernel_bit_for_bit(shape, norm, bps, mon
                     mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32), group_size=G,
                                   bits=4).T, stream=mx.cpu)
     assert mx_rel_l2(piped, ref) <= 1e-2
+
+
+@pytest.mark.parametrize("id_dtype", [mx.uint32, mx.int32], ids=["u32", "i32"])
+@pytest.mark.parametrize("bits,dtype", [(4, mx.bfloat16), (8, mx.float16)], ids=["q4-bf16",
+                                                                                  "q8-f16"])
+def test_embedding_dequantize_kernel_is_mlx_s_lookup(bits, dtype, id_dtype):
+    # embed-kernel: Qwen3.6's token embedding (248,320 rows of 2,048, group 64)
+    # and an 8-bit f16 one: the one launch equals mlx-lm's three gathers and
+    # dequantize bit for bit for a decode token, a batch of 4 and 64 ids (the
+    # table's first and last rows among them), and the self-check passes.
+    V, D = 248320, 2048
+    k = mx.random.split(mx.random.key(bits), 3)
+    w, s, b = mx.quantize(mx.random.normal((V, D), key=k[0]).astype(dtype), group_size=64,
+                          bits=bits)
+    for shape in [(1, 1), (4, 1), (2, 32)]:
+        ids = mx.random.randint(0, V, shape, key=k[1]).reshape(-1)
+        ids = mx.concatenate([mx.array([0, V - 1]), ids])[:ids.size].reshape(shape)
+        ids = ids.astype(id_dtype)
+        out = ql.embedding_dequantize_kernel(ids, w, s, b, 64, bits)
+        ref = ql.embedding_dequantize_ops(ids, w, s, b, 64, bits)
+        assert out.shape == (*shape, D)
+        assert mx.array_equal(out, ref).item(), f"{shape}: rel-L2 {mx_rel_l2(out, ref):.3g}"
+    assert ql.embedding_ready(ids, w, s, b, 64, bits) == "cuda"

@@ -10,7 +10,8 @@ Variables:
         (``moe``, ``gdn``, ``attn``, ``all``) or single optimizations to
         switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``, ``moe-route``, ``moe-block``,
         ``attn-blocks``, ``attn-split``, ``attn-kernel``, ``qk-prep``, ``decode-compile``,
-        ``proj-concat``, ``gemv-kernel``, ``proj-gemv``, ``add-norm``, ``norm-proj``,
+        ``proj-concat``, ``gemv-kernel``, ``embed-kernel``, ``proj-gemv``, ``add-norm``,
+        ``norm-proj``,
         ``next-norm``, ``kv-in-place``, ``moe-block-stage``, ``gemv-pipe``,
         ``attn-lanes``, ``moe-block-early``, ``l2-prefetch``,
         ``moe-block-out-proj``, ``moe-block-next-proj``, ``moe-block-gdn``, ``attn-step``,
@@ -94,6 +95,10 @@ OPTIMIZATIONS = {
     "decode-compile": "model",  # the compiled one-token decode step (decode.py)
     "proj-concat": "model",  # sibling input projections run as one matmul (layers/_concat.py)
     "gemv-kernel": "model",  # the CUDA dense 4-bit decode GEMV for lm_head (ops/linear.py)
+    # a decode token's quantized embedding rows in one CUDA launch (embedding_dequantize: MLX's
+    # affine dequantize arithmetic, the same values) instead of three gathers and a dequantize;
+    # its CUDA build is not yet verified on a GPU: used only with QAB_UNVERIFIED_KERNELS=1
+    "embed-kernel": "model",
     # the same GEMV for a decode token's concatenated input projections (GDN in_proj,
     # attention q/k/v; layers/_concat.py; needs proj-concat; opt-in with QAB_ENABLE: less
     # GPU time than MLX's qmv, but decode at 4K measured slower on the H200, host-bound)

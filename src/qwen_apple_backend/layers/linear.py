@@ -17,7 +17,8 @@ import mlx.nn as nn
 
 from ..ops import linear as qlinear
 
-__all__ = ["DecodeQuantizedLinear", "DeferredGatedDelta", "DeferredProjection", "ProjectedInput",
+__all__ = ["DecodeQuantizedEmbedding", "DecodeQuantizedLinear", "DeferredGatedDelta",
+           "DeferredProjection", "ProjectedInput", "install_embedding_kernel",
            "install_gemv_lm_head"]
 
 
@@ -155,4 +156,62 @@ def install_gemv_lm_head(text_model: Any) -> bool:
     if head.bits != 4 or head.mode != "affine":
         return False
     head.__class__ = DecodeQuantizedLinear
+    return True
+
+
+class DecodeQuantizedEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` whose decode-sized lookups run one CUDA launch when ready.
+
+    Never constructed: :func:`install_embedding_kernel` swaps an existing
+    instance's class (the ``embed-kernel`` optimization). Up to
+    :data:`~qwen_apple_backend.ops.linear.EMBED_MAX_ROWS` int32 / uint32 ids
+    of a 4- or 8-bit affine table take
+    :func:`~qwen_apple_backend.ops.linear.embedding_dequantize_kernel` (one
+    launch instead of three gathers and a dequantize, the same values) once
+    :func:`~qwen_apple_backend.ops.linear.embedding_ready` said yes for the
+    shape class (decided on the first such call, outside any trace, and kept
+    per instance); everything else runs ``nn.QuantizedEmbedding.__call__``
+    unchanged, as does :meth:`as_linear` (a tied ``lm_head``).
+
+    Shapes: x ``[...]`` ids; returns ``[..., D]``, the scales' dtype.
+    """
+
+    _qab_embed = True
+
+    def __call__(self, x: mx.array) -> mx.array:
+        biases = self.get("biases")
+        if not self.training and x.size <= qlinear.EMBED_MAX_ROWS and biases is not None:
+            w, scales = self["weight"], self["scales"]
+            key = (x.dtype, id(w), w.shape, id(scales), scales.dtype, self.group_size,
+                   self.bits, self.mode)
+            verdicts = self.__dict__.get("_qab_embed_verdicts")
+            if verdicts is None:
+                verdicts = {}
+                object.__setattr__(self, "_qab_embed_verdicts", verdicts)
+            backend = verdicts.get(key, False)
+            if backend is False:
+                backend = verdicts[key] = qlinear.embedding_ready(
+                    x, w, scales, biases, self.group_size, self.bits, self.mode)
+            if backend is not None:
+                return qlinear.embedding_dequantize_kernel(x, w, scales, biases,
+                                                           self.group_size, self.bits)
+        return super().__call__(x)
+
+
+def install_embedding_kernel(text_model: Any) -> bool:
+    """Give the token embedding (``model.embed_tokens``) the class :class:`DecodeQuantizedEmbedding`.
+
+    Args:
+        text_model (nn.Module): the module holding ``model.embed_tokens``
+            (mlx-lm's Qwen3.5 / Qwen3-Next text model).
+
+    Returns:
+        bool: True when installed; False when the embedding is not exactly an
+        ``nn.QuantizedEmbedding`` (a float table has no dequantize to fuse).
+    """
+    inner = text_model.get("model") if isinstance(text_model, dict) else None
+    emb = inner.get("embed_tokens") if isinstance(inner, dict) else None
+    if type(emb) is not nn.QuantizedEmbedding:
+        return False
+    emb.__class__ = DecodeQuantizedEmbedding
     return True

@@ -586,6 +586,13 @@ class QwenHybridAdapter(Adapter):
             from ..layers.linear import install_gemv_lm_head
 
             install_gemv_lm_head(getattr(model, "language_model", model))
+        if "embed-kernel" in disable:
+            report.notes.append("the token embedding's decode lookups run as MLX's three gathers "
+                                "and dequantize (embed-kernel in QAB_DISABLE / disable=)")
+        elif any(m.fused for m in report.modules):
+            from ..layers.linear import install_embedding_kernel
+
+            install_embedding_kernel(getattr(model, "language_model", model))
         if "add-norm" in disable:
             report.notes.append("residual add and post-attention RMSNorm run as two MLX ops "
                                 "(add-norm in QAB_DISABLE / disable=)")

@@ -462,3 +462,137 @@ def linear(module: Any, x: mx.array) -> mx.array:
     if "bias" in module:
         y = y + module["bias"]
     return y
+
+
+# --------------------------------------------------------------------------
+# The token embedding's rows at decode (kernels/cuda/embedding_dequantize)
+# --------------------------------------------------------------------------
+
+#: Most token ids one embedding launch takes; more (a prompt) go to MLX's
+#: gathers and dequantize.
+EMBED_MAX_ROWS = 64
+_EMBED_BLOCK = 256
+_EMBED_IDS = (mx.int32, mx.uint32)
+
+
+def embedding_supported(ids: mx.array, w: mx.array, scales: mx.array,
+                        biases: Optional[mx.array], group_size: int, bits: int,
+                        mode: str = "affine") -> bool:
+    """Whether ``embedding_dequantize_kernel`` covers this lookup (no backend check).
+
+    At most :data:`EMBED_MAX_ROWS` int32 / uint32 ids; a 4- or 8-bit affine
+    table with biases: ``w [V, D bits / 32]`` uint32, ``scales`` and
+    ``biases [V, D / group_size]`` of one float dtype, ``group_size`` a
+    multiple of ``32 / bits``.
+    """
+    if mode != "affine" or bits not in (4, 8) or biases is None or not group_size:
+        return False
+    if ids.dtype not in _EMBED_IDS or not 0 < ids.size <= EMBED_MAX_ROWS:
+        return False
+    if w.ndim != 2 or w.dtype != mx.uint32 or scales.ndim != 2 or scales.dtype not in _DTYPES:
+        return False
+    V, D = w.shape[0], w.shape[1] * 32 // bits
+    return (group_size % (32 // bits) == 0 and D % group_size == 0
+            and scales.shape == (V, D // group_size) and biases.shape == scales.shape
+            and biases.dtype == scales.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _embedding_object(backend: str):
+    return build_kernel("embedding_dequantize", backend)
+
+
+def embedding_dequantize_ops(ids: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
+                             group_size: int, bits: int) -> mx.array:
+    """Portable reference (mlx-lm's ``QuantizedEmbedding.__call__``): the rows
+    ``dequantize(w[ids], scales[ids], biases[ids])``, ``[*ids.shape, D]``."""
+    return mx.dequantize(w[ids], scales=scales[ids], biases=biases[ids], group_size=group_size,
+                         bits=bits)
+
+
+def embedding_dequantize_kernel(ids: mx.array, w: mx.array, scales: mx.array,
+                                biases: mx.array, group_size: int, bits: int) -> mx.array:
+    """The rows of a quantized embedding for ``ids`` in one CUDA launch.
+
+    ``kernels/cuda/embedding_dequantize``: one thread per packed word, MLX's
+    affine dequantize arithmetic (``scale * T(q) + bias`` in the scales'
+    dtype), so the output equals :func:`embedding_dequantize_ops` bit for bit
+    where the compiler treats that expression as in MLX's own kernel (the
+    self-check, :func:`embedding_ready`, requires it). An id outside ``[0,
+    V)`` reads row ``V - 1``. No self-check here.
+
+    Args:
+        ids (mx.array): token ids, any shape of at most
+            :data:`EMBED_MAX_ROWS` elements, int32 or uint32.
+        w (mx.array): the packed table ``[V, D * bits / 32]`` uint32.
+        scales, biases (mx.array): ``[V, D / group_size]``, float32 /
+            bfloat16 / float16.
+        group_size (int): quantization group size.
+        bits (int): 4 or 8.
+
+    Returns:
+        mx.array: ``[*ids.shape, D]``, the scales' dtype.
+
+    Raises:
+        ValueError: outside :func:`embedding_supported`.
+        RuntimeError: when this MLX build or the manifest has no CUDA kernel
+            (or it is unverified and ``QAB_UNVERIFIED_KERNELS`` is unset).
+    """
+    if not embedding_supported(ids, w, scales, biases, group_size, bits):
+        raise ValueError(
+            f"embedding_dequantize: ids {ids.shape} {ids.dtype} (at most {EMBED_MAX_ROWS}, "
+            f"int32 / uint32) over a {bits}-bit table w {w.shape} {w.dtype}, scales "
+            f"{scales.shape} {scales.dtype}, biases "
+            f"{None if biases is None else (biases.shape, biases.dtype)}, group size "
+            f"{group_size}: not a 4- or 8-bit affine table with biases")
+    obj = _embedding_object("cuda")
+    if obj is None:
+        raise RuntimeError("no CUDA embedding_dequantize kernel (sources, MLX API or "
+                           "verification)")
+    V, D = w.shape[0], w.shape[1] * 32 // bits
+    words = D * bits // 32
+    (out,) = obj(inputs=[ids, w, scales, biases],
+                 template=[("T", scales.dtype), ("IdT", ids.dtype), ("BITS", int(bits)),
+                           ("G", int(group_size)), ("D", int(D)), ("V", int(V)),
+                           ("BLOCK", _EMBED_BLOCK)],
+                 grid=(_EMBED_BLOCK * -(-words // _EMBED_BLOCK), ids.size, 1),
+                 threadgroup=(_EMBED_BLOCK, 1, 1),
+                 output_shapes=[(*ids.shape, D)], output_dtypes=[scales.dtype])
+    return out
+
+
+def embedding_ready(ids: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array],
+                    group_size: int, bits: int, mode: str = "affine") -> Optional[str]:
+    """The GPU backend whose embedding kernel may run this lookup, or None.
+
+    CUDA only (it exists to cut MLX's per-launch host cost: four launches
+    become one). Call it outside ``mx.compile``: on the first call per shape
+    class (table shape and dtype, group size, bits, the ids' dtype) it
+    self-checks :func:`embedding_dequantize_kernel` against
+    :func:`embedding_dequantize_ops` with this table, on seeded random ids
+    that include its first and last rows, exactly (rtol 0).
+
+    Returns:
+        Optional[str]: ``"cuda"``, or None (not CUDA, kernels disabled,
+        outside :func:`embedding_supported`, the kernel unverified without
+        ``QAB_UNVERIFIED_KERNELS``, or a failed self-check, which also warns).
+    """
+    if envs.kernels_disabled() or gpu_backend() != "cuda":
+        return None
+    if not embedding_supported(ids, w, scales, biases, group_size, bits, mode):
+        return None
+    if _embedding_object("cuda") is None:
+        return None
+    V = w.shape[0]
+
+    def make():
+        rand = mx.random.randint(0, V, (EMBED_MAX_ROWS - 2,), key=mx.random.key(4345))
+        return (mx.concatenate([mx.array([0, V - 1]), rand]).astype(ids.dtype).reshape(2, -1),)
+
+    key = (tuple(w.shape), str(scales.dtype), int(group_size), int(bits), str(ids.dtype))
+    ok = self_checked(
+        "embedding_dequantize", "cuda", key,
+        kernel=lambda i: [embedding_dequantize_kernel(i, w, scales, biases, group_size, bits)],
+        reference=lambda i: [embedding_dequantize_ops(i, w, scales, biases, group_size, bits)],
+        make_inputs=make, rtol=0.0)
+    return "cuda" if ok else None
