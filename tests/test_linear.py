@@ -517,9 +517,10 @@ def test_a_wrong_projected_input_is_refused_and_the_mixer_keeps_working(tiny_q4,
 
 
 def test_report_says_when_a_switch_takes_the_blocks_phases_away(tiny_q4, monkeypatch):
-    # moe-block-out-proj and moe-block-next-proj (on by default) live in the
-    # one-launch MoE block: the report says when another switch takes it away
-    # (or, for next-proj, the concatenated projections or norm-proj), and says
+    # moe-block-out-proj, moe-block-next-proj and moe-block-gdn (on by default)
+    # live in the one-launch MoE block: the report says when another switch
+    # takes it away (or, for next-proj, the concatenated projections or
+    # norm-proj; for gdn, also the out-projection phase or the GDN kernels), and says
     # nothing by default or when they are switched off themselves (their own note).
     monkeypatch.delenv("QAB_DISABLE", raising=False)
     monkeypatch.delenv("QAB_ENABLE", raising=False)
@@ -530,16 +531,20 @@ def test_report_says_when_a_switch_takes_the_blocks_phases_away(tiny_q4, monkeyp
 
     assert notes() == []
     assert notes(disable=["moe-block"]) == [
-        "moe-block-out-proj is not used: it needs moe-block, which QAB_DISABLE / disable= "
-        "switches off",
-        "moe-block-next-proj is not used: it needs moe-block, which QAB_DISABLE / disable= "
-        "switches off"]
+        f"{n} is not used: it needs moe-block, which QAB_DISABLE / disable= switches off"
+        for n in ("moe-block-out-proj", "moe-block-next-proj", "moe-block-gdn")]
     assert notes(disable=["proj-concat", "moe-block-out-proj"]) == [
         "moe-block-next-proj is not used: it needs proj-concat, which QAB_DISABLE / disable= "
+        "switches off",
+        "moe-block-gdn is not used: it needs moe-block-out-proj and proj-concat, which "
+        "QAB_DISABLE / disable= switches off"]
+    assert notes(disable=["gdn-kernel"]) == [
+        "moe-block-gdn is not used: it needs gdn-kernel, which QAB_DISABLE / disable= "
         "switches off"]
     monkeypatch.setenv("QAB_ENABLE", "next-norm")
     assert notes() == [f"{n} is not used: next-norm from QAB_ENABLE replaces the one-launch "
-                       "MoE block" for n in ("moe-block-out-proj", "moe-block-next-proj")]
+                       "MoE block" for n in ("moe-block-out-proj", "moe-block-next-proj",
+                                             "moe-block-gdn")]
 
 
 def test_deferred_gated_delta_runs_its_step_once_and_stores_the_states():
