@@ -730,6 +730,9 @@ def _random_model_and_config(
     del weights
     if quantize:
         config = _quantize(model, config)
+        # The quantized layers are new modules (in training mode); mlx-lm's own
+        # loader puts the whole model in eval mode after quantizing, as here.
+        model.eval()
 
     groups = list(_module_groups(model))
     for module in _progress(groups, progress, desc=f"building {preset}", unit="module"):
