@@ -370,6 +370,10 @@ def test_build_random_model_quantized_equals_q4(tiny_q4: Path) -> None:
     ours, theirs = dict(tree_flatten(model.parameters())), dict(tree_flatten(loaded.parameters()))
     assert ours.keys() == theirs.keys()
     assert [k for k in ours if not mx.array_equal(ours[k], theirs[k]).item()] == []
+    # In eval mode throughout, as mlx-lm's loader leaves a model (the layers
+    # the quantization made included).
+    assert [n for n, m in model.named_modules() if m.training] == []
+    assert [n for n, m in loaded.named_modules() if m.training] == []
 
 
 def test_build_random_model_small() -> None:
