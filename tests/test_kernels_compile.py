@@ -374,7 +374,13 @@ def test_add_rms_norm_compiles_without_spills(case, tmp_path):
     _compile_without_spills("add_rms_norm", case, tmp_path)
 
 
-@pytest.mark.parametrize("op,case", [("moe_decode_block", EXTRA_CASES[4][1]),
+# The shipped block build with both projection phases (OP + NP) at Qwen3.6's shape.
+_BLOCK_OP_NP = (CASES["moe_decode_block"][0], CASES["moe_decode_block"][1],
+                {**CASES["moe_decode_block"][2], "STAGE": True, "EARLY": True, "OP": True,
+                 "DO": 4096, "OG": 64, "NP": True, "PN": 12352, "PG": 64})
+
+
+@pytest.mark.parametrize("op,case", [("moe_decode_block", _BLOCK_OP_NP),
                                      ("moe_decode_block_gdn", CASES["moe_decode_block_gdn"])],
                          ids=["op-np", "gd-op-np"])
 def test_moe_block_keeps_two_blocks_per_sm(op, case, tmp_path):

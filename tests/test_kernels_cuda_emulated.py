@@ -2659,7 +2659,8 @@ EMBED_EMU_CASES = [(300, 1024, 4, 64, BF16, mx.uint32, (1, 1)),
 @pytest.mark.parametrize("case", EMBED_EMU_CASES, ids=lambda c: "-".join(map(str, c[:5])))
 def test_embedding_dequantize_is_mlx_s_gathers_and_dequantize_emulated(case):
     # The one launch equals mlx-lm's QuantizedEmbedding (three gathers and a
-    # dequantize) bit for bit, the table's first and last rows included; an
+    # dequantize) bit for bit (with more than two ids, the table's first and
+    # last rows among them); a negative id wraps as MLX's gather wraps it, an
     # id past the table reads its last row.
     V, D, bits, gs, dtype, id_dtype, shape = case
     k = mx.random.split(mx.random.key(V + D), 2)
@@ -2677,6 +2678,9 @@ def test_embedding_dequantize_is_mlx_s_gathers_and_dequantize_emulated(case):
                                                bits)
     assert mx.array_equal(past, lin_ops.embedding_dequantize_ops(
         mx.array([V - 1]), w, s, b, gs, bits)).item()
+    neg = mx.array([-1, -V], dtype=mx.int32)
+    assert mx.array_equal(lin_ops.embedding_dequantize_kernel(neg, w, s, b, gs, bits),
+                          lin_ops.embedding_dequantize_ops(neg, w, s, b, gs, bits)).item()
 
 
 def test_embedding_dequantize_emulated_fails_with_the_wrong_group(monkeypatch):

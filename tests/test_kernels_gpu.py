@@ -33,7 +33,8 @@ def _unverified_kernels_allowed(monkeypatch):
     caches = (gd._scan_kernel_object, gd._staged_kernel_object, moe_ops._gemv_objects,
               moe_ops._grouped_gemm_object, moe_ops._fold_objects, moe_ops._combine_object,
               gd._decode_kernel_object, moe_ops._router_object, attn_ops._split_objects,
-              attn_ops._lanes_object, attn_ops._kv_write_object)
+              attn_ops._lanes_object, attn_ops._kv_write_object,
+              moe_ops._decode_block_gdn_object)
     for fn in caches:
         fn.cache_clear()
     yield

@@ -10,7 +10,8 @@
 // affine_quantize.cu: `scale * static_cast<T>(d) + bias` in T), so the values
 // are bit-identical where the compiler treats the expression alike; the
 // dispatcher's self-check compares them exactly before the kernel is used.
-// An id outside [0, V) reads row V - 1 (clamped: no read outside w).
+// An id in [-V, 0) reads row id + V, as MLX's gather wraps it; beyond that
+// it is clamped to [0, V - 1] (no read outside w).
 //
 // One thread per packed uint32 word of a row (its 32 / BITS outputs are
 // adjacent: a warp writes one contiguous run), BLOCK threads per block,
@@ -36,6 +37,7 @@ const int n = blockIdx.y;
 const int j = blockIdx.x * BLOCK + threadIdx.x;  // word of the row
 if (j < WPR) {
   long long id = static_cast<long long>(ids[n]);
+  id = id < 0 ? id + V : id;
   id = id < 0 ? 0 : (id >= V ? V - 1 : id);
   const size_t row = static_cast<size_t>(id);
   const unsigned int val = w[row * WPR + j];

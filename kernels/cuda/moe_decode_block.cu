@@ -43,11 +43,13 @@
 // bits), one item per (token row, value head); its output go, a workspace
 // segment, is the out-projection phase's input ox: the GDN launch, and its
 // fixed host cost, is gone. Out-projection items issue their weight loads,
-// then wait for every GDN item (`gd_done` == GDBLK N) and read go through L2.
+// then wait for every GDN item (`gd_done` reaching GDBLK N) and read go
+// through L2.
 //
 // Ticketed phases (no grid-wide barrier, no co-residency assumption): a block
 // takes a ticket (atomicAdd on the ticket counter); with GD the first GDBLK
-// N tickets are GDN items, and the ones below are counted from there; with OP
+// N tickets are GDN items, and the ticket numbers below count the ones after
+// them; with OP
 // tickets in [0, OBLK N) are out-projection items (rows of r[t / OBLK]), the next RBLK N
 // route items (part t % RBLK of row t / RBLK), the next GBLK N gate/up
 // items, the next DBLK N down items, with NP the last PBLK N

@@ -180,9 +180,11 @@ class DecodeQuantizedEmbedding(nn.QuantizedEmbedding):
 
     def __call__(self, x: mx.array) -> mx.array:
         biases = self.get("biases")
-        if not self.training and x.size <= qlinear.EMBED_MAX_ROWS and biases is not None:
+        if not self.training and 0 < x.size <= qlinear.EMBED_MAX_ROWS and biases is not None:
             w, scales = self["weight"], self["scales"]
-            key = (x.dtype, id(w), w.shape, id(scales), scales.dtype, self.group_size,
+            # The self-check's shape class (not the arrays' identity: inside
+            # the compiled decode step's trace they are placeholders).
+            key = (x.dtype, w.shape, w.dtype, scales.shape, scales.dtype, self.group_size,
                    self.bits, self.mode)
             verdicts = self.__dict__.get("_qab_embed_verdicts")
             if verdicts is None:

@@ -518,8 +518,9 @@ def embedding_dequantize_kernel(ids: mx.array, w: mx.array, scales: mx.array,
     affine dequantize arithmetic (``scale * T(q) + bias`` in the scales'
     dtype), so the output equals :func:`embedding_dequantize_ops` bit for bit
     where the compiler treats that expression as in MLX's own kernel (the
-    self-check, :func:`embedding_ready`, requires it). An id outside ``[0,
-    V)`` reads row ``V - 1``. No self-check here.
+    self-check, :func:`embedding_ready`, requires it). An id in ``[-V, 0)``
+    reads row ``id + V`` (as MLX's gather); others outside ``[0, V)`` are
+    clamped to the table. No self-check here.
 
     Args:
         ids (mx.array): token ids, any shape of at most

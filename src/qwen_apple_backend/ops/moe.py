@@ -1778,7 +1778,8 @@ def gated_delta_step_supported(x: mx.array, step: GatedDeltaStep,
     GW = C + Hv * Dv + 2 * Hv
     p, cs, st = step.proj, step.conv_state, step.state
     DO = Hv * Dv
-    return (_decode_supported(Dk, Dv, Kc, dtype)
+    # (The GDN per-head code runs with the block's threadgroup.)
+    return (_decode_supported(Dk, Dv, Kc, dtype, block=_GEMV_BLOCK)
             and p.dtype == dtype and p.ndim >= 1 and p.shape[-1] == GW and p.size == rows * GW
             and cs.shape == (rows, Kc - 1, C) and cs.dtype == dtype
             and w.shape[0] == C and w.dtype == dtype
@@ -2203,6 +2204,12 @@ def _gdn_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared, 
     has_bias = gdn_step.conv_b is not None
     if gd.decode_kernel_ready(Hk, Hv, Dk, Dv, Kc, dtype, has_bias=has_bias,
                               packed=True) != "cuda":
+        return None
+    # The reference below runs the block with the out-projection phase: that
+    # build must have passed its own check (against quantized_gemv) first.
+    stand_in = OutProjection(mx.zeros((*x.shape[:-1], Hv * Dv), dtype=dtype), ow)
+    if decode_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared, stage,
+                          early, bool(pf), stand_in, next_proj) != "cuda":
         return None
     C = 2 * Hk * Dk + Hv * Dv
     split_at = [C, C + Hv * Dv, C + Hv * Dv + Hv]
