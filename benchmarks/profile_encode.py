@@ -14,7 +14,10 @@ kinds: an elementwise add, RMSNorm, a 4-bit 2048x2048 quantized matmul
 (``ops.device.included_cuda_source``, how the package builds its CUDA
 kernels), one with a 134 MB input (inputs count whole towards MLX's
 per-graph MB limit), one with 40 more small inputs and one with 10 outputs
-(the one-launch MoE block has 38 inputs and 10 outputs). Best of
+(the one-launch MoE block has 38 inputs and 10 outputs), and, as a decode
+token's layers each read their own weights, one whose every operation reads 40
+small arrays of its own against one reading the same bytes as one array of its
+own (all of them compile inputs, as the decode step's model is). Best of
 ``--repeats`` after two warm-ups. Writes ``profile-encode-<device>.json`` into OUT.
 
 Usage:
@@ -110,6 +113,26 @@ def main(argv=None) -> int:
         chains["custom_36kb_include"] = lambda x: call(kinc, x)
         chains["custom_134mb_input"] = lambda x: call(ki, x, (big,))
         chains["custom_40_inputs"] = lambda x: call(kmany, x, smalls)
+        # A layer's kernel reads its own weights: distinct arrays per operation
+        # (40 small ones, or the same bytes as one packed array), compile
+        # inputs as the decode step's model is.
+        per_op = {
+            "custom_40_distinct_inputs": (kmany, [[mx.full((4,), float(i + 40 * j))
+                                                   for i in range(40)]
+                                                  for j in range(args.ops)]),
+            "custom_1_distinct_input": (kernel("probe_1_distinct", _BODY, ["x", "w0"]),
+                                        [[mx.full((160,), float(j))] for j in range(args.ops)]),
+        }
+        for arrays in per_op.values():
+            mx.eval(arrays[1])
+        distinct = {}
+        for name, (k, arrays) in per_op.items():
+            def chain(x, k=k, arrays=arrays):
+                for extra in arrays:
+                    x = call(k, x, extra)
+                return x
+
+            distinct[name] = (chain, mx.compile(chain, inputs=arrays))
         chains["custom_10_outputs"] = lambda x: touts(
             inputs=[x], template=[("InT", x.dtype)], grid=(2048, 1, 1), threadgroup=(256, 1, 1),
             output_shapes=[x.shape] + [(4,)] * 9, output_dtypes=[x.dtype] * 10)[0]
@@ -120,9 +143,13 @@ def main(argv=None) -> int:
         return y
 
     rows = []
-    for name, f in chains.items():
-        comp = mx.compile(lambda x, f=f: run(f, x))
-        for mode, g in (("eager", lambda f=f: run(f, x0)), ("compiled", lambda: comp(x0))):
+    forms = {name: (lambda f=f: run(f, x0), mx.compile(lambda x, f=f: run(f, x)))
+             for name, f in chains.items()}
+    if cuda is not None and cuda.is_available():
+        forms.update({name: (lambda c=chain: c(x0), comp)
+                      for name, (chain, comp) in distinct.items()})
+    for name, (eager, comp) in forms.items():
+        for mode, g in (("eager", eager), ("compiled", lambda comp=comp: comp(x0))):
             best = None
             for rep in range(args.repeats + 2):
                 mx.synchronize()
