@@ -368,6 +368,22 @@ ADD_NORM_COMPILE_CASES = [
 ]
 
 
+
+def _packed_inputs(dtypes):
+    """A moe_decode_block input dtype list with the 15 arrays of its packed build
+    (router, shared expert: inputs 4-6, 10-18 and 22-24) as the one uint32 pk."""
+    return dtypes[:4] + ["u32"] + dtypes[7:10] + dtypes[19:22] + dtypes[25:]
+
+
+# The packed builds (moe-block-pack): the shipped OP + NP block, and the GD one.
+CASES["moe_decode_block_pack"] = (
+    _packed_inputs(CASES["moe_decode_block"][0]), CASES["moe_decode_block"][1],
+    {**CASES["moe_decode_block"][2], "STAGE": True, "EARLY": True, "OP": True, "DO": 4096,
+     "OG": 64, "NP": True, "PN": 12352, "PG": 64})
+CASES["moe_decode_block_gdn_pack"] = (
+    _packed_inputs(CASES["moe_decode_block_gdn"][0]), CASES["moe_decode_block_gdn"][1],
+    CASES["moe_decode_block_gdn"][2])
+
 @pytest.mark.parametrize("case", ADD_NORM_COMPILE_CASES,
                          ids=lambda c: "-".join(str(v) for v in c[2].values()))
 def test_add_rms_norm_compiles_without_spills(case, tmp_path):
@@ -381,8 +397,11 @@ _BLOCK_OP_NP = (CASES["moe_decode_block"][0], CASES["moe_decode_block"][1],
 
 
 @pytest.mark.parametrize("op,case", [("moe_decode_block", _BLOCK_OP_NP),
-                                     ("moe_decode_block_gdn", CASES["moe_decode_block_gdn"])],
-                         ids=["op-np", "gd-op-np"])
+                                     ("moe_decode_block_gdn", CASES["moe_decode_block_gdn"]),
+                                     ("moe_decode_block_pack", CASES["moe_decode_block_pack"]),
+                                     ("moe_decode_block_gdn_pack",
+                                      CASES["moe_decode_block_gdn_pack"])],
+                         ids=["op-np", "gd-op-np", "pack-op-np", "pack-gd-op-np"])
 def test_moe_block_keeps_two_blocks_per_sm(op, case, tmp_path):
     # The one-launch MoE block at Qwen3.6's shape (OP + NP; and with the GDN
     # step first, GD) must fit two blocks of 256 threads on an SM: at most 128

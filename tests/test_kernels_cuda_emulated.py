@@ -45,7 +45,8 @@ from qwen_apple_backend.ops._sources import kernel_source
 from . import _cuda_emulation as emu
 from ._metrics import mx_rel_l2
 from .test_kernels_gpu import (_anr_inputs, _assert_block_is_the_three_launches,
-                               _assert_gdn_block_is_gdn_then_block, _gdn_step_case,
+                               _assert_gdn_block_is_gdn_then_block, _assert_pack_is_the_block,
+                               _gdn_step_case,
                                _assert_next_proj_block_is_block_then_norm_gemv,
                                _assert_out_proj_block_is_gemv_then_block, _next_proj_case,
                                _out_proj_case,
@@ -2136,6 +2137,66 @@ def test_moe_decode_block_gdn_is_the_gdn_launch_then_the_block_emulated(heads, b
                                         str((heads, options)))
 
 
+# Phases with the packed build: none (no OP, no NP), OP + NP, GD + NP, GD on
+# a persistent grid of 3 blocks.
+PACK_EMU_CASES = [("plain", {}), ("op-np", {}), ("gdn-np", {}),
+                  ("gdn", {"PERSIST": True, "GRID": 3})]
+
+
+@pytest.mark.parametrize("phases,options", PACK_EMU_CASES,
+                         ids=[f"{p}-{'-'.join(o) or 'default'}" for p, o in PACK_EMU_CASES])
+def test_moe_decode_block_pack_is_the_block_emulated(phases, options, monkeypatch):
+    # moe-block-pack: the router's and the shared expert's arrays read from
+    # segments of one input give every output of the unpacked build bit for
+    # bit (an 8-bit router of 64-wide groups, an 8-bit shared gate), and leave
+    # the counter zero.
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    for key, value in options.items():
+        monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)
+    shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
+    case = _block_case(shape, dtype, rg)
+    step = op = nxt = None
+    if phases.startswith("gdn"):
+        step, op = _gdn_step_case(case, (4, 8, 32, 128))
+    elif phases == "op-np":
+        op = _out_proj_case(case, 2048)
+    if phases.endswith("np"):
+        nxt = _next_proj_case(case, 80)
+    counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    _assert_pack_is_the_block("cuda", case, shape[4], norm, counter, op, nxt, step, phases)
+
+
+def test_moe_decode_block_pack_emulated_fails_on_swapped_segments(monkeypatch):
+    # Segments the kernel takes in another order than decode_block_pack put
+    # them (the shared gate's biases read as its scales and back) are caught.
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    _broken(monkeypatch, "moe_decode_block_pack",
+            "#define sg_scales QAB_PK_AT(T, QAB_PK_GTS)\n#define sg_biases QAB_PK_AT(T, QAB_PK_GTB)",
+            "#define sg_scales QAB_PK_AT(T, QAB_PK_GTB)\n#define sg_biases QAB_PK_AT(T, QAB_PK_GTS)")
+    shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
+    case = _block_case(shape, dtype, rg)
+    counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    with pytest.raises(AssertionError, match="unpacked build"):
+        _assert_pack_is_the_block("cuda", case, shape[4], norm, counter, where="shifted")
+
+
+def test_decode_block_pack_names_the_array_that_does_not_fit():
+    # A shared expert quantized with another group size than the routed
+    # experts' cannot take the packed layout: the error names the array.
+    shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
+    x, r, w, gate, gu, dn, sw = _block_case(shape, dtype, rg)
+    g = sw.gate_proj
+    q, sc, bi = mx.quantize(mx.dequantize(g.weight, g.scales, g.biases, group_size=g.group_size,
+                                          bits=g.bits), group_size=32, bits=4)
+    bad = sw._replace(gate_proj=g._replace(weight=q, scales=sc, biases=bi, group_size=32))
+    with pytest.raises(ValueError, match="shared gate_proj scales"):
+        moe_ops.decode_block_pack(gate, gu, bad)
+    pk = moe_ops.decode_block_pack(gate, gu, sw)
+    with pytest.raises(ValueError, match="decode_block_pack makes"):
+        moe_ops.moe_decode_block(x, r, w, 1e-6, gate, shape[4], norm, gu, dn, sw, "cuda",
+                                 pack=pk[:-32])
+
+
 def test_moe_decode_block_gdn_emulated_fails_when_the_out_projection_does_not_wait(monkeypatch):
     # Out-projection items must wait for every GDN item (GDBLK per row):
     # waiting for one more than there are is caught.
@@ -2638,6 +2699,92 @@ def test_fused_model_runs_the_gdn_step_in_the_moe_block_emulated(monkeypatch):
         a, b = (m(tok, cache=c) for m, c in zip(models, caches))
         assert mx.array_equal(a, b).item()
         assert launches == ["gdn", "block", "gdn", "block", "block"] * 2, launches
+    finally:
+        mx.enable_compile()
+        device.reset_self_checks()
+        norm_ops._kernel_object.cache_clear()
+
+
+def test_fused_model_reads_the_router_and_shared_expert_from_one_pack_emulated(monkeypatch):
+    # moe-block-pack on the emulated fused model of the test above (two Gated
+    # DeltaNet layers, a stock attention one; eager decode): every layer's
+    # block reads its router and shared expert from one BlockPack (the GD
+    # build in the GDN layers, the plain one after the stock attention), and
+    # the logits and states equal the model with moe-block-pack off bit for
+    # bit. A router array replaced in both models (as load_weights does)
+    # makes the next call build a new pack from it: the same logits again.
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from qwen_apple_backend import checkpoint
+    from qwen_apple_backend.bench.target import fuse_in_memory
+    from qwen_apple_backend.layers.moe import BlockPack
+    from qwen_apple_backend.ops import norm as norm_ops
+
+    monkeypatch.setitem(checkpoint.PRESETS, "gdn-block", GDN_BLOCK_PRESET)
+    for module in (gd, moe_ops, lin_ops, attn_ops, norm_ops):
+        monkeypatch.setattr(module, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(norm_ops, "build_kernel", emu.build_kernel)
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    norm_ops._kernel_object.cache_clear()
+    launches = []
+    real_block = moe_ops._moe_decode_block_call
+
+    def block(*a, **k):  # pack: keyword or the 19th positional argument
+        pack = k.get("pack", a[18] if len(a) > 18 else None)
+        step = k.get("gdn_step", a[17] if len(a) > 17 else None)
+        launches.append(("block" if step is None else "block+gdn")
+                        + ("" if pack is None else "+pack"))
+        return real_block(*a, **k)
+
+    monkeypatch.setattr(moe_ops, "_moe_decode_block_call", block)
+    device.reset_self_checks()
+    mx.disable_compile()
+    try:
+        models = []
+        for disable in ([], ["moe-block-pack"]):
+            m = checkpoint.build_random_model("gdn-block", vocab_size=512, seed=3)
+            fuse_in_memory(m, "fused", config=checkpoint.hf_config("gdn-block", 512),
+                           disable=disable + ["decode-compile", "attn"])
+            models.append(m)
+        caches = [make_prompt_cache(m) for m in models]
+
+        def step(t):
+            tok = mx.array([[(t * 53 + 7) % 500]])
+            got = []
+            for m, c in zip(models, caches):
+                launches.clear()
+                got.append(m(tok, cache=c))
+                mx.eval(got[-1], [e.state for e in c])
+                got.append(list(launches))
+            (on, on_launches), (off, off_launches) = got[:2], got[2:]
+            assert mx.array_equal(on, off).item(), f"token {t}: rel-L2 {mx_rel_l2(on, off):.3g}"
+            for layer, (a, b) in enumerate(zip(caches[0][:2], caches[1][:2])):
+                assert mx.array_equal(a[1], b[1]).item(), f"token {t} layer {layer} state"
+            return on_launches, off_launches
+
+        for t in range(2):
+            on_launches, off_launches = step(t)
+            if t >= 1:  # (the first token also runs the self-checks)
+                assert on_launches == ["block+gdn+pack", "block+gdn+pack", "block+pack"]
+                assert off_launches == ["block+gdn", "block+gdn", "block"], off_launches
+        verdicts = {k[0]: v for k, v in device.self_check_results().items()}
+        assert verdicts["moe_decode_block_gdn_pack"] == (True, "passed")
+        assert verdicts["moe_decode_block_pack"] == (True, "passed")
+        packs = [layer.mlp.__dict__.get("_block_pack") for layer in models[0].layers]
+        assert all(type(p) is BlockPack and p.valid(layer.mlp)
+                   for p, layer in zip(packs, models[0].layers))
+        assert all(layer.mlp.__dict__.get("_block_pack") is None for layer in models[1].layers)
+        # A replaced array: the pack is no longer valid; the next call packs anew.
+        for m in models:
+            g = m.layers[1].mlp.gate
+            g.scales = g.scales * 1.5
+        assert not packs[1].valid(models[0].layers[1].mlp)
+        on_launches, _ = step(2)
+        assert on_launches == ["block+gdn+pack", "block+gdn+pack", "block+pack"], on_launches
+        fresh = models[0].layers[1].mlp.__dict__["_block_pack"]
+        assert fresh is not packs[1] and fresh.valid(models[0].layers[1].mlp)
+        assert not mx.array_equal(fresh.cat["pk"], packs[1].cat["pk"]).item()
     finally:
         mx.enable_compile()
         device.reset_self_checks()

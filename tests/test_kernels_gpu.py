@@ -521,6 +521,35 @@ def _assert_gdn_block_is_gdn_then_block(backend, case, K, norm, counter, step, o
     return out, po, cs, st
 
 
+def _assert_pack_is_the_block(backend, case, K, norm, counter, out_proj=None, next_proj=None,
+                              step=None, where=""):
+    """moe_decode_block's packed build (the router's and the shared expert's
+    arrays as one input, decode_block_pack) returns every output of the build
+    without it bit for bit (with ``out_proj``, ``next_proj`` and ``step``, the
+    OP, NP and GD phases run in both); the counter is left zero."""
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    x, r, w, gate, gu, dn, sw = case
+    r_in = None if out_proj is not None else r
+    pk = moe_ops.decode_block_pack(gate, gu, sw)
+    assert pk.dtype == mx.uint32 and pk.ndim == 1, where
+
+    def run(pack):
+        out = moe_ops._moe_decode_block_call(backend, x, r_in, w, 1e-6, gate, K, norm, gu, dn,
+                                             sw, counter, out_proj=out_proj,
+                                             next_proj=next_proj, gdn_step=step, pack=pack)
+        return [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
+
+    ref, got = run(None), run(pk)
+    assert len(got) == len(ref) and got[0].shape == x.shape, where
+    assert mx.all(mx.isfinite(got[0].astype(mx.float32))).item(), where
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert mx.array_equal(a, b).item(), (
+            f"{where}: output {i} rel-L2 {mx_rel_l2(a, b):.3g} from the unpacked build")
+    assert not mx.any(counter).item(), f"{where}: the launch left its counter non-zero"
+    return got
+
+
 class _Sentinel:
     """A kernel object whose outputs start as NaN (unwritten elements show), recording them."""
 
@@ -760,6 +789,33 @@ def test_moe_decode_block_gdn_is_the_gdn_launch_then_the_block(shape, dtype, rg,
                                       next_proj=nxt, gdn_step=step) == backend
 
 
+@pytest.mark.parametrize("gdn", [True, False], ids=["gdn", "attention"])
+@pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_CASES[:2],
+                         ids=lambda v: str(v).replace("mlx.core.", "").replace(" ", ""))
+def test_moe_decode_block_pack_is_the_block(shape, dtype, rg, norm, gdn):
+    # moe-block-pack: the router's and the shared expert's 15 arrays as one
+    # input, at Qwen3.6's shape with the phases its decode token runs (a Gated
+    # DeltaNet layer: GD, OP, NP; an attention layer: OP, NP): every output
+    # bit-identical to the unpacked build, five launches in a row on one
+    # serial counter, and decode_block_ready's self-check passes.
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    backend = gd.gpu_backend()
+    case = _block_case(shape, dtype, rg)
+    nxt = _next_proj_case(case, 12352)
+    if gdn:
+        step, op = _gdn_step_case(case, (16, 32, 128, 128))
+    else:
+        step, op = None, _out_proj_case(case, 4096)
+    counter = moe_ops.serial_counter(moe_ops.decode_block_counter_length())
+    for i in range(5):
+        _assert_pack_is_the_block(backend, case, shape[4], norm, counter, op, nxt, step,
+                                  f"launch {i}")
+    x, _, w, gate, gu, dn, sw = case
+    assert moe_ops.decode_block_ready(x, w, 1e-6, gate, shape[4], norm, gu, dn, sw, out_proj=op,
+                                      next_proj=nxt, gdn_step=step, pack=True) == backend
+
+
 @pytest.mark.parametrize("options", [{"CS": 1, "PREFETCH": False}, {"PREFETCH": False},
                                      {"PERSIST": True, "GRID": 132},
                                      {"CS": 1, "PERSIST": True, "PREFETCH": False, "GRID": 264},
@@ -926,6 +982,68 @@ def test_compiled_decode_runs_the_gdn_step_in_the_moe_block(monkeypatch):
         assert took == [True, True, True, False], took
     finally:
         moe_ops._decode_block_gdn_object.cache_clear()
+
+
+def test_compiled_decode_reads_the_router_and_shared_expert_from_one_pack(monkeypatch):
+    # moe-block-pack (while its build is unverified: QAB_UNVERIFIED_KERNELS=1)
+    # on the model of the test above, through the compiled decode step: every
+    # layer's block reads its router and shared expert from one BlockPack
+    # (among the step's compile inputs), and 16 teacher-forced tokens give
+    # the same logits as the same model with moe-block-pack off; a router
+    # array replaced in both models after that makes the step build a new
+    # pack (and retrace): the same logits for 4 more tokens.
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from qwen_apple_backend import checkpoint
+    from qwen_apple_backend.bench.target import fuse_in_memory
+    from qwen_apple_backend.layers.moe import BlockPack
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    moe_ops._decode_block_gdn_object.cache_clear()
+    moe_ops._decode_block_pack_object.cache_clear()
+    preset = {"hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 16,
+              "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+              "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+              "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 64,
+              "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+              "shared_expert_intermediate_size": 512}
+    monkeypatch.setitem(checkpoint.PRESETS, "pack-gpu", preset)
+    models = []
+    for disable in ([], ["moe-block-pack"]):
+        m = checkpoint.build_random_model("pack-gpu", vocab_size=512, seed=5)
+        fuse_in_memory(m, "fused", config=checkpoint.hf_config("pack-gpu", 512),
+                       disable=disable)
+        models.append(m)
+    caches = [make_prompt_cache(m) for m in models]
+    prompt = mx.array([[(i * 37) % 500 for i in range(9)]])
+    for m, c in zip(models, caches):
+        mx.eval(m(prompt, cache=c))
+
+    def decode(ts):
+        for t in ts:
+            tok = mx.array([[(t * 53 + 7) % 500]])
+            a, b = (m(tok, cache=c) for m, c in zip(models, caches))
+            mx.eval(a, b)
+            assert mx.array_equal(a, b).item(), f"token {t}: rel-L2 {mx_rel_l2(a, b):.3g}"
+
+    try:
+        decode(range(16))
+        packs = [layer.mlp.__dict__.get("_block_pack") for layer in models[0].layers]
+        assert all(type(p) is BlockPack for p in packs), packs
+        step = models[0].language_model.__dict__["_qab_decode"]
+        assert step.compiled_calls >= 14
+        assert sum(type(c) is BlockPack for c in step._uses) == 4
+        builds = step.builds
+        for m in models:
+            g = m.layers[2].mlp.gate
+            g.scales = g.scales * 1.5
+        decode(range(16, 20))
+        assert models[0].layers[2].mlp.__dict__["_block_pack"] is not packs[2]
+        assert step.builds == builds + 1
+    finally:
+        moe_ops._decode_block_gdn_object.cache_clear()
+        moe_ops._decode_block_pack_object.cache_clear()
 
 
 @pytest.mark.parametrize("disable", [[], ["moe-block"]], ids=["one-launch", "three-launch"])

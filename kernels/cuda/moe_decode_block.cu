@@ -172,6 +172,52 @@
 // outputs gd_conv_state_out, gd_state_out (their shapes); ws ends with one
 // more segment, go [N, GHv GDv] T; count must hold 7 CS + N elements.
 
+#ifdef QAB_BLOCK_PACK
+// The packed build (ops moe_decode_block_pack, moe_decode_block_gdn_pack,
+// moe-block-pack): the router's and the shared expert's 15 arrays arrive as
+// 128-byte aligned segments of one uint32 input pk, in this order (the
+// layout ops.moe.decode_block_pack_segments builds): gw, gs, gb, s_gate_w,
+// s_gate_scales, s_gate_biases, s_up_w, s_up_scales, s_up_biases, sg_w,
+// sg_scales, sg_biases, s_down_w, s_down_scales, s_down_biases (shapes and
+// dtypes as the inputs of the same names below). The same code reads them:
+// the same bits. MLX's host cost per launch grows with every input array it
+// binds (benchmarks/profile_encode.py). The names are macros over pk and
+// compile-time word offsets (see moe_decode_block_pack.cuh for the build's
+// launch bounds).
+#define QAB_PKW(bytes) (((size_t)(bytes) + 127) / 128 * 32)
+static_assert(BLOCK == 256, "moe_decode_block: the packed build is declared __launch_bounds__(256, 2)");
+constexpr size_t QAB_PK_QS = (size_t)I * (H / G) * sizeof(T);  // a shared projection's scales
+constexpr size_t QAB_PK_GS = QAB_PKW((size_t)E * H);
+constexpr size_t QAB_PK_GB = QAB_PK_GS + QAB_PKW((size_t)E * (H / RG) * sizeof(T));
+constexpr size_t QAB_PK_SGW = QAB_PK_GB + QAB_PKW((size_t)E * (H / RG) * sizeof(T));
+constexpr size_t QAB_PK_SGS = QAB_PK_SGW + QAB_PKW((size_t)I * H / 2);
+constexpr size_t QAB_PK_SGB = QAB_PK_SGS + QAB_PKW(QAB_PK_QS);
+constexpr size_t QAB_PK_SUW = QAB_PK_SGB + QAB_PKW(QAB_PK_QS);
+constexpr size_t QAB_PK_SUS = QAB_PK_SUW + QAB_PKW((size_t)I * H / 2);
+constexpr size_t QAB_PK_SUB = QAB_PK_SUS + QAB_PKW(QAB_PK_QS);
+constexpr size_t QAB_PK_GTW = QAB_PK_SUB + QAB_PKW(QAB_PK_QS);
+constexpr size_t QAB_PK_GTS = QAB_PK_GTW + QAB_PKW((size_t)H * SGB / 8);
+constexpr size_t QAB_PK_GTB = QAB_PK_GTS + QAB_PKW((size_t)(H / SGG) * sizeof(T));
+constexpr size_t QAB_PK_SDW = QAB_PK_GTB + QAB_PKW((size_t)(H / SGG) * sizeof(T));
+constexpr size_t QAB_PK_SDS = QAB_PK_SDW + QAB_PKW((size_t)H * I / 2);
+constexpr size_t QAB_PK_SDB = QAB_PK_SDS + QAB_PKW((size_t)H * (I / G) * sizeof(T));
+#define QAB_PK_AT(Ty, at) (reinterpret_cast<const Ty*>(pk + (at)))
+#define gw QAB_PK_AT(uint32_t, 0)
+#define gs QAB_PK_AT(T, QAB_PK_GS)
+#define gb QAB_PK_AT(T, QAB_PK_GB)
+#define s_gate_w QAB_PK_AT(uint32_t, QAB_PK_SGW)
+#define s_gate_scales QAB_PK_AT(T, QAB_PK_SGS)
+#define s_gate_biases QAB_PK_AT(T, QAB_PK_SGB)
+#define s_up_w QAB_PK_AT(uint32_t, QAB_PK_SUW)
+#define s_up_scales QAB_PK_AT(T, QAB_PK_SUS)
+#define s_up_biases QAB_PK_AT(T, QAB_PK_SUB)
+#define sg_w QAB_PK_AT(uint32_t, QAB_PK_GTW)
+#define sg_scales QAB_PK_AT(T, QAB_PK_GTS)
+#define sg_biases QAB_PK_AT(T, QAB_PK_GTB)
+#define s_down_w QAB_PK_AT(uint32_t, QAB_PK_SDW)
+#define s_down_scales QAB_PK_AT(T, QAB_PK_SDS)
+#define s_down_biases QAB_PK_AT(T, QAB_PK_SDB)
+#endif
 #ifdef QAB_BLOCK_GDN
 // The Gated DeltaNet phase (GD): one item per (token row, value head).
 constexpr bool GD = true;

@@ -139,14 +139,17 @@ def _layout(cache: Any) -> Optional[list]:
 
 
 def _concats(model: Any) -> list:
-    """Every ``(ConcatProjection, owner)`` of the model's layers (``proj-concat``), in order."""
+    """Every ``(ConcatProjection, owner)`` of the model's layers (``proj-concat``), in order,
+    and every MoE block's :class:`~qwen_apple_backend.layers.moe.BlockPack`
+    (``moe-block-pack``), which the step treats alike."""
     out = []
     for layer in getattr(getattr(model, "model", model), "layers", ()):
         for name in ("linear_attn", "self_attn", "mlp"):
             m = getattr(layer, name, None)
             if m is None:
                 continue
-            for attr, owner in (("_proj_cat", m), ("_shared_cat", getattr(m, "shared_expert", None))):
+            for attr, owner in (("_proj_cat", m), ("_shared_cat", getattr(m, "shared_expert", None)),
+                                ("_block_pack", m)):
                 cat = getattr(m, attr, None)
                 if cat is not None:
                     out.append((cat, owner))

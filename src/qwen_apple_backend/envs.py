@@ -14,8 +14,8 @@ Variables:
         ``norm-proj``,
         ``next-norm``, ``kv-in-place``, ``moe-block-stage``, ``gemv-pipe``,
         ``attn-lanes``, ``moe-block-early``, ``l2-prefetch``,
-        ``moe-block-out-proj``, ``moe-block-next-proj``, ``moe-block-gdn``, ``attn-step``,
-        ``attn-mma``),
+        ``moe-block-out-proj``, ``moe-block-next-proj``, ``moe-block-gdn``,
+        ``moe-block-pack``, ``attn-step``, ``attn-mma``),
         for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
@@ -155,6 +155,12 @@ OPTIMIZATIONS = {
     # layer and token. Its CUDA build is not yet verified on a GPU: it runs only with
     # QAB_UNVERIFIED_KERNELS=1 (and its self-check) until it is
     "moe-block-gdn": "moe",
+    # the one-launch MoE block reads the router's and the shared expert's 15 arrays from one
+    # packed copy (ops moe_decode_block_pack / moe_decode_block_gdn_pack; CUDA; the same
+    # code and bits): MLX's host cost per launch grows with every input array it binds.
+    # Its CUDA build is not yet verified on a GPU: it runs only with
+    # QAB_UNVERIFIED_KERNELS=1 (and its self-check) until it is
+    "moe-block-pack": "moe",
     # one decode token's full-attention core in one CUDA launch inside the compiled decode
     # step (gqa_decode_step: q/k RMSNorm + RoPE, the KV row written in place, the lane-group
     # split-K pass, the merge and the output gate; four launches before; needs attn-kernel,

@@ -40,6 +40,7 @@ from qwen_apple_backend.ops.moe import (
     add_norm_route,
     add_norm_route_ready,
     decode_block_counter_length,
+    decode_block_pack,
     decode_block_ready,
     decode_kernel_ready,
     fold_norm_counter,
@@ -130,6 +131,113 @@ def linear_weights(module: nn.Module) -> Optional[ExpertWeights]:
     if type(module) in (nn.QuantizedLinear, nn.Linear):
         return _weights_of(module, type(module) is nn.QuantizedLinear)
     return None
+
+
+class BlockPack:
+    """A sparse MoE block's router and shared expert as one uint32 array (``moe-block-pack``).
+
+    The one-launch MoE decode block binds about 40 arrays per layer and MLX's
+    host cost per launch grows with each bound array
+    (``benchmarks/profile_encode.py``); its packed build reads the router's
+    and the shared expert's 15 arrays from one copy of them
+    (:func:`~qwen_apple_backend.ops.moe.decode_block_pack`, ``cat["pk"]``:
+    a dict, as a concatenation's, so that a compiled function taking
+    :attr:`cat` as an input reads the current array).
+    Like :class:`~qwen_apple_backend.layers._concat.ConcatProjection` it is
+    used only while every module on :data:`PATHS` is the one it was built from,
+    of its type, holding the arrays it was built from; a module or array
+    replaced (``load_weights``, ``update``, a LoRA wrapper) switches the
+    packed build off until :meth:`FusedSparseMoeBlock.add_norm_forward`
+    builds a new pack. An array changed in place (``w *= c``) is not seen
+    (validity is checked by identity): the pack keeps the old values. The
+    copy adds the 15 arrays' bytes once more (Qwen3.6-35B-A3B: ~2.4 MB per
+    layer). The compiled decode step treats it as it treats a concatenation
+    (:attr:`tracing`, :meth:`identity_checks`, :meth:`refresh`).
+    """
+
+    #: Module paths from the block: the router, the shared expert's three
+    #: projections and the shared expert's gate.
+    PATHS = (("gate",), ("shared_expert", "gate_proj"), ("shared_expert", "up_proj"),
+             ("shared_expert", "down_proj"), ("shared_expert_gate",))
+
+    def __init__(self, modules: list, cat: mx.array):
+        self.modules = modules
+        self.types = [type(m) for m in modules]
+        self.views = [_pack_views(m) for m in modules]
+        self.cat = {"pk": cat}
+        #: Set by the compiled decode step while it traces (the arrays are tracers then).
+        self.tracing = False
+        #: How many times :meth:`refresh` re-recorded :attr:`views`.
+        self.refreshes = 0
+
+    @classmethod
+    def build(cls, owner: nn.Module) -> Optional["BlockPack"]:
+        """The pack of ``owner``'s router and shared expert (evaluated), or None.
+
+        None when a module on :data:`PATHS` is missing or not a plain
+        ``nn.QuantizedLinear`` or the shapes do not fit the packed layout
+        (:func:`~qwen_apple_backend.ops.moe.decode_block_pack`).
+        """
+        modules = [_walk(owner, path) for path in cls.PATHS]
+        if any(type(m) is not nn.QuantizedLinear for m in modules):
+            return None
+        shared = owner._shared_weights()
+        gate = linear_weights(owner.gate)
+        if shared is None or gate is None:
+            return None
+        try:
+            cat = decode_block_pack(gate, expert_weights(owner.switch_mlp.gate_up_proj), shared)
+        except (ValueError, AttributeError):
+            return None
+        mx.eval(cat)
+        return cls(modules, cat)
+
+    def valid(self, owner: nn.Module) -> bool:
+        """True while ``owner`` still has these modules, of their type, holding their arrays."""
+        for path, m, t, views in zip(self.PATHS, self.modules, self.types, self.views):
+            if _walk(owner, path) is not m or type(m) is not t:
+                return False
+            if self.tracing:
+                continue
+            for name, v in views.items():
+                if dict.get(m, name) is not v:
+                    return False
+        return True
+
+    def identity_checks(self, owner: nn.Module) -> tuple:
+        """:meth:`valid`'s checks flattened: ``(containers, keys, expected, children, types)``
+        (see :meth:`ConcatProjection.identity_checks`)."""
+        containers, keys, expected = [], [], []
+        for path, m, views in zip(self.PATHS, self.modules, self.views):
+            parent = owner
+            for name in path:
+                child = dict.get(parent, name)
+                containers.append(parent)
+                keys.append(name)
+                expected.append(child if name != path[-1] else m)
+                parent = child
+            for name, v in views.items():
+                containers.append(m)
+                keys.append(name)
+                expected.append(v)
+        return containers, keys, expected, list(self.modules), list(self.types)
+
+    def refresh(self) -> None:
+        """Re-record the modules' arrays after a call that was valid when it started
+        (a trace puts back new Python objects for the same arrays)."""
+        self.views = [_pack_views(m) for m in self.modules]
+        self.refreshes += 1
+
+
+def _walk(owner: nn.Module, path: tuple):
+    m = owner
+    for name in path:
+        m = dict.get(m, name) if isinstance(m, dict) else None
+    return m
+
+
+def _pack_views(m: nn.Module) -> dict:
+    return {n: dict.get(m, n) for n in ("weight", "scales", "biases")}
 
 
 def _new_switch_linear(like: AnySwitchLinear, arrays: dict) -> AnySwitchLinear:
@@ -345,7 +453,10 @@ class FusedSparseMoeBlock(nn.Module):
     launch runs the step as its first phase, ahead of the output projection
     (``GD``, op ``moe_decode_block_gdn``; gated_delta_decode's per-head code),
     and stores the mixer's new states; else the step runs in its own launch
-    first.
+    first. Attribute ``block_pack`` (default True; the ``moe-block-pack``
+    optimization): that launch reads the router's and the shared expert's
+    arrays from one packed copy (:class:`BlockPack`, built on the first decode
+    call that can use it; the same output) where that build is ready.
 
     Attribute ``dequant_gemm`` (default True; the ``moe-gemm`` optimization)
     lets prefill-sized calls on quantized experts dequantize them and run a
@@ -392,6 +503,7 @@ class FusedSparseMoeBlock(nn.Module):
     out_proj_phase: bool = True
     next_proj_phase: bool = True
     gdn_phase: bool = True
+    block_pack: bool = True
     l2_next = None
 
     def __init__(
@@ -636,7 +748,8 @@ class FusedSparseMoeBlock(nn.Module):
                        next_norm: Optional[nn.Module] = None,
                        out_proj: Optional[OutProjection] = None,
                        next_proj: Optional[NextProjection] = None,
-                       gdn_step: Optional[GatedDeltaStep] = None) -> tuple:
+                       gdn_step: Optional[GatedDeltaStep] = None,
+                       pack: Optional["BlockPack"] = None) -> tuple:
         """``(router, fold, route, down_norm, block)`` backends for this call.
 
         ``router`` and ``fold``: see :meth:`_router_ready` and
@@ -654,7 +767,9 @@ class FusedSparseMoeBlock(nn.Module):
         ``next_proj``, the backend of that launch's build with the
         out-projection / next-projection phase; with ``gdn_step`` (and
         ``out_proj``, whose ``x`` is then None), of its build with the Gated
-        DeltaNet phase.
+        DeltaNet phase; with ``pack``, of the packed build
+        (``decode_block_ready(..., pack=True)``: the router and shared expert
+        read from ``pack.cat``).
 
         Decode is bound by the host, and building the weight descriptions
         for the readiness checks cost more Python than the rest of the
@@ -693,7 +808,8 @@ class FusedSparseMoeBlock(nn.Module):
                envs.unverified_kernels_allowed(), self._weights_signature(), nkey, next_key,
                self.one_launch, self.stage_down, self.early_gate_up,
                bool(self._l2_prefetch_arrays()), okey, pkey) + (
-                   (gkey,) if gkey is not None else ())
+                   (gkey,) if gkey is not None else ()) + (
+                   (("pack", id(pack)),) if pack is not None else ())
         cache = self.__dict__.get("_choices")
         if cache is None:
             cache = {}
@@ -720,7 +836,8 @@ class FusedSparseMoeBlock(nn.Module):
                     stage=self.stage_down, early=self.early_gate_up,
                     prefetch=bool(self._l2_prefetch_arrays()), out_proj=out_proj,
                     next_proj=next_proj, **({"gdn_step": gdn_step} if gdn_step is not None
-                                           else {}))
+                                           else {}), **({"pack": True} if pack is not None
+                                                        else {}))
             hit = (router, fold, route, down_norm, block)
             if len(cache) >= 64:
                 cache.clear()
@@ -835,19 +952,22 @@ class FusedSparseMoeBlock(nn.Module):
                                 next_eps: float = 0.0, counter: Optional[mx.array] = None,
                                 block: Optional[str] = None, out_group: int = 0,
                                 proj_group: int = 0, proj_eps: float = 0.0,
-                                gdn: Optional[tuple] = None):
+                                gdn: Optional[tuple] = None, pack: bool = False):
         # extra: the next norm's weight (with down_norm); with out_group the
         # mixer's output projection (weight, scales, biases; r is then its
         # input); then with proj_group the next layer's input norm weight and
         # its mixer's concatenated projection (weight, scales, biases); then
         # with gdn = (heads, eps, has_bias) the Gated DeltaNet step's conv
         # state, conv weight (and bias), A_log, dt_bias, norm weight and state
-        # (r is then its concatenated projection's row): arrays, so that a
-        # compiled call takes them as inputs. With gdn it returns (out, conv
-        # state, state), or (out, po, conv state, state) with proj_group.
+        # (r is then its concatenated projection's row), and last with pack
+        # the BlockPack's array: arrays, so that a compiled call takes them as
+        # inputs. With gdn it returns (out, conv state, state), or (out, po,
+        # conv state, state) with proj_group.
         gate = linear_weights(self.gate)
         if block is not None:
-            op = np_ = gs = None
+            op = np_ = gs = pk = None
+            if pack:
+                pk, extra = extra[-1], extra[:-1]
             if gdn is not None:
                 heads, geps, has_bias = gdn
                 n = 7 if has_bias else 6
@@ -871,7 +991,8 @@ class FusedSparseMoeBlock(nn.Module):
                                    stage=self.stage_down, early=self.early_gate_up,
                                    prefetch=self._l2_prefetch_arrays(), out_proj=op,
                                    next_proj=np_,
-                                   **({"gdn_step": gs} if gs is not None else {}))
+                                   **({"gdn_step": gs} if gs is not None else {}),
+                                   **({"pack": pk} if pk is not None else {}))
             if gs is not None:
                 out, po, ncs, nst = got
                 return (out, ncs, nst) if po is None else (out, po, ncs, nst)
@@ -885,6 +1006,24 @@ class FusedSparseMoeBlock(nn.Module):
             return moe_shared_experts_norm_kernel(down_norm)(*args, h, extra[0], next_eps,
                                                              counter)
         return moe_shared_experts_kernel(fold)(*args, residual=h)
+
+    def _block_pack_for(self, x: mx.array, gdn: bool) -> Optional[BlockPack]:
+        """This block's :class:`BlockPack` if valid, else a new one, or None.
+
+        Built (evaluated) only outside the compiled decode step's trace and
+        only where the packed build exists for CUDA (verified, or
+        ``QAB_UNVERIFIED_KERNELS``): a pack the call cannot use is not made.
+        """
+        from qwen_apple_backend.ops.moe import _decode_block_pack_object
+
+        pack = self.__dict__.get("_block_pack")
+        if pack is not None and pack.valid(self):
+            return pack
+        if serial_decode_tracing() or _decode_block_pack_object("cuda", gdn) is None:
+            return None
+        pack = BlockPack.build(self)
+        object.__setattr__(self, "_block_pack", pack)
+        return pack
 
     def add_norm_forward(self, x: mx.array,
                          r: Union[mx.array, DeferredProjection, DeferredGatedDelta],
@@ -1007,6 +1146,18 @@ class FusedSparseMoeBlock(nn.Module):
         _, fold, route, down_norm, block = choice
         if route is None:
             return None
+        pack = None
+        if block is not None and self.block_pack:
+            # The same build reading the router and shared expert from one
+            # packed copy (moe-block-pack), where that build is ready.
+            pack = self._block_pack_for(x, gd is not None)
+            if pack is not None:
+                # (The arguments of the choice made above.)
+                pchoice = self._kernel_choice(
+                    x, True, norm, next_norm, op, np_,
+                    **({"gdn_step": gd.step} if gd is not None else {}), pack=pack)
+                if pchoice[4] is None:
+                    pack = None
         w = norm["weight"]
         # The counting kernels' counter input: in the compiled decode step's
         # trace (launches never overlap) this block's own buffer, read in
@@ -1046,6 +1197,9 @@ class FusedSparseMoeBlock(nn.Module):
                                    g.conv_b is not None)
             args = args + (g.conv_state, g.conv_w) + (() if g.conv_b is None else (g.conv_b,)) \
                 + (g.A_log, g.dt_bias, g.norm_weight, g.state)
+        if pack is not None:
+            kw["pack"] = True
+            args = args + (pack.cat["pk"],)
         if not self.compile_decode:
             fn = partial(self._add_norm_route_forward, **kw)
         else:
@@ -1057,7 +1211,7 @@ class FusedSparseMoeBlock(nn.Module):
                    block is not None and bool(self._l2_prefetch_arrays()),
                    0 if op is None else int(op.weights.group_size),
                    None if np_ is None else (int(np_.weights.group_size), float(np_.eps)),
-                   gdn_key)
+                   gdn_key, pack is not None)
             fn = fns.get(key)
             if fn is None:
                 # The module is the captured input tree (parameters replaced
@@ -1066,6 +1220,8 @@ class FusedSparseMoeBlock(nn.Module):
                 fn = mx.compile(partial(self._add_norm_route_forward, **kw), inputs=self)
                 fns[key] = fn
         out = fn(*args)
+        if pack is not None and self.compile_decode and not serial:
+            pack.refresh()  # a trace of fn re-wraps the module's arrays
         if gd is not None:
             # The block ran the mixer's step: its new states go to its cache.
             out, po, ncs, nst = out if np_ is not None else (out[0], None, *out[1:])

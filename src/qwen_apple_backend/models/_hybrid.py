@@ -216,6 +216,8 @@ _DEFAULT_NEEDS = {
     # concatenated projection's row that the GDN decode kernel reads.
     "moe-block-gdn": ("moe", "gdn", "gdn-kernel", "moe-kernel", "moe-route", "add-norm",
                       "moe-block", "moe-block-out-proj", "proj-concat"),
+    # The packed build of the one-launch block.
+    "moe-block-pack": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block"),
     # The one-launch attention step replaces the q/k kernel, the KV write and the
     # kernel pair, inside the compiled decode step.
     "attn-step": ("attn", "attn-kernel", "qk-prep", "proj-concat", "kv-in-place",
@@ -418,6 +420,9 @@ class QwenHybridAdapter(Adapter):
         "moe-block-gdn": "on CUDA each Gated DeltaNet decode step runs as its own launch, not "
                          "as the first phase of the one-launch MoE block (moe-block-gdn in "
                          "QAB_DISABLE / disable=)",
+        "moe-block-pack": "on CUDA the one-launch MoE block binds the router's and the shared "
+                          "expert's 15 arrays one by one, not one packed copy (moe-block-pack "
+                          "in QAB_DISABLE / disable=)",
     }
 
     def fuse(self, model, config, *, disable=frozenset(), use_fallback=True, report):
@@ -502,6 +507,10 @@ class QwenHybridAdapter(Adapter):
                     # On by default where its (not yet GPU-verified) build is
                     # allowed: the Gated DeltaNet decode step in the block's launch.
                     fused.gdn_phase = False
+                if "moe-block-pack" in off:
+                    # On by default where its (not yet GPU-verified) build is
+                    # allowed: the router and shared expert as one packed input.
+                    fused.block_pack = False
                 if "attn-blocks" in off:
                     fused.block_queries = False
                 if "attn-split" in off:

@@ -102,6 +102,8 @@ __all__ = [
     "shared_decode_kernel_ready",
     "moe_decode_block",
     "decode_block_ready",
+    "decode_block_pack",
+    "decode_block_pack_segments",
     "decode_block_supported",
     "decode_block_counter_length",
     "DECODE_BLOCK_OPTIONS",
@@ -1802,6 +1804,100 @@ def _decode_block_gdn_object(backend: str):
     return build_kernel("moe_decode_block_gdn", backend)
 
 
+@functools.lru_cache(maxsize=None)
+def _decode_block_pack_object(backend: str, gdn: bool = False):
+    return build_kernel("moe_decode_block_gdn_pack" if gdn else "moe_decode_block_pack", backend)
+
+
+#: Byte alignment of each segment of :func:`decode_block_pack` (the kernel's ``pk_take``).
+PACK_ALIGN = 128
+
+
+def decode_block_pack_segments(gate: "ExpertWeights", gate_up: ExpertWeights,
+                               shared: SharedExpertWeights) -> tuple:
+    """Byte sizes of the packed block's segments, in the kernel's order.
+
+    ``kernels/cuda/moe_decode_block.cu`` built with ``QAB_BLOCK_PACK`` (ops
+    ``moe_decode_block_pack``, ``moe_decode_block_gdn_pack``) reads the
+    router's and the shared expert's arrays from one uint32 input, 128-byte
+    aligned segments in this order: the 8-bit router's weight ``[E, H / 4]``
+    uint32, scales, biases ``[E, H / RG]``; the shared expert's gate and up
+    projections' weight ``[I, H / 8]`` uint32, scales, biases ``[I, H / G]``
+    each; the shared gate's weight ``[1, H SGB / 32]`` uint32, scales, biases
+    ``[1, H / SGG]``; the shared expert's down projection's weight
+    ``[H, I / 8]`` uint32, scales, biases ``[H, I / G]`` (scales and biases of
+    the experts' dtype; ``I``, ``G`` the routed experts' intermediate size and
+    group size, ``H`` the hidden size). The sizes follow from the routed
+    experts' and the router's shapes, as the kernel derives them from its
+    template; :func:`decode_block_pack` checks every array against them.
+
+    Returns:
+        tuple: 15 byte counts.
+    """
+    E = gate_up.weight.shape[0]
+    I = gate_up.weight.shape[1] // 2
+    H = gate_up.weight.shape[2] * 32 // int(gate_up.bits)
+    RG, G = int(gate.group_size), int(gate_up.group_size)
+    SGB, SGG = int(shared.gate.bits), int(shared.gate.group_size)
+    t = gate_up.scales.dtype.size
+    q = (I * H // 2, I * (H // G) * t, I * (H // G) * t)
+    return ((E * H, E * (H // RG) * t, E * (H // RG) * t) + q + q
+            + (H * SGB // 8, (H // SGG) * t, (H // SGG) * t)
+            + (H * I // 2, H * (I // G) * t, H * (I // G) * t))
+
+
+def _pack_arrays(gate: "ExpertWeights", shared: SharedExpertWeights) -> list:
+    sg, su, sd, sgate = shared
+    return [a for w in (gate, sg, su, sgate, sd) for a in (w.weight, w.scales, w.biases)]
+
+
+def decode_block_pack(gate: "ExpertWeights", gate_up: ExpertWeights,
+                      shared: SharedExpertWeights) -> mx.array:
+    """The router's and the shared expert's arrays as one uint32 array: ``pk`` of the packed block.
+
+    A decode token's one-launch MoE block binds about 40 arrays per layer,
+    and MLX's host cost per launch grows with each
+    (``benchmarks/profile_encode.py``); the packed build (``moe-block-pack``)
+    takes these 15 as one. Layout: :func:`decode_block_pack_segments`, each
+    segment the array's bytes (row-major) padded with zeros to
+    :data:`PACK_ALIGN` bytes. A copy: the caller keeps it valid (rebuilds it
+    when an array is replaced).
+
+    Args:
+        gate (ExpertWeights): the router, 8-bit affine ``[E, H]``.
+        gate_up (ExpertWeights): the routed experts' gate+up ``[E, 2I, H]``
+            (only its shape, bits, group size and scales dtype are read).
+        shared (SharedExpertWeights): the shared expert and its gate, affine
+            with biases, of the experts' scales dtype.
+
+    Returns:
+        mx.array: ``[words]`` uint32 (not evaluated).
+
+    Raises:
+        ValueError: naming the array whose byte size or dtype does not
+            match its segment.
+    """
+    names = ("router weight", "router scales", "router biases",
+             "shared gate_proj weight", "shared gate_proj scales", "shared gate_proj biases",
+             "shared up_proj weight", "shared up_proj scales", "shared up_proj biases",
+             "shared_expert_gate weight", "shared_expert_gate scales",
+             "shared_expert_gate biases", "shared down_proj weight",
+             "shared down_proj scales", "shared down_proj biases")
+    sizes = decode_block_pack_segments(gate, gate_up, shared)
+    parts = []
+    for i, (name, a, nbytes) in enumerate(zip(names, _pack_arrays(gate, shared), sizes)):
+        want = mx.uint32 if i % 3 == 0 else gate_up.scales.dtype
+        if a is None or a.dtype != want or a.nbytes != nbytes:
+            got = None if a is None else (tuple(a.shape), str(a.dtype), a.nbytes)
+            raise ValueError(f"decode_block_pack: {name} {got} does not fill its segment of "
+                             f"{nbytes} bytes of {want}")
+        parts.append(mx.view(a.reshape(-1), mx.uint8))
+        pad = -nbytes % PACK_ALIGN
+        if pad:
+            parts.append(mx.zeros((pad,), dtype=mx.uint8))
+    return mx.view(mx.concatenate(parts), mx.uint32)
+
+
 def _decode_block_build(stage: Optional[bool] = None, early: Optional[bool] = None,
                         prefetch: bool = False, out_proj: bool = False,
                         next_proj: bool = False) -> dict:
@@ -1860,7 +1956,8 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
                            prefetch: Sequence[mx.array] = (),
                            out_proj: Optional[OutProjection] = None,
                            next_proj: Optional[NextProjection] = None,
-                           gdn_step: Optional[GatedDeltaStep] = None):
+                           gdn_step: Optional[GatedDeltaStep] = None,
+                           pack: Optional[mx.array] = None):
     H = x.shape[-1]
     N = x.size // H
     if decode_block_counter_length(N) > counter.size:
@@ -1902,7 +1999,16 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
     E, K = gate.weight.shape[0], int(top_k)
     I = gate_up.weight.shape[1] // 2
     op_name = "moe_decode_block" if gdn_step is None else "moe_decode_block_gdn"
-    obj = (_decode_block_object if gdn_step is None else _decode_block_gdn_object)(backend)
+    if pack is not None:
+        words = sum(-(-n // PACK_ALIGN) * PACK_ALIGN
+                    for n in decode_block_pack_segments(gate, gate_up, shared)) // 4
+        if pack.dtype != mx.uint32 or pack.shape != (words,):
+            raise ValueError(f"pack {pack.shape} {pack.dtype} is not the [{words}] uint32 "
+                             f"array decode_block_pack makes of these weights")
+        op_name += "_pack"
+        obj = _decode_block_pack_object(backend, gdn_step is not None)
+    else:
+        obj = (_decode_block_object if gdn_step is None else _decode_block_gdn_object)(backend)
     if obj is None:
         raise RuntimeError(f"no {op_name} source or MLX API for {backend}")
     if len(prefetch) > 3:
@@ -1968,11 +2074,18 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
                      ("GBIAS", has_bias), ("GW", int(gdn_step.proj.shape[-1]))]
         gd_shapes = [gdn_step.conv_state.shape, gdn_step.state.shape]
         gd_dtypes = [x.dtype, mx.float32]
+    if pack is not None:
+        # The packed build: the 15 arrays of _pack_arrays as one (its signature's pk).
+        weights = [pack, gate_up.weight, gate_up.scales, gate_up.biases,
+                   down.weight, down.scales, down.biases]
+    else:
+        weights = [gate.weight, gate.scales, gate.biases,
+                   gate_up.weight, gate_up.scales, gate_up.biases, sg.weight, sg.scales,
+                   sg.biases, su.weight, su.scales, su.biases, sgate.weight, sgate.scales,
+                   sgate.biases, down.weight, down.scales, down.biases, sd.weight, sd.scales,
+                   sd.biases]
     outs = obj(
-        inputs=[x, r, norm_weight, f32_scalar(float(eps)), gate.weight, gate.scales, gate.biases,
-                gate_up.weight, gate_up.scales, gate_up.biases, sg.weight, sg.scales, sg.biases,
-                su.weight, su.scales, su.biases, sgate.weight, sgate.scales, sgate.biases,
-                down.weight, down.scales, down.biases, sd.weight, sd.scales, sd.biases, counter,
+        inputs=[x, r, norm_weight, f32_scalar(float(eps)), *weights, counter,
                 *(list(prefetch) + [counter] * (3 - len(prefetch))), *op_inputs, *np_inputs,
                 *gd_inputs],
         template=template,
@@ -2041,7 +2154,8 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
                        early: Optional[bool] = None, prefetch: bool = False,
                        out_proj: Optional[OutProjection] = None,
                        next_proj: Optional[NextProjection] = None,
-                       gdn_step: Optional[GatedDeltaStep] = None) -> Optional[str]:
+                       gdn_step: Optional[GatedDeltaStep] = None,
+                       pack: bool = False) -> Optional[str]:
     """The GPU backend whose one-launch MoE decode block may run this call, or None.
 
     ``kernels/cuda/moe_decode_block``: :func:`add_norm_route` and the
@@ -2098,6 +2212,11 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
             (its packed build) followed by this block with ``out_proj``: every
             output bit for bit (the same per-head code); it needs
             :func:`gated_delta_step_supported` and that kernel ready.
+        pack (bool): the packed build (ops ``moe_decode_block_pack``,
+            ``moe_decode_block_gdn_pack``: the router's and the shared
+            expert's arrays as one input, :func:`decode_block_pack`), checked
+            on its own after the same call without it: every output bit for
+            bit against that build (the same code reading the same bytes).
 
     Returns:
         Optional[str]: ``"cuda"``, or None (not CUDA, kernels disabled,
@@ -2110,6 +2229,9 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
     """
     if envs.kernels_disabled() or gpu_backend() != "cuda":
         return None
+    if pack:
+        return _pack_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down,
+                           shared, stage, early, prefetch, out_proj, next_proj, gdn_step)
     if not decode_block_supported(x, norm_weight, gate, top_k, gate_up, down, shared):
         return None
     if _decode_block_object("cuda") is None:
@@ -2213,15 +2335,7 @@ def _gdn_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared, 
         return None
     C = 2 * Hk * Dk + Hv * Dv
     split_at = [C, C + Hv * Dv, C + Hv * Dv + Hv]
-
-    def make_gd():
-        xs, _, ws = make()
-        k = mx.random.split(mx.random.key(4344), 3)
-        rows = xs.shape[:-1]
-        gp = mx.random.normal((*rows, gdn_step.proj.shape[-1]), key=k[0]).astype(dtype)
-        cs = mx.random.normal((xs.size // xs.shape[-1], Kc - 1, C), key=k[1]).astype(dtype)
-        st = 0.1 * mx.random.normal((cs.shape[0], Hv, Dv, Dk), key=k[2])
-        return xs, gp, ws, cs, st
+    make_gd = _gdn_check_inputs(make, gdn_step, dtype)
 
     def kernel(xs, gp, ws, cs, st):
         counter = fold_norm_counter(decode_block_counter_length())
@@ -2249,6 +2363,82 @@ def _gdn_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared, 
     return "cuda" if ok else None
 
 
+def _gdn_check_inputs(make, gdn_step: GatedDeltaStep, dtype: mx.Dtype):
+    """The GD self-check's inputs: x, a projection row, the norm weight, conv and recurrent states."""
+    Hk, Hv, Dk, Dv = (int(v) for v in gdn_step.heads)
+    Kc, C = gdn_step.conv_w.shape[1], 2 * Hk * Dk + Hv * Dv
+
+    def make_gd():
+        xs, _, ws = make()
+        k = mx.random.split(mx.random.key(4344), 3)
+        rows = xs.shape[:-1]
+        gp = mx.random.normal((*rows, gdn_step.proj.shape[-1]), key=k[0]).astype(dtype)
+        cs = mx.random.normal((xs.size // xs.shape[-1], Kc - 1, C), key=k[1]).astype(dtype)
+        st = 0.1 * mx.random.normal((cs.shape[0], Hv, Dv, Dk), key=k[2])
+        return xs, gp, ws, cs, st
+    return make_gd
+
+
+def _pack_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down, shared, stage,
+                early, prefetch, out_proj, next_proj, gdn_step) -> Optional[str]:
+    """:func:`decode_block_ready`'s part for the packed build (see there)."""
+    if decode_block_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down,
+                          shared, stage, early, prefetch, out_proj, next_proj,
+                          gdn_step) != "cuda":
+        return None
+    if _decode_block_pack_object("cuda", gdn_step is not None) is None:
+        return None
+    try:
+        pk = decode_block_pack(gate, gate_up, shared)
+    except ValueError:
+        return None
+    H, dtype, K, norm = x.shape[-1], x.dtype, int(top_k), bool(norm_topk_prob)
+    build = _decode_block_build(stage, early, prefetch, out_proj is not None,
+                                next_proj is not None)
+    pf = (gate_up.weight, gate_up.scales, norm_weight) if build["PF"] else ()
+    ow = None if out_proj is None else out_proj.weights
+    make = _add_norm_route_check_inputs(H, dtype)
+    if gdn_step is not None:
+        make = _gdn_check_inputs(make, gdn_step, dtype)
+    elif ow is not None:
+        make = _out_proj_check_inputs(make, ow.weight.shape[1] * 8, dtype)
+
+    def run(packed: Optional[mx.array]):
+        def fn(*a):
+            counter = fold_norm_counter(decode_block_counter_length())
+            step = r = op = None
+            if gdn_step is not None:
+                xs, gp, ws, cs, st = a
+                step = gdn_step._replace(proj=gp, conv_state=cs, state=st)
+                op = OutProjection(None, ow)
+            else:
+                xs, rs, ws = a
+                if ow is None:
+                    r = rs
+                else:
+                    op = OutProjection(rs, ow)
+            out = _moe_decode_block_call("cuda", xs, r, ws, eps, gate, K, norm, gate_up, down,
+                                         shared, counter, stage, early, pf, op, next_proj,
+                                         step, packed)
+            return [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
+        return fn
+
+    key = (H, str(dtype), tuple(gate.weight.shape), gate.group_size, K, norm, float(eps),
+           tuple(gate_up.weight.shape), gate_up.group_size, down.group_size,
+           shared.gate.bits, shared.gate.group_size, tuple(sorted(build.items())),
+           None if ow is None else (tuple(ow.weight.shape), int(ow.group_size)),
+           None if next_proj is None else (tuple(next_proj.weights.weight.shape),
+                                           int(next_proj.weights.group_size),
+                                           float(next_proj.eps)),
+           None if gdn_step is None else (tuple(int(v) for v in gdn_step.heads),
+                                          int(gdn_step.conv_w.shape[1]),
+                                          gdn_step.conv_b is not None, float(gdn_step.eps)))
+    name = "moe_decode_block_gdn_pack" if gdn_step is not None else "moe_decode_block_pack"
+    ok = self_checked(name, "cuda", key, kernel=run(pk), reference=run(None),
+                      make_inputs=make, rtol=0.0)
+    return "cuda" if ok else None
+
+
 def _out_proj_check_inputs(make, DO: int, dtype: mx.Dtype):
     """The self-check's inputs with the mixer's un-projected output in r's place."""
     def make_op():
@@ -2266,7 +2456,8 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
                      prefetch: Sequence[mx.array] = (),
                      out_proj: Optional[OutProjection] = None,
                      next_proj: Optional[NextProjection] = None,
-                     gdn_step: Optional[GatedDeltaStep] = None):
+                     gdn_step: Optional[GatedDeltaStep] = None,
+                     pack: Optional[mx.array] = None):
     """A decode token's MoE layer half in one launch: ``h + moe(rms_norm(h))``, ``h = x + r``.
 
     One launch of ``kernels/cuda/moe_decode_block``: the residual add, the
@@ -2333,6 +2524,13 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
             the GDN launch and its host cost are gone (the ``GD`` build, op
             ``moe_decode_block_gdn``; ``moe-block-gdn``). Check it with the
             same ``gdn_step`` in :func:`decode_block_ready`.
+        pack (mx.array | None): :func:`decode_block_pack` of these ``gate``,
+            ``gate_up`` and ``shared``: the launch reads the router's and the
+            shared expert's arrays from it (the packed build, op
+            ``moe_decode_block_pack`` / ``moe_decode_block_gdn_pack``; the
+            same output; ``moe-block-pack``); ``gate`` and ``shared`` then
+            give only shapes and group sizes. Check it with ``pack=True`` in
+            :func:`decode_block_ready`.
 
     Returns:
         mx.array | tuple: the layer's output, ``x``'s shape and dtype; with
@@ -2349,14 +2547,15 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
             :func:`out_projection_supported`, a ``next_proj`` outside
             :func:`next_projection_supported`, a ``gdn_step`` outside
             :func:`gated_delta_step_supported` or without ``out_proj``, more
-            token rows than ``counter`` covers, or more than 3 ``prefetch``
-            arrays.
+            token rows than ``counter`` covers, more than 3 ``prefetch``
+            arrays, or a ``pack`` of another size or dtype than
+            :func:`decode_block_pack` makes of these weights.
     """
     if counter is None:
         counter = fold_norm_counter(decode_block_counter_length())
     return _moe_decode_block_call(backend, x, r, norm_weight, eps, gate, top_k, norm_topk_prob,
                                   gate_up, down, shared, counter, stage, early, tuple(prefetch),
-                                  out_proj, next_proj, gdn_step)
+                                  out_proj, next_proj, gdn_step, pack)
 
 
 # Tile heights of the grouped GEMM kernel (kernels/{cuda,metal}/moe_grouped_gemm):
