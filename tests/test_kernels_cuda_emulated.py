@@ -2785,6 +2785,31 @@ def test_fused_model_reads_the_router_and_shared_expert_from_one_pack_emulated(m
         fresh = models[0].layers[1].mlp.__dict__["_block_pack"]
         assert fresh is not packs[1] and fresh.valid(models[0].layers[1].mlp)
         assert not mx.array_equal(fresh.cat["pk"], packs[1].cat["pk"]).item()
+        # The compiled decode step builds (or rebuilds) every pack before it
+        # traces (never inside a trace) and takes them among its inputs.
+        from qwen_apple_backend.decode import _CompiledDecode
+
+        mlps = [layer.mlp for layer in models[0].layers]
+        for mlp in mlps:
+            mlp.__dict__.pop("_block_pack")
+        g = mlps[0].shared_expert.down_proj
+        g.biases = g.biases + 0.0  # replaced after the first pack below
+        step = _CompiledDecode(models[0].language_model, lambda *a, **k: None)
+        step._build()
+        built = [mlp.__dict__["_block_pack"] for mlp in mlps]
+        assert all(type(p) is BlockPack and p.valid(m) for p, m in zip(built, mlps))
+        assert [c for c in step._uses if type(c) is BlockPack] == built
+        g.biases = g.biases + 0.0
+        assert not step._still_valid()
+        step._build()
+        assert mlps[0].__dict__["_block_pack"] is not built[0]
+        assert mlps[1].__dict__["_block_pack"] is built[1]
+        assert step._still_valid()
+        # Not where the block does not run packed.
+        models[1].layers[0].mlp.block_pack = True
+        assert models[1].layers[0].mlp.prepare_block_pack() is not None
+        mlps[2].block_pack = False
+        assert mlps[2].prepare_block_pack() is None
     finally:
         mx.enable_compile()
         device.reset_self_checks()

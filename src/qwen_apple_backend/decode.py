@@ -266,8 +266,14 @@ class _CompiledDecode:
         self.builds = 0
 
     def _build(self) -> None:
-        """Compile the step with the concatenations that are valid now as inputs."""
+        """Compile the step with the concatenations that are valid now as inputs
+        (each MoE block's :class:`~qwen_apple_backend.layers.moe.BlockPack`
+        built or rebuilt first, outside the trace)."""
         model = self._model()
+        for layer in getattr(getattr(model, "model", model), "layers", ()):
+            prepare = getattr(getattr(layer, "mlp", None), "prepare_block_pack", None)
+            if prepare is not None:
+                prepare()
         pairs = [(c, owner) for c, owner in _concats(model) if c.valid(owner)]
         self._uses = [c for c, _ in pairs]
         self._owners = [owner for _, owner in pairs]

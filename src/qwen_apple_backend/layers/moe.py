@@ -1010,9 +1010,10 @@ class FusedSparseMoeBlock(nn.Module):
     def _block_pack_for(self, x: mx.array, gdn: bool) -> Optional[BlockPack]:
         """This block's :class:`BlockPack` if valid, else a new one, or None.
 
-        Built (evaluated) only outside the compiled decode step's trace and
-        only where the packed build exists for CUDA (verified, or
-        ``QAB_UNVERIFIED_KERNELS``): a pack the call cannot use is not made.
+        Built (evaluated) only outside the compiled decode step's trace (which
+        builds the packs first, :meth:`prepare_block_pack`) and only where the
+        packed build exists for CUDA (verified, or ``QAB_UNVERIFIED_KERNELS``):
+        a pack the call cannot use is not made.
         """
         from qwen_apple_backend.ops.moe import _decode_block_pack_object
 
@@ -1023,6 +1024,33 @@ class FusedSparseMoeBlock(nn.Module):
             return None
         pack = BlockPack.build(self)
         object.__setattr__(self, "_block_pack", pack)
+        return pack
+
+    def prepare_block_pack(self) -> Optional[BlockPack]:
+        """Make sure a decode step traced next can read a valid :class:`BlockPack`.
+
+        The compiled decode step calls this before it traces (a pack is
+        never built inside a trace, where the module's arrays are tracers):
+        with ``block_pack`` and the one-launch block on, in eval mode, on
+        CUDA where a packed build exists, it builds the pack, or builds it
+        anew when an array or module it was made from was replaced.
+
+        Returns:
+            BlockPack | None: the pack, or None where none applies.
+        """
+        from qwen_apple_backend.ops import moe as moe_ops
+
+        if (not (self.block_pack and self.one_launch and self.fused_route and self.use_kernel)
+                or self.training or self.sharding_group is not None
+                or moe_ops.gpu_backend() != "cuda"):
+            return None
+        if (moe_ops._decode_block_pack_object("cuda", False) is None
+                and moe_ops._decode_block_pack_object("cuda", True) is None):
+            return None
+        pack = self.__dict__.get("_block_pack")
+        if pack is None or not pack.valid(self):
+            pack = BlockPack.build(self)
+            object.__setattr__(self, "_block_pack", pack)
         return pack
 
     def add_norm_forward(self, x: mx.array,
