@@ -912,7 +912,8 @@ def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(s
         assert mx.array_equal(a, b).item(), f"token {t}: rel-L2 {mx_rel_l2(a, b):.3g}"
         if t >= 1 and np_:
             # Every block but the last took the next-projection build.
-            took = [any(k[-1] is not None and v[4] is not None
+            # (_kernel_choice's key: the next projection's key at index 13.)
+            took = [any(k[13] is not None and v[4] is not None
                         for k, v in layer.mlp._choices.items()) for layer in models[0].layers]
             assert took == [True] * (len(took) - 1) + [False], took
         if t >= 1 and op and not np_:
@@ -924,7 +925,7 @@ def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(s
                 mixer = layer.linear_attn if layer.is_linear else layer.self_attn
                 proj = mixer.out_proj if layer.is_linear else mixer.o_proj
                 wide = proj["weight"].shape[1] * 8 % 1024 == 0
-                taken = any(k[-2] is not None and v[4] is not None
+                taken = any(k[12] is not None and v[4] is not None
                             for k, v in layer.mlp._choices.items())
                 assert taken == wide, (type(mixer).__name__, proj["weight"].shape)
                 took.append(taken)
@@ -975,8 +976,9 @@ def test_compiled_decode_runs_the_gdn_step_in_the_moe_block(monkeypatch):
             a, b = (m(tok, cache=c) for m, c in zip(models, caches))
             mx.eval(a, b)
             assert mx.array_equal(a, b).item(), f"token {t}: rel-L2 {mx_rel_l2(a, b):.3g}"
-        # (_kernel_choice's key ends with the GD step's key, heads first, when it has one.)
-        took = [any(len(k) == 15 and k[-1][0] == (16, 32, 128, 128) and v[4] is not None
+        # (_kernel_choice's key has the GD step's key, heads first, at index 14
+        # when it has one; the pack's marker follows it.)
+        took = [any(len(k) > 14 and k[14][0] == (16, 32, 128, 128) and v[4] is not None
                     for k, v in layer.mlp._choices.items())
                 for layer in models[0].layers]
         assert took == [True, True, True, False], took

@@ -517,8 +517,8 @@ def test_a_wrong_projected_input_is_refused_and_the_mixer_keeps_working(tiny_q4,
 
 
 def test_report_says_when_a_switch_takes_the_blocks_phases_away(tiny_q4, monkeypatch):
-    # moe-block-out-proj, moe-block-next-proj and moe-block-gdn (on by default)
-    # live in the one-launch MoE block: the report says when another switch
+    # moe-block-out-proj, moe-block-next-proj, moe-block-gdn and moe-block-pack
+    # (on by default) live in the one-launch MoE block: the report says when another switch
     # takes it away (or, for next-proj, the concatenated projections or
     # norm-proj; for gdn, also the out-projection phase or the GDN kernels), and says
     # nothing by default or when they are switched off themselves (their own note).
@@ -532,7 +532,8 @@ def test_report_says_when_a_switch_takes_the_blocks_phases_away(tiny_q4, monkeyp
     assert notes() == []
     assert notes(disable=["moe-block"]) == [
         f"{n} is not used: it needs moe-block, which QAB_DISABLE / disable= switches off"
-        for n in ("moe-block-out-proj", "moe-block-next-proj", "moe-block-gdn")]
+        for n in ("moe-block-out-proj", "moe-block-next-proj", "moe-block-gdn",
+                  "moe-block-pack")]
     assert notes(disable=["proj-concat", "moe-block-out-proj"]) == [
         "moe-block-next-proj is not used: it needs proj-concat, which QAB_DISABLE / disable= "
         "switches off",
@@ -544,7 +545,7 @@ def test_report_says_when_a_switch_takes_the_blocks_phases_away(tiny_q4, monkeyp
     monkeypatch.setenv("QAB_ENABLE", "next-norm")
     assert notes() == [f"{n} is not used: next-norm from QAB_ENABLE replaces the one-launch "
                        "MoE block" for n in ("moe-block-out-proj", "moe-block-next-proj",
-                                             "moe-block-gdn")]
+                                             "moe-block-gdn", "moe-block-pack")]
 
 
 def test_deferred_gated_delta_runs_its_step_once_and_stores_the_states():

@@ -809,7 +809,7 @@ class FusedSparseMoeBlock(nn.Module):
                self.one_launch, self.stage_down, self.early_gate_up,
                bool(self._l2_prefetch_arrays()), okey, pkey) + (
                    (gkey,) if gkey is not None else ()) + (
-                   (("pack", id(pack)),) if pack is not None else ())
+                   (("pack",),) if pack is not None else ())
         cache = self.__dict__.get("_choices")
         if cache is None:
             cache = {}

@@ -96,9 +96,12 @@ def build_kernel(op: str, backend: str, **options: Any) -> Optional[Callable[...
 
     Returns:
         Callable | None: MLX's kernel object, or None when the manifest has no
-        source for this backend, this MLX build lacks the backend's API, or
-        the kernel is a CUDA kernel not yet verified on a GPU (its manifest
-        entry has no ``verified``) and ``QAB_UNVERIFIED_KERNELS`` is unset.
+        source for this backend, this MLX build lacks the backend's API or
+        its device (the factory raises ``RuntimeError`` and
+        ``mx.<backend>.is_available()`` is false: a CPU-only build, or a
+        process that only pretends a GPU), or the kernel is a CUDA kernel not
+        yet verified on a GPU (its manifest entry has no ``verified``) and
+        ``QAB_UNVERIFIED_KERNELS`` is unset.
     """
     src: Optional[KernelSource] = kernel_source(op, backend)
     if src is None:
@@ -113,8 +116,15 @@ def build_kernel(op: str, backend: str, **options: Any) -> Optional[Callable[...
         short = included_cuda_source(src.name, header, body, tuple(src.inputs))
         if short is not None:
             header, body = short
-    return factory(name=src.name, input_names=list(src.inputs),
-                   output_names=list(src.outputs), source=body, header=header, **options)
+    try:
+        return factory(name=src.name, input_names=list(src.inputs),
+                       output_names=list(src.outputs), source=body, header=header, **options)
+    except RuntimeError:
+        # MLX's CPU build has the factories but no back-end behind them.
+        probe = getattr(mx, backend, None)
+        if probe is not None and not probe.is_available():
+            return None
+        raise
 
 
 #: MLX passes an input's shape / strides / rank to a CUDA kernel when the body's
