@@ -2166,6 +2166,27 @@ def test_moe_decode_block_pack_is_the_block_emulated(phases, options, monkeypatc
     _assert_pack_is_the_block("cuda", case, shape[4], norm, counter, op, nxt, step, phases)
 
 
+@pytest.mark.parametrize("gate_bits,gate_group", [(4, 32), (8, 128)])
+def test_moe_decode_block_pack_emulated_sizes_each_segment_by_its_own_quantization(
+        gate_bits, gate_group, monkeypatch):
+    # Each segment's size follows its own array's group size and bits: an
+    # 8-bit router of 128-wide groups, experts and shared projections of 64,
+    # float16, and a shared gate of 4 bits in 32-wide groups or 8 bits in
+    # 128-wide ones. (With one group size and an 8-bit gate everywhere, a
+    # gate segment sized at 8 bits or scales sized by the router's group
+    # would go unseen.)
+    from .test_kernels_gpu import _shared_expert
+
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    shape = (2, 16, 1024, 64, 4, gate_bits)
+    x, r, w, gate, gu, dn, _ = _block_case(shape, F16, 128)
+    sw = _shared_expert(1024, 64, F16, seed=11, gate_bits=gate_bits, gate_group=gate_group)
+    assert gate.group_size == 128 and gu.group_size == 64
+    counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    _assert_pack_is_the_block("cuda", (x, r, w, gate, gu, dn, sw), 4, True, counter,
+                              where=f"gate {gate_bits} bits, groups of {gate_group}")
+
+
 def test_moe_decode_block_pack_emulated_fails_on_swapped_segments(monkeypatch):
     # Segments the kernel takes in another order than decode_block_pack put
     # them (the shared gate's biases read as its scales and back) are caught.
