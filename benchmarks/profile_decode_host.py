@@ -1,18 +1,23 @@
 #!/usr/bin/env python3
 """Host time of the compiled decode step's call, and how much of it the model as a compile input takes.
 
-The compiled one-token step (``decode.py``) captures the model as a compile
-input, so MLX flattens its parameter tree on every call. On a fused preset
-model (real layer count and widths; ``--experts`` fewer routed experts changes
-the experts' sizes, not the number of arrays) this times, per call, median of
+The compiled one-token step (``decode.py``) holds the model's parameters as
+trace constants checked by identity (``decode-const``, the default) or, with
+``QAB_DISABLE=decode-const``, captures the model as a compile input, which
+MLX flattens and binds on every call. On a fused preset model (real layer
+count and widths; ``--experts`` fewer routed experts changes the experts'
+sizes, not the number of arrays) this times, per call, median of
 ``--repeats``:
 
 * ``step_build``: the whole step call (graph built, not evaluated): checks,
-  cache bookkeeping, the model's flattening and MLX's replay;
+  cache bookkeeping, (without ``decode-const``) the model's flattening, and
+  MLX's replay;
 * ``model_as_input``: a compiled identity function with the model as its
   captured input tree (``mx.compile(f, inputs=model)``): the flattening and
   input handling alone;
-* ``concats``: the concatenated projections' validity checks (all passing);
+* ``checks``: the step's validity checks (all passing): the parameter
+  record's identities with ``decode-const``, else the concatenated
+  projections';
 
 and then ``--tokens`` tokens of mlx-lm's pipelined decode loop (token t+1
 built and enqueued before token t is read), per token (medians):
@@ -32,7 +37,7 @@ Writes ``profile-decode-host-<device>.json`` into OUT.
 
 Usage:
     python benchmarks/profile_decode_host.py OUT [--preset full] [--experts N]
-        [--repeats 200] [--tokens 200]
+        [--repeats 200] [--tokens 200] [--disable decode-const]
 """
 
 from __future__ import annotations
@@ -73,6 +78,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=positive_int, default=200, help="timed calls per form")
     p.add_argument("--tokens", type=positive_int, default=200,
                    help="tokens of the pipelined decode loop")
+    p.add_argument("--disable", default="",
+                   help="comma-separated optimizations to switch off in the fused model "
+                        "(QAB_DISABLE's names, e.g. decode-const)")
     p.add_argument("--as-gpu", choices=["cuda", "metal"], default=None,
                    help="build that GPU's decode step on any machine (count_decode_ops.py's "
                         "stand-ins: the launches are markers) and time only its calls, not "
@@ -108,13 +116,14 @@ def _profile(args, b, variant_model, write_result) -> int:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    model = variant_model(b, "fused")
+    model = variant_model(b, "fused", disable=[d for d in args.disable.split(",") if d])
     text = model.language_model
     step = text.__dict__.get("_qab_decode")
     if step is None:
         raise SystemExit("profile_decode_host.py: the compiled decode step is not installed "
                          "(QAB_DISABLE=decode-compile?)")
     n_arrays = len(tree_flatten(text.parameters()))
+    const = bool(getattr(step, "const", False))
     # Traced first: tracing with the model as input re-wraps its arrays, which
     # makes the step rebuild once on its next call (in _primed, not timed).
     as_input = mx.compile(lambda x: x + 1, inputs=text)
@@ -123,18 +132,20 @@ def _profile(args, b, variant_model, write_result) -> int:
     cache, y = _primed(model)
     # Timed while every check passes (a stale one returns at its first mismatch).
     if not step._still_valid():
-        raise RuntimeError("the step's concatenations are not valid after priming")
-    concats_ms = _median_ms(step._still_valid, args.repeats)
+        raise RuntimeError("the step's checks do not pass after priming")
+    checks_ms = _median_ms(step._still_valid, args.repeats)
     rows = dict(
         arrays=n_arrays,
+        decode_const=const,
         # Built, never evaluated: each call appends one token's graph.
         step_build_ms=_median_ms(lambda: model(y, cache=cache), args.repeats),
         model_as_input_ms=_median_ms(lambda: as_input(x), args.repeats),
-        concats_ms=concats_ms,
+        checks_ms=checks_ms,
     )
-    print(f"{n_arrays} arrays: step call {rows['step_build_ms']:.3f} ms; of it the model as a "
-          f"compile input {rows['model_as_input_ms']:.3f} ms, the concatenations' checks "
-          f"{rows['concats_ms']:.3f} ms", flush=True)
+    print(f"{n_arrays} arrays, decode-const {'on' if const else 'off'}: step call "
+          f"{rows['step_build_ms']:.3f} ms; the model as a compile input alone "
+          f"{rows['model_as_input_ms']:.3f} ms; the step's checks {rows['checks_ms']:.3f} ms",
+          flush=True)
     if args.as_gpu:
         from _common import device_name
 

@@ -17,7 +17,8 @@ per-graph MB limit), one with 40 more small inputs and one with 10 outputs
 (the one-launch MoE block has 38 inputs and 10 outputs), and, as a decode
 token's layers each read their own weights, one whose every operation reads 40
 small arrays of its own against one reading the same bytes as one array of its
-own (all of them compile inputs, as the decode step's model is). Best of
+own (compile inputs, as the decode step's model is without ``decode-const``,
+and the same arrays as trace constants, as with it). Best of
 ``--repeats`` after two warm-ups. Writes ``profile-encode-<device>.json`` into OUT.
 
 Usage:
@@ -36,6 +37,10 @@ HERE = Path(__file__).resolve().parent
 for p in (SRC, HERE):
     if p.is_dir() and str(p) not in sys.path:
         sys.path.insert(0, str(p))
+
+#: The form of each per-operation case whose arrays are trace constants.
+_CONSTANT_FORM = {"custom_40_distinct_inputs": "custom_40_distinct_constants",
+                  "custom_1_distinct_input": "custom_1_distinct_constant"}
 
 _BODY = """
   unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -133,6 +138,9 @@ def main(argv=None) -> int:
                 return x
 
             distinct[name] = (chain, mx.compile(chain, inputs=arrays))
+            # The same arrays as trace constants (decode-const): nothing to
+            # bind per call but the activation row.
+            distinct[_CONSTANT_FORM[name]] = (chain, mx.compile(chain))
         chains["custom_10_outputs"] = lambda x: touts(
             inputs=[x], template=[("InT", x.dtype)], grid=(2048, 1, 1), threadgroup=(256, 1, 1),
             output_shapes=[x.shape] + [(4,)] * 9, output_dtypes=[x.dtype] * 10)[0]

@@ -298,7 +298,7 @@ def test_bad_boolean_and_list_variables_name_themselves(monkeypatch):
     monkeypatch.setenv("QAB_DISABLE", "moe,foo")
     with pytest.raises(EnvVarError, match=r"^QAB_DISABLE: unknown optimization 'foo' \(known: "
                                           r"moe, gdn, attn, all, gdn-kernel, moe-gemm, "
-                                          r"moe-kernel, moe-route, moe-block, attn-blocks, attn-split, attn-kernel, qk-prep, decode-compile, "
+                                          r"moe-kernel, moe-route, moe-block, attn-blocks, attn-split, attn-kernel, qk-prep, decode-compile, decode-const, "
                                           r"proj-concat, gemv-kernel, embed-kernel, proj-gemv, add-norm, norm-proj, next-norm, kv-in-place, "
                                           r"moe-block-stage, gemv-pipe, attn-lanes, moe-block-early, "
                                           r"l2-prefetch, moe-block-out-proj, moe-block-next-proj, moe-block-gdn, moe-block-pack, attn-step, "

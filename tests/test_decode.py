@@ -163,33 +163,46 @@ def test_compiled_step_sees_replaced_projection_weights(tiny_hf_f32, monkeypatch
     _assert_same_decoding(comp, eager, prompt)
 
 
-def test_compiled_step_reads_replaced_parameters(tiny_hf_f32, monkeypatch):
-    # The model is a compile input: parameters replaced after tracing (the
-    # final norm's weight, an expert weight, a whole new norm module) are what
-    # the next tokens use, as in eager decoding. So are arrays changed in place
-    # (`w *= c`, `w[...] = v`: MLX swaps the array inside the same Python
-    # object, which an identity check of the parameters would not see).
+@pytest.mark.parametrize("const", [True, False], ids=["decode-const", "inputs"])
+def test_compiled_step_reads_replaced_parameters(tiny_hf_f32, monkeypatch, const):
+    # Parameters replaced after tracing (the final norm's weight, an expert
+    # weight, a whole new norm module) are what the next tokens use, as in
+    # eager decoding: with decode-const (parameters as trace constants) the
+    # identity check rebuilds the step; without it the model is a compile
+    # input, read live, and so are arrays changed in place (`w *= c`,
+    # `w[...] = v`: MLX swaps the array inside the same Python object, which
+    # the identity check does not see: decode-const's documented limit).
     import mlx.nn as nn
 
     monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    if not const:
+        monkeypatch.setenv("QAB_DISABLE", "decode-const")
     comp, _ = load(tiny_hf_f32, "fused")
     monkeypatch.delenv("QAB_ENABLE")
     monkeypatch.setenv("QAB_DISABLE", "decode-compile")
     eager, _ = load(tiny_hf_f32, "fused")
+    step = comp.language_model.__dict__["_qab_decode"]
+    assert step.const is const
+    assert any("(decode-const in QAB_DISABLE / disable=)" in n
+               for n in comp.qab_report.notes) is not const
     prompt = mx.array([(i * 29) % 900 for i in range(20)])
     _greedy(comp, prompt, 12)
+    builds = step.builds
     for m in (comp, eager):
         lm = m.language_model.model
         lm.norm.weight = lm.norm.weight * 0.5 + 0.3
         mlp = lm.layers[0].mlp
         mlp.switch_mlp.down_proj.weight = mlp.switch_mlp.down_proj.weight * -1.0
     _assert_same_decoding(comp, eager, prompt)
+    assert step.builds == builds + const  # constants: rebuilt once; inputs: read live
     for m in (comp, eager):
         lm = m.language_model.model
         old = lm.norm
         lm.norm = nn.RMSNorm(old.weight.shape[0], eps=old.eps)
         lm.norm.weight = old.weight * 2.0
     _assert_same_decoding(comp, eager, prompt)
+    if const:
+        return
     for m in (comp, eager):
         lm = m.language_model.model
         lm.norm.weight *= -1.0
@@ -372,12 +385,14 @@ def test_kv_in_place_switch(tiny_hf_f32, monkeypatch):
 
 
 def test_another_models_eager_calls_do_not_make_the_step_recheck(tiny_hf_f32, monkeypatch):
-    # The step re-records its flattened concatenation checks only when one of
-    # ITS concatenations was refreshed (an eager compiled layer that traced),
+    # Without decode-const (the parameters as compile inputs), the step
+    # re-records its flattened concatenation checks only when one of ITS
+    # concatenations was refreshed (an eager compiled layer that traced),
     # not when another fused model in the process runs prefills in between.
     import qwen_apple_backend.decode as dec
 
     monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    monkeypatch.setenv("QAB_DISABLE", "decode-const")
     m, _ = load(tiny_hf_f32, "fused")
     other, _ = load(tiny_hf_f32, "fused")
     cache = make_prompt_cache(m)

@@ -27,7 +27,10 @@ already written, which are never written again, unless the cache is
 trimmed and decoded again over them.
 
 So one trace serves every token until the KV buffer grows (once per 256
-tokens), and Python graph building leaves the per-token path. The adapter
+tokens), and Python graph building leaves the per-token path. The model's
+parameters are trace constants, checked by identity before every call
+(``decode-const``; see :class:`_CompiledDecode`): per token MLX binds only
+the token, the offset and the caches. The adapter
 installs the step on the text model by default on a GPU (``decode-compile``;
 on the H200, full Qwen3.6-35B-A3B shape: 64.6 -> 128.2 tokens/s at a 4K
 context, 92.1 -> 102.3 at 32K, ``benchmarks/decode_split.py``); on the CPU,
@@ -54,6 +57,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from .layers._watch import ParameterRecord
 from .ops.attention import decode_kv_mask, kv_cache_write, kv_cache_write_ops, kv_write_ready
 from .ops.moe import serial_decode_trace
 
@@ -229,26 +233,42 @@ def _final_norm_backend(text: Any, tokens: mx.array) -> Optional[str]:
 class _CompiledDecode:
     """The traced step of one text model (held weakly, so the model can be freed).
 
-    The model is a compile input (``inputs=[model, ...]``): replaced
-    parameters are read live. Its tree is flattened on every call (measured
-    on the CPU: ~0.3 us per array, ~0.6 ms per token for Qwen3.6's ~2,000
-    arrays), but making the parameters trace constants needs a check that
-    they were not replaced, and MLX re-wraps a module's arrays in new Python
-    objects whenever a compiled layer (``inputs=self``) traces a new shape,
-    so an identity check would rebuild the step after such prompts.
-    The concatenated input projections (``proj-concat``) valid when the step
+    With ``const`` (``decode-const``, the default) the model's arrays, and
+    the concatenated input projections' and MoE blocks' packs valid when
+    the step is built, are trace CONSTANTS: MLX binds only the token, the
+    offset and the caches per call, not ~1,600 parameter arrays (a compile
+    input costs MLX host time per array on every call: Qwen3.6's text model
+    as a compile input took 0.28 ms per call on the H200's host,
+    ``profile-decode-host-nvidia-h200-pipelined.json``). A
+    :class:`~qwen_apple_backend.layers._watch.ParameterRecord` of the model
+    is checked before every call: an array or module replaced since
+    (``load_weights``, ``update``, an assignment) rebuilds the step. The
+    fused layers' own compiled functions re-wrap their arrays when they
+    trace; they keep the record current
+    (:func:`~qwen_apple_backend.layers._watch.compile_watched`), and after
+    a call of the step that traced, the record is taken anew (the call
+    started valid). An array changed IN PLACE (``w *= c``, ``w[...] = v``)
+    is not seen: decoding keeps the old values (as the concatenations and
+    packs always do); ``QAB_DISABLE=decode-const`` reads every parameter
+    live.
+
+    Without ``const`` the model is a compile input (``inputs=[model,
+    ...]``): its tree is flattened on every call and parameters are read
+    live. The concatenations (``proj-concat``) and packs valid when the step
     is built are compile inputs too (their arrays live outside the module
-    tree), so the trace runs one matmul per concatenation, as eager calls do.
-    Every call first checks (:meth:`ConcatProjection.valid`) that each of
-    them still holds: a child replaced or given new arrays since
-    (``load_weights``, ``update``) rebuilds the compiled function without
-    that concatenation.
+    tree), so the trace runs one matmul per concatenation, as eager calls
+    do; every call first checks (:meth:`ConcatProjection.valid`) that each
+    still holds: a child replaced or given new arrays since rebuilds the
+    compiled function without that concatenation.
     """
 
-    def __init__(self, model: Any, call, in_place: bool = True, final_norm: bool = True):
+    def __init__(self, model: Any, call, in_place: bool = True, final_norm: bool = True,
+                 const: bool = True):
         self._model = weakref.ref(model)
         self.allow_in_place = in_place
         self.allow_final_norm = final_norm
+        self.const = const
+        self._record: Optional[ParameterRecord] = None
         self._final_norm: Optional[str] = None  # the trace being built: norm-in-lm_head backend
         self._call = call
         self._fn = None
@@ -278,9 +298,18 @@ class _CompiledDecode:
         self._uses = [c for c, _ in pairs]
         self._owners = [owner for _, owner in pairs]
         self._record_checks()
-        self._fn = mx.compile(self._step, inputs=[model, [c.cat for c in self._uses]])
+        if self.const:
+            self._fn = mx.compile(self._step)
+            self._take_record(model)
+        else:
+            self._fn = mx.compile(self._step, inputs=[model, [c.cat for c in self._uses]])
         self._traced = {}
         self.builds += 1
+
+    def _take_record(self, model: Any) -> None:
+        """Record the model's parameter tree (``const``) and let its modules keep it current."""
+        self._record = ParameterRecord(model)
+        self._record.watch()
 
     def _record_checks(self) -> None:
         """Flatten every used concatenation's :meth:`ConcatProjection.valid` test."""
@@ -292,11 +321,19 @@ class _CompiledDecode:
         self._checks_at = list(map(_REFRESHES, self._uses))
 
     def _still_valid(self) -> bool:
-        """Every used concatenation still :meth:`~ConcatProjection.valid`, in two C-level
-        passes over ~900 identities (~80 concatenations; 80 Python calls before;
-        ``benchmarks/profile_decode_host.py`` times it as ``concats_ms``); re-recorded
-        first if a concatenation was refreshed since (an eager compiled layer that
+        """Whether the built step still applies (``benchmarks/profile_decode_host.py``
+        times it as ``checks_ms``).
+
+        With ``const``: the model still holds every recorded array and module
+        (:meth:`ParameterRecord.valid`, C-level passes over ~4,000 entries for
+        Qwen3.6), which implies that every used concatenation and pack is
+        still valid (their modules and arrays are in the tree). Otherwise:
+        every used concatenation still :meth:`~ConcatProjection.valid`, in
+        two C-level passes over ~900 identities; re-recorded first if a
+        concatenation was refreshed since (an eager compiled layer that
         traced re-wraps its arrays)."""
+        if self.const:
+            return self._record is not None and self._record.valid()
         if list(map(_REFRESHES, self._uses)) != self._checks_at:
             self._record_checks()
         containers, keys, expected, children, types = self._checks
@@ -438,6 +475,10 @@ class _CompiledDecode:
             self._traced[key] = self._copied
             for c in self._uses:
                 c.refresh()
+            if self.const:
+                # The layers' compiled functions traced inside re-wrapped
+                # their arrays; the call started valid: record them anew.
+                self._take_record(self._model())
         for i, pair in zip(self._traced[key], kv_out):
             kvs[i].keys, kvs[i].values = pair
         for c in kvs:
@@ -474,7 +515,7 @@ def _decode_class(base: type) -> type:
 
 
 def install_compiled_decode(text_model: Any, in_place: bool = True,
-                            final_norm: bool = True) -> bool:
+                            final_norm: bool = True, const: bool = True) -> bool:
     """Route ``text_model``'s one-token calls through a compiled decode step.
 
     The instance's class is swapped for a subclass that adds the compiled
@@ -490,6 +531,10 @@ def install_compiled_decode(text_model: Any, in_place: bool = True,
         final_norm (bool): run the text model's final RMSNorm inside
             ``lm_head``'s GEMV launch where that kernel is ready
             (``norm-proj``; see :func:`_final_norm_backend`). Default True.
+        const (bool): trace the parameters as constants, checked by identity
+            before every call (``decode-const``; arrays changed in place
+            are not seen; False: the model is a compile input, read live
+            on every call). See :class:`_CompiledDecode`. Default True.
 
     Returns:
         bool: True when installed (False if it already was).
@@ -499,7 +544,7 @@ def install_compiled_decode(text_model: Any, in_place: bool = True,
     base = type(text_model)
     text_model.__class__ = _decode_class(base)
     object.__setattr__(text_model, "_qab_decode",
-                       _CompiledDecode(text_model, base.__call__, in_place, final_norm))
+                       _CompiledDecode(text_model, base.__call__, in_place, final_norm, const))
     return True
 
 

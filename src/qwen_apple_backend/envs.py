@@ -10,6 +10,7 @@ Variables:
         (``moe``, ``gdn``, ``attn``, ``all``) or single optimizations to
         switch off (``gdn-kernel``, ``moe-gemm``, ``moe-kernel``, ``moe-route``, ``moe-block``,
         ``attn-blocks``, ``attn-split``, ``attn-kernel``, ``qk-prep``, ``decode-compile``,
+        ``decode-const``,
         ``proj-concat``, ``gemv-kernel``, ``embed-kernel``, ``proj-gemv``, ``add-norm``,
         ``norm-proj``,
         ``next-norm``, ``kv-in-place``, ``moe-block-stage``, ``gemv-pipe``,
@@ -93,6 +94,10 @@ OPTIMIZATIONS = {
     # a one-token call's q/k RMSNorm + RoPE in one CUDA launch (qk_norm_rope)
     "qk-prep": "attn",
     "decode-compile": "model",  # the compiled one-token decode step (decode.py)
+    # the compiled decode step holds the model's parameters as trace constants, checked by
+    # identity before every call, instead of ~1,600 compile inputs bound per token (decode.py;
+    # arrays changed in place are then not seen)
+    "decode-const": "model",
     "proj-concat": "model",  # sibling input projections run as one matmul (layers/_concat.py)
     "gemv-kernel": "model",  # the CUDA dense 4-bit decode GEMV for lm_head (ops/linear.py)
     # a decode token's quantized embedding rows in one CUDA launch (embedding_dequantize: MLX's

@@ -18,6 +18,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 from qwen_apple_backend.layers._concat import ConcatProjection
+from qwen_apple_backend.layers._watch import compile_watched
 from qwen_apple_backend.layers.linear import DeferredProjection
 from qwen_apple_backend.ops import attention as attn_ops
 from qwen_apple_backend.ops.moe import serial_decode_tracing
@@ -555,6 +556,6 @@ class FusedGQAAttention(nn.Module):
                 return self._project(x, offset, use_cat, prep_kernel, norm_weight, norm_backend,
                                      norm_eps, gemv, pre)
 
-            fn = mx.compile(project, inputs=self)
+            fn = compile_watched(self, project)
             fns[key] = fn
         return fn

@@ -28,6 +28,7 @@ from mlx_lm.models.switch_layers import (
 
 from qwen_apple_backend import envs
 from qwen_apple_backend.layers._concat import ConcatProjection
+from qwen_apple_backend.layers._watch import compile_watched
 from qwen_apple_backend.layers.linear import DeferredGatedDelta, DeferredProjection, ProjectedInput
 from qwen_apple_backend.ops.linear import GEMV_MAX_ROWS
 from qwen_apple_backend.ops.moe import (
@@ -879,8 +880,8 @@ class FusedSparseMoeBlock(nn.Module):
             # The module itself is the captured input tree, so parameters
             # replaced after fusing (load_weights, update) are read live;
             # one trace per shared-expert and routing path.
-            fn = mx.compile(partial(self._forward, use_cat=use_cat, fold=fold, router=router),
-                            inputs=self)
+            fn = compile_watched(self, partial(self._forward, use_cat=use_cat, fold=fold,
+                                               router=router))
             fns[key] = fn
         return fn
 
@@ -1245,7 +1246,7 @@ class FusedSparseMoeBlock(nn.Module):
                 # The module is the captured input tree (parameters replaced
                 # after fusing are read live); the norm weights are arguments,
                 # the counter a constant of the graph.
-                fn = mx.compile(partial(self._add_norm_route_forward, **kw), inputs=self)
+                fn = compile_watched(self, partial(self._add_norm_route_forward, **kw))
                 fns[key] = fn
         out = fn(*args)
         if pack is not None and self.compile_decode and not serial:
