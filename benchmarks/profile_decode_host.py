@@ -78,6 +78,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=positive_int, default=200, help="timed calls per form")
     p.add_argument("--tokens", type=positive_int, default=200,
                    help="tokens of the pipelined decode loop")
+    p.add_argument("--const-ab", type=positive_int, default=None, metavar="ROUNDS",
+                   help="instead: the step call with decode-const on and off, alternating in "
+                        "one process for ROUNDS rounds of --repeats calls (the same model; "
+                        "the step rebuilt before each round)")
     p.add_argument("--disable", default="",
                    help="comma-separated optimizations to switch off in the fused model "
                         "(QAB_DISABLE's names, e.g. decode-const)")
@@ -123,6 +127,8 @@ def _profile(args, b, variant_model, write_result) -> int:
         raise SystemExit("profile_decode_host.py: the compiled decode step is not installed "
                          "(QAB_DISABLE=decode-compile?)")
     n_arrays = len(tree_flatten(text.parameters()))
+    if args.const_ab:
+        return _const_ab(args, model, step, n_arrays, write_result)
     const = bool(getattr(step, "const", False))
     # Traced first: tracing with the model as input re-wraps its arrays, which
     # makes the step rebuild once on its next call (in _primed, not timed).
@@ -166,6 +172,34 @@ def _profile(args, b, variant_model, write_result) -> int:
     path = write_result(args.out, "profile-decode-host",
                         dict(preset=args.preset, experts=args.experts, repeats=args.repeats,
                              layers=len(text.model.layers), **rows))
+    print(f"wrote {path}")
+    os._exit(0)  # the built, unevaluated graphs are dropped, not evaluated
+
+
+def _const_ab(args, model, step, n_arrays, write_result) -> int:
+    """The step call with ``decode-const`` on and off, alternating (``--const-ab``)."""
+    from _common import device_name
+
+    per = {True: [], False: []}
+    for rnd in range(args.const_ab):
+        for const in (True, False):
+            step.const, step._fn = const, None  # rebuilt by the next call
+            cache, y = _primed(model)
+            if not step._still_valid():
+                raise RuntimeError("the step's checks do not pass after priming")
+            per[const].append(_median_ms(lambda: model(y, cache=cache), args.repeats))
+            print(f"round {rnd}: decode-const {'on ' if const else 'off'} step call "
+                  f"{per[const][-1]:.3f} ms", flush=True)
+    on, off = (statistics.median(per[c]) for c in (True, False))
+    print(f"median of {args.const_ab} rounds: {on:.3f} ms with decode-const, {off:.3f} without "
+          f"({off - on:+.3f} ms per call)", flush=True)
+    device = device_name() + (f" as {args.as_gpu}" if args.as_gpu else "")
+    path = write_result(args.out, "profile-decode-host-const",
+                        dict(preset=args.preset, experts=args.experts, repeats=args.repeats,
+                             rounds=args.const_ab, layers=len(model.language_model.model.layers),
+                             arrays=n_arrays, step_build_ms_const=on, step_build_ms_inputs=off,
+                             rounds_const=per[True], rounds_inputs=per[False]),
+                        device=device)
     print(f"wrote {path}")
     os._exit(0)  # the built, unevaluated graphs are dropped, not evaluated
 

@@ -174,17 +174,14 @@ def test_compiled_step_reads_replaced_parameters(tiny_hf_f32, monkeypatch, const
     # the identity check does not see: decode-const's documented limit).
     import mlx.nn as nn
 
-    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
-    if not const:
-        monkeypatch.setenv("QAB_DISABLE", "decode-const")
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile,decode-const" if const else "decode-compile")
     comp, _ = load(tiny_hf_f32, "fused")
     monkeypatch.delenv("QAB_ENABLE")
     monkeypatch.setenv("QAB_DISABLE", "decode-compile")
     eager, _ = load(tiny_hf_f32, "fused")
     step = comp.language_model.__dict__["_qab_decode"]
     assert step.const is const
-    assert any("(decode-const in QAB_DISABLE / disable=)" in n
-               for n in comp.qab_report.notes) is not const
+    assert any("(decode-const from QAB_ENABLE)" in n for n in comp.qab_report.notes) is const
     prompt = mx.array([(i * 29) % 900 for i in range(20)])
     _greedy(comp, prompt, 12)
     builds = step.builds
@@ -210,13 +207,16 @@ def test_compiled_step_reads_replaced_parameters(tiny_hf_f32, monkeypatch, const
     _assert_same_decoding(comp, eager, prompt)
 
 
-def test_new_short_prompts_do_not_rebuild_the_step(tiny_hf_f32, monkeypatch):
+@pytest.mark.parametrize("const", [True, False], ids=["decode-const", "inputs"])
+def test_new_short_prompts_do_not_rebuild_the_step(tiny_hf_f32, monkeypatch, const):
     # Short prompts of new lengths trace the layers' own compiled functions,
     # which re-wraps their arrays in new Python objects; the step must not
     # take that for replaced parameters (a rebuild retraces the whole step).
-    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    # With decode-const the layers' watched calls keep its record current.
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile,decode-const" if const else "decode-compile")
     comp, _ = load(tiny_hf_f32, "fused")
     step = comp.language_model.__dict__["_qab_decode"]
+    assert step.const is const
     for n in (5, 3, 2, 4):
         _greedy(comp, mx.array([(i * 31 + n) % 900 for i in range(n)]), 6)
     assert step.builds == 1 and step.compiled_calls >= 16
@@ -385,14 +385,13 @@ def test_kv_in_place_switch(tiny_hf_f32, monkeypatch):
 
 
 def test_another_models_eager_calls_do_not_make_the_step_recheck(tiny_hf_f32, monkeypatch):
-    # Without decode-const (the parameters as compile inputs), the step
-    # re-records its flattened concatenation checks only when one of ITS
+    # Without decode-const (the parameters as compile inputs: the default),
+    # the step re-records its flattened concatenation checks only when one of ITS
     # concatenations was refreshed (an eager compiled layer that traced),
     # not when another fused model in the process runs prefills in between.
     import qwen_apple_backend.decode as dec
 
     monkeypatch.setenv("QAB_ENABLE", "decode-compile")
-    monkeypatch.setenv("QAB_DISABLE", "decode-const")
     m, _ = load(tiny_hf_f32, "fused")
     other, _ = load(tiny_hf_f32, "fused")
     cache = make_prompt_cache(m)

@@ -27,10 +27,11 @@ already written, which are never written again, unless the cache is
 trimmed and decoded again over them.
 
 So one trace serves every token until the KV buffer grows (once per 256
-tokens), and Python graph building leaves the per-token path. The model's
-parameters are trace constants, checked by identity before every call
-(``decode-const``; see :class:`_CompiledDecode`): per token MLX binds only
-the token, the offset and the caches. The adapter
+tokens), and Python graph building leaves the per-token path. The model is
+a compile input, read live; with ``QAB_ENABLE=decode-const`` its parameters
+are trace constants instead, checked by identity before every call (see
+:class:`_CompiledDecode`): per token MLX then binds only the token, the
+offset and the caches. The adapter
 installs the step on the text model by default on a GPU (``decode-compile``;
 on the H200, full Qwen3.6-35B-A3B shape: 64.6 -> 128.2 tokens/s at a 4K
 context, 92.1 -> 102.3 at 32K, ``benchmarks/decode_split.py``); on the CPU,
@@ -233,7 +234,7 @@ def _final_norm_backend(text: Any, tokens: mx.array) -> Optional[str]:
 class _CompiledDecode:
     """The traced step of one text model (held weakly, so the model can be freed).
 
-    With ``const`` (``decode-const``, the default) the model's arrays, and
+    With ``const`` (``decode-const``, opt-in) the model's arrays, and
     the concatenated input projections' and MoE blocks' packs valid when
     the step is built, are trace CONSTANTS: MLX binds only the token, the
     offset and the caches per call, not ~1,600 parameter arrays (a compile
@@ -249,8 +250,7 @@ class _CompiledDecode:
     a call of the step that traced, the record is taken anew (the call
     started valid). An array changed IN PLACE (``w *= c``, ``w[...] = v``)
     is not seen: decoding keeps the old values (as the concatenations and
-    packs always do); ``QAB_DISABLE=decode-const`` reads every parameter
-    live.
+    packs always do), which is why it is opt-in (``QAB_ENABLE=decode-const``).
 
     Without ``const`` the model is a compile input (``inputs=[model,
     ...]``): its tree is flattened on every call and parameters are read
@@ -263,7 +263,7 @@ class _CompiledDecode:
     """
 
     def __init__(self, model: Any, call, in_place: bool = True, final_norm: bool = True,
-                 const: bool = True):
+                 const: bool = False):
         self._model = weakref.ref(model)
         self.allow_in_place = in_place
         self.allow_final_norm = final_norm
@@ -515,7 +515,7 @@ def _decode_class(base: type) -> type:
 
 
 def install_compiled_decode(text_model: Any, in_place: bool = True,
-                            final_norm: bool = True, const: bool = True) -> bool:
+                            final_norm: bool = True, const: bool = False) -> bool:
     """Route ``text_model``'s one-token calls through a compiled decode step.
 
     The instance's class is swapped for a subclass that adds the compiled
@@ -534,7 +534,7 @@ def install_compiled_decode(text_model: Any, in_place: bool = True,
         const (bool): trace the parameters as constants, checked by identity
             before every call (``decode-const``; arrays changed in place
             are not seen; False: the model is a compile input, read live
-            on every call). See :class:`_CompiledDecode`. Default True.
+            on every call). See :class:`_CompiledDecode`. Default False.
 
     Returns:
         bool: True when installed (False if it already was).

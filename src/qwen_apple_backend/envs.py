@@ -33,7 +33,10 @@ Variables:
         lane-group first pass: each faster in one 4K run on the H200, slower
         in two later ones; ``l2-prefetch``, the one-launch MoE block asking
         the L2 for the next layer's input projection while its route runs:
-        what the next launch gains, the block measured to lose on the H200).
+        what the next launch gains, the block measured to lose on the H200;
+        ``decode-const``, the compiled decode step's parameters as trace
+        constants checked by identity instead of compile inputs: arrays
+        changed in place are then not seen by decoding).
         ``QAB_DISABLE`` wins over it. ``next-norm`` needs
         ``moe-route``, which needs ``add-norm`` and ``moe-kernel``.
     QAB_UNVERIFIED_KERNELS: a boolean like ``QAB_DISABLE_KERNELS``; on, it also
@@ -94,9 +97,9 @@ OPTIMIZATIONS = {
     # a one-token call's q/k RMSNorm + RoPE in one CUDA launch (qk_norm_rope)
     "qk-prep": "attn",
     "decode-compile": "model",  # the compiled one-token decode step (decode.py)
-    # the compiled decode step holds the model's parameters as trace constants, checked by
-    # identity before every call, instead of ~1,600 compile inputs bound per token (decode.py;
-    # arrays changed in place are then not seen)
+    # opt-in: the compiled decode step holds the model's parameters as trace constants, checked
+    # by identity before every call, instead of ~1,600 compile inputs bound per token
+    # (decode.py; arrays changed in place are then not seen; CPU: 0.58 vs 0.78 ms per step call)
     "decode-const": "model",
     "proj-concat": "model",  # sibling input projections run as one matmul (layers/_concat.py)
     "gemv-kernel": "model",  # the CUDA dense 4-bit decode GEMV for lm_head (ops/linear.py)
@@ -304,7 +307,7 @@ def kernels_disabled() -> bool:
 # switch on: decode-compile is on by default on a GPU only (host-bound decode:
 # measured on the H200) and off on the CPU (measured no faster there).
 OPT_IN = ("decode-compile", "next-norm", "proj-gemv", "gemv-pipe", "attn-lanes",
-          "l2-prefetch")
+          "l2-prefetch", "decode-const")
 
 
 def enabled_opt_in() -> frozenset[str]:

@@ -646,14 +646,15 @@ class QwenHybridAdapter(Adapter):
             in_place = "kv-in-place" not in disable
             # norm-proj also puts the final RMSNorm in lm_head's GEMV launch
             # (the gemv-kernel lm_head): one launch per token fewer.
-            const = "decode-const" not in disable
+            const = "decode-const" in enabled and "decode-const" not in disable
             install_compiled_decode(getattr(model, "language_model", model), in_place=in_place,
                                     final_norm="norm-proj" not in disable, const=const)
             report.notes.append("one-token decode runs as a compiled step (decode-compile)")
-            if not const:
-                report.notes.append("the compiled decode step reads the parameters as compile "
-                                    "inputs, flattened and bound on every token "
-                                    "(decode-const in QAB_DISABLE / disable=)")
+            if const:
+                report.notes.append("the compiled decode step holds the parameters as trace "
+                                    "constants, checked by identity before every call; arrays "
+                                    "changed in place are not seen (decode-const from "
+                                    "QAB_ENABLE)")
             if not in_place:
                 report.notes.append("the compiled decode step writes the KV cache with "
                                     "slice_update, a copy of the buffers per token, not in place "
