@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Host time of the compiled decode step's call, and how much of it the model as a compile input takes.
 
-The compiled one-token step (``decode.py``) holds the model's parameters as
-trace constants checked by identity (``decode-const``, the default) or, with
-``QAB_DISABLE=decode-const``, captures the model as a compile input, which
-MLX flattens and binds on every call. On a fused preset model (real layer
+The compiled one-token step (``decode.py``) captures the model as a compile
+input, which MLX flattens and binds on every call, or, with
+``QAB_ENABLE=decode-compile,decode-const`` (opt-in), holds the model's
+parameters as trace constants checked by identity. On a fused preset model (real layer
 count and widths; ``--experts`` fewer routed experts changes the experts'
 sizes, not the number of arrays) this times, per call, median of
 ``--repeats``:
@@ -37,7 +37,7 @@ Writes ``profile-decode-host-<device>.json`` into OUT.
 
 Usage:
     python benchmarks/profile_decode_host.py OUT [--preset full] [--experts N]
-        [--repeats 200] [--tokens 200] [--disable decode-const]
+        [--repeats 200] [--tokens 200] [--disable NAMES] [--const-ab ROUNDS]
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
                         "the step rebuilt before each round)")
     p.add_argument("--disable", default="",
                    help="comma-separated optimizations to switch off in the fused model "
-                        "(QAB_DISABLE's names, e.g. decode-const)")
+                        "(QAB_DISABLE's names, e.g. moe-block-pack)")
     p.add_argument("--as-gpu", choices=["cuda", "metal"], default=None,
                    help="build that GPU's decode step on any machine (count_decode_ops.py's "
                         "stand-ins: the launches are markers) and time only its calls, not "

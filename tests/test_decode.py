@@ -72,6 +72,24 @@ def test_non_plain_caches_and_prefill_take_the_eager_path(tiny_hf_f32, monkeypat
     assert step.compiled_calls == 1
 
 
+def test_decode_const_without_the_compiled_step_says_so(tiny_hf_f32, monkeypatch):
+    # decode-const lives in the compiled step: on the CPU without
+    # decode-compile (or with it disabled) the report says it is not used.
+    note = ("decode-const from QAB_ENABLE is not used: it needs the compiled decode step "
+            "(decode-compile), which is off here")
+    monkeypatch.setenv("QAB_ENABLE", "decode-const")
+    m, _ = load(tiny_hf_f32, "fused")
+    # (On a GPU decode-compile is on by default: then it is used.)
+    assert (note in m.qab_report.notes) is not compiled_decode_installed(m.language_model)
+    monkeypatch.setenv("QAB_ENABLE", "decode-const,decode-compile")
+    monkeypatch.setenv("QAB_DISABLE", "decode-compile")
+    assert note in load(tiny_hf_f32, "fused")[0].qab_report.notes
+    monkeypatch.delenv("QAB_DISABLE")
+    m, _ = load(tiny_hf_f32, "fused")
+    assert note not in m.qab_report.notes
+    assert m.language_model.__dict__["_qab_decode"].const is True
+
+
 def test_disable_and_bad_enable(tiny_hf_f32, monkeypatch):
     monkeypatch.setenv("QAB_ENABLE", "decode-compile")
     monkeypatch.setenv("QAB_DISABLE", "decode-compile")
@@ -85,7 +103,7 @@ def test_disable_and_bad_enable(tiny_hf_f32, monkeypatch):
     monkeypatch.setenv("QAB_ENABLE", "moe-route")
     with pytest.raises(ValueError, match=r"^QAB_ENABLE: 'moe-route' is on by default \(QAB_ENABLE "
                                          r"names only decode-compile, next-norm, proj-gemv, gemv-pipe, attn-lanes, "
-                                         r"l2-prefetch; "
+                                         r"l2-prefetch, decode-const; "
                                          r"switch others "
                                          r"off with QAB_DISABLE\)$"):
         load(tiny_hf_f32, "fused")
@@ -190,6 +208,10 @@ def test_compiled_step_reads_replaced_parameters(tiny_hf_f32, monkeypatch, const
         lm.norm.weight = lm.norm.weight * 0.5 + 0.3
         mlp = lm.layers[0].mlp
         mlp.switch_mlp.down_proj.weight = mlp.switch_mlp.down_proj.weight * -1.0
+    # The next eager call (a prefill) lets go of the stale trace and its
+    # constants (the replaced weights), before any decode token.
+    comp(prompt[None], cache=make_prompt_cache(comp))
+    assert (step._fn is None) is const
     _assert_same_decoding(comp, eager, prompt)
     assert step.builds == builds + const  # constants: rebuilt once; inputs: read live
     for m in (comp, eager):

@@ -105,6 +105,22 @@ def test_a_watched_trace_keeps_the_record_and_a_replacement_before_it_does_not()
     assert mx.array_equal(g(x), other.proj(x)).item()
 
 
+def test_a_module_holding_a_tuple_is_not_watched():
+    # MLX rebuilds a tuple when it re-wraps a module's arrays, which the
+    # record cannot follow: such a module gets no span, so its traces count
+    # as a change (a rebuild of the step), never as a valid record.
+    root = _tree()
+    root.pair = (mx.ones((8,)), mx.zeros((8,)))
+    mx.eval(root.parameters())
+    fn = compile_watched(root, lambda v: root.proj(v) + root.pair[0])
+    rec = ParameterRecord(root)
+    rec.watch()
+    assert id(root) not in rec.spans and id(root.proj) in rec.spans
+    assert rec.valid()
+    mx.eval(fn(mx.ones((1, 8))))
+    assert not rec.valid()
+
+
 def test_an_unwatched_trace_breaks_the_record():
     # Without watch() (or through a plain mx.compile), the re-wrap is a
     # mismatch: what the compiled decode step would take for a replacement.

@@ -232,7 +232,9 @@ def _final_norm_backend(text: Any, tokens: mx.array) -> Optional[str]:
 
 
 class _CompiledDecode:
-    """The traced step of one text model (held weakly, so the model can be freed).
+    """The traced step of one text model (held weakly; with ``const`` the
+    parameter record holds the model's tree, so model and step form a cycle
+    that Python's garbage collector frees, as the compile input's did).
 
     With ``const`` (``decode-const``, opt-in) the model's arrays, and
     the concatenated input projections' and MoE blocks' packs valid when
@@ -305,6 +307,15 @@ class _CompiledDecode:
             self._fn = mx.compile(self._step, inputs=[model, [c.cat for c in self._uses]])
         self._traced = {}
         self.builds += 1
+
+    def release_if_stale(self) -> None:
+        """With ``const``: drop the compiled function and the record once the model no
+        longer holds what they were traced with, so replaced weights are freed
+        before the next decode token (called by the text model's other calls:
+        a prefill after ``load_weights`` would otherwise hold both copies)."""
+        if self.const and self._fn is not None and not self._still_valid():
+            self._fn = self._record = None
+            self._traced = {}
 
     def _take_record(self, model: Any) -> None:
         """Record the model's parameter tree (``const``) and let its modules keep it current."""
@@ -507,6 +518,8 @@ def _decode_class(base: type) -> type:
                     step.eager_calls += 1
                     return base.__call__(self, inputs, cache)
                 return step(inputs, cache, layout)
+        if step is not None:
+            step.release_if_stale()
         return base.__call__(self, inputs, cache, **kwargs)
 
     return type(base.__name__, (base,), {"__call__": __call__,

@@ -59,14 +59,20 @@ class ParameterRecord:
         self.node_types: list = []
         self.sized: list = []  # dicts and lists, with their lengths
         self.lengths: list = []
-        #: ``id(module)`` -> ``(lo, hi)``: the module's subtree's array slots.
+        #: ``id(module)`` -> ``(lo, hi)``: the module's subtree's array slots
+        #: (modules whose subtree holds a tuple left out: MLX rebuilds a
+        #: tuple when it re-wraps, which :meth:`rewrapped` does not follow,
+        #: so such a module's traces count as changes: a rebuild, never a
+        #: stale step).
         self.spans: dict = {}
         self._walk(root)
         self.sized.append(root)
         self.lengths.append(len(root))
 
-    def _walk(self, node: Any) -> None:
+    def _walk(self, node: Any) -> bool:
+        """Record ``node``'s subtree; whether it holds a tuple."""
         lo = len(self.expected)
+        tuples = isinstance(node, tuple)
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for key, value in items:
             if isinstance(value, mx.array):
@@ -81,9 +87,10 @@ class ParameterRecord:
                 if not isinstance(value, tuple):
                     self.sized.append(value)
                     self.lengths.append(len(value))
-                self._walk(value)
-        if isinstance(node, nn.Module):
+                tuples = self._walk(value) or tuples
+        if isinstance(node, nn.Module) and not tuples:
             self.spans[id(node)] = (lo, len(self.expected))
+        return tuples
 
     @property
     def size(self) -> int:

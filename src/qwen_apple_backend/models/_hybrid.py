@@ -632,6 +632,12 @@ class QwenHybridAdapter(Adapter):
                                     "next layer's input RMSNorm (next-norm from QAB_ENABLE; "
                                     "needs add-norm, moe-kernel and moe-route"
                                     + _cuda_only_end())
+        if ("decode-const" in enabled and "decode-const" not in disable
+                and any(m.fused for m in report.modules)
+                and ("decode-compile" in disable
+                     or ("decode-compile" not in enabled and gpu_backend() is None))):
+            report.notes.append("decode-const from QAB_ENABLE is not used: it needs the compiled "
+                                "decode step (decode-compile), which is off here")
         if "decode-compile" in disable:
             report.notes.append("compiled decode step off (decode-compile in QAB_DISABLE / disable=)")
         elif not any(m.fused for m in report.modules):
