@@ -46,7 +46,7 @@ from . import _cuda_emulation as emu
 from ._metrics import mx_rel_l2
 from .test_kernels_gpu import (_anr_inputs, _assert_block_is_the_three_launches,
                                _assert_gdn_block_is_gdn_then_block, _assert_pack_is_the_block,
-                               _gdn_step_case,
+                               _fused_pair, _gdn_step_case,
                                _assert_next_proj_block_is_block_then_norm_gemv,
                                _assert_out_proj_block_is_gemv_then_block, _next_proj_case,
                                _out_proj_case,
@@ -2641,6 +2641,21 @@ GDN_BLOCK_PRESET = {
 }
 
 
+def _fake_cuda_gdn_block_preset(monkeypatch) -> None:
+    """Register GDN_BLOCK_PRESET as "gdn-block" and make every op module see a
+    CUDA device whose kernels (unverified ones too) are emulated."""
+    from qwen_apple_backend import checkpoint
+    from qwen_apple_backend.ops import norm as norm_ops
+
+    monkeypatch.setitem(checkpoint.PRESETS, "gdn-block", GDN_BLOCK_PRESET)
+    for module in (gd, moe_ops, lin_ops, attn_ops, norm_ops):
+        monkeypatch.setattr(module, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(norm_ops, "build_kernel", emu.build_kernel)
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    norm_ops._kernel_object.cache_clear()
+
+
 def test_fused_model_runs_the_gdn_step_in_the_moe_block_emulated(monkeypatch):
     # A fused Qwen3.5-MoE model of two Gated DeltaNet layers (and a stock
     # attention one) on a faked CUDA device, every kernel emulated, eager
@@ -2654,17 +2669,9 @@ def test_fused_model_runs_the_gdn_step_in_the_moe_block_emulated(monkeypatch):
     # token, with no GDN launch of its own left in the decode tokens.
     from mlx_lm.models.cache import make_prompt_cache
 
-    from qwen_apple_backend import checkpoint
-    from qwen_apple_backend.bench.target import fuse_in_memory
     from qwen_apple_backend.ops import norm as norm_ops
 
-    monkeypatch.setitem(checkpoint.PRESETS, "gdn-block", GDN_BLOCK_PRESET)
-    for module in (gd, moe_ops, lin_ops, attn_ops, norm_ops):
-        monkeypatch.setattr(module, "gpu_backend", lambda: "cuda")
-    monkeypatch.setattr(norm_ops, "build_kernel", emu.build_kernel)
-    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
-    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
-    norm_ops._kernel_object.cache_clear()
+    _fake_cuda_gdn_block_preset(monkeypatch)
     launches = []
     real_block, real_gdn = moe_ops._moe_decode_block_call, gd._decode_kernel_call
     def block(*a, **k):  # gdn_step: keyword or the 18th positional argument
@@ -2678,12 +2685,8 @@ def test_fused_model_runs_the_gdn_step_in_the_moe_block_emulated(monkeypatch):
     device.reset_self_checks()
     mx.disable_compile()
     try:
-        models = []
-        for disable in ([], ["moe-block-gdn"]):
-            m = checkpoint.build_random_model("gdn-block", vocab_size=512, seed=3)
-            fuse_in_memory(m, "fused", config=checkpoint.hf_config("gdn-block", 512),
-                           disable=disable + ["decode-compile", "attn"])
-            models.append(m)
+        models = _fused_pair("gdn-block", "moe-block-gdn", seed=3,
+                             disable=["decode-compile", "attn"])
         caches = [make_prompt_cache(m) for m in models]
         for t in range(2):
             tok = mx.array([[(t * 53 + 7) % 500]])
@@ -2736,18 +2739,10 @@ def test_fused_model_reads_the_router_and_shared_expert_from_one_pack_emulated(m
     # makes the next call build a new pack from it: the same logits again.
     from mlx_lm.models.cache import make_prompt_cache
 
-    from qwen_apple_backend import checkpoint
-    from qwen_apple_backend.bench.target import fuse_in_memory
     from qwen_apple_backend.layers.moe import BlockPack
     from qwen_apple_backend.ops import norm as norm_ops
 
-    monkeypatch.setitem(checkpoint.PRESETS, "gdn-block", GDN_BLOCK_PRESET)
-    for module in (gd, moe_ops, lin_ops, attn_ops, norm_ops):
-        monkeypatch.setattr(module, "gpu_backend", lambda: "cuda")
-    monkeypatch.setattr(norm_ops, "build_kernel", emu.build_kernel)
-    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
-    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
-    norm_ops._kernel_object.cache_clear()
+    _fake_cuda_gdn_block_preset(monkeypatch)
     launches = []
     real_block = moe_ops._moe_decode_block_call
 
@@ -2762,12 +2757,8 @@ def test_fused_model_reads_the_router_and_shared_expert_from_one_pack_emulated(m
     device.reset_self_checks()
     mx.disable_compile()
     try:
-        models = []
-        for disable in ([], ["moe-block-pack"]):
-            m = checkpoint.build_random_model("gdn-block", vocab_size=512, seed=3)
-            fuse_in_memory(m, "fused", config=checkpoint.hf_config("gdn-block", 512),
-                           disable=disable + ["decode-compile", "attn"])
-            models.append(m)
+        models = _fused_pair("gdn-block", "moe-block-pack", seed=3,
+                             disable=["decode-compile", "attn"])
         caches = [make_prompt_cache(m) for m in models]
 
         def step(t):

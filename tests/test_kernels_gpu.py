@@ -937,6 +937,31 @@ def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(s
             assert all(not mx.any(c).item() for c in counters)
 
 
+#: Qwen3.6's widths at 4 layers (3 Gated DeltaNet, 1 attention), 64 experts of 512.
+QWEN36_WIDTH_PRESET = {
+    "hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "num_experts": 64, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
+
+
+def _fused_pair(preset: str, switch: str, seed: int, disable=()) -> list:
+    """Two fused random models of a registered ``preset`` (vocabulary 512, one
+    seed): as fused by default, and with ``switch`` off (both with ``disable``
+    off too). Shared with tests/test_kernels_cuda_emulated.py."""
+    from qwen_apple_backend import checkpoint
+    from qwen_apple_backend.bench.target import fuse_in_memory
+
+    models = []
+    for off in ([], [switch]):
+        m = checkpoint.build_random_model(preset, vocab_size=512, seed=seed)
+        fuse_in_memory(m, "fused", config=checkpoint.hf_config(preset, 512),
+                       disable=off + list(disable))
+        models.append(m)
+    return models
+
+
 def test_compiled_decode_runs_the_gdn_step_in_the_moe_block(monkeypatch):
     # moe-block-gdn (while its build is unverified: QAB_UNVERIFIED_KERNELS=1):
     # a Qwen3.5-MoE model at Qwen3.6's widths (H 2048; Gated DeltaNet 16 key
@@ -948,24 +973,12 @@ def test_compiled_decode_runs_the_gdn_step_in_the_moe_block(monkeypatch):
     from mlx_lm.models.cache import make_prompt_cache
 
     from qwen_apple_backend import checkpoint
-    from qwen_apple_backend.bench.target import fuse_in_memory
     from qwen_apple_backend.ops import moe as moe_ops
 
     monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
     moe_ops._decode_block_gdn_object.cache_clear()
-    preset = {"hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 16,
-              "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
-              "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-              "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 64,
-              "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-              "shared_expert_intermediate_size": 512}
-    monkeypatch.setitem(checkpoint.PRESETS, "gdn-block-gpu", preset)
-    models = []
-    for disable in ([], ["moe-block-gdn"]):
-        m = checkpoint.build_random_model("gdn-block-gpu", vocab_size=512, seed=5)
-        fuse_in_memory(m, "fused", config=checkpoint.hf_config("gdn-block-gpu", 512),
-                       disable=disable)
-        models.append(m)
+    monkeypatch.setitem(checkpoint.PRESETS, "gdn-block-gpu", QWEN36_WIDTH_PRESET)
+    models = _fused_pair("gdn-block-gpu", "moe-block-gdn", seed=5)
     caches = [make_prompt_cache(m) for m in models]
     prompt = mx.array([[(i * 37) % 500 for i in range(9)]])
     for m, c in zip(models, caches):
@@ -997,26 +1010,14 @@ def test_compiled_decode_reads_the_router_and_shared_expert_from_one_pack(monkey
     from mlx_lm.models.cache import make_prompt_cache
 
     from qwen_apple_backend import checkpoint
-    from qwen_apple_backend.bench.target import fuse_in_memory
     from qwen_apple_backend.layers.moe import BlockPack
     from qwen_apple_backend.ops import moe as moe_ops
 
     monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
     moe_ops._decode_block_gdn_object.cache_clear()
     moe_ops._decode_block_pack_object.cache_clear()
-    preset = {"hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 16,
-              "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
-              "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-              "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 64,
-              "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-              "shared_expert_intermediate_size": 512}
-    monkeypatch.setitem(checkpoint.PRESETS, "pack-gpu", preset)
-    models = []
-    for disable in ([], ["moe-block-pack"]):
-        m = checkpoint.build_random_model("pack-gpu", vocab_size=512, seed=5)
-        fuse_in_memory(m, "fused", config=checkpoint.hf_config("pack-gpu", 512),
-                       disable=disable)
-        models.append(m)
+    monkeypatch.setitem(checkpoint.PRESETS, "pack-gpu", QWEN36_WIDTH_PRESET)
+    models = _fused_pair("pack-gpu", "moe-block-pack", seed=5)
     caches = [make_prompt_cache(m) for m in models]
     prompt = mx.array([[(i * 37) % 500 for i in range(9)]])
     for m, c in zip(models, caches):

@@ -299,11 +299,11 @@ class _CompiledDecode:
         pairs = [(c, owner) for c, owner in _concats(model) if c.valid(owner)]
         self._uses = [c for c, _ in pairs]
         self._owners = [owner for _, owner in pairs]
-        self._record_checks()
         if self.const:
             self._fn = mx.compile(self._step)
             self._take_record(model)
         else:
+            self._record_checks()
             self._fn = mx.compile(self._step, inputs=[model, [c.cat for c in self._uses]])
         self._traced = {}
         self.builds += 1

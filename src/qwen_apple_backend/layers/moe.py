@@ -1008,7 +1008,7 @@ class FusedSparseMoeBlock(nn.Module):
                                                              counter)
         return moe_shared_experts_kernel(fold)(*args, residual=h)
 
-    def _block_pack_for(self, x: mx.array, gdn: bool) -> Optional[BlockPack]:
+    def _block_pack_for(self, gdn: bool) -> Optional[BlockPack]:
         """This block's :class:`BlockPack` if valid, else a new one, or None.
 
         Built (evaluated) only outside the compiled decode step's trace (which
@@ -1023,6 +1023,10 @@ class FusedSparseMoeBlock(nn.Module):
             return pack
         if serial_decode_tracing() or _decode_block_pack_object("cuda", gdn) is None:
             return None
+        return self._new_block_pack()
+
+    def _new_block_pack(self) -> Optional[BlockPack]:
+        """Build this block's :class:`BlockPack` (or None) and keep it."""
         pack = BlockPack.build(self)
         object.__setattr__(self, "_block_pack", pack)
         return pack
@@ -1049,10 +1053,7 @@ class FusedSparseMoeBlock(nn.Module):
                 and moe_ops._decode_block_pack_object("cuda", True) is None):
             return None
         pack = self.__dict__.get("_block_pack")
-        if pack is None or not pack.valid(self):
-            pack = BlockPack.build(self)
-            object.__setattr__(self, "_block_pack", pack)
-        return pack
+        return pack if pack is not None and pack.valid(self) else self._new_block_pack()
 
     def add_norm_forward(self, x: mx.array,
                          r: Union[mx.array, DeferredProjection, DeferredGatedDelta],
@@ -1179,7 +1180,7 @@ class FusedSparseMoeBlock(nn.Module):
         if block is not None and self.block_pack:
             # The same build reading the router and shared expert from one
             # packed copy (moe-block-pack), where that build is ready.
-            pack = self._block_pack_for(x, gd is not None)
+            pack = self._block_pack_for(gd is not None)
             if pack is not None:
                 # (The arguments of the choice made above.)
                 pchoice = self._kernel_choice(

@@ -632,27 +632,27 @@ class QwenHybridAdapter(Adapter):
                                     "next layer's input RMSNorm (next-norm from QAB_ENABLE; "
                                     "needs add-norm, moe-kernel and moe-route"
                                     + _cuda_only_end())
-        if ("decode-const" in enabled and "decode-const" not in disable
-                and any(m.fused for m in report.modules)
-                and ("decode-compile" in disable
-                     or ("decode-compile" not in enabled and gpu_backend() is None))):
-            report.notes.append("decode-const from QAB_ENABLE is not used: it needs the compiled "
-                                "decode step (decode-compile), which is off here")
+        const = "decode-const" in enabled and "decode-const" not in disable
+        const_unused = ("decode-const from QAB_ENABLE is not used: it needs the compiled decode "
+                        "step (decode-compile), which is off here")
         if "decode-compile" in disable:
             report.notes.append("compiled decode step off (decode-compile in QAB_DISABLE / disable=)")
+            if const and any(m.fused for m in report.modules):
+                report.notes.append(const_unused)
         elif not any(m.fused for m in report.modules):
             pass
         elif "decode-compile" not in enabled and gpu_backend() is None:
             # The CPU: off unless QAB_ENABLE=decode-compile (measured no faster).
             report.notes.append("one-token decode runs eagerly on the CPU (QAB_ENABLE="
                                 "decode-compile compiles it; on by default on a GPU)")
+            if const:
+                report.notes.append(const_unused)
         else:
             from ..decode import install_compiled_decode
 
             in_place = "kv-in-place" not in disable
             # norm-proj also puts the final RMSNorm in lm_head's GEMV launch
             # (the gemv-kernel lm_head): one launch per token fewer.
-            const = "decode-const" in enabled and "decode-const" not in disable
             install_compiled_decode(getattr(model, "language_model", model), in_place=in_place,
                                     final_norm="norm-proj" not in disable, const=const)
             report.notes.append("one-token decode runs as a compiled step (decode-compile)")
