@@ -22,7 +22,9 @@ each custom kernel, and each ``mx.fast`` op (RMSNorm, RoPE, attention) and
 ``mx.dequantize`` that the CPU would split into many primitives, is a
 stand-in whose outputs hang off one marker primitive per launch (counted back
 as ``stand-in``) and depend on its inputs. Nothing is evaluated through the stand-ins, so the
-counts, not the values, are what it shows.
+counts, not the values, are what it shows. With ``--as-gpu`` each row also counts the arrays the
+counted token's launches bind (``bound_arrays``: all bindings, distinct arrays, and per kernel
+name): MLX's host cost per launch grows with each, most with each distinct one.
 
 Writes ``decode-ops-<device>.json`` into OUT.
 
@@ -73,6 +75,9 @@ class GpuStandIn:
     def __init__(self, backend: str):
         self.backend = backend
         self.calls: collections.Counter = collections.Counter()
+        #: ``(name, [input arrays])`` of every launch since the last clear
+        #: (what each launch binds; see :func:`bound_arrays`).
+        self.launches: list = []
         self._undo: list = []
 
     def _set(self, module, name, value):
@@ -87,6 +92,7 @@ class GpuStandIn:
         # mx.compile neither fuses nor merges it: its input is a fresh
         # constant); further outputs hang off a CumMax marker.
         self.calls[name] += 1
+        self.launches.append((name, [d for d in deps if isinstance(d, mx.array)]))
         outs = []
         for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
             # Integer outputs (expert indices) are 0, a valid index for the
@@ -179,13 +185,42 @@ class GpuStandIn:
         return ops
 
 
-def decode_step_ops(model, context: int) -> collections.Counter:
+def bound_arrays(launches: list) -> dict:
+    """What a token's launches bind: ``{"launches", "bound", "distinct", "by_name"}``.
+
+    MLX's host cost per launch grows with each array it binds, and most with
+    each distinct one (``benchmarks/profile_encode.py``: ~0.9 us per distinct
+    array per token on the H200, ~0.2 us per repeated one). ``launches`` is
+    :attr:`GpuStandIn.launches` for one token: ``bound`` counts every input
+    of every launch, ``distinct`` the different arrays among them (by
+    identity: in the compiled step's trace each parameter is one tracer),
+    ``by_name`` per kernel name ``[launches, bound, first-bound]``, the last
+    counting the arrays no earlier launch of the token bound.
+    """
+    seen, by = set(), {}
+    for name, deps in launches:
+        row = by.setdefault(name, [0, 0, 0])
+        row[0] += 1
+        row[1] += len(deps)
+        for d in deps:
+            if id(d) not in seen:
+                seen.add(id(d))
+                row[2] += 1
+    return dict(launches=len(launches), bound=sum(len(d) for _, d in launches),
+                distinct=len(seen), by_name=by)
+
+
+def decode_step_ops(model, context: int, stand_in: "GpuStandIn | None" = None
+                    ) -> collections.Counter:
     """Primitives of one greedy decode step after a ``context``-token prefill.
 
     The counted step is the second decode token: the first one runs eagerly
     (kernel self-checks, and the compiled decode step installs from the
     second token on), so with ``decode-compile`` on, the count is the
-    compiled step's replayed graph.
+    compiled step's replayed graph. With ``stand_in``, its
+    :attr:`~GpuStandIn.launches` hold, after the call, the launches of one
+    more token run with ``mx.compile`` off (the same Python, so the same
+    launches and arguments as the compiled step's trace).
     """
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -197,7 +232,19 @@ def decode_step_ops(model, context: int) -> collections.Counter:
     y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
     mx.eval(y, [c.state for c in cache])
     nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
-    return count_primitives([nxt])
+    ops = count_primitives([nxt])
+    if stand_in is not None:
+        # One more token with mx.compile off: every compiled function (the
+        # step's and the layers' own, whose traces the step's replays
+        # without calling them) runs its Python, so every launch reaches
+        # the stand-ins, with the arrays the trace would bind.
+        stand_in.launches.clear()
+        mx.disable_compile()
+        try:
+            mx.eval(model(nxt[:, None], cache=cache))
+        finally:
+            mx.enable_compile()
+    return ops
 
 
 def main(argv=None) -> int:
@@ -262,7 +309,7 @@ def main(argv=None) -> int:
                 ops = decode_step_ops(model, args.context)
             else:
                 with stand_in:
-                    ops = stand_in.adjust(decode_step_ops(model, args.context))
+                    ops = stand_in.adjust(decode_step_ops(model, args.context, stand_in))
         finally:
             if off:
                 if old is None:
@@ -271,14 +318,21 @@ def main(argv=None) -> int:
                     os.environ["QAB_DISABLE"] = old
         kernels = collections.Counter({k: v for k, v in ops.items() if k not in VIEWS})
         total, launches = sum(ops.values()), sum(kernels.values())
-        rows.append(dict(column=label, backend=backend, disabled=off, primitives=total,
-                         kernel_primitives=launches,
-                         kernel_primitives_per_layer=launches / n_layers,
-                         by_name=dict(kernels.most_common())))
+        row = dict(column=label, backend=backend, disabled=off, primitives=total,
+                   kernel_primitives=launches,
+                   kernel_primitives_per_layer=launches / n_layers,
+                   by_name=dict(kernels.most_common()))
         print(f"{label:24s} {total:6d} primitives, {launches:6d} launch kernels "
               f"({launches / n_layers:.1f} per layer of {n_layers})", flush=True)
         print("    " + ", ".join(f"{k} {v}" for k, v in kernels.most_common(args.top)),
               flush=True)
+        if stand_in is not None:
+            bound = bound_arrays(stand_in.launches)
+            row["bound_arrays"] = bound
+            print(f"    stand-in launches bind {bound['bound']} arrays, "
+                  f"{bound['distinct']} distinct ({bound['distinct'] / n_layers:.1f} per layer)",
+                  flush=True)
+        rows.append(row)
         if backend != "stock":
             del model
             mx.clear_cache()

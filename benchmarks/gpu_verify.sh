@@ -1,44 +1,46 @@
 #!/usr/bin/env bash
-# One device command (at most 9 1/2 minutes on one H200, within a 10-minute limit)
-# for the start of a GPU session: verify what only a GPU can, then measure.
-#   1. the decode kernels' GPU tests, kernels not yet verified included
-#      (QAB_UNVERIFIED_KERNELS=1): q/k preparation, the split-K attention
-#      pair (plain, masked, gated, any strides), the in-place KV write, the
-#      router's self-check; then the compiled decode step against eager
-#      decoding and the GPU-resident handoff (tests/test_decode.py);
-#   2. benchmarks/profile_attention_decode.py at 4K / 32K / 64K / 128K keys
-#      (the kernel pair against SDPA and the MLX-ops split);
-#   3. benchmarks/decode_split.py: fused, fused without the q/k preparation
-#      kernel (qk-prep) and without the attention kernel pair (attn-kernel)
-#      at 4K and 128K on one built preset (the full preset takes ~90 s to
-#      build), kernels not yet verified included.
-# The whole tests/test_kernels_gpu.py takes more than 5 minutes: select with
-# -k. Stock's 128K prefill alone takes minutes (its Gated DeltaNet prefill is a
-# per-token loop), so stock is left out here; compare it at 4K separately.
+# One device command (at most 9 1/2 minutes on one H100 / H200, within a
+# 10-minute limit) for the start of a GPU session: verify what only a GPU
+# can, then measure, kernels not yet verified included
+# (QAB_UNVERIFIED_KERNELS=1).
+#   1. the packed MoE block's GPU tests (moe-block-pack: the router, the
+#      shared expert and the routed experts as one input that holds the
+#      weights): every output bit-identical to the unpacked build at
+#      Qwen3.6's shape, and the compiled decode step with packs against the
+#      model without them (a pack rebuilt after a replaced array included),
+#      and the one-launch block with the GDN step;
+#   2. stock vs fused at 4K, with ablation columns for moe-block-pack and
+#      decode-const (the trace-constant parameters, QAB_ENABLE=decode-const):
+#      the packs' and the constants' effect in one run;
+#   3. benchmarks/profile_encode.py (host cost per bound array, constants
+#      included).
+# Pass the tests' verdicts on to kernels/MANIFEST.toml (`verified`) only
+# when they pass. The ten-length / 128K rerun is a command of its own
+# (README, "Decode").
 # The summary goes to OUT/verify.log, each step's whole output to its own file.
 # Usage (from the repository root, MLX with its CUDA backend importable):
 #   bash benchmarks/gpu_verify.sh OUT
+# QAB_TEST_SECONDS and QAB_BENCH_SECONDS reshape it for another device slot.
 set -uo pipefail
 OUT=${1:?usage: gpu_verify.sh OUT}
 mkdir -p "$OUT"
 LOG="$OUT/verify.log"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" QAB_UNVERIFIED_KERNELS=1
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 step() { echo "=== $* ($(date -u +%T))" | tee -a "$LOG"; }
-step decode kernel GPU tests
-K="qk_norm_rope or split_decode or gated_decode or kv_cache_write or writes_the_kv"
-timeout 170 python3 -m pytest -q -s -p no:cacheprovider tests/test_kernels_gpu.py \
-  -k "$K or router_kernel_passes" \
-  2>&1 | tee "$OUT/kernel-tests.txt" | grep -E "passed|failed|FAILED|ERROR|Error|vs float32|equal" | tail -40 >> "$LOG"
-step compiled decode step tests
-timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_decode.py \
-  -k "handoff or 64_tokens or in_place" 2>&1 | tee "$OUT/decode-tests.txt" | grep -E "passed|failed|FAILED|Error" \
+qab() { python3 -c "import sys; from qwen_apple_backend.cli import main; sys.exit(main())" "$@"; }
+step packed MoE block GPU tests
+timeout -s ABRT "${QAB_TEST_SECONDS:-200}" python3 -m pytest -v -m gpu -p no:cacheprovider -rs \
+  tests/test_kernels_gpu.py -k "pack_is_the_block or one_pack or gdn_step_in_the_moe_block" \
+  2>&1 | tee "$OUT/pack-tests.txt" \
+  | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error|assert" | tail -40 >> "$LOG"
+step stock vs fused at 4K, ablating moe-block-pack and decode-const
+QAB_ENABLE=decode-const timeout -s ABRT "${QAB_BENCH_SECONDS:-290}" qab bench --preset full \
+  --share-weights --shared-prefill fused --backends stock,fused --decode-tokens 64 \
+  --no-fidelity --lengths 4K --rounds 3 --ablate moe-block-pack,decode-const \
+  --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | tail -30 >> "$LOG"
+step host cost per bound array
+timeout -s ABRT 60 python3 benchmarks/profile_encode.py "$OUT" --repeats 6 2>&1 \
   | tail -20 >> "$LOG"
-step attention profile
-timeout 60 python3 benchmarks/profile_attention_decode.py "$OUT" \
-  --lengths 4096,32768,65536,131072 --repeats 20 2>&1 | tail -6 >> "$LOG"
-step decode split
-timeout 220 python3 benchmarks/decode_split.py "$OUT" \
-  --variants fused,fused-qk-prep,fused-attn-kernel --context 4K,128K --tokens 24 --rounds 4 2>&1 | tee "$OUT/decode-split.txt" | grep -E "median|rounds|primitives|wrote" \
-  >> "$LOG"
 step done
-tail -80 "$LOG"
+tail -100 "$LOG"

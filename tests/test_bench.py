@@ -1108,3 +1108,36 @@ def test_ablating_an_opt_in_that_is_off_warns(monkeypatch, capsys):
     monkeypatch.setenv("QAB_ENABLE", "l2-prefetch")
     _warn_opt_in_ablations(argparse.Namespace(ablate="l2-prefetch,moe-block"))
     assert capsys.readouterr().err == ""
+
+
+def test_count_decode_ops_counts_the_arrays_each_launch_binds(tmp_path):
+    # benchmarks/count_decode_ops.py --as-gpu cuda at Qwen3.6's widths (4
+    # layers: 3 Gated DeltaNet, 1 attention; 16 experts): each MoE layer's
+    # one-launch block binds its router, shared expert and routed experts as
+    # one pack (moe-block-pack) instead of 21 arrays, so a decode token binds
+    # exactly 20 distinct arrays fewer per layer than with the pack off.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "o"
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "count_decode_ops.py"),
+                        str(out), "--preset", "full", "--layers", "4", "--experts", "16",
+                        "--context", "4", "--backends", "fused", "--ablate", "moe-block-pack",
+                        "--as-gpu", "cuda"], capture_output=True, text=True, timeout=600,
+                       cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (path,) = out.glob("decode-ops-*.json")
+    rows = {row["column"]: row["bound_arrays"] for row in json.loads(path.read_text())["rows"]}
+    packed, unpacked = rows["fused"], rows["fused -moe-block-pack"]
+    for row in (packed, unpacked):
+        assert 0 < row["distinct"] <= row["bound"]
+        assert row["launches"] == sum(v[0] for v in row["by_name"].values())
+        assert row["distinct"] == sum(v[2] for v in row["by_name"].values())
+    assert unpacked["distinct"] - packed["distinct"] == 20 * 4
+    assert unpacked["bound"] - packed["bound"] == 20 * 4
+    assert packed["by_name"]["qab:moe_decode_block_gdn_pack"][:2] == [3, 3 * 27]
+    assert packed["by_name"]["qab:moe_decode_block_pack"][:2] == [1, 18]
+    assert "qab:moe_decode_block_gdn" in unpacked["by_name"]

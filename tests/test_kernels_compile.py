@@ -370,9 +370,9 @@ ADD_NORM_COMPILE_CASES = [
 
 
 def _packed_inputs(dtypes):
-    """A moe_decode_block input dtype list with the 15 arrays of its packed build
-    (router, shared expert: inputs 4-6, 10-18 and 22-24) as the one uint32 pk."""
-    return dtypes[:4] + ["u32"] + dtypes[7:10] + dtypes[19:22] + dtypes[25:]
+    """A moe_decode_block input dtype list with the 21 arrays of its packed build
+    (router, routed experts, shared expert: inputs 4-24) as the one uint32 pk."""
+    return dtypes[:4] + ["u32"] + dtypes[25:]
 
 
 # The packed builds (moe-block-pack): the shipped OP + NP block, and the GD one.

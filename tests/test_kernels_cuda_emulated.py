@@ -29,6 +29,7 @@ Skipped when no C++20 compiler is on PATH.
 from __future__ import annotations
 
 import functools
+import re
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -2146,7 +2147,7 @@ PACK_EMU_CASES = [("plain", {}), ("op-np", {}), ("gdn-np", {}),
 @pytest.mark.parametrize("phases,options", PACK_EMU_CASES,
                          ids=[f"{p}-{'-'.join(o) or 'default'}" for p, o in PACK_EMU_CASES])
 def test_moe_decode_block_pack_is_the_block_emulated(phases, options, monkeypatch):
-    # moe-block-pack: the router's and the shared expert's arrays read from
+    # moe-block-pack: the router's, shared expert's and experts' arrays from
     # segments of one input give every output of the unpacked build bit for
     # bit (an 8-bit router of 64-wide groups, an 8-bit shared gate), and leave
     # the counter zero.
@@ -2187,13 +2188,22 @@ def test_moe_decode_block_pack_emulated_sizes_each_segment_by_its_own_quantizati
                               where=f"gate {gate_bits} bits, groups of {gate_group}")
 
 
-def test_moe_decode_block_pack_emulated_fails_on_swapped_segments(monkeypatch):
+@pytest.mark.parametrize("first,second", [("sg_scales", "sg_biases"), ("d_scales", "d_biases"),
+                                          ("scales", "biases")])
+def test_moe_decode_block_pack_emulated_fails_on_swapped_segments(first, second, monkeypatch):
     # Segments the kernel takes in another order than decode_block_pack put
-    # them (the shared gate's biases read as its scales and back) are caught.
+    # them (the shared gate's, the experts' down or the experts' gate/up
+    # biases read as their scales and back) are caught.
     monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    src = kernel_source("moe_decode_block_pack", "cuda").body
+    at = {}
+    for name in (first, second):
+        hit = re.search(rf"#define {name} (QAB_PK_AT\(T, QAB_PK_\w+\))", src)
+        assert hit is not None, name
+        at[name] = hit.group(1)
     _broken(monkeypatch, "moe_decode_block_pack",
-            "#define sg_scales QAB_PK_AT(T, QAB_PK_GTS)\n#define sg_biases QAB_PK_AT(T, QAB_PK_GTB)",
-            "#define sg_scales QAB_PK_AT(T, QAB_PK_GTB)\n#define sg_biases QAB_PK_AT(T, QAB_PK_GTS)")
+            f"#define {first} {at[first]}\n#define {second} {at[second]}",
+            f"#define {first} {at[second]}\n#define {second} {at[first]}")
     shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
     case = _block_case(shape, dtype, rg)
     counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
@@ -2211,8 +2221,8 @@ def test_decode_block_pack_names_the_array_that_does_not_fit():
                                           bits=g.bits), group_size=32, bits=4)
     bad = sw._replace(gate_proj=g._replace(weight=q, scales=sc, biases=bi, group_size=32))
     with pytest.raises(ValueError, match="shared gate_proj scales"):
-        moe_ops.decode_block_pack(gate, gu, bad)
-    pk = moe_ops.decode_block_pack(gate, gu, sw)
+        moe_ops.decode_block_pack(gate, gu, dn, bad)
+    pk = moe_ops.decode_block_pack(gate, gu, dn, sw)
     with pytest.raises(ValueError, match="decode_block_pack makes"):
         moe_ops.moe_decode_block(x, r, w, 1e-6, gate, shape[4], norm, gu, dn, sw, "cuda",
                                  pack=pk[:-32])
@@ -2732,7 +2742,7 @@ def test_fused_model_runs_the_gdn_step_in_the_moe_block_emulated(monkeypatch):
 def test_fused_model_reads_the_router_and_shared_expert_from_one_pack_emulated(monkeypatch):
     # moe-block-pack on the emulated fused model of the test above (two Gated
     # DeltaNet layers, a stock attention one; eager decode): every layer's
-    # block reads its router and shared expert from one BlockPack (the GD
+    # block reads its router, shared expert and experts from one BlockPack (GD
     # build in the GDN layers, the plain one after the stock attention), and
     # the logits and states equal the model with moe-block-pack off bit for
     # bit. A router array replaced in both models (as load_weights does)

@@ -523,15 +523,15 @@ def _assert_gdn_block_is_gdn_then_block(backend, case, K, norm, counter, step, o
 
 def _assert_pack_is_the_block(backend, case, K, norm, counter, out_proj=None, next_proj=None,
                               step=None, where=""):
-    """moe_decode_block's packed build (the router's and the shared expert's
-    arrays as one input, decode_block_pack) returns every output of the build
-    without it bit for bit (with ``out_proj``, ``next_proj`` and ``step``, the
+    """moe_decode_block's packed build (the router's, the shared expert's and
+    the routed experts' arrays as one input, decode_block_pack) returns every
+    output of the build without it bit for bit (with ``out_proj``, ``next_proj`` and ``step``, the
     OP, NP and GD phases run in both); the counter is left zero."""
     from qwen_apple_backend.ops import moe as moe_ops
 
     x, r, w, gate, gu, dn, sw = case
     r_in = None if out_proj is not None else r
-    pk = moe_ops.decode_block_pack(gate, gu, sw)
+    pk = moe_ops.decode_block_pack(gate, gu, dn, sw)
     assert pk.dtype == mx.uint32 and pk.ndim == 1, where
 
     def run(pack):
@@ -793,11 +793,12 @@ def test_moe_decode_block_gdn_is_the_gdn_launch_then_the_block(shape, dtype, rg,
 @pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_CASES[:2],
                          ids=lambda v: str(v).replace("mlx.core.", "").replace(" ", ""))
 def test_moe_decode_block_pack_is_the_block(shape, dtype, rg, norm, gdn):
-    # moe-block-pack: the router's and the shared expert's 15 arrays as one
-    # input, at Qwen3.6's shape with the phases its decode token runs (a Gated
-    # DeltaNet layer: GD, OP, NP; an attention layer: OP, NP): every output
-    # bit-identical to the unpacked build, five launches in a row on one
-    # serial counter, and decode_block_ready's self-check passes.
+    # moe-block-pack: the router's, the shared expert's and the routed
+    # experts' 21 arrays as one input, at Qwen3.6's shape with the phases its
+    # decode token runs (a Gated DeltaNet layer: GD, OP, NP; an attention
+    # layer: OP, NP): every output bit-identical to the unpacked build, five
+    # launches in a row on one serial counter, and decode_block_ready's
+    # self-check passes.
     from qwen_apple_backend.ops import moe as moe_ops
 
     backend = gd.gpu_backend()
@@ -1002,9 +1003,9 @@ def test_compiled_decode_runs_the_gdn_step_in_the_moe_block(monkeypatch):
 def test_compiled_decode_reads_the_router_and_shared_expert_from_one_pack(monkeypatch):
     # moe-block-pack (while its build is unverified: QAB_UNVERIFIED_KERNELS=1)
     # on the model of the test above, through the compiled decode step: every
-    # layer's block reads its router and shared expert from one BlockPack
-    # (among the step's compile inputs), and 16 teacher-forced tokens give
-    # the same logits as the same model with moe-block-pack off; a router
+    # layer's block reads its router, shared expert and experts from one
+    # BlockPack (among the step's compile inputs), and 16 teacher-forced
+    # tokens give the same logits as the same model with moe-block-pack off; a router
     # array replaced in both models after that makes the step build a new
     # pack (and retrace): the same logits for 4 more tokens.
     from mlx_lm.models.cache import make_prompt_cache

@@ -1694,3 +1694,95 @@ def test_add_norm_forward_runs_the_next_projection_phase(monkeypatch, ready):
     Mixer.takes_projected = True
     x, r = inputs((1, 5, H)), inputs((1, 5, H), seed=3)  # 5 > GEMV_MAX_ROWS
     assert run(next_layer=(next_norm, mixer)) == (None, None)
+
+
+# A Qwen3.5-MoE preset whose MoE blocks take the packed decode layout (an
+# 8-bit router, 4-bit experts and shared expert of one group size).
+PACK_PRESET = {
+    "hidden_size": 1024, "num_hidden_layers": 2, "full_attention_interval": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "rope_parameters": {"mrope_section": [3, 3, 2]},
+    "linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 32,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 16,
+    "num_experts_per_tok": 4, "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+}
+
+
+def _bytes(a: mx.array) -> np.ndarray:
+    """``a``'s bytes, row-major (numpy has no bfloat16)."""
+    return np.array(mx.view(a.reshape(-1), mx.uint8))
+
+
+def _pack_block(monkeypatch, preset="pack-cpu"):
+    from qwen_apple_backend import checkpoint
+    from qwen_apple_backend.bench.target import fuse_in_memory
+
+    monkeypatch.setitem(checkpoint.PRESETS, "pack-cpu", PACK_PRESET)
+    m = checkpoint.build_random_model(preset, vocab_size=256, seed=2)
+    fuse_in_memory(m, "fused", config=checkpoint.hf_config(preset, 256))
+    return m.layers[0].mlp
+
+
+# "tiny": segments of fewer than 4 bytes (a shared gate of one group: one scale).
+@pytest.mark.parametrize("preset", ["pack-cpu", "tiny"])
+def test_block_pack_holds_the_block_weights_as_views_of_one_copy(preset, monkeypatch):
+    # moe-block-pack: BlockPack.build lays the router's, the shared expert's
+    # and the routed experts' 21 arrays out in one uint32 array and puts views
+    # of it in the modules: the same values, other objects, and the block's
+    # weights held once (the originals freed), not twice.
+    block = _pack_block(monkeypatch, preset)
+    assert type(block) is FusedSparseMoeBlock
+    modules = [moe_layer._walk(block, p) for p in moe_layer.BlockPack.PATHS]
+    before = [[_bytes(dict.get(m, n)) for n in ("weight", "scales", "biases")]
+              for m in modules]
+    expert_bytes = sum(dict.get(m, n).nbytes for m in modules[5:]
+                       for n in ("weight", "scales", "biases"))
+    mx.synchronize()
+    active = mx.get_active_memory()
+    pack = moe_layer.BlockPack.build(block)
+    assert pack is not None and pack.valid(block)
+    pk = pack.cat["pk"]
+    assert pk.dtype == mx.uint32 and pk.ndim == 1
+    assert pk.nbytes > expert_bytes
+    import gc
+    gc.collect()
+    mx.synchronize()
+    # The originals are freed: what the process holds grew by far less than
+    # the pack (which, without the views, would hold every array twice).
+    assert mx.get_active_memory() - active < 0.25 * pk.nbytes
+    offsets = moe_ops.decode_block_pack_offsets(
+        moe_layer.linear_weights(block.gate),
+        moe_layer.expert_weights(block.switch_mlp.gate_up_proj), block._shared_weights())
+    raw = np.array(pk).view(np.uint8)
+    for k, m in enumerate(modules):
+        for j, n in enumerate(("weight", "scales", "biases")):
+            a = dict.get(m, n)
+            assert np.array_equal(_bytes(a), before[k][j]), (moe_layer.BlockPack.PATHS[k], n)
+            at, nbytes = offsets[3 * k + j]
+            assert nbytes == a.nbytes
+            assert np.array_equal(raw[at:at + nbytes], before[k][j])
+    # A replaced expert array: the pack no longer applies; a new one holds it.
+    gu = block.switch_mlp.gate_up_proj
+    doubled = gu.scales * 2
+    gu.scales = doubled
+    assert not pack.valid(block)
+    fresh = moe_layer.BlockPack.build(block)
+    assert fresh is not None and fresh.valid(block)
+    assert gu.scales is not doubled and mx.array_equal(gu.scales, doubled).item()
+    at, nbytes = offsets[16]
+    assert np.array_equal(np.array(fresh.cat["pk"]).view(np.uint8)[at:at + nbytes],
+                          _bytes(doubled))
+
+
+def test_block_pack_is_not_built_for_experts_of_another_scales_dtype(monkeypatch):
+    # The packed build reads every segment's scales as the activations'
+    # dtype: experts whose scales differ from the shared expert's get no pack
+    # (the modules keep their arrays), and the op refuses such a call.
+    block = _pack_block(monkeypatch)
+    gu = block.switch_mlp.gate_up_proj
+    gu.scales = gu.scales.astype(mx.float32)
+    gu.biases = gu.biases.astype(mx.float32)
+    kept = gu.weight
+    assert moe_layer.BlockPack.build(block) is None
+    assert gu.weight is kept

@@ -174,16 +174,18 @@
 
 #ifdef QAB_BLOCK_PACK
 // The packed build (ops moe_decode_block_pack, moe_decode_block_gdn_pack,
-// moe-block-pack): the router's and the shared expert's 15 arrays arrive as
-// 128-byte aligned segments of one uint32 input pk, in this order (the
-// layout ops.moe.decode_block_pack_segments builds): gw, gs, gb, s_gate_w,
-// s_gate_scales, s_gate_biases, s_up_w, s_up_scales, s_up_biases, sg_w,
-// sg_scales, sg_biases, s_down_w, s_down_scales, s_down_biases (shapes and
+// moe-block-pack): the router's, the shared expert's and the routed experts'
+// 21 arrays arrive as 128-byte aligned segments of one uint32 input pk, in
+// this order (the layout ops.moe.decode_block_pack_segments builds): gw, gs,
+// gb, s_gate_w, s_gate_scales, s_gate_biases, s_up_w, s_up_scales,
+// s_up_biases, sg_w, sg_scales, sg_biases, s_down_w, s_down_scales,
+// s_down_biases, w, scales, biases, d_w, d_scales, d_biases (shapes and
 // dtypes as the inputs of the same names below). The same code reads them:
 // the same bits. MLX's host cost per launch grows with every input array it
 // binds (benchmarks/profile_encode.py). The names are macros over pk and
 // compile-time word offsets (see moe_decode_block_pack.cuh for the build's
-// launch bounds).
+// launch bounds). The pack is the block's storage: the module's arrays are
+// views of it (layers.moe.BlockPack), so the experts are not held twice.
 #define QAB_PKW(bytes) (((size_t)(bytes) + 127) / 128 * 32)
 static_assert(BLOCK == 256, "moe_decode_block: the packed build is declared __launch_bounds__(256, 2)");
 constexpr size_t QAB_PK_QS = (size_t)I * (H / G) * sizeof(T);  // a shared projection's scales
@@ -201,6 +203,14 @@ constexpr size_t QAB_PK_GTB = QAB_PK_GTS + QAB_PKW((size_t)(H / SGG) * sizeof(T)
 constexpr size_t QAB_PK_SDW = QAB_PK_GTB + QAB_PKW((size_t)(H / SGG) * sizeof(T));
 constexpr size_t QAB_PK_SDS = QAB_PK_SDW + QAB_PKW((size_t)H * I / 2);
 constexpr size_t QAB_PK_SDB = QAB_PK_SDS + QAB_PKW((size_t)H * (I / G) * sizeof(T));
+// The routed experts' fused gate+up [E, 2I, H / 8], [E, 2I, H / G] and down
+// [E, H, I / 8], [E, H, I / G] projections.
+constexpr size_t QAB_PK_W = QAB_PK_SDB + QAB_PKW((size_t)H * (I / G) * sizeof(T));
+constexpr size_t QAB_PK_WS = QAB_PK_W + QAB_PKW((size_t)E * 2 * I * H / 2);
+constexpr size_t QAB_PK_WB = QAB_PK_WS + QAB_PKW((size_t)E * 2 * I * (H / G) * sizeof(T));
+constexpr size_t QAB_PK_DW = QAB_PK_WB + QAB_PKW((size_t)E * 2 * I * (H / G) * sizeof(T));
+constexpr size_t QAB_PK_DS = QAB_PK_DW + QAB_PKW((size_t)E * H * I / 2);
+constexpr size_t QAB_PK_DB = QAB_PK_DS + QAB_PKW((size_t)E * H * (I / G) * sizeof(T));
 #define QAB_PK_AT(Ty, at) (reinterpret_cast<const Ty*>(pk + (at)))
 #define gw QAB_PK_AT(uint32_t, 0)
 #define gs QAB_PK_AT(T, QAB_PK_GS)
@@ -217,6 +227,12 @@ constexpr size_t QAB_PK_SDB = QAB_PK_SDS + QAB_PKW((size_t)H * (I / G) * sizeof(
 #define s_down_w QAB_PK_AT(uint32_t, QAB_PK_SDW)
 #define s_down_scales QAB_PK_AT(T, QAB_PK_SDS)
 #define s_down_biases QAB_PK_AT(T, QAB_PK_SDB)
+#define w QAB_PK_AT(uint32_t, QAB_PK_W)
+#define scales QAB_PK_AT(T, QAB_PK_WS)
+#define biases QAB_PK_AT(T, QAB_PK_WB)
+#define d_w QAB_PK_AT(uint32_t, QAB_PK_DW)
+#define d_scales QAB_PK_AT(T, QAB_PK_DS)
+#define d_biases QAB_PK_AT(T, QAB_PK_DB)
 #endif
 #ifdef QAB_BLOCK_GDN
 // The Gated DeltaNet phase (GD): one item per (token row, value head).

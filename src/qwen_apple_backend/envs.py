@@ -162,10 +162,11 @@ OPTIMIZATIONS = {
     # gated_delta_decode's per-head code: the same bits): one launch fewer per Gated DeltaNet
     # layer and token (verified on the H200, 2026-12-05: 287.4 vs 265.0 tok/s at 4K without it)
     "moe-block-gdn": "moe",
-    # the one-launch MoE block reads the router's and the shared expert's 15 arrays from one
-    # packed copy (ops moe_decode_block_pack / moe_decode_block_gdn_pack; CUDA; the same
-    # code and bits): MLX's host cost per launch grows with every input array it binds
-    # (both builds verified on the H200, 2026-12-05)
+    # the one-launch MoE block reads the router's, the shared expert's and the routed
+    # experts' 21 arrays from one uint32 array per layer, which the modules then hold views
+    # of (ops moe_decode_block_pack / moe_decode_block_gdn_pack; CUDA; the same code and
+    # bits): MLX's host cost per launch grows with every input array it binds (the builds
+    # with the experts in the pack are not yet verified on a GPU)
     "moe-block-pack": "moe",
     # one decode token's full-attention core in one CUDA launch inside the compiled decode
     # step (gqa_decode_step: q/k RMSNorm + RoPE, the KV row written in place, the lane-group

@@ -42,6 +42,8 @@ from qwen_apple_backend.ops.moe import (
     add_norm_route_ready,
     decode_block_counter_length,
     decode_block_pack,
+    decode_block_pack_arrays,
+    decode_block_pack_views,
     decode_block_ready,
     decode_kernel_ready,
     fold_norm_counter,
@@ -135,31 +137,45 @@ def linear_weights(module: nn.Module) -> Optional[ExpertWeights]:
 
 
 class BlockPack:
-    """A sparse MoE block's router and shared expert as one uint32 array (``moe-block-pack``).
+    """A sparse MoE block's router, shared expert and routed experts as one uint32
+    array (``moe-block-pack``), which then holds the block's weights.
 
     The one-launch MoE decode block binds about 40 arrays per layer and MLX's
     host cost per launch grows with each bound array
-    (``benchmarks/profile_encode.py``); its packed build reads the router's
-    and the shared expert's 15 arrays from one copy of them
+    (``benchmarks/profile_encode.py``); its packed build reads the router's,
+    the shared expert's and the routed experts' 21 arrays from one array
     (:func:`~qwen_apple_backend.ops.moe.decode_block_pack`, ``cat["pk"]``:
     a dict, as a concatenation's, so that a compiled function taking
     :attr:`cat` as an input reads the current array).
+
+    The pack is a copy, and the routed experts are most of a layer's bytes
+    (Qwen3.6-35B-A3B: ~450 MB of a layer's 4-bit weights), so :meth:`build`
+    then puts views of the pack in the modules in place of their arrays
+    (:func:`~qwen_apple_backend.ops.moe.decode_block_pack_views`: the same
+    values, sharing the pack's memory): the originals are freed unless
+    something else holds them (a model sharing them, as the benchmark's
+    ``--share-weights`` pair does, keeps both).
+
     Like :class:`~qwen_apple_backend.layers._concat.ConcatProjection` it is
     used only while every module on :data:`PATHS` is the one it was built from,
-    of its type, holding the arrays it was built from; a module or array
-    replaced (``load_weights``, ``update``, a LoRA wrapper) switches the
-    packed build off until :meth:`FusedSparseMoeBlock.add_norm_forward`
-    builds a new pack. An array changed in place (``w *= c``) is not seen
-    (validity is checked by identity): the pack keeps the old values. The
-    copy adds the 15 arrays' bytes once more (Qwen3.6-35B-A3B: ~2.4 MB per
-    layer). The compiled decode step treats it as it treats a concatenation
-    (:attr:`tracing`, :meth:`identity_checks`, :meth:`refresh`).
+    of its type, holding the arrays it was built from (the views); a module
+    or array replaced (``load_weights``, ``update``, a LoRA wrapper) switches
+    the packed build off until the next decode call (or the compiled decode
+    step's next build) builds a new pack from the current arrays. An array
+    changed in place (``w *= c``) is not seen (validity is checked by
+    identity): the pack keeps the old values. The compiled decode step
+    treats it as it treats a concatenation (:attr:`tracing`,
+    :meth:`identity_checks`, :meth:`refresh`).
     """
 
-    #: Module paths from the block: the router, the shared expert's three
-    #: projections and the shared expert's gate.
+    #: Module paths from the block, in the pack's order of
+    #: :func:`~qwen_apple_backend.ops.moe.decode_block_pack_arrays`: the
+    #: router, the shared expert's gate and up projections, the shared
+    #: expert's gate, its down projection, the routed experts' fused gate+up
+    #: and down projections (weight, scales, biases of each).
     PATHS = (("gate",), ("shared_expert", "gate_proj"), ("shared_expert", "up_proj"),
-             ("shared_expert", "down_proj"), ("shared_expert_gate",))
+             ("shared_expert_gate",), ("shared_expert", "down_proj"),
+             ("switch_mlp", "gate_up_proj"), ("switch_mlp", "down_proj"))
 
     def __init__(self, modules: list, cat: mx.array):
         self.modules = modules
@@ -173,24 +189,36 @@ class BlockPack:
 
     @classmethod
     def build(cls, owner: nn.Module) -> Optional["BlockPack"]:
-        """The pack of ``owner``'s router and shared expert (evaluated), or None.
+        """The pack of ``owner``'s router, shared expert and experts (evaluated), or None.
 
         None when a module on :data:`PATHS` is missing or not a plain
-        ``nn.QuantizedLinear`` or the shapes do not fit the packed layout
-        (:func:`~qwen_apple_backend.ops.moe.decode_block_pack`).
+        ``nn.QuantizedLinear`` (the experts: ``QuantizedSwitchLinear``),
+        the experts' scales are not of the shared expert's dtype, or the
+        shapes do not fit the packed layout
+        (:func:`~qwen_apple_backend.ops.moe.decode_block_pack`). Otherwise
+        the modules' arrays are replaced by views of the pack (the same
+        values; see the class).
         """
         modules = [_walk(owner, path) for path in cls.PATHS]
-        if any(type(m) is not nn.QuantizedLinear for m in modules):
+        if (any(type(m) is not nn.QuantizedLinear for m in modules[:5])
+                or any(not isinstance(m, QuantizedSwitchLinear) for m in modules[5:])):
             return None
         shared = owner._shared_weights()
         gate = linear_weights(owner.gate)
         if shared is None or gate is None:
             return None
         try:
-            cat = decode_block_pack(gate, expert_weights(owner.switch_mlp.gate_up_proj), shared)
-        except (ValueError, AttributeError):
+            gu, dn = (expert_weights(m) for m in modules[5:])
+            cat = decode_block_pack(gate, gu, dn, shared)
+        except (ValueError, AttributeError, TypeError):
             return None
-        mx.eval(cat)
+        views = decode_block_pack_views(cat, gate, gu, dn, shared)
+        arrays = decode_block_pack_arrays(gate, gu, dn, shared)
+        mx.eval(cat, views)
+        for k, (a, v) in enumerate(zip(arrays, views)):
+            m, name = modules[k // 3], _PACK_NAMES[k % 3]
+            if dict.get(m, name) is a:
+                m[name] = v
         return cls(modules, cat)
 
     def valid(self, owner: nn.Module) -> bool:
@@ -230,6 +258,10 @@ class BlockPack:
         self.refreshes += 1
 
 
+#: The arrays of each module in a :class:`BlockPack`, in the pack's order.
+_PACK_NAMES = ("weight", "scales", "biases")
+
+
 def _walk(owner: nn.Module, path: tuple):
     m = owner
     for name in path:
@@ -238,7 +270,7 @@ def _walk(owner: nn.Module, path: tuple):
 
 
 def _pack_views(m: nn.Module) -> dict:
-    return {n: dict.get(m, n) for n in ("weight", "scales", "biases")}
+    return {n: dict.get(m, n) for n in _PACK_NAMES}
 
 
 def _new_switch_linear(like: AnySwitchLinear, arrays: dict) -> AnySwitchLinear:
@@ -455,9 +487,10 @@ class FusedSparseMoeBlock(nn.Module):
     (``GD``, op ``moe_decode_block_gdn``; gated_delta_decode's per-head code),
     and stores the mixer's new states; else the step runs in its own launch
     first. Attribute ``block_pack`` (default True; the ``moe-block-pack``
-    optimization): that launch reads the router's and the shared expert's
-    arrays from one packed copy (:class:`BlockPack`, built on the first decode
-    call that can use it; the same output) where that build is ready.
+    optimization): that launch reads the router's, the shared expert's and
+    the routed experts' arrays from one pack that then holds them
+    (:class:`BlockPack`, built on the first decode call that can use it or
+    by the compiled decode step; the same output) where that build is ready.
 
     Attribute ``dequant_gemm`` (default True; the ``moe-gemm`` optimization)
     lets prefill-sized calls on quantized experts dequantize them and run a
@@ -769,8 +802,8 @@ class FusedSparseMoeBlock(nn.Module):
         out-projection / next-projection phase; with ``gdn_step`` (and
         ``out_proj``, whose ``x`` is then None), of its build with the Gated
         DeltaNet phase; with ``pack``, of the packed build
-        (``decode_block_ready(..., pack=True)``: the router and shared expert
-        read from ``pack.cat``).
+        (``decode_block_ready(..., pack=True)``: the router, the shared expert
+        and the routed experts read from ``pack.cat``).
 
         Decode is bound by the host, and building the weight descriptions
         for the readiness checks cost more Python than the rest of the
@@ -1178,7 +1211,7 @@ class FusedSparseMoeBlock(nn.Module):
             return None
         pack = None
         if block is not None and self.block_pack:
-            # The same build reading the router and shared expert from one
+            # The same build reading the router, shared expert and experts from one
             # packed copy (moe-block-pack), where that build is ready.
             pack = self._block_pack_for(gd is not None)
             if pack is not None:

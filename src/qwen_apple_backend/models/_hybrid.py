@@ -420,9 +420,9 @@ class QwenHybridAdapter(Adapter):
         "moe-block-gdn": "on CUDA each Gated DeltaNet decode step runs as its own launch, not "
                          "as the first phase of the one-launch MoE block (moe-block-gdn in "
                          "QAB_DISABLE / disable=)",
-        "moe-block-pack": "on CUDA the one-launch MoE block binds the router's and the shared "
-                          "expert's 15 arrays one by one, not one packed copy (moe-block-pack "
-                          "in QAB_DISABLE / disable=)",
+        "moe-block-pack": "on CUDA the one-launch MoE block binds the router's, the shared "
+                          "expert's and the routed experts' 21 arrays one by one, not one pack "
+                          "(moe-block-pack in QAB_DISABLE / disable=)",
     }
 
     def fuse(self, model, config, *, disable=frozenset(), use_fallback=True, report):
@@ -508,8 +508,9 @@ class QwenHybridAdapter(Adapter):
                     # Gated DeltaNet decode step in the block's launch.
                     fused.gdn_phase = False
                 if "moe-block-pack" in off:
-                    # On by default (its builds verified on the H200): the
-                    # router and shared expert as one packed input.
+                    # On by default where its builds are ready (verified, or
+                    # QAB_UNVERIFIED_KERNELS=1): the router, shared expert and
+                    # routed experts as one packed input holding their weights.
                     fused.block_pack = False
                 if "attn-blocks" in off:
                     fused.block_queries = False

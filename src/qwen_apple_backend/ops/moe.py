@@ -104,6 +104,7 @@ __all__ = [
     "decode_block_ready",
     "decode_block_pack",
     "decode_block_pack_segments",
+    "decode_block_pack_views",
     "decode_block_supported",
     "decode_block_counter_length",
     "DECODE_BLOCK_OPTIONS",
@@ -1819,20 +1820,24 @@ def decode_block_pack_segments(gate: "ExpertWeights", gate_up: ExpertWeights,
 
     ``kernels/cuda/moe_decode_block.cu`` built with ``QAB_BLOCK_PACK`` (ops
     ``moe_decode_block_pack``, ``moe_decode_block_gdn_pack``) reads the
-    router's and the shared expert's arrays from one uint32 input, 128-byte
-    aligned segments in this order: the 8-bit router's weight ``[E, H / 4]``
-    uint32, scales, biases ``[E, H / RG]``; the shared expert's gate and up
-    projections' weight ``[I, H / 8]`` uint32, scales, biases ``[I, H / G]``
-    each; the shared gate's weight ``[1, H SGB / 32]`` uint32, scales, biases
-    ``[1, H / SGG]``; the shared expert's down projection's weight
-    ``[H, I / 8]`` uint32, scales, biases ``[H, I / G]`` (scales and biases of
-    the experts' dtype; ``I``, ``G`` the routed experts' intermediate size and
-    group size, ``H`` the hidden size). The sizes follow from the routed
-    experts' and the router's shapes, as the kernel derives them from its
-    template; :func:`decode_block_pack` checks every array against them.
+    router's, the shared expert's and the routed experts' arrays from one
+    uint32 input, 128-byte aligned segments in this order: the 8-bit
+    router's weight ``[E, H / 4]`` uint32, scales, biases ``[E, H / RG]``;
+    the shared expert's gate and up projections' weight ``[I, H / 8]``
+    uint32, scales, biases ``[I, H / G]`` each; the shared gate's weight
+    ``[1, H SGB / 32]`` uint32, scales, biases ``[1, H / SGG]``; the shared
+    expert's down projection's weight ``[H, I / 8]`` uint32, scales, biases
+    ``[H, I / G]``; the routed experts' fused gate+up weight
+    ``[E, 2I, H / 8]`` uint32, scales, biases ``[E, 2I, H / G]``; their down
+    projection's weight ``[E, H, I / 8]`` uint32, scales, biases
+    ``[E, H, I / G]`` (scales and biases of the activations' dtype, which
+    the kernel reads them as; ``I``, ``G`` the routed experts' intermediate
+    size and group size, ``H`` the hidden size). The sizes follow from the
+    routed experts' and the router's shapes, as the kernel derives them from
+    its template; :func:`decode_block_pack` checks every array against them.
 
     Returns:
-        tuple: 15 byte counts.
+        tuple: 21 byte counts.
     """
     E = gate_up.weight.shape[0]
     I = gate_up.weight.shape[1] // 2
@@ -1843,30 +1848,60 @@ def decode_block_pack_segments(gate: "ExpertWeights", gate_up: ExpertWeights,
     q = (I * H // 2, I * (H // G) * t, I * (H // G) * t)
     return ((E * H, E * (H // RG) * t, E * (H // RG) * t) + q + q
             + (H * SGB // 8, (H // SGG) * t, (H // SGG) * t)
-            + (H * I // 2, H * (I // G) * t, H * (I // G) * t))
+            + (H * I // 2, H * (I // G) * t, H * (I // G) * t)
+            + (E * 2 * I * H // 2, E * 2 * I * (H // G) * t, E * 2 * I * (H // G) * t)
+            + (E * H * I // 2, E * H * (I // G) * t, E * H * (I // G) * t))
 
 
-def _pack_arrays(gate: "ExpertWeights", shared: SharedExpertWeights) -> list:
+#: What each segment of :func:`decode_block_pack` holds, in order (its errors name them).
+PACK_SEGMENTS = ("router weight", "router scales", "router biases",
+                 "shared gate_proj weight", "shared gate_proj scales", "shared gate_proj biases",
+                 "shared up_proj weight", "shared up_proj scales", "shared up_proj biases",
+                 "shared_expert_gate weight", "shared_expert_gate scales",
+                 "shared_expert_gate biases", "shared down_proj weight",
+                 "shared down_proj scales", "shared down_proj biases",
+                 "experts gate_up_proj weight", "experts gate_up_proj scales",
+                 "experts gate_up_proj biases", "experts down_proj weight",
+                 "experts down_proj scales", "experts down_proj biases")
+
+
+def decode_block_pack_arrays(gate: "ExpertWeights", gate_up: ExpertWeights,
+                             down: ExpertWeights, shared: SharedExpertWeights) -> list:
+    """The 21 arrays :func:`decode_block_pack` lays out, in its order (:data:`PACK_SEGMENTS`)."""
     sg, su, sd, sgate = shared
-    return [a for w in (gate, sg, su, sgate, sd) for a in (w.weight, w.scales, w.biases)]
+    return [a for w in (gate, sg, su, sgate, sd, gate_up, down)
+            for a in (w.weight, w.scales, w.biases)]
 
 
-def decode_block_pack(gate: "ExpertWeights", gate_up: ExpertWeights,
+def decode_block_pack_offsets(gate: "ExpertWeights", gate_up: ExpertWeights,
+                              shared: SharedExpertWeights) -> list:
+    """``(start, bytes)`` of each segment of :func:`decode_block_pack`, in bytes from its start."""
+    out, at = [], 0
+    for nbytes in decode_block_pack_segments(gate, gate_up, shared):
+        out.append((at, nbytes))
+        at += -(-nbytes // PACK_ALIGN) * PACK_ALIGN
+    return out
+
+
+def decode_block_pack(gate: "ExpertWeights", gate_up: ExpertWeights, down: ExpertWeights,
                       shared: SharedExpertWeights) -> mx.array:
-    """The router's and the shared expert's arrays as one uint32 array: ``pk`` of the packed block.
+    """The router's, the shared expert's and the routed experts' arrays as one
+    uint32 array: ``pk`` of the packed block.
 
     A decode token's one-launch MoE block binds about 40 arrays per layer,
     and MLX's host cost per launch grows with each
     (``benchmarks/profile_encode.py``); the packed build (``moe-block-pack``)
-    takes these 15 as one. Layout: :func:`decode_block_pack_segments`, each
+    takes these 21 as one. Layout: :func:`decode_block_pack_segments`, each
     segment the array's bytes (row-major) padded with zeros to
-    :data:`PACK_ALIGN` bytes. A copy: the caller keeps it valid (rebuilds it
-    when an array is replaced).
+    :data:`PACK_ALIGN` bytes. A copy (the routed experts are most of a
+    layer's weights): :class:`~qwen_apple_backend.layers.moe.BlockPack`
+    makes the module's arrays views of it, so that the block's weights are
+    held once, and rebuilds it when an array is replaced.
 
     Args:
         gate (ExpertWeights): the router, 8-bit affine ``[E, H]``.
-        gate_up (ExpertWeights): the routed experts' gate+up ``[E, 2I, H]``
-            (only its shape, bits, group size and scales dtype are read).
+        gate_up (ExpertWeights): the routed experts' 4-bit gate+up ``[E, 2I, H]``.
+        down (ExpertWeights): the routed experts' 4-bit down ``[E, H, I]``.
         shared (SharedExpertWeights): the shared expert and its gate, affine
             with biases, of the experts' scales dtype.
 
@@ -1877,15 +1912,10 @@ def decode_block_pack(gate: "ExpertWeights", gate_up: ExpertWeights,
         ValueError: naming the array whose byte size or dtype does not
             match its segment.
     """
-    names = ("router weight", "router scales", "router biases",
-             "shared gate_proj weight", "shared gate_proj scales", "shared gate_proj biases",
-             "shared up_proj weight", "shared up_proj scales", "shared up_proj biases",
-             "shared_expert_gate weight", "shared_expert_gate scales",
-             "shared_expert_gate biases", "shared down_proj weight",
-             "shared down_proj scales", "shared down_proj biases")
     sizes = decode_block_pack_segments(gate, gate_up, shared)
     parts = []
-    for i, (name, a, nbytes) in enumerate(zip(names, _pack_arrays(gate, shared), sizes)):
+    arrays = decode_block_pack_arrays(gate, gate_up, down, shared)
+    for i, (name, a, nbytes) in enumerate(zip(PACK_SEGMENTS, arrays, sizes)):
         want = mx.uint32 if i % 3 == 0 else gate_up.scales.dtype
         if a is None or a.dtype != want or a.nbytes != nbytes:
             got = None if a is None else (tuple(a.shape), str(a.dtype), a.nbytes)
@@ -1896,6 +1926,32 @@ def decode_block_pack(gate: "ExpertWeights", gate_up: ExpertWeights,
         if pad:
             parts.append(mx.zeros((pad,), dtype=mx.uint8))
     return mx.view(mx.concatenate(parts), mx.uint32)
+
+
+def decode_block_pack_views(pack: mx.array, gate: "ExpertWeights", gate_up: ExpertWeights,
+                            down: ExpertWeights, shared: SharedExpertWeights) -> list:
+    """The 21 arrays of :func:`decode_block_pack` as views of ``pack`` (not evaluated).
+
+    Each is ``pack``'s segment reinterpreted as the original's dtype and
+    shape: once evaluated it shares ``pack``'s memory (MLX slices, dtype
+    views and reshapes of contiguous data do not copy), so a module holding
+    these instead of the originals holds its weights once.
+
+    Args:
+        pack (mx.array): ``decode_block_pack(gate, gate_up, down, shared)``.
+        gate, gate_up, down, shared: the arrays it was made of (their shapes
+            and dtypes are read).
+
+    Returns:
+        list[mx.array]: in :data:`PACK_SEGMENTS`' order.
+    """
+    out = []
+    # By bytes: a segment may hold fewer than 4 (a shared gate's one scale).
+    raw = mx.view(pack, mx.uint8)
+    arrays = decode_block_pack_arrays(gate, gate_up, down, shared)
+    for a, (at, nbytes) in zip(arrays, decode_block_pack_offsets(gate, gate_up, shared)):
+        out.append(mx.view(raw[at:at + nbytes], a.dtype).reshape(a.shape))
+    return out
 
 
 def _decode_block_build(stage: Optional[bool] = None, early: Optional[bool] = None,
@@ -2005,6 +2061,10 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
         if pack.dtype != mx.uint32 or pack.shape != (words,):
             raise ValueError(f"pack {pack.shape} {pack.dtype} is not the [{words}] uint32 "
                              f"array decode_block_pack makes of these weights")
+        if gate_up.scales.dtype != x.dtype or down.scales.dtype != x.dtype:
+            raise ValueError(f"pack: the experts' scales ({gate_up.scales.dtype}, "
+                             f"{down.scales.dtype}) must be of x's dtype {x.dtype}: the packed "
+                             f"build reads every segment's scales as x's dtype")
         op_name += "_pack"
         obj = _decode_block_pack_object(backend, gdn_step is not None)
     else:
@@ -2075,9 +2135,9 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
         gd_shapes = [gdn_step.conv_state.shape, gdn_step.state.shape]
         gd_dtypes = [x.dtype, mx.float32]
     if pack is not None:
-        # The packed build: the 15 arrays of _pack_arrays as one (its signature's pk).
-        weights = [pack, gate_up.weight, gate_up.scales, gate_up.biases,
-                   down.weight, down.scales, down.biases]
+        # The packed build: the 21 arrays of decode_block_pack_arrays as one
+        # (its signature's pk).
+        weights = [pack]
     else:
         weights = [gate.weight, gate.scales, gate.biases,
                    gate_up.weight, gate_up.scales, gate_up.biases, sg.weight, sg.scales,
@@ -2213,10 +2273,13 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
             output bit for bit (the same per-head code); it needs
             :func:`gated_delta_step_supported` and that kernel ready.
         pack (bool): the packed build (ops ``moe_decode_block_pack``,
-            ``moe_decode_block_gdn_pack``: the router's and the shared
-            expert's arrays as one input, :func:`decode_block_pack`), checked
-            on its own after the same call without it: every output bit for
-            bit against that build (the same code reading the same bytes).
+            ``moe_decode_block_gdn_pack``: the router's, the shared
+            expert's and the routed experts' arrays as one input,
+            :func:`decode_block_pack`, which needs the experts' scales of
+            ``x``'s dtype), checked on its own after the same call without
+            it: every output bit for bit against that build (the same code
+            reading the same bytes). The check packs these weights once per
+            shape class (a transient copy of one layer's experts).
 
     Returns:
         Optional[str]: ``"cuda"``, or None (not CUDA, kernels disabled,
@@ -2388,8 +2451,10 @@ def _pack_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down,
         return None
     if _decode_block_pack_object("cuda", gdn_step is not None) is None:
         return None
+    if gate_up.scales.dtype != x.dtype or down.scales.dtype != x.dtype:
+        return None
     try:
-        pk = decode_block_pack(gate, gate_up, shared)
+        pk = decode_block_pack(gate, gate_up, down, shared)
     except ValueError:
         return None
     H, dtype, K, norm = x.shape[-1], x.dtype, int(top_k), bool(norm_topk_prob)
@@ -2525,12 +2590,14 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
             ``moe_decode_block_gdn``; ``moe-block-gdn``). Check it with the
             same ``gdn_step`` in :func:`decode_block_ready`.
         pack (mx.array | None): :func:`decode_block_pack` of these ``gate``,
-            ``gate_up`` and ``shared``: the launch reads the router's and the
-            shared expert's arrays from it (the packed build, op
-            ``moe_decode_block_pack`` / ``moe_decode_block_gdn_pack``; the
-            same output; ``moe-block-pack``); ``gate`` and ``shared`` then
-            give only shapes and group sizes. Check it with ``pack=True`` in
-            :func:`decode_block_ready`.
+            ``gate_up``, ``down`` and ``shared``: the launch reads the
+            router's, the shared expert's and the routed experts' arrays
+            from it (the packed build, op ``moe_decode_block_pack`` /
+            ``moe_decode_block_gdn_pack``; the same output;
+            ``moe-block-pack``); ``gate``, ``gate_up``, ``down`` and
+            ``shared`` then give only shapes, dtypes and group sizes. The
+            experts' scales must be of ``x``'s dtype. Check it with
+            ``pack=True`` in :func:`decode_block_ready`.
 
     Returns:
         mx.array | tuple: the layer's output, ``x``'s shape and dtype; with
@@ -2549,7 +2616,8 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
             :func:`gated_delta_step_supported` or without ``out_proj``, more
             token rows than ``counter`` covers, more than 3 ``prefetch``
             arrays, or a ``pack`` of another size or dtype than
-            :func:`decode_block_pack` makes of these weights.
+            :func:`decode_block_pack` makes of these weights (or with the
+            experts' scales of another dtype than ``x``).
     """
     if counter is None:
         counter = fold_norm_counter(decode_block_counter_length())
