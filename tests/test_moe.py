@@ -1762,6 +1762,12 @@ def test_block_pack_holds_the_block_weights_as_views_of_one_copy(preset, monkeyp
             at, nbytes = offsets[3 * k + j]
             assert nbytes == a.nbytes
             assert np.array_equal(raw[at:at + nbytes], before[k][j])
+    # The shared expert's gate and up projections stay the row views of
+    # their concatenation (proj-concat), which stays valid: no pack build
+    # switches the one-matmul path of calls outside the block off.
+    assert block._use_cat()
+    cat = block._shared_cat
+    assert [c for c in cat.children] == modules[1:3]
     # A replaced expert array: the pack no longer applies; a new one holds it.
     gu = block.switch_mlp.gate_up_proj
     doubled = gu.scales * 2
@@ -1786,3 +1792,19 @@ def test_block_pack_is_not_built_for_experts_of_another_scales_dtype(monkeypatch
     kept = gu.weight
     assert moe_layer.BlockPack.build(block) is None
     assert gu.weight is kept
+
+
+def test_block_pack_stays_valid_when_a_short_prompt_traces(monkeypatch):
+    # A call of fewer than SORT_THRESHOLD token-expert rows runs the block's
+    # own compiled forward, whose trace (each new length) re-wraps the
+    # module's arrays in new objects: the pack, valid before the call, is
+    # re-recorded, so the next decode token does not pack the experts again.
+    block = _pack_block(monkeypatch)
+    assert block.compile_decode and not block.training
+    pack = block._new_block_pack()
+    assert pack is not None
+    for t in (3, 5, 3):
+        x = mx.random.normal((1, t, 1024), key=mx.random.key(t)).astype(mx.bfloat16)
+        mx.eval(block(x))
+        assert block.__dict__["_block_pack"] is pack and pack.valid(block), t
+    assert pack.refreshes >= 2

@@ -154,7 +154,9 @@ class BlockPack:
     (:func:`~qwen_apple_backend.ops.moe.decode_block_pack_views`: the same
     values, sharing the pack's memory): the originals are freed unless
     something else holds them (a model sharing them, as the benchmark's
-    ``--share-weights`` pair does, keeps both).
+    ``--share-weights`` pair does, keeps both). The shared expert's gate and
+    up projections are left as they are while their concatenation
+    (``proj-concat``) holds them: the pack copies those two.
 
     Like :class:`~qwen_apple_backend.layers._concat.ConcatProjection` it is
     used only while every module on :data:`PATHS` is the one it was built from,
@@ -215,9 +217,17 @@ class BlockPack:
         views = decode_block_pack_views(cat, gate, gu, dn, shared)
         arrays = decode_block_pack_arrays(gate, gu, dn, shared)
         mx.eval(cat, views)
+        # The shared expert's gate and up projections already hold row views
+        # of their concatenation (proj-concat, the one-matmul path of calls
+        # outside the block): replacing them would switch that path off for
+        # good; the pack keeps a copy of them (~1.2 MB per layer at Qwen3.6's
+        # shape).
+        shared_cat = owner.__dict__.get("_shared_cat")
+        held = ({id(c) for c in shared_cat.children}
+                if shared_cat is not None and owner._use_cat() else set())
         for k, (a, v) in enumerate(zip(arrays, views)):
             m, name = modules[k // 3], _PACK_NAMES[k % 3]
-            if dict.get(m, name) is a:
+            if id(m) not in held and dict.get(m, name) is a:
                 m[name] = v
         return cls(modules, cat)
 
@@ -958,9 +968,18 @@ class FusedSparseMoeBlock(nn.Module):
         use_cat = self._use_cat()
         if self.compile_decode and not self.training and rows < SORT_THRESHOLD:
             fn = self._compiled_forward(use_cat, fold, router, inner is not None)
+            # A trace re-wraps the module's arrays in new objects: the pack
+            # (moe-block-pack) valid before the call is re-recorded after it,
+            # so a short prompt of a new length does not make the next decode
+            # token pack the experts again.
+            pack = self.__dict__.get("_block_pack")
+            if pack is not None and not pack.valid(self):
+                pack = None
             y = fn(x) if inner is None else fn(x, inner)
             if use_cat:
                 self._shared_cat.refresh()  # a trace re-wraps the module's arrays
+            if pack is not None and not serial_decode_tracing():
+                pack.refresh()
         else:
             y = self._forward(x, inner, use_cat=use_cat, fold=fold, router=router)
 
