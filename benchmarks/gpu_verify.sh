@@ -14,6 +14,10 @@
 #      the packs' and the constants' effect in one run;
 #   3. benchmarks/profile_encode.py (host cost per bound array, constants
 #      included).
+# Memory: the bench's columns share the stock model's arrays
+# (--share-weights) and are all alive at once; each column that builds packs
+# ("fused", "fused -decode-const") holds its experts' down projections, router
+# and shared expert once more (~6 GB each at Qwen3.6's shape).
 # Pass the tests' verdicts on to kernels/MANIFEST.toml (`verified`) only
 # when they pass. The ten-length / 128K rerun is a command of its own
 # (README, "Decode").

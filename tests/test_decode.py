@@ -175,9 +175,15 @@ def test_compiled_step_sees_replaced_projection_weights(tiny_hf_f32, monkeypatch
     eager, _ = load(tiny_hf_f32, "fused")
     prompt = mx.array([(i * 41) % 900 for i in range(20)])
     _greedy(comp, prompt, 4)  # traces the step
+    step = comp.language_model.__dict__["_qab_decode"]
+    assert step._fn is not None and step._uses
     for m in (comp, eager):
         gdn = m.language_model.model.layers[0].linear_attn
         gdn.in_proj_z.weight = gdn.in_proj_z.weight * 3.0
+    # The next eager call (a prefill) lets go of the stale trace and of the
+    # concatenations (and, on CUDA, packs) it read, before any decode token.
+    comp(prompt[None], cache=make_prompt_cache(comp))
+    assert step._fn is None and not step._uses and not any(step._checks)
     _assert_same_decoding(comp, eager, prompt)
 
 

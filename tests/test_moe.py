@@ -1784,7 +1784,7 @@ def test_block_pack_holds_the_block_weights_as_views_of_one_copy(preset, monkeyp
 def test_block_pack_is_not_built_for_experts_of_another_scales_dtype(monkeypatch):
     # The packed build reads every segment's scales as the activations'
     # dtype: experts whose scales differ from the shared expert's get no pack
-    # (the modules keep their arrays), and the op refuses such a call.
+    # (the modules keep their arrays; the op's own refusal is tested below).
     block = _pack_block(monkeypatch)
     gu = block.switch_mlp.gate_up_proj
     gu.scales = gu.scales.astype(mx.float32)
@@ -1808,3 +1808,59 @@ def test_block_pack_stays_valid_when_a_short_prompt_traces(monkeypatch):
         mx.eval(block(x))
         assert block.__dict__["_block_pack"] is pack and pack.valid(block), t
     assert pack.refreshes >= 2
+
+
+def test_block_pack_no_longer_valid_is_dropped_by_the_next_call(monkeypatch):
+    # After an array is replaced (load_weights, update), the block's next
+    # call (a prefill) drops the stale pack, which holds a copy of the old
+    # experts, rather than keeping it until the next decode token.
+    import gc
+    import weakref
+
+    block = _pack_block(monkeypatch)
+    pack = block._new_block_pack()
+    assert pack is not None
+    gone = weakref.ref(pack)
+    x = mx.random.normal((1, 16, 1024), key=mx.random.key(3)).astype(mx.bfloat16)
+    mx.eval(block(x))  # 64 token-expert rows: the eager path
+    assert block.__dict__.get("_block_pack") is pack  # still valid: kept
+    dn = block.switch_mlp.down_proj
+    dn.weight = dn.weight + 0
+    del pack
+    mx.eval(block(x))
+    assert "_block_pack" not in block.__dict__
+    gc.collect()
+    assert gone() is None
+
+
+def test_decode_block_pack_refuses_a_pack_past_mlx_shapes(monkeypatch):
+    # MLX's shapes are 32-bit: a pack of more bytes than that (a layer of
+    # Qwen3.5-397B-A17B's experts) would overflow its byte view. It is
+    # refused by name, and BlockPack.build leaves the modules as they are.
+    block = _pack_block(monkeypatch)
+    gate = moe_layer.linear_weights(block.gate)
+    gu = moe_layer.expert_weights(block.switch_mlp.gate_up_proj)
+    dn = moe_layer.expert_weights(block.switch_mlp.down_proj)
+    sizes = moe_ops.decode_block_pack_segments(gate, gu, block._shared_weights())
+    total = sum(-(-n // moe_ops.PACK_ALIGN) * moe_ops.PACK_ALIGN for n in sizes)
+    pk = moe_ops.decode_block_pack(gate, gu, dn, block._shared_weights())
+    assert pk.nbytes == total
+    monkeypatch.setattr(moe_ops, "PACK_MAX_BYTES", total - 1)
+    with pytest.raises(ValueError, match=f"{total} bytes of segments exceed"):
+        moe_ops.decode_block_pack(gate, gu, dn, block._shared_weights())
+    kept = block.switch_mlp.gate_up_proj.weight
+    assert moe_layer.BlockPack.build(block) is None
+    assert block.switch_mlp.gate_up_proj.weight is kept
+
+
+def test_packed_block_refuses_experts_scales_of_another_dtype_than_x():
+    # The packed build reads every segment's scales as x's dtype: a call
+    # whose experts' scales are of another dtype is refused before any launch.
+    from .test_kernels_gpu import _block_case
+
+    x, r, w, gate, gu, dn, sw = _block_case((1, 16, 1024, 64, 4, 8), mx.bfloat16, 64)
+    pk = moe_ops.decode_block_pack(gate, gu, dn, sw)
+    with pytest.raises(ValueError, match="must be of x's dtype mlx.core.float16"):
+        moe_ops.moe_decode_block(x.astype(mx.float16), r.astype(mx.float16),
+                                 w.astype(mx.float16), 1e-6, gate, 4, True, gu, dn, sw, "cuda",
+                                 pack=pk)

@@ -1,7 +1,7 @@
 // Included last by the ops moe_decode_block_pack and moe_decode_block_gdn_pack
-// (kernels/MANIFEST.toml): builds moe_decode_block.cu with the router's and
-// the shared expert's arrays as segments of one input pk (see that file),
-// which only those ops' signatures have.
+// (kernels/MANIFEST.toml): builds moe_decode_block.cu with the router's, the
+// shared expert's and the routed experts' arrays as segments of one input pk
+// (see that file), which only those ops' signatures have.
 #define QAB_BLOCK_PACK 1
 // The kernel MLX declares after the headers gets __launch_bounds__(256, 2):
 // the packed GD build's addresses from pk took nvcc 13 (sm_90) 133 registers

@@ -309,13 +309,17 @@ class _CompiledDecode:
         self.builds += 1
 
     def release_if_stale(self) -> None:
-        """With ``const``: drop the compiled function and the record once the model no
-        longer holds what they were traced with, so replaced weights are freed
+        """Drop the compiled function (and with ``const`` its record; else the
+        concatenations and packs it reads, with their checks) once the model no
+        longer holds what they were traced with, so replaced weights, and the
+        stale packs holding the old experts (``moe-block-pack``), are freed
         before the next decode token (called by the text model's other calls:
         a prefill after ``load_weights`` would otherwise hold both copies)."""
-        if self.const and self._fn is not None and not self._still_valid():
+        if self._fn is not None and not self._still_valid():
             self._fn = self._record = None
             self._traced = {}
+            self._uses, self._owners = [], []
+            self._checks, self._checks_at = [[], [], [], [], []], []
 
     def _take_record(self, model: Any) -> None:
         """Record the model's parameter tree (``const``) and let its modules keep it current."""

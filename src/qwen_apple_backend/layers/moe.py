@@ -195,8 +195,9 @@ class BlockPack:
 
         None when a module on :data:`PATHS` is missing or not a plain
         ``nn.QuantizedLinear`` (the experts: ``QuantizedSwitchLinear``),
-        the experts' scales are not of the shared expert's dtype, or the
-        shapes do not fit the packed layout
+        the experts' scales are not of the shared expert's dtype, the
+        shapes do not fit the packed layout, or the pack would pass
+        :data:`~qwen_apple_backend.ops.moe.PACK_MAX_BYTES`
         (:func:`~qwen_apple_backend.ops.moe.decode_block_pack`). Otherwise
         the modules' arrays are replaced by views of the pack (the same
         values; see the class).
@@ -212,9 +213,9 @@ class BlockPack:
         try:
             gu, dn = (expert_weights(m) for m in modules[5:])
             cat = decode_block_pack(gate, gu, dn, shared)
+            views = decode_block_pack_views(cat, gate, gu, dn, shared)
         except (ValueError, AttributeError, TypeError):
             return None
-        views = decode_block_pack_views(cat, gate, gu, dn, shared)
         arrays = decode_block_pack_arrays(gate, gu, dn, shared)
         mx.eval(cat, views)
         # The shared expert's gate and up projections already hold row views
@@ -966,15 +967,19 @@ class FusedSparseMoeBlock(nn.Module):
                              and residual.shape == x.shape
                              and residual.dtype == x.dtype) else None
         use_cat = self._use_cat()
+        # A pack (moe-block-pack) no longer valid (an array or module
+        # replaced) is dropped here, so a prefill after load_weights does not
+        # hold a copy of the old experts; the next decode call packs anew.
+        pack = self.__dict__.get("_block_pack")
+        if pack is not None and not pack.valid(self):
+            self.__dict__.pop("_block_pack", None)
+            pack = None
         if self.compile_decode and not self.training and rows < SORT_THRESHOLD:
             fn = self._compiled_forward(use_cat, fold, router, inner is not None)
             # A trace re-wraps the module's arrays in new objects: the pack
-            # (moe-block-pack) valid before the call is re-recorded after it,
-            # so a short prompt of a new length does not make the next decode
-            # token pack the experts again.
-            pack = self.__dict__.get("_block_pack")
-            if pack is not None and not pack.valid(self):
-                pack = None
+            # valid before the call is re-recorded after it, so a short prompt
+            # of a new length does not make the next decode token pack the
+            # experts again.
             y = fn(x) if inner is None else fn(x, inner)
             if use_cat:
                 self._shared_cat.refresh()  # a trace re-wraps the module's arrays

@@ -103,8 +103,12 @@ __all__ = [
     "moe_decode_block",
     "decode_block_ready",
     "decode_block_pack",
+    "decode_block_pack_arrays",
+    "decode_block_pack_offsets",
     "decode_block_pack_segments",
     "decode_block_pack_views",
+    "PACK_MAX_BYTES",
+    "PACK_SEGMENTS",
     "decode_block_supported",
     "decode_block_counter_length",
     "DECODE_BLOCK_OPTIONS",
@@ -1853,6 +1857,10 @@ def decode_block_pack_segments(gate: "ExpertWeights", gate_up: ExpertWeights,
             + (E * H * I // 2, E * H * (I // G) * t, E * H * (I // G) * t))
 
 
+#: Largest :func:`decode_block_pack` in bytes: MLX's shapes are 32-bit, and the
+#: pack's byte view (:func:`decode_block_pack_views`) must have a valid length.
+PACK_MAX_BYTES = 2**31 - 1
+
 #: What each segment of :func:`decode_block_pack` holds, in order (its errors name them).
 PACK_SEGMENTS = ("router weight", "router scales", "router biases",
                  "shared gate_proj weight", "shared gate_proj scales", "shared gate_proj biases",
@@ -1910,9 +1918,14 @@ def decode_block_pack(gate: "ExpertWeights", gate_up: ExpertWeights, down: Exper
 
     Raises:
         ValueError: naming the array whose byte size or dtype does not
-            match its segment.
+            match its segment, or for a pack of more than
+            :data:`PACK_MAX_BYTES` (a layer of Qwen3.5-397B-A17B's experts).
     """
     sizes = decode_block_pack_segments(gate, gate_up, shared)
+    total = sum(-(-n // PACK_ALIGN) * PACK_ALIGN for n in sizes)
+    if total > PACK_MAX_BYTES:
+        raise ValueError(f"decode_block_pack: {total} bytes of segments exceed the "
+                         f"{PACK_MAX_BYTES} an MLX array's 32-bit shape holds as bytes")
     parts = []
     arrays = decode_block_pack_arrays(gate, gate_up, down, shared)
     for i, (name, a, nbytes) in enumerate(zip(PACK_SEGMENTS, arrays, sizes)):
