@@ -2211,6 +2211,29 @@ def test_moe_decode_block_pack_emulated_fails_on_swapped_segments(first, second,
         _assert_pack_is_the_block("cuda", case, shape[4], norm, counter, where="shifted")
 
 
+def test_packed_self_check_reads_the_pack_it_is_given_emulated(monkeypatch):
+    # decode_block_ready(..., pack=pk) checks the packed build with the block's
+    # own pack (no second copy of a layer's experts); pack=True packs itself.
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    monkeypatch.setattr(moe_ops, "gpu_backend", lambda: "cuda")
+    shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
+    x, r, w, gate, gu, dn, sw = _block_case(shape, dtype, rg)
+    pk = moe_ops.decode_block_pack(gate, gu, dn, sw)
+    packed = []
+    real = moe_ops.decode_block_pack
+    monkeypatch.setattr(moe_ops, "decode_block_pack",
+                        lambda *a, **k: packed.append(1) or real(*a, **k))
+    device.reset_self_checks()
+    args = (x, w, 1e-6, gate, shape[4], norm, gu, dn, sw)
+    assert moe_ops.decode_block_ready(*args, pack=pk) == "cuda"
+    assert packed == []
+    device.reset_self_checks()
+    assert moe_ops.decode_block_ready(*args, pack=True) == "cuda"
+    assert packed == [1]
+    checks = {k[0]: v for k, v in device.self_check_results().items()}
+    assert checks["moe_decode_block_pack"] == (True, "passed")
+
+
 def test_decode_block_pack_names_the_array_that_does_not_fit():
     # A shared expert quantized with another group size than the routed
     # experts' cannot take the packed layout: the error names the array.

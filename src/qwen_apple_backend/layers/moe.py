@@ -881,8 +881,8 @@ class FusedSparseMoeBlock(nn.Module):
                     stage=self.stage_down, early=self.early_gate_up,
                     prefetch=bool(self._l2_prefetch_arrays()), out_proj=out_proj,
                     next_proj=next_proj, **({"gdn_step": gdn_step} if gdn_step is not None
-                                           else {}), **({"pack": True} if pack is not None
-                                                        else {}))
+                                           else {}), **({"pack": pack.cat["pk"]}
+                                                        if pack is not None else {}))
             hit = (router, fold, route, down_norm, block)
             if len(cache) >= 64:
                 cache.clear()

@@ -51,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -2228,7 +2228,7 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
                        out_proj: Optional[OutProjection] = None,
                        next_proj: Optional[NextProjection] = None,
                        gdn_step: Optional[GatedDeltaStep] = None,
-                       pack: bool = False) -> Optional[str]:
+                       pack: Union[bool, mx.array] = False) -> Optional[str]:
     """The GPU backend whose one-launch MoE decode block may run this call, or None.
 
     ``kernels/cuda/moe_decode_block``: :func:`add_norm_route` and the
@@ -2291,8 +2291,10 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
             :func:`decode_block_pack`, which needs the experts' scales of
             ``x``'s dtype), checked on its own after the same call without
             it: every output bit for bit against that build (the same code
-            reading the same bytes). The check packs these weights once per
-            shape class (a transient copy of one layer's experts).
+            reading the same bytes). Given as an array (the block's own
+            :func:`decode_block_pack` of these weights), the check reads it;
+            given as True, it packs these weights itself once per shape class
+            (a transient copy of one layer's experts).
 
     Returns:
         Optional[str]: ``"cuda"``, or None (not CUDA, kernels disabled,
@@ -2305,9 +2307,10 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
     """
     if envs.kernels_disabled() or gpu_backend() != "cuda":
         return None
-    if pack:
+    if pack is not False:
         return _pack_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down,
-                           shared, stage, early, prefetch, out_proj, next_proj, gdn_step)
+                           shared, stage, early, prefetch, out_proj, next_proj, gdn_step,
+                           None if pack is True else pack)
     if not decode_block_supported(x, norm_weight, gate, top_k, gate_up, down, shared):
         return None
     if _decode_block_object("cuda") is None:
@@ -2456,8 +2459,10 @@ def _gdn_check_inputs(make, gdn_step: GatedDeltaStep, dtype: mx.Dtype):
 
 
 def _pack_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down, shared, stage,
-                early, prefetch, out_proj, next_proj, gdn_step) -> Optional[str]:
-    """:func:`decode_block_ready`'s part for the packed build (see there)."""
+                early, prefetch, out_proj, next_proj, gdn_step,
+                pk: Optional[mx.array] = None) -> Optional[str]:
+    """:func:`decode_block_ready`'s part for the packed build (see there); ``pk``:
+    the pack of these weights to check with, or None to make one."""
     if decode_block_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down,
                           shared, stage, early, prefetch, out_proj, next_proj,
                           gdn_step) != "cuda":
@@ -2466,10 +2471,11 @@ def _pack_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down,
         return None
     if gate_up.scales.dtype != x.dtype or down.scales.dtype != x.dtype:
         return None
-    try:
-        pk = decode_block_pack(gate, gate_up, down, shared)
-    except ValueError:
-        return None
+    if pk is None:
+        try:
+            pk = decode_block_pack(gate, gate_up, down, shared)
+        except ValueError:
+            return None
     H, dtype, K, norm = x.shape[-1], x.dtype, int(top_k), bool(norm_topk_prob)
     build = _decode_block_build(stage, early, prefetch, out_proj is not None,
                                 next_proj is not None)
