@@ -1864,3 +1864,20 @@ def test_packed_block_refuses_experts_scales_of_another_dtype_than_x():
         moe_ops.moe_decode_block(x.astype(mx.float16), r.astype(mx.float16),
                                  w.astype(mx.float16), 1e-6, gate, 4, True, gu, dn, sw, "cuda",
                                  pack=pk)
+
+
+def test_block_pack_is_not_built_for_a_subclass_of_the_expert_linear(monkeypatch):
+    # A subclass of the experts' linear (an adapter wrapper, say) may compute
+    # something else than a plain 4-bit matmul of its arrays: no pack, and
+    # the modules keep their arrays (as for the router and shared expert,
+    # which must be plain nn.QuantizedLinear).
+    block = _pack_block(monkeypatch)
+    dn = block.switch_mlp.down_proj
+
+    class Adapted(type(dn)):
+        pass
+
+    dn.__class__ = Adapted
+    kept = block.switch_mlp.gate_up_proj.weight
+    assert moe_layer.BlockPack.build(block) is None
+    assert block.switch_mlp.gate_up_proj.weight is kept

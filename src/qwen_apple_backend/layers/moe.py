@@ -204,7 +204,7 @@ class BlockPack:
         """
         modules = [_walk(owner, path) for path in cls.PATHS]
         if (any(type(m) is not nn.QuantizedLinear for m in modules[:5])
-                or any(not isinstance(m, QuantizedSwitchLinear) for m in modules[5:])):
+                or any(type(m) is not QuantizedSwitchLinear for m in modules[5:])):
             return None
         shared = owner._shared_weights()
         gate = linear_weights(owner.gate)
