@@ -1843,6 +1843,7 @@ def test_decode_block_pack_refuses_a_pack_past_mlx_shapes(monkeypatch):
     dn = moe_layer.expert_weights(block.switch_mlp.down_proj)
     sizes = moe_ops.decode_block_pack_segments(gate, gu, block._shared_weights())
     total = sum(-(-n // moe_ops.PACK_ALIGN) * moe_ops.PACK_ALIGN for n in sizes)
+    assert moe_ops.decode_block_pack_bytes(gate, gu, block._shared_weights()) == total
     pk = moe_ops.decode_block_pack(gate, gu, dn, block._shared_weights())
     assert pk.nbytes == total
     monkeypatch.setattr(moe_ops, "PACK_MAX_BYTES", total - 1)

@@ -813,8 +813,8 @@ class FusedSparseMoeBlock(nn.Module):
         out-projection / next-projection phase; with ``gdn_step`` (and
         ``out_proj``, whose ``x`` is then None), of its build with the Gated
         DeltaNet phase; with ``pack``, of the packed build
-        (``decode_block_ready(..., pack=True)``: the router, the shared expert
-        and the routed experts read from ``pack.cat``).
+        (``decode_block_ready(..., pack=pack.cat["pk"])``: the router, the
+        shared expert and the routed experts read from that pack).
 
         Decode is bound by the host, and building the weight descriptions
         for the readiness checks cost more Python than the rest of the

@@ -104,6 +104,7 @@ __all__ = [
     "decode_block_ready",
     "decode_block_pack",
     "decode_block_pack_arrays",
+    "decode_block_pack_bytes",
     "decode_block_pack_offsets",
     "decode_block_pack_segments",
     "decode_block_pack_views",
@@ -1891,6 +1892,13 @@ def decode_block_pack_offsets(gate: "ExpertWeights", gate_up: ExpertWeights,
     return out
 
 
+def decode_block_pack_bytes(gate: "ExpertWeights", gate_up: ExpertWeights,
+                            shared: SharedExpertWeights) -> int:
+    """Bytes of :func:`decode_block_pack` (its last segment padded, as every one)."""
+    at, nbytes = decode_block_pack_offsets(gate, gate_up, shared)[-1]
+    return at + -(-nbytes // PACK_ALIGN) * PACK_ALIGN
+
+
 def decode_block_pack(gate: "ExpertWeights", gate_up: ExpertWeights, down: ExpertWeights,
                       shared: SharedExpertWeights) -> mx.array:
     """The router's, the shared expert's and the routed experts' arrays as one
@@ -1922,7 +1930,7 @@ def decode_block_pack(gate: "ExpertWeights", gate_up: ExpertWeights, down: Exper
             :data:`PACK_MAX_BYTES` (a layer of Qwen3.5-397B-A17B's experts).
     """
     sizes = decode_block_pack_segments(gate, gate_up, shared)
-    total = sum(-(-n // PACK_ALIGN) * PACK_ALIGN for n in sizes)
+    total = decode_block_pack_bytes(gate, gate_up, shared)
     if total > PACK_MAX_BYTES:
         raise ValueError(f"decode_block_pack: {total} bytes of segments exceed the "
                          f"{PACK_MAX_BYTES} an MLX array's 32-bit shape holds as bytes")
@@ -2069,8 +2077,7 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
     I = gate_up.weight.shape[1] // 2
     op_name = "moe_decode_block" if gdn_step is None else "moe_decode_block_gdn"
     if pack is not None:
-        words = sum(-(-n // PACK_ALIGN) * PACK_ALIGN
-                    for n in decode_block_pack_segments(gate, gate_up, shared)) // 4
+        words = decode_block_pack_bytes(gate, gate_up, shared) // 4
         if pack.dtype != mx.uint32 or pack.shape != (words,):
             raise ValueError(f"pack {pack.shape} {pack.dtype} is not the [{words}] uint32 "
                              f"array decode_block_pack makes of these weights")
