@@ -1754,7 +1754,7 @@ def test_block_pack_holds_the_block_weights_as_views_of_one_copy(preset, monkeyp
     offsets = moe_ops.decode_block_pack_offsets(
         moe_layer.linear_weights(block.gate),
         moe_layer.expert_weights(block.switch_mlp.gate_up_proj), block._shared_weights())
-    raw = np.array(pk).view(np.uint8)
+    raw = _bytes(pk)
     for k, m in enumerate(modules):
         for j, n in enumerate(("weight", "scales", "biases")):
             a = dict.get(m, n)
@@ -1777,7 +1777,7 @@ def test_block_pack_holds_the_block_weights_as_views_of_one_copy(preset, monkeyp
     assert fresh is not None and fresh.valid(block)
     assert gu.scales is not doubled and mx.array_equal(gu.scales, doubled).item()
     at, nbytes = offsets[16]
-    assert np.array_equal(np.array(fresh.cat["pk"]).view(np.uint8)[at:at + nbytes],
+    assert np.array_equal(_bytes(fresh.cat["pk"])[at:at + nbytes],
                           _bytes(doubled))
 
 
