@@ -111,6 +111,11 @@ missing ``__syncthreads()``, a buffer refilled while other warps still read
 it, a ``cp.async`` result read before its wait, a read of unwritten shared
 memory, a dependence on block order or a block writing rows it does not own
 then shows as a difference between the runs (or against the reference).
+Inputs the manifest lists under ``writes`` (written in place, e.g. the packed
+MoE block's Gated DeltaNet states) start every run from their original bytes;
+the runs must leave them equal (else a race), and the write is handed back
+into the input array's own memory where MLX would pass the kernel that
+memory (a row-contiguous array; else MLX copies it and the write is lost).
 Outputs start as the poison with a 16 KiB guard before and after: an element
 holding the poison in both runs was never written; a changed guard byte is a
 write out of bounds. The program is built with ``-fsanitize=address,undefined``
@@ -1084,6 +1089,7 @@ int main(int argc, char** argv) {
              &dyn_bytes, &schedules, &n_in) != 9) return 3;
   nthreads = block_dim[0] * block_dim[1] * block_dim[2];
   std::vector<void*> inputs(n_in), input_bases(n_in);
+  std::vector<std::vector<unsigned char>> originals(n_in);
   shapes.resize(n_in);
   for (unsigned int i = 0; i < n_in; ++i) {
     size_t nbytes = 0;
@@ -1105,6 +1111,7 @@ int main(int argc, char** argv) {
     void* base = nullptr;
     if (posix_memalign(&base, 256, nbytes ? nbytes : 1)) return 5;
     if (nbytes) memcpy(base, data.data(), nbytes);
+    originals[i] = std::move(data);
     input_bases[i] = base;
     inputs[i] = static_cast<unsigned char*>(base) + offset;
     input_ranges.emplace_back(static_cast<const unsigned char*>(base), nbytes);
@@ -1114,6 +1121,14 @@ int main(int argc, char** argv) {
   std::vector<int> has_init(n_out);
   for (unsigned int i = 0; i < n_out; ++i) {
     if (fscanf(spec, "%zu %zu %d", &out_bytes[i], &guard[i], &has_init[i]) != 3) return 3;
+  }
+  // Inputs the kernel writes in place (the manifest's `writes`): each
+  // schedule starts from the original bytes and hands them back after.
+  unsigned int n_writes = 0;
+  if (fscanf(spec, " writes %u", &n_writes) != 1) return 3;
+  std::vector<unsigned int> written(n_writes);
+  for (unsigned int& w : written) {
+    if (fscanf(spec, "%u", &w) != 1 || w >= n_in) return 3;
   }
   fclose(spec);
 
@@ -1130,6 +1145,9 @@ int main(int argc, char** argv) {
     const unsigned char out_poison = reverse ? 0xff : 0xfe;
     const unsigned char shared_poison = reverse ? 0xff : 0x7f;
     std::vector<unsigned char*> bufs(n_out);
+    for (unsigned int w : written) {
+      if (!originals[w].empty()) memcpy(input_bases[w], originals[w].data(), originals[w].size());
+    }
     args.assign(inputs.begin(), inputs.end());
     for (unsigned int i = 0; i < n_out; ++i) {
       const size_t total = guard[i] + out_bytes[i] + guard[i];
@@ -1156,6 +1174,12 @@ int main(int argc, char** argv) {
       if (!fp || fwrite(bufs[i], 1, total, fp) != total) return 6;
       fclose(fp);
       free(bufs[i]);
+    }
+    for (unsigned int w : written) {
+      FILE* fp = fopen(path_of("inw", w, int(sched)), "wb");
+      const size_t n = originals[w].size();
+      if (!fp || (n && fwrite(input_bases[w], 1, n, fp) != n)) return 6;
+      fclose(fp);
     }
   }
   for (Fiber& f : fibers) free(f.stack);
@@ -1565,7 +1589,7 @@ class EmulatedCudaKernel:
     def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str],
                  source: str, header: str = "", ensure_row_contiguous: bool = True,
                  shared_memory: int = 0, *, header_files: Optional[Sequence] = None,
-                 body_file: str = "<source>"):
+                 body_file: str = "<source>", writes: Sequence[str] = ()):
         if not output_names:
             raise ValueError("[cuda_kernel] Must specify at least one output.")
         self.name = name
@@ -1575,6 +1599,11 @@ class EmulatedCudaKernel:
         self.header = header
         self.shared_memory = int(shared_memory)
         self.ensure_row_contiguous = bool(ensure_row_contiguous)
+        unknown = [n for n in writes if n not in self.input_names]
+        if unknown:
+            raise ValueError(f"{name}: writes {unknown} are not inputs")
+        #: Indices of the inputs written in place (handed back, see _run).
+        self.writes = [self.input_names.index(n) for n in writes]
         self.stats: dict = {}
         # (file name, text) pairs; #line directives keep compiler and
         # sanitizer reports pointing at the real files.
@@ -1659,13 +1688,23 @@ class EmulatedCudaKernel:
         spec = [f"blocks {blocks[0]} {blocks[1]} {blocks[2]}", f"threads {tg[0]} {tg[1]} {tg[2]}",
                 f"dynamic_shared {self.shared_memory}", f"schedules {int(schedules)}",
                 f"inputs {len(inputs)}"]
+        back = {}  # written input -> (address of its bytes in x's own buffer, length)
         for i, x in enumerate(inputs):
             if self.ensure_row_contiguous:
                 a = _to_numpy(x)
                 strides = [int(np.prod(x.shape[d + 1:], dtype=np.int64)) for d in range(x.ndim)]
                 data, offset = a.tobytes(), 0
+                if i in self.writes:
+                    # MLX hands the kernel x's own buffer only where x is
+                    # row-contiguous (else a copy, whose writes are lost).
+                    n = np.asarray(_numpy_compatible(x))
+                    if n.flags["C_CONTIGUOUS"] and n.nbytes == len(data):
+                        back[i] = (n.__array_interface__["data"][0], len(data))
             else:
                 data, strides, offset = _view_bytes(x)
+                if i in self.writes and data:
+                    n = np.asarray(_numpy_compatible(x))
+                    back[i] = (n.__array_interface__["data"][0] - offset, len(data))
             (tmp / f"in{i}.bin").write_bytes(data)
             spec.append(f"{len(data)} {x.ndim} " + " ".join(str(d) for d in x.shape) + " "
                         + " ".join(str(d) for d in strides) + f" {offset}")
@@ -1682,6 +1721,7 @@ class EmulatedCudaKernel:
             # every schedule so that its unwritten padding compares equal.
             fill = 1 if init_value is not None else 2 if self._workspace(j) else 0
             spec.append(f"{count * npt.itemsize} {GUARD_BYTES} {fill}")
+        spec.append(f"writes {len(self.writes)} " + " ".join(str(i) for i in self.writes))
         (tmp / "spec.txt").write_text("\n".join(spec) + "\n")
         try:
             proc = subprocess.run([str(exe), str(tmp)], capture_output=True, text=True,
@@ -1699,6 +1739,15 @@ class EmulatedCudaKernel:
                               f"__shared__ memory (CUDA allows {STATIC_SHARED_LIMIT})")
         if self.stats["static_shared_bytes"] + self.shared_memory > SHARED_LIMIT:
             raise KernelFault(f"{self.name}: static + dynamic shared memory over {SHARED_LIMIT}")
+        for i in self.writes:
+            runs = [(tmp / f"inw{i}.s{s}.bin").read_bytes() for s in range(int(schedules))]
+            if any(r != runs[0] for r in runs[1:]):
+                raise KernelFault(f"{self.name}: input `{self.input_names[i]}`, written in place, "
+                                  "differs between schedule A and schedule B: a race")
+            if i in back:
+                # The write in place, into x's own buffer (what the GPU does).
+                addr, length = back[i]
+                ctypes.memmove(addr, runs[0], length)
         results = []
         for j, ((npt, count), shape, dt) in enumerate(zip(out_np, shapes, dtypes)):
             runs = [np.fromfile(tmp / f"out{j}.s{s}.bin", dtype=np.uint8)
@@ -1801,7 +1850,7 @@ def build_kernel(op: str, backend: str = "cuda", *, source: Optional[str] = None
         src.name, src.inputs, src.outputs, src.body if source is None else source,
         src.header if header is None else header,
         options.get("ensure_row_contiguous", True), options.get("shared_memory", 0),
-        header_files=header_files, body_file=body_file)
+        header_files=header_files, body_file=body_file, writes=src.writes)
 
 
 def run_cuda_kernel(op: str, *, inputs, template, grid, threadgroup, output_shapes,

@@ -364,6 +364,50 @@ def test_in_place_kv_writes_own_private_buffers(tiny_hf_f32, monkeypatch):
     assert [c.offset for c in kv] == [7] * len(kv) and [d.offset for d in dkv] == [8] * len(dkv)
 
 
+def test_in_place_state_writes_own_private_buffers(tiny_hf_f32, monkeypatch):
+    # While the step uses a pack whose build writes the Gated DeltaNet states
+    # in place (moe-block-pack's GD build; faked here: the CPU has no packs),
+    # it first gives each such cache private state buffers (one copy of an
+    # array it does not know, e.g. a prefill's or a deep copy's, whose memory
+    # may be shared), and takes its own outputs as private: no copy per token.
+    import copy
+
+    from qwen_apple_backend import decode
+
+    real_build, real_own = decode._CompiledDecode._build, decode._CompiledDecode._own_states
+    copied = []
+
+    def build(self):
+        real_build(self)
+        self._packs_write_states = True
+
+    def own(self, states):
+        before = [(c[0], c[1]) for c in states]
+        real_own(self, states)
+        copied.append(sum(c[1] is not b[1] for c, b in zip(states, before)))
+        for c, (conv, st) in zip(states, before):
+            if c[1] is not st:  # a copy: equal values, its own buffer
+                assert mx.array_equal(c[0], conv).item() and mx.array_equal(c[1], st).item()
+
+    monkeypatch.setattr(decode._CompiledDecode, "_build", build)
+    monkeypatch.setattr(decode._CompiledDecode, "_own_states", own)
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    m, _ = load(tiny_hf_f32, "fused")
+    step = m.language_model.__dict__["_qab_decode"]
+    cache = make_prompt_cache(m)
+    n_gdn = sum(type(c).__name__ == "ArraysCache" for c in cache)
+    assert n_gdn > 0
+    m(mx.array([[1, 2, 3, 4]]), cache=cache)
+    m(mx.array([[5]]), cache=cache)  # eager first token
+    for t in (6, 7, 8):
+        mx.eval(m(mx.array([[t]]), cache=cache))
+    assert step.compiled_calls == 3
+    assert copied == [n_gdn, 0, 0], copied
+    dup = copy.deepcopy(cache)
+    mx.eval(m(mx.array([[9]]), cache=dup))
+    assert copied[-1] == n_gdn
+
+
 def test_in_place_kv_write_reference():
     # kv_cache_write_ops, the portable contract of the in-place kernel: row
     # `offset` replaced in both buffers, the mask s <= offset.

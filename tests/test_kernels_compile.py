@@ -375,14 +375,16 @@ def _packed_inputs(dtypes):
     return dtypes[:4] + ["u32"] + dtypes[25:]
 
 
-# The packed builds (moe-block-pack): the shipped OP + NP block, and the GD one.
+# The packed builds (moe-block-pack): the shipped OP + NP block, and the GD one;
+# outputs out and po only (the workspace in count from word WSO, the GDN
+# states written in place).
 CASES["moe_decode_block_pack"] = (
-    _packed_inputs(CASES["moe_decode_block"][0]), CASES["moe_decode_block"][1],
+    _packed_inputs(CASES["moe_decode_block"][0]), ["bf16", "bf16"],
     {**CASES["moe_decode_block"][2], "STAGE": True, "EARLY": True, "OP": True, "DO": 4096,
-     "OG": 64, "NP": True, "PN": 12352, "PG": 64})
+     "OG": 64, "NP": True, "PN": 12352, "PG": 64, "WSO": 256})
 CASES["moe_decode_block_gdn_pack"] = (
-    _packed_inputs(CASES["moe_decode_block_gdn"][0]), CASES["moe_decode_block_gdn"][1],
-    CASES["moe_decode_block_gdn"][2])
+    _packed_inputs(CASES["moe_decode_block_gdn"][0]), ["bf16", "bf16"],
+    {**CASES["moe_decode_block_gdn"][2], "WSO": 256})
 
 @pytest.mark.parametrize("case", ADD_NORM_COMPILE_CASES,
                          ids=lambda c: "-".join(str(v) for v in c[2].values()))

@@ -28,6 +28,7 @@ Skipped when no C++20 compiler is on PATH.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
@@ -42,6 +43,7 @@ from qwen_apple_backend.ops import gated_delta as gd
 from qwen_apple_backend.ops import linear as lin_ops
 from qwen_apple_backend.ops import moe as moe_ops
 from qwen_apple_backend.ops._sources import kernel_source
+from qwen_apple_backend.ops.moe import serial_decode_trace
 
 from . import _cuda_emulation as emu
 from ._metrics import mx_rel_l2
@@ -2762,13 +2764,24 @@ def test_fused_model_runs_the_gdn_step_in_the_moe_block_emulated(monkeypatch):
         norm_ops._kernel_object.cache_clear()
 
 
+def _same_buffer(a: mx.array, b: mx.array) -> bool:
+    """Whether two evaluated arrays are views of the same memory (same first element)."""
+    def at(x):
+        return np.asarray(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x
+                          ).__array_interface__["data"][0]
+    return at(a) == at(b)
+
+
 def test_fused_model_reads_the_router_and_shared_expert_from_one_pack_emulated(monkeypatch):
     # moe-block-pack on the emulated fused model of the test above (two Gated
-    # DeltaNet layers, a stock attention one; eager decode): every layer's
+    # DeltaNet layers, a stock attention one; eager decode inside
+    # serial_decode_trace, as the compiled decode step traces): every layer's
     # block reads its router, shared expert and experts from one BlockPack (GD
     # build in the GDN layers, the plain one after the stock attention), and
-    # the logits and states equal the model with moe-block-pack off bit for
-    # bit. A router array replaced in both models (as load_weights does)
+    # the logits and the conv and recurrent states (written in place by the
+    # packed GD build, into the cache's own arrays) equal the model with
+    # moe-block-pack off bit for bit. Outside that trace the block runs
+    # unpacked. A router array replaced in both models (as load_weights does)
     # makes the next call build a new pack from it: the same logits again.
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -2794,25 +2807,44 @@ def test_fused_model_reads_the_router_and_shared_expert_from_one_pack_emulated(m
                              disable=["decode-compile", "attn"])
         caches = [make_prompt_cache(m) for m in models]
 
-        def step(t):
+        def step(t, serial=True):
             tok = mx.array([[(t * 53 + 7) % 500]])
             got = []
             for m, c in zip(models, caches):
                 launches.clear()
-                got.append(m(tok, cache=c))
-                mx.eval(got[-1], [e.state for e in c])
+                states = [(e[0], e[1]) for e in c[:2]]
+                if serial:  # (as the compiled decode step before it traces)
+                    for layer in m.layers:
+                        layer.mlp.prepare_block_pack()
+                with serial_decode_trace() if serial else contextlib.nullcontext():
+                    got.append(m(tok, cache=c))
+                mx.eval(got[-1])
                 got.append(list(launches))
-            (on, on_launches), (off, off_launches) = got[:2], got[2:]
+                got.append(states)
+            (on, on_launches, on_states), (off, off_launches, _) = got[:3], got[3:]
             assert mx.array_equal(on, off).item(), f"token {t}: rel-L2 {mx_rel_l2(on, off):.3g}"
             for layer, (a, b) in enumerate(zip(caches[0][:2], caches[1][:2])):
+                assert mx.array_equal(a[0], b[0]).item(), f"token {t} layer {layer} conv state"
                 assert mx.array_equal(a[1], b[1]).item(), f"token {t} layer {layer} state"
+                assert a[1].dtype == mx.float32
+                if serial and t >= 1:
+                    # Written in place: the cache keeps the buffers it had.
+                    assert _same_buffer(a[0], on_states[layer][0]), on_launches
+                    assert _same_buffer(a[1], on_states[layer][1]), on_launches
             return on_launches, off_launches
 
-        for t in range(2):
+        for t in range(3):
             on_launches, off_launches = step(t)
             if t >= 1:  # (the first token also runs the self-checks)
                 assert on_launches == ["block+gdn+pack", "block+gdn+pack", "block+pack"]
                 assert off_launches == ["block+gdn", "block+gdn", "block"], off_launches
+            if t == 1:
+                kept = [layer.mlp.__dict__["_block_pack"] for layer in models[0].layers]
+        # The packs outlive the calls (no packing per token).
+        assert [layer.mlp.__dict__["_block_pack"] for layer in models[0].layers] == kept
+        # Outside the compiled step's trace: unpacked, the same logits and states.
+        on_launches, _ = step(3, serial=False)
+        assert on_launches == ["block+gdn", "block+gdn", "block"], on_launches
         verdicts = {k[0]: v for k, v in device.self_check_results().items()}
         assert verdicts["moe_decode_block_gdn_pack"] == (True, "passed")
         assert verdicts["moe_decode_block_pack"] == (True, "passed")
@@ -2825,7 +2857,7 @@ def test_fused_model_reads_the_router_and_shared_expert_from_one_pack_emulated(m
             g = m.layers[1].mlp.gate
             g.scales = g.scales * 1.5
         assert not packs[1].valid(models[0].layers[1].mlp)
-        on_launches, _ = step(2)
+        on_launches, _ = step(4)
         assert on_launches == ["block+gdn+pack", "block+gdn+pack", "block+pack"], on_launches
         fresh = models[0].layers[1].mlp.__dict__["_block_pack"]
         assert fresh is not packs[1] and fresh.valid(models[0].layers[1].mlp)

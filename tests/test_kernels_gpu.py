@@ -533,12 +533,27 @@ def _assert_pack_is_the_block(backend, case, K, norm, counter, out_proj=None, ne
     r_in = None if out_proj is not None else r
     pk = moe_ops.decode_block_pack(gate, gu, dn, sw)
     assert pk.dtype == mx.uint32 and pk.ndim == 1, where
+    # The packed build keeps its workspace in its own (serial) counter.
+    H = x.shape[-1]
+    pcounter = moe_ops.serial_counter(moe_ops.decode_block_pack_counter_length(
+        x.size // H, H, gate.weight.shape[0], K, gu.weight.shape[1] // 2, x.dtype,
+        out_proj is not None, step))
+    states = None
+    if step is not None:
+        # It writes the GDN states in place: private copies, read after the launch.
+        states = (step.conv_state + 0, step.state + 0)
+        mx.eval(states)
 
     def run(pack):
+        s = step if pack is None or step is None else step._replace(conv_state=states[0],
+                                                                     state=states[1])
         out = moe_ops._moe_decode_block_call(backend, x, r_in, w, 1e-6, gate, K, norm, gu, dn,
-                                             sw, counter, out_proj=out_proj,
-                                             next_proj=next_proj, gdn_step=step, pack=pack)
-        return [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
+                                             sw, counter if pack is None else pcounter,
+                                             out_proj=out_proj, next_proj=next_proj, gdn_step=s,
+                                             pack=pack)
+        out = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
+        mx.eval(out)
+        return out
 
     ref, got = run(None), run(pk)
     assert len(got) == len(ref) and got[0].shape == x.shape, where
@@ -546,7 +561,13 @@ def _assert_pack_is_the_block(backend, case, K, norm, counter, out_proj=None, ne
     for i, (a, b) in enumerate(zip(got, ref)):
         assert mx.array_equal(a, b).item(), (
             f"{where}: output {i} rel-L2 {mx_rel_l2(a, b):.3g} from the unpacked build")
+    if step is not None:
+        # The states returned are the arrays given, written in place.
+        assert got[-2] is states[0] and got[-1] is states[1], where
+        assert not mx.array_equal(states[1], step.state).item(), where
     assert not mx.any(counter).item(), f"{where}: the launch left its counter non-zero"
+    assert not mx.any(pcounter[:moe_ops.decode_block_counter_length()]).item(), (
+        f"{where}: the packed launch left its counters non-zero")
     return got
 
 
@@ -1005,7 +1026,9 @@ def test_compiled_decode_reads_the_router_and_shared_expert_from_one_pack(monkey
     # on the model of the test above, through the compiled decode step: every
     # layer's block reads its router, shared expert and experts from one
     # BlockPack (among the step's compile inputs), and 16 teacher-forced
-    # tokens give the same logits as the same model with moe-block-pack off; a router
+    # tokens give the same logits and Gated DeltaNet states (which the packed
+    # GD build writes in place, into the private buffers the step gives the
+    # caches) as the same model with moe-block-pack off; a router
     # array replaced in both models after that makes the step build a new
     # pack (and retrace): the same logits for 4 more tokens.
     from mlx_lm.models.cache import make_prompt_cache
@@ -1030,6 +1053,10 @@ def test_compiled_decode_reads_the_router_and_shared_expert_from_one_pack(monkey
             a, b = (m(tok, cache=c) for m, c in zip(models, caches))
             mx.eval(a, b)
             assert mx.array_equal(a, b).item(), f"token {t}: rel-L2 {mx_rel_l2(a, b):.3g}"
+            for i, (x, y) in enumerate(zip(*caches)):
+                if type(x).__name__ == "ArraysCache":
+                    assert mx.array_equal(x[0], y[0]).item(), f"token {t} layer {i} conv state"
+                    assert mx.array_equal(x[1], y[1]).item(), f"token {t} layer {i} state"
 
     try:
         decode(range(16))
@@ -1038,6 +1065,10 @@ def test_compiled_decode_reads_the_router_and_shared_expert_from_one_pack(monkey
         step = models[0].language_model.__dict__["_qab_decode"]
         assert step.compiled_calls >= 14
         assert sum(type(c) is BlockPack for c in step._uses) == 4
+        # The step's own states are known private: no copy per token.
+        gdn = [c for c in caches[0] if type(c).__name__ == "ArraysCache"]
+        assert step._packs_write_states and all(
+            step._owned_states[c][1] is c[1] for c in gdn)
         builds = step.builds
         for m in models:
             g = m.layers[2].mlp.gate

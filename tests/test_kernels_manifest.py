@@ -36,6 +36,17 @@ def test_bodies_use_their_declared_names(op, backend):
     assert src.name == f"qab_{op}"
 
 
+def test_written_inputs_are_inputs():
+    # `writes` names inputs a kernel writes in place (the emulator hands those
+    # writes back); the packed MoE block's builds declare theirs.
+    for op, entry in manifest().items():
+        assert set(entry.get("writes", ())) <= set(entry["inputs"]), op
+    assert kernel_source("moe_decode_block_gdn_pack", "cuda").writes == (
+        "count", "gd_conv_state", "gd_state")
+    assert kernel_source("moe_decode_block_pack", "cuda").writes == ("count",)
+    assert kernel_source("moe_decode_block", "cuda").writes == ()
+
+
 def test_kernel_sources_ship_in_the_wheel_config():
     import tomllib
     from pathlib import Path

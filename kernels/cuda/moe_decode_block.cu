@@ -186,6 +186,14 @@
 // compile-time word offsets (see moe_decode_block_pack.cuh for the build's
 // launch bounds). The pack is the block's storage: the module's arrays are
 // views of it (layers.moe.BlockPack), so the experts are not held twice.
+// Its outputs are out and po only, for MLX's host cost also grows with every
+// output (benchmarks/profile_encode.py: about 2 us to build and 3 us to
+// encode per output on the H200's host): the workspace is count's tail from
+// word WSO (a multiple of 32) on, so count must be the caller's own serial
+// counter (ops.moe.serial_counter of ops.moe.decode_block_pack_counter_length
+// elements; every launch sharing it runs after the one before); with GD the
+// GDN step's states are written in place (see gcs below), so gd_conv_state
+// and gd_state must be buffers the caller owns and reads only after out.
 #define QAB_PKW(bytes) (((size_t)(bytes) + 127) / 128 * 32)
 static_assert(BLOCK == 256, "moe_decode_block: the packed build is declared __launch_bounds__(256, 2)");
 constexpr size_t QAB_PK_QS = (size_t)I * (H / G) * sizeof(T);  // a shared projection's scales
@@ -286,7 +294,13 @@ for (int i = 0; i + 1 < x_ndim; ++i) {
 }
 const int items = (OBLK + RBLK + GBLK + DBLK + PBLK) * rows;
 // The intermediates' segments of ws (see Outputs).
+#ifdef QAB_BLOCK_PACK
+// The packed build has no workspace output: its intermediates live in count
+// from word WSO on (a serial counter's tail, kept between launches).
+char* ws_next = reinterpret_cast<char*>(c + WSO);
+#else
 char* ws_next = reinterpret_cast<char*>(ws);
+#endif
 auto ws_take = [&](const size_t bytes) {
   char* at = ws_next;
   ws_next += (bytes + 127) / 128 * 128;
@@ -302,6 +316,20 @@ float* sg_logit = reinterpret_cast<float*>(ws_take(sizeof(float) * (rows > 4 ? r
 T* ro = reinterpret_cast<T*>(ws_take(OP ? sizeof(T) * rows * H : 16));
 #ifdef QAB_BLOCK_GDN
 T* go = reinterpret_cast<T*>(ws_take(sizeof(T) * rows * DO));  // the GDN phase's output
+#ifdef QAB_BLOCK_PACK
+// The packed GD build writes the GDN step's states in place (no outputs): the
+// recurrent state into gd_state (each GDN item reads, then writes, only its
+// own head's rows), the new conv state into gcs here, which the
+// out-projection items copy over gd_conv_state once every GDN item has read
+// the old one (several items read a key head's q/k channels).
+constexpr int QAB_GD_CONV = (GKc - 1) * (2 * GHk * GDk + GHv * GDv);
+T* gcs = reinterpret_cast<T*>(ws_take(sizeof(T) * rows * QAB_GD_CONV));
+#define QAB_GD_CONV_OUT gcs
+#define QAB_GD_STATE_OUT const_cast<float*>(gd_state)
+#else
+#define QAB_GD_CONV_OUT gd_conv_state_out
+#define QAB_GD_STATE_OUT gd_state_out
+#endif
 #endif
 // The mixer's output: an input, or with OP this launch's own out-projection
 // (written by its first items, read through L2 once they are all done).
@@ -339,7 +367,7 @@ while (true) {
                         QAB_GD_PASSES>(
         n, hv, gd_proj, gd_proj, gd_proj, gd_proj, gd_conv_state, gd_conv_w, gd_conv_b,
         gd_A_log, gd_dt_bias, gd_norm_w, gd_eps, gd_state, gd_eps, gd_eps, go,
-        gd_conv_state_out, gd_state_out);
+        QAB_GD_CONV_OUT, QAB_GD_STATE_OUT);
     QAB_MARK(2);
     __syncthreads();
     if (tid == 0) {
@@ -363,6 +391,20 @@ while (true) {
           __syncthreads();
           QAB_MARK(1);
         });
+#ifdef QAB_BLOCK_PACK
+    // This item's share of the new conv state, copied in place through L2 (the
+    // projection above waited for every GDN item).
+    {
+      constexpr size_t QAB_GD_PER = ((size_t)QAB_GD_CONV + OBLK - 1) / OBLK;
+      T* cs = const_cast<T*>(gd_conv_state) + (size_t)n * QAB_GD_CONV;
+      const T* from = gcs + (size_t)n * QAB_GD_CONV;
+      const size_t end = (size_t)(o + 1) * QAB_GD_PER < (size_t)QAB_GD_CONV
+                             ? (size_t)(o + 1) * QAB_GD_PER : (size_t)QAB_GD_CONV;
+      for (size_t e = (size_t)o * QAB_GD_PER + tid; e < end; e += BLOCK) {
+        cs[e] = qab_ldcg(from + e);
+      }
+    }
+#endif
 #else
     qab_q4_gemv_rows<T, T, DO, OG, QAB_OUT_RPW>(
         o * (BLOCK / 32) * QAB_OUT_RPW, H, qab_row_load<false>(ox + (size_t)n * DO), ow, os, ob,

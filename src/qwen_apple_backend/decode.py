@@ -282,6 +282,9 @@ class _CompiledDecode:
         self._copied: list = []
         self._in_place: dict = {}  # K/V shapes and dtypes -> backend or None
         self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._packs_write_states = False  # a used pack may write the GDN states in place
+        #: ArraysCache -> its (conv, recurrent) states known private (see _own_states).
+        self._owned_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._positions: Optional[mx.array] = None  # [n * OFFSET_PAD] int32: row p all p
         self.eager_calls = 0
         self.compiled_calls = 0
@@ -299,6 +302,9 @@ class _CompiledDecode:
         pairs = [(c, owner) for c, owner in _concats(model) if c.valid(owner)]
         self._uses = [c for c, _ in pairs]
         self._owners = [owner for _, owner in pairs]
+        # A pack's GD build writes the Gated DeltaNet states in place: the
+        # caches' state buffers must then be private (_own_states).
+        self._packs_write_states = any(getattr(c, "writes_states", False) for c in self._uses)
         if self.const:
             self._fn = mx.compile(self._step)
             self._take_record(model)
@@ -319,6 +325,7 @@ class _CompiledDecode:
             self._fn = self._record = None
             self._traced = {}
             self._uses, self._owners = [], []
+            self._packs_write_states = False
             self._checks, self._checks_at = [[], [], [], [], []], []
 
     def _take_record(self, model: Any) -> None:
@@ -453,6 +460,22 @@ class _CompiledDecode:
                 c.keys, c.values = c.keys * 1, c.values * 1
                 self._owned[c] = (c.keys, c.values)
 
+    def _own_states(self, states: list) -> None:
+        """Give each Gated DeltaNet cache private state buffers before the packed
+        MoE block writes them in place (``moe-block-pack``'s GD build).
+
+        As :meth:`_own` for the KV caches: an array not known private (a
+        prefill's, an eager token's, a copied cache's, which may share its
+        memory) is copied once. The step's own outputs are private (fresh
+        launch outputs, or these buffers written in place), so
+        :meth:`__call__` records them after each call.
+        """
+        for c in states:
+            owned = self._owned_states.get(c)
+            if owned is None or owned[0] is not c[0] or owned[1] is not c[1]:
+                c[0], c[1] = c[0] * 1, c[1] * 1
+                self._owned_states[c] = (c[0], c[1])
+
     def __call__(self, tokens, cache, layout):
         kvs = [c for c in cache if type(c) is KVCache]
         kv_sig = tuple((a.shape, a.dtype) for c in kvs for a in (c.keys, c.values))
@@ -460,10 +483,14 @@ class _CompiledDecode:
         if in_place is not None:
             self._own(kvs)  # same shapes and dtypes: kv_sig still holds
         kv = [(c.keys, c.values) for c in kvs]
-        ssm = [(c[0], c[1]) for c in cache if type(c) is ArraysCache]
         offset = self._device_offset(kvs[0].offset)
         if self._fn is None or not self._still_valid():
             self._build()
+        states = [c for c in cache if type(c) is ArraysCache]
+        writes_states = self._packs_write_states
+        if writes_states:
+            self._own_states(states)
+        ssm = [(c[0], c[1]) for c in states]
         # While tracing, the model's arrays are tracers: the concatenations the
         # step reads are marked so their owners still take the one-matmul path
         # (their arrays are compile inputs, so replays read the current ones).
@@ -498,11 +525,10 @@ class _CompiledDecode:
             kvs[i].keys, kvs[i].values = pair
         for c in kvs:
             c.offset += tokens.shape[1]
-        iss = 0
-        for c in cache:
-            if type(c) is ArraysCache:
-                c[0], c[1] = ssm_out[iss]
-                iss += 1
+        for c, pair in zip(states, ssm_out):
+            c[0], c[1] = pair
+            if writes_states:
+                self._owned_states[c] = pair
         self.compiled_calls += 1
         return logits
 

@@ -43,6 +43,7 @@ from qwen_apple_backend.ops.moe import (
     decode_block_counter_length,
     decode_block_pack,
     decode_block_pack_arrays,
+    decode_block_pack_counter_length,
     decode_block_pack_views,
     decode_block_ready,
     decode_kernel_ready,
@@ -175,6 +176,12 @@ class BlockPack:
     #: router, the shared expert's gate and up projections, the shared
     #: expert's gate, its down projection, the routed experts' fused gate+up
     #: and down projections (weight, scales, biases of each).
+    #: The packed build with the Gated DeltaNet phase writes the mixer's conv
+    #: and recurrent states in place (its only outputs are the layer's output
+    #: and the next projection's): the compiled decode step gives the caches
+    #: private state buffers first while it uses a pack.
+    writes_states = True
+
     PATHS = (("gate",), ("shared_expert", "gate_proj"), ("shared_expert", "up_proj"),
              ("shared_expert_gate",), ("shared_expert", "down_proj"),
              ("switch_mlp", "gate_up_proj"), ("switch_mlp", "down_proj"))
@@ -1234,9 +1241,14 @@ class FusedSparseMoeBlock(nn.Module):
         if route is None:
             return None
         pack = None
-        if block is not None and self.block_pack:
+        serial = serial_decode_tracing()
+        if block is not None and self.block_pack and serial:
             # The same build reading the router, shared expert and experts from one
-            # packed copy (moe-block-pack), where that build is ready.
+            # packed copy (moe-block-pack), where that build is ready: inside the
+            # compiled decode step only, whose launches never overlap (the
+            # packed build keeps its workspace in a counter of this module's)
+            # and which gives the Gated DeltaNet states private buffers (the
+            # packed GD build writes them in place).
             pack = self._block_pack_for(gd is not None)
             if pack is not None:
                 # (The arguments of the choice made above.)
@@ -1252,11 +1264,17 @@ class FusedSparseMoeBlock(nn.Module):
         # The one-launch block counts in a longer buffer (its phases' counters
         # before the route's per-row ones).
         rows = decode_block_counter_length() if block is not None else None
-        serial = serial_decode_tracing()
+        if pack is not None:
+            # The packed build's counter holds its workspace too (no output).
+            rows = decode_block_pack_counter_length(
+                x.size // x.shape[-1], x.shape[-1], self.gate.weight.shape[0], self.top_k,
+                self.switch_mlp.gate_up_proj.weight.shape[1] // 2, x.dtype, op is not None,
+                None if gd is None else gd.step)
         if serial:
-            name = "_serial_block_counter" if block is not None else "_serial_counter"
+            name = ("_serial_pack_counter" if pack is not None else
+                    "_serial_block_counter" if block is not None else "_serial_counter")
             counter = self.__dict__.get(name)
-            if counter is None:
+            if counter is None or (rows is not None and counter.size < rows):
                 counter = self.__dict__[name] = (serial_counter(rows) if rows
                                                  else serial_counter())
         else:
@@ -1306,9 +1324,18 @@ class FusedSparseMoeBlock(nn.Module):
                 # the counter a constant of the graph.
                 fn = compile_watched(self, partial(self._add_norm_route_forward, **kw))
                 fns[key] = fn
+        held = None
+        if self.compile_decode:
+            # A pack valid now stays valid: a trace of fn re-wraps the
+            # module's arrays (the pack's views) in new objects. (Inside the
+            # compiled decode step's trace, which skips the arrays' identity
+            # while tracing, the step refreshes its packs again after.)
+            held = self.__dict__.get("_block_pack")
+            if held is not None and not held.valid(self):
+                held = None
         out = fn(*args)
-        if pack is not None and self.compile_decode and not serial:
-            pack.refresh()  # a trace of fn re-wraps the module's arrays
+        if held is not None:
+            held.refresh()
         if gd is not None:
             # The block ran the mixer's step: its new states go to its cache.
             out, po, ncs, nst = out if np_ is not None else (out[0], None, *out[1:])

@@ -41,6 +41,8 @@ class KernelSource:
         header (str): concatenated header files.
         body (str): the kernel body.
         verified (str): where its GPU tests passed ("" if never run on a GPU).
+        writes (tuple[str, ...]): the inputs it writes in place (the
+            manifest's ``writes``; empty for most).
     """
 
     op: str
@@ -51,6 +53,7 @@ class KernelSource:
     header: str
     body: str
     verified: str = ""
+    writes: tuple = ()
 
     @property
     def name(self) -> str:
@@ -173,4 +176,5 @@ def kernel_source(op: str, backend: str) -> Optional[KernelSource]:
     return KernelSource(op=op, backend=backend, inputs=tuple(entry["inputs"]),
                         outputs=tuple(entry["outputs"]),
                         template=tuple(entry.get("template", ())), header=header, body=body,
-                        verified=str(files.get("verified", "")))
+                        verified=str(files.get("verified", "")),
+                        writes=tuple(entry.get("writes", ())))

@@ -1625,6 +1625,50 @@ def decode_block_counter_length(rows: int = FOLD_NORM_MAX_ROWS) -> int:
     return 7 * DECODE_BLOCK_OPTIONS["CS"] + rows
 
 
+def decode_block_pack_workspace_offset() -> int:
+    """Word of the packed build's counter at which its workspace starts (the kernel's ``WSO``):
+    :func:`decode_block_counter_length` of :data:`FOLD_NORM_MAX_ROWS` rows, rounded
+    up to 32 words (128 bytes). One value, so one build."""
+    return -(-decode_block_counter_length() // 32) * 32
+
+
+def decode_block_pack_counter_length(rows: int, H: int, E: int, K: int, I: int,
+                                     dtype: mx.Dtype, out_proj: bool,
+                                     gdn: Optional["GatedDeltaStep"] = None) -> int:
+    """uint32 elements of the counter a packed :func:`moe_decode_block` launch needs.
+
+    The packed build (``moe-block-pack``) has no workspace output: its
+    counters, then from word :func:`decode_block_pack_workspace_offset` on the
+    workspace of :func:`decode_block_workspace_words` (with ``gdn``, the GD
+    build, also the Gated DeltaNet step's output and its new conv state
+    before the in-place copy). MLX's host cost grows with every output of a
+    launch (``benchmarks/profile_encode.py``: a custom kernel with 10 outputs
+    against one, about 2 us more to build and 3 us more to encode per output
+    on the H200's host). The counter must be a :func:`serial_counter` used
+    only inside :func:`serial_decode_trace` (the workspace is then kept
+    between launches that never overlap).
+
+    Args:
+        rows (int): token rows of the launch (at most :data:`FOLD_NORM_MAX_ROWS`).
+        H, E, K, I (int): hidden size, experts, experts per token, expert
+            intermediate size.
+        dtype (mx.Dtype): the activations' dtype.
+        out_proj (bool): the build with the out-projection phase.
+        gdn (GatedDeltaStep | None): the GD build's step (its heads and conv
+            width size the extra segments).
+
+    Returns:
+        int: elements.
+    """
+    gdn_outputs = gdn_conv = 0
+    if gdn is not None:
+        Hk, Hv, Dk, Dv = (int(v) for v in gdn.heads)
+        gdn_outputs = Hv * Dv
+        gdn_conv = (gdn.conv_w.shape[1] - 1) * (2 * Hk * Dk + Hv * Dv)
+    return decode_block_pack_workspace_offset() + decode_block_workspace_words(
+        rows, H, E, K, I, dtype, out_proj, gdn_outputs, gdn_conv)
+
+
 #: Output rows per warp of moe_decode_block's out-projection items (the
 #: kernel's QAB_OUT_RPW).
 _OUT_PROJ_RPW = 2
@@ -2085,6 +2129,14 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
             raise ValueError(f"pack: the experts' scales ({gate_up.scales.dtype}, "
                              f"{down.scales.dtype}) must be of x's dtype {x.dtype}: the packed "
                              f"build reads every segment's scales as x's dtype")
+        need = decode_block_pack_counter_length(N, H, gate.weight.shape[0], int(top_k),
+                                                gate_up.weight.shape[1] // 2, x.dtype,
+                                                out_proj is not None, gdn_step)
+        if counter.size < need or counter.dtype != mx.uint32 or counter.ndim != 1:
+            raise ValueError(f"pack: the packed build keeps its workspace in the counter: "
+                             f"a [{need}] uint32 serial_counter "
+                             f"(decode_block_pack_counter_length), got {counter.shape} "
+                             f"{counter.dtype}")
         op_name += "_pack"
         obj = _decode_block_pack_object(backend, gdn_step is not None)
     else:
@@ -2139,6 +2191,8 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
                 ("EARLY", bool(opts["EARLY"])), ("PF", bool(opts["PF"])),
                 ("OP", bool(opts["OP"])), ("DO", int(DO)), ("OG", OG),
                 ("NP", bool(opts["NP"])), ("PN", max(int(PN), 1)), ("PG", PG)]
+    if pack is not None:
+        template.append(("WSO", decode_block_pack_workspace_offset()))
     gd_inputs, gd_shapes, gd_dtypes = [], [], []
     if gdn_step is not None:
         Hk, Hv, Dk, Dv = (int(v) for v in gdn_step.heads)
@@ -2164,25 +2218,36 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
                    sg.biases, su.weight, su.scales, su.biases, sgate.weight, sgate.scales,
                    sgate.biases, down.weight, down.scales, down.biases, sd.weight, sd.scales,
                    sd.biases]
+    inputs = [x, r, norm_weight, f32_scalar(float(eps)), *weights, counter,
+              *(list(prefetch) + [counter] * (3 - len(prefetch))), *op_inputs, *np_inputs,
+              *gd_inputs]
+    po_shape = (*lead, PN) if next_proj is not None else (1,)
+    launch = dict(template=template, grid=(block * grid_blocks, 1, 1),
+                  threadgroup=(block, 1, 1))
+    if pack is not None:
+        # The packed build: out and po only (the workspace in the counter,
+        # the GDN states written in place into gdn_step's own arrays).
+        out, po = obj(inputs=inputs, output_shapes=[x.shape, po_shape],
+                      output_dtypes=[x.dtype, x.dtype], **launch)
+        po = po if next_proj is not None else None
+        if gdn_step is not None:
+            return out, po, gdn_step.conv_state, gdn_step.state
+        return (out, po) if next_proj is not None else out
     outs = obj(
-        inputs=[x, r, norm_weight, f32_scalar(float(eps)), *weights, counter,
-                *(list(prefetch) + [counter] * (3 - len(prefetch))), *op_inputs, *np_inputs,
-                *gd_inputs],
-        template=template,
-        grid=(block * grid_blocks, 1, 1), threadgroup=(block, 1, 1),
+        inputs=inputs,
         output_shapes=[x.shape,
                        (decode_block_workspace_words(N, H, E, K, I, x.dtype,
                                                      out_proj is not None,
                                                      DO if gdn_step is not None else 0),),
-                       (*lead, PN) if next_proj is not None else (1,), *gd_shapes],
-        output_dtypes=[x.dtype, mx.uint32, x.dtype, *gd_dtypes])
+                       po_shape, *gd_shapes],
+        output_dtypes=[x.dtype, mx.uint32, x.dtype, *gd_dtypes], **launch)
     if gdn_step is not None:
         return outs[0], (outs[2] if next_proj is not None else None), outs[3], outs[4]
     return (outs[0], outs[2]) if next_proj is not None else outs[0]
 
 
 def decode_block_workspace_words(rows: int, H: int, E: int, K: int, I: int, dtype: mx.Dtype,
-                                 out_proj: bool, gdn_outputs: int = 0) -> int:
+                                 out_proj: bool, gdn_outputs: int = 0, gdn_conv: int = 0) -> int:
     """uint32 words of ``moe_decode_block``'s workspace output for ``rows`` token rows.
 
     The launch's intermediates, in 128-byte aligned segments in this order
@@ -2193,7 +2258,9 @@ def decode_block_workspace_words(rows: int, H: int, E: int, K: int, I: int, dtyp
     logit ``[max(rows, 4)]`` float32 and, with ``out_proj``, the projected
     mixer output ``[rows, H]`` (else 16 bytes), then with ``gdn_outputs``
     (the GD build: the GDN step's ``Hv * Dv`` outputs per row) its output
-    ``[rows, gdn_outputs]``. One output instead of eight:
+    ``[rows, gdn_outputs]``, and with ``gdn_conv`` (the packed GD build: the
+    conv state's ``(Kc - 1) * conv_dim`` elements per row) the new conv state
+    ``[rows, gdn_conv]`` before its in-place copy. One output instead of eight:
     MLX's host cost per launch grows by about 1.5 us per output on the H200
     (``benchmarks/profile_encode.py``: a custom kernel with 10 outputs 16.8 us
     to encode against 3.7 us with one).
@@ -2206,7 +2273,8 @@ def decode_block_workspace_words(rows: int, H: int, E: int, K: int, I: int, dtyp
     total = (2 * seg(rows * H * t) + seg(rows * E * t) + seg(rows * K * 4) + seg(rows * K * t)
              + seg(rows * (K + 1) * I * t) + seg(max(rows, 4) * 4)
              + seg(rows * H * t if out_proj else 16)
-             + (seg(rows * gdn_outputs * t) if gdn_outputs else 0))
+             + (seg(rows * gdn_outputs * t) if gdn_outputs else 0)
+             + (seg(rows * gdn_conv * t) if gdn_conv else 0))
     return total // 4
 
 
@@ -2496,10 +2564,13 @@ def _pack_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down,
 
     def run(packed: Optional[mx.array]):
         def fn(*a):
-            counter = fold_norm_counter(decode_block_counter_length())
             step = r = op = None
             if gdn_step is not None:
                 xs, gp, ws, cs, st = a
+                if packed is not None:
+                    # The packed build writes the states in place: private copies.
+                    cs, st = cs + 0, st + 0
+                    mx.eval(cs, st)
                 step = gdn_step._replace(proj=gp, conv_state=cs, state=st)
                 op = OutProjection(None, ow)
             else:
@@ -2508,10 +2579,21 @@ def _pack_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down,
                     r = rs
                 else:
                     op = OutProjection(rs, ow)
+            if packed is None:
+                counter = fold_norm_counter(decode_block_counter_length())
+            else:
+                # Its workspace lives in its own counter (a real buffer).
+                counter = serial_counter(decode_block_pack_counter_length(
+                    xs.size // H, H, gate.weight.shape[0], K, gate_up.weight.shape[1] // 2,
+                    dtype, ow is not None, step))
             out = _moe_decode_block_call("cuda", xs, r, ws, eps, gate, K, norm, gate_up, down,
                                          shared, counter, stage, early, pf, op, next_proj,
                                          step, packed)
-            return [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
+            out = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
+            if packed is not None:
+                # The states written in place are read after the launch ran.
+                mx.eval(out)
+            return out
         return fn
 
     key = (H, str(dtype), tuple(gate.weight.shape), gate.group_size, K, norm, float(eps),
@@ -2623,14 +2705,23 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
             ``moe-block-pack``); ``gate``, ``gate_up``, ``down`` and
             ``shared`` then give only shapes, dtypes and group sizes. The
             experts' scales must be of ``x``'s dtype. Check it with
-            ``pack=True`` in :func:`decode_block_ready`.
+            ``pack=True`` in :func:`decode_block_ready`. Its only outputs are
+            ``out`` and ``po`` (MLX's host cost grows with every output): its
+            workspace lives in ``counter``, which must be a
+            :func:`serial_counter` of :func:`decode_block_pack_counter_length`
+            elements, used inside :func:`serial_decode_trace` only; with
+            ``gdn_step`` the step's conv and recurrent states are written IN
+            PLACE into ``gdn_step.conv_state`` and ``gdn_step.state``, which
+            must be buffers the caller owns (no other array shares their
+            memory) and reads only after ``out`` is evaluated.
 
     Returns:
         mx.array | tuple: the layer's output, ``x``'s shape and dtype; with
         ``next_proj`` ``(out, po)``, ``po`` of shape ``[..., PN]``; with
         ``gdn_step`` ``(out, po, conv_state, state)`` (``po`` None without
         ``next_proj``): the GDN step's new conv state (``gdn_step.conv_state``'s
-        shape and dtype) and recurrent state (float32).
+        shape and dtype) and recurrent state (float32); with ``pack`` these
+        are ``gdn_step``'s own two arrays, written in place.
 
     Raises:
         RuntimeError: with no kernel for ``backend`` (no source or MLX API,
@@ -2643,7 +2734,8 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
             token rows than ``counter`` covers, more than 3 ``prefetch``
             arrays, or a ``pack`` of another size or dtype than
             :func:`decode_block_pack` makes of these weights (or with the
-            experts' scales of another dtype than ``x``).
+            experts' scales of another dtype than ``x``), or with ``pack`` a
+            counter shorter than :func:`decode_block_pack_counter_length`.
     """
     if counter is None:
         counter = fold_norm_counter(decode_block_counter_length())
