@@ -17,7 +17,8 @@ minute on a CPU); the default ``tiny`` preset shows the structure of a small
 model, whose MoE layers keep MLX's gathered matmul.
 
 ``--as-gpu cuda`` (or ``metal``) counts, on any machine, the graph that GPU
-would build: the device probe answers that backend, every self-check passes and
+would build: the compiled decode step is on (``decode-compile``, a GPU's
+default), the device probe answers that backend, every self-check passes and
 each custom kernel, and each ``mx.fast`` op (RMSNorm, RoPE, attention) and
 ``mx.dequantize`` that the CPU would split into many primitives, is a
 stand-in whose outputs hang off one marker primitive per launch (counted back
@@ -75,8 +76,8 @@ class GpuStandIn:
     def __init__(self, backend: str):
         self.backend = backend
         self.calls: collections.Counter = collections.Counter()
-        #: ``(name, [input arrays])`` of every launch since the last clear
-        #: (what each launch binds; see :func:`bound_arrays`).
+        #: ``(name, [input arrays], outputs)`` of every launch since the last
+        #: clear (what each launch binds and makes; see :func:`bound_arrays`).
         self.launches: list = []
         self._undo: list = []
 
@@ -92,7 +93,7 @@ class GpuStandIn:
         # mx.compile neither fuses nor merges it: its input is a fresh
         # constant); further outputs hang off a CumMax marker.
         self.calls[name] += 1
-        self.launches.append((name, [d for d in deps if isinstance(d, mx.array)]))
+        self.launches.append((name, [d for d in deps if isinstance(d, mx.array)], len(shapes)))
         outs = []
         for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
             # Integer outputs (expert indices) are 0, a valid index for the
@@ -186,38 +187,43 @@ class GpuStandIn:
 
 
 def bound_arrays(launches: list) -> dict:
-    """What a token's launches bind: ``{"launches", "bound", "distinct", "by_name"}``.
+    """What a token's launches bind and make: ``{"launches", "bound", "distinct",
+    "outputs", "by_name"}``.
 
     MLX's host cost per launch grows with each array it binds, and most with
     each distinct one (``benchmarks/profile_encode.py``: ~0.9 us per distinct
-    array per token on the H200, ~0.2 us per repeated one). ``launches`` is
-    :attr:`GpuStandIn.launches` for one token: ``bound`` counts every input
-    of every launch, ``distinct`` the different arrays among them (by
-    identity: in the compiled step's trace each parameter is one tracer),
-    ``by_name`` per kernel name ``[launches, bound, first-bound]``, the last
-    counting the arrays no earlier launch of the token bound.
+    array per token on the H200, ~0.2 us per repeated one), and with each
+    output it makes (~2 us to build and ~3 us to encode per output there).
+    ``launches`` is :attr:`GpuStandIn.launches` for one token: ``bound``
+    counts every input of every launch, ``distinct`` the different arrays
+    among them (by identity: in the compiled step's trace each parameter is
+    one tracer), ``outputs`` every output, ``by_name`` per kernel name
+    ``[launches, bound, first-bound, outputs]``, the third counting the
+    arrays no earlier launch of the token bound.
     """
     seen, by = set(), {}
-    for name, deps in launches:
-        row = by.setdefault(name, [0, 0, 0])
+    for name, deps, outs in launches:
+        row = by.setdefault(name, [0, 0, 0, 0])
         row[0] += 1
         row[1] += len(deps)
+        row[3] += outs
         for d in deps:
             if id(d) not in seen:
                 seen.add(id(d))
                 row[2] += 1
-    return dict(launches=len(launches), bound=sum(len(d) for _, d in launches),
-                distinct=len(seen), by_name=by)
+    return dict(launches=len(launches), bound=sum(len(d) for _, d, _ in launches),
+                distinct=len(seen), outputs=sum(o for _, _, o in launches), by_name=by)
 
 
 def decode_step_ops(model, context: int, stand_in: "GpuStandIn | None" = None
                     ) -> collections.Counter:
     """Primitives of one greedy decode step after a ``context``-token prefill.
 
-    The counted step is the second decode token: the first one runs eagerly
+    The counted step is the third decode token: the first one runs eagerly
     (kernel self-checks, and the compiled decode step installs from the
-    second token on), so with ``decode-compile`` on, the count is the
-    compiled step's replayed graph. With ``stand_in``, its
+    second token on, whose first call copies the caches' buffers once), so
+    with ``decode-compile`` on, the count is the compiled step's replayed
+    graph in its steady state. With ``stand_in``, its
     :attr:`~GpuStandIn.launches` hold, after the call, the launches of one
     more token run with ``mx.compile`` off (the same Python, so the same
     launches and arguments as the compiled step's trace).
@@ -229,15 +235,26 @@ def decode_step_ops(model, context: int, stand_in: "GpuStandIn | None" = None
     prompt = mx.random.randint(0, 100, (1, context), key=mx.random.key(context))
     y = mx.argmax(model(prompt, cache=cache)[:, -1], axis=-1)
     mx.eval(y, [c.state for c in cache])
-    y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
-    mx.eval(y, [c.state for c in cache])
+    # The first decode token runs eagerly, the second is the compiled step's
+    # first call (its caches' buffers copied once to private ones); the third,
+    # counted, is a steady-state token.
+    for _ in range(2):
+        y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+        mx.eval(y, [c.state for c in cache])
     nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
     ops = count_primitives([nxt])
     if stand_in is not None:
         # One more token with mx.compile off: every compiled function (the
         # step's and the layers' own, whose traces the step's replays
         # without calling them) runs its Python, so every launch reaches
-        # the stand-ins, with the arrays the trace would bind.
+        # the stand-ins, with the arrays the trace would bind. The step
+        # treats the call as a trace (what it replays): with compile off,
+        # its model input is re-wrapped on every call, which a replay never
+        # does, and the concatenations and packs would look replaced.
+        step = getattr(getattr(model, "language_model", model), "__dict__", {}).get(
+            "_qab_decode")
+        if step is not None:
+            step._traced.clear()
         stand_in.launches.clear()
         mx.disable_compile()
         try:
@@ -303,6 +320,11 @@ def main(argv=None) -> int:
         if off:
             os.environ["QAB_DISABLE"] = ",".join(filter(None, [old, off]))
         stand_in = GpuStandIn(args.as_gpu) if args.as_gpu else None
+        old_enable = os.environ.get("QAB_ENABLE")
+        if stand_in is not None and backend != "stock":
+            # The compiled decode step is on by default on a GPU (off on the
+            # CPU): count the graph the GPU would run.
+            os.environ["QAB_ENABLE"] = ",".join(filter(None, [old_enable, "decode-compile"]))
         try:
             model = variant_model(b, backend, [off] if off else [])
             if stand_in is None:
@@ -311,6 +333,10 @@ def main(argv=None) -> int:
                 with stand_in:
                     ops = stand_in.adjust(decode_step_ops(model, args.context, stand_in))
         finally:
+            if old_enable is None:
+                os.environ.pop("QAB_ENABLE", None)
+            else:
+                os.environ["QAB_ENABLE"] = old_enable
             if off:
                 if old is None:
                     os.environ.pop("QAB_DISABLE", None)
@@ -330,8 +356,8 @@ def main(argv=None) -> int:
             bound = bound_arrays(stand_in.launches)
             row["bound_arrays"] = bound
             print(f"    stand-in launches bind {bound['bound']} arrays, "
-                  f"{bound['distinct']} distinct ({bound['distinct'] / n_layers:.1f} per layer)",
-                  flush=True)
+                  f"{bound['distinct']} distinct ({bound['distinct'] / n_layers:.1f} per layer), "
+                  f"make {bound['outputs']} outputs", flush=True)
         rows.append(row)
         if backend != "stock":
             del model

@@ -1115,7 +1115,10 @@ def test_count_decode_ops_counts_the_arrays_each_launch_binds(tmp_path):
     # layers: 3 Gated DeltaNet, 1 attention; 16 experts): each MoE layer's
     # one-launch block binds its router, shared expert and routed experts as
     # one pack (moe-block-pack) instead of 21 arrays, so a decode token binds
-    # exactly 20 distinct arrays fewer per layer than with the pack off.
+    # exactly 20 distinct arrays fewer per layer than with the pack off, and
+    # makes 3 outputs fewer per Gated DeltaNet layer (its workspace and the
+    # two states, written in place) and 1 fewer per attention layer (the
+    # workspace). Counted on the compiled decode step (a GPU's default).
     import json
     import subprocess
     import sys
@@ -1140,4 +1143,8 @@ def test_count_decode_ops_counts_the_arrays_each_launch_binds(tmp_path):
     assert unpacked["bound"] - packed["bound"] == 20 * 4
     assert packed["by_name"]["qab:moe_decode_block_gdn_pack"][:2] == [3, 3 * 27]
     assert packed["by_name"]["qab:moe_decode_block_pack"][:2] == [1, 18]
+    assert packed["by_name"]["qab:moe_decode_block_gdn_pack"][3] == 3 * 2
+    assert packed["by_name"]["qab:moe_decode_block_pack"][3] == 2
+    assert unpacked["by_name"]["qab:moe_decode_block_gdn"][3] == 3 * 5
+    assert unpacked["outputs"] - packed["outputs"] == 3 * 3 + 1
     assert "qab:moe_decode_block_gdn" in unpacked["by_name"]

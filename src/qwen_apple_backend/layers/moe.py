@@ -1073,21 +1073,20 @@ class FusedSparseMoeBlock(nn.Module):
         return moe_shared_experts_kernel(fold)(*args, residual=h)
 
     def _block_pack_for(self, gdn: bool) -> Optional[BlockPack]:
-        """This block's :class:`BlockPack` if valid, else a new one, or None.
+        """This block's :class:`BlockPack` if valid, else None.
 
-        Built (evaluated) only outside the compiled decode step's trace (which
-        builds the packs first, :meth:`prepare_block_pack`) and only where the
-        packed build exists for CUDA (verified, or ``QAB_UNVERIFIED_KERNELS``):
-        a pack the call cannot use is not made.
+        Called inside the compiled decode step's trace only (the packed builds
+        run nowhere else), which builds or rebuilds the packs before it traces
+        (:meth:`prepare_block_pack`: a pack is never built inside a trace,
+        whose arrays are tracers); None where the packed build does not exist
+        for CUDA (verified, or ``QAB_UNVERIFIED_KERNELS``).
         """
         from qwen_apple_backend.ops.moe import _decode_block_pack_object
 
         pack = self.__dict__.get("_block_pack")
-        if pack is not None and pack.valid(self):
-            return pack
-        if serial_decode_tracing() or _decode_block_pack_object("cuda", gdn) is None:
+        if pack is None or not pack.valid(self) or _decode_block_pack_object("cuda", gdn) is None:
             return None
-        return self._new_block_pack()
+        return pack
 
     def _new_block_pack(self) -> Optional[BlockPack]:
         """Build this block's :class:`BlockPack` (or None) and keep it."""
