@@ -408,6 +408,14 @@ def test_in_place_state_writes_own_private_buffers(tiny_hf_f32, monkeypatch):
     dup = copy.deepcopy(cache)
     mx.eval(m(mx.array([[9]]), cache=dup))
     assert copied[-1] == n_gdn
+    # A deep copy shares the original's memory: the original's next token
+    # first copies its states (the snapshot keeps its values), then none.
+    snap = copy.deepcopy(cache)
+    for t in (10, 11):
+        mx.eval(m(mx.array([[t]]), cache=cache))
+    assert copied[-2:] == [n_gdn, 0], copied
+    assert all(s[1] is not c[1] for s, c in zip(snap, cache) if type(c).__name__ == "ArraysCache")
+    assert not any("__deepcopy__" in vars(c) for c in snap)
 
 
 def test_in_place_kv_write_reference():

@@ -50,6 +50,7 @@ final RMSNorm's float32 sum of squares where ``norm-proj`` runs it inside
 
 from __future__ import annotations
 
+import copy
 import operator
 import weakref
 from typing import Any, Optional
@@ -475,6 +476,7 @@ class _CompiledDecode:
             if owned is None or owned[0] is not c[0] or owned[1] is not c[1]:
                 c[0], c[1] = c[0] * 1, c[1] * 1
                 self._owned_states[c] = (c[0], c[1])
+                _disown_on_deepcopy(self._owned_states, c)
 
     def __call__(self, tokens, cache, layout):
         kvs = [c for c in cache if type(c) is KVCache]
@@ -531,6 +533,32 @@ class _CompiledDecode:
                 self._owned_states[c] = pair
         self.compiled_calls += 1
         return logits
+
+
+def _disown_on_deepcopy(owned: weakref.WeakKeyDictionary, cache: Any) -> None:
+    """Make ``copy.deepcopy(cache)`` drop ``cache`` from ``owned`` first.
+
+    A deep copy of an MLX array shares its memory (so does ``mx.array(a)``),
+    so a copy of a cache whose state buffers the compiled step writes in
+    place would see the original's later tokens: a snapshot taken to fork or
+    restore a conversation would change under it. Once disowned, the
+    original's next compiled call copies its states to new buffers first
+    (:meth:`_CompiledDecode._own_states`), and the copy keeps the values it
+    had. ``copy.deepcopy`` looks ``__deepcopy__`` up on the instance, so this
+    is an instance attribute (removed for the copy itself, which then runs
+    as it would have).
+    """
+    if "__deepcopy__" in vars(cache):
+        return
+    ref = weakref.ref(cache)
+
+    def deepcopy(memo):
+        c = ref()
+        owned.pop(c, None)
+        vars(c).pop("__deepcopy__", None)
+        return copy.deepcopy(c, memo)
+
+    cache.__deepcopy__ = deepcopy
 
 
 def _decode_class(base: type) -> type:
