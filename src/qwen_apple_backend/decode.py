@@ -284,8 +284,6 @@ class _CompiledDecode:
         self._in_place: dict = {}  # K/V shapes and dtypes -> backend or None
         self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._packs_write_states = False  # a used pack may write the GDN states in place
-        #: ArraysCache -> its (conv, recurrent) states known private (see _own_states).
-        self._owned_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._positions: Optional[mx.array] = None  # [n * OFFSET_PAD] int32: row p all p
         self.eager_calls = 0
         self.compiled_calls = 0
@@ -424,6 +422,14 @@ class _CompiledDecode:
         self._copied = [i for i, c in enumerate(steps) if not c.written]
         kv_out = [(steps[i].keys, steps[i].values) for i in self._copied]
         ssm_out = [(c[0], c[1]) for c in caches if isinstance(c, ArraysCache)]
+        if self._packs_write_states and ssm_out:
+            # States a packed block wrote in place are its inputs, arrays MLX
+            # holds as evaluated: a host read of them (np.array, saving the
+            # cache) would not wait for the step. Handed back through one
+            # Depends on the logits (views of the same memory, no launch),
+            # they are this step's outputs again.
+            flat = mx.depends([a for pair in ssm_out for a in pair], [logits])
+            ssm_out = list(zip(flat[0::2], flat[1::2]))
         return logits, kv_out, ssm_out
 
     def _in_place_backend(self, kvs: list, kv_sig: tuple) -> Optional[str]:
@@ -467,16 +473,22 @@ class _CompiledDecode:
 
         As :meth:`_own` for the KV caches: an array not known private (a
         prefill's, an eager token's, a copied cache's, which may share its
-        memory) is copied once. The step's own outputs are private (fresh
-        launch outputs, or these buffers written in place), so
-        :meth:`__call__` records them after each call.
+        memory) is copied once, row-major. The step's own outputs are private
+        (fresh launch outputs, or these buffers written in place), so
+        :meth:`__call__` records them after each call (:data:`_OWNED_STATES`);
+        a deep copy of the cache drops it from that record
+        (:func:`_arrays_cache_deepcopy`). An array taken from the cache
+        between tokens (``cache[1]``) still sees later tokens' values.
         """
         for c in states:
-            owned = self._owned_states.get(c)
+            owned = _OWNED_STATES.get(c)
             if owned is None or owned[0] is not c[0] or owned[1] is not c[1]:
-                c[0], c[1] = c[0] * 1, c[1] * 1
-                self._owned_states[c] = (c[0], c[1])
-                _disown_on_deepcopy(self._owned_states, c)
+                # Row-major copies: MLX hands a kernel a row-major temporary
+                # of any other layout (the ops path's prefill state is
+                # column-major in its last two axes), whose writes are lost.
+                c[0], c[1] = mx.contiguous(c[0] * 1), mx.contiguous(c[1] * 1)
+                _OWNED_STATES[c] = (c[0], c[1])
+                _guard_arrays_cache_deepcopy()
 
     def __call__(self, tokens, cache, layout):
         kvs = [c for c in cache if type(c) is KVCache]
@@ -530,35 +542,36 @@ class _CompiledDecode:
         for c, pair in zip(states, ssm_out):
             c[0], c[1] = pair
             if writes_states:
-                self._owned_states[c] = pair
+                _OWNED_STATES[c] = pair
         self.compiled_calls += 1
         return logits
 
 
-def _disown_on_deepcopy(owned: weakref.WeakKeyDictionary, cache: Any) -> None:
-    """Make ``copy.deepcopy(cache)`` drop ``cache`` from ``owned`` first.
+#: ArraysCache -> its (conv, recurrent) states known private: the compiled
+#: step's own (see _CompiledDecode._own_states).
+_OWNED_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _arrays_cache_deepcopy(self, memo):
+    """``ArraysCache.__deepcopy__`` (installed with the compiled step): Python's
+    default deep copy, after dropping ``self`` from :data:`_OWNED_STATES`.
 
     A deep copy of an MLX array shares its memory (so does ``mx.array(a)``),
     so a copy of a cache whose state buffers the compiled step writes in
     place would see the original's later tokens: a snapshot taken to fork or
-    restore a conversation would change under it. Once disowned, the
-    original's next compiled call copies its states to new buffers first
-    (:meth:`_CompiledDecode._own_states`), and the copy keeps the values it
-    had. ``copy.deepcopy`` looks ``__deepcopy__`` up on the instance, so this
-    is an instance attribute (removed for the copy itself, which then runs
-    as it would have).
+    restore a conversation would change under it. Dropped from the record,
+    the original's next compiled call copies its states to new buffers first
+    (:meth:`_CompiledDecode._own_states`), and the copy keeps its values.
     """
-    if "__deepcopy__" in vars(cache):
-        return
-    ref = weakref.ref(cache)
+    _OWNED_STATES.pop(self, None)
+    return copy._reconstruct(self, memo, *self.__reduce_ex__(4))
 
-    def deepcopy(memo):
-        c = ref()
-        owned.pop(c, None)
-        vars(c).pop("__deepcopy__", None)
-        return copy.deepcopy(c, memo)
 
-    cache.__deepcopy__ = deepcopy
+def _guard_arrays_cache_deepcopy() -> None:
+    if ArraysCache.__dict__.get("__deepcopy__") is not _arrays_cache_deepcopy:
+        if "__deepcopy__" in ArraysCache.__dict__:
+            return  # mlx-lm's own: leave it (the record then misses deep copies)
+        ArraysCache.__deepcopy__ = _arrays_cache_deepcopy
 
 
 def _decode_class(base: type) -> type:

@@ -2132,6 +2132,9 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
         need = decode_block_pack_counter_length(N, H, gate.weight.shape[0], int(top_k),
                                                 gate_up.weight.shape[1] // 2, x.dtype,
                                                 out_proj is not None, gdn_step)
+        if N > FOLD_NORM_MAX_ROWS:
+            raise ValueError(f"pack: {N} token rows; the packed build's counters cover at most "
+                             f"{FOLD_NORM_MAX_ROWS} (its workspace follows them)")
         if counter.size < need or counter.dtype != mx.uint32 or counter.ndim != 1:
             raise ValueError(f"pack: the packed build keeps its workspace in the counter: "
                              f"a [{need}] uint32 serial_counter "
