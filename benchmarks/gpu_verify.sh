@@ -5,10 +5,13 @@
 # (QAB_UNVERIFIED_KERNELS=1).
 #   1. the packed MoE block's GPU tests (moe-block-pack: the router, the
 #      shared expert and the routed experts as one input that holds the
-#      weights): every output bit-identical to the unpacked build at
-#      Qwen3.6's shape, and the compiled decode step with packs against the
-#      model without them (a pack rebuilt after a replaced array included),
-#      and the one-launch block with the GDN step;
+#      weights, and whose launches make two outputs: the workspace in the
+#      block's counter, the Gated DeltaNet states written in place): every
+#      output and state bit-identical to the unpacked build at Qwen3.6's
+#      shape, and the compiled decode step with packs against the model
+#      without them (logits and GDN states per token, both pack self-checks
+#      passed, a pack rebuilt after a replaced array included), and the
+#      one-launch block with the GDN step;
 #   2. stock vs fused at 4K, with ablation columns for moe-block-pack and
 #      decode-const (the trace-constant parameters, QAB_ENABLE=decode-const):
 #      the packs' and the constants' effect in one run;
