@@ -14,7 +14,12 @@ kinds: an elementwise add, RMSNorm, a 4-bit 2048x2048 quantized matmul
 (``ops.device.included_cuda_source``, how the package builds its CUDA
 kernels), one with a 134 MB input (inputs count whole towards MLX's
 per-graph MB limit), one with 40 more small inputs and one with 10 outputs
-(the one-launch MoE block has 38 inputs and 10 outputs), and, as a decode
+(the one-launch MoE block had 38 inputs and 10 outputs; with 2 and 5, the
+packed and unpacked Gated DeltaNet block's counts since session 31), a launch
+after a Depends of one array (how the compiled step hands back each state
+the packed block writes in place) and after one over 60 arrays, against one
+reading a plain array (and, on any device, a compiled call handing back 60
+arrays through Depends in three forms), and, as a decode
 token's layers each read their own weights, one whose every operation reads 40
 small arrays of its own against one reading the same bytes as one array of its
 own (compile inputs, as the decode step's model is without ``decode-const``,
@@ -144,6 +149,31 @@ def main(argv=None) -> int:
         chains["custom_10_outputs"] = lambda x: touts(
             inputs=[x], template=[("InT", x.dtype)], grid=(2048, 1, 1), threadgroup=(256, 1, 1),
             output_shapes=[x.shape] + [(4,)] * 9, output_dtypes=[x.dtype] * 10)[0]
+        # The packed MoE block's launches make 2 outputs where the unpacked GD
+        # build makes 5 (its workspace and the Gated DeltaNet states).
+        for n_out in (2, 5):
+            kn = mx.fast.cuda_kernel(
+                name=f"probe_{n_out}_outputs", input_names=["x"],
+                output_names=[f"o{i}" for i in range(n_out)],
+                source=_BODY.replace("out[i]", "o0[i]") + "  if (i < 4) { "
+                + " ".join(f"o{i}[i] = InT(i);" for i in range(1, n_out)) + " }\n")
+            chains[f"custom_{n_out}_outputs"] = lambda x, kn=kn, n_out=n_out: kn(
+                inputs=[x], template=[("InT", x.dtype)], grid=(2048, 1, 1),
+                threadgroup=(256, 1, 1), output_shapes=[x.shape] + [(4,)] * (n_out - 1),
+                output_dtypes=[x.dtype] * n_out)[0]
+        # The compiled decode step hands the in-place states back through a
+        # Depends each (60 per token): a launch reading a Depends of a small
+        # array on the chain, and one reading an output of a Depends over 60
+        # (MLX's cost of a primitive grows with the square of its outputs),
+        # against the same launch reading the plain array.
+        k1 = kernel("probe_1_of_depends", _BODY, ["x", "w0"])
+        smalls60 = [mx.full((4,), float(i)) for i in range(60)]
+        mx.eval(smalls60)
+        chains["custom_after_depends_1"] = lambda x: call(
+            k1, x, (mx.depends(smalls60[0], [x]),))
+        chains["custom_after_depends_60"] = lambda x: call(
+            k1, x, (mx.depends(smalls60, [x])[0],))
+        chains["custom_1_input"] = lambda x: call(k1, x, (smalls60[0],))
 
     def run(fn, y):
         for _ in range(args.ops):
@@ -175,10 +205,52 @@ def main(argv=None) -> int:
                              wait_us=best[2]))
             print(f"{name:20s} {mode:9s} build {best[0]:6.2f}  encode {best[1]:6.2f}  "
                   f"wait {best[2]:6.2f} us/op", flush=True)
+    fanout = _depends_fanout(mx, args.repeats)
     path = write_result(args.out, "profile-encode", dict(ops=args.ops, repeats=args.repeats,
-                                                         rows=rows))
+                                                         rows=rows, depends_fanout=fanout))
     print(f"wrote {path}")
     return 0
+
+
+def _depends_fanout(mx, repeats: int) -> list:
+    """Host time of a compiled call handing back 60 state-sized arrays after one
+    operation: passed through, through 60 Depends of one array each, through 30
+    of two, or through one Depends over all 60 (any device).
+
+    The compiled decode step hands back the Gated DeltaNet states the packed
+    MoE block wrote in place this way (``decode.py``); MLX's cost of a
+    primitive grows with the square of its outputs (each output holds the
+    others as siblings), which the one-Depends form shows.
+    """
+    import time
+
+    states = [mx.zeros((1, 32, 128, 128)) for _ in range(60)]
+    x = mx.ones((16,))
+    mx.eval(states, x)
+    forms = {
+        "passthrough": lambda y, st: list(st),
+        "depends_60x1": lambda y, st: [mx.depends(a, y) for a in st],
+        "depends_30x2": lambda y, st: [d for i in range(0, 60, 2)
+                                       for d in mx.depends([st[i], st[i + 1]], [y])],
+        "depends_1x60": lambda y, st: mx.depends(list(st), [y]),
+    }
+    rows = []
+    for name, hand_back in forms.items():
+        def step(x, *st, hand_back=hand_back):
+            y = mx.sort(x)
+            return y, hand_back(y, st)
+        fn = mx.compile(step)
+        mx.eval(fn(x, *states))
+        best = None
+        for _ in range(repeats + 2):
+            t0 = time.perf_counter()
+            outs = [fn(x, *states) for _ in range(100)]
+            t = (time.perf_counter() - t0) * 1e4  # us per call
+            mx.eval(outs)
+            best = t if best is None else min(best, t)
+        rows.append(dict(form=name, build_us=best))
+        print(f"hand back 60 arrays: {name:13s} build {best:7.1f} us per call", flush=True)
+    return rows
 
 
 if __name__ == "__main__":
