@@ -27,7 +27,7 @@
 # The summary goes to OUT/verify.log, each step's whole output to its own file.
 # Usage (from the repository root, MLX with its CUDA backend importable):
 #   bash benchmarks/gpu_verify.sh OUT
-# QAB_TEST_SECONDS and QAB_BENCH_SECONDS reshape it for another device slot.
+# QAB_TEST_SECONDS, QAB_BENCH_SECONDS and QAB_ENCODE_SECONDS reshape it for another device slot.
 set -uo pipefail
 OUT=${1:?usage: gpu_verify.sh OUT}
 mkdir -p "$OUT"
@@ -47,7 +47,7 @@ QAB_ENABLE=decode-const timeout -s ABRT "${QAB_BENCH_SECONDS:-290}" qab bench --
   --no-fidelity --lengths 4K --rounds 3 --ablate moe-block-pack,decode-const \
   --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | tail -30 >> "$LOG"
 step host cost per bound array
-timeout -s ABRT 60 python3 benchmarks/profile_encode.py "$OUT" --repeats 6 2>&1 \
+timeout -s ABRT "${QAB_ENCODE_SECONDS:-80}" python3 benchmarks/profile_encode.py "$OUT" --repeats 6 2>&1 \
   | tail -20 >> "$LOG"
 step done
 tail -100 "$LOG"
