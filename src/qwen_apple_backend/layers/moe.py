@@ -171,17 +171,17 @@ class BlockPack:
     :meth:`identity_checks`, :meth:`refresh`).
     """
 
-    #: Module paths from the block, in the pack's order of
-    #: :func:`~qwen_apple_backend.ops.moe.decode_block_pack_arrays`: the
-    #: router, the shared expert's gate and up projections, the shared
-    #: expert's gate, its down projection, the routed experts' fused gate+up
-    #: and down projections (weight, scales, biases of each).
     #: The packed build with the Gated DeltaNet phase writes the mixer's conv
     #: and recurrent states in place (its only outputs are the layer's output
     #: and the next projection's): the compiled decode step gives the caches
     #: private state buffers first while it uses a pack.
     writes_states = True
 
+    #: Module paths from the block, in the pack's order of
+    #: :func:`~qwen_apple_backend.ops.moe.decode_block_pack_arrays`: the
+    #: router, the shared expert's gate and up projections, the shared
+    #: expert's gate, its down projection, the routed experts' fused gate+up
+    #: and down projections (weight, scales, biases of each).
     PATHS = (("gate",), ("shared_expert", "gate_proj"), ("shared_expert", "up_proj"),
              ("shared_expert_gate",), ("shared_expert", "down_proj"),
              ("switch_mlp", "gate_up_proj"), ("switch_mlp", "down_proj"))
