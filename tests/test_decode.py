@@ -899,3 +899,68 @@ def test_final_norm_in_the_lm_head_launch_for_qwen3_next(monkeypatch):
     x = mx.random.normal((1, 1, norm.weight.shape[0]), key=mx.random.key(3)).astype(mx.bfloat16)
     y = _NormedHead(head, norm, "cuda")(x)
     assert calls == [] and mx.array_equal(y, head(norm(x))).item()
+
+
+@pytest.mark.parametrize("case", ["new-pack", "trace-due", "trace-due-again"])
+def test_compiled_step_checks_packs_in_an_eager_call(tiny_hf_f32, monkeypatch, case):
+    # A packed MoE block's self-check cannot run inside mx.compile's trace
+    # (MLX evaluates nothing there). So after a build that makes new packs
+    # (faked here: the CPU has none), or after a trace that left a pack out
+    # for want of its check (PackCheckDue, counted by pack_checks_due; faked
+    # by the step's call bumping the count while traced), the step's next
+    # token runs eagerly inside pack_check_pass, and the token after traces
+    # anew. A check pass that did not help keeps the next trace (no loop).
+    # The logits are those of the eager model throughout.
+    from qwen_apple_backend import decode
+    from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    if case == "new-pack":
+        made = set()
+
+        def prepare(self):
+            if id(self) in made:
+                return None
+            made.add(id(self))
+            return object()  # a pack this block did not hold before
+
+        monkeypatch.setattr(FusedSparseMoeBlock, "prepare_block_pack", prepare)
+    monkeypatch.setenv("QAB_DISABLE", "decode-compile")
+    ref, _ = load(tiny_hf_f32, "fused")
+    monkeypatch.delenv("QAB_DISABLE")
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    m, _ = load(tiny_hf_f32, "fused")
+    step = m.language_model.__dict__["_qab_decode"]
+    assert any(isinstance(layer.mlp, FusedSparseMoeBlock) for layer in m.layers)
+    calls = []
+    real_call = step._call
+
+    def call(model, tokens, cache):
+        traced = moe_ops.serial_decode_compiling()
+        calls.append(("trace" if traced else "eager", moe_ops.pack_check_passing()))
+        if traced and (case == "trace-due-again" or len(calls) == 1):
+            moe_ops._PACK_CHECKS_DUE[0] += 1  # as a PackCheckDue would
+        return real_call(model, tokens, cache)
+
+    step._call = call
+    caches = [make_prompt_cache(x) for x in (ref, m)]
+    for x, c in zip((ref, m), caches):
+        mx.eval(x(mx.array([[1, 2, 3, 4]]), cache=c))
+    for t in range(5, 11):
+        a, b = (x(mx.array([[t]]), cache=c) for x, c in zip((ref, m), caches))
+        mx.eval(a, b)
+        assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item(), f"token {t}"
+    if case == "new-pack":
+        # (the first token: eager, not through the step) the build's new packs
+        # -> checked eagerly, then traced
+        assert calls == [("eager", True), ("trace", False)], calls
+        assert (step.eager_calls, step.compiled_calls, step.builds) == (2, 4, 1)
+    elif case == "trace-due":
+        # traced (a pack left out) -> checked eagerly -> traced again, kept
+        assert calls == [("trace", False), ("eager", True), ("trace", False)], calls
+        assert (step.eager_calls, step.compiled_calls, step.builds) == (2, 4, 2)
+    else:
+        # the second trace still leaves a pack out: kept, no third check pass
+        assert calls == [("trace", False), ("eager", True), ("trace", False)], calls
+        assert (step.eager_calls, step.compiled_calls, step.builds) == (2, 4, 2)
+    assert step._pack_check_due is False

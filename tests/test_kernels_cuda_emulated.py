@@ -2807,16 +2807,17 @@ def test_fused_model_reads_the_router_and_shared_expert_from_one_pack_emulated(m
                              disable=["decode-compile", "attn"])
         caches = [make_prompt_cache(m) for m in models]
 
-        def step(t, serial=True):
+        def step(t, serial=True, compiled=False, check=False):
             tok = mx.array([[(t * 53 + 7) % 500]])
             got = []
             for m, c in zip(models, caches):
                 launches.clear()
                 states = [(e[0], e[1]) for e in c[:2]]
-                if serial:  # (as the compiled decode step before it traces)
+                if serial or check:  # (as the compiled decode step before it traces)
                     for layer in m.layers:
                         layer.mlp.prepare_block_pack()
-                with serial_decode_trace() if serial else contextlib.nullcontext():
+                with (serial_decode_trace(compiled) if serial else
+                      moe_ops.pack_check_pass() if check else contextlib.nullcontext()):
                     got.append(m(tok, cache=c))
                 mx.eval(got[-1])
                 got.append(list(launches))
@@ -2827,7 +2828,7 @@ def test_fused_model_reads_the_router_and_shared_expert_from_one_pack_emulated(m
                 assert mx.array_equal(a[0], b[0]).item(), f"token {t} layer {layer} conv state"
                 assert mx.array_equal(a[1], b[1]).item(), f"token {t} layer {layer} state"
                 assert a[1].dtype == mx.float32
-                if serial and t >= 1:
+                if serial and t >= 1 and "+pack" in on_launches[0]:
                     # Written in place: the cache keeps the buffers it had.
                     assert _same_buffer(a[0], on_states[layer][0]), on_launches
                     assert _same_buffer(a[1], on_states[layer][1]), on_launches
@@ -2848,6 +2849,33 @@ def test_fused_model_reads_the_router_and_shared_expert_from_one_pack_emulated(m
         verdicts = {k[0]: v for k, v in device.self_check_results().items()}
         assert verdicts["moe_decode_block_gdn_pack"] == (True, "passed")
         assert verdicts["moe_decode_block_pack"] == (True, "passed")
+        # Inside mx.compile's trace (serial_decode_compiling) no self-check can
+        # run: a packed build not checked for the call's shape class is left
+        # out (PackCheckDue, counted), the block runs unpacked; an eager call
+        # inside pack_check_pass runs the checks (and the unpacked build);
+        # then the trace runs packed.
+        checks = device._RESULTS
+        for k in [k for k in checks if k[0].endswith("_pack")]:
+            del checks[k]
+        due = moe_ops.pack_checks_due()
+        on_launches, _ = step(5, compiled=True)
+        assert on_launches == ["block+gdn", "block+gdn", "block"], on_launches
+        assert moe_ops.pack_checks_due() == due + 3
+        assert not any(k[0].endswith("_pack") for k in device.self_check_results())
+        on_launches, _ = step(6, serial=False, check=True)
+        # (each shape class's check launches its packed build once; the
+        # layers' own launches are unpacked: the last one, the plain block)
+        assert on_launches[-1] == "block", on_launches
+        packed = [x for x in on_launches if "+pack" in x]
+        classes = [k for k in device.self_check_results() if k[0].endswith("_pack")]
+        assert set(packed) == {"block+gdn+pack", "block+pack"}
+        assert len(packed) == len(classes), (packed, classes)
+        verdicts = {k[0]: v for k, v in device.self_check_results().items()}
+        assert verdicts["moe_decode_block_gdn_pack"] == (True, "passed")
+        assert verdicts["moe_decode_block_pack"] == (True, "passed")
+        on_launches, _ = step(7, compiled=True)
+        assert on_launches == ["block+gdn+pack", "block+gdn+pack", "block+pack"], on_launches
+        assert moe_ops.pack_checks_due() == due + 3
         packs = [layer.mlp.__dict__.get("_block_pack") for layer in models[0].layers]
         assert all(type(p) is BlockPack and p.valid(layer.mlp)
                    for p, layer in zip(packs, models[0].layers))

@@ -1080,6 +1080,12 @@ def test_compiled_decode_reads_the_router_and_shared_expert_from_one_pack(monkey
         verdicts = {k[0]: v for k, v in device.self_check_results().items()}
         assert verdicts["moe_decode_block_gdn_pack"] == (True, "passed"), verdicts
         assert verdicts["moe_decode_block_pack"] == (True, "passed"), verdicts
+        # The trace ran the packed builds (their self-checks ran in the step's
+        # eager check pass, not inside the trace): each block's pack counter.
+        assert all(layer.mlp.__dict__.get("_serial_pack_counter") is not None
+                   for layer in models[0].layers)
+        assert all(layer.mlp.__dict__.get("_serial_pack_counter") is None
+                   for layer in models[1].layers)
         builds = step.builds
         for m in models:
             g = m.layers[2].mlp.gate

@@ -61,7 +61,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from .layers._watch import ParameterRecord
 from .ops.attention import decode_kv_mask, kv_cache_write, kv_cache_write_ops, kv_write_ready
-from .ops.moe import serial_decode_trace
+from .ops.moe import pack_check_pass, pack_checks_due, serial_decode_trace
 
 __all__ = ["install_compiled_decode", "compiled_decode_installed"]
 
@@ -284,6 +284,8 @@ class _CompiledDecode:
         self._in_place: dict = {}  # K/V shapes and dtypes -> backend or None
         self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._packs_write_states = False  # a used pack may write the GDN states in place
+        self._pack_check_due = False  # next call: eager, with the packs' self-checks
+        self._pack_checked = False  # that call ran since the last trace
         self._positions: Optional[mx.array] = None  # [n * OFFSET_PAD] int32: row p all p
         self.eager_calls = 0
         self.compiled_calls = 0
@@ -295,9 +297,15 @@ class _CompiledDecode:
         built or rebuilt first, outside the trace)."""
         model = self._model()
         for layer in getattr(getattr(model, "model", model), "layers", ()):
-            prepare = getattr(getattr(layer, "mlp", None), "prepare_block_pack", None)
+            mlp = getattr(layer, "mlp", None)
+            prepare = getattr(mlp, "prepare_block_pack", None)
             if prepare is not None:
-                prepare()
+                before = mlp.__dict__.get("_block_pack")
+                pack = prepare()
+                if pack is not None and pack is not before:
+                    # A new pack: its self-check runs in an eager call first
+                    # (none can run inside the trace).
+                    self._pack_check_due = True
         pairs = [(c, owner) for c, owner in _concats(model) if c.valid(owner)]
         self._uses = [c for c, _ in pairs]
         self._owners = [owner for _, owner in pairs]
@@ -494,6 +502,18 @@ class _CompiledDecode:
                 _guard_arrays_cache_deepcopy()
 
     def __call__(self, tokens, cache, layout):
+        if self._fn is None or not self._still_valid():
+            self._build()
+        if self._pack_check_due:
+            # New packs, or a trace that left one out for want of its
+            # self-check: this token runs eagerly, checking the packed
+            # builds for its shape class (the same bits as the trace), and
+            # the next one traces with their verdicts known.
+            self._pack_check_due = False
+            self._pack_checked = True
+            self.eager_calls += 1
+            with pack_check_pass():
+                return self._call(self._model(), tokens, cache)
         kvs = [c for c in cache if type(c) is KVCache]
         kv_sig = tuple((a.shape, a.dtype) for c in kvs for a in (c.keys, c.values))
         in_place = self._in_place_backend(kvs, kv_sig)
@@ -501,8 +521,6 @@ class _CompiledDecode:
             self._own(kvs)  # same shapes and dtypes: kv_sig still holds
         kv = [(c.keys, c.values) for c in kvs]
         offset = self._device_offset(kvs[0].offset)
-        if self._fn is None or not self._still_valid():
-            self._build()
         states = [c for c in cache if type(c) is ArraysCache]
         writes_states = self._packs_write_states
         if writes_states:
@@ -521,10 +539,11 @@ class _CompiledDecode:
                             if tracing and self.allow_final_norm else None)
         for c in self._uses:
             c.tracing = tracing
+        due = pack_checks_due()
         try:
             # One call per module, each depending on the one before: the MoE
             # blocks' counting kernels read their own counters in place.
-            with serial_decode_trace():
+            with serial_decode_trace(compiled=True):
                 logits, kv_out, ssm_out = self._fn(tokens, offset, kv, ssm, tuple(layout),
                                                    in_place)
         finally:
@@ -538,6 +557,13 @@ class _CompiledDecode:
                 # The layers' compiled functions traced inside re-wrapped
                 # their arrays; the call started valid: record them anew.
                 self._take_record(self._model())
+            if pack_checks_due() != due and not self._pack_checked:
+                # The trace left a pack out (its shape class unchecked): check
+                # it in the next call, eagerly, and trace again after that
+                # (once: a check pass that did not help keeps this trace).
+                self._pack_check_due = True
+                self._fn = None
+            self._pack_checked = False
         for i, pair in zip(self._traced[key], kv_out):
             kvs[i].keys, kvs[i].values = pair
         for c in kvs:

@@ -37,6 +37,7 @@ from qwen_apple_backend.ops.moe import (
     GatedDeltaStep,
     NextProjection,
     OutProjection,
+    PackCheckDue,
     SharedExpertWeights,
     add_norm_route,
     add_norm_route_ready,
@@ -55,6 +56,7 @@ from qwen_apple_backend.ops.moe import (
     moe_shared_experts_norm_kernel,
     next_projection_supported,
     out_projection_supported,
+    pack_check_passing,
     router_kernel_ready,
     serial_counter,
     serial_decode_tracing,
@@ -1241,21 +1243,27 @@ class FusedSparseMoeBlock(nn.Module):
             return None
         pack = None
         serial = serial_decode_tracing()
-        if block is not None and self.block_pack and serial:
+        if block is not None and self.block_pack and (serial or pack_check_passing()):
             # The same build reading the router, shared expert and experts from one
             # packed copy (moe-block-pack), where that build is ready: inside the
             # compiled decode step only, whose launches never overlap (the
             # packed build keeps its workspace in a counter of this module's)
             # and which gives the Gated DeltaNet states private buffers (the
-            # packed GD build writes them in place).
+            # packed GD build writes them in place). Its self-check cannot run
+            # inside the step's trace: the step's eager check pass
+            # (pack_check_pass) runs it first, and a trace that meets an
+            # unchecked shape class runs the unpacked build (PackCheckDue).
             pack = self._block_pack_for(gd is not None)
             if pack is not None:
                 # (The arguments of the choice made above.)
-                pchoice = self._kernel_choice(
-                    x, True, norm, next_norm, op, np_,
-                    **({"gdn_step": gd.step} if gd is not None else {}), pack=pack)
-                if pchoice[4] is None:
-                    pack = None
+                try:
+                    pchoice = self._kernel_choice(
+                        x, True, norm, next_norm, op, np_,
+                        **({"gdn_step": gd.step} if gd is not None else {}), pack=pack)
+                except PackCheckDue:
+                    pchoice = (None,) * 5
+                if pchoice[4] is None or not serial:
+                    pack = None  # (the check pass: eager, unpacked)
         w = norm["weight"]
         # The counting kernels' counter input: in the compiled decode step's
         # trace (launches never overlap) this block's own buffer, read in

@@ -295,6 +295,12 @@ def self_check_passed(op: str, backend: str, key: Hashable) -> bool:
     return bool(hit and hit[0])
 
 
+def self_check_known(op: str, backend: str, key: Hashable) -> bool:
+    """Whether ``(op, backend, key)`` has a verdict, passed or failed (never runs a check)."""
+    with _LOCK:
+        return (op, backend, key) in _RESULTS
+
+
 def reset_self_checks() -> None:
     """Forget every verdict (tests; after changing kernel sources)."""
     with _LOCK:

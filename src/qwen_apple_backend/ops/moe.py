@@ -57,8 +57,8 @@ import mlx.core as mx
 
 from qwen_apple_backend import envs
 
-from .device import (build_kernel, f32_scalar, gpu_backend, padded_zeros, self_checked,
-                     unpooled_length)
+from .device import (build_kernel, f32_scalar, gpu_backend, padded_zeros, self_check_known,
+                     self_checked, unpooled_length)
 from .norm import add_rms_norm_ops
 
 __all__ = [
@@ -98,6 +98,11 @@ __all__ = [
     "serial_counter",
     "serial_decode_trace",
     "serial_decode_tracing",
+    "serial_decode_compiling",
+    "PackCheckDue",
+    "pack_check_pass",
+    "pack_check_passing",
+    "pack_checks_due",
     "FOLD_NORM_MAX_ROWS",
     "shared_decode_kernel_ready",
     "moe_decode_block",
@@ -1317,20 +1322,28 @@ def fold_norm_counter(rows: int = FOLD_NORM_MAX_ROWS) -> mx.array:
     return c
 
 
-_SERIAL_TRACE: contextvars.ContextVar[bool] = contextvars.ContextVar("qab_serial_decode_trace",
-                                                                     default=False)
+_SERIAL_TRACE: contextvars.ContextVar[int] = contextvars.ContextVar("qab_serial_decode_trace",
+                                                                    default=0)
 
 
 @contextlib.contextmanager
-def serial_decode_trace() -> Iterator[None]:
+def serial_decode_trace(compiled: bool = False) -> Iterator[None]:
     """Marks a trace whose counting-kernel launches never overlap: :func:`serial_counter` applies.
 
     For the compiled decode step (``decode.py``) while it traces: there every
     MoE block runs once per step, each block's launches depend on the one
     before (the residual stream), and a step depends on the previous step's
     token, so launches that share a counter run one after the other.
+
+    Args:
+        compiled (bool): the calls inside are traced by ``mx.compile``
+            (:func:`serial_decode_compiling`), where no self-check can run
+            (MLX evaluates nothing inside a trace): a packed MoE block
+            whose self-check has not run for its shape class is then left
+            out (:class:`PackCheckDue`). False: eager calls made as the step
+            would trace them (tests).
     """
-    token = _SERIAL_TRACE.set(True)
+    token = _SERIAL_TRACE.set(2 if compiled else 1)
     try:
         yield
     finally:
@@ -1339,7 +1352,55 @@ def serial_decode_trace() -> Iterator[None]:
 
 def serial_decode_tracing() -> bool:
     """True inside :func:`serial_decode_trace`."""
-    return _SERIAL_TRACE.get()
+    return _SERIAL_TRACE.get() > 0
+
+
+def serial_decode_compiling() -> bool:
+    """True inside ``serial_decode_trace(compiled=True)`` (an ``mx.compile`` trace)."""
+    return _SERIAL_TRACE.get() == 2
+
+
+class PackCheckDue(Exception):
+    """A packed MoE block build was asked for inside ``mx.compile``'s trace
+    (:func:`serial_decode_compiling`) before its self-check ran for this
+    shape class; the check cannot run there. The caller runs the unpacked
+    build and has the check run outside the trace (:func:`pack_check_pass`;
+    ``decode.py`` does both). Counted by :func:`pack_checks_due`."""
+
+
+_PACK_CHECK: contextvars.ContextVar[bool] = contextvars.ContextVar("qab_pack_check_pass",
+                                                                   default=False)
+_PACK_CHECKS_DUE = [0]
+
+
+@contextlib.contextmanager
+def pack_check_pass() -> Iterator[None]:
+    """Marks eager decode calls that also self-check the MoE blocks' packed builds.
+
+    Inside, a block that would run its packed build in the compiled decode
+    step (a valid :class:`~qwen_apple_backend.layers.moe.BlockPack`, the
+    one-launch block ready) runs :func:`decode_block_ready` with its pack for
+    the call's shape class, outside any trace, and then runs its unpacked
+    build as any eager call does (the same bits). The compiled decode step
+    makes one such call after it builds new packs, and after a trace that
+    left a pack out (:class:`PackCheckDue`).
+    """
+    token = _PACK_CHECK.set(True)
+    try:
+        yield
+    finally:
+        _PACK_CHECK.reset(token)
+
+
+def pack_check_passing() -> bool:
+    """True inside :func:`pack_check_pass`."""
+    return _PACK_CHECK.get()
+
+
+def pack_checks_due() -> int:
+    """How many times a packed build was left out of a compiled trace for want of
+    its self-check (:class:`PackCheckDue`), in this process."""
+    return _PACK_CHECKS_DUE[0]
 
 
 def serial_counter(rows: int = FOLD_NORM_MAX_ROWS) -> mx.array:
@@ -2610,6 +2671,10 @@ def _pack_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down,
                                           int(gdn_step.conv_w.shape[1]),
                                           gdn_step.conv_b is not None, float(gdn_step.eps)))
     name = "moe_decode_block_gdn_pack" if gdn_step is not None else "moe_decode_block_pack"
+    if serial_decode_compiling() and not self_check_known(name, "cuda", key):
+        # Inside mx.compile's trace: the check would evaluate arrays.
+        _PACK_CHECKS_DUE[0] += 1
+        raise PackCheckDue(f"{name}: not self-checked for this shape class")
     ok = self_checked(name, "cuda", key, kernel=run(pk), reference=run(None),
                       make_inputs=make, rtol=0.0)
     return "cuda" if ok else None
