@@ -219,11 +219,12 @@ def decode_step_ops(model, context: int, stand_in: "GpuStandIn | None" = None
                     ) -> collections.Counter:
     """Primitives of one greedy decode step after a ``context``-token prefill.
 
-    The counted step is the third decode token: the first one runs eagerly
-    (kernel self-checks, and the compiled decode step installs from the
-    second token on, whose first call copies the caches' buffers once), so
-    with ``decode-compile`` on, the count is the compiled step's replayed
-    graph in its steady state. With ``stand_in``, its
+    The counted step is the third decode token, or with the compiled decode
+    step the token after its first compiled call: the first token runs
+    eagerly (kernel self-checks), so does the step's first call after it
+    builds packs (their self-checks), and its first compiled call copies the
+    caches' buffers once; so with ``decode-compile`` on, the count is the
+    compiled step's replayed graph in its steady state. With ``stand_in``, its
     :attr:`~GpuStandIn.launches` hold, after the call, the launches of one
     more token run with ``mx.compile`` off (the same Python, so the same
     launches and arguments as the compiled step's trace).
@@ -235,12 +236,16 @@ def decode_step_ops(model, context: int, stand_in: "GpuStandIn | None" = None
     prompt = mx.random.randint(0, 100, (1, context), key=mx.random.key(context))
     y = mx.argmax(model(prompt, cache=cache)[:, -1], axis=-1)
     mx.eval(y, [c.state for c in cache])
-    # The first decode token runs eagerly, the second is the compiled step's
-    # first call (its caches' buffers copied once to private ones); the third,
-    # counted, is a steady-state token.
-    for _ in range(2):
+    # The first decode token runs eagerly; with packs built (moe-block-pack on
+    # a GPU) so does the next, which self-checks them; then the compiled
+    # step's first call (its caches' buffers copied once to private ones).
+    # The token counted next is a steady-state one.
+    step = getattr(getattr(model, "language_model", model), "__dict__", {}).get("_qab_decode")
+    for i in range(8):
         y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
         mx.eval(y, [c.state for c in cache])
+        if (i >= 1 and step is None) or (step is not None and step.compiled_calls >= 1):
+            break
     nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
     ops = count_primitives([nxt])
     if stand_in is not None:
@@ -251,8 +256,6 @@ def decode_step_ops(model, context: int, stand_in: "GpuStandIn | None" = None
         # treats the call as a trace (what it replays): with compile off,
         # its model input is re-wrapped on every call, which a replay never
         # does, and the concatenations and packs would look replaced.
-        step = getattr(getattr(model, "language_model", model), "__dict__", {}).get(
-            "_qab_decode")
         if step is not None:
             step._traced.clear()
         stand_in.launches.clear()

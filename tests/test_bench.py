@@ -1148,3 +1148,9 @@ def test_count_decode_ops_counts_the_arrays_each_launch_binds(tmp_path):
     assert unpacked["by_name"]["qab:moe_decode_block_gdn"][3] == 3 * 5
     assert unpacked["outputs"] - packed["outputs"] == 3 * 3 + 1
     assert "qab:moe_decode_block_gdn" in unpacked["by_name"]
+    # The counted token is a steady-state replay in both columns (not the
+    # step's eager pack-check call, nor its first compiled call, which copies
+    # the caches' buffers): the same primitives but the stand-ins' two markers
+    # per output the pack saves.
+    prims = {row["column"]: row["primitives"] for row in json.loads(path.read_text())["rows"]}
+    assert prims["fused -moe-block-pack"] - prims["fused"] == 2 * (3 * 3 + 1), prims
