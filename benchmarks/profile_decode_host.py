@@ -205,17 +205,21 @@ def _const_ab(args, model, step, n_arrays, write_result) -> int:
 
 
 def _primed(model):
-    """A fresh 8-token context past the eager first token, a trace and a replay:
+    """A fresh 8-token context past the eager first token (and the step's eager
+    pack-check call where it builds packs), a trace and a replay:
     ``(cache, next token [1, 1])``."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    step = model.language_model.__dict__.get("_qab_decode")
     cache = make_prompt_cache(model)
     model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=cache)
     y = mx.array([[9]])
-    for _ in range(3):  # the eager first token, the trace, a replay
+    for _ in range(8):
         y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
         mx.eval(y)
+        if step is None or step.compiled_calls >= 2:
+            break
     return cache, y
 
 
