@@ -27,7 +27,8 @@
 # The summary goes to OUT/verify.log, each step's whole output to its own file.
 # Usage (from the repository root, MLX with its CUDA backend importable):
 #   bash benchmarks/gpu_verify.sh OUT
-# QAB_TEST_SECONDS, QAB_BENCH_SECONDS and QAB_ENCODE_SECONDS reshape it for another device slot.
+# QAB_TEST_SECONDS, QAB_BENCH_SECONDS and QAB_ENCODE_SECONDS (0: skip) reshape it for another
+# device slot; QAB_LONG_SECONDS (default 0: skip) adds stock vs fused at 128K, 2 rounds.
 set -uo pipefail
 OUT=${1:?usage: gpu_verify.sh OUT}
 mkdir -p "$OUT"
@@ -46,8 +47,16 @@ QAB_ENABLE=decode-const timeout -s ABRT "${QAB_BENCH_SECONDS:-290}" qab bench --
   --share-weights --shared-prefill fused --backends stock,fused --decode-tokens 64 \
   --no-fidelity --lengths 4K --rounds 3 --ablate moe-block-pack,decode-const \
   --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | tail -30 >> "$LOG"
+if [ "${QAB_LONG_SECONDS:-0}" != 0 ]; then
+step stock vs fused at 128K
+timeout -s ABRT "$QAB_LONG_SECONDS" qab bench --preset full --share-weights --shared-prefill fused \
+  --backends stock,fused --decode-tokens 32 --no-fidelity --lengths 128K --rounds 2 \
+  --out "$OUT/long" 2>&1 | tee "$OUT/bench-long.txt" | tail -20 >> "$LOG"
+fi
+if [ "${QAB_ENCODE_SECONDS:-80}" != 0 ]; then
 step host cost per bound array
 timeout -s ABRT "${QAB_ENCODE_SECONDS:-80}" python3 benchmarks/profile_encode.py "$OUT" --repeats 6 2>&1 \
   | tail -20 >> "$LOG"
+fi
 step done
 tail -100 "$LOG"
