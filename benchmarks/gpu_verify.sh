@@ -27,7 +27,7 @@
 # The summary goes to OUT/verify.log, each step's whole output to its own file.
 # Usage (from the repository root, MLX with its CUDA backend importable):
 #   bash benchmarks/gpu_verify.sh OUT
-# QAB_TEST_SECONDS, QAB_BENCH_SECONDS and QAB_ENCODE_SECONDS (0: skip) reshape it for another
+# QAB_TEST_FILTER (pytest -k), QAB_TEST_SECONDS, QAB_BENCH_SECONDS and QAB_ENCODE_SECONDS (0: skip) reshape it for another
 # device slot; QAB_LONG_SECONDS (default 0: skip) adds stock vs fused at 128K, 2 rounds.
 set -uo pipefail
 OUT=${1:?usage: gpu_verify.sh OUT}
@@ -39,7 +39,7 @@ step() { echo "=== $* ($(date -u +%T))" | tee -a "$LOG"; }
 qab() { python3 -c "import sys; from qwen_apple_backend.cli import main; sys.exit(main())" "$@"; }
 step packed MoE block GPU tests
 timeout -s ABRT "${QAB_TEST_SECONDS:-200}" python3 -m pytest -v -m gpu -p no:cacheprovider -rs \
-  tests/test_kernels_gpu.py -k "pack_is_the_block or one_pack or gdn_step_in_the_moe_block" \
+  tests/test_kernels_gpu.py -k "${QAB_TEST_FILTER:-pack_is_the_block or one_pack or gdn_step_in_the_moe_block}" \
   2>&1 | tee "$OUT/pack-tests.txt" \
   | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error|assert" | tail -40 >> "$LOG"
 step stock vs fused at 4K, ablating moe-block-pack and decode-const
