@@ -27,8 +27,9 @@
 # The summary goes to OUT/verify.log, each step's whole output to its own file.
 # Usage (from the repository root, MLX with its CUDA backend importable):
 #   bash benchmarks/gpu_verify.sh OUT
-# QAB_TEST_FILTER (pytest -k), QAB_TEST_SECONDS, QAB_BENCH_SECONDS and QAB_ENCODE_SECONDS (0: skip) reshape it for another
-# device slot; QAB_LONG_SECONDS (default 0: skip) adds stock vs fused at 128K, 2 rounds.
+# QAB_TEST_FILTER (pytest -k), QAB_TEST_SECONDS, QAB_BENCH_SECONDS and QAB_ENCODE_SECONDS
+# (0: skip) reshape it for another device slot; QAB_LONG_SECONDS (default 0: skip) adds stock
+# vs fused at 128K, 2 rounds.
 set -uo pipefail
 OUT=${1:?usage: gpu_verify.sh OUT}
 mkdir -p "$OUT"
