@@ -1077,11 +1077,13 @@ class FusedSparseMoeBlock(nn.Module):
     def _block_pack_for(self, gdn: bool) -> Optional[BlockPack]:
         """This block's :class:`BlockPack` if valid, else None.
 
-        Called inside the compiled decode step's trace only (the packed builds
-        run nowhere else), which builds or rebuilds the packs before it traces
-        (:meth:`prepare_block_pack`: a pack is never built inside a trace,
-        whose arrays are tracers); None where the packed build does not exist
-        for CUDA (verified, or ``QAB_UNVERIFIED_KERNELS``).
+        Called inside the compiled decode step's trace (the packed builds run
+        nowhere else) and in its eager check pass (``pack_check_pass``, where
+        the packed builds' self-checks run). The step builds or rebuilds the
+        packs before either (:meth:`prepare_block_pack`: a pack is never
+        built inside a trace, whose arrays are tracers). None where the
+        packed build does not exist for CUDA (verified, or
+        ``QAB_UNVERIFIED_KERNELS``).
         """
         from qwen_apple_backend.ops.moe import _decode_block_pack_object
 
