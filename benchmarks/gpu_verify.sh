@@ -37,20 +37,19 @@ LOG="$OUT/verify.log"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" QAB_UNVERIFIED_KERNELS=1
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 step() { echo "=== $* ($(date -u +%T))" | tee -a "$LOG"; }
-qab() { python3 -c "import sys; from qwen_apple_backend.cli import main; sys.exit(main())" "$@"; }
 step packed MoE block GPU tests
 timeout -s ABRT "${QAB_TEST_SECONDS:-200}" python3 -m pytest -v -m gpu -p no:cacheprovider -rs \
   tests/test_kernels_gpu.py -k "${QAB_TEST_FILTER:-pack_is_the_block or one_pack or gdn_step_in_the_moe_block}" \
   2>&1 | tee "$OUT/pack-tests.txt" \
   | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error|assert" | tail -40 >> "$LOG"
 step stock vs fused at 4K, ablating moe-block-pack and decode-const
-QAB_ENABLE=decode-const timeout -s ABRT "${QAB_BENCH_SECONDS:-290}" qab bench --preset full \
+QAB_ENABLE=decode-const timeout -s ABRT "${QAB_BENCH_SECONDS:-290}" python3 -m qwen_apple_backend.cli bench --preset full \
   --share-weights --shared-prefill fused --backends stock,fused --decode-tokens 64 \
   --no-fidelity --lengths 4K --rounds 3 --ablate moe-block-pack,decode-const \
   --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | tail -30 >> "$LOG"
 if [ "${QAB_LONG_SECONDS:-0}" != 0 ]; then
 step stock vs fused at 128K
-timeout -s ABRT "$QAB_LONG_SECONDS" qab bench --preset full --share-weights --shared-prefill fused \
+timeout -s ABRT "$QAB_LONG_SECONDS" python3 -m qwen_apple_backend.cli bench --preset full --share-weights --shared-prefill fused \
   --backends stock,fused --decode-tokens 32 --no-fidelity --lengths 128K --rounds 2 \
   --out "$OUT/long" 2>&1 | tee "$OUT/bench-long.txt" | tail -20 >> "$LOG"
 fi

@@ -908,9 +908,11 @@ def test_compiled_step_checks_packs_in_an_eager_call(tiny_hf_f32, monkeypatch, c
     # (faked here: the CPU has none), or after a trace that left a pack out
     # for want of its check (PackCheckDue, counted by pack_checks_due; faked
     # by the step's call bumping the count while traced), the step's next
-    # token runs eagerly inside pack_check_pass, and the token after traces
-    # anew. A check pass that did not help keeps the next trace (no loop).
-    # The logits are those of the eager model throughout.
+    # call first runs the token eagerly inside pack_check_pass on scratch
+    # copies of the caches (dropped), then runs it through a new trace. A
+    # check pass that did not help keeps the next trace (no loop). The
+    # logits are those of the eager model throughout, and the caches never
+    # see the check pass's token (its KV row and states would double it).
     from qwen_apple_backend import decode
     from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
     from qwen_apple_backend.ops import moe as moe_ops
@@ -950,17 +952,29 @@ def test_compiled_step_checks_packs_in_an_eager_call(tiny_hf_f32, monkeypatch, c
         a, b = (x(mx.array([[t]]), cache=c) for x, c in zip((ref, m), caches))
         mx.eval(a, b)
         assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item(), f"token {t}"
+    # (the first token: eager, not through the step; 6 tokens after it)
     if case == "new-pack":
-        # (the first token: eager, not through the step) the build's new packs
-        # -> checked eagerly, then traced
+        # the build's new packs -> checked eagerly, then traced: one call
         assert calls == [("eager", True), ("trace", False)], calls
-        assert (step.eager_calls, step.compiled_calls, step.builds) == (2, 4, 1)
+        assert (step.eager_calls, step.check_passes, step.compiled_calls,
+                step.builds) == (1, 1, 5, 1)
     elif case == "trace-due":
-        # traced (a pack left out) -> checked eagerly -> traced again, kept
+        # traced (a pack left out) -> next call: checked eagerly, traced
+        # again, kept
         assert calls == [("trace", False), ("eager", True), ("trace", False)], calls
-        assert (step.eager_calls, step.compiled_calls, step.builds) == (2, 4, 2)
+        assert (step.eager_calls, step.check_passes, step.compiled_calls,
+                step.builds) == (1, 1, 5, 2)
     else:
         # the second trace still leaves a pack out: kept, no third check pass
         assert calls == [("trace", False), ("eager", True), ("trace", False)], calls
-        assert (step.eager_calls, step.compiled_calls, step.builds) == (2, 4, 2)
+        assert (step.eager_calls, step.check_passes, step.compiled_calls,
+                step.builds) == (1, 1, 5, 2)
     assert step._pack_check_due is False
+    kv = [c for c in caches[1] if type(c).__name__ == "KVCache"]
+    assert kv and all(c.offset == 4 + 6 for c in kv)
+    for x, y in zip(*caches):  # the check pass's token left no trace in them
+        if type(x).__name__ == "KVCache":
+            assert mx.allclose(x.keys[..., :10, :], y.keys[..., :10, :],
+                               rtol=1e-5, atol=1e-5).item()
+        else:
+            assert mx.allclose(x[1], y[1], rtol=1e-5, atol=1e-5).item()

@@ -289,6 +289,7 @@ class _CompiledDecode:
         self._positions: Optional[mx.array] = None  # [n * OFFSET_PAD] int32: row p all p
         self.eager_calls = 0
         self.compiled_calls = 0
+        self.check_passes = 0  # eager forwards on scratch caches, for the packs' self-checks
         self.builds = 0
 
     def _build(self) -> None:
@@ -506,14 +507,18 @@ class _CompiledDecode:
             self._build()
         if self._pack_check_due:
             # New packs, or a trace that left one out for want of its
-            # self-check: this token runs eagerly, checking the packed
-            # builds for its shape class (the same bits as the trace), and
-            # the next one traces with their verdicts known.
+            # self-check: first an eager forward of this token on scratch
+            # copies of the caches, which checks the packed builds for its
+            # shape class and is then dropped; the token itself then runs
+            # through the trace below, with their verdicts known. So the
+            # step's tokens follow the same eager / compiled sequence with
+            # packs as without them (a compiled and an eager token may round
+            # a bf16 intermediate differently).
             self._pack_check_due = False
             self._pack_checked = True
-            self.eager_calls += 1
+            self.check_passes += 1
             with pack_check_pass():
-                return self._call(self._model(), tokens, cache)
+                mx.eval(self._call(self._model(), tokens, _scratch_caches(cache)))
         kvs = [c for c in cache if type(c) is KVCache]
         kv_sig = tuple((a.shape, a.dtype) for c in kvs for a in (c.keys, c.values))
         in_place = self._in_place_backend(kvs, kv_sig)
@@ -594,6 +599,25 @@ def _arrays_cache_deepcopy(self, memo):
     """
     _OWNED_STATES.pop(self, None)
     return copy._reconstruct(self, memo, *self.__reduce_ex__(4))
+
+
+def _scratch_caches(cache: list) -> list:
+    """Copies of a decode step's ``cache`` (:class:`KVCache` and
+    :class:`ArraysCache` entries) that one eager forward may update without
+    touching the originals: each KV buffer is a new array sharing the old
+    one's memory (``mx.stop_gradient``), so the forward's row write cannot
+    donate that memory and copies it (transient: the KV cache's size once);
+    the states' list is a new one (an eager forward replaces its entries).
+    """
+    out = []
+    for c in cache:
+        s = copy.copy(c)
+        if type(c) is KVCache:
+            s.keys, s.values = mx.stop_gradient(c.keys), mx.stop_gradient(c.values)
+        else:
+            s.cache = list(c.cache)
+        out.append(s)
+    return out
 
 
 def _guard_arrays_cache_deepcopy() -> None:
