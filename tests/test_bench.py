@@ -11,6 +11,11 @@ import contextlib
 import io
 import json
 import math
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -1154,3 +1159,80 @@ def test_count_decode_ops_counts_the_arrays_each_launch_binds(tmp_path):
     # per output the pack saves.
     prims = {row["column"]: row["primitives"] for row in json.loads(path.read_text())["rows"]}
     assert prims["fused -moe-block-pack"] - prims["fused"] == 2 * (3 * 3 + 1), prims
+
+
+def _gpu_session_module():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_session.py"
+    spec = importlib.util.spec_from_file_location("gpu_session", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("plan, message", [
+    ("bench:30,probe:5", "unknown step 'probe'"),
+    ("bench", "step 'bench' needs its seconds, as bench:300"),
+    ("tests:soon", "step 'tests': 'soon' is not a number of seconds"),
+    ("tests:0", "step 'tests': seconds must be positive, got 0"),
+    ("tests:5,tests:6", "step 'tests' named twice"),
+    (" , ", "no steps"),
+])
+def test_gpu_session_plan_errors_name_the_step(plan, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _gpu_session_module().parse_plan(plan)
+
+
+def test_gpu_session_plan_and_bench_arguments():
+    mod = _gpu_session_module()
+    assert mod.parse_plan("bench:330, tests:200") == [("bench", 330.0), ("tests", 200.0)]
+    argv = mod.bench_argv("bench", Path("o"), "moe-block-pack")
+    assert argv[argv.index("--lengths") + 1] == "4K"
+    assert argv[argv.index("--ablate") + 1] == "moe-block-pack"
+    assert argv[argv.index("--out") + 1] == str(Path("o") / "bench")
+    assert "--ablate" not in mod.bench_argv("bench", Path("o"), "")
+    lengths = mod.bench_argv("lengths", Path("o"), "x")
+    assert lengths[lengths.index("--lengths") + 1].split(",")[-1] == "128K"
+    assert "--ablate" not in lengths
+
+
+def test_gpu_session_runs_steps_in_one_process_and_stops_an_overdue_one(tmp_path):
+    # The steps' output (Python's and C-level writes to fds 1/2) lands in
+    # each step's file, the session log gets a line per step, a failing step
+    # does not stop the next, and a step over its seconds ends the process
+    # with 124 and its stack in its file.
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / "benchmarks")!r})
+        import gpu_session as g
+        calls = []
+        def bench(argv, enable):
+            print("bench says", argv[argv.index("--lengths") + 1], enable, os.getpid())
+            os.write(2, b"from fd 2\\n")
+            return 3
+        def tests(filter_):
+            print("tests", filter_, os.getpid(), flush=True)
+            time.sleep(30)
+            return 0
+        g.run_bench, g.run_tests = bench, tests
+        sys.exit(g.main([sys.argv[1], "--plan", "bench:20,tests:1", "--test-filter", "k1"]))
+    """)
+    out = tmp_path / "s"
+    r = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 124, r.stdout + r.stderr
+    bench = (out / "bench.txt").read_text()
+    tests = (out / "tests.txt").read_text()
+    pid = re.search(r"bench says 4K decode-const (\d+)", bench)
+    assert pid and "from fd 2" in bench, bench
+    assert tests.split("\n")[0].split()[-1] == pid.group(1)  # one process
+    assert tests.startswith("tests k1") and "over its 1 s, stacks:" in tests
+    assert "in tests" in tests  # the dumped stack names the step's function
+    log = (out / "session.log").read_text().splitlines()
+    assert [line.split(" ", 1)[1] for line in log][:3] == [
+        "plan bench:20,tests:1", "bench: start (20 s)", "bench: rc 3 in " +
+        log[2].split(" in ")[1]]
+    assert log[3].endswith("tests: start (1 s)")
+    assert log[4].endswith("tests: over its 1 s; stopped (stacks in tests.txt)")
+    assert "bench: rc 3" in r.stdout  # the log lines also reach the console

@@ -965,12 +965,15 @@ def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(s
             assert all(not mx.any(c).item() for c in counters)
 
 
-#: Qwen3.6's widths at 4 layers (3 Gated DeltaNet, 1 attention), 64 experts of 512.
+#: Qwen3.6's widths at 4 layers (3 Gated DeltaNet, 1 attention), its 256 experts of
+#: 512: the kernels (the router's and the MoE block's take E as a template value)
+#: and self-check shape classes of the full model, so a process that ran the full
+#: model's bench first (benchmarks/gpu_session.py) reuses its compiled kernels.
 QWEN36_WIDTH_PRESET = {
     "hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 16,
     "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
     "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4, "num_experts": 64, "num_experts_per_tok": 8,
+    "linear_conv_kernel_dim": 4, "num_experts": 256, "num_experts_per_tok": 8,
     "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
 
 
@@ -993,7 +996,7 @@ def _fused_pair(preset: str, switch: str, seed: int, disable=()) -> list:
 def test_compiled_decode_runs_the_gdn_step_in_the_moe_block(monkeypatch):
     # moe-block-gdn (while its build is unverified: QAB_UNVERIFIED_KERNELS=1):
     # a Qwen3.5-MoE model at Qwen3.6's widths (H 2048; Gated DeltaNet 16 key
-    # and 32 value heads of 128; 64 experts of 512, 8 per token), 3 Gated
+    # and 32 value heads of 128; 256 experts of 512, 8 per token), 3 Gated
     # DeltaNet layers and an attention one, through the compiled decode step:
     # every GDN layer's block takes the GD build, and 16 teacher-forced tokens
     # give the same logits as the same model with moe-block-gdn off (the GDN

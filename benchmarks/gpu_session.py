@@ -1,0 +1,211 @@
+"""One GPU machine command's verification and measurements, in one Python process.
+
+A fresh process on MLX's CUDA backend compiles every custom kernel it launches
+(NVRTC, at the first launch of each kernel source and template instance; MLX
+keeps those modules in the process only) and runs this package's kernel
+self-checks once per shape class. On a fresh H100 that took longer than a
+4-layer compiled-step test's 300 s, and the 4K bench's shared prefill took
+another 190-230 s in a second process. Run in one process, the steps share the
+compiled modules and the self-checks' verdicts: the bench's full-shape decode
+compiles and checks what the GPU tests at Qwen3.6's widths (256 experts) then
+reuse.
+
+Steps (``--plan``, in the order given, each ``NAME:SECONDS``):
+
+- ``bench``: stock vs fused at 4K, full shape, 3 rounds of 64 decode tokens,
+  with ablation columns (``--ablate``, default ``moe-block-pack,decode-const``;
+  ``decode-const`` is switched on by ``QAB_ENABLE`` for this step only, so its
+  column is the default build's); results under ``OUT/bench``.
+- ``tests``: ``pytest -m gpu tests/test_kernels_gpu.py -k FILTER``
+  (``--test-filter``).
+- ``long``: stock vs fused at 128K, 2 rounds of 32 decode tokens
+  (``OUT/long``).
+- ``lengths``: stock vs fused at the ten lengths 256..128K, 3 rounds of 32
+  decode tokens (``OUT/lengths``).
+
+Each step's output (Python's and the C level's) goes to ``OUT/<step>.txt``, a
+line per step with its wall time and result to ``OUT/session.log``. A step that
+outlives its seconds gets its Python stack dumped into its file, and the
+process ends there (exit 124): put the step that matters most first.
+
+Usage (repository root, MLX with its CUDA backend importable; the kernels not
+yet verified are allowed, ``QAB_UNVERIFIED_KERNELS=1``)::
+
+    python benchmarks/gpu_session.py OUT --plan bench:330,tests:200
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = ("bench", "tests", "long", "lengths")
+TEN_LENGTHS = "256,512,1K,2K,4K,8K,16K,32K,64K,128K"
+
+
+def parse_plan(text: str) -> list[tuple[str, float]]:
+    """``"bench:330,tests:200"`` -> ``[("bench", 330.0), ("tests", 200.0)]``.
+
+    Raises:
+        ValueError: an unknown step, a missing or non-positive number of
+            seconds, or a step named twice.
+    """
+    plan: list[tuple[str, float]] = []
+    for item in (p.strip() for p in text.split(",")):
+        if not item:
+            continue
+        name, sep, secs = item.partition(":")
+        if name not in STEPS:
+            raise ValueError(f"--plan: unknown step {name!r} (steps: {', '.join(STEPS)})")
+        if not sep:
+            raise ValueError(f"--plan: step {name!r} needs its seconds, as {name}:300")
+        try:
+            seconds = float(secs)
+        except ValueError:
+            raise ValueError(f"--plan: step {name!r}: {secs!r} is not a number of seconds")
+        if seconds <= 0:
+            raise ValueError(f"--plan: step {name!r}: seconds must be positive, got {secs}")
+        if any(n == name for n, _ in plan):
+            raise ValueError(f"--plan: step {name!r} named twice")
+        plan.append((name, seconds))
+    if not plan:
+        raise ValueError("--plan: no steps")
+    return plan
+
+
+def bench_argv(step: str, out: Path, ablate: str) -> list[str]:
+    """The ``qab bench`` arguments of a bench step."""
+    common = ["bench", "--preset", "full", "--share-weights", "--shared-prefill", "fused",
+              "--backends", "stock,fused", "--no-fidelity", "--out", str(out / step)]
+    if step == "bench":
+        argv = common + ["--lengths", "4K", "--rounds", "3", "--decode-tokens", "64"]
+        return argv + (["--ablate", ablate] if ablate else [])
+    if step == "long":
+        return common + ["--lengths", "128K", "--rounds", "2", "--decode-tokens", "32"]
+    if step == "lengths":
+        return common + ["--lengths", TEN_LENGTHS, "--rounds", "3", "--decode-tokens", "32"]
+    raise ValueError(f"not a bench step: {step!r}")
+
+
+def run_bench(argv: list[str], enable: Optional[str]) -> int:
+    from qwen_apple_backend.cli import main
+
+    before = os.environ.get("QAB_ENABLE")
+    if enable:
+        os.environ["QAB_ENABLE"] = ",".join(p for p in (before, enable) if p)
+    try:
+        return int(main(argv) or 0)
+    finally:
+        if before is None:
+            os.environ.pop("QAB_ENABLE", None)
+        else:
+            os.environ["QAB_ENABLE"] = before
+
+
+def run_tests(filter_: str) -> int:
+    import pytest
+
+    return int(pytest.main(["-v", "-m", "gpu", "-p", "no:cacheprovider", "-rs",
+                            str(ROOT / "tests" / "test_kernels_gpu.py"), "-k", filter_]))
+
+
+class Session:
+    """Runs steps with their output in files and a deadline each."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.log = out / "session.log"
+        self.console = os.dup(1)  # the terminal, kept while fds 1/2 go to a step's file
+
+    def say(self, text: str) -> None:
+        line = f"{time.strftime('%H:%M:%S', time.gmtime())} {text}\n"
+        with open(self.log, "a") as f:
+            f.write(line)
+        os.write(self.console, line.encode())
+
+    def step(self, name: str, seconds: float, fn: Callable[[], int]) -> int:
+        path = self.out / f"{name}.txt"
+        self.say(f"{name}: start ({seconds:.0f} s)")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        with open(path, "ab", buffering=0) as f:
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+            t0 = time.perf_counter()
+
+            def over():
+                sys.stderr.flush()
+                os.write(2, f"\n{name}: over its {seconds:.0f} s, stacks:\n".encode())
+                faulthandler.dump_traceback(file=f, all_threads=True)
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                self.say(f"{name}: over its {seconds:.0f} s; stopped (stacks in {path.name})")
+                os._exit(124)
+
+            timer = threading.Timer(seconds, over)
+            timer.daemon = True
+            timer.start()
+            try:
+                rc = fn()
+            except BaseException as e:  # noqa: BLE001 - reported, then the next step runs
+                import traceback
+
+                traceback.print_exc()
+                rc = 1 if not isinstance(e, SystemExit) else int(e.code or 0)
+            finally:
+                timer.cancel()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                for fd in saved:
+                    os.close(fd)
+        self.say(f"{name}: rc {rc} in {time.perf_counter() - t0:.1f} s")
+        return rc
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(
+        description="A GPU machine command's verification and measurements in one process "
+                    "(compiled kernels and self-check verdicts shared between steps).")
+    ap.add_argument("out", type=Path, help="folder for the session log and each step's output")
+    ap.add_argument("--plan", default="bench:330,tests:200",
+                    help=f"steps in order, NAME:SECONDS each (steps: {', '.join(STEPS)}; "
+                         "default bench:330,tests:200)")
+    ap.add_argument("--test-filter", default="one_pack",
+                    help="pytest -k of the tests step (default one_pack)")
+    ap.add_argument("--ablate", default="moe-block-pack,decode-const",
+                    help="the 4K bench's ablation columns (default moe-block-pack,decode-const; "
+                         "'' for none)")
+    args = ap.parse_args(argv)
+    try:
+        plan = parse_plan(args.plan)
+    except ValueError as e:
+        ap.error(str(e))
+    args.out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT / "src"))
+    os.environ.setdefault("QAB_UNVERIFIED_KERNELS", "1")
+    session = Session(args.out)
+    session.say(f"plan {args.plan}")
+    worst = 0
+    for name, seconds in plan:
+        if name == "tests":
+            fn = lambda: run_tests(args.test_filter)  # noqa: E731
+        else:
+            enable = "decode-const" if name == "bench" and "decode-const" in args.ablate else None
+            fn = (lambda a, e: lambda: run_bench(a, e))(bench_argv(name, args.out, args.ablate),
+                                                       enable)
+        worst = max(worst, session.step(name, seconds, fn))
+    return worst
+
+
+if __name__ == "__main__":
+    sys.exit(main())
