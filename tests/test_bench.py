@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -1236,3 +1237,27 @@ def test_gpu_session_runs_steps_in_one_process_and_stops_an_overdue_one(tmp_path
     assert log[3].endswith("tests: start (1 s)")
     assert log[4].endswith("tests: over its 1 s; stopped (stacks in tests.txt)")
     assert "bench: rc 3" in r.stdout  # the log lines also reach the console
+
+
+def test_gpu_session_bench_step_runs_qab_bench_in_process(tmp_path, monkeypatch):
+    # run_bench: qab bench in this process (tiny preset here), with the step's
+    # QAB_ENABLE added for the step only.
+    mod = _gpu_session_module()
+    monkeypatch.setenv("QAB_ENABLE", "next-norm")
+    seen = []
+    from qwen_apple_backend import cli
+
+    real = cli._main
+
+    def spy(argv):
+        seen.append(os.environ.get("QAB_ENABLE"))
+        return real(argv)
+
+    monkeypatch.setattr(cli, "_main", spy)
+    rc = mod.run_bench(["bench", "--preset", "tiny", "--lengths", "16", "--rounds", "1",
+                        "--decode-tokens", "2", "--no-fidelity", "--no-plot", "--no-progress",
+                        "--out", str(tmp_path / "b")], "decode-const")
+    assert rc == 0
+    assert seen == ["next-norm,decode-const"]
+    assert os.environ["QAB_ENABLE"] == "next-norm"
+    assert list((tmp_path / "b").glob("*.json")), list((tmp_path / "b").iterdir())
