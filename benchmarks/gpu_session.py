@@ -23,6 +23,12 @@ Steps (``--plan``, in the order given, each ``NAME:SECONDS``):
 - ``lengths``: stock vs fused at the ten lengths 256..128K, 3 rounds of 32
   decode tokens (``OUT/lengths``).
 
+Bench steps decode only, from contexts of seeded random cache values shaped
+by stock's model (``qab bench --shared-prefill stock --synthetic-context``: a
+decode step's work does not depend on those values), or with
+``--real-prefill`` from fused's prefilled contexts (the 4K prefill took
+190-230 s in a fresh process).
+
 Each step's output (Python's and the C level's) goes to ``OUT/<step>.txt``, a
 line per step with its wall time and result to ``OUT/session.log``. A step that
 outlives its seconds gets its Python stack dumped into its file, and the
@@ -80,9 +86,12 @@ def parse_plan(text: str) -> list[tuple[str, float]]:
     return plan
 
 
-def bench_argv(step: str, out: Path, ablate: str) -> list[str]:
-    """The ``qab bench`` arguments of a bench step."""
-    common = ["bench", "--preset", "full", "--share-weights", "--shared-prefill", "fused",
+def bench_argv(step: str, out: Path, ablate: str, real_prefill: bool = False) -> list[str]:
+    """The ``qab bench`` arguments of a bench step: decode only, from stock's synthetic
+    contexts (``--synthetic-context``), or from fused's prefilled ones (``real_prefill``)."""
+    context = (["--shared-prefill", "fused"] if real_prefill
+               else ["--shared-prefill", "stock", "--synthetic-context"])
+    common = ["bench", "--preset", "full", "--share-weights", *context,
               "--backends", "stock,fused", "--no-fidelity", "--out", str(out / step)]
     if step == "bench":
         argv = common + ["--lengths", "4K", "--rounds", "3", "--decode-tokens", "64"]
@@ -182,6 +191,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "default bench:330,tests:200)")
     ap.add_argument("--test-filter", default="one_pack",
                     help="pytest -k of the tests step (default one_pack)")
+    ap.add_argument("--real-prefill", action="store_true",
+                    help="bench steps decode from fused's prefilled contexts (default: stock's "
+                         "synthetic ones, random cache values: no prefill's minutes)")
     ap.add_argument("--ablate", default="moe-block-pack,decode-const",
                     help="the 4K bench's ablation columns (default moe-block-pack,decode-const; "
                          "'' for none)")
@@ -201,8 +213,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             fn = lambda: run_tests(args.test_filter)  # noqa: E731
         else:
             enable = "decode-const" if name == "bench" and "decode-const" in args.ablate else None
-            fn = (lambda a, e: lambda: run_bench(a, e))(bench_argv(name, args.out, args.ablate),
-                                                       enable)
+            argv_ = bench_argv(name, args.out, args.ablate, args.real_prefill)
+            fn = (lambda a, e: lambda: run_bench(a, e))(argv_, enable)
         worst = max(worst, session.step(name, seconds, fn))
     return worst
 

@@ -708,6 +708,76 @@ def test_mlx_context_is_a_copy_that_decodes_like_the_prefill(tiny_hf_f32):
     assert kv.offset == len(prompt)
 
 
+def test_synthetic_context_has_a_prefills_shapes_and_seeded_values(tiny_hf_f32):
+    # synthetic_context: every cache entry of the shapes, dtypes and KV buffer
+    # capacity a real prefill of as many tokens leaves (written in the same
+    # chunk pattern), offsets at the length, seeded random values (the same
+    # for the same seed, other for another), the next token the one-token
+    # prefill's choice; stock and fused (float32) decode the same tokens from
+    # it, and decoding does not change it.
+    from qwen_apple_backend.bench.target import MLXContext
+    from qwen_apple_backend.loader import load_model
+
+    fused = MLXTarget(load_model(tiny_hf_f32, "fused")[0], label="fused", prefill_step_size=64)
+    stock = MLXTarget(load_model(tiny_hf_f32, "stock")[0], label="stock")
+    for n in (1, 64, 65, 300):
+        ids = [(7 * i + 3) % 500 for i in range(n)]
+        ctx = fused.synthetic_context(ids, seed=1)
+        assert isinstance(ctx, MLXContext) and ctx.label == "fused"
+        assert ctx.first_token == fused.prefill([ids[-1]])
+        fused.prefill(ids)
+        real = fused.export_context()
+        for c, r in zip(ctx.cache, real.cache, strict=True):
+            assert type(c) is type(r)
+            if hasattr(r, "offset"):
+                assert c.offset == r.offset == n
+                assert c.keys.shape == r.keys.shape and c.keys.dtype == r.keys.dtype, n
+                assert c.values.shape == r.values.shape
+                assert np.std(np.array(c.keys[..., :n, :])) > 0.5
+            else:
+                assert [(a.shape, a.dtype) for a in c.cache] == [
+                    (a.shape, a.dtype) for a in r.cache]
+    again = [np.array(a) for a in _cache_arrays(fused.synthetic_context(ids, seed=1).cache)]
+    other = _cache_arrays(fused.synthetic_context(ids, seed=2).cache)
+    stored = _cache_arrays(ctx.cache)
+    assert all(np.array_equal(x, y) for x, y in zip(stored, again))
+    assert not any(np.array_equal(x, y) for x, y in zip(stored, other))
+    a = harness.measure_decode(fused, ctx, 6, keep_ids=True)
+    b = harness.measure_decode(stock, ctx, 6, keep_ids=True)
+    assert a["generated"] == b["generated"] and a["generated"][0] == ctx.first_token
+    assert all(np.array_equal(x, y) for x, y in zip(stored, _cache_arrays(ctx.cache)))
+    with pytest.raises(ValueError, match="needs at least one token id"):
+        fused.synthetic_context([])
+
+
+def test_bench_synthetic_context_run_and_its_errors(tmp_path):
+    result = harness.run_bench(harness.BenchConfig(
+        **_SHARED, backends=["stock", "fused"], lengths=[16, 300], rounds=1, decode_tokens=3,
+        fidelity=False, bandwidth_gbs=10.0, progress=False, shared_prefill="fused",
+        synthetic_context=True))
+    assert not result["errors"] and len(result["runs"]) == 4
+    section = result["shared_prefill"]
+    assert section["synthetic"] is True and "seeded random cache values" in section["note"]
+    assert [(r["length"], r["synthetic"]) for r in section["lengths"]] == [(16, True),
+                                                                          (300, True)]
+    assert result["settings"]["synthetic_context"] is True
+    for n in (16, 300):
+        ids = {r["decode_ids_sha256"] for r in result["runs"] if r["length"] == n}
+        assert len(ids) == 1, n  # stock and fused decode the same tokens (float32)
+    from qwen_apple_backend.bench.cli import _header
+
+    assert "decoded from fused's synthetic (random cache values) contexts" in _header(result)
+    with pytest.raises(ValueError, match=re.escape(
+            "--synthetic-context needs --shared-prefill LABEL")):
+        harness.run_bench(harness.BenchConfig(**_SHARED, synthetic_context=True))
+    argv = ["bench", "--preset", "tiny", "--synthetic-context", "--no-fidelity",
+            "--out", str(tmp_path)]
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        assert main(argv) == 2
+    assert "--synthetic-context needs --shared-prefill LABEL" in printed.getvalue()
+
+
 def test_load_context_rejects_another_cache_layout(tiny_hf_f32):
     import dataclasses
 
@@ -1193,6 +1263,10 @@ def test_gpu_session_plan_and_bench_arguments():
     assert argv[argv.index("--ablate") + 1] == "moe-block-pack"
     assert argv[argv.index("--out") + 1] == str(Path("o") / "bench")
     assert "--ablate" not in mod.bench_argv("bench", Path("o"), "")
+    assert argv[argv.index("--shared-prefill") + 1] == "stock" and "--synthetic-context" in argv
+    real = mod.bench_argv("bench", Path("o"), "", real_prefill=True)
+    assert real[real.index("--shared-prefill") + 1] == "fused"
+    assert "--synthetic-context" not in real
     lengths = mod.bench_argv("lengths", Path("o"), "x")
     assert lengths[lengths.index("--lengths") + 1].split(",")[-1] == "128K"
     assert "--ablate" not in lengths

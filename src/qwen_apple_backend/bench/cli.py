@@ -179,6 +179,12 @@ def add_parsers(subparsers: Any) -> None:
                         "minutes. LABEL's prefill is timed once per length (recorded, not "
                         "compared); no prefill rows or panel. Every length's context stays "
                         "in memory for the whole sweep")
+    s.add_argument("--synthetic-context", action="store_true",
+                   help="with --shared-prefill LABEL: fill each length's context with seeded "
+                        "random cache values (LABEL's model gives the shapes) instead of "
+                        "prefilling it: decode speed only, without a prefill's minutes (a "
+                        "fresh process compiling prefill kernels, or stock's per-token Gated "
+                        "DeltaNet loop off Metal); the decoded tokens continue no prompt")
     s.add_argument("--max-seconds", type=positive_float, default=None,
                    help="time budget: start no further round when it would end past this "
                         "many seconds (rounds stay whole; the JSON records it), and with "
@@ -275,8 +281,8 @@ def _log(msg: str) -> None:
 
 
 def _usage_problem(args: argparse.Namespace, prompts: Optional[list] = None) -> Optional[str]:
-    """A bad ``--backends`` / ``--ablate`` / ``--shared-prefill`` / prompt, found before
-    any model is built."""
+    """A bad ``--backends`` / ``--ablate`` / ``--shared-prefill`` / ``--synthetic-context`` /
+    prompt, found before any model is built."""
     from ..errors import QABError
     from .harness import check_shared_prefill
     from .target import parse_backend_specs, resolve_backend
@@ -288,6 +294,9 @@ def _usage_problem(args: argparse.Namespace, prompts: Optional[list] = None) -> 
         check_shared_prefill(getattr(args, "shared_prefill", None), [s.label for s in specs])
     except (ValueError, QABError) as exc:
         return str(exc)
+    if getattr(args, "synthetic_context", False) and not args.shared_prefill:
+        return ("--synthetic-context needs --shared-prefill LABEL (the backend whose model "
+                "shapes the contexts)")
     if prompts is not None and not prompts:
         return "give --prompt TEXT (repeatable) or --prompts-file FILE"
     if prompts is not None and any(not p.strip() for p in prompts):
@@ -334,6 +343,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bandwidth_mib=args.bandwidth_mib, fidelity=not args.no_fidelity,
         fidelity_positions=args.fidelity_positions, max_seconds=args.max_seconds,
         quick=args.quick, shared_prefill=args.shared_prefill,
+        synthetic_context=args.synthetic_context,
         out_dir=args.out, tag=args.tag, plot=not args.no_plot,
         argv=_command_line(args, "bench"))
     result = run_bench(cfg, log=_log)
@@ -367,7 +377,9 @@ def _header(result: dict) -> str:
             else m.get("path"))
     bw = result.get("bandwidth") or {}
     shared = (result.get("settings") or {}).get("shared_prefill")
-    mode = (f"\ndecode only: every backend decoded from {shared}'s prefilled contexts "
+    kind = ("synthetic (random cache values)"
+            if (result.get("settings") or {}).get("synthetic_context") else "prefilled")
+    mode = (f"\ndecode only: every backend decoded from {shared}'s {kind} contexts "
             f"(peak MiB includes every stored context; working memory in the JSON)"
             if shared else "")
     return (f"device {result['device']} | mlx {v['mlx']} | mlx-lm {v['mlx_lm']} | "

@@ -134,7 +134,10 @@ class BenchConfig(ModelSource):
 
     ``shared_prefill`` names the backend label whose prefill builds every
     length's decode context once; every backend then decodes from a copy
-    (decode only; all contexts stay in memory for the whole sweep).
+    (decode only; all contexts stay in memory for the whole sweep). With
+    ``synthetic_context`` that backend's target fills each context with seeded
+    random values instead of prefilling it (``synthetic_context`` of
+    :class:`~qwen_apple_backend.bench.target.MLXTarget`).
     """
 
     backends: Sequence[str] = ("stock", "fused")
@@ -156,6 +159,7 @@ class BenchConfig(ModelSource):
     tag: str = ""
     plot: bool = True
     shared_prefill: Optional[str] = None
+    synthetic_context: bool = False
     argv: Optional[list] = None
     extra: dict = field(default_factory=dict)
 
@@ -172,6 +176,9 @@ class BenchConfig(ModelSource):
             raise ValueError(f"--decode-tokens must be >= 1, got {decode}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.synthetic_context and not self.shared_prefill:
+            raise ValueError("--synthetic-context needs --shared-prefill LABEL (the backend "
+                             "whose model shapes the contexts)")
         cfg = BenchConfig(**{**asdict(self), "lengths": sorted(set(int(n) for n in lengths)),
                              "rounds": rounds, "decode_tokens": decode})
         cfg.check()
@@ -505,8 +512,11 @@ def measure_decode(target: BenchTarget, ctx: Any, decode_tokens: int,
 def _shared_contexts(source: BenchTarget, targets: Sequence[BenchTarget], ids: Sequence[int],
                      lengths: Sequence[int], bar, log: Callable[[str], None], progress: bool,
                      errors: list, failed: set,
-                     deadline: Optional[float] = None) -> tuple[dict, list]:
-    """Prefill every length once on ``source`` and keep its exported context.
+                     deadline: Optional[float] = None, synthetic: bool = False,
+                     seed: int = 0) -> tuple[dict, list]:
+    """Prefill every length once on ``source`` and keep its exported context
+    (``synthetic``: ``source.synthetic_context(ids[:n], seed)`` instead, timed
+    the same way, its record marked ``"synthetic": True``).
 
     The first context built is loaded once into every target, so a target that
     cannot decode from it stops the run before any warm-up. A length whose
@@ -532,8 +542,9 @@ def _shared_contexts(source: BenchTarget, targets: Sequence[BenchTarget], ids: S
         log(f"shared prefill {what}: {source.label} @ {n}: {why}")
         bar.update(1)
 
+    what = "synthetic context" if synthetic else "shared prefill"
     for n in lengths:
-        bar.set_postfix_str(f"shared prefill {source.label} @ {human_length(n)}")
+        bar.set_postfix_str(f"{what} {source.label} @ {human_length(n)}")
         if deadline is not None and time.perf_counter() > deadline:
             skip(n, "not prefilled: the --max-seconds budget was spent", "skipped")
             continue
@@ -542,10 +553,15 @@ def _shared_contexts(source: BenchTarget, targets: Sequence[BenchTarget], ids: S
             source.synchronize()
             source.reset_peak_memory()
             t0 = time.perf_counter()
-            first = source.prefill(ids[:n])
+            if synthetic:
+                contexts[n] = source.synthetic_context(ids[:n], seed)
+                first = contexts[n].first_token
+            else:
+                first = source.prefill(ids[:n])
             source.synchronize()
             seconds = time.perf_counter() - t0
-            contexts[n] = source.export_context()
+            if not synthetic:
+                contexts[n] = source.export_context()
             peak = source.peak_memory()
             source.reset()
         except Exception as exc:  # noqa: BLE001 - record, skip this length
@@ -555,9 +571,9 @@ def _shared_contexts(source: BenchTarget, targets: Sequence[BenchTarget], ids: S
         records.append({"length": n, "source": source.label, "prompt_tokens": n,
                         "prefill_s": seconds, "tokens_per_s": n / seconds if seconds > 0
                         else float("inf"), "first_token": int(first),
-                        "peak_memory_bytes": peak})
+                        "peak_memory_bytes": peak, **({"synthetic": True} if synthetic else {})})
         if not progress:
-            log(f"shared prefill {source.label} @ {human_length(n)}: {seconds:.3f}s "
+            log(f"{what} {source.label} @ {human_length(n)}: {seconds:.3f}s "
                 f"({n / seconds:.1f} tok/s)")
         if len(contexts) == 1:
             for t in targets:  # fail now, not after every length's prefill
@@ -634,6 +650,10 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
             raise ValueError(f"--shared-prefill: backend {', '.join(unable)} cannot decode "
                              "from a shared context (its target has no export_context / "
                              "load_context)")
+        source = next(t for t in targets if t.label == cfg.shared_prefill)
+        if cfg.synthetic_context and not callable(getattr(source, "synthetic_context", None)):
+            raise ValueError(f"--synthetic-context: backend {source.label} cannot build a "
+                             "synthetic context (its target has no synthetic_context)")
     step = min(getattr(t, "prefill_step_size", 0) or 0 for t in targets) or None
     vocab = min(t.vocab_size() for t in targets)
     lengths = list(cfg.lengths)
@@ -665,7 +685,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
         if cfg.shared_prefill:
             contexts, shared = _shared_contexts(by_label[cfg.shared_prefill], targets, ids,
                                                 lengths, bar, log, cfg.progress, errors, failed,
-                                                deadline)
+                                                deadline, cfg.synthetic_context, cfg.seed)
         for n, t in warm:
             bar.set_postfix_str(f"warm-up {t.label} @ {human_length(n)}")
             if contexts is not None:
@@ -765,6 +785,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
             "quick": cfg.quick,
             "seed": cfg.seed,
             "shared_prefill": cfg.shared_prefill,
+            "synthetic_context": bool(cfg.synthetic_context),
             "timing": "time.perf_counter around each call, device synchronised before "
                       "every read; prefill time = time to first token",
             "p95_definition": "tokens / 95th-percentile run time (slow tail)",
@@ -788,7 +809,13 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
         "results": results,
         "fidelity": fidelity,
         "shared_prefill": ({"source": cfg.shared_prefill,
-                            "note": "each length prefilled once by the source; every backend "
+                            "synthetic": bool(cfg.synthetic_context),
+                            "note": ("each length's context filled once with seeded random "
+                                     "cache values by the source's synthetic_context (no "
+                                     "prompt run: decode speed only; the tokens are not a "
+                                     "prompt's continuation)" if cfg.synthetic_context else
+                                     "each length prefilled once by the source")
+                                    + "; every backend "
                                     "decoded from a copy of that context (prefill not compared); "
                                     "every length's context stays resident during the sweep, so "
                                     "peak_memory_bytes include them all: compare "

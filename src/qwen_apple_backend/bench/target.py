@@ -620,6 +620,79 @@ class MLXTarget:
         return MLXContext(label=self.label, first_token=int(self._next.item()),
                           cache=copy.deepcopy(self._cache), next_token=self._next)
 
+    def synthetic_context(self, ids: Sequence[int], seed: int = 0) -> MLXContext:
+        """A context of ``len(ids)`` tokens whose cache holds seeded random values, built
+        without running the prompt: for decode-speed sweeps (``qab bench
+        --synthetic-context``), where a real prefill costs minutes (a fresh process
+        compiling the prefill kernels, or stock's per-token Gated DeltaNet loop off
+        Metal) and a decode step's work does not depend on the cached values (the
+        same KV rows read, K experts per token, the same state sizes).
+
+        A one-token prefill of ``ids[-1]`` gives each cache entry's shapes and
+        dtypes and the next token (its greedy choice). Each KV cache is then
+        written in this target's prefill chunk pattern (``len(ids) - 1`` rows in
+        ``prefill_step_size`` chunks, then one) through mlx-lm's own
+        ``KVCache.update_and_fetch``, so its buffer has the capacity a real
+        prefill of ``ids`` leaves; keys and values are N(0, 1) in the cache dtype.
+        Each other cache entry (mlx-lm's ``ArraysCache``: the Gated DeltaNet conv
+        and recurrent states) gets N(0, 1) values of its shape and dtype, scaled
+        by 0.1 for a float32 entry (the recurrent state) to keep the recurrence
+        bounded.
+
+        Args:
+            ids (Sequence[int]): the context's token ids (only their number and the
+                last one are used).
+            seed (int): seed of the random values (``mx.random.key``).
+
+        Returns:
+            MLXContext: the context, with ``label`` this target's.
+
+        Raises:
+            ValueError: an empty ``ids``, or a cache entry of a type other than
+                mlx-lm's ``KVCache`` and ``ArraysCache`` (named).
+        """
+        from mlx_lm.models.cache import ArraysCache, KVCache
+
+        mx = self._mx
+        n = len(ids)
+        if n == 0:
+            raise ValueError("synthetic_context needs at least one token id")
+        self.prefill([ids[-1]])
+        probe, nxt = self._cache, self._next
+        cache = self._new_cache()
+        key = mx.random.key(seed)
+
+        def normal(shape, dtype, scale=1.0):
+            nonlocal key
+            key, sub = mx.random.split(key)
+            return (mx.random.normal(shape, key=sub) * scale).astype(dtype)
+
+        chunks = [self.prefill_step_size] * ((n - 1) // self.prefill_step_size)
+        chunks += [(n - 1) % self.prefill_step_size] if (n - 1) % self.prefill_step_size else []
+        chunks += [1]
+        with mx.stream(self._stream):
+            for i, (c, p) in enumerate(zip(cache, probe)):
+                if type(c) is KVCache and type(p) is KVCache:
+                    B, Hk, _, Dk = p.keys.shape
+                    Dv = p.values.shape[-1]
+                    for t in chunks:
+                        c.update_and_fetch(normal((B, Hk, t, Dk), p.keys.dtype),
+                                           normal((B, Hk, t, Dv), p.values.dtype))
+                        mx.eval(c.keys, c.values)
+                elif type(c) is ArraysCache and type(p) is ArraysCache:
+                    for j, a in enumerate(p.cache):
+                        if a is not None:
+                            c[j] = normal(a.shape, a.dtype,
+                                          0.1 if a.dtype == mx.float32 else 1.0)
+                    mx.eval([a for a in c.cache if a is not None])
+                else:
+                    raise ValueError(f"{self.label}: synthetic_context cannot fill cache "
+                                     f"entry {i} ({type(c).__name__}); it fills mlx-lm's "
+                                     "KVCache and ArraysCache")
+        self.reset()
+        return MLXContext(label=self.label, first_token=int(nxt.item()), cache=cache,
+                          next_token=nxt)
+
     def load_context(self, ctx: MLXContext) -> None:
         """Install a fresh deep copy of ``ctx``'s cache and its next token.
 
