@@ -30,7 +30,9 @@ decode step's work does not depend on those values), or with
 190-230 s in a fresh process).
 
 Each step's output (Python's and the C level's) goes to ``OUT/<step>.txt``, a
-line per step with its wall time and result to ``OUT/session.log``. A step that
+line per step with its wall time and result to ``OUT/session.log``, and every
+kernel self-check's seconds so far (mostly compilation: where a fresh process's
+first calls spend their time) to ``OUT/self-checks.json``, slowest first. A step that
 outlives its seconds gets its Python stack dumped into its file, and the
 process ends there (exit 124): put the step that matters most first.
 
@@ -125,6 +127,19 @@ def run_tests(filter_: str) -> int:
                             str(ROOT / "tests" / "test_kernels_gpu.py"), "-k", filter_]))
 
 
+def write_check_timings(out: Path) -> int:
+    """``OUT/self-checks.json``: every kernel self-check's seconds so far
+    (:func:`qwen_apple_backend.ops.device.self_check_timings`, mostly NVRTC
+    compilation in a fresh process), slowest first; returns how many."""
+    import json
+
+    from qwen_apple_backend.ops.device import self_check_timings
+
+    rows = sorted(self_check_timings(), key=lambda r: -(r["reference_s"] + r["kernel_s"]))
+    (out / "self-checks.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return len(rows)
+
+
 class Session:
     """Runs steps with their output in files and a deadline each."""
 
@@ -154,6 +169,10 @@ class Session:
                 sys.stderr.flush()
                 os.write(2, f"\n{name}: over its {seconds:.0f} s, stacks:\n".encode())
                 faulthandler.dump_traceback(file=f, all_threads=True)
+                try:
+                    write_check_timings(self.out)
+                except Exception:  # noqa: BLE001 - the stop matters more
+                    pass
                 os.dup2(saved[0], 1)
                 os.dup2(saved[1], 2)
                 self.say(f"{name}: over its {seconds:.0f} s; stopped (stacks in {path.name})")
@@ -177,7 +196,9 @@ class Session:
                 os.dup2(saved[1], 2)
                 for fd in saved:
                     os.close(fd)
-        self.say(f"{name}: rc {rc} in {time.perf_counter() - t0:.1f} s")
+        checks = write_check_timings(self.out)
+        self.say(f"{name}: rc {rc} in {time.perf_counter() - t0:.1f} s ({checks} self-checks "
+                 "so far, OUT/self-checks.json)")
         return rc
 
 

@@ -1308,6 +1308,8 @@ def test_gpu_session_runs_steps_in_one_process_and_stops_an_overdue_one(tmp_path
     assert [line.split(" ", 1)[1] for line in log][:3] == [
         "plan bench:20,tests:1", "bench: start (20 s)", "bench: rc 3 in " +
         log[2].split(" in ")[1]]
+    assert log[2].endswith("(0 self-checks so far, OUT/self-checks.json)")
+    assert json.loads((out / "self-checks.json").read_text()) == []
     assert log[3].endswith("tests: start (1 s)")
     assert log[4].endswith("tests: over its 1 s; stopped (stacks in tests.txt)")
     assert "bench: rc 3" in r.stdout  # the log lines also reach the console

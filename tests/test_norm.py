@@ -546,3 +546,47 @@ def test_fused_qwen3_next_on_the_emulated_kernel_matches(emulated):
         # the fused model without the switch equals stock bit for bit here).
         assert mx_rel_l2(a, b) <= 1e-5, f"step {step}"
         assert mx_rel_l2(a, s) <= 1e-4, f"step {step}"
+
+
+def test_self_checks_keep_their_parts_seconds_in_order(monkeypatch):
+    # ops.device.self_checked evaluates the reference before it builds the
+    # kernel and keeps each part's wall time (self_check_timings), passed or
+    # failed; a cached verdict runs nothing and adds no row.
+    import time
+
+    from qwen_apple_backend.ops import device
+
+    monkeypatch.setattr(device, "_RESULTS", {})
+    monkeypatch.setattr(device, "_TIMINGS", [])
+    order = []
+
+    def make():
+        order.append("inputs")
+        return (mx.arange(4, dtype=mx.float32),)
+
+    def reference(x):
+        order.append("reference")
+        time.sleep(0.05)
+        return [x * 2]
+
+    def kernel(x):
+        order.append("kernel")
+        return [x + x]
+
+    def broken(x):
+        order.append("broken")
+        raise RuntimeError("no such kernel")
+
+    check = dict(reference=reference, make_inputs=make, rtol=0.0)
+    assert device.self_checked("op-a", "fake", (4, "f32"), kernel=kernel, **check)
+    with pytest.warns(device.KernelSelfCheckWarning, match="RuntimeError: no such kernel"):
+        assert not device.self_checked("op-b", "fake", (4,), kernel=broken, **check)
+    assert device.self_checked("op-a", "fake", (4, "f32"), kernel=broken, **check)  # cached
+    assert order == ["inputs", "reference", "kernel", "inputs", "reference", "broken"]
+    rows = device.self_check_timings()
+    assert [(r["op"], r["backend"], r["key"], r["passed"]) for r in rows] == [
+        ("op-a", "fake", "(4, 'f32')", True), ("op-b", "fake", "(4,)", False)]
+    assert all(r["reference_s"] >= 0.05 and r["kernel_s"] >= 0
+               for r in rows)
+    device.reset_self_checks()
+    assert device.self_check_timings() == [] and device.self_check_results() == {}

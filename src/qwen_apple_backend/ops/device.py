@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 import warnings
 from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple, Union
 
@@ -37,6 +38,7 @@ __all__ = [
     "self_checked",
     "self_check_passed",
     "self_check_results",
+    "self_check_timings",
     "reset_self_checks",
 ]
 
@@ -281,6 +283,9 @@ def unpooled_length(n: int, dtype: mx.Dtype) -> int:
 # (op, backend, shape key) -> (passed, message)
 _RESULTS: Dict[Tuple[str, str, Hashable], Tuple[bool, str]] = {}
 _LOCK = threading.Lock()
+#: (op, backend, key, passed, reference seconds, kernel seconds), in the order
+#: the checks ended (see :func:`self_check_timings`).
+_TIMINGS: list = []
 
 
 def self_check_results() -> Dict[Tuple[str, str, Hashable], Tuple[bool, str]]:
@@ -302,9 +307,29 @@ def self_check_known(op: str, backend: str, key: Hashable) -> bool:
 
 
 def reset_self_checks() -> None:
-    """Forget every verdict (tests; after changing kernel sources)."""
+    """Forget every verdict and timing (tests; after changing kernel sources)."""
     with _LOCK:
         _RESULTS.clear()
+        _TIMINGS.clear()
+
+
+def self_check_timings() -> list:
+    """Wall time of every self-check run so far, in the order they ended.
+
+    The first launch of a CUDA kernel source and template instance compiles it
+    (NVRTC; MLX keeps the module in the process), so on a fresh process these
+    times are mostly compilation: where a first call's seconds go.
+
+    Returns:
+        list[dict]: ``op``, ``backend``, ``key`` (its ``repr``), ``passed``,
+        ``reference_s`` (the inputs, the reference built and evaluated: checks
+        that the reference's construction runs, such as a part's own check,
+        included) and ``kernel_s`` (the kernel built and evaluated), in seconds.
+    """
+    with _LOCK:
+        return [{"op": op, "backend": backend, "key": repr(key), "passed": passed,
+                 "reference_s": ref_s, "kernel_s": kern_s}
+                for op, backend, key, passed, ref_s, kern_s in _TIMINGS]
 
 
 def _max_rel_err(out: mx.array, ref: mx.array) -> float:
@@ -332,7 +357,9 @@ def self_checked(
     shape and dtype, all finite, with relative L2 error ``||out - ref|| /
     ||ref||`` at most ``rtol``. An exception while compiling or running the
     kernel is a failure too. On failure a :class:`KernelSelfCheckWarning`
-    names the op, backend, shapes and reason. The verdict is cached.
+    names the op, backend, shapes and reason. The verdict is cached. The
+    reference is evaluated before the kernel is built, and each part's wall
+    time is kept (:func:`self_check_timings`).
 
     Args:
         op (str): op name (for messages and the cache).
@@ -352,11 +379,15 @@ def self_checked(
         hit = _RESULTS.get(cache_key)
     if hit is not None:
         return hit[0]
+    t0 = time.perf_counter()
+    t1 = None
     try:
         args = make_inputs()
         ref = list(reference(*args))
+        mx.eval(ref)
+        t1 = time.perf_counter()
         out = list(kernel(*args))
-        mx.eval(ref, out)
+        mx.eval(out)
         reason = ""
         if len(out) != len(ref):
             reason = f"returned {len(out)} arrays, the reference {len(ref)}"
@@ -377,8 +408,12 @@ def self_checked(
         reason = f"{type(exc).__name__}: {exc}"
     passed = not reason
     message = "passed" if passed else reason
+    t2 = time.perf_counter()
+    if t1 is None:  # the inputs or the reference failed
+        t1 = t2
     with _LOCK:
         _RESULTS[cache_key] = (passed, message)
+        _TIMINGS.append((op, backend, key, passed, t1 - t0, t2 - t1))
     if not passed:
         warnings.warn(
             f"qwen_apple_backend: the {backend} kernel for {op} failed its self-check "
