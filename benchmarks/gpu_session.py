@@ -69,7 +69,7 @@ def parse_plan(text: str) -> list[tuple[str, float]]:
     for item in (p.strip() for p in text.split(",")):
         if not item:
             continue
-        name, sep, secs = item.partition(":")
+        name, sep, secs = (p.strip() for p in item.partition(":"))
         if name not in STEPS:
             raise ValueError(f"--plan: unknown step {name!r} (steps: {', '.join(STEPS)})")
         if not sep:
@@ -78,8 +78,9 @@ def parse_plan(text: str) -> list[tuple[str, float]]:
             seconds = float(secs)
         except ValueError:
             raise ValueError(f"--plan: step {name!r}: {secs!r} is not a number of seconds")
-        if seconds <= 0:
-            raise ValueError(f"--plan: step {name!r}: seconds must be positive, got {secs}")
+        if not 0 < seconds < 1e6:  # also NaN and inf (a timer takes neither)
+            raise ValueError(f"--plan: step {name!r}: seconds must be positive and finite, "
+                             f"got {secs}")
         if any(n == name for n, _ in plan):
             raise ValueError(f"--plan: step {name!r} named twice")
         plan.append((name, seconds))
@@ -223,7 +224,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         plan = parse_plan(args.plan)
     except ValueError as e:
         ap.error(str(e))
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"cannot make the output folder {str(args.out)!r}: {e.strerror or e}")
+    ablate = [a.strip() for a in args.ablate.split(",") if a.strip()]
     sys.path.insert(0, str(ROOT / "src"))
     os.environ.setdefault("QAB_UNVERIFIED_KERNELS", "1")
     session = Session(args.out)
@@ -233,7 +238,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if name == "tests":
             fn = lambda: run_tests(args.test_filter)  # noqa: E731
         else:
-            enable = "decode-const" if name == "bench" and "decode-const" in args.ablate else None
+            enable = "decode-const" if name == "bench" and "decode-const" in ablate else None
             argv_ = bench_argv(name, args.out, args.ablate, args.real_prefill)
             fn = (lambda a, e: lambda: run_bench(a, e))(argv_, enable)
         worst = max(worst, session.step(name, seconds, fn))

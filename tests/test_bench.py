@@ -737,7 +737,9 @@ def test_synthetic_context_has_a_prefills_shapes_and_seeded_values(tiny_hf_f32):
             else:
                 assert [(a.shape, a.dtype) for a in c.cache] == [
                     (a.shape, a.dtype) for a in r.cache]
-    again = [np.array(a) for a in _cache_arrays(fused.synthetic_context(ids, seed=1).cache)]
+    # (seeds past uint64 wrap around: mx.random.key takes a uint64)
+    again = [np.array(a) for a in _cache_arrays(
+        fused.synthetic_context(ids, seed=1 + 2 ** 64).cache)]
     other = _cache_arrays(fused.synthetic_context(ids, seed=2).cache)
     stored = _cache_arrays(ctx.cache)
     assert all(np.array_equal(x, y) for x, y in zip(stored, again))
@@ -758,8 +760,10 @@ def test_bench_synthetic_context_run_and_its_errors(tmp_path):
     assert not result["errors"] and len(result["runs"]) == 4
     section = result["shared_prefill"]
     assert section["synthetic"] is True and "seeded random cache values" in section["note"]
-    assert [(r["length"], r["synthetic"]) for r in section["lengths"]] == [(16, True),
-                                                                          (300, True)]
+    assert [(r["length"], r["synthetic"], r["tokens_per_s"]) for r in section["lengths"]] == [
+        (16, True, None), (300, True, None)]  # a random fill has no prefill rate
+    cfg = harness.BenchConfig(**_SHARED, fidelity_positions=192)
+    assert harness._fidelity_reserve(cfg, result["runs"], section["lengths"]) == 10.0
     assert result["settings"]["synthetic_context"] is True
     for n in (16, 300):
         ids = {r["decode_ids_sha256"] for r in result["runs"] if r["length"] == n}
@@ -767,6 +771,11 @@ def test_bench_synthetic_context_run_and_its_errors(tmp_path):
     from qwen_apple_backend.bench.cli import _header
 
     assert "decoded from fused's synthetic (random cache values) contexts" in _header(result)
+    spent = harness.run_bench(harness.BenchConfig(
+        **_SHARED, lengths=[16], rounds=1, decode_tokens=2, fidelity=False, bandwidth_gbs=10.0,
+        progress=False, shared_prefill="stock", synthetic_context=True, max_seconds=1e-6))
+    assert [(e["phase"], e["error"]) for e in spent["errors"]] == [
+        ("synthetic-context", "not built: the --max-seconds budget was spent")]
     with pytest.raises(ValueError, match=re.escape(
             "--synthetic-context needs --shared-prefill LABEL")):
         harness.run_bench(harness.BenchConfig(**_SHARED, synthetic_context=True))
@@ -1246,7 +1255,9 @@ def _gpu_session_module():
     ("bench:30,probe:5", "unknown step 'probe'"),
     ("bench", "step 'bench' needs its seconds, as bench:300"),
     ("tests:soon", "step 'tests': 'soon' is not a number of seconds"),
-    ("tests:0", "step 'tests': seconds must be positive, got 0"),
+    ("tests:0", "step 'tests': seconds must be positive and finite, got 0"),
+    ("tests:nan", "step 'tests': seconds must be positive and finite, got nan"),
+    ("bench:inf", "step 'bench': seconds must be positive and finite, got inf"),
     ("tests:5,tests:6", "step 'tests' named twice"),
     (" , ", "no steps"),
 ])
@@ -1257,7 +1268,7 @@ def test_gpu_session_plan_errors_name_the_step(plan, message):
 
 def test_gpu_session_plan_and_bench_arguments():
     mod = _gpu_session_module()
-    assert mod.parse_plan("bench:330, tests:200") == [("bench", 330.0), ("tests", 200.0)]
+    assert mod.parse_plan("bench:330, tests : 200") == [("bench", 330.0), ("tests", 200.0)]
     argv = mod.bench_argv("bench", Path("o"), "moe-block-pack")
     assert argv[argv.index("--lengths") + 1] == "4K"
     assert argv[argv.index("--ablate") + 1] == "moe-block-pack"

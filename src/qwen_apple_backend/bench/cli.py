@@ -74,8 +74,9 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
                      help="random-weight model with the real layout, built in memory once per "
                           "backend from --seed (full = Qwen3.6-35B-A3B shapes, about 19 GB at "
                           "4 bits)")
-    g.add_argument("--seed", type=int, default=0,
-                   help="weights seed of --preset and seed of the prompt token ids (default 0)")
+    g.add_argument("--seed", type=nonnegative_int, default=0,
+                   help="weights seed of --preset, seed of the prompt token ids and of "
+                        "--synthetic-context's cache values (default 0)")
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="float dtype of a --preset model (default bfloat16)")
     g.add_argument("--vocab-size", type=positive_int, default=None,
@@ -184,7 +185,9 @@ def add_parsers(subparsers: Any) -> None:
                         "random cache values (LABEL's model gives the shapes) instead of "
                         "prefilling it: decode speed only, without a prefill's minutes (a "
                         "fresh process compiling prefill kernels, or stock's per-token Gated "
-                        "DeltaNet loop off Metal); the decoded tokens continue no prompt")
+                        "DeltaNet loop off Metal); the decoded tokens continue no prompt. "
+                        "Add --no-fidelity: the fidelity pass still runs each backend's "
+                        "prompt forward")
     s.add_argument("--max-seconds", type=positive_float, default=None,
                    help="time budget: start no further round when it would end past this "
                         "many seconds (rounds stay whole; the JSON records it), and with "

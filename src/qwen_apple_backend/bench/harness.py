@@ -535,18 +535,20 @@ def _shared_contexts(source: BenchTarget, targets: Sequence[BenchTarget], ids: S
     contexts: dict = {}
     records: list = []
 
-    def skip(n: int, why: str, what: str) -> None:
+    what = "synthetic context" if synthetic else "shared prefill"
+
+    def skip(n: int, why: str, outcome: str) -> None:
         failed.update((t.label, n) for t in targets)
-        errors.append({"phase": "shared-prefill", "backend": source.label, "length": n,
-                       "error": why})
-        log(f"shared prefill {what}: {source.label} @ {n}: {why}")
+        errors.append({"phase": "synthetic-context" if synthetic else "shared-prefill",
+                       "backend": source.label, "length": n, "error": why})
+        log(f"{what} {outcome}: {source.label} @ {n}: {why}")
         bar.update(1)
 
-    what = "synthetic context" if synthetic else "shared prefill"
     for n in lengths:
         bar.set_postfix_str(f"{what} {source.label} @ {human_length(n)}")
         if deadline is not None and time.perf_counter() > deadline:
-            skip(n, "not prefilled: the --max-seconds budget was spent", "skipped")
+            skip(n, f"not {'built' if synthetic else 'prefilled'}: the --max-seconds budget "
+                    "was spent", "skipped")
             continue
         try:
             source.reset()
@@ -569,12 +571,14 @@ def _shared_contexts(source: BenchTarget, targets: Sequence[BenchTarget], ids: S
             skip(n, f"{type(exc).__name__}: {exc}", "failed")
             continue
         records.append({"length": n, "source": source.label, "prompt_tokens": n,
-                        "prefill_s": seconds, "tokens_per_s": n / seconds if seconds > 0
-                        else float("inf"), "first_token": int(first),
+                        "prefill_s": seconds,
+                        "tokens_per_s": None if synthetic else (n / seconds if seconds > 0
+                                                                else float("inf")),
+                        "first_token": int(first),
                         "peak_memory_bytes": peak, **({"synthetic": True} if synthetic else {})})
         if not progress:
-            log(f"{what} {source.label} @ {human_length(n)}: {seconds:.3f}s "
-                f"({n / seconds:.1f} tok/s)")
+            rate = "" if synthetic else f" ({n / seconds:.1f} tok/s)"
+            log(f"{what} {source.label} @ {human_length(n)}: {seconds:.3f}s{rate}")
         if len(contexts) == 1:
             for t in targets:  # fail now, not after every length's prefill
                 t.load_context(contexts[n])
@@ -870,7 +874,8 @@ def _fidelity_reserve(cfg: BenchConfig, runs: list[dict],
     rates: dict[str, float] = {}
     timed = [(r["backend"], r["length"], r["prefill_s"]) for r in runs
              if r["prefill_s"] is not None]
-    timed += [(r["source"], r["prompt_tokens"], r["prefill_s"]) for r in shared or ()]
+    timed += [(r["source"], r["prompt_tokens"], r["prefill_s"]) for r in shared or ()
+              if not r.get("synthetic")]  # a random fill, not a prefill rate
     for label, n, seconds in timed:
         rate = n / seconds if seconds > 0 else float("inf")
         rates[label] = min(rates.get(label, float("inf")), rate)

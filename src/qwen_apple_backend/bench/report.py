@@ -25,7 +25,9 @@ Every result JSON (``schema: "qab-bench/1"``) has the same frame:
   label and per length (``lengths``) its one timed prefill: ``prompt_tokens``,
   ``prefill_s``, ``tokens_per_s``, ``first_token``, ``peak_memory_bytes``; the
   runs then have ``prefill_s: null`` and ``context_from``, and there are no
-  prefill results;
+  prefill results. With ``--synthetic-context``, ``synthetic: true`` there (and
+  ``settings.synthetic_context``), each length's record ``synthetic: true``,
+  ``prefill_s`` the seconds its random fill took and ``tokens_per_s`` null;
 * ``summary``: one record per backend, phase and length::
 
     {"backend": "fused", "phase": "prefill", "length": 4096,

@@ -636,8 +636,8 @@ class MLXTarget:
         prefill of ``ids`` leaves; keys and values are N(0, 1) in the cache dtype.
         Each other cache entry (mlx-lm's ``ArraysCache``: the Gated DeltaNet conv
         and recurrent states) gets N(0, 1) values of its shape and dtype, scaled
-        by 0.1 for a float32 entry (the recurrent state) to keep the recurrence
-        bounded.
+        by 0.1 for a float32 entry (the recurrent state; the conv state too in a
+        float32 model) to keep the recurrence bounded.
 
         Args:
             ids (Sequence[int]): the context's token ids (only their number and the
@@ -660,7 +660,7 @@ class MLXTarget:
         self.prefill([ids[-1]])
         probe, nxt = self._cache, self._next
         cache = self._new_cache()
-        key = mx.random.key(seed)
+        key = mx.random.key(int(seed) % (1 << 64))  # mx.random.key takes a uint64
 
         def normal(shape, dtype, scale=1.0):
             nonlocal key
