@@ -221,10 +221,11 @@ def decode_step_ops(model, context: int, stand_in: "GpuStandIn | None" = None
 
     The counted step is the third decode token, or with the compiled decode
     step the token after its first compiled call: the first token runs
-    eagerly (kernel self-checks), so does the step's first call after it
-    builds packs (their self-checks), and its first compiled call copies the
-    caches' buffers once; so with ``decode-compile`` on, the count is the
-    compiled step's replayed graph in its steady state. With ``stand_in``, its
+    eagerly (kernel self-checks), and the step's first compiled call copies
+    the caches' buffers once (and where it built packs, first runs their
+    self-checks in an eager check pass on scratch caches); so with
+    ``decode-compile`` on, the count is the compiled step's replayed graph in
+    its steady state. With ``stand_in``, its
     :attr:`~GpuStandIn.launches` hold, after the call, the launches of one
     more token run with ``mx.compile`` off (the same Python, so the same
     launches and arguments as the compiled step's trace).
@@ -236,9 +237,9 @@ def decode_step_ops(model, context: int, stand_in: "GpuStandIn | None" = None
     prompt = mx.random.randint(0, 100, (1, context), key=mx.random.key(context))
     y = mx.argmax(model(prompt, cache=cache)[:, -1], axis=-1)
     mx.eval(y, [c.state for c in cache])
-    # The first decode token runs eagerly; with packs built (moe-block-pack on
-    # a GPU) so does the next, which self-checks them; then the compiled
-    # step's first call (its caches' buffers copied once to private ones).
+    # The first decode token runs eagerly; then the compiled step's first call
+    # (its caches' buffers copied once to private ones; with packs built,
+    # moe-block-pack on a GPU, after their check pass on scratch caches).
     # The token counted next is a steady-state one.
     step = getattr(getattr(model, "language_model", model), "__dict__", {}).get("_qab_decode")
     for i in range(8):

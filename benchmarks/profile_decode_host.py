@@ -205,8 +205,8 @@ def _const_ab(args, model, step, n_arrays, write_result) -> int:
 
 
 def _primed(model):
-    """A fresh 8-token context past the eager first token (and the step's eager
-    pack-check call where it builds packs), a trace and a replay:
+    """A fresh 8-token context past the eager first token, a trace (after the
+    packs' check pass where the step builds packs) and a replay:
     ``(cache, next token [1, 1])``."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache

@@ -284,8 +284,7 @@ class _CompiledDecode:
         self._in_place: dict = {}  # K/V shapes and dtypes -> backend or None
         self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._packs_write_states = False  # a used pack may write the GDN states in place
-        self._pack_check_due = False  # next call: eager, with the packs' self-checks
-        self._pack_checked = False  # that call ran since the last trace
+        self._pack_check_due = False  # next call: a check pass on scratch caches, then a trace
         self._positions: Optional[mx.array] = None  # [n * OFFSET_PAD] int32: row p all p
         self.eager_calls = 0
         self.compiled_calls = 0
@@ -505,7 +504,10 @@ class _CompiledDecode:
     def __call__(self, tokens, cache, layout):
         if self._fn is None or not self._still_valid():
             self._build()
-        if self._pack_check_due:
+        # A check pass is always followed by a new trace in the same call (it
+        # follows a build, which forgets the traced shapes).
+        checked = self._pack_check_due
+        if checked:
             # New packs, or a trace that left one out for want of its
             # self-check: first an eager forward of this token on scratch
             # copies of the caches, which checks the packed builds for its
@@ -515,7 +517,6 @@ class _CompiledDecode:
             # packs as without them (a compiled and an eager token may round
             # a bf16 intermediate differently).
             self._pack_check_due = False
-            self._pack_checked = True
             self.check_passes += 1
             with pack_check_pass():
                 mx.eval(self._call(self._model(), tokens, _scratch_caches(cache)))
@@ -562,13 +563,12 @@ class _CompiledDecode:
                 # The layers' compiled functions traced inside re-wrapped
                 # their arrays; the call started valid: record them anew.
                 self._take_record(self._model())
-            if pack_checks_due() != due and not self._pack_checked:
-                # The trace left a pack out (its shape class unchecked): check
-                # it in the next call, eagerly, and trace again after that
-                # (once: a check pass that did not help keeps this trace).
+            if pack_checks_due() != due and not checked:
+                # The trace left a pack out (its shape class unchecked): the
+                # next call checks it in a check pass and traces again (once:
+                # a trace right after a check pass that did not help is kept).
                 self._pack_check_due = True
                 self._fn = None
-            self._pack_checked = False
         for i, pair in zip(self._traced[key], kv_out):
             kvs[i].keys, kvs[i].values = pair
         for c in kvs:
