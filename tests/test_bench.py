@@ -1241,6 +1241,40 @@ def test_count_decode_ops_counts_the_arrays_each_launch_binds(tmp_path):
     assert prims["fused -moe-block-pack"] - prims["fused"] == 2 * (3 * 3 + 1), prims
 
 
+def test_count_decode_ops_traces_the_l2_prefetch_build_in_the_compiled_step(tmp_path):
+    # QAB_ENABLE=l2-prefetch inside the compiled decode step (a GPU's default;
+    # the GPU stand-ins at Qwen3.6's widths, 4 layers): each MoE block with a
+    # next layer takes that layer's concatenated projection (weight, scales,
+    # biases) as arguments of its compiled call. Read as closure arrays they
+    # made MLX refuse the trace ("uncaptured inputs"): every fused column
+    # with l2-prefetch on failed on an H100 (2026-12-05). The three Gated
+    # DeltaNet layers' blocks bind 3 more distinct arrays each, the last
+    # layer's block (no next layer) none; the same launches.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "o"
+    env = dict(os.environ, QAB_ENABLE="l2-prefetch")
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "count_decode_ops.py"),
+                        str(out), "--preset", "full", "--layers", "4", "--experts", "16",
+                        "--context", "4", "--backends", "fused", "--ablate", "l2-prefetch",
+                        "--as-gpu", "cuda"], capture_output=True, text=True, timeout=600,
+                       cwd=root, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (path,) = out.glob("decode-ops-*.json")
+    rows = {row["column"]: row["bound_arrays"] for row in json.loads(path.read_text())["rows"]}
+    on, off = rows["fused"], rows["fused -l2-prefetch"]
+    assert on["launches"] == off["launches"]
+    gdn, last = "qab:moe_decode_block_gdn_pack", "qab:moe_decode_block_pack"
+    assert on["by_name"][gdn][0] == 3
+    assert on["by_name"][gdn][2] - off["by_name"][gdn][2] == 3 * 3
+    assert on["by_name"][last] == off["by_name"][last]
+
+
 def _gpu_session_module():
     import importlib.util
 

@@ -1019,22 +1019,27 @@ class FusedSparseMoeBlock(nn.Module):
                                 next_eps: float = 0.0, counter: Optional[mx.array] = None,
                                 block: Optional[str] = None, out_group: int = 0,
                                 proj_group: int = 0, proj_eps: float = 0.0,
-                                gdn: Optional[tuple] = None, pack: bool = False):
+                                gdn: Optional[tuple] = None, pack: bool = False,
+                                prefetch: int = 0):
         # extra: the next norm's weight (with down_norm); with out_group the
         # mixer's output projection (weight, scales, biases; r is then its
         # input); then with proj_group the next layer's input norm weight and
         # its mixer's concatenated projection (weight, scales, biases); then
         # with gdn = (heads, eps, has_bias) the Gated DeltaNet step's conv
         # state, conv weight (and bias), A_log, dt_bias, norm weight and state
-        # (r is then its concatenated projection's row), and last with pack
+        # (r is then its concatenated projection's row), then the prefetch
+        # build's `prefetch` arrays (l2-prefetch), and last with pack
         # the BlockPack's array: arrays, so that a compiled call takes them as
         # inputs. With gdn it returns (out, conv state, state), or (out, po,
         # conv state, state) with proj_group.
         gate = linear_weights(self.gate)
         if block is not None:
             op = np_ = gs = pk = None
+            pf: tuple = ()
             if pack:
                 pk, extra = extra[-1], extra[:-1]
+            if prefetch:
+                pf, extra = tuple(extra[-prefetch:]), extra[:-prefetch]
             if gdn is not None:
                 heads, geps, has_bias = gdn
                 n = 7 if has_bias else 6
@@ -1056,8 +1061,7 @@ class FusedSparseMoeBlock(nn.Module):
                                    expert_weights(self.switch_mlp.down_proj),
                                    self._shared_weights(), block, counter=counter,
                                    stage=self.stage_down, early=self.early_gate_up,
-                                   prefetch=self._l2_prefetch_arrays(), out_proj=op,
-                                   next_proj=np_,
+                                   prefetch=pf, out_proj=op, next_proj=np_,
                                    **({"gdn_step": gs} if gs is not None else {}),
                                    **({"pack": pk} if pk is not None else {}))
             if gs is not None:
@@ -1311,6 +1315,13 @@ class FusedSparseMoeBlock(nn.Module):
                                    g.conv_b is not None)
             args = args + (g.conv_state, g.conv_w) + (() if g.conv_b is None else (g.conv_b,)) \
                 + (g.A_log, g.dt_bias, g.norm_weight, g.state)
+        # The arrays the prefetch build asks the L2 for (the next layer's
+        # projection): arguments, since they live outside this module's tree
+        # (a compiled call refuses arrays it did not capture).
+        pf = self._l2_prefetch_arrays() if block is not None else ()
+        if pf:
+            kw["prefetch"] = len(pf)
+            args = args + tuple(pf)
         if pack is not None:
             kw["pack"] = True
             args = args + (pack.cat["pk"],)
