@@ -1101,6 +1101,49 @@ def test_compiled_decode_reads_the_router_and_shared_expert_from_one_pack(monkey
         moe_ops._decode_block_pack_object.cache_clear()
 
 
+def test_compiled_decode_with_l2_prefetch_matches_without(monkeypatch):
+    # QAB_ENABLE=l2-prefetch on the packed model of the test above, through
+    # the compiled decode step: every block but the last asks the L2 for the
+    # next layer's concatenated input projection (its PF build, the arrays
+    # passed as arguments of the block's compiled call, which MLX refused as
+    # uncaptured closure arrays before 2026-12-05), and 16 teacher-forced
+    # tokens give the same logits and Gated DeltaNet states as the same model
+    # without the prefetch (a prefetch changes no arithmetic).
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from qwen_apple_backend import checkpoint
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    monkeypatch.setenv("QAB_ENABLE", "l2-prefetch")
+    moe_ops._decode_block_gdn_object.cache_clear()
+    moe_ops._decode_block_pack_object.cache_clear()
+    monkeypatch.setitem(checkpoint.PRESETS, "pack-gpu", QWEN36_WIDTH_PRESET)
+    models = _fused_pair("pack-gpu", "l2-prefetch", seed=5)
+    assert all(layer.mlp._l2_prefetch_arrays() for layer in models[0].layers[:-1])
+    assert not models[0].layers[-1].mlp._l2_prefetch_arrays()
+    assert not any(layer.mlp._l2_prefetch_arrays() for layer in models[1].layers)
+    caches = [make_prompt_cache(m) for m in models]
+    prompt = mx.array([[(i * 37) % 500 for i in range(9)]])
+    for m, c in zip(models, caches):
+        mx.eval(m(prompt, cache=c))
+    try:
+        for t in range(16):
+            tok = mx.array([[(t * 53 + 7) % 500]])
+            a, b = (m(tok, cache=c) for m, c in zip(models, caches))
+            mx.eval(a, b)
+            assert mx.array_equal(a, b).item(), f"token {t}: rel-L2 {mx_rel_l2(a, b):.3g}"
+            for i, (x, y) in enumerate(zip(*caches)):
+                if type(x).__name__ == "ArraysCache":
+                    assert mx.array_equal(x[0], y[0]).item(), f"token {t} layer {i} conv state"
+                    assert mx.array_equal(x[1], y[1]).item(), f"token {t} layer {i} state"
+        step = models[0].language_model.__dict__["_qab_decode"]
+        assert step.compiled_calls >= 14
+    finally:
+        moe_ops._decode_block_gdn_object.cache_clear()
+        moe_ops._decode_block_pack_object.cache_clear()
+
+
 @pytest.mark.parametrize("disable", [[], ["moe-block"]], ids=["one-launch", "three-launch"])
 def test_fused_decode_at_head_dim_256_is_deterministic(disable):
     # Two fused models built alike (the test model at head_dim 256, eager
