@@ -22,6 +22,13 @@ Steps (``--plan``, in the order given, each ``NAME:SECONDS``):
   (``OUT/long``).
 - ``lengths``: stock vs fused at the ten lengths 256..128K, 3 rounds of 32
   decode tokens (``OUT/lengths``).
+- ``layer``: ``benchmarks/profile_layer_gpu.py``: a Gated DeltaNet layer's one
+  launch at Qwen3.6's shape, 40 chained launches over 8 distinct layers, us
+  per launch and GB/s per variant (``--layer-variants``, default
+  ``default,PACK=0``; ``OUT/layer``).
+- ``timeline``: the same script's ``--timeline``: each phase's start, wait
+  and end inside the launch, from the kernel's global-timer marks
+  (``OUT/timeline``).
 
 Bench steps decode only, from contexts of seeded random cache values shaped
 by stock's model (``qab bench --shared-prefill stock --synthetic-context``: a
@@ -54,7 +61,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("bench", "tests", "long", "lengths")
+STEPS = ("bench", "tests", "long", "lengths", "layer", "timeline")
 TEN_LENGTHS = "256,512,1K,2K,4K,8K,16K,32K,64K,128K"
 
 
@@ -119,6 +126,22 @@ def run_bench(argv: list[str], enable: Optional[str]) -> int:
             os.environ.pop("QAB_ENABLE", None)
         else:
             os.environ["QAB_ENABLE"] = before
+
+
+def run_layer(out: Path, variants: str, timeline: bool) -> int:
+    """``profile_layer_gpu.py`` in this process: the ``layer`` step (chained
+    launches) or the ``timeline`` step; its exit status."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    import profile_layer_gpu
+
+    argv = [str(out / ("timeline" if timeline else "layer")), "--variants", variants]
+    try:
+        return int(profile_layer_gpu.main(argv + (["--timeline"] if timeline else [])) or 0)
+    except SystemExit as e:  # its usage errors and failed checks
+        if e.code not in (None, 0):
+            print(e.code if isinstance(e.code, str) else f"exit {e.code}", file=sys.stderr)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
 
 
 def run_tests(filter_: str) -> int:
@@ -219,6 +242,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--ablate", default="moe-block-pack,decode-const",
                     help="the 4K bench's ablation columns (default moe-block-pack,decode-const; "
                          "'' for none)")
+    ap.add_argument("--layer-variants", default="default,PACK=0",
+                    help="variants of the layer and timeline steps (profile_layer_gpu.py's "
+                         "--variants; default default,PACK=0)")
     args = ap.parse_args(argv)
     try:
         plan = parse_plan(args.plan)
@@ -237,6 +263,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, seconds in plan:
         if name == "tests":
             fn = lambda: run_tests(args.test_filter)  # noqa: E731
+        elif name in ("layer", "timeline"):
+            fn = (lambda t: lambda: run_layer(args.out, args.layer_variants, t))(
+                name == "timeline")
         else:
             enable = "decode-const" if name == "bench" and "decode-const" in ablate else None
             argv_ = bench_argv(name, args.out, args.ablate, args.real_prefill)

@@ -8,6 +8,7 @@ its fidelity and agreement numbers are exact where they must be.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import math
@@ -790,6 +791,8 @@ def test_bench_synthetic_context_run_and_its_errors(tmp_path):
 def test_load_context_rejects_another_cache_layout(tiny_hf_f32):
     import dataclasses
 
+    import mlx.core as mx
+
     from qwen_apple_backend.loader import load_model
 
     fused = MLXTarget(load_model(tiny_hf_f32, "fused")[0], label="fused")
@@ -807,6 +810,16 @@ def test_load_context_rejects_another_cache_layout(tiny_hf_f32):
         stock.load_context(swapped)
     with pytest.raises(ValueError, match="stock cannot decode from a dict context"):
         stock.load_context({"label": "x"})
+    # A context of another dtype (a bfloat16 model's KV rows for this float32
+    # model) is refused by name, not decoded in a promoted dtype.
+    cast = copy.deepcopy(ctx.cache)
+    kv = next(i for i, c in enumerate(cast) if type(c).__name__ == "KVCache")
+    cast[kv].keys = cast[kv].keys.astype(mx.bfloat16)
+    cast[kv].values = cast[kv].values.astype(mx.bfloat16)
+    with pytest.raises(ValueError, match=rf"stock cannot decode from fused's context: cache "
+                                         rf"entry {kv} holds bfloat16 keys, stock's model "
+                                         r"runs in float32"):
+        stock.load_context(dataclasses.replace(ctx, cache=cast))
     stock.load_context(ctx)  # the real one loads
 
 
@@ -1382,3 +1395,31 @@ def test_gpu_session_bench_step_runs_qab_bench_in_process(tmp_path, monkeypatch)
     assert seen == ["next-norm,decode-const"]
     assert os.environ["QAB_ENABLE"] == "next-norm"
     assert list((tmp_path / "b").glob("*.json")), list((tmp_path / "b").iterdir())
+
+
+def test_gpu_session_layer_steps_run_the_layer_profiler_in_process(tmp_path, monkeypatch):
+    # The layer and timeline steps call benchmarks/profile_layer_gpu.py's main
+    # in this process with the step's folder and the session's
+    # --layer-variants (timeline adding --timeline); its usage errors come
+    # back as the step's status, not as the session's exit.
+    import importlib
+
+    mod = _gpu_session_module()
+    assert mod.parse_plan("layer:100,timeline:50") == [("layer", 100.0), ("timeline", 50.0)]
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    prof = importlib.import_module("profile_layer_gpu")
+    calls = []
+    monkeypatch.setattr(prof, "main", lambda argv: calls.append(argv) or 0)
+    assert mod.run_layer(tmp_path, "default,GRPW=4", False) == 0
+    assert mod.run_layer(tmp_path, "default", True) == 0
+    assert calls == [[str(tmp_path / "layer"), "--variants", "default,GRPW=4"],
+                     [str(tmp_path / "timeline"), "--variants", "default", "--timeline"]]
+
+    def refuse(argv):
+        raise SystemExit(2)
+
+    monkeypatch.setattr(prof, "main", refuse)
+    assert mod.run_layer(tmp_path, "BOGUS", False) == 2
+    monkeypatch.setattr(prof, "main", lambda argv: (_ for _ in ()).throw(
+        SystemExit("variant PACK=0: its state differs from default's")))
+    assert mod.run_layer(tmp_path, "default,PACK=0", False) == 1

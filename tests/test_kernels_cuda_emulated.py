@@ -3018,3 +3018,102 @@ def test_quantized_embedding_decodes_on_the_emulated_kernel(monkeypatch):
         assert calls[2:] == ["bad"]
     finally:
         device.reset_self_checks()
+
+
+def _layer_profiler(monkeypatch):
+    """benchmarks/profile_layer_gpu.py at a small shape its kernel accepts (H
+    and Hv Dv multiples of 1,024), on the emulator."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_layer_gpu.py"
+    monkeypatch.syspath_prepend(str(path.parent))
+    spec = importlib.util.spec_from_file_location("profile_layer_gpu", path)
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    heads = (2, 8, 32, 128)
+    for name, value in (("H", 1024), ("E", 16), ("I", 64), ("K", 2), ("HEADS", heads),
+                        ("PN", 2 * heads[0] * heads[2] + 2 * heads[1] * heads[3] + 2 * heads[1])):
+        monkeypatch.setattr(m, name, value)
+    monkeypatch.setattr(mx.fast, "cuda_kernel", emu.emulated_cuda_kernel)
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    return m
+
+
+def test_layer_profiler_chains_packed_and_unpacked_layers_emulated(monkeypatch):
+    # profile_layer_gpu.py's chain: two distinct Gated DeltaNet layers, each
+    # launch's output and next projection the next launch's inputs; the
+    # packed build (default) and the unpacked GD build (PACK=0) give the same
+    # four outputs bit for bit; a variant whose output differs is named; the
+    # timing rows and the byte count are filled in. A variant with a text
+    # prefix (SLEEP=0; the timeline's marks) builds its own kernel object
+    # from the op's text with the prefix and the marks indexed by the
+    # absolute ticket (the GDN items' relative one is negative).
+    m = _layer_profiler(monkeypatch)
+    made = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or object())
+    v = m.Variant(*m.split_variant("SLEEP=0+PACK=0"), stamps=7)
+    v.kernel("#define QAB_WAIT_SLEEP_NS 0\n")
+    (kw,) = made
+    assert kw["output_names"][-1] == "stamps" and "gd_state" in kw["input_names"]
+    assert "pk" not in kw["input_names"]  # the unpacked GD build
+    assert "#define QAB_WAIT_SLEEP_NS 0" in kw["header"]
+    assert "(size_t)ticket * 5" in kw["header"] and "(size_t)tk" not in kw["header"]
+    monkeypatch.setattr(mx.fast, "cuda_kernel", emu.emulated_cuda_kernel)
+    layers = [m.build_layer(100 + i) for i in range(2)]
+    kx, kp = mx.random.split(mx.random.key(3))
+    x = (4.0 * mx.random.normal((1, 1, m.H), key=kx)).astype(mx.bfloat16)
+    proj = mx.random.normal((1, 1, m.PN), key=kp).astype(mx.bfloat16)
+    variants = [(v, m.Variant(*m.split_variant(v))) for v in ("default", "PACK=0")]
+    assert [v.packed for _, v in variants] == [True, False]
+    m.check_variants(variants, layers[0], x, proj)
+    # The check runs each variant on private states: the layer's are unchanged.
+    assert mx.array_equal(layers[0].state, m.build_layer(100).state).item()
+    rows = m.chain_times(variants, layers, x, proj, chain=3, reps=1)
+    assert [r["variant"] for r in rows] == ["default", "PACK=0"]
+    assert all(r["us_per_launch"] > 0 and r["gb_per_s"] > 0 for r in rows)
+    lay = layers[0]
+    experts = sum(a.nbytes for w in (lay.gate_up, lay.down)
+                  for a in (w.weight, w.scales, w.biases)) * m.K // m.E
+    assert m.layer_bytes(lay) > experts + lay.next_proj.weights.weight.nbytes + 2 * lay.state.nbytes
+    real = m.launch
+
+    def broken(variant, layer, x, proj, counter):
+        out = real(variant, layer, x, proj, counter)
+        return out if variant.packed else (out[0], out[1] + 1, *out[2:])
+
+    monkeypatch.setattr(m, "launch", broken)
+    with pytest.raises(SystemExit, match="variant PACK=0: its next projection differs from "
+                                         "default's"):
+        m.check_variants(variants[:2], layers[0], x, proj)
+
+
+def test_layer_profiler_phase_bounds_and_summary(monkeypatch):
+    # The six phases' ticket bounds end at the op's own grid (at Qwen3.6's
+    # shape, and with another GRPW), and the timeline summary reads each
+    # phase's marks: starts, wait ends (a phase without a wait mark: its
+    # start), work ends, blocks started within 1 us.
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_layer_gpu.py"
+    monkeypatch.syspath_prepend(str(path.parent))
+    spec = importlib.util.spec_from_file_location("profile_layer_gpu", path)
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    for opts in ({}, {"GRPW": 4}):
+        bounds = m.phase_bounds(opts)
+        grpw = opts.get("GRPW")
+        want = moe_ops._decode_block_launch(m.E, m.H, m.I, m.K, grpw=grpw, out_proj=True,
+                                            next_rows=m.PN, gdn_heads=m.HEADS[1])[2]
+        assert bounds[0] == 0 and bounds[-1] == want and len(bounds) == 7
+    assert m.phase_bounds({})[1:3] == [32, 160]  # 32 GDN heads, 128 out-projection blocks
+    # Two phases of two tickets each: [start, wait end, work end, mark 3, SM] in ns.
+    launch = [[1000, 0, 5000, 0, 0], [1500, 0, 6000, 0, 1],
+              [1200, 7000, 9000, 0, 2], [3000, 8000, 12000, 0, 3]]
+    got = m.summarize_phases([launch, launch], [0, 2, 4])
+    assert got["gdn"] == {"start_first": 0.0, "start_median": 0.5, "wait_end_median": 0.5,
+                          "wait_end_last": 0.5, "work_end_last": 5.0, "blocks": 2,
+                          "started_1us": 2}
+    assert got["out-proj"]["wait_end_median"] == 7.0 and got["out-proj"]["work_end_last"] == 11.0
+    assert got["out-proj"]["started_1us"] == 1

@@ -703,7 +703,10 @@ class MLXTarget:
         Raises:
             ValueError: when ``ctx`` is not an :class:`MLXContext`, or its cache has
                 another number of entries or another cache type at some entry
-                than this model's ``make_prompt_cache``.
+                than this model's ``make_prompt_cache``, or a KV cache entry whose
+                keys are of another dtype than this model's (:func:`model_dtype`:
+                a float32 model's context would make a bfloat16 model decode in
+                float32, silently).
         """
         if not isinstance(ctx, MLXContext):
             raise ValueError(f"{self.label} cannot decode from a {type(ctx).__name__} "
@@ -720,6 +723,15 @@ class MLXTarget:
                 raise ValueError(f"{self.label} cannot decode from {ctx.label}'s context: "
                                  f"cache entry {i} is {a.__name__} in {ctx.label}'s, "
                                  f"{b.__name__} in {self.label}'s")
+        own_dtype = self.__dict__.get("_dtype") or self.__dict__.setdefault(
+            "_dtype", model_dtype(self.model))
+        for i, c in enumerate(ctx.cache):
+            keys = getattr(c, "keys", None)
+            name = str(getattr(keys, "dtype", "")).rsplit(".", 1)[-1]
+            if name and own_dtype != "unknown" and name != own_dtype:
+                raise ValueError(f"{self.label} cannot decode from {ctx.label}'s context: "
+                                 f"cache entry {i} holds {name} keys, {self.label}'s model "
+                                 f"runs in {own_dtype}")
         self._cache = copy.deepcopy(ctx.cache)
         self._next = ctx.next_token
 
