@@ -993,6 +993,33 @@ def _fused_pair(preset: str, switch: str, seed: int, disable=()) -> list:
     return models
 
 
+def _prefilled_caches(models) -> list:
+    """Each model's prompt cache after the same 9-token prompt."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = [make_prompt_cache(m) for m in models]
+    prompt = mx.array([[(i * 37) % 500 for i in range(9)]])
+    for m, c in zip(models, caches):
+        mx.eval(m(prompt, cache=c))
+    return caches
+
+
+def _decode_alike(models, caches, ts, states: bool = True) -> None:
+    """Teacher-forced tokens ``ts`` through both models: identical logits and
+    (with ``states``) identical Gated DeltaNet conv and recurrent states."""
+    for t in ts:
+        tok = mx.array([[(t * 53 + 7) % 500]])
+        a, b = (m(tok, cache=c) for m, c in zip(models, caches))
+        mx.eval(a, b)
+        assert mx.array_equal(a, b).item(), f"token {t}: rel-L2 {mx_rel_l2(a, b):.3g}"
+        if not states:
+            continue
+        for i, (x, y) in enumerate(zip(*caches)):
+            if type(x).__name__ == "ArraysCache":
+                assert mx.array_equal(x[0], y[0]).item(), f"token {t} layer {i} conv state"
+                assert mx.array_equal(x[1], y[1]).item(), f"token {t} layer {i} state"
+
+
 def test_compiled_decode_runs_the_gdn_step_in_the_moe_block(monkeypatch):
     # moe-block-gdn (while its build is unverified: QAB_UNVERIFIED_KERNELS=1):
     # a Qwen3.5-MoE model at Qwen3.6's widths (H 2048; Gated DeltaNet 16 key
@@ -1001,8 +1028,6 @@ def test_compiled_decode_runs_the_gdn_step_in_the_moe_block(monkeypatch):
     # every GDN layer's block takes the GD build, and 16 teacher-forced tokens
     # give the same logits as the same model with moe-block-gdn off (the GDN
     # launch, then the block).
-    from mlx_lm.models.cache import make_prompt_cache
-
     from qwen_apple_backend import checkpoint
     from qwen_apple_backend.ops import moe as moe_ops
 
@@ -1010,16 +1035,9 @@ def test_compiled_decode_runs_the_gdn_step_in_the_moe_block(monkeypatch):
     moe_ops._decode_block_gdn_object.cache_clear()
     monkeypatch.setitem(checkpoint.PRESETS, "gdn-block-gpu", QWEN36_WIDTH_PRESET)
     models = _fused_pair("gdn-block-gpu", "moe-block-gdn", seed=5)
-    caches = [make_prompt_cache(m) for m in models]
-    prompt = mx.array([[(i * 37) % 500 for i in range(9)]])
-    for m, c in zip(models, caches):
-        mx.eval(m(prompt, cache=c))
+    caches = _prefilled_caches(models)
     try:
-        for t in range(16):
-            tok = mx.array([[(t * 53 + 7) % 500]])
-            a, b = (m(tok, cache=c) for m, c in zip(models, caches))
-            mx.eval(a, b)
-            assert mx.array_equal(a, b).item(), f"token {t}: rel-L2 {mx_rel_l2(a, b):.3g}"
+        _decode_alike(models, caches, range(16), states=False)
         # (_kernel_choice's key has the GD step's key, heads first, at index 14
         # when it has one; the pack's marker follows it.)
         took = [any(len(k) > 14 and k[14][0] == (16, 32, 128, 128) and v[4] is not None
@@ -1040,8 +1058,6 @@ def test_compiled_decode_reads_the_router_and_shared_expert_from_one_pack(monkey
     # caches) as the same model with moe-block-pack off; a router
     # array replaced in both models after that makes the step build a new
     # pack (and retrace): the same logits for 4 more tokens.
-    from mlx_lm.models.cache import make_prompt_cache
-
     from qwen_apple_backend import checkpoint
     from qwen_apple_backend.layers.moe import BlockPack
     from qwen_apple_backend.ops import moe as moe_ops
@@ -1051,24 +1067,9 @@ def test_compiled_decode_reads_the_router_and_shared_expert_from_one_pack(monkey
     moe_ops._decode_block_pack_object.cache_clear()
     monkeypatch.setitem(checkpoint.PRESETS, "pack-gpu", QWEN36_WIDTH_PRESET)
     models = _fused_pair("pack-gpu", "moe-block-pack", seed=5)
-    caches = [make_prompt_cache(m) for m in models]
-    prompt = mx.array([[(i * 37) % 500 for i in range(9)]])
-    for m, c in zip(models, caches):
-        mx.eval(m(prompt, cache=c))
-
-    def decode(ts):
-        for t in ts:
-            tok = mx.array([[(t * 53 + 7) % 500]])
-            a, b = (m(tok, cache=c) for m, c in zip(models, caches))
-            mx.eval(a, b)
-            assert mx.array_equal(a, b).item(), f"token {t}: rel-L2 {mx_rel_l2(a, b):.3g}"
-            for i, (x, y) in enumerate(zip(*caches)):
-                if type(x).__name__ == "ArraysCache":
-                    assert mx.array_equal(x[0], y[0]).item(), f"token {t} layer {i} conv state"
-                    assert mx.array_equal(x[1], y[1]).item(), f"token {t} layer {i} state"
-
+    caches = _prefilled_caches(models)
     try:
-        decode(range(16))
+        _decode_alike(models, caches, range(16))
         packs = [layer.mlp.__dict__.get("_block_pack") for layer in models[0].layers]
         assert all(type(p) is BlockPack for p in packs), packs
         step = models[0].language_model.__dict__["_qab_decode"]
@@ -1093,7 +1094,7 @@ def test_compiled_decode_reads_the_router_and_shared_expert_from_one_pack(monkey
         for m in models:
             g = m.layers[2].mlp.gate
             g.scales = g.scales * 1.5
-        decode(range(16, 20))
+        _decode_alike(models, caches, range(16, 20))
         assert models[0].layers[2].mlp.__dict__["_block_pack"] is not packs[2]
         assert step.builds == builds + 1
     finally:
@@ -1109,8 +1110,6 @@ def test_compiled_decode_with_l2_prefetch_matches_without(monkeypatch):
     # uncaptured closure arrays before 2026-12-05), and 16 teacher-forced
     # tokens give the same logits and Gated DeltaNet states as the same model
     # without the prefetch (a prefetch changes no arithmetic).
-    from mlx_lm.models.cache import make_prompt_cache
-
     from qwen_apple_backend import checkpoint
     from qwen_apple_backend.ops import moe as moe_ops
 
@@ -1123,20 +1122,9 @@ def test_compiled_decode_with_l2_prefetch_matches_without(monkeypatch):
     assert all(layer.mlp._l2_prefetch_arrays() for layer in models[0].layers[:-1])
     assert not models[0].layers[-1].mlp._l2_prefetch_arrays()
     assert not any(layer.mlp._l2_prefetch_arrays() for layer in models[1].layers)
-    caches = [make_prompt_cache(m) for m in models]
-    prompt = mx.array([[(i * 37) % 500 for i in range(9)]])
-    for m, c in zip(models, caches):
-        mx.eval(m(prompt, cache=c))
+    caches = _prefilled_caches(models)
     try:
-        for t in range(16):
-            tok = mx.array([[(t * 53 + 7) % 500]])
-            a, b = (m(tok, cache=c) for m, c in zip(models, caches))
-            mx.eval(a, b)
-            assert mx.array_equal(a, b).item(), f"token {t}: rel-L2 {mx_rel_l2(a, b):.3g}"
-            for i, (x, y) in enumerate(zip(*caches)):
-                if type(x).__name__ == "ArraysCache":
-                    assert mx.array_equal(x[0], y[0]).item(), f"token {t} layer {i} conv state"
-                    assert mx.array_equal(x[1], y[1]).item(), f"token {t} layer {i} state"
+        _decode_alike(models, caches, range(16))
         step = models[0].language_model.__dict__["_qab_decode"]
         assert step.compiled_calls >= 14
     finally:
