@@ -31,7 +31,8 @@ random weights, bfloat16) and measures them two ways:
 
 Variants are ``ops.moe.DECODE_BLOCK_OPTIONS`` settings and the build keys of
 ``profile_moe_block_gpu.py`` (``SLEEP``, ``MINB``, ``RELAXED``), written
-``GRPW=4+MINB=2``, plus ``PACK=0`` (the unpacked GD build,
+``PRW=4+MINB=2`` (``PRW``: the next projection's rows per warp, 2 shipped,
+4 halving its 772 blocks), plus ``PACK=0`` (the unpacked GD build,
 ``moe_decode_block_gdn``, 47 inputs instead of 27); ``default`` is the
 shipped build. Every variant's output, next projection and states are first
 checked bit for bit against the default's. Writes
@@ -66,7 +67,7 @@ KC = 4
 #: The next layer's concatenated input projection: q | k | v | z | b | a.
 PN = 2 * HEADS[0] * HEADS[2] + 2 * HEADS[1] * HEADS[3] + 2 * HEADS[1]
 PHASES = ("gdn", "out-proj", "route", "gate/up", "down", "next-proj")
-DEFAULT_VARIANTS = "default,PACK=0"
+DEFAULT_VARIANTS = "default,PRW=4,PACK=0"
 
 
 class Layer(NamedTuple):
@@ -330,11 +331,12 @@ def phase_bounds(opts: dict) -> list[int]:
         moe_ops.DECODE_BLOCK_OPTIONS.update({k: v for k, v in opts.items()
                                              if k in moe_ops.DECODE_BLOCK_OPTIONS})
         rblk, gblk, dblk = moe_ops._decode_block_phase_blocks(E, H, I, K)
+        prw = moe_ops.DECODE_BLOCK_OPTIONS["PRW"]
     finally:
         moe_ops.DECODE_BLOCK_OPTIONS.clear()
         moe_ops.DECODE_BLOCK_OPTIONS.update(saved)
     sizes = [HEADS[1], moe_ops._proj_phase_blocks(H), rblk, gblk, dblk,
-             moe_ops._proj_phase_blocks(PN)]
+             moe_ops._proj_phase_blocks(PN, prw)]
     bounds = [0]
     for s in sizes:
         bounds.append(bounds[-1] + s)

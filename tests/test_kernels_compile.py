@@ -127,7 +127,7 @@ CASES = {
         {"T": "bf16", "H": 2048, "E": 256, "K": 8, "I": 512, "G": 64, "RG": 64, "SGB": 8,
          "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1, "CS": 32, "PERSIST": False,
          "PREFETCH": True, "STAGE": False, "GRPW": 2, "EARLY": False, "PF": False,
-         "OP": False, "DO": 1024, "OG": 32, "NP": False, "PN": 1, "PG": 32}),
+         "OP": False, "DO": 1024, "OG": 32, "NP": False, "PN": 1, "PG": 32, "PRW": 2}),
     # The shipped build (STAGE, EARLY, OP, NP) with Qwen3.6's Gated DeltaNet step
     # first (GD): 16 key and 32 value heads of 128, conv 4, the packed 12,352-wide row.
     "moe_decode_block_gdn": (
@@ -140,7 +140,7 @@ CASES = {
         {"T": "bf16", "H": 2048, "E": 256, "K": 8, "I": 512, "G": 64, "RG": 64, "SGB": 8,
          "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1, "CS": 32, "PERSIST": False,
          "PREFETCH": True, "STAGE": True, "GRPW": 2, "EARLY": True, "PF": False,
-         "OP": True, "DO": 4096, "OG": 64, "NP": True, "PN": 12352, "PG": 64,
+         "OP": True, "DO": 4096, "OG": 64, "NP": True, "PN": 12352, "PG": 64, "PRW": 2,
          "GHk": 16, "GHv": 32, "GDk": 128, "GDv": 128, "GKc": 4, "GBIAS": False,
          "GW": 12352}),
     # Qwen3.6's token embedding (248,320 rows of 2,048, 4-bit, group 64).
@@ -402,12 +402,18 @@ _BLOCK_OP_NP = (CASES["moe_decode_block"][0], CASES["moe_decode_block"][1],
                                      ("moe_decode_block_gdn", CASES["moe_decode_block_gdn"]),
                                      ("moe_decode_block_pack", CASES["moe_decode_block_pack"]),
                                      ("moe_decode_block_gdn_pack",
-                                      CASES["moe_decode_block_gdn_pack"])],
-                         ids=["op-np", "gd-op-np", "pack-op-np", "pack-gd-op-np"])
+                                      CASES["moe_decode_block_gdn_pack"]),
+                                     ("moe_decode_block_gdn_pack",
+                                      (*CASES["moe_decode_block_gdn_pack"][:2],
+                                       {**CASES["moe_decode_block_gdn_pack"][2], "PRW": 4}))],
+                         ids=["op-np", "gd-op-np", "pack-op-np", "pack-gd-op-np",
+                              "pack-gd-op-np-prw4"])
 def test_moe_block_keeps_two_blocks_per_sm(op, case, tmp_path):
     # The one-launch MoE block at Qwen3.6's shape (OP + NP; and with the GDN
-    # step first, GD) must fit two blocks of 256 threads on an SM: at most 128
-    # registers per thread (65,536 per SM). With the GDN step's 64 state floats
+    # step first, GD; and with 4 next-projection rows per warp, PRW; with 8
+    # nvcc 13 spills 32 bytes at this cap, so ops.moe refuses PRW 8) must
+    # fit two blocks of 256 threads on an SM: at most 128 registers per thread
+    # (65,536 per SM), without spills. With the GDN step's 64 state floats
     # in registers at once the GD build needed 168 (one block per SM); its
     # phase 3 therefore runs in passes (qab_gdn_decode_head's PASSES).
     regs = _compile_without_spills(op, case, tmp_path)

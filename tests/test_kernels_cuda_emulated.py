@@ -2092,14 +2092,17 @@ def test_moe_decode_block_out_proj_is_the_gemv_then_the_block_emulated(options, 
 
 
 @pytest.mark.parametrize("options,op", [({}, False), ({"EARLY": False}, True),
-                                        ({"PERSIST": True, "GRID": 3}, True)],
-                         ids=["default", "EARLYFalse-op", "PERSIST-op"])
+                                        ({"PERSIST": True, "GRID": 3}, True),
+                                        ({"PRW": 4}, True), ({"PRW": 1}, False)],
+                         ids=["default", "EARLYFalse-op", "PERSIST-op", "PRW4-op", "PRW1"])
 def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(options, op,
                                                                              monkeypatch):
     # NP: the next layer's input RMSNorm + 4-bit input projection (80 rows: a
     # partial last block) as the launch's last phase equals quantized_gemv's
     # norm build on the block's output, bit for bit, with or without the
-    # out-projection phase and with a grid of fewer blocks than tickets.
+    # out-projection phase, with a grid of fewer blocks than tickets, and with
+    # 4 or 1 next-projection rows per warp (PRW; 2 shipped: a row's
+    # arithmetic does not depend on it).
     for key, value in options.items():
         monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)
     shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
@@ -2143,7 +2146,7 @@ def test_moe_decode_block_gdn_is_the_gdn_launch_then_the_block_emulated(heads, b
 # Phases with the packed build: none (no OP, no NP), OP + NP, GD + NP, GD on
 # a persistent grid of 3 blocks.
 PACK_EMU_CASES = [("plain", {}), ("op-np", {}), ("gdn-np", {}),
-                  ("gdn", {"PERSIST": True, "GRID": 3})]
+                  ("gdn", {"PERSIST": True, "GRID": 3}), ("gdn-np", {"PRW": 4})]
 
 
 @pytest.mark.parametrize("phases,options", PACK_EMU_CASES,
@@ -2420,8 +2423,8 @@ def test_moe_decode_block_dispatcher_self_checks_the_emulated_kernel(monkeypatch
             moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
                                      prefetch=(w, w, w, w))
         # Build options that cannot work: counters on one element, an empty grid,
-        # 3 gate/up row pairs per warp.
-        for bad in ({"CS": 0}, {"PERSIST": True, "GRID": 0}, {"GRPW": 3}):
+        # 3 gate/up row pairs per warp, 8 next-projection rows per warp (spills).
+        for bad in ({"CS": 0}, {"PERSIST": True, "GRID": 0}, {"GRPW": 3}, {"PRW": 8}):
             with monkeypatch.context() as m:
                 for k, v in bad.items():
                     m.setitem(moe_ops.DECODE_BLOCK_OPTIONS, k, v)
@@ -3101,13 +3104,15 @@ def test_layer_profiler_phase_bounds_and_summary(monkeypatch):
     spec = importlib.util.spec_from_file_location("profile_layer_gpu", path)
     m = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(m)
-    for opts in ({}, {"GRPW": 4}):
+    for opts in ({}, {"GRPW": 4}, {"PRW": 4}):
         bounds = m.phase_bounds(opts)
-        grpw = opts.get("GRPW")
-        want = moe_ops._decode_block_launch(m.E, m.H, m.I, m.K, grpw=grpw, out_proj=True,
-                                            next_rows=m.PN, gdn_heads=m.HEADS[1])[2]
+        want = moe_ops._decode_block_launch(m.E, m.H, m.I, m.K, grpw=opts.get("GRPW"),
+                                            out_proj=True, next_rows=m.PN,
+                                            gdn_heads=m.HEADS[1], prw=opts.get("PRW"))[2]
         assert bounds[0] == 0 and bounds[-1] == want and len(bounds) == 7
     assert m.phase_bounds({})[1:3] == [32, 160]  # 32 GDN heads, 128 out-projection blocks
+    # 772 next-projection blocks of 16 rows; 386 of 32 with PRW 4.
+    assert [b[-1] - b[-2] for b in (m.phase_bounds({}), m.phase_bounds({"PRW": 4}))] == [772, 386]
     # Two phases of two tickets each: [start, wait end, work end, mark 3, SM] in ns.
     launch = [[1000, 0, 5000, 0, 0], [1500, 0, 6000, 0, 1],
               [1200, 7000, 9000, 0, 2], [3000, 8000, 12000, 0, 3]]

@@ -106,7 +106,7 @@
 // threadgroup (BLOCK, 1, 1), BLOCK = 256 (the three kernels' block), with
 //   OBLK = OP ? ceil(H / (2 BLOCK / 32)) : 0, RBLK = ceil(E / (RB BLOCK / 32)),
 //   GBLK = ceil(32 ((K + 1) I / GRPW + 1) / BLOCK), DBLK = ceil(32 H / 2 / BLOCK),
-//   PBLK = NP ? ceil(PN / (2 BLOCK / 32)) : 0, GDBLK = GD ? GHv : 0.
+//   PBLK = NP ? ceil(PN / (PRW BLOCK / 32)) : 0, GDBLK = GD ? GHv : 0.
 // Template: T (activations, norm weight, router scales/biases, scores),
 // H (hidden size), E, K, I (expert intermediate size), G (experts' group
 // size), RG (router group size), SGB, SGG (shared gate bits and group size),
@@ -134,7 +134,11 @@
 // prefetched into L2 by the gate/up items (37.0 against 29.3 us per launch).
 // OP (the out-projection phase above), DO (its input width), OG (its group
 // size); NP (the next-projection phase above), PN (its rows), PG (its group
-// size).
+// size), PRW (its rows per warp: 2 as the out-projection phase's; each row's
+// arithmetic does not depend on it, so every PRW gives the same bits; 4
+// halves its blocks, 772 -> 386 at the Gated DeltaNet's 12,352 rows, and
+// doubles each lane's weight loads in flight; 8 spills registers under the
+// two-blocks-per-SM cap with nvcc 13).
 // Requirements: each of the three kernels' (see their sources); with OP,
 // DO % 1024 == 0 and OG % 32 == 0; with NP, H % 1024 == 0 and PG % 32 == 0.
 // Inputs: x, r [N, H] T (residual stream, mixer output); nw [H] T; eps [4]
@@ -261,8 +265,8 @@ constexpr int GDBLK = 0;
 // The out-projection phase (OP): blocks per token row, QAB_OUT_RPW rows per warp.
 constexpr int QAB_OUT_RPW = 2;
 constexpr int OBLK = OP ? (H + (BLOCK / 32) * QAB_OUT_RPW - 1) / ((BLOCK / 32) * QAB_OUT_RPW) : 0;
-// The next-projection phase (NP): blocks per token row, 2 rows per warp.
-constexpr int PBLK = NP ? (PN + (BLOCK / 32) * QAB_OUT_RPW - 1) / ((BLOCK / 32) * QAB_OUT_RPW) : 0;
+// The next-projection phase (NP): blocks per token row, PRW rows per warp.
+constexpr int PBLK = NP ? (PN + (BLOCK / 32) * PRW - 1) / ((BLOCK / 32) * PRW) : 0;
 // One staging buffer for both projection phases' input rows (DO or H values).
 constexpr int QAB_STAGE_NC = !(OP || NP) ? 1 : (OP && DO > H) ? DO / 32 : H / 32;
 __shared__ float4 gemv_stage[8 * QAB_STAGE_NC];
@@ -516,7 +520,7 @@ while (true) {
       }
     }
   } else {
-    // Next-projection item: rows [p * 8 QAB_OUT_RPW, ...) of
+    // Next-projection item: rows [p * 8 PRW, ...) of
     // po[n] = rms_norm(out[n], pnw, peps) pw^T. Its weight loads go out
     // first; then it waits for every down item and reads out[n] through L2.
     const int q = tk - (OBLK + RBLK + GBLK + DBLK) * rows;
@@ -524,8 +528,8 @@ while (true) {
     const int p = q - n * PBLK;
     const T* orow = out + (size_t)n * H;
     float inv = 0.f;
-    qab_q4_gemv_rows<T, T, H, PG, QAB_OUT_RPW>(
-        p * (BLOCK / 32) * QAB_OUT_RPW, PN,
+    qab_q4_gemv_rows<T, T, H, PG, PRW>(
+        p * (BLOCK / 32) * PRW, PN,
         [&](const int k) {
           // quantized_gemv's NORM staging: T(nw * T(x * inv)).
           const float nv = static_cast<float>(static_cast<T>(

@@ -1676,7 +1676,7 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: against 43 us per launch there, two runs; EARLY: 29.5 / 29.3 against 34.6
 #: / 35.4, two runs).
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
-                        "STAGE": True, "GRPW": 2, "EARLY": True}
+                        "STAGE": True, "GRPW": 2, "EARLY": True, "PRW": 2}
 
 
 def decode_block_counter_length(rows: int = FOLD_NORM_MAX_ROWS) -> int:
@@ -1792,10 +1792,11 @@ def _q4_affine_matrix(w: Optional[ExpertWeights], rows: int, cols: int, dtype: m
             and w.scales.dtype == dtype and w.biases.dtype == dtype)
 
 
-def _proj_phase_blocks(rows: int) -> int:
+def _proj_phase_blocks(rows: int, rpw: int = _OUT_PROJ_RPW) -> int:
     """Blocks per token row of a moe_decode_block projection phase with
-    ``rows`` output rows (OP: H; NP: the next projection's rows)."""
-    per_block = (_GEMV_BLOCK // 32) * _OUT_PROJ_RPW
+    ``rows`` output rows (OP: H; NP: the next projection's rows) and ``rpw``
+    rows per warp (OP: 2; NP: ``DECODE_BLOCK_OPTIONS["PRW"]``)."""
+    per_block = (_GEMV_BLOCK // 32) * int(rpw)
     return -(-rows // per_block)
 
 
@@ -2112,12 +2113,14 @@ def _decode_block_phase_blocks(E: int, H: int, I: int, K: int,
 
 def _decode_block_launch(E: int, H: int, I: int, K: int, grpw: Optional[int] = None,
                          out_proj: bool = False, next_rows: int = 0,
-                         gdn_heads: int = 0) -> tuple[int, int, int]:
+                         gdn_heads: int = 0, prw: Optional[int] = None) -> tuple[int, int, int]:
     """``(BLOCK, RB, blocks per token row)`` of a moe_decode_block launch: with
     ``gdn_heads`` (the GDN step's value heads) the GDN step's, with
     ``out_proj`` the out-projection's, then the route's, the fold's gate/up and
     the fold's down blocks, one after the other, then with ``next_rows`` (the
-    next projection's rows) the next-projection's."""
+    next projection's rows, ``prw`` per warp; None:
+    ``DECODE_BLOCK_OPTIONS["PRW"]``) the next-projection's."""
+    prw = int(DECODE_BLOCK_OPTIONS["PRW"] if prw is None else prw)
     block, rb, _ = _add_norm_route_launch(E)
     # The kernel derives every phase's block count from its one BLOCK.
     if block != _GEMV_BLOCK:
@@ -2125,7 +2128,7 @@ def _decode_block_launch(E: int, H: int, I: int, K: int, grpw: Optional[int] = N
                            f"equal, got {block} and {_GEMV_BLOCK}")
     return block, rb, (sum(_decode_block_phase_blocks(E, H, I, K, grpw)) + int(gdn_heads)
                        + (_proj_phase_blocks(H) if out_proj else 0)
-                       + (_proj_phase_blocks(next_rows) if next_rows else 0))
+                       + (_proj_phase_blocks(next_rows, prw) if next_rows else 0))
 
 
 def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
@@ -2217,10 +2220,14 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
     if int(opts["GRPW"]) not in (1, 2, 4) or I % int(opts["GRPW"]):
         raise ValueError(f"DECODE_BLOCK_OPTIONS: GRPW must be 1, 2 or 4 and divide the "
                          f"experts' intermediate size {I}, got GRPW={opts['GRPW']!r}")
+    if int(opts["PRW"]) not in (1, 2, 4):
+        # (8 spills registers at the two blocks per SM the block is built for.)
+        raise ValueError(f"DECODE_BLOCK_OPTIONS: PRW (the next projection's rows per warp) "
+                         f"must be 1, 2 or 4, got PRW={opts['PRW']!r}")
     PN = next_proj.weights.weight.shape[0] if next_proj is not None else 0
     gdn_heads = 0 if gdn_step is None else int(gdn_step.heads[1])
     block, rb, blocks = _decode_block_launch(E, H, I, K, int(opts["GRPW"]), opts["OP"], PN,
-                                             gdn_heads)
+                                             gdn_heads, int(opts["PRW"]))
     grid_blocks = blocks * N
     if opts["PERSIST"] and opts["GRID"]:
         grid_blocks = min(grid_blocks, int(opts["GRID"]))
@@ -2254,7 +2261,8 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
                 ("STAGE", bool(opts["STAGE"])), ("GRPW", int(opts["GRPW"])),
                 ("EARLY", bool(opts["EARLY"])), ("PF", bool(opts["PF"])),
                 ("OP", bool(opts["OP"])), ("DO", int(DO)), ("OG", OG),
-                ("NP", bool(opts["NP"])), ("PN", max(int(PN), 1)), ("PG", PG)]
+                ("NP", bool(opts["NP"])), ("PN", max(int(PN), 1)), ("PG", PG),
+                ("PRW", int(opts["PRW"]))]
     if pack is not None:
         template.append(("WSO", decode_block_pack_workspace_offset()))
     gd_inputs, gd_shapes, gd_dtypes = [], [], []
