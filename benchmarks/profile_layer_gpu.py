@@ -272,16 +272,20 @@ def check_variants(variants, layer: Layer, x, proj) -> None:
     """Every variant's four outputs equal the first variant's bit for bit.
 
     Raises:
-        SystemExit: naming the variant and the output that differs.
+        SystemExit: naming the variant and the output that differs, or the
+            variant and ops.moe's error for a build option it refuses.
     """
     import mlx.core as mx
 
     ref = None
     for name, v in variants:
         (lay,) = private_states([layer])
-        with v:
-            got = launch(v, lay, x, proj, v.counter(lay, proj))
-            mx.eval(got)
+        try:
+            with v:
+                got = launch(v, lay, x, proj, v.counter(lay, proj))
+                mx.eval(got)
+        except ValueError as exc:  # a build option ops.moe refuses
+            raise SystemExit(f"variant {name}: {exc}") from None
         if ref is None:
             ref = got
             continue

@@ -3085,6 +3085,10 @@ def test_layer_profiler_chains_packed_and_unpacked_layers_emulated(monkeypatch):
         out = real(variant, layer, x, proj, counter)
         return out if variant.packed else (out[0], out[1] + 1, *out[2:])
 
+    with pytest.raises(SystemExit, match=r"variant PRW=8: DECODE_BLOCK_OPTIONS: PRW \(the next "
+                                         r"projection's rows per warp\) must be 1, 2 or 4"):
+        m.check_variants([variants[0], ("PRW=8", m.Variant(*m.split_variant("PRW=8")))],
+                         layers[0], x, proj)
     monkeypatch.setattr(m, "launch", broken)
     with pytest.raises(SystemExit, match="variant PACK=0: its next projection differs from "
                                          "default's"):
