@@ -221,9 +221,30 @@ class Session:
                 for fd in saved:
                     os.close(fd)
         checks = write_check_timings(self.out)
+        last = "" if rc == 0 else last_line(path)
         self.say(f"{name}: rc {rc} in {time.perf_counter() - t0:.1f} s ({checks} self-checks "
-                 "so far, OUT/self-checks.json)")
+                 "so far, OUT/self-checks.json)" + (f"; last output: {last}" if last else ""))
         return rc
+
+
+def last_line(path: Path, limit: int = 300) -> str:
+    """The last non-empty line of a step's file (its error, for a failed step's
+    log line), at most ``limit`` characters; "" when there is none."""
+    try:
+        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    lines = [ln for ln in lines if ln]
+    return lines[-1][:limit] if lines else ""
+
+
+def gpu_available() -> bool:
+    """Whether MLX's CUDA backend has a GPU (every step needs one)."""
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return False
+    return bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -250,6 +271,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         plan = parse_plan(args.plan)
     except ValueError as e:
         ap.error(str(e))
+    if any(name in ("layer", "timeline") for name, _ in plan):
+        if str(ROOT / "benchmarks") not in sys.path:
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+        sys.path.insert(0, str(ROOT / "src"))
+        from profile_layer_gpu import split_variant
+
+        try:
+            for v in (v for v in args.layer_variants.split(",") if v):
+                split_variant(v)
+        except ValueError as e:
+            ap.error(f"--layer-variants: {e}")
+    if not gpu_available():
+        # (On a CPU the bench step would build the full model, ~35B parameters.)
+        ap.error("its steps need MLX's CUDA backend and a CUDA GPU, and none is available")
     try:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

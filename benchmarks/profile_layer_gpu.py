@@ -108,6 +108,11 @@ def split_variant(text: str) -> tuple[dict, bool]:
     if len(packs) > 1 or (packs and packs[0] not in ("PACK=0", "PACK=1")):
         raise ValueError(f"variant {text!r}: PACK is a flag: PACK=0 or PACK=1")
     opts = parse_variant("+".join(parts)) if parts else {}
+    # What ops.moe accepts (it would refuse them at the first launch, after the build).
+    for key, allowed in (("PRW", (1, 2, 4)), ("GRPW", (1, 2, 4))):
+        if key in opts and opts[key] not in allowed:
+            raise ValueError(f"variant {text!r}: {key} must be one of "
+                             f"{', '.join(map(str, allowed))}, got {opts[key]}")
     return opts, not (packs and packs[0] == "PACK=0")
 
 
@@ -410,7 +415,7 @@ def timeline(variants, layer: Layer, x, proj, reps: int) -> list[dict]:
 def main(argv=None) -> int:
     from qwen_apple_backend.argtypes import positive_int
 
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="profile_layer_gpu.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="output folder (created)")
     p.add_argument("--variants", default=DEFAULT_VARIANTS,

@@ -1349,6 +1349,7 @@ def test_gpu_session_runs_steps_in_one_process_and_stops_an_overdue_one(tmp_path
             time.sleep(30)
             return 0
         g.run_bench, g.run_tests = bench, tests
+        g.gpu_available = lambda: True  # (the faked steps need none)
         sys.exit(g.main([sys.argv[1], "--plan", "bench:20,tests:1", "--test-filter", "k1"]))
     """)
     out = tmp_path / "s"
@@ -1366,11 +1367,31 @@ def test_gpu_session_runs_steps_in_one_process_and_stops_an_overdue_one(tmp_path
     assert [line.split(" ", 1)[1] for line in log][:3] == [
         "plan bench:20,tests:1", "bench: start (20 s)", "bench: rc 3 in " +
         log[2].split(" in ")[1]]
-    assert log[2].endswith("(0 self-checks so far, OUT/self-checks.json)")
+    # A failed step's log line ends with its file's last line (its error).
+    assert log[2].endswith("(0 self-checks so far, OUT/self-checks.json); last output: "
+                           "from fd 2")
     assert json.loads((out / "self-checks.json").read_text()) == []
     assert log[3].endswith("tests: start (1 s)")
     assert log[4].endswith("tests: over its 1 s; stopped (stacks in tests.txt)")
     assert "bench: rc 3" in r.stdout  # the log lines also reach the console
+
+
+def test_gpu_session_refuses_a_machine_without_a_cuda_gpu(tmp_path):
+    # On this CPU machine the session stops before any step (its bench step
+    # would build the full ~35B-parameter model here) and makes no folder.
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks"
+                                            / "gpu_session.py"), str(tmp_path / "s")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "its steps need MLX's CUDA backend and a CUDA GPU" in r.stderr
+    assert not (tmp_path / "s").exists()
+    # A layer variant ops.moe would refuse is named first, wherever it runs.
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks"
+                                            / "gpu_session.py"), str(tmp_path / "s"),
+                        "--plan", "layer:60", "--layer-variants", "default,PRW=8"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "--layer-variants: variant 'PRW=8': PRW must be one of 1, 2, 4, got 8" in r.stderr
 
 
 def test_gpu_session_bench_step_runs_qab_bench_in_process(tmp_path, monkeypatch):

@@ -3087,8 +3087,14 @@ def test_layer_profiler_chains_packed_and_unpacked_layers_emulated(monkeypatch):
 
     with pytest.raises(SystemExit, match=r"variant PRW=8: DECODE_BLOCK_OPTIONS: PRW \(the next "
                                          r"projection's rows per warp\) must be 1, 2 or 4"):
-        m.check_variants([variants[0], ("PRW=8", m.Variant(*m.split_variant("PRW=8")))],
+        m.check_variants([variants[0], ("PRW=8", m.Variant({"PRW": 8}, True))],
                          layers[0], x, proj)
+    # (The command line refuses those before building anything.)
+    for text, msg in (("PRW=8", "PRW must be one of 1, 2, 4, got 8"),
+                      ("GRPW=3+PACK=0", "GRPW must be one of 1, 2, 4, got 3"),
+                      ("PACK=2", "PACK is a flag")):
+        with pytest.raises(ValueError, match=msg):
+            m.split_variant(text)
     monkeypatch.setattr(m, "launch", broken)
     with pytest.raises(SystemExit, match="variant PACK=0: its next projection differs from "
                                          "default's"):
