@@ -1444,3 +1444,19 @@ def test_gpu_session_layer_steps_run_the_layer_profiler_in_process(tmp_path, mon
     monkeypatch.setattr(prof, "main", lambda argv: (_ for _ in ()).throw(
         SystemExit("variant PACK=0: its state differs from default's")))
     assert mod.run_layer(tmp_path, "default,PACK=0", False) == 1
+
+
+def test_bench_without_a_model_uses_the_demo_model(tmp_path):
+    # As qab generate / chat / serve without --model: neither --model nor
+    # --preset benches the shipped demo model, and says so on stderr.
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(["bench", "--lengths", "16", "--rounds", "1", "--decode-tokens", "2",
+                   "--no-fidelity", "--no-plot", "--no-progress", "--out", str(tmp_path)])
+    assert rc == 0, err.getvalue()[-2000:]
+    assert "qab bench: no --model or --preset given; using the demo model (" in err.getvalue()
+    (path,) = tmp_path.glob("bench-*.json")
+    result = json.loads(path.read_text())
+    assert "demo-model-" in str(result["model"]), result["model"]
+    assert [r["backend"] for r in result["results"] if r["phase"] == "decode"] == [
+        "stock", "fused"]

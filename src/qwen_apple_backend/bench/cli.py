@@ -66,8 +66,9 @@ def _lengths(text: str) -> str:
 
 
 def _add_source_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model (one of --model / --preset)")
-    src = g.add_mutually_exclusive_group(required=True)
+    g = p.add_argument_group("model (one of --model / --preset; neither: the demo model, as "
+                             "qab generate)")
+    src = g.add_mutually_exclusive_group()
     src.add_argument("--model", metavar="PATH", type=nonempty_path, default=None,
                      help="checkpoint directory, loaded once per backend")
     src.add_argument("--preset", choices=["tiny", "small", "full"], default=None,
@@ -271,6 +272,17 @@ def _split(text: str) -> list[str]:
     return [s.strip() for s in (text or "").split(",") if s.strip()]
 
 
+def _default_to_demo(command: str, args: argparse.Namespace) -> None:
+    """Neither ``--model`` nor ``--preset``: the shipped demo model, as ``qab
+    generate`` / ``chat`` / ``serve`` use without ``--model`` (said on stderr)."""
+    if args.model is None and args.preset is None:
+        from ..demo import ensure_default_model
+
+        args.model = str(ensure_default_model())
+        _log(f"qab {command}: no --model or --preset given; using the demo model "
+             f"({args.model})")
+
+
 def _source_kwargs(args: argparse.Namespace) -> dict:
     return {"model": args.model, "preset": args.preset, "seed": args.seed, "dtype": args.dtype,
             "quantize": not args.no_quantize, "vocab_size": args.vocab_size,
@@ -337,6 +349,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if problem:
         return _usage_error("bench", problem)
     _warn_opt_in_ablations(args)
+    _default_to_demo("bench", args)
 
     cfg = BenchConfig(
         **_source_kwargs(args),
@@ -402,6 +415,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if problem:
         return _usage_error("compare", problem)
     _warn_opt_in_ablations(args)
+    _default_to_demo("compare", args)
     cfg = CompareConfig(**_source_kwargs(args), prompts=prompts, max_tokens=args.max_tokens,
                         rounds=args.rounds, warmup=args.warmup,
                         chat_template=args.chat_template, fidelity=args.fidelity,
