@@ -1460,3 +1460,8 @@ def test_bench_without_a_model_uses_the_demo_model(tmp_path):
     assert "demo-model-" in str(result["model"]), result["model"]
     assert [r["backend"] for r in result["results"] if r["phase"] == "decode"] == [
         "stock", "fused"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["compare", "--prompt", "The os module", "--max-tokens", "2"])
+    assert rc == 0, err.getvalue()[-2000:]
+    assert "qab compare: no --model or --preset given; using the demo model (" in err.getvalue()
