@@ -128,13 +128,20 @@ def run_bench(argv: list[str], enable: Optional[str]) -> int:
             os.environ["QAB_ENABLE"] = before
 
 
+def layer_profiler():
+    """benchmarks/profile_layer_gpu.py as a module (its folder and src on sys.path)."""
+    for folder in (ROOT / "src", ROOT / "benchmarks"):
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+    import profile_layer_gpu
+
+    return profile_layer_gpu
+
+
 def run_layer(out: Path, variants: str, timeline: bool) -> int:
     """``profile_layer_gpu.py`` in this process: the ``layer`` step (chained
     launches) or the ``timeline`` step; its exit status."""
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-    import profile_layer_gpu
-
+    profile_layer_gpu = layer_profiler()
     argv = [str(out / ("timeline" if timeline else "layer")), "--variants", variants]
     try:
         return int(profile_layer_gpu.main(argv + (["--timeline"] if timeline else [])) or 0)
@@ -272,14 +279,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     if any(name in ("layer", "timeline") for name, _ in plan):
-        if str(ROOT / "benchmarks") not in sys.path:
-            sys.path.insert(0, str(ROOT / "benchmarks"))
-        sys.path.insert(0, str(ROOT / "src"))
-        from profile_layer_gpu import split_variant
-
         try:
             for v in (v for v in args.layer_variants.split(",") if v):
-                split_variant(v)
+                layer_profiler().split_variant(v)
         except ValueError as e:
             ap.error(f"--layer-variants: {e}")
     if not gpu_available():

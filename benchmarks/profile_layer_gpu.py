@@ -71,7 +71,7 @@ DEFAULT_VARIANTS = "default,PRW=4,PACK=0"
 
 
 class Layer(NamedTuple):
-    """One Gated DeltaNet layer's decode arrays (weights, states, its counter)."""
+    """One Gated DeltaNet layer's decode arrays (weights, states and its block pack)."""
 
     nw: object
     gate: object
@@ -103,13 +103,15 @@ def split_variant(text: str) -> tuple[dict, bool]:
     """
     from profile_moe_block_gpu import parse_variant
 
+    from qwen_apple_backend.ops.moe import DECODE_BLOCK_CHOICES
+
     parts = [p for p in text.split("+") if not p.startswith("PACK=")]
     packs = [p for p in text.split("+") if p.startswith("PACK=")]
     if len(packs) > 1 or (packs and packs[0] not in ("PACK=0", "PACK=1")):
         raise ValueError(f"variant {text!r}: PACK is a flag: PACK=0 or PACK=1")
     opts = parse_variant("+".join(parts)) if parts else {}
     # What ops.moe accepts (it would refuse them at the first launch, after the build).
-    for key, allowed in (("PRW", (1, 2, 4)), ("GRPW", (1, 2, 4))):
+    for key, allowed in DECODE_BLOCK_CHOICES.items():
         if key in opts and opts[key] not in allowed:
             raise ValueError(f"variant {text!r}: {key} must be one of "
                              f"{', '.join(map(str, allowed))}, got {opts[key]}")
@@ -335,15 +337,8 @@ def phase_bounds(opts: dict) -> list[int]:
     """Ticket bounds of the six phases of one token row's launch, under ``opts``."""
     from qwen_apple_backend.ops import moe as moe_ops
 
-    saved = dict(moe_ops.DECODE_BLOCK_OPTIONS)
-    try:
-        moe_ops.DECODE_BLOCK_OPTIONS.update({k: v for k, v in opts.items()
-                                             if k in moe_ops.DECODE_BLOCK_OPTIONS})
-        rblk, gblk, dblk = moe_ops._decode_block_phase_blocks(E, H, I, K)
-        prw = moe_ops.DECODE_BLOCK_OPTIONS["PRW"]
-    finally:
-        moe_ops.DECODE_BLOCK_OPTIONS.clear()
-        moe_ops.DECODE_BLOCK_OPTIONS.update(saved)
+    rblk, gblk, dblk = moe_ops._decode_block_phase_blocks(E, H, I, K, opts.get("GRPW"))
+    prw = opts.get("PRW", moe_ops.DECODE_BLOCK_OPTIONS["PRW"])
     sizes = [HEADS[1], moe_ops._proj_phase_blocks(H), rblk, gblk, dblk,
              moe_ops._proj_phase_blocks(PN, prw)]
     bounds = [0]

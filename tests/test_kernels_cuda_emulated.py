@@ -3023,9 +3023,8 @@ def test_quantized_embedding_decodes_on_the_emulated_kernel(monkeypatch):
         device.reset_self_checks()
 
 
-def _layer_profiler(monkeypatch):
-    """benchmarks/profile_layer_gpu.py at a small shape its kernel accepts (H
-    and Hv Dv multiples of 1,024), on the emulator."""
+def _load_layer_profiler(monkeypatch):
+    """benchmarks/profile_layer_gpu.py as a fresh module (its folder on sys.path)."""
     import importlib.util
     from pathlib import Path
 
@@ -3034,6 +3033,13 @@ def _layer_profiler(monkeypatch):
     spec = importlib.util.spec_from_file_location("profile_layer_gpu", path)
     m = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(m)
+    return m
+
+
+def _layer_profiler(monkeypatch):
+    """benchmarks/profile_layer_gpu.py at a small shape its kernel accepts (H
+    and Hv Dv multiples of 1,024), on the emulator."""
+    m = _load_layer_profiler(monkeypatch)
     heads = (2, 8, 32, 128)
     for name, value in (("H", 1024), ("E", 16), ("I", 64), ("K", 2), ("HEADS", heads),
                         ("PN", 2 * heads[0] * heads[2] + 2 * heads[1] * heads[3] + 2 * heads[1])):
@@ -3106,14 +3112,7 @@ def test_layer_profiler_phase_bounds_and_summary(monkeypatch):
     # shape, and with another GRPW), and the timeline summary reads each
     # phase's marks: starts, wait ends (a phase without a wait mark: its
     # start), work ends, blocks started within 1 us.
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_layer_gpu.py"
-    monkeypatch.syspath_prepend(str(path.parent))
-    spec = importlib.util.spec_from_file_location("profile_layer_gpu", path)
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
+    m = _load_layer_profiler(monkeypatch)
     for opts in ({}, {"GRPW": 4}, {"PRW": 4}):
         bounds = m.phase_bounds(opts)
         want = moe_ops._decode_block_launch(m.E, m.H, m.I, m.K, grpw=opts.get("GRPW"),

@@ -723,8 +723,7 @@ class MLXTarget:
                 raise ValueError(f"{self.label} cannot decode from {ctx.label}'s context: "
                                  f"cache entry {i} is {a.__name__} in {ctx.label}'s, "
                                  f"{b.__name__} in {self.label}'s")
-        own_dtype = self.__dict__.get("_dtype") or self.__dict__.setdefault(
-            "_dtype", model_dtype(self.model))
+        own_dtype = model_dtype(self.model)
         for i, c in enumerate(ctx.cache):
             keys = getattr(c, "keys", None)
             name = str(getattr(keys, "dtype", "")).rsplit(".", 1)[-1]

@@ -1333,7 +1333,7 @@ class FusedSparseMoeBlock(nn.Module):
                    None if down_norm is None else next_norm.eps, serial, block,
                    block is not None and self.stage_down,
                    block is not None and self.early_gate_up,
-                   block is not None and bool(self._l2_prefetch_arrays()),
+                   bool(pf),
                    0 if op is None else int(op.weights.group_size),
                    None if np_ is None else (int(np_.weights.group_size), float(np_.eps)),
                    gdn_key, pack is not None)

@@ -1677,6 +1677,9 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: / 35.4, two runs).
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
                         "STAGE": True, "GRPW": 2, "EARLY": True, "PRW": 2}
+#: The values of DECODE_BLOCK_OPTIONS' row counts a launch accepts (PRW 8
+#: spills registers at the two blocks per SM the block is built for).
+DECODE_BLOCK_CHOICES = {"GRPW": (1, 2, 4), "PRW": (1, 2, 4)}
 
 
 def decode_block_counter_length(rows: int = FOLD_NORM_MAX_ROWS) -> int:
@@ -2217,11 +2220,10 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
     if int(opts["CS"]) < 1 or (opts["GRID"] is not None and int(opts["GRID"]) < 1):
         raise ValueError(f"DECODE_BLOCK_OPTIONS: CS must be >= 1 and GRID None or >= 1, got "
                          f"CS={opts['CS']!r}, GRID={opts['GRID']!r}")
-    if int(opts["GRPW"]) not in (1, 2, 4) or I % int(opts["GRPW"]):
+    if int(opts["GRPW"]) not in DECODE_BLOCK_CHOICES["GRPW"] or I % int(opts["GRPW"]):
         raise ValueError(f"DECODE_BLOCK_OPTIONS: GRPW must be 1, 2 or 4 and divide the "
                          f"experts' intermediate size {I}, got GRPW={opts['GRPW']!r}")
-    if int(opts["PRW"]) not in (1, 2, 4):
-        # (8 spills registers at the two blocks per SM the block is built for.)
+    if int(opts["PRW"]) not in DECODE_BLOCK_CHOICES["PRW"]:
         raise ValueError(f"DECODE_BLOCK_OPTIONS: PRW (the next projection's rows per warp) "
                          f"must be 1, 2 or 4, got PRW={opts['PRW']!r}")
     PN = next_proj.weights.weight.shape[0] if next_proj is not None else 0
