@@ -190,7 +190,7 @@ class Variant:
     def __init__(self, opts: dict, packed: bool, stamps: int = 0):
         self.opts, self.packed, self.stamps = opts, packed, stamps
 
-    def kernel(self, prefix: str):
+    def kernel(self, prefix: str, shared_memory: int = 0):
         import mlx.core as mx
 
         from profile_moe_block_gpu import MARK_DEFINE
@@ -198,7 +198,7 @@ class Variant:
         from qwen_apple_backend.ops._sources import compact, kernel_source
 
         op = "moe_decode_block_gdn_pack" if self.packed else "moe_decode_block_gdn"
-        key = (op, prefix, bool(self.stamps))
+        key = (op, prefix, bool(self.stamps), shared_memory)
         if key not in Variant._kernels:
             src = kernel_source(op, "cuda")
             # The marks index by the block's absolute ticket: the GDN items'
@@ -207,7 +207,8 @@ class Variant:
             Variant._kernels[key] = mx.fast.cuda_kernel(
                 name=f"{src.name}_v{len(Variant._kernels)}", input_names=list(src.inputs),
                 output_names=list(src.outputs) + (["stamps"] if self.stamps else []),
-                source=compact(src.body), header=marks + prefix + compact(src.header))
+                source=compact(src.body), header=marks + prefix + compact(src.header),
+                shared_memory=shared_memory)
         return Variant._kernels[key]
 
     def __enter__(self):
@@ -221,13 +222,17 @@ class Variant:
             {k: v for k, v in self.opts.items() if k not in BUILD_KEYS})
         prefix = build_prefix(self.opts)
         if prefix or self.stamps:
-            kernel = self.kernel(prefix)
-            if self.stamps:
-                kernel = _StampedKernel(kernel, self.stamps)
+            # One kernel object per dynamic shared memory size (PSM's), as ops.moe's.
+            def kernel(shared_memory=0):
+                k = self.kernel(prefix, shared_memory)
+                return _StampedKernel(k, self.stamps) if self.stamps else k
+
             if self.packed:
-                moe_ops._decode_block_pack_object = lambda backend, gdn=False: kernel
+                moe_ops._decode_block_pack_object = (
+                    lambda backend, gdn=False, shared_memory=0: kernel(shared_memory))
             else:
-                moe_ops._decode_block_gdn_object = lambda backend: kernel
+                moe_ops._decode_block_gdn_object = (
+                    lambda backend, shared_memory=0: kernel(shared_memory))
         return self
 
     def __exit__(self, *exc):
@@ -339,8 +344,9 @@ def phase_bounds(opts: dict) -> list[int]:
 
     rblk, gblk, dblk = moe_ops._decode_block_phase_blocks(E, H, I, K, opts.get("GRPW"))
     prw = opts.get("PRW", moe_ops.DECODE_BLOCK_OPTIONS["PRW"])
+    psm = opts.get("PSM", moe_ops.DECODE_BLOCK_OPTIONS["PSM"])
     sizes = [HEADS[1], moe_ops._proj_phase_blocks(H), rblk, gblk, dblk,
-             moe_ops._proj_phase_blocks(PN, prw)]
+             moe_ops._proj_phase_blocks(PN, prw, psm)]
     bounds = [0]
     for s in sizes:
         bounds.append(bounds[-1] + s)

@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 
+import mlx.core as mx
 import pytest
 
 from qwen_apple_backend.ops._sources import compact, kernel_source
@@ -127,7 +128,8 @@ CASES = {
         {"T": "bf16", "H": 2048, "E": 256, "K": 8, "I": 512, "G": 64, "RG": 64, "SGB": 8,
          "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1, "CS": 32, "PERSIST": False,
          "PREFETCH": True, "STAGE": False, "GRPW": 2, "EARLY": False, "PF": False,
-         "OP": False, "DO": 1024, "OG": 32, "NP": False, "PN": 1, "PG": 32, "PRW": 2}),
+         "OP": False, "DO": 1024, "OG": 32, "NP": False, "PN": 1, "PG": 32, "PRW": 2,
+         "PSM": 0}),
     # The shipped build (STAGE, EARLY, OP, NP) with Qwen3.6's Gated DeltaNet step
     # first (GD): 16 key and 32 value heads of 128, conv 4, the packed 12,352-wide row.
     "moe_decode_block_gdn": (
@@ -140,7 +142,7 @@ CASES = {
         {"T": "bf16", "H": 2048, "E": 256, "K": 8, "I": 512, "G": 64, "RG": 64, "SGB": 8,
          "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1, "CS": 32, "PERSIST": False,
          "PREFETCH": True, "STAGE": True, "GRPW": 2, "EARLY": True, "PF": False,
-         "OP": True, "DO": 4096, "OG": 64, "NP": True, "PN": 12352, "PG": 64, "PRW": 2,
+         "OP": True, "DO": 4096, "OG": 64, "NP": True, "PN": 12352, "PG": 64, "PRW": 2, "PSM": 0,
          "GHk": 16, "GHv": 32, "GDk": 128, "GDv": 128, "GKc": 4, "GBIAS": False,
          "GW": 12352}),
     # Qwen3.6's token embedding (248,320 rows of 2,048, 4-bit, group 64).
@@ -418,3 +420,26 @@ def test_moe_block_keeps_two_blocks_per_sm(op, case, tmp_path):
     # phase 3 therefore runs in passes (qab_gdn_decode_head's PASSES).
     regs = _compile_without_spills(op, case, tmp_path)
     assert max(regs) <= 128, regs
+
+
+@pytest.mark.parametrize("psm", [32, 64])
+def test_moe_block_with_staged_next_projection_keeps_two_blocks_per_sm(psm, tmp_path):
+    # PSM: the next-projection items stage PSM rows (weights, scales, biases)
+    # in dynamic shared memory. The packed GD build at Qwen3.6's shape must
+    # still fit two blocks of 256 threads on an SM of sm_90: at most 128
+    # registers without spills, and twice its static shared memory plus the
+    # dynamic bytes ops.moe requests (and the 1 KB the driver reserves per
+    # block) within the SM's 228 KB.
+    from qwen_apple_backend.ops.moe import decode_block_dynamic_shared_bytes
+
+    case = (*CASES["moe_decode_block_gdn_pack"][:2],
+            {**CASES["moe_decode_block_gdn_pack"][2], "PSM": psm})
+    regs = _compile_without_spills("moe_decode_block_gdn_pack", case, tmp_path)
+    assert max(regs) <= 128, regs
+    log = subprocess.run([NVCC, "-arch=sm_90", "-c", "-o", str(tmp_path / "k.o"), "-Xptxas", "-v",
+                          str(tmp_path / "moe_decode_block_gdn_pack.cu")],
+                         capture_output=True, text=True, timeout=300)
+    static = max(int(m) for m in re.findall(r"(\d+) bytes smem", log.stdout + log.stderr))
+    dynamic = decode_block_dynamic_shared_bytes(psm, 2048, 64, mx.bfloat16)
+    assert dynamic == psm * (1024 + 128)
+    assert 2 * (static + dynamic + 1024) <= 228 * 1024, (static, dynamic)

@@ -2093,8 +2093,11 @@ def test_moe_decode_block_out_proj_is_the_gemv_then_the_block_emulated(options, 
 
 @pytest.mark.parametrize("options,op", [({}, False), ({"EARLY": False}, True),
                                         ({"PERSIST": True, "GRID": 3}, True),
-                                        ({"PRW": 4}, True), ({"PRW": 1}, False)],
-                         ids=["default", "EARLYFalse-op", "PERSIST-op", "PRW4-op", "PRW1"])
+                                        ({"PRW": 4}, True), ({"PRW": 1}, False),
+                                        ({"PSM": 32}, True), ({"PSM": 64}, False),
+                                        ({"PSM": 16, "PERSIST": True, "GRID": 3}, False)],
+                         ids=["default", "EARLYFalse-op", "PERSIST-op", "PRW4-op", "PRW1",
+                              "PSM32-op", "PSM64", "PSM16-PERSIST"])
 def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(options, op,
                                                                              monkeypatch):
     # NP: the next layer's input RMSNorm + 4-bit input projection (80 rows: a
@@ -2102,7 +2105,10 @@ def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(opt
     # norm build on the block's output, bit for bit, with or without the
     # out-projection phase, with a grid of fewer blocks than tickets, and with
     # 4 or 1 next-projection rows per warp (PRW; 2 shipped: a row's
-    # arithmetic does not depend on it).
+    # arithmetic does not depend on it), and with 32, 64 or 16 rows per block
+    # staged in dynamic shared memory by cp.async (PSM: 3, 2 and 5 blocks of
+    # the 80 rows, the last partial but at 16; on a persistent grid of 3
+    # blocks, each taking several items into the same shared memory).
     for key, value in options.items():
         monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)
     shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
@@ -2146,7 +2152,8 @@ def test_moe_decode_block_gdn_is_the_gdn_launch_then_the_block_emulated(heads, b
 # Phases with the packed build: none (no OP, no NP), OP + NP, GD + NP, GD on
 # a persistent grid of 3 blocks.
 PACK_EMU_CASES = [("plain", {}), ("op-np", {}), ("gdn-np", {}),
-                  ("gdn", {"PERSIST": True, "GRID": 3}), ("gdn-np", {"PRW": 4})]
+                  ("gdn", {"PERSIST": True, "GRID": 3}), ("gdn-np", {"PRW": 4}),
+                  ("gdn-np", {"PSM": 64})]
 
 
 @pytest.mark.parametrize("phases,options", PACK_EMU_CASES,
@@ -3113,15 +3120,18 @@ def test_layer_profiler_phase_bounds_and_summary(monkeypatch):
     # phase's marks: starts, wait ends (a phase without a wait mark: its
     # start), work ends, blocks started within 1 us.
     m = _load_layer_profiler(monkeypatch)
-    for opts in ({}, {"GRPW": 4}, {"PRW": 4}):
+    for opts in ({}, {"GRPW": 4}, {"PRW": 4}, {"PSM": 64}):
         bounds = m.phase_bounds(opts)
         want = moe_ops._decode_block_launch(m.E, m.H, m.I, m.K, grpw=opts.get("GRPW"),
                                             out_proj=True, next_rows=m.PN,
-                                            gdn_heads=m.HEADS[1], prw=opts.get("PRW"))[2]
+                                            gdn_heads=m.HEADS[1], prw=opts.get("PRW"),
+                                            psm=opts.get("PSM"))[2]
         assert bounds[0] == 0 and bounds[-1] == want and len(bounds) == 7
     assert m.phase_bounds({})[1:3] == [32, 160]  # 32 GDN heads, 128 out-projection blocks
-    # 772 next-projection blocks of 16 rows; 386 of 32 with PRW 4.
-    assert [b[-1] - b[-2] for b in (m.phase_bounds({}), m.phase_bounds({"PRW": 4}))] == [772, 386]
+    # 772 next-projection blocks of 16 rows; 386 of 32 with PRW 4; 193 of 64
+    # with PSM 64.
+    assert [b[-1] - b[-2] for b in (m.phase_bounds({}), m.phase_bounds({"PRW": 4}),
+                                    m.phase_bounds({"PSM": 64}))] == [772, 386, 193]
     # Two phases of two tickets each: [start, wait end, work end, mark 3, SM] in ns.
     launch = [[1000, 0, 5000, 0, 0], [1500, 0, 6000, 0, 1],
               [1200, 7000, 9000, 0, 2], [3000, 8000, 12000, 0, 3]]

@@ -165,3 +165,109 @@ __device__ __forceinline__ float qab_q4_row_norm_inv(const XF xv_of, const float
   __syncthreads();
   return inv_s;
 }
+
+// qab_q4_gemv_rows for ROWS rows per block whose weights, scales and biases
+// are staged in shared memory (`wsm`, dynamic, at least
+// qab_q4_staged_bytes<ST, KD, G>(ROWS) bytes, 16-byte aligned) by cp.async
+// before `wait`: a block keeps ROWS rows' loads in flight without holding
+// them in registers, so that fewer, larger blocks cover a projection
+// (moe_decode_block.cu's next-projection items with PSM: 12,352 rows in 193
+// blocks of 64 instead of 772 of 16, which fit the GPU's resident blocks
+// when the phase starts instead of arriving in waves). Rows are warp w's
+// w * ROWS / NW + r, r < ROWS / NW; each row's arithmetic (lane l's chunks
+// l, l + 32, ..., the same fmaf order, the same warp sum) is
+// qab_q4_gemv_rows's, so the outputs are bit-identical. Scales and biases
+// are copied with cp.async when each row's (KD / G) ST values fill whole
+// 16-byte units and the arrays' addresses are 16-byte aligned, else by plain
+// loads. Every thread of the block must call it (block barriers).
+template <typename ST, int KD, int G>
+__host__ __device__ constexpr size_t qab_q4_staged_bytes(const int rows) {
+  return (size_t)rows * (KD / 2 + 2 * (KD / G) * sizeof(ST));
+}
+
+template <typename OutT, typename ST, int KD, int G, int ROWS, int BLOCK, typename XF,
+          typename Wait = QabNoWait>
+__device__ __forceinline__ void qab_q4_gemv_rows_staged(
+    const int row0, const int nout, const XF xv_of, const uint32_t* w, const ST* scales,
+    const ST* biases, OutT* y, float4* stage, float* stage_sum, uint4* wsm, Wait wait = Wait()) {
+  static_assert(KD % 1024 == 0 && G % 32 == 0, "qab_q4_gemv_rows_staged: KD % 1024, G % 32");
+  constexpr int NW = BLOCK / 32;
+  static_assert(ROWS % NW == 0, "qab_q4_gemv_rows_staged: ROWS a multiple of the block's warps");
+  constexpr int RPWS = ROWS / NW;  // rows per warp
+  constexpr int NC = KD / 32;      // 32-value chunks per row (a uint4 of weights each)
+  constexpr int CPL = NC / 32;     // chunks per lane
+  constexpr int GPR = KD / G;      // quantization groups per row
+  constexpr bool SB16 = (GPR * sizeof(ST)) % 16 == 0;
+  auto& xs = *reinterpret_cast<float4(*)[8][NC]>(stage);
+  float* xsum = stage_sum;
+  uint4* wst = wsm;                                              // [ROWS][NC]
+  ST* sst = reinterpret_cast<ST*>(wsm + (size_t)ROWS * NC);      // [ROWS][GPR]
+  ST* bst = sst + (size_t)ROWS * GPR;                            // [ROWS][GPR]
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int nrows = nout - row0 < ROWS ? nout - row0 : ROWS;
+
+  const uint4* wg = reinterpret_cast<const uint4*>(w + (size_t)row0 * (KD / 8));
+  for (int e = tid; e < nrows * NC; e += BLOCK) {
+    qab_cp_async16(wst + e, wg + e);
+  }
+  const ST* sg = scales + (size_t)row0 * GPR;
+  const ST* bg = biases + (size_t)row0 * GPR;
+  if (SB16 && ((reinterpret_cast<uintptr_t>(sg) | reinterpret_cast<uintptr_t>(bg)) & 15) == 0) {
+    constexpr int SQ = SB16 ? GPR * (int)sizeof(ST) / 16 : 1;  // uint4 per row
+    for (int e = tid; e < nrows * SQ; e += BLOCK) {
+      qab_cp_async16(reinterpret_cast<uint4*>(sst) + e, reinterpret_cast<const uint4*>(sg) + e);
+      qab_cp_async16(reinterpret_cast<uint4*>(bst) + e, reinterpret_cast<const uint4*>(bg) + e);
+    }
+  } else {
+    for (int e = tid; e < nrows * GPR; e += BLOCK) {
+      sst[e] = sg[e];
+      bst[e] = bg[e];
+    }
+  }
+  qab_cp_async_commit();
+  wait();
+  for (int e = tid; e < NC * 8; e += BLOCK) {
+    const int c = e >> 3;
+    const int j4 = e & 7;
+    const int k0 = c * 32 + j4 * 4;
+    xs[j4][c] = make_float4(xv_of(k0), xv_of(k0 + 1), xv_of(k0 + 2), xv_of(k0 + 3));
+  }
+  __syncthreads();
+  for (int c = tid; c < NC; c += BLOCK) {
+    xsum[c] = qab_q4_chunk_sum<NC>(xs, c);
+  }
+  qab_cp_async_wait<0>();
+  __syncthreads();
+  float acc[RPWS];
+#pragma unroll
+  for (int r = 0; r < RPWS; ++r) {
+    acc[r] = 0.f;
+  }
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = lane + 32 * i;
+    float xv[32];
+    qab_q4_chunk_x<NC>(xs, c, xv);
+    const float s = xsum[c];
+    const int gi = (c * 32) / G;
+#pragma unroll
+    for (int r = 0; r < RPWS; ++r) {
+      const int row = warp * RPWS + r;
+      if (row < nrows) {
+        const float sc = static_cast<float>(sst[row * GPR + gi]);
+        const float bi = static_cast<float>(bst[row * GPR + gi]);
+        acc[r] = fmaf(sc, qab_q4_dot32(wst[row * NC + c], xv), fmaf(bi, s, acc[r]));
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < RPWS; ++r) {
+    const int row = warp * RPWS + r;
+    const float v = qab_warp_sum(acc[r]);
+    if (lane == 0 && row < nrows) {
+      y[row0 + row] = static_cast<OutT>(v);
+    }
+  }
+}

@@ -106,7 +106,7 @@
 // threadgroup (BLOCK, 1, 1), BLOCK = 256 (the three kernels' block), with
 //   OBLK = OP ? ceil(H / (2 BLOCK / 32)) : 0, RBLK = ceil(E / (RB BLOCK / 32)),
 //   GBLK = ceil(32 ((K + 1) I / GRPW + 1) / BLOCK), DBLK = ceil(32 H / 2 / BLOCK),
-//   PBLK = NP ? ceil(PN / (PRW BLOCK / 32)) : 0, GDBLK = GD ? GHv : 0.
+//   PBLK = NP ? ceil(PN / (PSM ? PSM : PRW BLOCK / 32)) : 0, GDBLK = GD ? GHv : 0.
 // Template: T (activations, norm weight, router scales/biases, scores),
 // H (hidden size), E, K, I (expert intermediate size), G (experts' group
 // size), RG (router group size), SGB, SGG (shared gate bits and group size),
@@ -138,7 +138,15 @@
 // arithmetic does not depend on it, so every PRW gives the same bits; 4
 // halves its blocks, 772 -> 386 at the Gated DeltaNet's 12,352 rows, and
 // doubles each lane's weight loads in flight; 8 spills registers under the
-// two-blocks-per-SM cap with nvcc 13).
+// two-blocks-per-SM cap with nvcc 13), PSM (0: as PRW says; > 0, a multiple
+// of BLOCK / 32: each next-projection item covers PSM rows whose weights,
+// scales and biases it copies into the launch's dynamic shared memory with
+// cp.async before it waits, gemv_q4.cuh's qab_q4_gemv_rows_staged, the same
+// bits; the launch then requests qab_q4_staged_bytes<T, H, PG>(PSM) bytes of
+// dynamic shared memory. At 12,352 rows and 64 per item the phase has 193
+// items instead of 772, so that its blocks fit the GPU's resident slots as
+// the earlier phases leave them instead of arriving in three waves, each
+// holding 72 KB of loads in flight).
 // Requirements: each of the three kernels' (see their sources); with OP,
 // DO % 1024 == 0 and OG % 32 == 0; with NP, H % 1024 == 0 and PG % 32 == 0.
 // Inputs: x, r [N, H] T (residual stream, mixer output); nw [H] T; eps [4]
@@ -265,8 +273,11 @@ constexpr int GDBLK = 0;
 // The out-projection phase (OP): blocks per token row, QAB_OUT_RPW rows per warp.
 constexpr int QAB_OUT_RPW = 2;
 constexpr int OBLK = OP ? (H + (BLOCK / 32) * QAB_OUT_RPW - 1) / ((BLOCK / 32) * QAB_OUT_RPW) : 0;
-// The next-projection phase (NP): blocks per token row, PRW rows per warp.
-constexpr int PBLK = NP ? (PN + (BLOCK / 32) * PRW - 1) / ((BLOCK / 32) * PRW) : 0;
+// The next-projection phase (NP): blocks per token row of QAB_NP_ROWS rows,
+// PRW per warp in registers, or with PSM > 0 PSM rows staged in the dynamic
+// shared memory (qab_q4_gemv_rows_staged).
+constexpr int QAB_NP_ROWS = PSM > 0 ? PSM : (BLOCK / 32) * PRW;
+constexpr int PBLK = NP ? (PN + QAB_NP_ROWS - 1) / QAB_NP_ROWS : 0;
 // One staging buffer for both projection phases' input rows (DO or H values).
 constexpr int QAB_STAGE_NC = !(OP || NP) ? 1 : (OP && DO > H) ? DO / 32 : H / 32;
 __shared__ float4 gemv_stage[8 * QAB_STAGE_NC];
@@ -528,23 +539,31 @@ while (true) {
     const int p = q - n * PBLK;
     const T* orow = out + (size_t)n * H;
     float inv = 0.f;
-    qab_q4_gemv_rows<T, T, H, PG, PRW>(
-        p * (BLOCK / 32) * PRW, PN,
-        [&](const int k) {
-          // quantized_gemv's NORM staging: T(nw * T(x * inv)).
-          const float nv = static_cast<float>(static_cast<T>(
-              static_cast<float>(qab_ldcg(orow + k)) * inv));
-          return static_cast<float>(static_cast<T>(static_cast<float>(pnw[k]) * nv));
-        },
-        pw, ps, pb, po + (size_t)n * PN, gemv_stage, gemv_stage_sum, [&]() {
-          if (tid == 0) {
-            qab_wait_count(d_done, static_cast<uint32_t>(DBLK * rows));
-          }
-          __syncthreads();
-          QAB_MARK(1);
-          inv = qab_q4_row_norm_inv<H>(
-              [&](const int k) { return static_cast<float>(qab_ldcg(orow + k)); }, peps[0]);
-        });
+    // quantized_gemv's NORM staging: T(nw * T(x * inv)).
+    auto np_x = [&](const int k) {
+      const float nv = static_cast<float>(static_cast<T>(
+          static_cast<float>(qab_ldcg(orow + k)) * inv));
+      return static_cast<float>(static_cast<T>(static_cast<float>(pnw[k]) * nv));
+    };
+    auto np_wait = [&]() {
+      if (tid == 0) {
+        qab_wait_count(d_done, static_cast<uint32_t>(DBLK * rows));
+      }
+      __syncthreads();
+      QAB_MARK(1);
+      inv = qab_q4_row_norm_inv<H>(
+          [&](const int k) { return static_cast<float>(qab_ldcg(orow + k)); }, peps[0]);
+    };
+    if constexpr (PSM > 0) {
+      extern __shared__ uint4 qab_np_stage[];
+      qab_q4_gemv_rows_staged<T, T, H, PG, PSM, BLOCK>(
+          p * PSM, PN, np_x, pw, ps, pb, po + (size_t)n * PN, gemv_stage, gemv_stage_sum,
+          qab_np_stage, np_wait);
+    } else {
+      qab_q4_gemv_rows<T, T, H, PG, PRW>(p * (BLOCK / 32) * PRW, PN, np_x, pw, ps, pb,
+                                         po + (size_t)n * PN, gemv_stage, gemv_stage_sum,
+                                         np_wait);
+    }
     QAB_MARK(2);
   }
   if (!PERSIST) {

@@ -1674,12 +1674,27 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: :func:`moe_decode_block`'s ``early``). The defaults were the fastest of
 #: benchmarks/profile_moe_block_gpu.py's variants on the H200 (STAGE: 34.3
 #: against 43 us per launch there, two runs; EARLY: 29.5 / 29.3 against 34.6
-#: / 35.4, two runs).
+#: / 35.4, two runs). PRW, the next projection's rows per warp (registers);
+#: PSM, 0 or the next projection's rows per block staged in dynamic shared
+#: memory by cp.async (:func:`decode_block_dynamic_shared_bytes`; then PRW is
+#: not used): fewer, larger next-projection blocks, the same bits.
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
-                        "STAGE": True, "GRPW": 2, "EARLY": True, "PRW": 2}
+                        "STAGE": True, "GRPW": 2, "EARLY": True, "PRW": 2, "PSM": 0}
 #: The values of DECODE_BLOCK_OPTIONS' row counts a launch accepts (PRW 8
-#: spills registers at the two blocks per SM the block is built for).
-DECODE_BLOCK_CHOICES = {"GRPW": (1, 2, 4), "PRW": (1, 2, 4)}
+#: spills registers at the two blocks per SM the block is built for; PSM
+#: above 64 would leave room for only one block per SM).
+DECODE_BLOCK_CHOICES = {"GRPW": (1, 2, 4), "PRW": (1, 2, 4), "PSM": (0, 16, 32, 48, 64)}
+
+
+def decode_block_dynamic_shared_bytes(psm: int, H: int, group_size: int, dtype: mx.Dtype) -> int:
+    """Bytes of dynamic shared memory a :func:`moe_decode_block` launch with
+    the next-projection phase requests at ``DECODE_BLOCK_OPTIONS["PSM"] ==
+    psm``: ``psm`` rows of the ``[PN, H]`` 4-bit projection (``H / 2`` bytes
+    each) and their scales and biases (``H / group_size`` values of ``dtype``
+    each; the kernel's ``qab_q4_staged_bytes``); 0 when ``psm`` is 0."""
+    if not psm:
+        return 0
+    return int(psm) * (H // 2 + 2 * (H // int(group_size)) * dtype.size)
 
 
 def decode_block_counter_length(rows: int = FOLD_NORM_MAX_ROWS) -> int:
@@ -1795,11 +1810,12 @@ def _q4_affine_matrix(w: Optional[ExpertWeights], rows: int, cols: int, dtype: m
             and w.scales.dtype == dtype and w.biases.dtype == dtype)
 
 
-def _proj_phase_blocks(rows: int, rpw: int = _OUT_PROJ_RPW) -> int:
+def _proj_phase_blocks(rows: int, rpw: int = _OUT_PROJ_RPW, psm: int = 0) -> int:
     """Blocks per token row of a moe_decode_block projection phase with
     ``rows`` output rows (OP: H; NP: the next projection's rows) and ``rpw``
-    rows per warp (OP: 2; NP: ``DECODE_BLOCK_OPTIONS["PRW"]``)."""
-    per_block = (_GEMV_BLOCK // 32) * int(rpw)
+    rows per warp (OP: 2; NP: ``DECODE_BLOCK_OPTIONS["PRW"]``), or ``psm``
+    rows per block when nonzero (NP: ``DECODE_BLOCK_OPTIONS["PSM"]``)."""
+    per_block = int(psm) or (_GEMV_BLOCK // 32) * int(rpw)
     return -(-rows // per_block)
 
 
@@ -1909,19 +1925,24 @@ def gated_delta_step_supported(x: mx.array, step: GatedDeltaStep,
             and DO % 1024 == 0 and _q4_affine_matrix(out_weights, H, DO, dtype))
 
 
+# shared_memory: the dynamic shared memory a launch requests (PSM's staged
+# rows; MLX sets it when it builds the kernel object), 0 for none.
 @functools.lru_cache(maxsize=None)
-def _decode_block_object(backend: str):
-    return build_kernel("moe_decode_block", backend)
-
-
-@functools.lru_cache(maxsize=None)
-def _decode_block_gdn_object(backend: str):
-    return build_kernel("moe_decode_block_gdn", backend)
+def _decode_block_object(backend: str, shared_memory: int = 0):
+    return build_kernel("moe_decode_block", backend,
+                        **({"shared_memory": shared_memory} if shared_memory else {}))
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_block_pack_object(backend: str, gdn: bool = False):
-    return build_kernel("moe_decode_block_gdn_pack" if gdn else "moe_decode_block_pack", backend)
+def _decode_block_gdn_object(backend: str, shared_memory: int = 0):
+    return build_kernel("moe_decode_block_gdn", backend,
+                        **({"shared_memory": shared_memory} if shared_memory else {}))
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_block_pack_object(backend: str, gdn: bool = False, shared_memory: int = 0):
+    return build_kernel("moe_decode_block_gdn_pack" if gdn else "moe_decode_block_pack", backend,
+                        **({"shared_memory": shared_memory} if shared_memory else {}))
 
 
 #: Byte alignment of each segment of :func:`decode_block_pack` (the kernel's ``pk_take``).
@@ -2116,14 +2137,16 @@ def _decode_block_phase_blocks(E: int, H: int, I: int, K: int,
 
 def _decode_block_launch(E: int, H: int, I: int, K: int, grpw: Optional[int] = None,
                          out_proj: bool = False, next_rows: int = 0,
-                         gdn_heads: int = 0, prw: Optional[int] = None) -> tuple[int, int, int]:
+                         gdn_heads: int = 0, prw: Optional[int] = None,
+                         psm: Optional[int] = None) -> tuple[int, int, int]:
     """``(BLOCK, RB, blocks per token row)`` of a moe_decode_block launch: with
     ``gdn_heads`` (the GDN step's value heads) the GDN step's, with
     ``out_proj`` the out-projection's, then the route's, the fold's gate/up and
     the fold's down blocks, one after the other, then with ``next_rows`` (the
-    next projection's rows, ``prw`` per warp; None:
-    ``DECODE_BLOCK_OPTIONS["PRW"]``) the next-projection's."""
+    next projection's rows, ``prw`` per warp or ``psm`` per block; None:
+    ``DECODE_BLOCK_OPTIONS["PRW"]``, ``["PSM"]``) the next-projection's."""
     prw = int(DECODE_BLOCK_OPTIONS["PRW"] if prw is None else prw)
+    psm = int(DECODE_BLOCK_OPTIONS["PSM"] if psm is None else psm)
     block, rb, _ = _add_norm_route_launch(E)
     # The kernel derives every phase's block count from its one BLOCK.
     if block != _GEMV_BLOCK:
@@ -2131,7 +2154,7 @@ def _decode_block_launch(E: int, H: int, I: int, K: int, grpw: Optional[int] = N
                            f"equal, got {block} and {_GEMV_BLOCK}")
     return block, rb, (sum(_decode_block_phase_blocks(E, H, I, K, grpw)) + int(gdn_heads)
                        + (_proj_phase_blocks(H) if out_proj else 0)
-                       + (_proj_phase_blocks(next_rows, prw) if next_rows else 0))
+                       + (_proj_phase_blocks(next_rows, prw, psm) if next_rows else 0))
 
 
 def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
@@ -2187,6 +2210,16 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
     E, K = gate.weight.shape[0], int(top_k)
     I = gate_up.weight.shape[1] // 2
     op_name = "moe_decode_block" if gdn_step is None else "moe_decode_block_gdn"
+    opts = _decode_block_build(stage, early, bool(prefetch), out_proj is not None,
+                               next_proj is not None)
+    if int(opts["PSM"]) not in DECODE_BLOCK_CHOICES["PSM"]:
+        raise ValueError(f"DECODE_BLOCK_OPTIONS: PSM (the next projection's rows per block "
+                         f"staged in shared memory) must be one of "
+                         f"{', '.join(map(str, DECODE_BLOCK_CHOICES['PSM']))}, "
+                         f"got PSM={opts['PSM']!r}")
+    smem = (decode_block_dynamic_shared_bytes(int(opts["PSM"]), H,
+                                              next_proj.weights.group_size, x.dtype)
+            if next_proj is not None else 0)
     if pack is not None:
         words = decode_block_pack_bytes(gate, gate_up, shared) // 4
         if pack.dtype != mx.uint32 or pack.shape != (words,):
@@ -2208,15 +2241,14 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
                              f"(decode_block_pack_counter_length), got {counter.shape} "
                              f"{counter.dtype}")
         op_name += "_pack"
-        obj = _decode_block_pack_object(backend, gdn_step is not None)
+        obj = _decode_block_pack_object(backend, gdn_step is not None, smem)
     else:
-        obj = (_decode_block_object if gdn_step is None else _decode_block_gdn_object)(backend)
+        obj = (_decode_block_object if gdn_step is None else _decode_block_gdn_object)(backend,
+                                                                                        smem)
     if obj is None:
         raise RuntimeError(f"no {op_name} source or MLX API for {backend}")
     if len(prefetch) > 3:
         raise ValueError(f"moe_decode_block prefetches at most 3 arrays, got {len(prefetch)}")
-    opts = _decode_block_build(stage, early, bool(prefetch), out_proj is not None,
-                               next_proj is not None)
     if int(opts["CS"]) < 1 or (opts["GRID"] is not None and int(opts["GRID"]) < 1):
         raise ValueError(f"DECODE_BLOCK_OPTIONS: CS must be >= 1 and GRID None or >= 1, got "
                          f"CS={opts['CS']!r}, GRID={opts['GRID']!r}")
@@ -2229,7 +2261,7 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
     PN = next_proj.weights.weight.shape[0] if next_proj is not None else 0
     gdn_heads = 0 if gdn_step is None else int(gdn_step.heads[1])
     block, rb, blocks = _decode_block_launch(E, H, I, K, int(opts["GRPW"]), opts["OP"], PN,
-                                             gdn_heads, int(opts["PRW"]))
+                                             gdn_heads, int(opts["PRW"]), int(opts["PSM"]))
     grid_blocks = blocks * N
     if opts["PERSIST"] and opts["GRID"]:
         grid_blocks = min(grid_blocks, int(opts["GRID"]))
@@ -2264,7 +2296,7 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
                 ("EARLY", bool(opts["EARLY"])), ("PF", bool(opts["PF"])),
                 ("OP", bool(opts["OP"])), ("DO", int(DO)), ("OG", OG),
                 ("NP", bool(opts["NP"])), ("PN", max(int(PN), 1)), ("PG", PG),
-                ("PRW", int(opts["PRW"]))]
+                ("PRW", int(opts["PRW"])), ("PSM", int(opts["PSM"]))]
     if pack is not None:
         template.append(("WSO", decode_block_pack_workspace_offset()))
     gd_inputs, gd_shapes, gd_dtypes = [], [], []
