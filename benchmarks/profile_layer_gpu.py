@@ -30,7 +30,7 @@ random weights, bfloat16) and measures them two ways:
   the shipped build's occupancy before reading phase overlaps.
 
 Variants are ``ops.moe.DECODE_BLOCK_OPTIONS`` settings and the build keys of
-``profile_moe_block_gpu.py`` (``SLEEP``, ``MINB``, ``RELAXED``), written
+``profile_moe_block_gpu.py`` (``SLEEP``, ``MINB``, ``RELAXED``, ``RTBLK``), written
 ``PRW=4+MINB=2`` (``PRW``: the next projection's rows per warp, 2 shipped,
 4 halving its 772 blocks), plus ``PACK=0`` (the unpacked GD build,
 ``moe_decode_block_gdn``, 47 inputs instead of 27); ``default`` is the
@@ -345,7 +345,8 @@ def phase_bounds(opts: dict) -> list[int]:
     rblk, gblk, dblk = moe_ops._decode_block_phase_blocks(E, H, I, K, opts.get("GRPW"))
     prw = opts.get("PRW", moe_ops.DECODE_BLOCK_OPTIONS["PRW"])
     psm = opts.get("PSM", moe_ops.DECODE_BLOCK_OPTIONS["PSM"])
-    sizes = [HEADS[1], moe_ops._proj_phase_blocks(H), rblk, gblk, dblk,
+    gds = opts.get("GDS", moe_ops.DECODE_BLOCK_OPTIONS["GDS"])
+    sizes = [HEADS[1] * gds, moe_ops._proj_phase_blocks(H), rblk, gblk, dblk,
              moe_ops._proj_phase_blocks(PN, prw, psm)]
     bounds = [0]
     for s in sizes:

@@ -33,7 +33,9 @@ settings of the kernel text: ``SLEEP=ns`` (``QAB_WAIT_SLEEP_NS``, the wait's
 sleep between polls), ``MINB=n`` (the kernel declared
 ``__launch_bounds__(BLOCK, n)``: at least n blocks per SM, registers capped to
 fit) and ``RELAXED`` (``QAB_WAIT_RELAXED``: relaxed polls and one acquire
-fence instead of an acquire load per poll); ``default`` is the shipped
+fence instead of an acquire load per poll), ``RTBLK`` (``QAB_GEMV_NT 0``: the
+projection phases stage their input in a loop over ``blockDim.x``, as before
+the unrolled staging); ``default`` is the shipped
 setting. The timeline also records, per phase, how many blocks took their
 ticket within 1 us of the first (``started_1us``: the blocks resident at the
 start; the marks cost registers, so check it against the shipped build's
@@ -77,7 +79,7 @@ DEFAULT_VARIANTS = "default,EARLY=0,STAGE=0+EARLY=0,CS=1+PREFETCH=0+STAGE=0+EARL
 SHAPE = (1, 256, 2048, 512, 8)
 PHASES = ("route", "gate/up", "down")
 #: Variant keys that change the kernel's text (a header prefix), not its template.
-BUILD_KEYS = ("SLEEP", "MINB", "RELAXED")
+BUILD_KEYS = ("SLEEP", "MINB", "RELAXED", "RTBLK")
 #: QAB_MARK as the --timeline build defines it: thread 0 stores the global
 #: timer (ns) as mark k of its ticket.
 MARK_DEFINE = ("#define QAB_MARK(k) do { if (threadIdx.x == 0) { unsigned long long qab_t_; "
@@ -97,20 +99,23 @@ def build_prefix(variant: dict) -> str:
                  f"__launch_bounds__(256, {int(variant['MINB'])})\n")
     if variant.get("RELAXED"):
         text += "#define QAB_WAIT_RELAXED 1\n"
+    if variant.get("RTBLK"):
+        text += "#define QAB_GEMV_NT 0\n"
     return text
 
 
 _KERNELS: dict = {}
 
 
-def variant_kernel(prefix: str, stamps: bool = False):
+def variant_kernel(prefix: str, stamps: bool = False, shared_memory: int = 0):
     """moe_decode_block built with ``prefix`` before its header (and the phase marks
-    recording into one more output, ``stamps``, when asked); one object per build."""
+    recording into one more output, ``stamps``, when asked; ``shared_memory``
+    the dynamic bytes a PSM build requests); one object per build."""
     import mlx.core as mx
 
     from qwen_apple_backend.ops._sources import compact, kernel_source
 
-    key = (prefix, stamps)
+    key = (prefix, stamps, shared_memory)
     if key not in _KERNELS:
         src = kernel_source("moe_decode_block", "cuda")
         tag = f"_v{len(_KERNELS)}"
@@ -118,7 +123,8 @@ def variant_kernel(prefix: str, stamps: bool = False):
             name=src.name + tag, input_names=list(src.inputs),
             output_names=list(src.outputs) + (["stamps"] if stamps else []),
             source=compact(src.body),
-            header=(MARK_DEFINE if stamps else "") + prefix + compact(src.header))
+            header=(MARK_DEFINE if stamps else "") + prefix + compact(src.header),
+            shared_memory=shared_memory)
     return _KERNELS[key]
 
 
@@ -150,7 +156,7 @@ def parse_variant(text: str) -> dict:
             out[key] = int(value)
         except ValueError:
             raise ValueError(f"variant {text!r}: {key}={value!r} is not an integer") from None
-        if key in ("PERSIST", "PREFETCH", "RELAXED", "STAGE", "EARLY"):
+        if key in ("PERSIST", "PREFETCH", "RELAXED", "STAGE", "EARLY", "RTBLK"):
             if out[key] not in (0, 1):
                 raise ValueError(f"variant {text!r}: {key} is a flag: 0 or 1, got {out[key]}")
             out[key] = bool(out[key])
@@ -224,10 +230,11 @@ class _Options:
             {k: v for k, v in self.variant.items() if k not in BUILD_KEYS})
         prefix = build_prefix(self.variant)
         if prefix or self.stamps:
-            kernel = variant_kernel(prefix, self.stamps)
-            if self.stamps:
-                kernel = _StampedKernel(kernel, self.stamps)
-            moe_ops._decode_block_object = lambda backend: kernel
+            def kernel(shared_memory=0):
+                k = variant_kernel(prefix, self.stamps, shared_memory)
+                return _StampedKernel(k, self.stamps) if self.stamps else k
+
+            moe_ops._decode_block_object = lambda backend, shared_memory=0: kernel(shared_memory)
 
     def __exit__(self, *exc):
         from qwen_apple_backend.ops import moe as moe_ops

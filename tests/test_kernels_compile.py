@@ -144,7 +144,7 @@ CASES = {
          "PREFETCH": True, "STAGE": True, "GRPW": 2, "EARLY": True, "PF": False,
          "OP": True, "DO": 4096, "OG": 64, "NP": True, "PN": 12352, "PG": 64, "PRW": 2, "PSM": 0,
          "GHk": 16, "GHv": 32, "GDk": 128, "GDv": 128, "GKc": 4, "GBIAS": False,
-         "GW": 12352}),
+         "GW": 12352, "GDS": 1}),
     # Qwen3.6's token embedding (248,320 rows of 2,048, 4-bit, group 64).
     "embedding_dequantize": (
         ["u32", "u32", "bf16", "bf16"], ["bf16"],
@@ -407,9 +407,15 @@ _BLOCK_OP_NP = (CASES["moe_decode_block"][0], CASES["moe_decode_block"][1],
                                       CASES["moe_decode_block_gdn_pack"]),
                                      ("moe_decode_block_gdn_pack",
                                       (*CASES["moe_decode_block_gdn_pack"][:2],
-                                       {**CASES["moe_decode_block_gdn_pack"][2], "PRW": 4}))],
+                                       {**CASES["moe_decode_block_gdn_pack"][2], "PRW": 4})),
+                                     ("moe_decode_block_gdn_pack",
+                                      (*CASES["moe_decode_block_gdn_pack"][:2],
+                                       {**CASES["moe_decode_block_gdn_pack"][2], "GDS": 4})),
+                                     ("moe_decode_block_gdn_pack",
+                                      (*CASES["moe_decode_block_gdn_pack"][:2],
+                                       {**CASES["moe_decode_block_gdn_pack"][2], "GDS": 2}))],
                          ids=["op-np", "gd-op-np", "pack-op-np", "pack-gd-op-np",
-                              "pack-gd-op-np-prw4"])
+                              "pack-gd-op-np-prw4", "pack-gd-op-np-gds4", "pack-gd-op-np-gds2"])
 def test_moe_block_keeps_two_blocks_per_sm(op, case, tmp_path):
     # The one-launch MoE block at Qwen3.6's shape (OP + NP; and with the GDN
     # step first, GD; and with 4 next-projection rows per warp, PRW; with 8
@@ -441,5 +447,6 @@ def test_moe_block_with_staged_next_projection_keeps_two_blocks_per_sm(psm, tmp_
                          capture_output=True, text=True, timeout=300)
     static = max(int(m) for m in re.findall(r"(\d+) bytes smem", log.stdout + log.stderr))
     dynamic = decode_block_dynamic_shared_bytes(psm, 2048, 64, mx.bfloat16)
-    assert dynamic == psm * (1024 + 128)
+    # (raised to 48 KB, so that MLX lifts the kernel's limit: see ops.moe)
+    assert dynamic == max(psm * (1024 + 128), 48 * 1024)
     assert 2 * (static + dynamic + 1024) <= 228 * 1024, (static, dynamic)

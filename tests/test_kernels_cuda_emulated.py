@@ -2122,10 +2122,15 @@ def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(opt
 # (Hk, Hv, Dk, Dv), conv bias, next projection rows (0: no NP), build options:
 # 4 passes of 4 state rows per warp (Dv 128 -> 16 rows per warp), 2 passes
 # with 2 lanes' floats per row and a conv bias, and a grid of fewer blocks
-# than tickets.
+# than tickets; then the same with each head split over GDS items (4 items
+# of 32 rows, one pass; 2 of 32 rows of 2 floats per lane; a persistent
+# grid), their gated RMSNorm applied by the out-projection items.
 GDN_BLOCK_EMU_CASES = [((4, 8, 32, 128), False, 80, {}),
                        ((2, 16, 64, 64), True, 0, {"EARLY": False}),
-                       ((4, 8, 32, 128), False, 0, {"PERSIST": True, "GRID": 3})]
+                       ((4, 8, 32, 128), False, 0, {"PERSIST": True, "GRID": 3}),
+                       ((4, 8, 32, 128), False, 80, {"GDS": 4}),
+                       ((2, 16, 64, 64), True, 0, {"GDS": 2}),
+                       ((4, 8, 32, 128), False, 0, {"GDS": 4, "PERSIST": True, "GRID": 3})]
 
 
 @pytest.mark.parametrize("heads,bias,pn,options", GDN_BLOCK_EMU_CASES,
@@ -2153,7 +2158,7 @@ def test_moe_decode_block_gdn_is_the_gdn_launch_then_the_block_emulated(heads, b
 # a persistent grid of 3 blocks.
 PACK_EMU_CASES = [("plain", {}), ("op-np", {}), ("gdn-np", {}),
                   ("gdn", {"PERSIST": True, "GRID": 3}), ("gdn-np", {"PRW": 4}),
-                  ("gdn-np", {"PSM": 64})]
+                  ("gdn-np", {"PSM": 64}), ("gdn-np", {"GDS": 4, "PSM": 32})]
 
 
 @pytest.mark.parametrize("phases,options", PACK_EMU_CASES,

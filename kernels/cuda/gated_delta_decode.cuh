@@ -56,17 +56,27 @@
 // registers per thread with nvcc 13 for sm_90, one block of 256 threads per SM
 // instead of two). Each row's arithmetic is the same in every pass layout,
 // so the results are bit-identical.
+// SPLIT > 1 (the MoE block's GD phase with GDS): the call covers only part
+// `part` of the head's Dv state rows, Dv / SPLIT of them (the value channels
+// it convolves, its state rows, their outputs), so that SPLIT blocks share a
+// head and each keeps all of its state loads in flight at once; it writes
+// the head's outputs BEFORE the gated RMSNorm, y rounded to InT, into out, and
+// the caller applies phase 4 (qab_gdn_gated_norm_inv and qab_gdn_gated_out:
+// the same arithmetic in the same order, the same bits). Each row's
+// arithmetic is the unsplit call's.
 template <typename InT, typename WT, int Hk, int Hv, int Dk, int Dv, int Kc, int BLOCK,
           bool HAS_BIAS, bool HAS_MASK, bool HAS_LENGTHS, int PROJ_W, int PASSES = 1,
-          typename MT, typename LT>
+          int SPLIT = 1, typename MT, typename LT>
 __device__ __forceinline__ void qab_gdn_decode_head(
     const int b, const int hv, const InT* qkv, const InT* z, const InT* b_proj,
     const InT* a_proj, const InT* conv_state, const WT* conv_w, const WT* conv_b,
     const float* A_log, const WT* dt_bias, const WT* norm_w, const float* norm_eps,
     const float* state_in, const MT* mask, const LT* lengths, InT* out, InT* conv_state_out,
-    float* state_out) {
+    float* state_out, const int part = 0) {
+  static_assert(SPLIT >= 1 && Dv % SPLIT == 0, "qab_gdn_decode_head: SPLIT must divide Dv");
+  constexpr int DVS = Dv / SPLIT;           // this call's state rows
   constexpr int NW = BLOCK / 32;            // warps per block
-  constexpr int RPW = (Dv + NW - 1) / NW;   // state rows per warp
+  constexpr int RPW = (DVS + NW - 1) / NW;  // state rows per warp
   static_assert(PASSES >= 1 && RPW % PASSES == 0, "qab_gdn_decode_head: PASSES must divide RPW");
   constexpr int RPP = RPW / PASSES;         // state rows per warp and pass
   constexpr int NPER = Dk / 32;             // state floats per lane and row
@@ -81,10 +91,10 @@ __device__ __forceinline__ void qab_gdn_decode_head(
   constexpr int BA_ROW = PROJ_W ? PROJ_W : Hv;
   constexpr int B_OFF = PROJ_W ? CONV_DIM + Hv * Dv : 0;
   constexpr int A_OFF = PROJ_W ? CONV_DIM + Hv * Dv + Hv : 0;
-  constexpr int NCH = 2 * Dk + Dv;          // conv channels this block reads
+  constexpr int NCH = 2 * Dk + DVS;         // conv channels this block reads
   constexpr float QK_EPS = 1e-6f;
   __shared__ float conv_s[NCH];             // SiLU(conv): q (Dk), k (Dk), v (Dv)
-  __shared__ float y_s[Dv];
+  __shared__ float y_s[DVS];
 
   // Round to the input dtype and back, where the ops path rounds.
   auto rnd = [](float v) { return static_cast<float>(static_cast<InT>(v)); };
@@ -94,11 +104,12 @@ __device__ __forceinline__ void qab_gdn_decode_head(
   const int warp = tid >> 5;
   const int bh = b * Hv + hv;
   const int hk = hv / (Hv / Hk);
+  const int dv0 = part * DVS;               // this call's first state row
   const bool live = HAS_MASK ? static_cast<bool>(mask[b]) : true;
   const bool shift = HAS_LENGTHS ? lengths[b] > 0 : true;
 
   // State loads first (the first pass's rows): in flight during the conv phase.
-  const size_t sbase = (size_t)bh * Dv * Dk;
+  const size_t sbase = ((size_t)bh * Dv + dv0) * Dk;
   float s[RPP][NPER];
   auto load_state = [&](const int pass) {
 #pragma unroll
@@ -106,7 +117,7 @@ __device__ __forceinline__ void qab_gdn_decode_head(
       const int dv = (pass * RPP + r) * NW + warp;
 #pragma unroll
       for (int i = 0; i < NPER; ++i) {
-        s[r][i] = dv < Dv ? state_in[sbase + (size_t)dv * Dk + i * 32 + lane] : 0.f;
+        s[r][i] = dv < DVS ? state_in[sbase + (size_t)dv * Dk + i * 32 + lane] : 0.f;
       }
     }
   };
@@ -123,8 +134,11 @@ __device__ __forceinline__ void qab_gdn_decode_head(
       ch = KEY_DIM + hk * Dk + (c - Dk);
       owner = hv % (Hv / Hk) == 0;
     } else {
-      ch = 2 * KEY_DIM + hv * Dv + (c - 2 * Dk);
+      ch = 2 * KEY_DIM + hv * Dv + dv0 + (c - 2 * Dk);
       owner = true;
+    }
+    if (c < 2 * Dk) {
+      owner = owner && part == 0;
     }
     float x[Kc];
 #pragma unroll
@@ -217,7 +231,7 @@ __device__ __forceinline__ void qab_gdn_decode_head(
 #pragma unroll
       for (int r = 0; r < RPP; ++r) {
         const int dv = (pass * RPP + r) * NW + warp;
-        const float vr = dv < Dv ? conv_s[2 * Dk + dv] : 0.f;
+        const float vr = dv < DVS ? conv_s[2 * Dk + dv] : 0.f;
         const float delta = (vr - kv[r]) * beta;
 #pragma unroll
         for (int i = 0; i < NPER; ++i) {
@@ -236,16 +250,23 @@ __device__ __forceinline__ void qab_gdn_decode_head(
 #pragma unroll
     for (int r = 0; r < RPP; ++r) {
       const int dv = (pass * RPP + r) * NW + warp;
-      if (dv < Dv) {
+      if (dv < DVS) {
 #pragma unroll
         for (int i = 0; i < NPER; ++i) {
           state_out[sbase + (size_t)dv * Dk + i * 32 + lane] = s[r][i];
         }
         if (lane == 0) {
-          y_s[dv] = rnd(yr[r]);
+          if constexpr (SPLIT > 1) {
+            out[(size_t)bh * Dv + dv0 + dv] = static_cast<InT>(rnd(yr[r]));
+          } else {
+            y_s[dv] = rnd(yr[r]);
+          }
         }
       }
     }
+  }
+  if constexpr (SPLIT > 1) {
+    return;  // the caller's phase 4 (qab_gdn_gated_norm_inv, qab_gdn_gated_out)
   }
   __syncthreads();
 
@@ -265,4 +286,37 @@ __device__ __forceinline__ void qab_gdn_decode_head(
     const float zz = static_cast<float>(z[(size_t)b * Z_ROW + Z_OFF + (size_t)hv * Dv + dv]);
     out[(size_t)bh * Dv + dv] = static_cast<InT>(zz / (1.f + expf(-zz)) * xw);
   }
+}
+
+// Phase 4 of qab_gdn_decode_head for a caller of its SPLIT build, which wrote
+// the head's y (rounded to InT) before the gated RMSNorm. inv of one head:
+// a warp's lanes sum y[i]^2 over i = lane, lane + 32, ... (y from `y_of`, a
+// functor giving y[i] of the head as float), then the butterfly, as phase 4
+// does in every warp: the same bits. Every lane of the warp must call it;
+// every lane gets inv.
+template <int Dv, typename YF>
+__device__ __forceinline__ float qab_gdn_gated_norm_inv(const YF y_of, const int lane,
+                                                        const float eps) {
+  float ss = 0.f;
+#pragma unroll
+  for (int i = lane; i < Dv; i += 32) {
+    const float v = y_of(i);
+    ss += v * v;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  }
+  return rsqrtf(ss / static_cast<float>(Dv) + eps);
+}
+
+// Phase 4's output for one element: silu(z) * rms_norm(y) * norm_w, rounded
+// as qab_gdn_decode_head rounds it (y: the InT-rounded output as float, inv:
+// its head's qab_gdn_gated_norm_inv, w: norm_w[dv], zz: z of the element).
+template <typename InT>
+__device__ __forceinline__ InT qab_gdn_gated_out(const float y, const float inv, const float w,
+                                                 const float zz) {
+  auto rnd = [](float v) { return static_cast<float>(static_cast<InT>(v)); };
+  const float xw = rnd(w * rnd(y * inv));
+  return static_cast<InT>(zz / (1.f + expf(-zz)) * xw);
 }

@@ -49,6 +49,32 @@ __device__ __forceinline__ float qab_q4_chunk_sum(const float4 (&xs)[8][NC], con
   return s;
 }
 
+// Stages x (KD = 32 NC values from `xv_of`, a functor giving x[k] as float)
+// chunk-transposed into xs[j4][c] (x[32 c + 4 j4 .. + 3] as a float4), element
+// e = c * 8 + j4 by thread e % threads. NT: the block's threads when known at
+// compile time and dividing 8 NC (the loop is unrolled: a thread's reads go
+// out together), else 0 (blockDim.x, a loop). The same values either way.
+template <int NC, int NT, typename XF>
+__device__ __forceinline__ void qab_q4_stage_x(float4 (&xs)[8][NC], const XF xv_of) {
+  const int tid = threadIdx.x;
+  auto one = [&](const int e) {
+    const int c = e >> 3;
+    const int j4 = e & 7;
+    const int k0 = c * 32 + j4 * 4;
+    xs[j4][c] = make_float4(xv_of(k0), xv_of(k0 + 1), xv_of(k0 + 2), xv_of(k0 + 3));
+  };
+  if constexpr (NT > 0 && (NC * 8) % NT == 0) {
+#pragma unroll
+    for (int j = 0; j < NC * 8 / NT; ++j) {
+      one(tid + j * NT);
+    }
+  } else {
+    for (int e = tid; e < NC * 8; e += blockDim.x) {
+      one(e);
+    }
+  }
+}
+
 // One thread block's share of y = x W^T for ONE token row, rows
 // [row0, row0 + (BLOCK / 32) RPW) of the NOUT outputs (rows past NOUT are
 // skipped), as quantized_gemv.cu computes them with M = 1, LPR = 32 (a warp's
@@ -62,8 +88,11 @@ __device__ __forceinline__ float qab_q4_chunk_sum(const float4 (&xs)[8][NC], con
 // items wait there for the row they read). Every thread of the block must
 // call it (it holds block barriers). Requires KD % 1024 == 0, G % 32 == 0.
 // w [NOUT, KD / 8] uint32; scales, biases [NOUT, KD / G] ST; y: the token
-// row's NOUT outputs.
-template <typename OutT, typename ST, int KD, int G, int RPW, typename XF,
+// row's NOUT outputs. NT: the block's threads when known at compile time (0:
+// blockDim.x): the staging loop is then unrolled, so that a thread's reads of
+// x (through L2 where another block wrote it: moe_decode_block.cu) go out
+// together instead of one round trip per iteration; the same values.
+template <typename OutT, typename ST, int KD, int G, int RPW, int NT = 0, typename XF,
           typename Wait = QabNoWait>
 __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout, const XF xv_of,
                                                  const uint32_t* w, const ST* scales,
@@ -98,12 +127,7 @@ __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout,
     }
   }
   wait();
-  for (int e = tid; e < NC * 8; e += blockDim.x) {
-    const int c = e >> 3;
-    const int j4 = e & 7;
-    const int k0 = c * 32 + j4 * 4;
-    xs[j4][c] = make_float4(xv_of(k0), xv_of(k0 + 1), xv_of(k0 + 2), xv_of(k0 + 3));
-  }
+  qab_q4_stage_x<NC, NT>(xs, xv_of);
   __syncthreads();
   for (int c = tid; c < NC; c += blockDim.x) {
     xsum[c] = qab_q4_chunk_sum<NC>(xs, c);
@@ -139,16 +163,29 @@ __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout,
 // over k = tid, tid + blockDim.x, ..., a warp butterfly, then the warps'
 // partials added in warp order. x[k] comes from `xv_of` (a functor giving it
 // as float). Every thread of the block must call it (block barriers); every
-// thread gets inv.
-template <int KD, typename XF>
+// thread gets inv. NT: the block's threads when known at compile time (the
+// loop unrolled, its reads out together; the same sum), else 0.
+template <int KD, int NT = 0, typename XF>
 __device__ __forceinline__ float qab_q4_row_norm_inv(const XF xv_of, const float eps) {
   __shared__ float red[32];
   __shared__ float inv_s;
   const int tid = threadIdx.x;
   float ss = 0.f;
-  for (int k = tid; k < KD; k += blockDim.x) {
-    const float v = xv_of(k);
-    ss += v * v;
+  if constexpr (NT > 0 && KD % NT == 0) {
+    float v[KD / NT];
+#pragma unroll
+    for (int j = 0; j < KD / NT; ++j) {
+      v[j] = xv_of(tid + j * NT);
+    }
+#pragma unroll
+    for (int j = 0; j < KD / NT; ++j) {
+      ss += v[j] * v[j];
+    }
+  } else {
+    for (int k = tid; k < KD; k += blockDim.x) {
+      const float v = xv_of(k);
+      ss += v * v;
+    }
   }
   ss = qab_warp_sum(ss);
   if ((tid & 31) == 0) {
@@ -228,12 +265,7 @@ __device__ __forceinline__ void qab_q4_gemv_rows_staged(
   }
   qab_cp_async_commit();
   wait();
-  for (int e = tid; e < NC * 8; e += BLOCK) {
-    const int c = e >> 3;
-    const int j4 = e & 7;
-    const int k0 = c * 32 + j4 * 4;
-    xs[j4][c] = make_float4(xv_of(k0), xv_of(k0 + 1), xv_of(k0 + 2), xv_of(k0 + 3));
-  }
+  qab_q4_stage_x<NC, BLOCK>(xs, xv_of);
   __syncthreads();
   for (int c = tid; c < NC; c += BLOCK) {
     xsum[c] = qab_q4_chunk_sum<NC>(xs, c);

@@ -106,7 +106,7 @@
 // threadgroup (BLOCK, 1, 1), BLOCK = 256 (the three kernels' block), with
 //   OBLK = OP ? ceil(H / (2 BLOCK / 32)) : 0, RBLK = ceil(E / (RB BLOCK / 32)),
 //   GBLK = ceil(32 ((K + 1) I / GRPW + 1) / BLOCK), DBLK = ceil(32 H / 2 / BLOCK),
-//   PBLK = NP ? ceil(PN / (PSM ? PSM : PRW BLOCK / 32)) : 0, GDBLK = GD ? GHv : 0.
+//   PBLK = NP ? ceil(PN / (PSM ? PSM : PRW BLOCK / 32)) : 0, GDBLK = GD ? GHv GDS : 0.
 // Template: T (activations, norm weight, router scales/biases, scores),
 // H (hidden size), E, K, I (expert intermediate size), G (experts' group
 // size), RG (router group size), SGB, SGG (shared gate bits and group size),
@@ -147,6 +147,11 @@
 // items instead of 772, so that its blocks fit the GPU's resident slots as
 // the earlier phases leave them instead of arriving in three waves, each
 // holding 72 KB of loads in flight).
+// GDS (GD builds only: 1, 2 or 4): Gated DeltaNet items per value head, each
+// Dv / GDS of its state rows (qab_gdn_decode_head's SPLIT): at 4, 128 items of
+// 16 KB of state in flight each instead of 32 items of 64 KB in four passes;
+// the out-projection items then apply the heads' gated RMSNorm as they stage
+// go (the same bits).
 // Requirements: each of the three kernels' (see their sources); with OP,
 // DO % 1024 == 0 and OG % 32 == 0; with NP, H % 1024 == 0 and PG % 32 == 0.
 // Inputs: x, r [N, H] T (residual stream, mixer output); nw [H] T; eps [4]
@@ -255,16 +260,25 @@ constexpr size_t QAB_PK_DB = QAB_PK_DS + QAB_PKW((size_t)E * H * (I / G) * sizeo
 #define d_biases QAB_PK_AT(T, QAB_PK_DB)
 #endif
 #ifdef QAB_BLOCK_GDN
-// The Gated DeltaNet phase (GD): one item per (token row, value head).
+// The Gated DeltaNet phase (GD): one item per (token row, value head), or
+// with GDS > 1 per (token row, value head, part): GDS items share a head,
+// each Dv / GDS of its state rows (qab_gdn_decode_head's SPLIT), and the
+// out-projection items apply the gated RMSNorm as they stage its output.
 constexpr bool GD = true;
-constexpr int GDBLK = GHv;
+static_assert(GDS == 1 || GDS == 2 || GDS == 4, "moe_decode_block: GDS is 1, 2 or 4");
+constexpr int GDBLK = GHv * GDS;
 // Phase 3 of the GDN step in passes over a warp's state rows: fewer state
 // floats in registers (see qab_gdn_decode_head). At Qwen3.6's heads (Dv 128,
 // 16 rows per warp) nvcc 13 for sm_90 gives this build 168 registers per
 // thread with one pass, 133 with 2 and 128 with 4 (the build without GD: 124),
-// and two blocks of 256 threads fit an SM only at <= 128.
-constexpr int QAB_GD_ROWS = (GDv + BLOCK / 32 - 1) / (BLOCK / 32);
-constexpr int QAB_GD_PASSES = QAB_GD_ROWS % 4 == 0 ? 4 : QAB_GD_ROWS % 2 == 0 ? 2 : 1;
+// and two blocks of 256 threads fit an SM only at <= 128. With GDS > 1 a
+// warp's rows (4 at GDS 4) fit in one pass of at most 16 floats per lane.
+constexpr int QAB_GD_ROWS = (GDv / GDS + BLOCK / 32 - 1) / (BLOCK / 32);
+constexpr int QAB_GD_FLOATS = QAB_GD_ROWS * (GDk / 32);
+constexpr int QAB_GD_PASSES =
+    GDS == 1 ? (QAB_GD_ROWS % 4 == 0 ? 4 : QAB_GD_ROWS % 2 == 0 ? 2 : 1)
+             : (QAB_GD_FLOATS > 16 && QAB_GD_ROWS % (QAB_GD_FLOATS / 16) == 0
+                    ? QAB_GD_FLOATS / 16 : 1);
 static_assert(OP && DO == GHv * GDv, "moe_decode_block: GD needs OP over the GDN's Hv Dv outputs");
 #else
 constexpr bool GD = false;
@@ -273,6 +287,12 @@ constexpr int GDBLK = 0;
 // The out-projection phase (OP): blocks per token row, QAB_OUT_RPW rows per warp.
 constexpr int QAB_OUT_RPW = 2;
 constexpr int OBLK = OP ? (H + (BLOCK / 32) * QAB_OUT_RPW - 1) / ((BLOCK / 32) * QAB_OUT_RPW) : 0;
+// The projection phases stage their input row with the block size known at
+// compile time (gemv_q4.cuh's NT: unrolled, a thread's L2 reads out at once);
+// a profiling build may define QAB_GEMV_NT 0 for the loop over blockDim.x.
+#ifndef QAB_GEMV_NT
+#define QAB_GEMV_NT BLOCK
+#endif
 // The next-projection phase (NP): blocks per token row of QAB_NP_ROWS rows,
 // PRW per warp in registers, or with PSM > 0 PSM rows staged in the dynamic
 // shared memory (qab_q4_gemv_rows_staged).
@@ -375,14 +395,16 @@ while (true) {
 
 #ifdef QAB_BLOCK_GDN
   if (tk < 0) {
-    // GDN item: value head hv of token row n, gated_delta_decode's per-head code.
+    // GDN item: value head hv (part gp) of token row n, gated_delta_decode's
+    // per-head code.
     const int n = (tk + GDBLK * rows) / GDBLK;
-    const int hv = tk + GDBLK * rows - n * GDBLK;
+    const int hp = tk + GDBLK * rows - n * GDBLK;
+    const int hv = hp / GDS;
     qab_gdn_decode_head<T, T, GHk, GHv, GDk, GDv, GKc, BLOCK, GBIAS, false, false, GW,
-                        QAB_GD_PASSES>(
+                        QAB_GD_PASSES, GDS>(
         n, hv, gd_proj, gd_proj, gd_proj, gd_proj, gd_conv_state, gd_conv_w, gd_conv_b,
         gd_A_log, gd_dt_bias, gd_norm_w, gd_eps, gd_state, gd_eps, gd_eps, go,
-        QAB_GD_CONV_OUT, QAB_GD_STATE_OUT);
+        QAB_GD_CONV_OUT, QAB_GD_STATE_OUT, hp - hv * GDS);
     QAB_MARK(2);
     __syncthreads();
     if (tid == 0) {
@@ -397,15 +419,52 @@ while (true) {
     const int o = tk - n * OBLK;
 #ifdef QAB_BLOCK_GDN
     // The GDN items' output: weight loads first, then the wait, then go through L2.
-    qab_q4_gemv_rows<T, T, DO, OG, QAB_OUT_RPW>(
-        o * (BLOCK / 32) * QAB_OUT_RPW, H, qab_row_load<true>(go + (size_t)n * DO), ow, os, ob,
-        ro + (size_t)n * H, gemv_stage, gemv_stage_sum, [&]() {
-          if (tid == 0) {
-            qab_wait_count(gd_done, static_cast<uint32_t>(GDBLK * rows));
-          }
-          __syncthreads();
-          QAB_MARK(1);
-        });
+    const T* gon = go + (size_t)n * DO;
+    auto gd_wait = [&]() {
+      if (tid == 0) {
+        qab_wait_count(gd_done, static_cast<uint32_t>(GDBLK * rows));
+      }
+      __syncthreads();
+      QAB_MARK(1);
+    };
+    if constexpr (GDS > 1) {
+      // go holds each head's y before the gated RMSNorm: each warp computes
+      // its heads' inv (qab_gdn_gated_norm_inv), then the staging applies it
+      // with z (qab_gdn_gated_out): the unsplit phase 4's bits.
+      __shared__ float gd_inv[GHv];
+      const T* zn = gd_proj + (size_t)n * GW + 2 * GHk * GDk + GHv * GDv;
+      qab_q4_gemv_rows<T, T, DO, OG, QAB_OUT_RPW, QAB_GEMV_NT>(
+          o * (BLOCK / 32) * QAB_OUT_RPW, H,
+          [&](const int k) {
+            const int hv = k / GDv;
+            const int dv = k - hv * GDv;
+            return static_cast<float>(qab_gdn_gated_out<T>(
+                static_cast<float>(qab_ldcg(gon + k)), gd_inv[hv],
+                static_cast<float>(gd_norm_w[dv]), static_cast<float>(zn[k])));
+          },
+          ow, os, ob, ro + (size_t)n * H, gemv_stage, gemv_stage_sum, [&]() {
+            gd_wait();
+            const int lane = tid & 31;
+            constexpr int NWB = BLOCK / 32;
+#pragma unroll
+            for (int j = 0; j < (GHv + NWB - 1) / NWB; ++j) {
+              const int hv = (tid >> 5) + j * NWB;
+              if (hv < GHv) {
+                const float inv = qab_gdn_gated_norm_inv<GDv>(
+                    [&](const int i) { return static_cast<float>(qab_ldcg(gon + hv * GDv + i)); },
+                    lane, gd_eps[0]);
+                if (lane == 0) {
+                  gd_inv[hv] = inv;
+                }
+              }
+            }
+            __syncthreads();
+          });
+    } else {
+      qab_q4_gemv_rows<T, T, DO, OG, QAB_OUT_RPW, QAB_GEMV_NT>(
+          o * (BLOCK / 32) * QAB_OUT_RPW, H, qab_row_load<true>(gon), ow, os, ob,
+          ro + (size_t)n * H, gemv_stage, gemv_stage_sum, gd_wait);
+    }
 #ifdef QAB_BLOCK_PACK
     // This item's share of the new conv state, copied in place through L2 (the
     // projection above waited for every GDN item).
@@ -421,7 +480,7 @@ while (true) {
     }
 #endif
 #else
-    qab_q4_gemv_rows<T, T, DO, OG, QAB_OUT_RPW>(
+    qab_q4_gemv_rows<T, T, DO, OG, QAB_OUT_RPW, QAB_GEMV_NT>(
         o * (BLOCK / 32) * QAB_OUT_RPW, H, qab_row_load<false>(ox + (size_t)n * DO), ow, os, ob,
         ro + (size_t)n * H, gemv_stage, gemv_stage_sum);
 #endif
@@ -551,7 +610,7 @@ while (true) {
       }
       __syncthreads();
       QAB_MARK(1);
-      inv = qab_q4_row_norm_inv<H>(
+      inv = qab_q4_row_norm_inv<H, QAB_GEMV_NT>(
           [&](const int k) { return static_cast<float>(qab_ldcg(orow + k)); }, peps[0]);
     };
     if constexpr (PSM > 0) {
@@ -560,9 +619,9 @@ while (true) {
           p * PSM, PN, np_x, pw, ps, pb, po + (size_t)n * PN, gemv_stage, gemv_stage_sum,
           qab_np_stage, np_wait);
     } else {
-      qab_q4_gemv_rows<T, T, H, PG, PRW>(p * (BLOCK / 32) * PRW, PN, np_x, pw, ps, pb,
-                                         po + (size_t)n * PN, gemv_stage, gemv_stage_sum,
-                                         np_wait);
+      qab_q4_gemv_rows<T, T, H, PG, PRW, QAB_GEMV_NT>(p * (BLOCK / 32) * PRW, PN, np_x, pw, ps,
+                                                      pb, po + (size_t)n * PN, gemv_stage,
+                                                      gemv_stage_sum, np_wait);
     }
     QAB_MARK(2);
   }

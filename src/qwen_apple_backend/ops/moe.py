@@ -1677,13 +1677,17 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: / 35.4, two runs). PRW, the next projection's rows per warp (registers);
 #: PSM, 0 or the next projection's rows per block staged in dynamic shared
 #: memory by cp.async (:func:`decode_block_dynamic_shared_bytes`; then PRW is
-#: not used): fewer, larger next-projection blocks, the same bits.
+#: not used): fewer, larger next-projection blocks, the same bits. GDS, the
+#: Gated DeltaNet phase's items per value head (GD builds), each covering
+#: Dv / GDS state rows with all of its state loads in flight; the
+#: out-projection items then apply the gated RMSNorm: the same bits.
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
-                        "STAGE": True, "GRPW": 2, "EARLY": True, "PRW": 2, "PSM": 0}
+                        "STAGE": True, "GRPW": 2, "EARLY": True, "PRW": 2, "PSM": 0, "GDS": 1}
 #: The values of DECODE_BLOCK_OPTIONS' row counts a launch accepts (PRW 8
 #: spills registers at the two blocks per SM the block is built for; PSM
 #: above 64 would leave room for only one block per SM).
-DECODE_BLOCK_CHOICES = {"GRPW": (1, 2, 4), "PRW": (1, 2, 4), "PSM": (0, 16, 32, 48, 64)}
+DECODE_BLOCK_CHOICES = {"GRPW": (1, 2, 4), "PRW": (1, 2, 4), "PSM": (0, 16, 32, 48, 64),
+                        "GDS": (1, 2, 4)}
 
 
 def decode_block_dynamic_shared_bytes(psm: int, H: int, group_size: int, dtype: mx.Dtype) -> int:
@@ -1691,10 +1695,20 @@ def decode_block_dynamic_shared_bytes(psm: int, H: int, group_size: int, dtype: 
     the next-projection phase requests at ``DECODE_BLOCK_OPTIONS["PSM"] ==
     psm``: ``psm`` rows of the ``[PN, H]`` 4-bit projection (``H / 2`` bytes
     each) and their scales and biases (``H / group_size`` values of ``dtype``
-    each; the kernel's ``qab_q4_staged_bytes``); 0 when ``psm`` is 0."""
+    each; the kernel's ``qab_q4_staged_bytes``), at least
+    :data:`_MLX_DYNAMIC_SHARED_FLOOR`; 0 when ``psm`` is 0."""
     if not psm:
         return 0
-    return int(psm) * (H // 2 + 2 * (H // int(group_size)) * dtype.size)
+    return max(int(psm) * (H // 2 + 2 * (H // int(group_size)) * dtype.size),
+               _MLX_DYNAMIC_SHARED_FLOOR)
+
+
+#: MLX raises a CUDA kernel's dynamic shared-memory limit (the driver's
+#: default: 48 KB with the static bytes) only for requests above 48,000 bytes;
+#: the block's static shared memory (~41 KB) plus a smaller request exceeds
+#: the default, and the launch fails ("cuGraphAddKernelNode ... invalid
+#: argument", seen on an H100 at PSM 32). Smaller requests are raised to this.
+_MLX_DYNAMIC_SHARED_FLOOR = 48 * 1024
 
 
 def decode_block_counter_length(rows: int = FOLD_NORM_MAX_ROWS) -> int:
@@ -2138,21 +2152,24 @@ def _decode_block_phase_blocks(E: int, H: int, I: int, K: int,
 def _decode_block_launch(E: int, H: int, I: int, K: int, grpw: Optional[int] = None,
                          out_proj: bool = False, next_rows: int = 0,
                          gdn_heads: int = 0, prw: Optional[int] = None,
-                         psm: Optional[int] = None) -> tuple[int, int, int]:
+                         psm: Optional[int] = None,
+                         gds: Optional[int] = None) -> tuple[int, int, int]:
     """``(BLOCK, RB, blocks per token row)`` of a moe_decode_block launch: with
     ``gdn_heads`` (the GDN step's value heads) the GDN step's, with
     ``out_proj`` the out-projection's, then the route's, the fold's gate/up and
     the fold's down blocks, one after the other, then with ``next_rows`` (the
     next projection's rows, ``prw`` per warp or ``psm`` per block; None:
-    ``DECODE_BLOCK_OPTIONS["PRW"]``, ``["PSM"]``) the next-projection's."""
+    ``DECODE_BLOCK_OPTIONS["PRW"]``, ``["PSM"]``) the next-projection's;
+    ``gds`` (None: ``DECODE_BLOCK_OPTIONS["GDS"]``) GDN items per head."""
     prw = int(DECODE_BLOCK_OPTIONS["PRW"] if prw is None else prw)
     psm = int(DECODE_BLOCK_OPTIONS["PSM"] if psm is None else psm)
+    gds = int(DECODE_BLOCK_OPTIONS["GDS"] if gds is None else gds)
     block, rb, _ = _add_norm_route_launch(E)
     # The kernel derives every phase's block count from its one BLOCK.
     if block != _GEMV_BLOCK:
         raise RuntimeError(f"moe_decode_block needs the route's and the fold's threadgroups "
                            f"equal, got {block} and {_GEMV_BLOCK}")
-    return block, rb, (sum(_decode_block_phase_blocks(E, H, I, K, grpw)) + int(gdn_heads)
+    return block, rb, (sum(_decode_block_phase_blocks(E, H, I, K, grpw)) + int(gdn_heads) * gds
                        + (_proj_phase_blocks(H) if out_proj else 0)
                        + (_proj_phase_blocks(next_rows, prw, psm) if next_rows else 0))
 
@@ -2261,7 +2278,8 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
     PN = next_proj.weights.weight.shape[0] if next_proj is not None else 0
     gdn_heads = 0 if gdn_step is None else int(gdn_step.heads[1])
     block, rb, blocks = _decode_block_launch(E, H, I, K, int(opts["GRPW"]), opts["OP"], PN,
-                                             gdn_heads, int(opts["PRW"]), int(opts["PSM"]))
+                                             gdn_heads, int(opts["PRW"]), int(opts["PSM"]),
+                                             int(opts["GDS"]))
     grid_blocks = blocks * N
     if opts["PERSIST"] and opts["GRID"]:
         grid_blocks = min(grid_blocks, int(opts["GRID"]))
@@ -2310,8 +2328,12 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
                      gdn_step.conv_b if has_bias else gdn_step.conv_w,
                      gdn_step.A_log.astype(mx.float32), gdn_step.dt_bias,
                      gdn_step.norm_weight, f32_scalar(float(gdn_step.eps)), gdn_step.state]
+        gds = int(opts["GDS"])
+        if gds not in DECODE_BLOCK_CHOICES["GDS"] or Dv % gds:
+            raise ValueError(f"DECODE_BLOCK_OPTIONS: GDS (Gated DeltaNet items per value head) "
+                             f"must be 1, 2 or 4 and divide the heads' Dv {Dv}, got GDS={gds!r}")
         template += [("GHk", Hk), ("GHv", Hv), ("GDk", Dk), ("GDv", Dv), ("GKc", int(Kc)),
-                     ("GBIAS", has_bias), ("GW", int(gdn_step.proj.shape[-1]))]
+                     ("GBIAS", has_bias), ("GW", int(gdn_step.proj.shape[-1])), ("GDS", gds)]
         gd_shapes = [gdn_step.conv_state.shape, gdn_step.state.shape]
         gd_dtypes = [x.dtype, mx.float32]
     if pack is not None:
