@@ -816,6 +816,34 @@ def test_moe_decode_block_gdn_is_the_gdn_launch_then_the_block(shape, dtype, rg,
                                       next_proj=nxt, gdn_step=step) == backend
 
 
+@pytest.mark.parametrize("options", [{"PSM": 48}, {"PSM": 64}, {"GDS": 4}, {"GDS": 2, "PSM": 32},
+                                     {"GDS": 4, "PSM": 64, "PERSIST": True, "GRID": 264}],
+                         ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+@pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_CASES[:1],
+                         ids=lambda v: str(v).replace("mlx.core.", "").replace(" ", ""))
+def test_moe_decode_block_staged_and_split_builds_are_the_launches(shape, dtype, rg, norm,
+                                                                   options, monkeypatch):
+    # PSM (next-projection items of PSM rows staged in dynamic shared memory)
+    # and GDS (GDS Gated DeltaNet items per value head, the gated RMSNorm
+    # applied by the out-projection items) at Qwen3.6's shape, packed and
+    # not: every output bit-identical to the GDN launch followed by the block
+    # and to the unpacked build, five launches in a row on one serial counter.
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    for key, value in options.items():
+        monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)
+    backend = gd.gpu_backend()
+    case = _block_case(shape, dtype, rg)
+    step, op = _gdn_step_case(case, (16, 32, 128, 128))
+    nxt = _next_proj_case(case, 12352)
+    counter = moe_ops.serial_counter(moe_ops.decode_block_counter_length())
+    for i in range(5):
+        _assert_gdn_block_is_gdn_then_block(backend, case, shape[4], norm, counter, step, op,
+                                            nxt, f"{options} launch {i}")
+        _assert_pack_is_the_block(backend, case, shape[4], norm, counter, op, nxt, step,
+                                  f"{options} packed launch {i}")
+
+
 @pytest.mark.parametrize("gdn", [True, False], ids=["gdn", "attention"])
 @pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_CASES[:2],
                          ids=lambda v: str(v).replace("mlx.core.", "").replace(" ", ""))
