@@ -33,9 +33,7 @@ settings of the kernel text: ``SLEEP=ns`` (``QAB_WAIT_SLEEP_NS``, the wait's
 sleep between polls), ``MINB=n`` (the kernel declared
 ``__launch_bounds__(BLOCK, n)``: at least n blocks per SM, registers capped to
 fit) and ``RELAXED`` (``QAB_WAIT_RELAXED``: relaxed polls and one acquire
-fence instead of an acquire load per poll), ``RTBLK`` (``QAB_GEMV_NT 0``: the
-projection phases stage their input in a loop over ``blockDim.x``, as before
-the unrolled staging); ``default`` is the shipped
+fence instead of an acquire load per poll); ``default`` is the shipped
 setting. The timeline also records, per phase, how many blocks took their
 ticket within 1 us of the first (``started_1us``: the blocks resident at the
 start; the marks cost registers, so check it against the shipped build's
@@ -79,7 +77,7 @@ DEFAULT_VARIANTS = "default,EARLY=0,STAGE=0+EARLY=0,CS=1+PREFETCH=0+STAGE=0+EARL
 SHAPE = (1, 256, 2048, 512, 8)
 PHASES = ("route", "gate/up", "down")
 #: Variant keys that change the kernel's text (a header prefix), not its template.
-BUILD_KEYS = ("SLEEP", "MINB", "RELAXED", "RTBLK")
+BUILD_KEYS = ("SLEEP", "MINB", "RELAXED")
 #: QAB_MARK as the --timeline build defines it: thread 0 stores the global
 #: timer (ns) as mark k of its ticket.
 MARK_DEFINE = ("#define QAB_MARK(k) do { if (threadIdx.x == 0) { unsigned long long qab_t_; "
@@ -99,8 +97,6 @@ def build_prefix(variant: dict) -> str:
                  f"__launch_bounds__(256, {int(variant['MINB'])})\n")
     if variant.get("RELAXED"):
         text += "#define QAB_WAIT_RELAXED 1\n"
-    if variant.get("RTBLK"):
-        text += "#define QAB_GEMV_NT 0\n"
     return text
 
 
@@ -156,7 +152,7 @@ def parse_variant(text: str) -> dict:
             out[key] = int(value)
         except ValueError:
             raise ValueError(f"variant {text!r}: {key}={value!r} is not an integer") from None
-        if key in ("PERSIST", "PREFETCH", "RELAXED", "STAGE", "EARLY", "RTBLK"):
+        if key in ("PERSIST", "PREFETCH", "RELAXED", "STAGE", "EARLY", "UNROLL"):
             if out[key] not in (0, 1):
                 raise ValueError(f"variant {text!r}: {key} is a flag: 0 or 1, got {out[key]}")
             out[key] = bool(out[key])

@@ -796,7 +796,8 @@ GDN_DECODE_BROKEN = {
     # A finished row's conv state shifts anyway.
     "lengths ignored": ("const int from = shift ? 1 : 0;", "const int from = 1;"),
     # The RMSNorm averages over the wrong length.
-    "norm over Dk": ("ss / static_cast<float>(Dv)", "ss / static_cast<float>(Dk)"),
+    "norm over Dk": ("rsqrtf(ss / static_cast<float>(Dv) + norm_eps[0])",
+                     "rsqrtf(ss / static_cast<float>(Dk) + norm_eps[0])"),
 }
 
 
@@ -2095,9 +2096,12 @@ def test_moe_decode_block_out_proj_is_the_gemv_then_the_block_emulated(options, 
                                         ({"PERSIST": True, "GRID": 3}, True),
                                         ({"PRW": 4}, True), ({"PRW": 1}, False),
                                         ({"PSM": 32}, True), ({"PSM": 64}, False),
-                                        ({"PSM": 16, "PERSIST": True, "GRID": 3}, False)],
+                                        ({"PSM": 16, "PERSIST": True, "GRID": 3}, False),
+                                        ({"UNROLL": True}, True),
+                                        ({"UNROLL": True, "PSM": 32}, False)],
                          ids=["default", "EARLYFalse-op", "PERSIST-op", "PRW4-op", "PRW1",
-                              "PSM32-op", "PSM64", "PSM16-PERSIST"])
+                              "PSM32-op", "PSM64", "PSM16-PERSIST", "UNROLL-op",
+                              "UNROLL-PSM32"])
 def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(options, op,
                                                                              monkeypatch):
     # NP: the next layer's input RMSNorm + 4-bit input projection (80 rows: a
@@ -2108,7 +2112,9 @@ def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(opt
     # arithmetic does not depend on it), and with 32, 64 or 16 rows per block
     # staged in dynamic shared memory by cp.async (PSM: 3, 2 and 5 blocks of
     # the 80 rows, the last partial but at 16; on a persistent grid of 3
-    # blocks, each taking several items into the same shared memory).
+    # blocks, each taking several items into the same shared memory); and
+    # with the staging loops unrolled over the block's compile-time size
+    # (UNROLL: the same values).
     for key, value in options.items():
         monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)
     shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
@@ -2130,7 +2136,9 @@ GDN_BLOCK_EMU_CASES = [((4, 8, 32, 128), False, 80, {}),
                        ((4, 8, 32, 128), False, 0, {"PERSIST": True, "GRID": 3}),
                        ((4, 8, 32, 128), False, 80, {"GDS": 4}),
                        ((2, 16, 64, 64), True, 0, {"GDS": 2}),
-                       ((4, 8, 32, 128), False, 0, {"GDS": 4, "PERSIST": True, "GRID": 3})]
+                       ((4, 8, 32, 128), False, 0, {"GDS": 4, "PERSIST": True, "GRID": 3}),
+                       ((4, 8, 32, 128), False, 80, {"UNROLL": True}),
+                       ((4, 8, 32, 128), False, 80, {"UNROLL": True, "GDS": 4})]
 
 
 @pytest.mark.parametrize("heads,bias,pn,options", GDN_BLOCK_EMU_CASES,
@@ -2158,7 +2166,8 @@ def test_moe_decode_block_gdn_is_the_gdn_launch_then_the_block_emulated(heads, b
 # a persistent grid of 3 blocks.
 PACK_EMU_CASES = [("plain", {}), ("op-np", {}), ("gdn-np", {}),
                   ("gdn", {"PERSIST": True, "GRID": 3}), ("gdn-np", {"PRW": 4}),
-                  ("gdn-np", {"PSM": 64}), ("gdn-np", {"GDS": 4, "PSM": 32})]
+                  ("gdn-np", {"PSM": 64}), ("gdn-np", {"GDS": 4, "PSM": 32}),
+                  ("op-np", {"UNROLL": True}), ("gdn-np", {"UNROLL": True})]
 
 
 @pytest.mark.parametrize("phases,options", PACK_EMU_CASES,

@@ -816,15 +816,16 @@ def test_moe_decode_block_gdn_is_the_gdn_launch_then_the_block(shape, dtype, rg,
                                       next_proj=nxt, gdn_step=step) == backend
 
 
-@pytest.mark.parametrize("options", [{"PSM": 48}, {"PSM": 64}, {"GDS": 4}, {"GDS": 2, "PSM": 32},
+@pytest.mark.parametrize("options", [{"UNROLL": True}, {"PSM": 48}, {"PSM": 64}, {"GDS": 4},
+                                     {"GDS": 2, "PSM": 32},
                                      {"GDS": 4, "PSM": 64, "PERSIST": True, "GRID": 264}],
                          ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 @pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_CASES[:1],
                          ids=lambda v: str(v).replace("mlx.core.", "").replace(" ", ""))
 def test_moe_decode_block_staged_and_split_builds_are_the_launches(shape, dtype, rg, norm,
                                                                    options, monkeypatch):
-    # PSM (next-projection items of PSM rows staged in dynamic shared memory)
-    # and GDS (GDS Gated DeltaNet items per value head, the gated RMSNorm
+    # UNROLL (the projection phases' staging unrolled), PSM (next-projection
+    # items of PSM rows staged in dynamic shared memory) and GDS (GDS Gated DeltaNet items per value head, the gated RMSNorm
     # applied by the out-projection items) at Qwen3.6's shape, packed and
     # not: every output bit-identical to the GDN launch followed by the block
     # and to the unpacked build, five launches in a row on one serial counter.

@@ -75,6 +75,25 @@ __device__ __forceinline__ void qab_q4_stage_x(float4 (&xs)[8][NC], const XF xv_
   }
 }
 
+// qab_q4_stage_x, a block barrier, then each chunk's input sum into xsum[c]
+// (qab_q4_chunk_sum); the caller meets at a barrier before reading xsum.
+template <int NC, int NT, typename XF>
+__device__ __forceinline__ void qab_q4_stage_x_sums(float4 (&xs)[8][NC], float* xsum,
+                                                    const XF xv_of) {
+  qab_q4_stage_x<NC, NT>(xs, xv_of);
+  __syncthreads();
+  const int tid = threadIdx.x;
+  if constexpr (NT > 0) {
+    for (int c = tid; c < NC; c += NT) {
+      xsum[c] = qab_q4_chunk_sum<NC>(xs, c);
+    }
+  } else {
+    for (int c = tid; c < NC; c += blockDim.x) {
+      xsum[c] = qab_q4_chunk_sum<NC>(xs, c);
+    }
+  }
+}
+
 // One thread block's share of y = x W^T for ONE token row, rows
 // [row0, row0 + (BLOCK / 32) RPW) of the NOUT outputs (rows past NOUT are
 // skipped), as quantized_gemv.cu computes them with M = 1, LPR = 32 (a warp's
@@ -127,11 +146,7 @@ __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout,
     }
   }
   wait();
-  qab_q4_stage_x<NC, NT>(xs, xv_of);
-  __syncthreads();
-  for (int c = tid; c < NC; c += blockDim.x) {
-    xsum[c] = qab_q4_chunk_sum<NC>(xs, c);
-  }
+  qab_q4_stage_x_sums<NC, NT>(xs, xsum, xv_of);
   __syncthreads();
   float acc[RPW];
 #pragma unroll
@@ -265,11 +280,7 @@ __device__ __forceinline__ void qab_q4_gemv_rows_staged(
   }
   qab_cp_async_commit();
   wait();
-  qab_q4_stage_x<NC, BLOCK>(xs, xv_of);
-  __syncthreads();
-  for (int c = tid; c < NC; c += BLOCK) {
-    xsum[c] = qab_q4_chunk_sum<NC>(xs, c);
-  }
+  qab_q4_stage_x_sums<NC, BLOCK>(xs, xsum, xv_of);
   qab_cp_async_wait<0>();
   __syncthreads();
   float acc[RPWS];

@@ -152,6 +152,11 @@
 // 16 KB of state in flight each instead of 32 items of 64 KB in four passes;
 // the out-projection items then apply the heads' gated RMSNorm as they stage
 // go (the same bits).
+// UNROLL (the out- and next-projection phases' input staging and the next
+// projection's norm unrolled over the block's compile-time size: the same
+// values, fewer dependent L2 round trips; on an H100, profile_layer_gpu.py,
+// 77.4 against 83.1 us per Gated DeltaNet layer launch, bit for bit the same
+// outputs; off until the block's GPU tests pass with it).
 // Requirements: each of the three kernels' (see their sources); with OP,
 // DO % 1024 == 0 and OG % 32 == 0; with NP, H % 1024 == 0 and PG % 32 == 0.
 // Inputs: x, r [N, H] T (residual stream, mixer output); nw [H] T; eps [4]
@@ -287,12 +292,10 @@ constexpr int GDBLK = 0;
 // The out-projection phase (OP): blocks per token row, QAB_OUT_RPW rows per warp.
 constexpr int QAB_OUT_RPW = 2;
 constexpr int OBLK = OP ? (H + (BLOCK / 32) * QAB_OUT_RPW - 1) / ((BLOCK / 32) * QAB_OUT_RPW) : 0;
-// The projection phases stage their input row with the block size known at
-// compile time (gemv_q4.cuh's NT: unrolled, a thread's L2 reads out at once);
-// a profiling build may define QAB_GEMV_NT 0 for the loop over blockDim.x.
-#ifndef QAB_GEMV_NT
-#define QAB_GEMV_NT BLOCK
-#endif
+// With UNROLL the projection phases stage their input row with the block size
+// known at compile time (gemv_q4.cuh's NT: unrolled, a thread's L2 reads out
+// at once), else in a loop over blockDim.x (one round trip per iteration).
+constexpr int QAB_GEMV_NT = UNROLL ? BLOCK : 0;
 // The next-projection phase (NP): blocks per token row of QAB_NP_ROWS rows,
 // PRW per warp in registers, or with PSM > 0 PSM rows staged in the dynamic
 // shared memory (qab_q4_gemv_rows_staged).

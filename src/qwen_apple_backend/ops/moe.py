@@ -1680,9 +1680,15 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: not used): fewer, larger next-projection blocks, the same bits. GDS, the
 #: Gated DeltaNet phase's items per value head (GD builds), each covering
 #: Dv / GDS state rows with all of its state loads in flight; the
-#: out-projection items then apply the gated RMSNorm: the same bits.
+#: out-projection items then apply the gated RMSNorm: the same bits. UNROLL,
+#: whether the projection phases stage their input row in loops unrolled over
+#: the block's compile-time size (a thread's L2 reads out together; the same
+#: values): 77.4 against 83.1 us per Gated DeltaNet layer launch on an H100
+#: (benchmarks/profile_layer_gpu.py, bit for bit the same outputs there), off
+#: until the block's GPU tests have passed with it.
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
-                        "STAGE": True, "GRPW": 2, "EARLY": True, "PRW": 2, "PSM": 0, "GDS": 1}
+                        "STAGE": True, "GRPW": 2, "EARLY": True, "PRW": 2, "PSM": 0, "GDS": 1,
+                        "UNROLL": False}
 #: The values of DECODE_BLOCK_OPTIONS' row counts a launch accepts (PRW 8
 #: spills registers at the two blocks per SM the block is built for; PSM
 #: above 64 would leave room for only one block per SM).
@@ -2314,7 +2320,8 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
                 ("EARLY", bool(opts["EARLY"])), ("PF", bool(opts["PF"])),
                 ("OP", bool(opts["OP"])), ("DO", int(DO)), ("OG", OG),
                 ("NP", bool(opts["NP"])), ("PN", max(int(PN), 1)), ("PG", PG),
-                ("PRW", int(opts["PRW"])), ("PSM", int(opts["PSM"]))]
+                ("PRW", int(opts["PRW"])), ("PSM", int(opts["PSM"])),
+                ("UNROLL", bool(opts["UNROLL"]))]
     if pack is not None:
         template.append(("WSO", decode_block_pack_workspace_offset()))
     gd_inputs, gd_shapes, gd_dtypes = [], [], []
