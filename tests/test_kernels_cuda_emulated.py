@@ -2162,6 +2162,20 @@ def test_moe_decode_block_gdn_is_the_gdn_launch_then_the_block_emulated(heads, b
                                         str((heads, options)))
 
 
+def test_moe_decode_block_gdn_refuses_a_split_that_is_not_a_choice(monkeypatch):
+    # GDS 3 (not 1, 2 or 4): refused by name before any launch.
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, "GDS", 3)
+    shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
+    case = _block_case(shape, dtype, rg)
+    step, op = _gdn_step_case(case, (4, 8, 32, 128))
+    counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    with pytest.raises(ValueError, match=r"DECODE_BLOCK_OPTIONS: GDS \(Gated DeltaNet items per "
+                                         r"value head\) must be 1, 2 or 4 .* got GDS=3"):
+        _assert_gdn_block_is_gdn_then_block("cuda", case, shape[4], norm, counter, step, op,
+                                            None, "GDS 3")
+
+
 # Phases with the packed build: none (no OP, no NP), OP + NP, GD + NP, GD on
 # a persistent grid of 3 blocks.
 PACK_EMU_CASES = [("plain", {}), ("op-np", {}), ("gdn-np", {}),
@@ -2444,8 +2458,10 @@ def test_moe_decode_block_dispatcher_self_checks_the_emulated_kernel(monkeypatch
             moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
                                      prefetch=(w, w, w, w))
         # Build options that cannot work: counters on one element, an empty grid,
-        # 3 gate/up row pairs per warp, 8 next-projection rows per warp (spills).
-        for bad in ({"CS": 0}, {"PERSIST": True, "GRID": 0}, {"GRPW": 3}, {"PRW": 8}):
+        # 3 gate/up row pairs per warp, 8 next-projection rows per warp (spills),
+        # 40 next-projection rows per block in shared memory (not a choice).
+        for bad in ({"CS": 0}, {"PERSIST": True, "GRID": 0}, {"GRPW": 3}, {"PRW": 8},
+                    {"PSM": 40}):
             with monkeypatch.context() as m:
                 for k, v in bad.items():
                     m.setitem(moe_ops.DECODE_BLOCK_OPTIONS, k, v)
