@@ -219,24 +219,20 @@ __device__ __forceinline__ float qab_q4_row_norm_inv(const XF xv_of, const float
 }
 
 // qab_q4_gemv_rows for ROWS rows per block whose weights, scales and biases
-// are staged in shared memory (`wsm`, dynamic, at least
-// qab_q4_staged_bytes<ST, KD, G>(ROWS) bytes, 16-byte aligned) by cp.async
+// are staged in shared memory (`wsm`, dynamic, at least ROWS (KD / 2 + 2 (KD /
+// G) sizeof(ST)) bytes, 16-byte aligned: ops.moe.decode_block_dynamic_shared_bytes) by cp.async
 // before `wait`: a block keeps ROWS rows' loads in flight without holding
 // them in registers, so that fewer, larger blocks cover a projection
 // (moe_decode_block.cu's next-projection items with PSM: 12,352 rows in 193
 // blocks of 64 instead of 772 of 16, which fit the GPU's resident blocks
-// when the phase starts instead of arriving in waves). Rows are warp w's
+// when the phase starts instead of arriving in waves; measured not faster on
+// an H100, their loads competing with the down items'). Rows are warp w's
 // w * ROWS / NW + r, r < ROWS / NW; each row's arithmetic (lane l's chunks
 // l, l + 32, ..., the same fmaf order, the same warp sum) is
 // qab_q4_gemv_rows's, so the outputs are bit-identical. Scales and biases
 // are copied with cp.async when each row's (KD / G) ST values fill whole
 // 16-byte units and the arrays' addresses are 16-byte aligned, else by plain
 // loads. Every thread of the block must call it (block barriers).
-template <typename ST, int KD, int G>
-__host__ __device__ constexpr size_t qab_q4_staged_bytes(const int rows) {
-  return (size_t)rows * (KD / 2 + 2 * (KD / G) * sizeof(ST));
-}
-
 template <typename OutT, typename ST, int KD, int G, int ROWS, int BLOCK, typename XF,
           typename Wait = QabNoWait>
 __device__ __forceinline__ void qab_q4_gemv_rows_staged(

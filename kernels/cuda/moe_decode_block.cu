@@ -142,11 +142,12 @@
 // of BLOCK / 32: each next-projection item covers PSM rows whose weights,
 // scales and biases it copies into the launch's dynamic shared memory with
 // cp.async before it waits, gemv_q4.cuh's qab_q4_gemv_rows_staged, the same
-// bits; the launch then requests qab_q4_staged_bytes<T, H, PG>(PSM) bytes of
-// dynamic shared memory. At 12,352 rows and 64 per item the phase has 193
-// items instead of 772, so that its blocks fit the GPU's resident slots as
-// the earlier phases leave them instead of arriving in three waves, each
-// holding 72 KB of loads in flight).
+// bits; the launch then requests the bytes of
+// ops.moe.decode_block_dynamic_shared_bytes, at least 48 KB, of dynamic shared
+// memory. At 12,352 rows and 64 per item the phase has 193 items instead of
+// 772, so that its blocks fit the GPU's resident slots as the earlier phases
+// leave them instead of arriving in three waves, each holding 72 KB of loads
+// in flight; measured not faster on an H100: those loads slow the down items).
 // GDS (GD builds only: 1, 2 or 4): Gated DeltaNet items per value head, each
 // Dv / GDS of its state rows (qab_gdn_decode_head's SPLIT): at 4, 128 items of
 // 16 KB of state in flight each instead of 32 items of 64 KB in four passes;
@@ -398,8 +399,8 @@ while (true) {
 
 #ifdef QAB_BLOCK_GDN
   if (tk < 0) {
-    // GDN item: value head hv (part gp) of token row n, gated_delta_decode's
-    // per-head code.
+    // GDN item: value head hv (part hp - hv GDS of its GDS) of token row n,
+    // gated_delta_decode's per-head code.
     const int n = (tk + GDBLK * rows) / GDBLK;
     const int hp = tk + GDBLK * rows - n * GDBLK;
     const int hv = hp / GDS;

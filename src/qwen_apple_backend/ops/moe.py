@@ -1701,7 +1701,7 @@ def decode_block_dynamic_shared_bytes(psm: int, H: int, group_size: int, dtype: 
     the next-projection phase requests at ``DECODE_BLOCK_OPTIONS["PSM"] ==
     psm``: ``psm`` rows of the ``[PN, H]`` 4-bit projection (``H / 2`` bytes
     each) and their scales and biases (``H / group_size`` values of ``dtype``
-    each; the kernel's ``qab_q4_staged_bytes``), at least
+    each; the kernel's ``qab_q4_gemv_rows_staged``), at least
     :data:`_MLX_DYNAMIC_SHARED_FLOOR`; 0 when ``psm`` is 0."""
     if not psm:
         return 0
@@ -2143,6 +2143,35 @@ def _decode_block_build(stage: Optional[bool] = None, early: Optional[bool] = No
     return opts
 
 
+def _check_decode_block_build(opts: dict, I: int, gdn_dv: Optional[int]) -> None:
+    """Refuses a build (:func:`_decode_block_build`'s ``opts``) the kernel cannot
+    run, naming the option: ``I`` the experts' intermediate size, ``gdn_dv``
+    the Gated DeltaNet step's Dv for a GD build (None otherwise: GDS is then
+    not used).
+
+    Raises:
+        ValueError: "DECODE_BLOCK_OPTIONS: ..." for CS, GRID, GRPW, PRW, PSM or GDS.
+    """
+    if int(opts["CS"]) < 1 or (opts["GRID"] is not None and int(opts["GRID"]) < 1):
+        raise ValueError(f"DECODE_BLOCK_OPTIONS: CS must be >= 1 and GRID None or >= 1, got "
+                         f"CS={opts['CS']!r}, GRID={opts['GRID']!r}")
+    if int(opts["GRPW"]) not in DECODE_BLOCK_CHOICES["GRPW"] or I % int(opts["GRPW"]):
+        raise ValueError(f"DECODE_BLOCK_OPTIONS: GRPW must be 1, 2 or 4 and divide the "
+                         f"experts' intermediate size {I}, got GRPW={opts['GRPW']!r}")
+    if int(opts["PRW"]) not in DECODE_BLOCK_CHOICES["PRW"]:
+        raise ValueError(f"DECODE_BLOCK_OPTIONS: PRW (the next projection's rows per warp) "
+                         f"must be 1, 2 or 4, got PRW={opts['PRW']!r}")
+    if int(opts["PSM"]) not in DECODE_BLOCK_CHOICES["PSM"]:
+        raise ValueError(f"DECODE_BLOCK_OPTIONS: PSM (the next projection's rows per block "
+                         f"staged in shared memory) must be one of "
+                         f"{', '.join(map(str, DECODE_BLOCK_CHOICES['PSM']))}, "
+                         f"got PSM={opts['PSM']!r}")
+    gds = int(opts["GDS"])
+    if gdn_dv is not None and (gds not in DECODE_BLOCK_CHOICES["GDS"] or gdn_dv % gds):
+        raise ValueError(f"DECODE_BLOCK_OPTIONS: GDS (Gated DeltaNet items per value head) "
+                         f"must be 1, 2 or 4 and divide the heads' Dv {gdn_dv}, got GDS={gds!r}")
+
+
 def _decode_block_phase_blocks(E: int, H: int, I: int, K: int,
                                grpw: Optional[int] = None) -> tuple[int, int, int]:
     """Blocks per token row of each :func:`moe_decode_block` phase: ``(route,
@@ -2235,11 +2264,7 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
     op_name = "moe_decode_block" if gdn_step is None else "moe_decode_block_gdn"
     opts = _decode_block_build(stage, early, bool(prefetch), out_proj is not None,
                                next_proj is not None)
-    if int(opts["PSM"]) not in DECODE_BLOCK_CHOICES["PSM"]:
-        raise ValueError(f"DECODE_BLOCK_OPTIONS: PSM (the next projection's rows per block "
-                         f"staged in shared memory) must be one of "
-                         f"{', '.join(map(str, DECODE_BLOCK_CHOICES['PSM']))}, "
-                         f"got PSM={opts['PSM']!r}")
+    _check_decode_block_build(opts, I, None if gdn_step is None else int(gdn_step.heads[3]))
     smem = (decode_block_dynamic_shared_bytes(int(opts["PSM"]), H,
                                               next_proj.weights.group_size, x.dtype)
             if next_proj is not None else 0)
@@ -2272,15 +2297,6 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
         raise RuntimeError(f"no {op_name} source or MLX API for {backend}")
     if len(prefetch) > 3:
         raise ValueError(f"moe_decode_block prefetches at most 3 arrays, got {len(prefetch)}")
-    if int(opts["CS"]) < 1 or (opts["GRID"] is not None and int(opts["GRID"]) < 1):
-        raise ValueError(f"DECODE_BLOCK_OPTIONS: CS must be >= 1 and GRID None or >= 1, got "
-                         f"CS={opts['CS']!r}, GRID={opts['GRID']!r}")
-    if int(opts["GRPW"]) not in DECODE_BLOCK_CHOICES["GRPW"] or I % int(opts["GRPW"]):
-        raise ValueError(f"DECODE_BLOCK_OPTIONS: GRPW must be 1, 2 or 4 and divide the "
-                         f"experts' intermediate size {I}, got GRPW={opts['GRPW']!r}")
-    if int(opts["PRW"]) not in DECODE_BLOCK_CHOICES["PRW"]:
-        raise ValueError(f"DECODE_BLOCK_OPTIONS: PRW (the next projection's rows per warp) "
-                         f"must be 1, 2 or 4, got PRW={opts['PRW']!r}")
     PN = next_proj.weights.weight.shape[0] if next_proj is not None else 0
     gdn_heads = 0 if gdn_step is None else int(gdn_step.heads[1])
     block, rb, blocks = _decode_block_launch(E, H, I, K, int(opts["GRPW"]), opts["OP"], PN,
@@ -2336,9 +2352,6 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
                      gdn_step.A_log.astype(mx.float32), gdn_step.dt_bias,
                      gdn_step.norm_weight, f32_scalar(float(gdn_step.eps)), gdn_step.state]
         gds = int(opts["GDS"])
-        if gds not in DECODE_BLOCK_CHOICES["GDS"] or Dv % gds:
-            raise ValueError(f"DECODE_BLOCK_OPTIONS: GDS (Gated DeltaNet items per value head) "
-                             f"must be 1, 2 or 4 and divide the heads' Dv {Dv}, got GDS={gds!r}")
         template += [("GHk", Hk), ("GHv", Hv), ("GDk", Dk), ("GDv", Dv), ("GKc", int(Kc)),
                      ("GBIAS", has_bias), ("GW", int(gdn_step.proj.shape[-1])), ("GDS", gds)]
         gd_shapes = [gdn_step.conv_state.shape, gdn_step.state.shape]
