@@ -35,7 +35,10 @@ Variants are ``ops.moe.DECODE_BLOCK_OPTIONS`` settings and the build keys of
 4 halving its 772 blocks; ``UNROLL=1``: the projection phases' input staging
 unrolled; ``PSM=48``: next-projection items of 48 rows staged in shared
 memory; ``GDS=4``: four GDN items per value head), plus ``PACK=0`` (the unpacked GD build,
-``moe_decode_block_gdn``, 47 inputs instead of 27); ``default`` is the
+``moe_decode_block_gdn``, 47 inputs instead of 27) and ``PF=1`` (the ``l2-prefetch``
+build: the gate/up items that wait for nothing, resident from the launch's
+start, ask the L2 for the next projection's weight, scales and biases that its
+last phase reads); ``default`` is the
 shipped build. Every variant's output, next projection and states are first
 checked bit for bit against the default's. Writes
 ``profile-layer-gpu-<device>.json`` (or ``profile-layer-gpu-timeline-...``)
@@ -102,16 +105,26 @@ def split_variant(text: str) -> tuple[dict, bool]:
     ({}, True)
     >>> split_variant("PACK=0+GRPW=4")
     ({'GRPW': 4}, False)
+    >>> split_variant("PF=1")
+    ({'PF': True}, True)
     """
     from profile_moe_block_gpu import parse_variant
 
     from qwen_apple_backend.ops.moe import DECODE_BLOCK_CHOICES
 
-    parts = [p for p in text.split("+") if not p.startswith("PACK=")]
+    parts = [p for p in text.split("+") if not p.startswith(("PACK=", "PF="))]
     packs = [p for p in text.split("+") if p.startswith("PACK=")]
+    pfs = [p for p in text.split("+") if p.startswith("PF=")]
     if len(packs) > 1 or (packs and packs[0] not in ("PACK=0", "PACK=1")):
         raise ValueError(f"variant {text!r}: PACK is a flag: PACK=0 or PACK=1")
+    if len(pfs) > 1 or (pfs and pfs[0] not in ("PF=0", "PF=1")):
+        raise ValueError(f"variant {text!r}: PF is a flag: PF=0 or PF=1")
     opts = parse_variant("+".join(parts)) if parts else {}
+    if pfs == ["PF=1"]:
+        if opts.get("EARLY") is False:
+            raise ValueError(f"variant {text!r}: PF needs EARLY (its items that wait for "
+                             f"nothing issue the prefetch)")
+        opts["PF"] = True
     # What ops.moe accepts (it would refuse them at the first launch, after the build).
     for key, allowed in DECODE_BLOCK_CHOICES.items():
         if key in opts and opts[key] not in allowed:
@@ -221,7 +234,7 @@ class Variant:
         self.saved = dict(moe_ops.DECODE_BLOCK_OPTIONS)
         self.real = (moe_ops._decode_block_pack_object, moe_ops._decode_block_gdn_object)
         moe_ops.DECODE_BLOCK_OPTIONS.update(
-            {k: v for k, v in self.opts.items() if k not in BUILD_KEYS})
+            {k: v for k, v in self.opts.items() if k not in BUILD_KEYS and k != "PF"})
         prefix = build_prefix(self.opts)
         if prefix or self.stamps:
             # One kernel object per dynamic shared memory size (PSM's), as ops.moe's.
@@ -266,10 +279,12 @@ def launch(variant: Variant, layer: Layer, x, proj, counter):
     """One launch of ``layer``: (out, next projection row, conv state, state)."""
     from qwen_apple_backend.ops import moe as moe_ops
 
+    pw = layer.next_proj.weights
     return moe_ops._moe_decode_block_call(
         "cuda", x, None, layer.nw, 1e-6, layer.gate, K, True, layer.gate_up, layer.down,
         layer.shared, counter, out_proj=layer.out_proj, next_proj=layer.next_proj,
-        gdn_step=step(layer, proj), pack=layer.pack if variant.packed else None)
+        gdn_step=step(layer, proj), pack=layer.pack if variant.packed else None,
+        prefetch=(pw.weight, pw.scales, pw.biases) if variant.opts.get("PF") else ())
 
 
 def private_states(layers: list) -> list:
@@ -359,8 +374,11 @@ def phase_bounds(opts: dict) -> list[int]:
 def summarize_phases(samples: list, bounds: list[int]) -> dict:
     """Per phase, medians over launches of its marks in us from each launch's first ticket.
 
-    ``samples``: per launch, rows ``[start, wait end, work end, down's gate/up
-    wait end, SM]`` per ticket (0 where a mark does not apply).
+    ``samples``: per launch, rows ``[start, wait end, work end, mark 3, SM]``
+    per ticket (0 where a mark does not apply). Mark 3 is the route items'
+    logits written and counted (the last of them then routes the row) and the
+    down items' end of their wait for the gate/up items; a phase with it gets
+    ``mark3_median`` and ``mark3_last`` too.
     """
     phases = {}
     for p, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
@@ -379,7 +397,12 @@ def summarize_phases(samples: list, bounds: list[int]) -> dict:
             vals["wait_end_median"].append(waits[len(waits) // 2])
             vals["wait_end_last"].append(waits[-1])
             vals["work_end_last"].append(max(row[2] for row in rows) - t0)
-        phases[PHASES[p]] = {k: round(statistics.median(x) / 1000.0, 2) for k, x in vals.items()}
+            marks = sorted(row[3] - t0 for row in rows if row[3])
+            if marks:
+                vals.setdefault("mark3_median", []).append(marks[len(marks) // 2])
+                vals.setdefault("mark3_last", []).append(marks[-1])
+        phases[PHASES[p]] = {k: round(statistics.median(x) / 1000.0, 2) for k, x in vals.items()
+                             if x}
         phases[PHASES[p]]["blocks"] = hi - lo
         phases[PHASES[p]]["started_1us"] = int(statistics.median(started))
     return phases

@@ -3133,9 +3133,15 @@ def test_layer_profiler_chains_packed_and_unpacked_layers_emulated(monkeypatch):
         m.check_variants([variants[0], ("PRW=8", m.Variant({"PRW": 8}, True))],
                          layers[0], x, proj)
     # (The command line refuses those before building anything.)
+    # PF=1 (l2-prefetch's build, asking the L2 for the next projection's
+    # arrays): the same four outputs.
+    pf = m.Variant(*m.split_variant("PF=1"))
+    assert pf.opts == {"PF": True} and pf.packed
+    m.check_variants([variants[0], ("PF=1", pf)], layers[0], x, proj)
     for text, msg in (("PRW=8", "PRW must be one of 1, 2, 4, got 8"),
                       ("GRPW=3+PACK=0", "GRPW must be one of 1, 2, 4, got 3"),
-                      ("PACK=2", "PACK is a flag")):
+                      ("PACK=2", "PACK is a flag"), ("PF=2", "PF is a flag"),
+                      ("PF=1+EARLY=0", "PF needs EARLY")):
         with pytest.raises(ValueError, match=msg):
             m.split_variant(text)
     monkeypatch.setattr(m, "launch", broken)
@@ -3171,3 +3177,9 @@ def test_layer_profiler_phase_bounds_and_summary(monkeypatch):
                           "started_1us": 2}
     assert got["out-proj"]["wait_end_median"] == 7.0 and got["out-proj"]["work_end_last"] == 11.0
     assert got["out-proj"]["started_1us"] == 1
+    # Mark 3 (the route's logits counted; the down items' gate/up wait end),
+    # where a phase's tickets set it.
+    launch[2][3], launch[3][3] = 8500, 10000
+    got = m.summarize_phases([launch, launch], [0, 2, 4])
+    assert "mark3_median" not in got["gdn"]
+    assert (got["out-proj"]["mark3_median"], got["out-proj"]["mark3_last"]) == (9.0, 9.0)

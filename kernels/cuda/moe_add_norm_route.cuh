@@ -73,11 +73,12 @@ __device__ __forceinline__ const T* qab_add_norm_row(const size_t n, const T* x,
 }
 
 template <typename T, int D, int E, int K, int G, bool NORM, int BLOCK, int RB, bool RCG = false,
-          typename Wait = QabNoWait>
+          typename Wait = QabNoWait, typename Counted = QabNoWait>
 __device__ __forceinline__ bool qab_add_norm_route_part(
     const int part, const int nparts, const size_t n, const T* x, const T* r, const T* nw,
     const float* eps, const uint32_t* gw, const T* gs, const T* gb, const uint32_t* count, T* h,
-    T* y, T* logits, uint32_t* inds, T* scores, Wait wait = Wait()) {
+    T* y, T* logits, uint32_t* inds, T* scores, Wait wait = Wait(),
+    Counted counted = Counted()) {
   static_assert(sizeof(T) == 2, "moe_add_norm_route: T is bfloat16 or float16");
   static_assert(D % 256 == 0, "moe_add_norm_route: D % 256 == 0 (no residue step)");
   static_assert(G % 8 == 0 && D % G == 0, "moe_add_norm_route: a lane's 8 weights share a group");
@@ -165,6 +166,9 @@ __device__ __forceinline__ bool qab_add_norm_route_part(
     last = prev == nparts - 1;
   }
   __syncthreads();
+  // `counted` (every thread): this block's logits are written and counted
+  // (moe_decode_block.cu's profiling builds mark the time here).
+  counted();
   if (!last) {
     return false;
   }

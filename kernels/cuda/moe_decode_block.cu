@@ -501,6 +501,8 @@ while (true) {
         logits, inds, scores, [&]() {
           wait_out_proj();
           QAB_MARK(1);  // (profiling builds: the route's own time starts here)
+        }, [&]() {
+          QAB_MARK(3);  // (profiling builds: its logits counted; the last block then routes)
         });
     QAB_MARK(2);
     if (last) {
