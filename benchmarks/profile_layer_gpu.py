@@ -32,9 +32,10 @@ random weights, bfloat16) and measures them two ways:
 Variants are ``ops.moe.DECODE_BLOCK_OPTIONS`` settings and the build keys of
 ``profile_moe_block_gpu.py`` (``SLEEP``, ``MINB``, ``RELAXED``), written
 ``PRW=4+MINB=2`` (``PRW``: the next projection's rows per warp, 2 shipped,
-4 halving its 772 blocks; ``UNROLL=1``: the projection phases' input staging
-unrolled; ``PSM=48``: next-projection items of 48 rows staged in shared
-memory; ``GDS=4``: four GDN items per value head), plus ``PACK=0`` (the unpacked GD build,
+4 halving its 772 blocks; ``UNROLL=0``: the projection phases' input staging
+as a loop, not unrolled as shipped (``moe-block-unroll`` off); ``PSM=48``:
+next-projection items of 48 rows staged in shared memory; ``GDS=4``: four
+GDN items per value head), plus ``PACK=0`` (the unpacked GD build,
 ``moe_decode_block_gdn``, 47 inputs instead of 27) and ``PF=1`` (the ``l2-prefetch``
 build: the gate/up items that wait for nothing, resident from the launch's
 start, ask the L2 for the next projection's weight, scales and biases that its
@@ -72,7 +73,7 @@ KC = 4
 #: The next layer's concatenated input projection: q | k | v | z | b | a.
 PN = 2 * HEADS[0] * HEADS[2] + 2 * HEADS[1] * HEADS[3] + 2 * HEADS[1]
 PHASES = ("gdn", "out-proj", "route", "gate/up", "down", "next-proj")
-DEFAULT_VARIANTS = "default,UNROLL=1,PSM=48"
+DEFAULT_VARIANTS = "default,UNROLL=0,PSM=48"
 
 
 class Layer(NamedTuple):

@@ -301,7 +301,8 @@ def test_bad_boolean_and_list_variables_name_themselves(monkeypatch):
                                           r"moe-kernel, moe-route, moe-block, attn-blocks, attn-split, attn-kernel, qk-prep, decode-compile, decode-const, "
                                           r"proj-concat, gemv-kernel, embed-kernel, proj-gemv, add-norm, norm-proj, next-norm, kv-in-place, "
                                           r"moe-block-stage, gemv-pipe, attn-lanes, moe-block-early, "
-                                          r"l2-prefetch, moe-block-out-proj, moe-block-next-proj, moe-block-gdn, moe-block-pack, attn-step, "
+                                          r"l2-prefetch, moe-block-out-proj, moe-block-next-proj, moe-block-gdn, moe-block-pack, "
+                                          r"moe-block-unroll, attn-step, "
                                           r"attn-mma\)$"):
         envs.validate()
     monkeypatch.setenv("QAB_DISABLE", "all")

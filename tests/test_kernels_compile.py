@@ -130,7 +130,7 @@ CASES = {
          "PREFETCH": True, "STAGE": False, "GRPW": 2, "EARLY": False, "PF": False,
          "OP": False, "DO": 1024, "OG": 32, "NP": False, "PN": 1, "PG": 32, "PRW": 2,
          "PSM": 0, "UNROLL": False}),
-    # The shipped build (STAGE, EARLY, OP, NP) with Qwen3.6's Gated DeltaNet step
+    # The shipped build (STAGE, EARLY, UNROLL, OP, NP) with Qwen3.6's Gated DeltaNet step
     # first (GD): 16 key and 32 value heads of 128, conv 4, the packed 12,352-wide row.
     "moe_decode_block_gdn": (
         ["bf16", "bf16", "bf16", "f32", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "u32",
@@ -143,7 +143,7 @@ CASES = {
          "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1, "CS": 32, "PERSIST": False,
          "PREFETCH": True, "STAGE": True, "GRPW": 2, "EARLY": True, "PF": False,
          "OP": True, "DO": 4096, "OG": 64, "NP": True, "PN": 12352, "PG": 64, "PRW": 2, "PSM": 0,
-         "UNROLL": False,
+         "UNROLL": True,
          "GHk": 16, "GHv": 32, "GDk": 128, "GDv": 128, "GKc": 4, "GBIAS": False,
          "GW": 12352, "GDS": 1}),
     # Qwen3.6's token embedding (248,320 rows of 2,048, 4-bit, group 64).
@@ -170,7 +170,9 @@ EXTRA_CASES = [
     # The shipped build with the mixer's output projection (OP, Qwen3.6's 4,096
     # inputs), and with the next layer's norm + in_proj too (NP, 12,352 rows):
     # both projection phases share one staging buffer (static shared memory
-    # stays under 48 KB).
+    # stays under 48 KB). Both with UNROLL off (the projection phases' staging
+    # as a loop: moe-block-unroll's ablation); the shipped, unrolled OP + NP
+    # build is test_moe_block_keeps_two_blocks_per_sm's op-np.
     ("moe_decode_block", (CASES["moe_decode_block"][0], CASES["moe_decode_block"][1],
                           {**CASES["moe_decode_block"][2], "STAGE": True, "EARLY": True,
                            "OP": True, "DO": 4096, "OG": 64})),
@@ -384,7 +386,7 @@ def _packed_inputs(dtypes):
 CASES["moe_decode_block_pack"] = (
     _packed_inputs(CASES["moe_decode_block"][0]), ["bf16", "bf16"],
     {**CASES["moe_decode_block"][2], "STAGE": True, "EARLY": True, "OP": True, "DO": 4096,
-     "OG": 64, "NP": True, "PN": 12352, "PG": 64, "WSO": 256})
+     "OG": 64, "NP": True, "PN": 12352, "PG": 64, "UNROLL": True, "WSO": 256})
 CASES["moe_decode_block_gdn_pack"] = (
     _packed_inputs(CASES["moe_decode_block_gdn"][0]), ["bf16", "bf16"],
     {**CASES["moe_decode_block_gdn"][2], "WSO": 256})
@@ -398,7 +400,7 @@ def test_add_rms_norm_compiles_without_spills(case, tmp_path):
 # The shipped block build with both projection phases (OP + NP) at Qwen3.6's shape.
 _BLOCK_OP_NP = (CASES["moe_decode_block"][0], CASES["moe_decode_block"][1],
                 {**CASES["moe_decode_block"][2], "STAGE": True, "EARLY": True, "OP": True,
-                 "DO": 4096, "OG": 64, "NP": True, "PN": 12352, "PG": 64})
+                 "DO": 4096, "OG": 64, "NP": True, "PN": 12352, "PG": 64, "UNROLL": True})
 
 
 @pytest.mark.parametrize("op,case", [("moe_decode_block", _BLOCK_OP_NP),
@@ -418,17 +420,18 @@ _BLOCK_OP_NP = (CASES["moe_decode_block"][0], CASES["moe_decode_block"][1],
                                      ("moe_decode_block_gdn_pack",
                                       (*CASES["moe_decode_block_gdn_pack"][:2],
                                        {**CASES["moe_decode_block_gdn_pack"][2],
-                                        "UNROLL": True})),
+                                        "UNROLL": False})),
                                      ("moe_decode_block_pack",
                                       (*CASES["moe_decode_block_pack"][:2],
-                                       {**CASES["moe_decode_block_pack"][2], "UNROLL": True}))],
+                                       {**CASES["moe_decode_block_pack"][2], "UNROLL": False}))],
                          ids=["op-np", "gd-op-np", "pack-op-np", "pack-gd-op-np",
                               "pack-gd-op-np-prw4", "pack-gd-op-np-gds4", "pack-gd-op-np-gds2",
-                              "pack-gd-op-np-unroll", "pack-op-np-unroll"])
+                              "pack-gd-op-np-no-unroll", "pack-op-np-no-unroll"])
 def test_moe_block_keeps_two_blocks_per_sm(op, case, tmp_path):
     # The one-launch MoE block at Qwen3.6's shape (OP + NP; and with the GDN
     # step first, GD; and with 4 next-projection rows per warp, PRW; with 8
-    # nvcc 13 spills 32 bytes at this cap, so ops.moe refuses PRW 8) must
+    # nvcc 13 spills 32 bytes at this cap, so ops.moe refuses PRW 8; UNROLL as
+    # shipped and, -no-unroll, off: moe-block-unroll's ablation) must
     # fit two blocks of 256 threads on an SM: at most 128 registers per thread
     # (65,536 per SM), without spills. With the GDN step's 64 state floats
     # in registers at once the GD build needed 168 (one block per SM); its

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import re
 
 import mlx.core as mx
@@ -2097,11 +2098,11 @@ def test_moe_decode_block_out_proj_is_the_gemv_then_the_block_emulated(options, 
                                         ({"PRW": 4}, True), ({"PRW": 1}, False),
                                         ({"PSM": 32}, True), ({"PSM": 64}, False),
                                         ({"PSM": 16, "PERSIST": True, "GRID": 3}, False),
-                                        ({"UNROLL": True}, True),
-                                        ({"UNROLL": True, "PSM": 32}, False)],
+                                        ({"UNROLL": False}, True),
+                                        ({"UNROLL": False, "PSM": 32}, False)],
                          ids=["default", "EARLYFalse-op", "PERSIST-op", "PRW4-op", "PRW1",
-                              "PSM32-op", "PSM64", "PSM16-PERSIST", "UNROLL-op",
-                              "UNROLL-PSM32"])
+                              "PSM32-op", "PSM64", "PSM16-PERSIST", "UNROLLFalse-op",
+                              "UNROLLFalse-PSM32"])
 def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(options, op,
                                                                              monkeypatch):
     # NP: the next layer's input RMSNorm + 4-bit input projection (80 rows: a
@@ -2112,9 +2113,10 @@ def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(opt
     # arithmetic does not depend on it), and with 32, 64 or 16 rows per block
     # staged in dynamic shared memory by cp.async (PSM: 3, 2 and 5 blocks of
     # the 80 rows, the last partial but at 16; on a persistent grid of 3
-    # blocks, each taking several items into the same shared memory); and
-    # with the staging loops unrolled over the block's compile-time size
-    # (UNROLL: the same values).
+    # blocks, each taking several items into the same shared memory); with
+    # the staging loops unrolled over the block's compile-time size (UNROLL,
+    # the default) and without (UNROLL off, moe-block-unroll's ablation).
+    # The same values.
     for key, value in options.items():
         monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)
     shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
@@ -2125,20 +2127,84 @@ def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(opt
         _out_proj_case(case, 2048) if op else None, str(options))
 
 
+def test_moe_decode_block_unroll_switch_is_its_own_build_with_the_same_bits_emulated(
+        monkeypatch):
+    # moe-block-unroll (FusedSparseMoeBlock.unroll_stage -> unroll=): the
+    # argument reaches the launch as the UNROLL template value (None:
+    # DECODE_BLOCK_OPTIONS["UNROLL"], on by default), each build self-checks
+    # under its own key, and with both projection phases (OP + NP: the phases
+    # whose input staging UNROLL unrolls) the two builds' outputs are the
+    # same bits.
+    assert moe_ops.DECODE_BLOCK_OPTIONS["UNROLL"] is True
+    assert moe_ops._decode_block_build()["UNROLL"] is True
+    assert moe_ops._decode_block_build(unroll=False)["UNROLL"] is False
+    with monkeypatch.context() as m:
+        m.setitem(moe_ops.DECODE_BLOCK_OPTIONS, "UNROLL", False)
+        assert moe_ops._decode_block_build()["UNROLL"] is False
+        assert moe_ops._decode_block_build(unroll=True)["UNROLL"] is True
+    built = []
+
+    def build(name, backend, **options):
+        kernel = emu.build_kernel(name, backend, **options)
+
+        def launch(**kw):
+            if name == "moe_decode_block":
+                built.append(dict(kw["template"])["UNROLL"])
+            return kernel(**kw)
+        return launch
+
+    for module in (gd, moe_ops, attn_ops, lin_ops):
+        monkeypatch.setattr(module, "build_kernel", build)
+    _clear_kernel_caches()
+    monkeypatch.setattr(moe_ops, "gpu_backend", lambda: "cuda")
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
+    shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
+    x, r, w, gate, gu, dn, sw = case = _block_case(shape, dtype, rg)
+    K = shape[4]
+    op, nxt = _out_proj_case(case, 2048), _next_proj_case(case, 80)
+    counter = moe_ops.fold_norm_counter(moe_ops.decode_block_counter_length())
+    outs = {}
+    for unroll in (False, True, None):
+        built.clear()
+        outs[unroll] = moe_ops.moe_decode_block(x, None, w, 1e-6, gate, K, norm, gu, dn, sw,
+                                                "cuda", counter=counter, unroll=unroll,
+                                                out_proj=op, next_proj=nxt)
+        mx.eval(outs[unroll])
+        assert built and set(built) == {unroll is not False}, (unroll, built)
+    for a, b, c in zip(outs[False], outs[True], outs[None]):
+        assert mx.array_equal(a, b).item() and mx.array_equal(b, c).item()
+    assert not mx.any(counter).item()
+    device.reset_self_checks()
+    try:
+        for unroll in (False, True):
+            assert moe_ops.decode_block_ready(x, w, 1e-6, gate, K, norm, gu, dn, sw,
+                                              unroll=unroll, out_proj=op,
+                                              next_proj=nxt) == "cuda", unroll
+        checked = [dict(k[2][12])["UNROLL"] for k, v in device.self_check_results().items()
+                   if k[0] == "moe_decode_block" and v == (True, "passed")
+                   and dict(k[2][12])["OP"] and dict(k[2][12])["NP"]]
+        assert sorted(checked) == [False, True], checked
+    finally:
+        device.reset_self_checks()
+
+
 # (Hk, Hv, Dk, Dv), conv bias, next projection rows (0: no NP), build options:
 # 4 passes of 4 state rows per warp (Dv 128 -> 16 rows per warp), 2 passes
 # with 2 lanes' floats per row and a conv bias, and a grid of fewer blocks
 # than tickets; then the same with each head split over GDS items (4 items
 # of 32 rows, one pass; 2 of 32 rows of 2 floats per lane; a persistent
-# grid), their gated RMSNorm applied by the out-projection items.
+# grid), their gated RMSNorm applied by the out-projection items; and the
+# projection phases' staging as a loop, not unrolled (UNROLL off:
+# moe-block-unroll's ablation; the other cases run the default, UNROLL on).
 GDN_BLOCK_EMU_CASES = [((4, 8, 32, 128), False, 80, {}),
                        ((2, 16, 64, 64), True, 0, {"EARLY": False}),
                        ((4, 8, 32, 128), False, 0, {"PERSIST": True, "GRID": 3}),
                        ((4, 8, 32, 128), False, 80, {"GDS": 4}),
                        ((2, 16, 64, 64), True, 0, {"GDS": 2}),
                        ((4, 8, 32, 128), False, 0, {"GDS": 4, "PERSIST": True, "GRID": 3}),
-                       ((4, 8, 32, 128), False, 80, {"UNROLL": True}),
-                       ((4, 8, 32, 128), False, 80, {"UNROLL": True, "GDS": 4})]
+                       ((4, 8, 32, 128), False, 80, {"UNROLL": False}),
+                       ((4, 8, 32, 128), False, 80, {"UNROLL": False, "GDS": 4})]
 
 
 @pytest.mark.parametrize("heads,bias,pn,options", GDN_BLOCK_EMU_CASES,
@@ -2177,11 +2243,12 @@ def test_moe_decode_block_gdn_refuses_a_split_that_is_not_a_choice(monkeypatch):
 
 
 # Phases with the packed build: none (no OP, no NP), OP + NP, GD + NP, GD on
-# a persistent grid of 3 blocks.
+# a persistent grid of 3 blocks; the last two with UNROLL off (moe-block-unroll's
+# ablation; the others unrolled, the default).
 PACK_EMU_CASES = [("plain", {}), ("op-np", {}), ("gdn-np", {}),
                   ("gdn", {"PERSIST": True, "GRID": 3}), ("gdn-np", {"PRW": 4}),
                   ("gdn-np", {"PSM": 64}), ("gdn-np", {"GDS": 4, "PSM": 32}),
-                  ("op-np", {"UNROLL": True}), ("gdn-np", {"UNROLL": True})]
+                  ("op-np", {"UNROLL": False}), ("gdn-np", {"UNROLL": False})]
 
 
 @pytest.mark.parametrize("phases,options", PACK_EMU_CASES,
@@ -2749,8 +2816,8 @@ def test_fused_model_runs_the_gdn_step_in_the_moe_block_emulated(monkeypatch):
     _fake_cuda_gdn_block_preset(monkeypatch)
     launches = []
     real_block, real_gdn = moe_ops._moe_decode_block_call, gd._decode_kernel_call
-    def block(*a, **k):  # gdn_step: keyword or the 18th positional argument
-        step = k.get("gdn_step", a[17] if len(a) > 17 else None)
+    def block(*a, **k):  # gdn_step: keyword or positional
+        step = inspect.signature(real_block).bind(*a, **k).arguments.get("gdn_step")
         launches.append("block" if step is None else "block+gdn")
         return real_block(*a, **k)
 
@@ -2783,8 +2850,8 @@ def test_fused_model_runs_the_gdn_step_in_the_moe_block_emulated(monkeypatch):
         verdicts = {k[0]: v for k, v in device.self_check_results().items()}
         assert verdicts["moe_decode_block_gdn"] == (True, "passed")
         # (The GPU test's check: _kernel_choice's key has the GD step's key,
-        # heads first, at index 14.)
-        took = [any(len(k) > 14 and k[14][0] == (4, 8, 32, 128) and v[4] is not None
+        # heads first, at index 15.)
+        took = [any(len(k) > 15 and k[15][0] == (4, 8, 32, 128) and v[4] is not None
                     for k, v in layer.mlp._choices.items()) for layer in models[0].layers]
         assert took == [True, True, False], took
         # With the block's GD build unavailable (as without
@@ -2832,9 +2899,9 @@ def test_fused_model_reads_the_router_and_shared_expert_from_one_pack_emulated(m
     launches = []
     real_block = moe_ops._moe_decode_block_call
 
-    def block(*a, **k):  # pack: keyword or the 19th positional argument
-        pack = k.get("pack", a[18] if len(a) > 18 else None)
-        step = k.get("gdn_step", a[17] if len(a) > 17 else None)
+    def block(*a, **k):  # pack, gdn_step: keyword or positional
+        given = inspect.signature(real_block).bind(*a, **k).arguments
+        pack, step = given.get("pack"), given.get("gdn_step")
         launches.append(("block" if step is None else "block+gdn")
                         + ("" if pack is None else "+pack"))
         return real_block(*a, **k)

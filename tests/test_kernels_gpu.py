@@ -816,7 +816,7 @@ def test_moe_decode_block_gdn_is_the_gdn_launch_then_the_block(shape, dtype, rg,
                                       next_proj=nxt, gdn_step=step) == backend
 
 
-@pytest.mark.parametrize("options", [{"UNROLL": True}, {"PSM": 48}, {"PSM": 64}, {"GDS": 4},
+@pytest.mark.parametrize("options", [{"UNROLL": False}, {"PSM": 48}, {"PSM": 64}, {"GDS": 4},
                                      {"GDS": 2, "PSM": 32},
                                      {"GDS": 4, "PSM": 64, "PERSIST": True, "GRID": 264}],
                          ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
@@ -824,7 +824,8 @@ def test_moe_decode_block_gdn_is_the_gdn_launch_then_the_block(shape, dtype, rg,
                          ids=lambda v: str(v).replace("mlx.core.", "").replace(" ", ""))
 def test_moe_decode_block_staged_and_split_builds_are_the_launches(shape, dtype, rg, norm,
                                                                    options, monkeypatch):
-    # UNROLL (the projection phases' staging unrolled), PSM (next-projection
+    # UNROLL off (the projection phases' staging as a loop: moe-block-unroll's
+    # ablation; the other cases run the default, unrolled), PSM (next-projection
     # items of PSM rows staged in dynamic shared memory) and GDS (GDS Gated DeltaNet items per value head, the gated RMSNorm
     # applied by the out-projection items) at Qwen3.6's shape, packed and
     # not: every output bit-identical to the GDN launch followed by the block
@@ -969,8 +970,8 @@ def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(s
         assert mx.array_equal(a, b).item(), f"token {t}: rel-L2 {mx_rel_l2(a, b):.3g}"
         if t >= 1 and np_:
             # Every block but the last took the next-projection build.
-            # (_kernel_choice's key: the next projection's key at index 13.)
-            took = [any(k[13] is not None and v[4] is not None
+            # (_kernel_choice's key: the next projection's key at index 14.)
+            took = [any(k[14] is not None and v[4] is not None
                         for k, v in layer.mlp._choices.items()) for layer in models[0].layers]
             assert took == [True] * (len(took) - 1) + [False], took
         if t >= 1 and op and not np_:
@@ -982,7 +983,7 @@ def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(s
                 mixer = layer.linear_attn if layer.is_linear else layer.self_attn
                 proj = mixer.out_proj if layer.is_linear else mixer.o_proj
                 wide = proj["weight"].shape[1] * 8 % 1024 == 0
-                taken = any(k[12] is not None and v[4] is not None
+                taken = any(k[13] is not None and v[4] is not None
                             for k, v in layer.mlp._choices.items())
                 assert taken == wide, (type(mixer).__name__, proj["weight"].shape)
                 took.append(taken)
@@ -1067,9 +1068,9 @@ def test_compiled_decode_runs_the_gdn_step_in_the_moe_block(monkeypatch):
     caches = _prefilled_caches(models)
     try:
         _decode_alike(models, caches, range(16), states=False)
-        # (_kernel_choice's key has the GD step's key, heads first, at index 14
+        # (_kernel_choice's key has the GD step's key, heads first, at index 15
         # when it has one; the pack's marker follows it.)
-        took = [any(len(k) > 14 and k[14][0] == (16, 32, 128, 128) and v[4] is not None
+        took = [any(len(k) > 15 and k[15][0] == (16, 32, 128, 128) and v[4] is not None
                     for k, v in layer.mlp._choices.items())
                 for layer in models[0].layers]
         assert took == [True, True, True, False], took

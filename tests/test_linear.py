@@ -517,11 +517,12 @@ def test_a_wrong_projected_input_is_refused_and_the_mixer_keeps_working(tiny_q4,
 
 
 def test_report_says_when_a_switch_takes_the_blocks_phases_away(tiny_q4, monkeypatch):
-    # moe-block-out-proj, moe-block-next-proj, moe-block-gdn and moe-block-pack
-    # (on by default) live in the one-launch MoE block: the report says when another switch
-    # takes it away (or, for next-proj, the concatenated projections or
-    # norm-proj; for gdn, also the out-projection phase or the GDN kernels), and says
-    # nothing by default or when they are switched off themselves (their own note).
+    # moe-block-out-proj, moe-block-next-proj, moe-block-gdn, moe-block-pack and
+    # moe-block-unroll (on by default) live in the one-launch MoE block: the
+    # report says when another switch takes it away (or, for next-proj, the
+    # concatenated projections or norm-proj; for gdn, also the out-projection
+    # phase or the GDN kernels), and says nothing by default or when they are
+    # switched off themselves (their own note).
     monkeypatch.delenv("QAB_DISABLE", raising=False)
     monkeypatch.delenv("QAB_ENABLE", raising=False)
 
@@ -533,7 +534,7 @@ def test_report_says_when_a_switch_takes_the_blocks_phases_away(tiny_q4, monkeyp
     assert notes(disable=["moe-block"]) == [
         f"{n} is not used: it needs moe-block, which QAB_DISABLE / disable= switches off"
         for n in ("moe-block-out-proj", "moe-block-next-proj", "moe-block-gdn",
-                  "moe-block-pack")]
+                  "moe-block-pack", "moe-block-unroll")]
     assert notes(disable=["proj-concat", "moe-block-out-proj"]) == [
         "moe-block-next-proj is not used: it needs proj-concat, which QAB_DISABLE / disable= "
         "switches off",
@@ -545,7 +546,8 @@ def test_report_says_when_a_switch_takes_the_blocks_phases_away(tiny_q4, monkeyp
     monkeypatch.setenv("QAB_ENABLE", "next-norm")
     assert notes() == [f"{n} is not used: next-norm from QAB_ENABLE replaces the one-launch "
                        "MoE block" for n in ("moe-block-out-proj", "moe-block-next-proj",
-                                             "moe-block-gdn", "moe-block-pack")]
+                                             "moe-block-gdn", "moe-block-pack",
+                                             "moe-block-unroll")]
 
 
 def test_deferred_gated_delta_runs_its_step_once_and_stores_the_states():

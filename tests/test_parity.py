@@ -212,6 +212,9 @@ _OFF_NOTES = {
     "moe-block-out-proj": "on CUDA each mixer's output projection runs as its own launch, "
                           "not as the first phase of the one-launch MoE block "
                           "(moe-block-out-proj in QAB_DISABLE / disable=)",
+    "moe-block-unroll": "on CUDA the one-launch MoE block's projection phases stage their "
+                        "input in a loop, not unrolled (moe-block-unroll in QAB_DISABLE / "
+                        "disable=)",
 }
 
 
@@ -227,11 +230,12 @@ def test_moe_block_switch_reaches_every_fused_moe_block(tiny_q4):
 
 @pytest.mark.parametrize("name,attr", [("moe-block-stage", "stage_down"),
                                        ("moe-block-early", "early_gate_up"),
-                                       ("moe-block-out-proj", "out_proj_phase")])
+                                       ("moe-block-out-proj", "out_proj_phase"),
+                                       ("moe-block-unroll", "unroll_stage")])
 def test_moe_block_build_switch_reaches_every_fused_moe_block(tiny_q4, monkeypatch, name, attr):
-    # FusedSparseMoeBlock.stage_down and .early_gate_up are on by default;
-    # QAB_DISABLE / disable=[name] clears it in every block, and QAB_ENABLE no
-    # longer takes the name (it is on already).
+    # FusedSparseMoeBlock.stage_down, .early_gate_up, .out_proj_phase and
+    # .unroll_stage are on by default; QAB_DISABLE / disable=[name] clears it
+    # in every block, and QAB_ENABLE no longer takes the name (it is on already).
     from qwen_apple_backend.errors import EnvVarError
     from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
 
@@ -244,6 +248,31 @@ def test_moe_block_build_switch_reaches_every_fused_moe_block(tiny_q4, monkeypat
     monkeypatch.setenv("QAB_ENABLE", name)
     with pytest.raises(EnvVarError, match=f"'{name}' is on by default"):
         load(tiny_q4, "fused")
+
+
+def test_moe_block_unroll_switch_from_the_environment(tiny_q4, monkeypatch):
+    # QAB_DISABLE=moe-block-unroll clears FusedSparseMoeBlock.unroll_stage (on
+    # by default: the block's UNROLL build) in every fused MoE block and only
+    # there, and the report says so: the switch's note, and each fused MoE
+    # module's record names it.
+    from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
+
+    monkeypatch.delenv("QAB_ENABLE", raising=False)
+    monkeypatch.setenv("QAB_DISABLE", "moe-block-unroll")
+    model = load(tiny_q4, "fused")[0]
+    blocks = [m for _, m in model.named_modules() if isinstance(m, FusedSparseMoeBlock)]
+    assert blocks and not any(b.unroll_stage for b in blocks)
+    assert all(b.stage_down and b.early_gate_up and b.one_launch for b in blocks)
+    report = get_report(model)
+    assert _OFF_NOTES["moe-block-unroll"] in report.notes
+    moe = [m for m in report.modules if m.kind == "moe" and m.fused]
+    assert moe and all(m.reason == "without moe-block-unroll (QAB_DISABLE / disable=)"
+                       for m in moe)
+    monkeypatch.delenv("QAB_DISABLE")
+    model = load(tiny_q4, "fused")[0]
+    assert all(m.unroll_stage for _, m in model.named_modules()
+               if isinstance(m, FusedSparseMoeBlock))
+    assert _OFF_NOTES["moe-block-unroll"] not in get_report(model).notes
 
 
 def test_mixers_hand_the_moe_block_their_output_before_its_projection(tiny_q4, monkeypatch):

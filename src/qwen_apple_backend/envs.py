@@ -16,7 +16,7 @@ Variables:
         ``next-norm``, ``kv-in-place``, ``moe-block-stage``, ``gemv-pipe``,
         ``attn-lanes``, ``moe-block-early``, ``l2-prefetch``,
         ``moe-block-out-proj``, ``moe-block-next-proj``, ``moe-block-gdn``,
-        ``moe-block-pack``, ``attn-step``, ``attn-mma``),
+        ``moe-block-pack``, ``moe-block-unroll``, ``attn-step``, ``attn-mma``),
         for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
@@ -170,6 +170,10 @@ OPTIMIZATIONS = {
     # bits): MLX's host cost per launch grows with every input array it binds (the builds
     # with the experts in the pack are not yet verified on a GPU)
     "moe-block-pack": "moe",
+    # the one-launch MoE block's out- and next-projection phases stage their input row in loops
+    # unrolled over the block size, so a thread's L2 reads go out together (UNROLL; CUDA; the
+    # same bits). H100, profile_layer_gpu.py: 77.4 vs 83.1 us per Gated DeltaNet layer launch
+    "moe-block-unroll": "moe",
     # one decode token's full-attention core in one CUDA launch inside the compiled decode
     # step (gqa_decode_step: q/k RMSNorm + RoPE, the KV row written in place, the lane-group
     # split-K pass, the merge and the output gate; four launches before; needs attn-kernel,

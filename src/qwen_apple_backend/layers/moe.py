@@ -483,10 +483,14 @@ class FusedSparseMoeBlock(nn.Module):
     Attribute ``early_gate_up`` (default True; the ``moe-block-early``
     optimization) builds it with gate/up items that stage the token's norm
     themselves and wait for the route only for routed rows (``EARLY``; same
-    outputs). Attribute ``l2_next`` (default None; set by the fusing code
-    with the opt-in ``l2-prefetch``): the next decoder layer's concatenated
-    input projection, whose arrays that launch asks the L2 to fetch while its
-    route runs (``PF``; same outputs). Attribute ``out_proj_phase`` (default
+    outputs). Attribute ``unroll_stage`` (default True; the
+    ``moe-block-unroll`` optimization) builds it with its out- and
+    next-projection phases staging their input row in loops unrolled over the
+    block size (``UNROLL``; same outputs). Attribute ``l2_next`` (default
+    None; set by the fusing code with the opt-in ``l2-prefetch``): the next
+    decoder layer's concatenated input projection, whose arrays that launch
+    asks the L2 to fetch while its route runs (``PF``; same outputs).
+    Attribute ``out_proj_phase`` (default
     True; the ``moe-block-out-proj`` optimization): when the decoder layer
     hands :meth:`add_norm_forward` the mixer's output before its 4-bit
     output projection (a
@@ -554,6 +558,7 @@ class FusedSparseMoeBlock(nn.Module):
     one_launch: bool = True
     stage_down: bool = True
     early_gate_up: bool = True
+    unroll_stage: bool = True
     out_proj_phase: bool = True
     next_proj_phase: bool = True
     gdn_phase: bool = True
@@ -860,7 +865,7 @@ class FusedSparseMoeBlock(nn.Module):
                     id(pw.scales), id(pw.biases), pw.scales.dtype, pw.group_size, pw.bits)
         key = (x.shape, x.dtype, decode, envs.kernels_disabled(),
                envs.unverified_kernels_allowed(), self._weights_signature(), nkey, next_key,
-               self.one_launch, self.stage_down, self.early_gate_up,
+               self.one_launch, self.stage_down, self.early_gate_up, self.unroll_stage,
                bool(self._l2_prefetch_arrays()), okey, pkey) + (
                    (gkey,) if gkey is not None else ()) + (
                    (("pack",),) if pack is not None else ())
@@ -888,6 +893,7 @@ class FusedSparseMoeBlock(nn.Module):
                     self.norm_topk_prob, expert_weights(self.switch_mlp.gate_up_proj),
                     expert_weights(self.switch_mlp.down_proj), self._shared_weights(),
                     stage=self.stage_down, early=self.early_gate_up,
+                    unroll=self.unroll_stage,
                     prefetch=bool(self._l2_prefetch_arrays()), out_proj=out_proj,
                     next_proj=next_proj, **({"gdn_step": gdn_step} if gdn_step is not None
                                            else {}), **({"pack": pack.cat["pk"]}
@@ -1061,6 +1067,7 @@ class FusedSparseMoeBlock(nn.Module):
                                    expert_weights(self.switch_mlp.down_proj),
                                    self._shared_weights(), block, counter=counter,
                                    stage=self.stage_down, early=self.early_gate_up,
+                                   unroll=self.unroll_stage,
                                    prefetch=pf, out_proj=op, next_proj=np_,
                                    **({"gdn_step": gs} if gs is not None else {}),
                                    **({"pack": pk} if pk is not None else {}))
@@ -1333,6 +1340,7 @@ class FusedSparseMoeBlock(nn.Module):
                    None if down_norm is None else next_norm.eps, serial, block,
                    block is not None and self.stage_down,
                    block is not None and self.early_gate_up,
+                   block is not None and self.unroll_stage,
                    bool(pf),
                    0 if op is None else int(op.weights.group_size),
                    None if np_ is None else (int(np_.weights.group_size), float(np_.eps)),
