@@ -2099,10 +2099,14 @@ def test_moe_decode_block_out_proj_is_the_gemv_then_the_block_emulated(options, 
                                         ({"PSM": 32}, True), ({"PSM": 64}, False),
                                         ({"PSM": 16, "PERSIST": True, "GRID": 3}, False),
                                         ({"UNROLL": False}, True),
-                                        ({"UNROLL": False, "PSM": 32}, False)],
+                                        ({"UNROLL": False, "PSM": 32}, False),
+                                        ({"NPL": True}, True), ({"NPL": True, "PRW": 1}, False),
+                                        ({"NPL": True, "PERSIST": True, "GRID": 3}, True),
+                                        ({"NPL": True, "PSM": 32}, False)],
                          ids=["default", "EARLYFalse-op", "PERSIST-op", "PRW4-op", "PRW1",
                               "PSM32-op", "PSM64", "PSM16-PERSIST", "UNROLLFalse-op",
-                              "UNROLLFalse-PSM32"])
+                              "UNROLLFalse-PSM32", "NPL-op", "NPL-PRW1", "NPL-PERSIST-op",
+                              "NPL-PSM32"])
 def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(options, op,
                                                                              monkeypatch):
     # NP: the next layer's input RMSNorm + 4-bit input projection (80 rows: a
@@ -2115,7 +2119,10 @@ def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(opt
     # the 80 rows, the last partial but at 16; on a persistent grid of 3
     # blocks, each taking several items into the same shared memory); with
     # the staging loops unrolled over the block's compile-time size (UNROLL,
-    # the default) and without (UNROLL off, moe-block-unroll's ablation).
+    # the default) and without (UNROLL off, moe-block-unroll's ablation);
+    # with NPL (a block that ran a next-projection item takes the next
+    # tickets, for the 2 token rows' 10 items (20 at PRW 1) crossing from row 0
+    # to row 1, restaging there; on a persistent grid too; no effect with PSM).
     # The same values.
     for key, value in options.items():
         monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)

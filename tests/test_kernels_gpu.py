@@ -817,7 +817,8 @@ def test_moe_decode_block_gdn_is_the_gdn_launch_then_the_block(shape, dtype, rg,
 
 
 @pytest.mark.parametrize("options", [{"UNROLL": False}, {"PSM": 48}, {"PSM": 64}, {"GDS": 4},
-                                     {"GDS": 2, "PSM": 32},
+                                     {"GDS": 2, "PSM": 32}, {"NPL": True},
+                                     {"NPL": True, "UNROLL": False},
                                      {"GDS": 4, "PSM": 64, "PERSIST": True, "GRID": 264}],
                          ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 @pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_CASES[:1],
@@ -825,7 +826,8 @@ def test_moe_decode_block_gdn_is_the_gdn_launch_then_the_block(shape, dtype, rg,
 def test_moe_decode_block_staged_and_split_builds_are_the_launches(shape, dtype, rg, norm,
                                                                    options, monkeypatch):
     # UNROLL off (the projection phases' staging as a loop: moe-block-unroll's
-    # ablation; the other cases run the default, unrolled), PSM (next-projection
+    # ablation; the other cases run the default, unrolled), NPL (next-projection
+    # blocks that take the next ticket and reuse their staged input), PSM (next-projection
     # items of PSM rows staged in dynamic shared memory) and GDS (GDS Gated DeltaNet items per value head, the gated RMSNorm
     # applied by the out-projection items) at Qwen3.6's shape, packed and
     # not: every output bit-identical to the GDN launch followed by the block

@@ -111,12 +111,16 @@ __device__ __forceinline__ void qab_q4_stage_x_sums(float4 (&xs)[8][NC], float* 
 // blockDim.x): the staging loop is then unrolled, so that a thread's reads of
 // x (through L2 where another block wrote it: moe_decode_block.cu) go out
 // together instead of one round trip per iteration; the same values.
+// stage_input false: `stage` and `stage_sum` already hold this x (the block
+// staged it for an earlier call with the same x and has not written them
+// since: moe_decode_block.cu's NPL), so neither `wait` nor the staging runs.
 template <typename OutT, typename ST, int KD, int G, int RPW, int NT = 0, typename XF,
           typename Wait = QabNoWait>
 __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout, const XF xv_of,
                                                  const uint32_t* w, const ST* scales,
                                                  const ST* biases, OutT* y, float4* stage,
-                                                 float* stage_sum, Wait wait = Wait()) {
+                                                 float* stage_sum, Wait wait = Wait(),
+                                                 const bool stage_input = true) {
   static_assert(KD % 1024 == 0 && G % 32 == 0, "qab_q4_gemv_rows: KD % 1024, G % 32");
   constexpr int NC = KD / 32;   // 32-value chunks per row
   constexpr int CPL = NC / 32;  // chunks per lane
@@ -145,9 +149,11 @@ __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout,
       bi[r][i] = ok ? static_cast<float>(biases[gi]) : 0.f;
     }
   }
-  wait();
-  qab_q4_stage_x_sums<NC, NT>(xs, xsum, xv_of);
-  __syncthreads();
+  if (stage_input) {
+    wait();
+    qab_q4_stage_x_sums<NC, NT>(xs, xsum, xv_of);
+    __syncthreads();
+  }
   float acc[RPW];
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {

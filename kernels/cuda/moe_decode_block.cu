@@ -158,6 +158,12 @@
 // values, fewer dependent L2 round trips; on by default, ops.moe's
 // moe-block-unroll switch: on an H100, profile_layer_gpu.py, 77.4 against
 // 83.1 us per Gated DeltaNet layer launch, bit for bit the same outputs).
+// NPL (NP builds without PSM, else no effect: a block that ran a next-projection item takes
+// tickets until none is left, and for items of the row it already staged
+// skips the wait, the norm and the staging: each row's arithmetic and
+// staged values are the same, so the same bits; the phase's 772 items at
+// Qwen3.6's 12,352 rows otherwise start as 772 blocks, each waiting for its
+// ticket, its weights, the down items, the norm's and the staging's reads).
 // Requirements: each of the three kernels' (see their sources); with OP,
 // DO % 1024 == 0 and OG % 32 == 0; with NP, H % 1024 == 0 and PG % 32 == 0.
 // Inputs: x, r [N, H] T (residual stream, mixer output); nw [H] T; eps [4]
@@ -315,6 +321,8 @@ constexpr int GR = (K * I / GRPW + BLOCK / 32 - 1) / (BLOCK / 32);
 static_assert(!(PREFETCH || STAGE) || H % ((BLOCK / 32) * QAB_DOWN_RPW) == 0,
               "moe_decode_block: PREFETCH and STAGE need every warp of a down block busy");
 static_assert(!PF || EARLY, "moe_decode_block: PF needs EARLY");
+// NPL where it applies: NP builds without PSM.
+constexpr bool QAB_NPL = NPL && NP && PSM == 0;
 __shared__ uint32_t ticket;
 
 uint32_t* c = const_cast<uint32_t*>(count);
@@ -602,9 +610,8 @@ while (true) {
     // Next-projection item: rows [p * 8 PRW, ...) of
     // po[n] = rms_norm(out[n], pnw, peps) pw^T. Its weight loads go out
     // first; then it waits for every down item and reads out[n] through L2.
-    const int q = tk - (OBLK + RBLK + GBLK + DBLK) * rows;
-    const int n = q / PBLK;
-    const int p = q - n * PBLK;
+    int q = tk - (OBLK + RBLK + GBLK + DBLK) * rows;
+    int n = q / PBLK;
     const T* orow = out + (size_t)n * H;
     float inv = 0.f;
     // quantized_gemv's NORM staging: T(nw * T(x * inv)).
@@ -625,14 +632,49 @@ while (true) {
     if constexpr (PSM > 0) {
       extern __shared__ uint4 qab_np_stage[];
       qab_q4_gemv_rows_staged<T, T, H, PG, PSM, BLOCK>(
-          p * PSM, PN, np_x, pw, ps, pb, po + (size_t)n * PN, gemv_stage, gemv_stage_sum,
-          qab_np_stage, np_wait);
+          (q - n * PBLK) * PSM, PN, np_x, pw, ps, pb, po + (size_t)n * PN, gemv_stage,
+          gemv_stage_sum, qab_np_stage, np_wait);
+      QAB_MARK(2);
     } else {
-      qab_q4_gemv_rows<T, T, H, PG, PRW, QAB_GEMV_NT>(p * (BLOCK / 32) * PRW, PN, np_x, pw, ps,
-                                                      pb, po + (size_t)n * PN, gemv_stage,
-                                                      gemv_stage_sum, np_wait);
+      // With NPL the block then takes the next tickets (next-projection items
+      // too, or none left), each while the item before loads its weights (the
+      // atomic's round trip hidden behind them), and for items of the row it
+      // has staged skips the wait, the norm and the staging (nothing else
+      // writes gemv_stage or its sums here): no block has to start for them.
+      bool stage_input = true;
+      uint32_t next = 0u;  // (thread 0's)
+      while (true) {
+        if constexpr (QAB_NPL) {
+          if (tid == 0) {
+            next = atomicAdd(tickets, 1u);
+          }
+        }
+        qab_q4_gemv_rows<T, T, H, PG, PRW, QAB_GEMV_NT>(
+            (q - n * PBLK) * (BLOCK / 32) * PRW, PN, np_x, pw, ps, pb, po + (size_t)n * PN,
+            gemv_stage, gemv_stage_sum, np_wait, stage_input);
+        QAB_MARK(2);
+        if constexpr (!QAB_NPL) {
+          break;
+        }
+        __syncthreads();  // every thread is past this item's reads of ticket and the stage
+        if (tid == 0) {
+          ticket = next;
+        }
+        __syncthreads();
+        const int tn = static_cast<int>(ticket) - GDBLK * rows;
+        if (tn >= items) {
+          if constexpr (PERSIST) {
+            __syncthreads();  // every thread has read ticket before thread 0 takes the next
+          }
+          break;
+        }
+        QAB_MARK(0);
+        q = tn - (OBLK + RBLK + GBLK + DBLK) * rows;
+        stage_input = q / PBLK != n;
+        n = q / PBLK;
+        orow = out + (size_t)n * H;
+      }
     }
-    QAB_MARK(2);
   }
   if (!PERSIST) {
     break;

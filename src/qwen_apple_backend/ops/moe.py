@@ -1686,10 +1686,14 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: together; the same values; the default of :func:`moe_decode_block`'s
 #: ``unroll``; the ``moe-block-unroll`` switch sets it per model): on;
 #: measured 77.4 against 83.1 us per Gated DeltaNet layer launch on an H100,
-#: the same bits (benchmarks/profile_layer_gpu.py).
+#: the same bits (benchmarks/profile_layer_gpu.py). NPL, whether a block that
+#: ran a next-projection item takes the next ticket too, reusing the input
+#: row it staged (no wait, norm or staging for later items of that row, the
+#: next ticket taken while the current item's weights load; NP builds
+#: without PSM; the same bits).
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
                         "STAGE": True, "GRPW": 2, "EARLY": True, "PRW": 2, "PSM": 0, "GDS": 1,
-                        "UNROLL": True}
+                        "UNROLL": True, "NPL": False}
 #: The values of DECODE_BLOCK_OPTIONS' row counts a launch accepts (PRW 8
 #: spills registers at the two blocks per SM the block is built for; PSM
 #: above 64 would leave room for only one block per SM).
@@ -2341,7 +2345,7 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
                 ("OP", bool(opts["OP"])), ("DO", int(DO)), ("OG", OG),
                 ("NP", bool(opts["NP"])), ("PN", max(int(PN), 1)), ("PG", PG),
                 ("PRW", int(opts["PRW"])), ("PSM", int(opts["PSM"])),
-                ("UNROLL", bool(opts["UNROLL"]))]
+                ("UNROLL", bool(opts["UNROLL"])), ("NPL", bool(opts["NPL"]))]
     if pack is not None:
         template.append(("WSO", decode_block_pack_workspace_offset()))
     gd_inputs, gd_shapes, gd_dtypes = [], [], []
