@@ -1506,7 +1506,8 @@ def test_add_norm_forward_takes_a_deferred_out_projection(monkeypatch, ready):
     calls = []
 
     def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None, stage=None,
-              early=None, unroll=None, prefetch=(), out_proj=None, next_proj=None):
+              early=None, unroll=None, npl=None, prefetch=(), out_proj=None,
+              next_proj=None):
         calls.append((r, out_proj))
         if out_proj is not None:
             ow = out_proj.weights
@@ -1558,17 +1559,19 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
     # stage_down (on by default; QAB_DISABLE=moe-block-stage clears it)
     # reaches the call as its stage, early_gate_up (on by default;
     # QAB_DISABLE=moe-block-early clears it) as its early, unroll_stage (on by
-    # default; QAB_DISABLE=moe-block-unroll clears it) as its unroll.
+    # default; QAB_DISABLE=moe-block-unroll clears it) as its unroll, npl_items
+    # (on by default; QAB_DISABLE=moe-block-npl clears it) as its npl.
     from qwen_apple_backend.layers import moe as moe_layer
 
     seen = []
     stages = []
 
     def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None, stage=None,
-              early=None, unroll=None, prefetch=(), out_proj=None, next_proj=None):
+              early=None, unroll=None, npl=None, prefetch=(), out_proj=None,
+              next_proj=None):
         assert out_proj is None
         seen.append((backend, counter))
-        stages.append((stage, early, unroll))
+        stages.append((stage, early, unroll, npl))
         return (x + r) * 3
 
     monkeypatch.setattr(moe_layer, "moe_decode_block", block)
@@ -1578,10 +1581,11 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
                         lambda self, *a, **k: (None, "fake", "fake", None,
                                                "fake" if self.one_launch else None))
     b = FusedSparseMoeBlock.from_stock(make_stock(seed=4))
-    assert b.one_launch and b.stage_down and b.early_gate_up and b.unroll_stage
+    assert b.one_launch and b.stage_down and b.early_gate_up and b.unroll_stage and b.npl_items
     b.stage_down = False
     b.early_gate_up = False
     b.unroll_stage = False
+    b.npl_items = False
     norm = nn.RMSNorm(H)
     x, r = inputs((1, 1, H)), inputs((1, 1, H), seed=3)
     n = moe_ops.decode_block_counter_length()
@@ -1600,21 +1604,25 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
         assert "_serial_counter" not in b.__dict__
         assert own.shape == (n,) and own.dtype == mx.uint32 and not mx.any(own).item()
         assert seen == [("fake", own)]
-    assert stages == [(False, False, False)] * 4
+    assert stages == [(False, False, False, False)] * 4
     # (Compiled calls, compile_decode left on: each switch is part of the
     # compiled graph's key, so each change reaches the call in a new trace.)
     b.stage_down = True
     b.add_norm_forward(x, r, norm)
-    assert stages[-1] == (True, False, False)
+    assert stages[-1] == (True, False, False, False)
     b.early_gate_up = True
     b.add_norm_forward(x, r, norm)
-    assert stages[-1] == (True, True, False)
+    assert stages[-1] == (True, True, False, False)
     b.unroll_stage = True
     b.add_norm_forward(x, r, norm)
-    assert stages[-1] == (True, True, True)
+    assert stages[-1] == (True, True, True, False)
+    b.npl_items = True
+    b.add_norm_forward(x, r, norm)
+    assert stages[-1] == (True, True, True, True)
     b.early_gate_up = False
     b.stage_down = False
     b.unroll_stage = False
+    b.npl_items = False
     b.one_launch = False
     monkeypatch.setattr(moe_layer, "add_norm_route",
                         lambda x, r, *a, **k: (x + r, x + r, None,
@@ -1642,7 +1650,8 @@ def test_add_norm_forward_runs_the_next_projection_phase(monkeypatch, ready):
     calls = []
 
     def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None, stage=None,
-              early=None, unroll=None, prefetch=(), out_proj=None, next_proj=None):
+              early=None, unroll=None, npl=None, prefetch=(), out_proj=None,
+              next_proj=None):
         calls.append(next_proj)
         out = (x + r) * 3
         if next_proj is None:

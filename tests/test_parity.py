@@ -215,6 +215,9 @@ _OFF_NOTES = {
     "moe-block-unroll": "on CUDA the one-launch MoE block's projection phases stage their "
                         "input in a loop, not unrolled (moe-block-unroll in QAB_DISABLE / "
                         "disable=)",
+    "moe-block-npl": "on CUDA each of the one-launch MoE block's next-projection items "
+                     "starts its own block and stages its input itself (moe-block-npl in "
+                     "QAB_DISABLE / disable=)",
 }
 
 
@@ -231,10 +234,11 @@ def test_moe_block_switch_reaches_every_fused_moe_block(tiny_q4):
 @pytest.mark.parametrize("name,attr", [("moe-block-stage", "stage_down"),
                                        ("moe-block-early", "early_gate_up"),
                                        ("moe-block-out-proj", "out_proj_phase"),
-                                       ("moe-block-unroll", "unroll_stage")])
+                                       ("moe-block-unroll", "unroll_stage"),
+                                       ("moe-block-npl", "npl_items")])
 def test_moe_block_build_switch_reaches_every_fused_moe_block(tiny_q4, monkeypatch, name, attr):
     # FusedSparseMoeBlock.stage_down, .early_gate_up, .out_proj_phase and
-    # .unroll_stage are on by default; QAB_DISABLE / disable=[name] clears it
+    # .unroll_stage (and .npl_items) are on by default; QAB_DISABLE / disable=[name] clears it
     # in every block, and QAB_ENABLE no longer takes the name (it is on already).
     from qwen_apple_backend.errors import EnvVarError
     from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
@@ -250,29 +254,32 @@ def test_moe_block_build_switch_reaches_every_fused_moe_block(tiny_q4, monkeypat
         load(tiny_q4, "fused")
 
 
-def test_moe_block_unroll_switch_from_the_environment(tiny_q4, monkeypatch):
+@pytest.mark.parametrize("name,attr", [("moe-block-unroll", "unroll_stage"),
+                                       ("moe-block-npl", "npl_items")])
+def test_moe_block_unroll_and_npl_switches_from_the_environment(tiny_q4, monkeypatch, name,
+                                                                attr):
     # QAB_DISABLE=moe-block-unroll clears FusedSparseMoeBlock.unroll_stage (on
-    # by default: the block's UNROLL build) in every fused MoE block and only
-    # there, and the report says so: the switch's note, and each fused MoE
-    # module's record names it.
+    # by default: the block's UNROLL build), moe-block-npl .npl_items (NPL), in
+    # every fused MoE block and only there, and the report says so: the
+    # switch's note, and each fused MoE module's record names it.
     from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
 
     monkeypatch.delenv("QAB_ENABLE", raising=False)
-    monkeypatch.setenv("QAB_DISABLE", "moe-block-unroll")
+    monkeypatch.setenv("QAB_DISABLE", name)
     model = load(tiny_q4, "fused")[0]
     blocks = [m for _, m in model.named_modules() if isinstance(m, FusedSparseMoeBlock)]
-    assert blocks and not any(b.unroll_stage for b in blocks)
+    assert blocks and not any(getattr(b, attr) for b in blocks)
     assert all(b.stage_down and b.early_gate_up and b.one_launch for b in blocks)
+    assert all(b.unroll_stage or b.npl_items for b in blocks)  # (only the one switched off)
     report = get_report(model)
-    assert _OFF_NOTES["moe-block-unroll"] in report.notes
+    assert _OFF_NOTES[name] in report.notes
     moe = [m for m in report.modules if m.kind == "moe" and m.fused]
-    assert moe and all(m.reason == "without moe-block-unroll (QAB_DISABLE / disable=)"
-                       for m in moe)
+    assert moe and all(m.reason == f"without {name} (QAB_DISABLE / disable=)" for m in moe)
     monkeypatch.delenv("QAB_DISABLE")
     model = load(tiny_q4, "fused")[0]
-    assert all(m.unroll_stage for _, m in model.named_modules()
+    assert all(getattr(m, attr) for _, m in model.named_modules()
                if isinstance(m, FusedSparseMoeBlock))
-    assert _OFF_NOTES["moe-block-unroll"] not in get_report(model).notes
+    assert _OFF_NOTES[name] not in get_report(model).notes
 
 
 def test_mixers_hand_the_moe_block_their_output_before_its_projection(tiny_q4, monkeypatch):

@@ -16,7 +16,8 @@ Variables:
         ``next-norm``, ``kv-in-place``, ``moe-block-stage``, ``gemv-pipe``,
         ``attn-lanes``, ``moe-block-early``, ``l2-prefetch``,
         ``moe-block-out-proj``, ``moe-block-next-proj``, ``moe-block-gdn``,
-        ``moe-block-pack``, ``moe-block-unroll``, ``attn-step``, ``attn-mma``),
+        ``moe-block-pack``, ``moe-block-unroll``, ``moe-block-npl``, ``attn-step``,
+        ``attn-mma``),
         for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
@@ -174,6 +175,11 @@ OPTIMIZATIONS = {
     # unrolled over the block size, so a thread's L2 reads go out together (UNROLL; CUDA; the
     # same bits). H100, profile_layer_gpu.py: 77.4 vs 83.1 us per Gated DeltaNet layer launch
     "moe-block-unroll": "moe",
+    # the one-launch MoE block's next-projection blocks take the next tickets too (each while
+    # the item before loads its weights) and reuse the input row they normed and staged, so
+    # the phase's 772 items no longer start as 772 blocks (NPL; CUDA; the same bits). H200,
+    # profile_layer_gpu.py: 73.7 vs 79.0 us per Gated DeltaNet layer launch
+    "moe-block-npl": "moe",
     # one decode token's full-attention core in one CUDA launch inside the compiled decode
     # step (gqa_decode_step: q/k RMSNorm + RoPE, the KV row written in place, the lane-group
     # split-K pass, the merge and the output gate; four launches before; needs attn-kernel,

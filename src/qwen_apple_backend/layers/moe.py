@@ -486,7 +486,10 @@ class FusedSparseMoeBlock(nn.Module):
     outputs). Attribute ``unroll_stage`` (default True; the
     ``moe-block-unroll`` optimization) builds it with its out- and
     next-projection phases staging their input row in loops unrolled over the
-    block size (``UNROLL``; same outputs). Attribute ``l2_next`` (default
+    block size (``UNROLL``; same outputs). Attribute ``npl_items`` (default
+    True; the ``moe-block-npl`` optimization) builds it with next-projection
+    blocks that take the next tickets too and reuse the input row they
+    staged (``NPL``; same outputs). Attribute ``l2_next`` (default
     None; set by the fusing code with the opt-in ``l2-prefetch``): the next
     decoder layer's concatenated input projection, whose arrays that launch
     asks the L2 to fetch while its route runs (``PF``; same outputs).
@@ -559,6 +562,7 @@ class FusedSparseMoeBlock(nn.Module):
     stage_down: bool = True
     early_gate_up: bool = True
     unroll_stage: bool = True
+    npl_items: bool = True
     out_proj_phase: bool = True
     next_proj_phase: bool = True
     gdn_phase: bool = True
@@ -866,6 +870,7 @@ class FusedSparseMoeBlock(nn.Module):
         key = (x.shape, x.dtype, decode, envs.kernels_disabled(),
                envs.unverified_kernels_allowed(), self._weights_signature(), nkey, next_key,
                self.one_launch, self.stage_down, self.early_gate_up, self.unroll_stage,
+               self.npl_items,
                bool(self._l2_prefetch_arrays()), okey, pkey) + (
                    (gkey,) if gkey is not None else ()) + (
                    (("pack",),) if pack is not None else ())
@@ -893,7 +898,7 @@ class FusedSparseMoeBlock(nn.Module):
                     self.norm_topk_prob, expert_weights(self.switch_mlp.gate_up_proj),
                     expert_weights(self.switch_mlp.down_proj), self._shared_weights(),
                     stage=self.stage_down, early=self.early_gate_up,
-                    unroll=self.unroll_stage,
+                    unroll=self.unroll_stage, npl=self.npl_items,
                     prefetch=bool(self._l2_prefetch_arrays()), out_proj=out_proj,
                     next_proj=next_proj, **({"gdn_step": gdn_step} if gdn_step is not None
                                            else {}), **({"pack": pack.cat["pk"]}
@@ -1067,7 +1072,7 @@ class FusedSparseMoeBlock(nn.Module):
                                    expert_weights(self.switch_mlp.down_proj),
                                    self._shared_weights(), block, counter=counter,
                                    stage=self.stage_down, early=self.early_gate_up,
-                                   unroll=self.unroll_stage,
+                                   unroll=self.unroll_stage, npl=self.npl_items,
                                    prefetch=pf, out_proj=op, next_proj=np_,
                                    **({"gdn_step": gs} if gs is not None else {}),
                                    **({"pack": pk} if pk is not None else {}))
@@ -1341,6 +1346,7 @@ class FusedSparseMoeBlock(nn.Module):
                    block is not None and self.stage_down,
                    block is not None and self.early_gate_up,
                    block is not None and self.unroll_stage,
+                   block is not None and self.npl_items,
                    bool(pf),
                    0 if op is None else int(op.weights.group_size),
                    None if np_ is None else (int(np_.weights.group_size), float(np_.eps)),

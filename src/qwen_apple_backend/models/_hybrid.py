@@ -220,6 +220,9 @@ _DEFAULT_NEEDS = {
     "moe-block-pack": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block"),
     # The unrolled build of the one-launch block's projection phases.
     "moe-block-unroll": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block"),
+    # The next-projection phase's blocks taking several items.
+    "moe-block-npl": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block",
+                      "moe-block-next-proj", "proj-concat", "norm-proj"),
     # The one-launch attention step replaces the q/k kernel, the KV write and the
     # kernel pair, inside the compiled decode step.
     "attn-step": ("attn", "attn-kernel", "qk-prep", "proj-concat", "kv-in-place",
@@ -428,6 +431,9 @@ class QwenHybridAdapter(Adapter):
         "moe-block-unroll": "on CUDA the one-launch MoE block's projection phases stage their "
                             "input in a loop, not unrolled (moe-block-unroll in QAB_DISABLE / "
                             "disable=)",
+        "moe-block-npl": "on CUDA each of the one-launch MoE block's next-projection items "
+                         "starts its own block and stages its input itself (moe-block-npl in "
+                         "QAB_DISABLE / disable=)",
     }
 
     def fuse(self, model, config, *, disable=frozenset(), use_fallback=True, report):
@@ -522,6 +528,11 @@ class QwenHybridAdapter(Adapter):
                     # stage their input unrolled (H100: 77.4 vs 83.1 us per Gated
                     # DeltaNet layer launch, the same bits).
                     fused.unroll_stage = False
+                if "moe-block-npl" in off:
+                    # On by default: next-projection blocks take the next items
+                    # too, reusing their staged input (H200: 73.7 vs 79.0 us per
+                    # Gated DeltaNet layer launch, the same bits).
+                    fused.npl_items = False
                 if "attn-blocks" in off:
                     fused.block_queries = False
                 if "attn-split" in off:

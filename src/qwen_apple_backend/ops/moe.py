@@ -1690,10 +1690,12 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: ran a next-projection item takes the next ticket too, reusing the input
 #: row it staged (no wait, norm or staging for later items of that row, the
 #: next ticket taken while the current item's weights load; NP builds
-#: without PSM; the same bits).
+#: without PSM; the same bits; the default of :func:`moe_decode_block`'s
+#: ``npl``; the ``moe-block-npl`` switch sets it per model): on; measured
+#: 73.7 against 79.0 us per Gated DeltaNet layer launch on an H200.
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
                         "STAGE": True, "GRPW": 2, "EARLY": True, "PRW": 2, "PSM": 0, "GDS": 1,
-                        "UNROLL": True, "NPL": False}
+                        "UNROLL": True, "NPL": True}
 #: The values of DECODE_BLOCK_OPTIONS' row counts a launch accepts (PRW 8
 #: spills registers at the two blocks per SM the block is built for; PSM
 #: above 64 would leave room for only one block per SM).
@@ -2131,10 +2133,11 @@ def decode_block_pack_views(pack: mx.array, gate: "ExpertWeights", gate_up: Expe
 
 
 def _decode_block_build(stage: Optional[bool] = None, early: Optional[bool] = None,
-                        unroll: Optional[bool] = None, prefetch: bool = False,
+                        unroll: Optional[bool] = None, npl: Optional[bool] = None,
+                        prefetch: bool = False,
                         out_proj: bool = False, next_proj: bool = False) -> dict:
     """The build a :func:`moe_decode_block` call runs: ``DECODE_BLOCK_OPTIONS``
-    with ``stage`` (STAGE), ``early`` (EARLY) and ``unroll`` (UNROLL) put in
+    with ``stage`` (STAGE), ``early`` (EARLY), ``unroll`` (UNROLL) and ``npl`` (NPL) put in
     where given, PF (the L2 prefetch of the arrays given, which needs EARLY),
     OP (the out-projection phase) and NP (the next-projection phase) set."""
     opts = dict(DECODE_BLOCK_OPTIONS)
@@ -2144,6 +2147,8 @@ def _decode_block_build(stage: Optional[bool] = None, early: Optional[bool] = No
         opts["EARLY"] = bool(early)
     if unroll is not None:
         opts["UNROLL"] = bool(unroll)
+    if npl is not None:
+        opts["NPL"] = bool(npl)
     opts["PF"] = bool(prefetch and opts["EARLY"])
     opts["OP"] = bool(out_proj)
     opts["NP"] = bool(next_proj)
@@ -2224,6 +2229,7 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
                            stage: Optional[bool] = None,
                            early: Optional[bool] = None,
                            unroll: Optional[bool] = None,
+                           npl: Optional[bool] = None,
                            prefetch: Sequence[mx.array] = (),
                            out_proj: Optional[OutProjection] = None,
                            next_proj: Optional[NextProjection] = None,
@@ -2270,7 +2276,7 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
     E, K = gate.weight.shape[0], int(top_k)
     I = gate_up.weight.shape[1] // 2
     op_name = "moe_decode_block" if gdn_step is None else "moe_decode_block_gdn"
-    opts = _decode_block_build(stage, early, unroll, bool(prefetch), out_proj is not None,
+    opts = _decode_block_build(stage, early, unroll, npl, bool(prefetch), out_proj is not None,
                                next_proj is not None)
     _check_decode_block_build(opts, I, None if gdn_step is None else int(gdn_step.heads[3]))
     smem = (decode_block_dynamic_shared_bytes(int(opts["PSM"]), H,
@@ -2456,6 +2462,7 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
                        shared: SharedExpertWeights,
                        stage: Optional[bool] = None,
                        early: Optional[bool] = None, unroll: Optional[bool] = None,
+                       npl: Optional[bool] = None,
                        prefetch: bool = False,
                        out_proj: Optional[OutProjection] = None,
                        next_proj: Optional[NextProjection] = None,
@@ -2495,6 +2502,9 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
             stage their input row in loops unrolled over the block size
             (``UNROLL``), checked on its own; None:
             ``DECODE_BLOCK_OPTIONS["UNROLL"]``.
+        npl (bool | None): the build whose next-projection blocks take the
+            next tickets too, reusing their staged input (``NPL``), checked on
+            its own; None: ``DECODE_BLOCK_OPTIONS["NPL"]``.
         prefetch (bool): the build that prefetches arrays into L2 (``PF``;
             with ``early`` only), checked on its own.
         out_proj (OutProjection | None): the build that computes the mixer's
@@ -2545,8 +2555,8 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
         return None
     if pack is not False:
         return _pack_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down,
-                           shared, stage, early, unroll, prefetch, out_proj, next_proj, gdn_step,
-                           None if pack is True else pack)
+                           shared, stage, early, unroll, npl, prefetch, out_proj, next_proj,
+                           gdn_step, None if pack is True else pack)
     if not decode_block_supported(x, norm_weight, gate, top_k, gate_up, down, shared):
         return None
     if _decode_block_object("cuda") is None:
@@ -2573,7 +2583,7 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
         ow = out_proj.weights
     if next_proj is not None and not next_projection_supported(x, next_proj):
         return None
-    build = _decode_block_build(stage, early, unroll, prefetch, ow is not None,
+    build = _decode_block_build(stage, early, unroll, npl, prefetch, ow is not None,
                                 next_proj is not None)
     # The prefetch build's check prefetches arrays of three dtypes.
     pf = (gate_up.weight, gate_up.scales, norm_weight) if build["PF"] else ()
@@ -2594,7 +2604,7 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
         counter = fold_norm_counter(decode_block_counter_length())
         op = None if ow is None else OutProjection(rs, ow)
         out = _moe_decode_block_call("cuda", xs, None if op else rs, ws, eps, gate, K, norm,
-                                     gate_up, down, shared, counter, stage, early, unroll, pf,
+                                     gate_up, down, shared, counter, stage, early, unroll, npl, pf,
                                      op, next_proj)
         return list(out) if next_proj is not None else [out]
 
@@ -2624,7 +2634,7 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
     make = _add_norm_route_check_inputs(H, dtype)
     if gdn_step is not None:
         return _gdn_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared,
-                                stage, early, unroll, pf, ow, next_proj, gdn_step, key, make)
+                                stage, early, unroll, npl, pf, ow, next_proj, gdn_step, key, make)
     if ow is not None:
         make = _out_proj_check_inputs(make, ow.weight.shape[1] * 8, dtype)
     ok = self_checked("moe_decode_block", "cuda", key, kernel=kernel, reference=reference,
@@ -2633,7 +2643,7 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
 
 
 def _gdn_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared, stage, early,
-                     unroll, pf, ow, next_proj, gdn_step, key, make) -> Optional[str]:
+                     unroll, npl, pf, ow, next_proj, gdn_step, key, make) -> Optional[str]:
     """:func:`decode_block_ready`'s part for the ``GD`` build (see there)."""
     from . import gated_delta as gd
 
@@ -2647,7 +2657,7 @@ def _gdn_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared, 
     # build must have passed its own check (against quantized_gemv) first.
     stand_in = OutProjection(mx.zeros((*x.shape[:-1], Hv * Dv), dtype=dtype), ow)
     if decode_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared, stage,
-                          early, unroll, bool(pf), stand_in, next_proj) != "cuda":
+                          early, unroll, npl, bool(pf), stand_in, next_proj) != "cuda":
         return None
     C = 2 * Hk * Dk + Hv * Dv
     split_at = [C, C + Hv * Dv, C + Hv * Dv + Hv]
@@ -2658,7 +2668,7 @@ def _gdn_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared, 
         step = gdn_step._replace(proj=gp, conv_state=cs, state=st)
         out, po, ncs, nst = _moe_decode_block_call(
             "cuda", xs, None, ws, eps, gate, K, norm, gate_up, down, shared, counter, stage,
-            early, unroll, pf, OutProjection(None, ow), next_proj, step)
+            early, unroll, npl, pf, OutProjection(None, ow), next_proj, step)
         return [out, ncs, nst] + ([] if po is None else [po])
 
     def reference(xs, gp, ws, cs, st):
@@ -2669,7 +2679,8 @@ def _gdn_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared, 
         counter = fold_norm_counter(decode_block_counter_length())
         got = _moe_decode_block_call(
             "cuda", xs, None, ws, eps, gate, K, norm, gate_up, down, shared, counter, stage,
-            early, unroll, pf, OutProjection(go.reshape(*xs.shape[:-1], Hv * Dv), ow), next_proj)
+            early, unroll, npl, pf, OutProjection(go.reshape(*xs.shape[:-1], Hv * Dv), ow),
+            next_proj)
         out, po = got if next_proj is not None else (got, None)
         return [out, ncs, nst] + ([] if po is None else [po])
 
@@ -2696,12 +2707,12 @@ def _gdn_check_inputs(make, gdn_step: GatedDeltaStep, dtype: mx.Dtype):
 
 
 def _pack_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down, shared, stage,
-                early, unroll, prefetch, out_proj, next_proj, gdn_step,
+                early, unroll, npl, prefetch, out_proj, next_proj, gdn_step,
                 pk: Optional[mx.array] = None) -> Optional[str]:
     """:func:`decode_block_ready`'s part for the packed build (see there); ``pk``:
     the pack of these weights to check with, or None to make one."""
     if decode_block_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down,
-                          shared, stage, early, unroll, prefetch, out_proj, next_proj,
+                          shared, stage, early, unroll, npl, prefetch, out_proj, next_proj,
                           gdn_step) != "cuda":
         return None
     if _decode_block_pack_object("cuda", gdn_step is not None) is None:
@@ -2714,7 +2725,7 @@ def _pack_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down,
         except ValueError:
             return None
     H, dtype, K, norm = x.shape[-1], x.dtype, int(top_k), bool(norm_topk_prob)
-    build = _decode_block_build(stage, early, unroll, prefetch, out_proj is not None,
+    build = _decode_block_build(stage, early, unroll, npl, prefetch, out_proj is not None,
                                 next_proj is not None)
     pf = (gate_up.weight, gate_up.scales, norm_weight) if build["PF"] else ()
     ow = None if out_proj is None else out_proj.weights
@@ -2749,7 +2760,7 @@ def _pack_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down,
                     xs.size // H, H, gate.weight.shape[0], K, gate_up.weight.shape[1] // 2,
                     dtype, ow is not None, step))
             out = _moe_decode_block_call("cuda", xs, r, ws, eps, gate, K, norm, gate_up, down,
-                                         shared, counter, stage, early, unroll, pf, op,
+                                         shared, counter, stage, early, unroll, npl, pf, op,
                                          next_proj, step, packed)
             out = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
             if packed is not None:
@@ -2792,7 +2803,7 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
                      gate_up: ExpertWeights, down: ExpertWeights, shared: SharedExpertWeights,
                      backend: str, counter: Optional[mx.array] = None,
                      stage: Optional[bool] = None, early: Optional[bool] = None,
-                     unroll: Optional[bool] = None,
+                     unroll: Optional[bool] = None, npl: Optional[bool] = None,
                      prefetch: Sequence[mx.array] = (),
                      out_proj: Optional[OutProjection] = None,
                      next_proj: Optional[NextProjection] = None,
@@ -2842,6 +2853,10 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
             input row in loops unrolled over the block size (the ``UNROLL``
             build, same output); None: ``DECODE_BLOCK_OPTIONS["UNROLL"]``.
             Check it with the same ``unroll`` in :func:`decode_block_ready`.
+        npl (bool | None): a block that ran a next-projection item takes the
+            next tickets too and reuses its staged input row (the ``NPL``
+            build, same output); None: ``DECODE_BLOCK_OPTIONS["NPL"]``. Check
+            it with the same ``npl`` in :func:`decode_block_ready`.
         prefetch (Sequence[mx.array]): up to 3 arrays (any shapes and dtypes:
             the next decoder layer's input projection weight, scales, biases)
             that the gate/up items which wait for nothing ask the L2 to fetch
@@ -2911,7 +2926,7 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
     if counter is None:
         counter = fold_norm_counter(decode_block_counter_length())
     return _moe_decode_block_call(backend, x, r, norm_weight, eps, gate, top_k, norm_topk_prob,
-                                  gate_up, down, shared, counter, stage, early, unroll,
+                                  gate_up, down, shared, counter, stage, early, unroll, npl,
                                   tuple(prefetch), out_proj, next_proj, gdn_step, pack)
 
 
