@@ -972,7 +972,7 @@ def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(s
         assert mx.array_equal(a, b).item(), f"token {t}: rel-L2 {mx_rel_l2(a, b):.3g}"
         if t >= 1 and np_:
             # Every block but the last took the next-projection build.
-            # (_kernel_choice's key: the next projection's key at index 14.)
+            # (_kernel_choice's key: the next projection's key at index 15.)
             took = [any(k[15] is not None and v[4] is not None
                         for k, v in layer.mlp._choices.items()) for layer in models[0].layers]
             assert took == [True] * (len(took) - 1) + [False], took
@@ -1070,7 +1070,7 @@ def test_compiled_decode_runs_the_gdn_step_in_the_moe_block(monkeypatch):
     caches = _prefilled_caches(models)
     try:
         _decode_alike(models, caches, range(16), states=False)
-        # (_kernel_choice's key has the GD step's key, heads first, at index 15
+        # (_kernel_choice's key has the GD step's key, heads first, at index 16
         # when it has one; the pack's marker follows it.)
         took = [any(len(k) > 16 and k[16][0] == (16, 32, 128, 128) and v[4] is not None
                     for k, v in layer.mlp._choices.items())
