@@ -3212,6 +3212,11 @@ def test_layer_profiler_chains_packed_and_unpacked_layers_emulated(monkeypatch):
     pf = m.Variant(*m.split_variant("PF=1"))
     assert pf.opts == {"PF": True} and pf.packed
     m.check_variants([variants[0], ("PF=1", pf)], layers[0], x, proj)
+    # PIN=1 (a kernel-text key: the loads used before each wait): the same
+    # outputs. (Unpacked: a variant's own kernel object does not declare the
+    # packed build's in-place writes, which the emulator then drops.)
+    pin = m.Variant(*m.split_variant("PIN=1+PACK=0"))
+    m.check_variants([variants[1], ("PIN=1+PACK=0", pin)], layers[0], x, proj)
     for text, msg in (("PRW=8", "PRW must be one of 1, 2, 4, got 8"),
                       ("GRPW=3+PACK=0", "GRPW must be one of 1, 2, 4, got 3"),
                       ("PACK=2", "PACK is a flag"), ("PF=2", "PF is a flag"),

@@ -209,6 +209,33 @@ struct QabNoWait {
   __device__ __forceinline__ void operator()() const {}
 };
 
+// Whether a wait step is QabNoWait (a call that waits for nothing).
+template <typename W>
+struct QabIsNoWait {
+  static constexpr bool value = false;
+};
+template <>
+struct QabIsNoWait<QabNoWait> {
+  static constexpr bool value = true;
+};
+
+// Profiling builds with QAB_PIN_LOADS (benchmarks/profile_layer_gpu.py's PIN):
+// uses the loaded words `v` (n of them) before a wait, so that the loads are
+// complete there and the compiler cannot move them past it (a store to shared
+// memory no thread ever makes, guarded by a runtime test on their xor).
+__device__ __forceinline__ void qab_pin_words(const uint32_t* v, const int n) {
+#ifdef QAB_PIN_LOADS
+  __shared__ uint32_t qab_pin_sink;
+  uint32_t x = 0u;
+  for (int i = 0; i < n; ++i) {
+    x ^= v[i];
+  }
+  if (x == 0x9e3779b9u && threadIdx.x == 0xffffu) {  // never: BLOCK < 65,535
+    qab_pin_sink = x;
+  }
+#endif
+}
+
 // Waits until the counter *p reaches at least target: an acquire load at GPU
 // scope, polled with a short sleep. One thread of a block calls it, then the
 // block's barrier; data the counted blocks wrote is then read through L2
