@@ -25,7 +25,7 @@ Steps (``--plan``, in the order given, each ``NAME:SECONDS``):
 - ``layer``: ``benchmarks/profile_layer_gpu.py``: a Gated DeltaNet layer's one
   launch at Qwen3.6's shape, 40 chained launches over 8 distinct layers, us
   per launch and GB/s per variant (``--layer-variants``, default
-  ``default,UNROLL=0,PSM=48``; ``OUT/layer``).
+  ``default,NPL=0,UNROLL=0``; ``OUT/layer``).
 - ``timeline``: the same script's ``--timeline``: each phase's start, wait
   and end inside the launch, from the kernel's global-timer marks
   (``OUT/timeline``).
@@ -270,9 +270,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--ablate", default="moe-block-pack,decode-const",
                     help="the 4K bench's ablation columns (default moe-block-pack,decode-const; "
                          "'' for none)")
-    ap.add_argument("--layer-variants", default="default,UNROLL=0,PSM=48",
+    ap.add_argument("--layer-variants", default="default,NPL=0,UNROLL=0",
                     help="variants of the layer and timeline steps (profile_layer_gpu.py's "
-                         "--variants; default default,UNROLL=0,PSM=48)")
+                         "--variants; default default,NPL=0,UNROLL=0)")
     args = ap.parse_args(argv)
     try:
         plan = parse_plan(args.plan)

@@ -73,7 +73,7 @@ KC = 4
 #: The next layer's concatenated input projection: q | k | v | z | b | a.
 PN = 2 * HEADS[0] * HEADS[2] + 2 * HEADS[1] * HEADS[3] + 2 * HEADS[1]
 PHASES = ("gdn", "out-proj", "route", "gate/up", "down", "next-proj")
-DEFAULT_VARIANTS = "default,UNROLL=0,PSM=48"
+DEFAULT_VARIANTS = "default,NPL=0,UNROLL=0"
 
 
 class Layer(NamedTuple):
