@@ -113,15 +113,16 @@ def split_variant(text: str) -> tuple[dict, bool]:
 
     from qwen_apple_backend.ops.moe import DECODE_BLOCK_CHOICES
 
+    # The launch's own flags (not block options): their value as given, or None.
+    flags = {}
+    for name in ("PACK", "PF"):
+        given = [p for p in text.split("+") if p.startswith(name + "=")]
+        if len(given) > 1 or (given and given[0] not in (f"{name}=0", f"{name}=1")):
+            raise ValueError(f"variant {text!r}: {name} is a flag: {name}=0 or {name}=1")
+        flags[name] = given[0].endswith("=1") if given else None
     parts = [p for p in text.split("+") if not p.startswith(("PACK=", "PF="))]
-    packs = [p for p in text.split("+") if p.startswith("PACK=")]
-    pfs = [p for p in text.split("+") if p.startswith("PF=")]
-    if len(packs) > 1 or (packs and packs[0] not in ("PACK=0", "PACK=1")):
-        raise ValueError(f"variant {text!r}: PACK is a flag: PACK=0 or PACK=1")
-    if len(pfs) > 1 or (pfs and pfs[0] not in ("PF=0", "PF=1")):
-        raise ValueError(f"variant {text!r}: PF is a flag: PF=0 or PF=1")
     opts = parse_variant("+".join(parts)) if parts else {}
-    if pfs == ["PF=1"]:
+    if flags["PF"]:
         if opts.get("EARLY") is False:
             raise ValueError(f"variant {text!r}: PF needs EARLY (its items that wait for "
                              f"nothing issue the prefetch)")
@@ -131,7 +132,7 @@ def split_variant(text: str) -> tuple[dict, bool]:
         if key in opts and opts[key] not in allowed:
             raise ValueError(f"variant {text!r}: {key} must be one of "
                              f"{', '.join(map(str, allowed))}, got {opts[key]}")
-    return opts, not (packs and packs[0] == "PACK=0")
+    return opts, flags["PACK"] is not False
 
 
 def layer_bytes(layer: Layer) -> int:

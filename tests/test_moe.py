@@ -1607,22 +1607,13 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
     assert stages == [(False, False, False, False)] * 4
     # (Compiled calls, compile_decode left on: each switch is part of the
     # compiled graph's key, so each change reaches the call in a new trace.)
-    b.stage_down = True
-    b.add_norm_forward(x, r, norm)
-    assert stages[-1] == (True, False, False, False)
-    b.early_gate_up = True
-    b.add_norm_forward(x, r, norm)
-    assert stages[-1] == (True, True, False, False)
-    b.unroll_stage = True
-    b.add_norm_forward(x, r, norm)
-    assert stages[-1] == (True, True, True, False)
-    b.npl_items = True
-    b.add_norm_forward(x, r, norm)
-    assert stages[-1] == (True, True, True, True)
-    b.early_gate_up = False
-    b.stage_down = False
-    b.unroll_stage = False
-    b.npl_items = False
+    switches = ("stage_down", "early_gate_up", "unroll_stage", "npl_items")
+    for i, name in enumerate(switches):
+        setattr(b, name, True)
+        b.add_norm_forward(x, r, norm)
+        assert stages[-1] == tuple(j <= i for j in range(len(switches))), name
+    for name in switches:
+        setattr(b, name, False)
     b.one_launch = False
     monkeypatch.setattr(moe_layer, "add_norm_route",
                         lambda x, r, *a, **k: (x + r, x + r, None,

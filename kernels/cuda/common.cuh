@@ -219,17 +219,35 @@ struct QabIsNoWait<QabNoWait> {
   static constexpr bool value = true;
 };
 
+// The xor of a loaded value's 32-bit words into x (qab_pin_loads).
+__device__ __forceinline__ void qab_pin_xor(uint32_t& x, const float v) {
+  x ^= __float_as_uint(v);
+}
+__device__ __forceinline__ void qab_pin_xor(uint32_t& x, const uint2 v) {
+  x ^= v.x ^ v.y;
+}
+__device__ __forceinline__ void qab_pin_xor(uint32_t& x, const uint4 v) {
+  x ^= v.x ^ v.y ^ v.z ^ v.w;
+}
+template <typename V, int N>
+__device__ __forceinline__ void qab_pin_xor(uint32_t& x, const V (&a)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    qab_pin_xor(x, a[i]);
+  }
+}
+
 // Profiling builds with QAB_PIN_LOADS (benchmarks/profile_layer_gpu.py's PIN):
-// uses the loaded words `v` (n of them) before a wait, so that the loads are
-// complete there and the compiler cannot move them past it (a store to shared
-// memory no thread ever makes, guarded by a runtime test on their xor).
-__device__ __forceinline__ void qab_pin_words(const uint32_t* v, const int n) {
+// uses every loaded value of `vs` (register arrays of floats, uint2 or uint4)
+// before a wait, so that the loads are complete there and the compiler cannot
+// move them past it (a store to shared memory no thread ever makes, guarded
+// by a runtime test on their xor). Otherwise nothing.
+template <typename... V>
+__device__ __forceinline__ void qab_pin_loads(const V&... vs) {
 #ifdef QAB_PIN_LOADS
   __shared__ uint32_t qab_pin_sink;
   uint32_t x = 0u;
-  for (int i = 0; i < n; ++i) {
-    x ^= v[i];
-  }
+  (qab_pin_xor(x, vs), ...);
   if (x == 0x9e3779b9u && threadIdx.x == 0xffffu) {  // never: BLOCK < 65,535
     qab_pin_sink = x;
   }

@@ -149,25 +149,9 @@ __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout,
       bi[r][i] = ok ? static_cast<float>(biases[gi]) : 0.f;
     }
   }
-#ifdef QAB_PIN_LOADS
   if constexpr (!QabIsNoWait<Wait>::value) {
-    uint32_t words[RPW * CPL * 6];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-#pragma unroll
-      for (int i = 0; i < CPL; ++i) {
-        uint32_t* o = words + (r * CPL + i) * 6;
-        o[0] = wv[r][i].x;
-        o[1] = wv[r][i].y;
-        o[2] = wv[r][i].z;
-        o[3] = wv[r][i].w;
-        o[4] = __float_as_uint(sc[r][i]);
-        o[5] = __float_as_uint(bi[r][i]);
-      }
-    }
-    qab_pin_words(words, RPW * CPL * 6);
+    qab_pin_loads(wv, sc, bi);  // (profiling builds with QAB_PIN_LOADS only)
   }
-#endif
   if (stage_input) {
     wait();
     qab_q4_stage_x_sums<NC, NT>(xs, xsum, xv_of);

@@ -113,23 +113,9 @@ __device__ __forceinline__ bool qab_add_norm_route_part(
     }
   }
 
-#ifdef QAB_PIN_LOADS
   if constexpr (!QabIsNoWait<Wait>::value) {
-    uint32_t words[RB * STEPS * 4];
-#pragma unroll
-    for (int b = 0; b < RB; ++b) {
-#pragma unroll
-      for (int s = 0; s < STEPS; ++s) {
-        uint32_t* o = words + (b * STEPS + s) * 4;
-        o[0] = q[b][s].x;
-        o[1] = q[b][s].y;
-        o[2] = __float_as_uint(qs[b][s]);
-        o[3] = __float_as_uint(qb[b][s]);
-      }
-    }
-    qab_pin_words(words, RB * STEPS * 4);
+    qab_pin_loads(q, qs, qb);  // (profiling builds with QAB_PIN_LOADS only)
   }
-#endif
   // `wait` (every thread; it may hold a block barrier) until r is written
   // (moe_decode_block.cu's OP: another block of the launch writes it, read
   // through L2 with RCG).
