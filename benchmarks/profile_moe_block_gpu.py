@@ -156,7 +156,8 @@ def parse_variant(text: str) -> dict:
             out[key] = int(value)
         except ValueError:
             raise ValueError(f"variant {text!r}: {key}={value!r} is not an integer") from None
-        if key in ("PERSIST", "PREFETCH", "RELAXED", "PIN", "STAGE", "EARLY", "UNROLL", "NPL"):
+        if key in ("PERSIST", "PREFETCH", "RELAXED", "PIN", "STAGE", "EARLY", "UNROLL", "NPL", "RPL",
+                   "GSR"):
             if out[key] not in (0, 1):
                 raise ValueError(f"variant {text!r}: {key} is a flag: 0 or 1, got {out[key]}")
             out[key] = bool(out[key])

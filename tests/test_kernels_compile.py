@@ -129,7 +129,7 @@ CASES = {
          "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1, "CS": 32, "PERSIST": False,
          "PREFETCH": True, "STAGE": False, "GRPW": 2, "EARLY": False, "PF": False,
          "OP": False, "DO": 1024, "OG": 32, "NP": False, "PN": 1, "PG": 32, "PRW": 2,
-         "PSM": 0, "UNROLL": False, "NPL": False}),
+         "PSM": 0, "UNROLL": False, "NPL": False, "RPL": False, "GSR": False}),
     # The shipped build (STAGE, EARLY, UNROLL, OP, NP) with Qwen3.6's Gated DeltaNet step
     # first (GD): 16 key and 32 value heads of 128, conv 4, the packed 12,352-wide row.
     "moe_decode_block_gdn": (
@@ -143,7 +143,7 @@ CASES = {
          "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1, "CS": 32, "PERSIST": False,
          "PREFETCH": True, "STAGE": True, "GRPW": 2, "EARLY": True, "PF": False,
          "OP": True, "DO": 4096, "OG": 64, "NP": True, "PN": 12352, "PG": 64, "PRW": 2, "PSM": 0,
-         "UNROLL": True, "NPL": False,
+         "UNROLL": True, "NPL": False, "RPL": False, "GSR": False,
          "GHk": 16, "GHv": 32, "GDk": 128, "GDv": 128, "GKc": 4, "GBIAS": False,
          "GW": 12352, "GDS": 1}),
     # Qwen3.6's token embedding (248,320 rows of 2,048, 4-bit, group 64).
@@ -429,11 +429,20 @@ _BLOCK_OP_NP = (CASES["moe_decode_block"][0], CASES["moe_decode_block"][1],
                                        {**CASES["moe_decode_block_gdn_pack"][2], "NPL": True})),
                                      ("moe_decode_block_pack",
                                       (*CASES["moe_decode_block_pack"][:2],
-                                       {**CASES["moe_decode_block_pack"][2], "NPL": True}))],
+                                       {**CASES["moe_decode_block_pack"][2], "NPL": True})),
+                                     ("moe_decode_block_gdn_pack",
+                                      (*CASES["moe_decode_block_gdn_pack"][:2],
+                                       {**CASES["moe_decode_block_gdn_pack"][2], "NPL": True,
+                                        "RPL": True, "GSR": True})),
+                                     ("moe_decode_block_pack",
+                                      (*CASES["moe_decode_block_pack"][:2],
+                                       {**CASES["moe_decode_block_pack"][2], "NPL": True,
+                                        "RPL": True, "GSR": True}))],
                          ids=["op-np", "gd-op-np", "pack-op-np", "pack-gd-op-np",
                               "pack-gd-op-np-prw4", "pack-gd-op-np-gds4", "pack-gd-op-np-gds2",
                               "pack-gd-op-np-no-unroll", "pack-op-np-no-unroll",
-                              "pack-gd-op-np-npl", "pack-op-np-npl"])
+                              "pack-gd-op-np-npl", "pack-op-np-npl",
+                              "pack-gd-op-np-npl-rpl-gsr", "pack-op-np-npl-rpl-gsr"])
 def test_moe_block_keeps_two_blocks_per_sm(op, case, tmp_path):
     # The one-launch MoE block at Qwen3.6's shape (OP + NP; and with the GDN
     # step first, GD; and with 4 next-projection rows per warp, PRW; with 8

@@ -2059,7 +2059,10 @@ def test_moe_decode_block_is_the_three_launches_emulated(shape, dtype, rg, norm)
                                      {"GRPW": 4}, {"EARLY": False},
                                      {"EARLY": False, "STAGE": False},
                                      {"EARLY": True, "GRPW": 4, "STAGE": True},
-                                     {"EARLY": True, "PERSIST": True, "GRID": 3}],
+                                     {"EARLY": True, "PERSIST": True, "GRID": 3},
+                                     {"RPL": True}, {"GSR": True},
+                                     {"RPL": True, "GSR": True, "PERSIST": True, "GRID": 3},
+                                     {"RPL": True, "GSR": True, "EARLY": False}],
                          ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 def test_moe_decode_block_build_options_are_the_three_launches_emulated(options, monkeypatch):
     # Adjacent or spaced counters, down items that load before they wait or
@@ -2067,7 +2070,11 @@ def test_moe_decode_block_build_options_are_the_three_launches_emulated(options,
     # per warp, gate/up items that stage the norm themselves (EARLY: the
     # shared expert's blocks first, not waiting for the route) or not, and a
     # grid of fewer blocks than tickets (each block takes tickets until none is
-    # left) give the same outputs, and leave the counter zero.
+    # left), route and EARLY gate/up items that load x, nw and eps before their
+    # wait (RPL), gate/up items that route their row themselves from the
+    # counted logits (GSR; the route then leaves its per-row counts to the
+    # last block out; no effect without EARLY) give the same outputs, and
+    # leave the counter zero.
     for key, value in options.items():
         monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)
     shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
@@ -2077,7 +2084,9 @@ def test_moe_decode_block_build_options_are_the_three_launches_emulated(options,
     _assert_block_is_the_three_launches("cuda", case, shape[4], norm, counter, str(options))
 
 
-@pytest.mark.parametrize("options", [{}, {"EARLY": False}, {"PERSIST": True, "GRID": 3}],
+@pytest.mark.parametrize("options", [{}, {"EARLY": False}, {"PERSIST": True, "GRID": 3},
+                                     {"RPL": True, "GSR": True},
+                                     {"RPL": True, "GSR": True, "PERSIST": True, "GRID": 3}],
                          ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()) or "default")
 def test_moe_decode_block_out_proj_is_the_gemv_then_the_block_emulated(options, monkeypatch):
     # OP: the mixer's 4-bit output projection as the launch's first phase

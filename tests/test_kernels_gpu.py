@@ -819,7 +819,9 @@ def test_moe_decode_block_gdn_is_the_gdn_launch_then_the_block(shape, dtype, rg,
 @pytest.mark.parametrize("options", [{"UNROLL": False}, {"PSM": 48}, {"PSM": 64}, {"GDS": 4},
                                      {"GDS": 2, "PSM": 32}, {"NPL": True},
                                      {"NPL": True, "UNROLL": False},
-                                     {"GDS": 4, "PSM": 64, "PERSIST": True, "GRID": 264}],
+                                     {"GDS": 4, "PSM": 64, "PERSIST": True, "GRID": 264},
+                                     {"NPL": True, "RPL": True}, {"NPL": True, "GSR": True},
+                                     {"NPL": True, "RPL": True, "GSR": True}],
                          ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 @pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_CASES[:1],
                          ids=lambda v: str(v).replace("mlx.core.", "").replace(" ", ""))
@@ -882,7 +884,9 @@ def test_moe_decode_block_pack_is_the_block(shape, dtype, rg, norm, gdn):
                                      {"STAGE": True}, {"STAGE": True, "PERSIST": True,
                                                        "GRID": 132},
                                      {"GRPW": 4}, {"EARLY": False}, {"EARLY": True, "GRPW": 4},
-                                     {"EARLY": True, "GRPW": 4, "PERSIST": True, "GRID": 132}],
+                                     {"EARLY": True, "GRPW": 4, "PERSIST": True, "GRID": 132},
+                                     {"RPL": True, "GSR": True},
+                                     {"RPL": True, "GSR": True, "PERSIST": True, "GRID": 132}],
                          ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 @pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_CASES[:2],
                          ids=lambda v: str(v).replace("mlx.core.", "").replace(" ", ""))
@@ -892,7 +896,9 @@ def test_moe_decode_block_build_options_are_the_three_launches(shape, dtype, rg,
     # ops.moe.DECODE_BLOCK_OPTIONS): adjacent counters, down items that load
     # after they wait, fewer blocks than tickets, down items that stage h in
     # shared memory (STAGE), 4 gate/up row pairs per warp (GRPW), gate/up
-    # items that wait for the route's normed input (EARLY off). Same output as
+    # items that wait for the route's normed input (EARLY off), route and
+    # gate/up items that load x, nw and eps before their wait (RPL), gate/up
+    # items that route their row themselves (GSR). Same output as
     # the three launches, five launches in a row on one serial counter.
     from qwen_apple_backend.ops import moe as moe_ops
 

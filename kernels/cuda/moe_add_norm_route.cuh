@@ -14,11 +14,15 @@
 // With RCG r is read through L2 (moe_decode_block.cu's OP phase wrote it in
 // the same launch). Used by the route and by moe_decode_block.cu's EARLY gate/up items (which
 // stage y themselves instead of waiting for the route to write it): the same
-// code, so the same bits.
-template <typename T, int D, int BLOCK, bool RCG = false>
-__device__ __forceinline__ const T* qab_add_norm_row(const size_t n, const T* x, const T* r,
-                                                     const T* nw, const float* eps, T* h, T* y,
-                                                     const bool write) {
+// code, so the same bits. x_of(j, i), nw_of(j, i): x[n, i] and nw[i] as float
+// for the thread's element j (i = t + BLOCK j); eps_of(): eps. The two
+// qab_add_norm_row forms below read them from memory there, or from registers
+// loaded before (QabAddNormIn).
+template <typename T, int D, int BLOCK, bool RCG, typename XF, typename NF, typename EF>
+__device__ __forceinline__ const T* qab_add_norm_row_with(const size_t n, const XF x_of,
+                                                          const T* r, const NF nw_of,
+                                                          const EF eps_of, T* h, T* y,
+                                                          const bool write) {
   constexpr int WARPS = BLOCK / 32;
   constexpr int PER = (D + BLOCK - 1) / BLOCK;
   __shared__ __align__(16) T ys[D];
@@ -32,7 +36,7 @@ __device__ __forceinline__ const T* qab_add_norm_row(const size_t n, const T* x,
 #pragma unroll
   for (int j = 0; j < PER; ++j) {
     const int i = t + BLOCK * j;
-    hv[j] = i < D ? static_cast<float>(x[base + i]) : 0.f;
+    hv[j] = i < D ? x_of(j, i) : 0.f;
     rv[j] = i < D ? static_cast<float>(qab_ld<RCG>(r + base + i)) : 0.f;
   }
   float ss = 0.f;
@@ -55,13 +59,13 @@ __device__ __forceinline__ const T* qab_add_norm_row(const size_t n, const T* x,
   __syncthreads();
   float total = lane < WARPS ? partial[lane] : 0.f;
   total = qab_warp_sum(total);
-  const float inv = rsqrtf(total / static_cast<float>(D) + eps[0]);
+  const float inv = rsqrtf(total / static_cast<float>(D) + eps_of());
 #pragma unroll
   for (int j = 0; j < PER; ++j) {
     const int i = t + BLOCK * j;
     if (i < D) {
       const float v = static_cast<float>(static_cast<T>(hv[j] * inv));
-      const T yv = static_cast<T>(static_cast<float>(nw[i]) * v);
+      const T yv = static_cast<T>(nw_of(j, i) * v);
       if (write) {
         y[base + i] = yv;
       }
@@ -72,8 +76,57 @@ __device__ __forceinline__ const T* qab_add_norm_row(const size_t n, const T* x,
   return ys;
 }
 
+// The inputs of qab_add_norm_row that do not depend on r (x[n], nw, eps),
+// loaded into registers before a wait for r (moe_decode_block.cu's RPL
+// builds): the same values, so the same bits, with their trips to memory
+// overlapping the wait instead of following it.
+template <typename T, int D, int BLOCK>
+struct QabAddNormIn {
+  static constexpr int PER = (D + BLOCK - 1) / BLOCK;
+  float xv[PER];
+  float nv[PER];
+  float eps;
+  __device__ __forceinline__ void load(const size_t n, const T* x, const T* nw,
+                                       const float* epsp) {
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = threadIdx.x + BLOCK * j;
+      xv[j] = i < D ? static_cast<float>(x[n * D + i]) : 0.f;
+      nv[j] = i < D ? static_cast<float>(nw[i]) : 0.f;
+    }
+    eps = epsp[0];
+  }
+};
+
+template <typename T, int D, int BLOCK, bool RCG = false>
+__device__ __forceinline__ const T* qab_add_norm_row(const size_t n, const T* x, const T* r,
+                                                     const T* nw, const float* eps, T* h, T* y,
+                                                     const bool write) {
+  const size_t base = n * D;
+  return qab_add_norm_row_with<T, D, BLOCK, RCG>(
+      n, [&](const int, const int i) { return static_cast<float>(x[base + i]); }, r,
+      [&](const int, const int i) { return static_cast<float>(nw[i]); },
+      [&]() { return eps[0]; }, h, y, write);
+}
+
+// qab_add_norm_row over inputs loaded before (QabAddNormIn::load).
+template <typename T, int D, int BLOCK, bool RCG = false>
+__device__ __forceinline__ const T* qab_add_norm_row(const size_t n,
+                                                     const QabAddNormIn<T, D, BLOCK>& in,
+                                                     const T* r, T* h, T* y, const bool write) {
+  return qab_add_norm_row_with<T, D, BLOCK, RCG>(
+      n, [&](const int j, const int) { return in.xv[j]; }, r,
+      [&](const int j, const int) { return in.nv[j]; }, [&]() { return in.eps; }, h, y, write);
+}
+
+// PRE: x[n], nw and eps are loaded with the router weights, before `wait`
+// (QabAddNormIn; the same bits). RESET: the block that routes the row resets
+// count[n] to 0; without it count[n] stays at nparts for the launch's other
+// blocks to read (moe_decode_block.cu's GSR gate/up items wait on it) and the
+// caller resets it.
 template <typename T, int D, int E, int K, int G, bool NORM, int BLOCK, int RB, bool RCG = false,
-          typename Wait = QabNoWait, typename Counted = QabNoWait>
+          bool PRE = false, bool RESET = true, typename Wait = QabNoWait,
+          typename Counted = QabNoWait>
 __device__ __forceinline__ bool qab_add_norm_route_part(
     const int part, const int nparts, const size_t n, const T* x, const T* r, const T* nw,
     const float* eps, const uint32_t* gw, const T* gs, const T* gb, const uint32_t* count, T* h,
@@ -113,6 +166,10 @@ __device__ __forceinline__ bool qab_add_norm_route_part(
     }
   }
 
+  QabAddNormIn<T, D, BLOCK> in;
+  if constexpr (PRE) {
+    in.load(n, x, nw, eps);
+  }
   if constexpr (!QabIsNoWait<Wait>::value) {
     qab_pin_loads(q, qs, qb);  // (profiling builds with QAB_PIN_LOADS only)
   }
@@ -122,7 +179,12 @@ __device__ __forceinline__ bool qab_add_norm_route_part(
   wait();
 
   // Phase 1: h = x + r, y = rms_norm(h) * nw (every block; block 0 writes them).
-  const T* ys = qab_add_norm_row<T, D, BLOCK, RCG>(n, x, r, nw, eps, h, y, part == 0);
+  const T* ys;
+  if constexpr (PRE) {
+    ys = qab_add_norm_row<T, D, BLOCK, RCG>(n, in, r, h, y, part == 0);
+  } else {
+    ys = qab_add_norm_row<T, D, BLOCK, RCG>(n, x, r, nw, eps, h, y, part == 0);
+  }
 
   // Phase 2: this block's router logits, RB expert rows per warp.
   {
@@ -183,7 +245,7 @@ __device__ __forceinline__ bool qab_add_norm_route_part(
   if (warp == 0) {
     qab_route_row<T, E, K, NORM>(ls, lane, inds + n * K, scores + n * K);
   }
-  if (t == 0) {
+  if (RESET && t == 0) {
     const_cast<uint32_t*>(count)[n] = 0u;
   }
   return true;

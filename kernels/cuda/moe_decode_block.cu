@@ -164,6 +164,17 @@
 // staged values are the same, so the same bits; the phase's 772 items at
 // Qwen3.6's 12,352 rows otherwise start as 772 blocks, each waiting for its
 // ticket, its weights, the down items, the norm's and the staging's reads).
+// RPL (the route items, and EARLY's gate/up items, load x[n], nw and eps
+// with their other early loads, before they wait for the out projection:
+// QabAddNormIn, the same values and bits, one dependent trip to memory
+// fewer after the wait for x and two for nw and eps).
+// GSR (EARLY builds, else no effect: a gate/up item of routed rows waits
+// for its row's route count to reach RBLK, i.e. for every route block's
+// logits, reads them through L2 and routes the row itself with warp 0,
+// qab_route_row into shared memory, the route's last block's code: the same
+// experts. The route's last block still routes the row for the down items
+// (inds, scores, `routed`), but no longer resets its count, which the last
+// block out zeroes with the launch's counters.)
 // Requirements: each of the three kernels' (see their sources); with OP,
 // DO % 1024 == 0 and OG % 32 == 0; with NP, H % 1024 == 0 and PG % 32 == 0.
 // Inputs: x, r [N, H] T (residual stream, mixer output); nw [H] T; eps [4]
@@ -323,6 +334,8 @@ static_assert(!(PREFETCH || STAGE) || H % ((BLOCK / 32) * QAB_DOWN_RPW) == 0,
 static_assert(!PF || EARLY, "moe_decode_block: PF needs EARLY");
 // NPL where it applies: NP builds without PSM.
 constexpr bool QAB_NPL = NPL && NP && PSM == 0;
+// GSR where it applies: EARLY builds (the gate/up items that stage y themselves).
+constexpr bool QAB_GSR = GSR && EARLY;
 __shared__ uint32_t ticket;
 
 uint32_t* c = const_cast<uint32_t*>(count);
@@ -504,7 +517,7 @@ while (true) {
     }
   } else if (tk < (OBLK + RBLK) * rows) {
     const int n = (tk - OBLK * rows) / RBLK;
-    const bool last = qab_add_norm_route_part<T, H, E, K, RG, NORM, BLOCK, RB, OP>(
+    const bool last = qab_add_norm_route_part<T, H, E, K, RG, NORM, BLOCK, RB, OP, RPL, !QAB_GSR>(
         tk - OBLK * rows - n * RBLK, RBLK, n, x, rr, nw, eps, gw, gs, gb, route_counts, h, y,
         logits, inds, scores, [&]() {
           wait_out_proj();
@@ -541,14 +554,43 @@ while (true) {
           qab_prefetch_l2_share(pf2, qab_input_bytes(pf2, pf2_shape, pf2_ndim), t, nt);
         }
       }
+      // With RPL x[n], nw and eps are loaded before the wait (the same bits).
+      QabAddNormIn<T, H, BLOCK> in;
+      if constexpr (RPL) {
+        in.load(n, x, nw, eps);
+      }
       wait_out_proj();
-      const T* ys = qab_add_norm_row<T, H, BLOCK, OP>(n, x, rr, nw, eps, h, y, false);
-      qab_moe_gate_up_shared_part<T, H, I, K, G, SGB, SGG, true, GRPW>(
-          bx, n, rows, qab_row_load<false>(ys), inds, w, scales, biases, s_gate_w,
-          s_gate_scales, s_gate_biases, s_up_w, s_up_scales, s_up_biases, sg_w, sg_scales,
-          sg_biases, act, sg_logit, [&]() {
+      const T* ys;
+      if constexpr (RPL) {
+        ys = qab_add_norm_row<T, H, BLOCK, OP>(n, in, rr, h, y, false);
+      } else {
+        ys = qab_add_norm_row<T, H, BLOCK, OP>(n, x, rr, nw, eps, h, y, false);
+      }
+      // With GSR an item of routed rows routes row n itself (qab_route_row
+      // over the row's logits, as the route's last block does: the same
+      // bits) once every route block of the row has counted its logits,
+      // instead of waiting for that block to route, write and count the row.
+      __shared__ T gsr_logits[QAB_GSR ? E : 1];
+      __shared__ uint32_t gsr_inds[K];
+      __shared__ T gsr_scores[K];
+      qab_moe_gate_up_shared_part<T, H, I, K, G, SGB, SGG, !QAB_GSR, GRPW, QAB_GSR>(
+          bx, n, rows, qab_row_load<false>(ys), QAB_GSR ? gsr_inds : inds, w, scales, biases,
+          s_gate_w, s_gate_scales, s_gate_biases, s_up_w, s_up_scales, s_up_biases, sg_w,
+          sg_scales, sg_biases, act, sg_logit, [&]() {
             if (routed_rows) {
-              if (tid == 0) {
+              if constexpr (QAB_GSR) {
+                if (tid == 0) {
+                  qab_wait_count(route_counts + n, static_cast<uint32_t>(RBLK));
+                }
+                __syncthreads();
+                for (int e = tid; e < E; e += BLOCK) {
+                  gsr_logits[e] = qab_ldcg(logits + (size_t)n * E + e);
+                }
+                __syncthreads();
+                if (tid < 32) {
+                  qab_route_row<T, E, K, NORM>(gsr_logits, tid, gsr_inds, gsr_scores);
+                }
+              } else if (tid == 0) {
                 qab_wait_count(routed, static_cast<uint32_t>(rows));
               }
               __syncthreads();
@@ -695,6 +737,11 @@ if (tid == 0) {
     *exits = 0u;
     if constexpr (GD) {
       *gd_done = 0u;
+    }
+    if constexpr (QAB_GSR) {
+      for (int i = 0; i < rows; ++i) {
+        route_counts[i] = 0u;  // the route left them for the GSR items
+      }
     }
     if (!NP) {
       po[0] = static_cast<T>(0.f);  // the one-element placeholder: written, never read

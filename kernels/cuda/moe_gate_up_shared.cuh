@@ -7,6 +7,8 @@
 // them). `wait` runs after x is staged and before any inds read, in every
 // thread of the block (it may hold a block barrier). RPW: (gate, up) row
 // pairs per warp (the standalone kernel's QAB_GATE_UP_RPW; the block's GRPW).
+// IROW: inds points at row n's K indices (moe_decode_block.cu's GSR items
+// route the row themselves into shared memory), else at row 0's.
 // Arithmetic, layout and arguments: see moe_gate_up_shared_gemv.cu.
 // Needs common.cuh.
 
@@ -27,7 +29,7 @@ __device__ __forceinline__ QabRowLoad<T, CG> qab_row_load(const T* row) {
 }
 
 template <typename OutT, int H, int I, int K, int G, int SGB, int SGG, bool CG, int RPW,
-          typename XF, typename QT, typename GQT, typename Wait = QabNoWait>
+          bool IROW = false, typename XF, typename QT, typename GQT, typename Wait = QabNoWait>
 __device__ __forceinline__ void qab_moe_gate_up_shared_part(
     const int bx, const int n, const int rows, const XF xv_of, const uint32_t* inds,
     const uint32_t* w, const QT* scales, const QT* biases, const uint32_t* s_gate_w,
@@ -126,7 +128,8 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
     const int r = kr - k * I;
     const bool is_shared = k == K;
     // Slot K reads the shared expert's own arrays; inds has no column K.
-    const size_t e = is_shared ? 0 : static_cast<size_t>(qab_ld<CG>(inds + (size_t)n * K + k));
+    const uint32_t* ir = IROW ? inds : inds + (size_t)n * K;
+    const size_t e = is_shared ? 0 : static_cast<size_t>(qab_ld<CG>(ir + k));
     const size_t gate_row = e * 2 * I + r;
     const size_t up_row = gate_row + I;
     const uint32_t* wg = is_shared ? s_gate_w + (size_t)r * WPR : w + gate_row * WPR;

@@ -1692,10 +1692,18 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: next ticket taken while the current item's weights load; NP builds
 #: without PSM; the same bits; the default of :func:`moe_decode_block`'s
 #: ``npl``; the ``moe-block-npl`` switch sets it per model): on; measured
-#: 73.7 against 79.0 us per Gated DeltaNet layer launch on an H200.
+#: 73.7 against 79.0 us per Gated DeltaNet layer launch on an H200. RPL,
+#: whether the route items and the EARLY gate/up items load the token's
+#: residual row, the norm weight and eps before they wait for the mixer's
+#: output (their trips to memory overlapping the wait; the same bits). GSR,
+#: whether a gate/up item of routed rows (EARLY builds) routes its token row
+#: itself from the router logits once every route block has counted them,
+#: instead of waiting for the route's last block to route, write and count
+#: the row (the same routing code: the same bits). Both off until measured
+#: (benchmarks/profile_layer_gpu.py's ``RPL=1``, ``GSR=1`` variants).
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
                         "STAGE": True, "GRPW": 2, "EARLY": True, "PRW": 2, "PSM": 0, "GDS": 1,
-                        "UNROLL": True, "NPL": True}
+                        "UNROLL": True, "NPL": True, "RPL": False, "GSR": False}
 #: The values of DECODE_BLOCK_OPTIONS' row counts a launch accepts (PRW 8
 #: spills registers at the two blocks per SM the block is built for; PSM
 #: above 64 would leave room for only one block per SM).
@@ -2351,7 +2359,8 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
                 ("OP", bool(opts["OP"])), ("DO", int(DO)), ("OG", OG),
                 ("NP", bool(opts["NP"])), ("PN", max(int(PN), 1)), ("PG", PG),
                 ("PRW", int(opts["PRW"])), ("PSM", int(opts["PSM"])),
-                ("UNROLL", bool(opts["UNROLL"])), ("NPL", bool(opts["NPL"]))]
+                ("UNROLL", bool(opts["UNROLL"])), ("NPL", bool(opts["NPL"])),
+                ("RPL", bool(opts["RPL"])), ("GSR", bool(opts["GSR"]))]
     if pack is not None:
         template.append(("WSO", decode_block_pack_workspace_offset()))
     gd_inputs, gd_shapes, gd_dtypes = [], [], []
