@@ -24,7 +24,9 @@ shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
   launch (``attn-step``: ``gqa_decode_step``: q/k norm and RoPE, the KV row
   written in place, the key pass (on tensor cores: ``attn-mma``), the merge
   and the gate) where this device has it, ``step-lanes`` the same with the
-  lane-group key pass (``mma=False``), and ``step-ctasN`` the step with
+  lane-group key pass (``mma=False``), ``step-one-merge`` the same with its
+  key blocks merged by one block per KV head (``merge_split=False``: before
+  the two-level merge, ``attn-merge-split``), and ``step-ctasN`` the step with
   the pass sized for about N thread blocks (``--step-ctas``) instead of
   ``_LANES_CTAS``;
 * ``four-launches``: the launches ``step`` replaces (``qk_norm_rope``,
@@ -44,7 +46,7 @@ into OUT. Every form reads its offset as the compiled decode step hands it: a
 0-d view of a ``[4]`` int32 array filled on the device (not MLX's small host
 pool, where a 4-byte array would sit: ``ops.device.unpooled_length``).
 
-``--timeline``: the ``step`` (and ``step-lanes``) form again, built with phase marks (``QAB_MARK``,
+``--timeline``: the ``step`` (and ``step-lanes``, ``step-one-merge``) form again, built with phase marks (``QAB_MARK``,
 empty in the shipped kernel: thread 0 stores the GPU's global timer, in ns)
 and an L2 flush before each of ``--repeats`` launches: per launch, from its
 first thread block's start, when the blocks had staged their query rows
@@ -86,10 +88,11 @@ MARK_DEFINE = ("#define QAB_MARK(k) do { if (threadIdx.x == 0) { unsigned long l
                f"stamps[qab_b_ * {MARKS + 1} + {MARKS}] = s_; }} }} }} while (0)\n")
 
 
-def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True):
+def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
+                 merge_split=True):
     """One launch of the step's kernel built with the phase marks: ``(out, stamps)``,
     stamps ``[blocks, MARKS + 1]`` uint64 (0 where a mark does not apply); ``mma``
-    as ``gqa_decode_step``'s."""
+    and ``merge_split`` as ``gqa_decode_step``'s."""
     import mlx.core as mx
 
     from qwen_apple_backend.ops import attention as attn_ops
@@ -106,14 +109,17 @@ def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True):
     G = HQ // Hk
     block, lpk, warps = attn_ops._lanes_params(B, Hk, S, G, D, qkv.dtype)
     nb = -(-S // block)
+    pm = attn_ops._step_pm(nb, merge_split)
+    groups = attn_ops._step_groups(nb) if pm else 0
     params = attn_ops._step_params(1e-6, 1e-6, float(rope.scale), float(rope.base), scale)
     out, _, stamps = _STAMPED(
         inputs=[qkv, nw, nw, params, offset, k_buf, v_buf, counter],
         template=[("InT", qkv.dtype), ("D", D), ("G", G), ("R", rope.dims),
                   ("TRAD", rope.traditional), ("BLOCK", block), ("LPK", lpk), ("WARPS", warps),
-                  ("MMA", attn_ops._step_mma(G, D, qkv.dtype, mma))],
+                  ("MMA", attn_ops._step_mma(G, D, qkv.dtype, mma)), ("PM", pm)],
         grid=(32 * warps * nb, Hk, B), threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(B, 1, HQ * D), (B * HQ * nb * (D + 2),), (nb * Hk * B * (MARKS + 1),)],
+        output_shapes=[(B, 1, HQ * D), (B * HQ * (nb + groups) * (D + 2),),
+                       (nb * Hk * B * (MARKS + 1),)],
         output_dtypes=[qkv.dtype, mx.float32, mx.uint64], init_value=0)
     return out, stamps.reshape(-1, MARKS + 1)
 
@@ -273,17 +279,19 @@ def main(argv=None) -> int:
             counter = attn_ops.step_counter(B, HK)
             mx.eval(qkv, nw, sk, sv)
 
-            def step(ctas=None, mma=True):
+            def step(ctas=None, mma=True, merge_split=True):
                 old = attn_ops._LANES_CTAS
                 attn_ops._LANES_CTAS = ctas or old
                 try:
                     return attn_ops.gqa_decode_step(qkv, nw, nw, sk, sv, offset.reshape(()), counter,
                                                     heads=HQ, q_eps=1e-6, k_eps=1e-6, rope=rope,
-                                                    scale=scale, mma=mma)
+                                                    scale=scale, mma=mma,
+                                                    merge_split=merge_split)
                 finally:
                     attn_ops._LANES_CTAS = old
 
             forms["step"] = step
+            forms["step-one-merge"] = lambda: step(merge_split=False)
             if attn_ops._step_mma(HQ // HK, D, mx.bfloat16):
                 forms["step-lanes"] = lambda: step(mma=False)
             for c in step_ctas:
@@ -316,10 +324,10 @@ def main(argv=None) -> int:
         for name, fn in forms.items():
             row[name + "_ms"] = 1e3 * timeit(fn, args.repeats)
         if args.timeline:
-            for name in [f for f in ("step", "step-lanes") if f in forms]:
+            for name in [f for f in ("step", "step-lanes", "step-one-merge") if f in forms]:
                 tl = step_timeline(lambda: stamped_step(
-                    qkv, nw, sk, sv, offset.reshape(()), counter, rope, scale, name == "step"),
-                    args.repeats)
+                    qkv, nw, sk, sv, offset.reshape(()), counter, rope, scale,
+                    name != "step-lanes", name != "step-one-merge"), args.repeats)
                 row[name.replace("-", "_") + "_timeline_us"] = tl
                 timelines.append(dict(S=S, form=name, **tl))
                 print(f"S {S:7d} {name} timeline (us): "

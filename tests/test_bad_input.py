@@ -303,7 +303,7 @@ def test_bad_boolean_and_list_variables_name_themselves(monkeypatch):
                                           r"moe-block-stage, gemv-pipe, attn-lanes, moe-block-early, "
                                           r"l2-prefetch, moe-block-out-proj, moe-block-next-proj, moe-block-gdn, moe-block-pack, "
                                           r"moe-block-unroll, moe-block-npl, attn-step, "
-                                          r"attn-mma\)$"):
+                                          r"attn-mma, attn-merge-split\)$"):
         envs.validate()
     monkeypatch.setenv("QAB_DISABLE", "all")
     assert envs.disabled_kinds() == frozenset({"moe", "gdn", "attn"})

@@ -683,10 +683,13 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
         return self.keys, self.values, self.offset
 
     mmas = []  # the mma flag of each step_kernel_ready / gqa_decode_step call
+    splits = []  # and the merge_split flag
 
-    def fake_step(qkv, qw, kw, k_buf, v_buf, offset, counter, mma=None, **kw_):
+    def fake_step(qkv, qw, kw, k_buf, v_buf, offset, counter, mma=None, merge_split=None,
+                  **kw_):
         calls.append((qkv.shape, k_buf.shape, offset.shape, counter.dtype, kw_["heads"]))
         mmas.append(mma)
+        splits.append(merge_split)
         out, kb, vb = attn_ops.gqa_decode_step_ops(qkv, qw, kw, k_buf, v_buf, offset, **kw_)
         c = claimed.pop()
         c.keys, c.values = kb, vb
@@ -695,7 +698,8 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
     monkeypatch.setattr(decode, "kv_write_ready", lambda probe, k: "fake")
     monkeypatch.setattr(decode._StepKV, "claim_in_place", claim)
     monkeypatch.setattr(attn_ops, "step_kernel_ready",
-                        lambda *a, mma=None: mmas.append(mma) or "cuda")
+                        lambda *a, mma=None, merge_split=None:
+                        mmas.append(mma) or splits.append(merge_split) or "cuda")
     monkeypatch.setattr(attn_ops, "gqa_decode_step", fake_step)
     # The step runs only inside the decode step's trace (the serial counters).
     monkeypatch.setattr(attn_layer, "serial_decode_tracing", lambda: True)
@@ -721,8 +725,11 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
                for q, _, off, dt, h in calls)
     # The tensor-core key pass is asked for, of the check and of the launch
     # alike; QAB_DISABLE=attn-mma asks for the lane-group pass.
+    # So is the split merge (attn-merge-split), which QAB_DISABLE switches off alone.
     assert mmas and all(f is True for f in mmas), mmas
+    assert splits and all(f is True for f in splits), splits
     mmas.clear()
+    splits.clear()
     calls.clear()
     no_mma, _ = load(tiny_hf_f32, "fused", disable=["attn-mma"])
     assert any("attn-mma in QAB_DISABLE" in n for n in no_mma.qab_report.notes)
@@ -730,6 +737,19 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
     for t in range(3):
         mx.eval(no_mma(mx.array([[1 + t]]), cache=c))
     assert len(calls) == n_attn and mmas and all(f is False for f in mmas), mmas
+    assert splits and all(f is True for f in splits), splits
+    mmas.clear()
+    splits.clear()
+    calls.clear()
+    no_split, _ = load(tiny_hf_f32, "fused", disable=["attn-merge-split"])
+    assert ("on CUDA the one-launch attention step's key blocks are merged by the last block "
+            "of each KV head alone, not by one block per query head (attn-merge-split in "
+            "QAB_DISABLE / disable=)" in no_split.qab_report.notes)
+    c = make_prompt_cache(no_split)
+    for t in range(3):
+        mx.eval(no_split(mx.array([[1 + t]]), cache=c))
+    assert len(calls) == n_attn and splits and all(f is False for f in splits), splits
+    assert all(f is True for f in mmas), mmas
     claimed.clear()
     monkeypatch.setattr(decode, "kv_cache_write", lambda backend, k, v, kb, vb, off:
                         attn_ops.kv_cache_write_ops(k, v, kb, vb, off)[2])
@@ -749,6 +769,8 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
             in no_prep.qab_report.notes)
     assert ("attn-mma is not used: it needs qk-prep, which QAB_DISABLE / disable= switches off"
             in no_prep.qab_report.notes)
+    assert ("attn-merge-split is not used: it needs qk-prep, which QAB_DISABLE / disable= "
+            "switches off" in no_prep.qab_report.notes)
     monkeypatch.setenv("QAB_DISABLE", "attn-step")
     # (The separate in-place write is faked above: only which path runs is checked.)
     off_model, _ = load(tiny_hf_f32, "fused")

@@ -2631,26 +2631,60 @@ def _four_launches(qkv, qw, kw, k_buf, v_buf, offset, Hq, rope, lanes=True):
     return attn_ops._split_kernel_call("cuda", q, kb, vb, D ** -0.5, mask, gate, lanes=lanes)
 
 
-def _step(case, counter=None, mma=True):
+def _step(case, counter=None, mma=True, merge_split=True):
     qkv, qw, kw, k_buf, v_buf, offset, rope = case
     B, Hk = k_buf.shape[:2]
     Hq = (qkv.shape[-1] - 2 * Hk * k_buf.shape[3]) // (2 * k_buf.shape[3])
     return attn_ops._step_call("cuda", qkv, qw, kw, k_buf, v_buf, offset, Hq, 1e-6, 1e-5, rope,
                                k_buf.shape[3] ** -0.5,
                                attn_ops.step_counter(B, Hk) if counter is None else counter,
-                               mma=mma)
+                               mma=mma, merge_split=merge_split)
 
 
+def _step_builds(monkeypatch):
+    """The step's launches with their PM template value recorded (a list, in order)."""
+    built = []
+    real = attn_ops._step_object
+
+    def obj(backend):
+        kernel = real(backend)
+
+        def launch(**kw):
+            built.append(dict(kw["template"])["PM"])
+            return kernel(**kw)
+        return launch
+
+    monkeypatch.setattr(attn_ops, "_step_object", obj)
+    return built
+
+
+def test_decode_step_two_level_merge_rule():
+    # PM where asked for and above STEP_PM_MIN_BLOCKS key blocks; groups of
+    # ceil(sqrt(NB)) key blocks; the step counter holds every group's count.
+    assert attn_ops._step_pm(attn_ops.STEP_PM_MIN_BLOCKS + 1)
+    assert not attn_ops._step_pm(attn_ops.STEP_PM_MIN_BLOCKS)
+    assert not attn_ops._step_pm(64, merge_split=False)
+    assert [attn_ops._step_groups(n) for n in (1, 2, 17, 64, 65, 128)] == [1, 1, 4, 8, 8, 11]
+    assert attn_ops.step_counter(1, 2).size >= 2 * (1 + attn_ops._step_groups(64))
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split-merge", "one-merger"])
 @pytest.mark.parametrize("mma", [True, False], ids=["mma", "lanes"])
 @pytest.mark.parametrize("case", STEP_CASES, ids=_step_id)
-def test_decode_step_is_the_four_launches_emulated(case, mma, monkeypatch):
+def test_decode_step_is_the_four_launches_emulated(case, mma, split, monkeypatch):
     # mma: the tensor-core key pass (gqa_mma.cuh) where the case allows it
     # (16-bit inputs, G <= 8, D a multiple of 64: the first and third cases),
-    # else, and with mma False, the lane-group pass.
+    # else, and with mma False, the lane-group pass. split: the two-level
+    # merge (PM: the last block of each group of key blocks merges the group,
+    # the last of those the groups) where the case has more than 2 key blocks
+    # (STEP_PM_MIN_BLOCKS lowered to 2), else the last block of each KV head
+    # merging every key block.
     B, Hq, Hk, D, S, off, dtype, R, trad, ctas = case
     if not mma and not attn_ops._step_mma(Hq // Hk, D, dtype):
         pytest.skip("the lane-group pass either way")
     monkeypatch.setattr(attn_ops, "_LANES_CTAS", ctas)
+    monkeypatch.setattr(attn_ops, "STEP_PM_MIN_BLOCKS", 2 if split else 10 ** 9)
+    built = _step_builds(monkeypatch)
     c = _step_case(B, Hq, Hk, D, S, off, dtype, R, trad)
     qkv, qw, kw, k_buf, v_buf, offset, rope = c
     # Both schedules run on the SAME counter: one the launch leaves non-zero
@@ -2659,6 +2693,10 @@ def test_decode_step_is_the_four_launches_emulated(case, mma, monkeypatch):
     out = _step(c, counter, mma=mma)
     assert out.shape == (B, 1, Hq * D) and out.dtype == dtype
     assert np.all(np.array(counter) == 0)
+    nb = -(-S // attn_ops._lanes_params(B, Hk, S, Hq // Hk, D, dtype)[0])
+    if split and nb <= 2:
+        pytest.skip("two key blocks or fewer: one level either way")
+    assert built == [split], (built, nb)
     ref, kb, vb = attn_ops.gqa_decode_step_ops(
         *(a.astype(F32) for a in (qkv, qw, kw, k_buf, v_buf)), offset, heads=Hq, q_eps=1e-6,
         k_eps=1e-5, rope=rope, scale=D ** -0.5)
@@ -2680,6 +2718,10 @@ def test_decode_step_is_the_four_launches_emulated(case, mma, monkeypatch):
         lanes = _step(c, mma=False)
         assert mx_rel_l2(out, ref) <= 1.1 * mx_rel_l2(lanes, ref) + 1e-4
         assert mx_rel_l2(out, lanes) <= 4e-3
+    if split:
+        # The one-merger build: the same partials merged in another order (float32).
+        one = _step(c, mma=mma, merge_split=False)
+        assert mx_rel_l2(out, one) <= (1e-6 if dtype == F32 else 4e-3)
 
 
 # Mutations the checks must catch: the token's row never written (its key is
@@ -2691,7 +2733,7 @@ STEP_BREAKS = {
     "row-not-written": ("kw[(int64_t)d * k_buf_strides[3]] = ko[e];", ""),
     "count-not-reset": ("const_cast<uint32_t*>(count)[(int64_t)b * Hk + h] = 0u;", ""),
     "last-too-early": ("static_cast<uint32_t>(NB - 1);", "static_cast<uint32_t>(NB - 2);"),
-    "no-rescale": ("const float wi = exp2f(qab_ldcg(ml + (base + i) * 2) - M);",
+    "no-rescale": ("const float wi = exp2f(qab_ldcg(mp + (base + i) * 2) - M);",
                    "const float wi = 1.f;"),
     # A repeated row past the chunk's end not weighed 0.
     "repeat-weighs": ("const float wi = i0 + u < c1 ? sw[i0 + u - c0] : 0.f;",
@@ -2726,6 +2768,42 @@ def test_decode_step_mma_broken_fails_emulated(what, monkeypatch):
     except emu.KernelFault:
         return
     assert mx_rel_l2(bad, lanes) > max(4 * good, 2e-4), (what, good, mx_rel_l2(bad, lanes))
+
+
+# The two-level merge's: a group's last block taken one count early (a key
+# block merged before it is written), the group's count not reset, the
+# groups' merge taken one count early, the
+# level-2 rows read with the key blocks' row stride, a group's level-2 l
+# dropped.
+STEP_SPLIT_BREAKS = {
+    "group-last-too-early": ("static_cast<uint32_t>(q1 - q0 - 1);",
+                             "static_cast<uint32_t>(q1 - q0 - 2);"),
+    "group-count-not-reset": ("*gcnt = 0u;", ""),
+    "groups-last-too-early": ("static_cast<uint32_t>(NG - 1);", "static_cast<uint32_t>(NG - 2);"),
+    "groups-row-stride": ("fnb = NG;", "fnb = NB;"),
+    "group-den-dropped": ("ml2[prow * 2 + 1] = den;", "ml2[prow * 2 + 1] = 1.f;"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(STEP_SPLIT_BREAKS))
+def test_decode_step_two_level_merge_broken_fails_emulated(what, monkeypatch):
+    # Qwen3.6's shape (G 8) over 20 key blocks of 64 keys, 15 holding keys
+    # (groups of 5: the last group empty): intact, the two-level merge is
+    # within 4e-3 of the four launches; each break must move it past 8e-3,
+    # fault, or leave the counter non-zero.
+    monkeypatch.setattr(attn_ops, "STEP_PM_MIN_BLOCKS", 2)
+    monkeypatch.setattr(attn_ops, "_LANES_CTAS", 40)
+    case = _step_case(1, 16, 2, 256, 1280, 900, BF16, 64, False)
+    qkv, qw, kw, k_buf, v_buf, offset, rope = case
+    ref = _four_launches(qkv, qw, kw, k_buf, v_buf, offset, 16, rope)
+    assert mx_rel_l2(_step(case), ref) <= 4e-3
+    _broken(monkeypatch, "gqa_decode_step", *STEP_SPLIT_BREAKS[what])
+    counter = attn_ops.step_counter(1, 2)
+    try:
+        bad = _step(case, counter)
+    except emu.KernelFault:
+        return
+    assert not (mx_rel_l2(bad, ref) <= 8e-3 and np.all(np.array(counter) == 0)), what
 
 
 @pytest.mark.parametrize("what", sorted(STEP_BREAKS))

@@ -2528,6 +2528,17 @@ def test_decode_step_kernel_is_the_four_launches(S, off, dtype, heads):
                                          mma=False)
         mx.eval(lanes)
         assert mx.array_equal(kb, kbl).item() and mx.array_equal(vb, vbl).item()
+        # The same launch with its key blocks merged by one block per KV head
+        # (without the two-level merge of attn-merge-split): the same partials
+        # summed in another order.
+        kbo, vbo = k0 * 1, v0 * 1
+        mx.eval(kbo, vbo)
+        one = attn_ops.gqa_decode_step(qkv, w[0], w[1], kbo, vbo, offset, counter, heads=Hq,
+                                       q_eps=1e-6, k_eps=1e-6, rope=rope, scale=D ** -0.5,
+                                       merge_split=False)
+        mx.eval(one)
+        assert not mx.any(counter).item(), counter.tolist()
+        assert mx_rel_l2(out, one) <= (1e-6 if dtype == mx.float32 else 4e-3)
         # The four launches.
         qg, k, v = mx.split(qkv, [Hq * 2 * D, Hq * 2 * D + Hk * D], axis=-1)
         q, gate = mx.split(qg.reshape(1, 1, Hq, 2 * D), 2, axis=-1)

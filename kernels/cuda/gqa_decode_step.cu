@@ -62,11 +62,22 @@
 // params [8] float32 (q eps, k eps, RoPE scale, log2(RoPE base), attention
 // scale, unused); offset int32, one element (0 <= offset < S); k_buf, v_buf
 // [B, Hk, S, D] InT (any strides; row offset written); count uint32, >= B Hk
-// elements (zeros). Outputs: out [B, 1, Hq D] InT; ws: the partials, o_part
-// [B, Hq, NB, D] then ml [B, Hq, NB, 2] float32, in one workspace (scratch
+// elements (zeros; PM: B Hk (1 + NG)). Outputs: out [B, 1, Hq D] InT; ws: the partials, o_part
+// [B, Hq, NB, D] then ml [B, Hq, NB, 2] float32 (PM: then o2, ml2), in one workspace (scratch
 // for the caller: one output instead of two, as moe_decode_block.cu says why).
 // Template MMA: build the tensor-core pass too (InT bf16 / f16, G <= 8, D a
 // multiple of 64; the pass runs where the K/V rows allow, checked here).
+// Template PM (two-level merge): the key blocks of (b, h) in NG groups of GS
+// = ceil(sqrt(NB)); the last block of each group to count (in the group's
+// counter, count[B Hk + (b Hk + h) NG + group]) merges the group's key blocks
+// into a level-2 partial (o2, ml2 after ml in ws), resets the group's count
+// and counts in count[b Hk + h]; the last of the NG merges the groups'
+// partials and applies the gate. One SM merging every key block read ~0.5 MB
+// of partials through L2 at 4K keys (11 of a 23 us launch on the H200); here
+// NG SMs read GS rows per head each, then one SM NG rows per head. The sums
+// run in another order than without PM (float32). count then needs B Hk (1 +
+// NG) elements and ws B Hq (NB + NG) (D + 2) floats (the callers size both:
+// ops.attention.step_counter, _step_call).
 // Requires what gqa_decode_partial_lanes.cu and qk_norm_rope.cu require, G = Hq / Hk.
 
 constexpr int EPL = D / 32;                  // elements per lane of a head row
@@ -191,13 +202,31 @@ if (mma) {
   }
 }
 
-// 3. Count the block done; the last of (b, h) merges.
+// 3. Count the block done; the last of (b, h) merges. With PM (and more
+// than one group), the last block of each group of GS key blocks merges the
+// group into a level-2 partial, and the last of those merges the groups.
 QAB_MARK(2);
+int GS = NB, NG = 1;  // key blocks per group, groups
+if constexpr (PM) {
+  GS = 1;
+  while (GS * GS < NB) ++GS;
+  NG = (NB + GS - 1) / GS;
+}
+const bool two = PM && NG > 1;
+uint32_t* cnt = const_cast<uint32_t*>(count) + (int64_t)b * Hk + h;
+// The group's counter (PM): after the B Hk level-2 counts, NG per (b, h).
+uint32_t* gcnt = const_cast<uint32_t*>(count) + (int64_t)gridDim.z * Hk +
+                 ((int64_t)b * Hk + h) * NG + j / GS;
+const int q0 = j / GS * GS;                 // the group's first key block
+const int q1 = min(q0 + GS, NB);            // and its end
 __syncthreads();
 if (threadIdx.x == 0) {
   __threadfence();
-  sm_last = atomicAdd(const_cast<uint32_t*>(count) + (int64_t)b * Hk + h, 1u) ==
-            static_cast<uint32_t>(NB - 1);
+  if (two) {
+    sm_last = atomicAdd(gcnt, 1u) == static_cast<uint32_t>(q1 - q0 - 1);
+  } else {
+    sm_last = atomicAdd(cnt, 1u) == static_cast<uint32_t>(NB - 1);
+  }
 }
 __syncthreads();
 QAB_MARK(3);
@@ -205,30 +234,32 @@ if (!sm_last) {
   return;
 }
 __threadfence();
-// The merge, a warp per query head: the key blocks' weights w_j = exp2(m_j -
-// M) staged in shared memory (MCH blocks at a time; the pass is done with it),
-// then the o rows read U at a time, all U rows' loads issued before their sums.
-constexpr int MCH = SMF / G;  // key blocks whose weights fit at once (>= 4 D)
+// The merge, a warp per query head, of partial rows [r0, r1) (o rows of D
+// floats at op, (m, l) pairs at mp; base: the head's row 0; every row holds
+// keys: m finite): the rows' weights w_i = exp2(m_i - M) staged in shared
+// memory (MCH rows at a time; the pass is done with it), then the o rows read
+// U at a time, all U rows' loads issued before their sums. num, den, M: the
+// unnormalised sums sum_i w_i o_i, sum_i w_i l_i and the max (-inf, 0 and 0
+// for no rows).
+constexpr int MCH = SMF / G;  // rows whose weights fit at once (>= 4 D)
 constexpr int U = 16;         // o rows in flight per lane
-for (int g = w; g < G; g += WARPS) {
-  const int hq = h * G + g;
-  const int64_t base = ((int64_t)b * Hq + hq) * NB;
-  float M = -INFINITY;
-  for (int i = lane; i < NBe; i += 32) M = fmaxf(M, qab_ldcg(ml + (base + i) * 2));
+auto merge_rows = [&](const float* op, const float* mp, const int64_t base, const int r0,
+                      const int r1, const int g, float (&num)[EPL], float& den, float& M) {
+  M = -INFINITY;
+  for (int i = r0 + lane; i < r1; i += 32) M = fmaxf(M, qab_ldcg(mp + (base + i) * 2));
 #pragma unroll
   for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
   float* sw = sm + g * MCH;
-  float den = 0.f, num[EPL];
+  den = 0.f;
 #pragma unroll
   for (int e = 0; e < EPL; ++e) num[e] = 0.f;
-  for (int c0 = 0; c0 < NBe; c0 += MCH) {
-    const int c1 = min(c0 + MCH, NBe);
+  for (int c0 = r0; c0 < r1; c0 += MCH) {
+    const int c1 = min(c0 + MCH, r1);
     float dl = 0.f;
     for (int i = c0 + lane; i < c1; i += 32) {
-      // Every block below NBe holds keys (no mask): m_i is finite.
-      const float wi = exp2f(qab_ldcg(ml + (base + i) * 2) - M);
+      const float wi = exp2f(qab_ldcg(mp + (base + i) * 2) - M);
       sw[i - c0] = wi;
-      dl += wi * qab_ldcg(ml + (base + i) * 2 + 1);
+      dl += wi * qab_ldcg(mp + (base + i) * 2 + 1);
     }
     den += qab_warp_sum(dl);
     __syncwarp();
@@ -236,7 +267,7 @@ for (int g = w; g < G; g += WARPS) {
       float ov[U][EPL];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        qab_ldcg_f32<EPL>(o_part + (base + min(i0 + u, c1 - 1)) * D + lane * EPL, pvec, ov[u]);
+        qab_ldcg_f32<EPL>(op + (base + min(i0 + u, c1 - 1)) * D + lane * EPL, pvec, ov[u]);
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -247,6 +278,48 @@ for (int g = w; g < G; g += WARPS) {
     }
     __syncwarp();  // the weights read before the next chunk overwrites them
   }
+};
+// The level-2 partials (PM): o2 [B, Hq, NG, D], ml2 [B, Hq, NG, 2] after ml.
+float* o2 = ml + (size_t)gridDim.z * Hq * NB * 2;
+float* ml2 = o2 + (size_t)gridDim.z * Hq * NG * D;
+const float* fo = o_part;  // the final merge's rows: the key blocks', or the groups'
+const float* fm = ml;
+int fn = NBe, fnb = NB;
+if (two) {
+  // Level 1: this group's key blocks that hold keys into its level-2 row.
+  const int qe = min(q1, NBe);
+  for (int g = w; g < G; g += WARPS) {
+    const int64_t hrow = (int64_t)b * Hq + h * G + g;
+    float num[EPL], den, M;
+    merge_rows(o_part, ml, hrow * NB, q0, qe, g, num, den, M);
+    const int64_t prow = hrow * NG + j / GS;
+    qab_store_f32<EPL>(o2 + prow * D + lane * EPL, pvec, num);
+    if (lane == 0) {
+      ml2[prow * 2] = M;
+      ml2[prow * 2 + 1] = den;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *gcnt = 0u;
+    __threadfence();
+    sm_last = atomicAdd(cnt, 1u) == static_cast<uint32_t>(NG - 1);
+  }
+  __syncthreads();
+  if (!sm_last) {
+    return;
+  }
+  __threadfence();
+  // Level 2: the groups that hold keys.
+  fo = o2;
+  fm = ml2;
+  fn = (NBe + GS - 1) / GS;
+  fnb = NG;
+}
+for (int g = w; g < G; g += WARPS) {
+  const int hq = h * G + g;
+  float num[EPL], den, M;
+  merge_rows(fo, fm, ((int64_t)b * Hq + hq) * fnb, 0, fn, g, num, den, M);
 #pragma unroll
   for (int e = 0; e < EPL; ++e) {
     const int d = lane * EPL + e;

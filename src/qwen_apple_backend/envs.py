@@ -17,7 +17,7 @@ Variables:
         ``attn-lanes``, ``moe-block-early``, ``l2-prefetch``,
         ``moe-block-out-proj``, ``moe-block-next-proj``, ``moe-block-gdn``,
         ``moe-block-pack``, ``moe-block-unroll``, ``moe-block-npl``, ``attn-step``,
-        ``attn-mma``),
+        ``attn-mma``, ``attn-merge-split``),
         for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
@@ -190,6 +190,11 @@ OPTIMIZATIONS = {
     # KV head) instead of the lane-group pass: the pass was issue-bound (H200, 4K keys:
     # 12-16 us of a ~30 us launch)
     "attn-mma": "attn",
+    # with attn-step, its key blocks merged by one block per query head (the last G to finish
+    # of each KV head, each waiting for the others' partials) instead of the last block of the
+    # KV head alone, which read every head's partials through one SM (H200, 4K keys: 11 of a
+    # 23 us launch); where the step's grid fits the GPU's SMs
+    "attn-merge-split": "attn",
 }
 
 

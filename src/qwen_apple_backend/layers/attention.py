@@ -121,6 +121,11 @@ class FusedGQAAttention(nn.Module):
             cores where the cache is bf16 / f16 with at most 8 query heads per
             KV head (``ops.attention.gqa_decode_step``'s ``mma``; ``QAB_DISABLE=attn-mma``
             keeps the lane-group pass). Default True.
+        decode_merge_split (bool): with ``decode_step``, the step's key blocks
+            merged by one thread block per query head where the step's grid
+            fits the GPU's SMs (``ops.attention.gqa_decode_step``'s
+            ``merge_split``; ``QAB_DISABLE=attn-merge-split`` keeps the merge
+            in the last block of each KV head). Default True.
     """
 
     def __init__(
@@ -166,6 +171,7 @@ class FusedGQAAttention(nn.Module):
         self.decode_lanes = decode_lanes
         self.decode_step = decode_step
         self.decode_mma = True
+        self.decode_merge_split = True
 
     @classmethod
     def from_stock(
@@ -348,7 +354,7 @@ class FusedGQAAttention(nn.Module):
                 qkv, self.q_norm["weight"], self.k_norm["weight"], k_buf, v_buf, position,
                 self._step_counter(B), heads=self.num_attention_heads, q_eps=self.q_norm.eps,
                 k_eps=self.k_norm.eps, rope=rope_spec(self.rope), scale=self.scale,
-                mma=self.decode_mma)
+                mma=self.decode_mma, merge_split=self.decode_merge_split)
             return DeferredProjection(gated, self.o_proj) if defer_out_proj else self.o_proj(gated)
         if (
             self.compile_decode
@@ -465,7 +471,8 @@ class FusedGQAAttention(nn.Module):
             return False
         return attn_ops.step_kernel_ready(x.shape[0], self.num_attention_heads,
                                           self.num_key_value_heads, D, x.dtype,
-                                          rope_spec(self.rope), mma=self.decode_mma) is not None
+                                          rope_spec(self.rope), mma=self.decode_mma,
+                                          merge_split=self.decode_merge_split) is not None
 
     def _step_counter(self, B: int) -> mx.array:
         """This layer's counter for its attention step launches (one per batch size;

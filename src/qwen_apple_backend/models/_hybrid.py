@@ -230,6 +230,9 @@ _DEFAULT_NEEDS = {
     # The step's tensor-core key pass lives inside the step.
     "attn-mma": ("attn", "attn-kernel", "qk-prep", "proj-concat", "kv-in-place",
                  "decode-compile", "attn-step"),
+    # The step's split merge lives inside the step.
+    "attn-merge-split": ("attn", "attn-kernel", "qk-prep", "proj-concat", "kv-in-place",
+                         "decode-compile", "attn-step"),
 }
 
 
@@ -398,6 +401,9 @@ class QwenHybridAdapter(Adapter):
         "attn-mma": "on CUDA the one-launch attention step's pass over the cached keys runs "
                     "as the lane-group pass, not on tensor cores (attn-mma in QAB_DISABLE / "
                     "disable=)",
+        "attn-merge-split": "on CUDA the one-launch attention step's key blocks are merged by "
+                            "the last block of each KV head alone, not by one block per query "
+                            "head (attn-merge-split in QAB_DISABLE / disable=)",
         "gdn-kernel": "Gated DeltaNet scans and decode steps run as MLX ops, without the GPU "
                       "gated-delta kernels (gdn-kernel in QAB_DISABLE / disable=)",
         "moe-kernel": "MoE routing and experts run as MLX ops, without the GPU MoE kernels "
@@ -545,6 +551,8 @@ class QwenHybridAdapter(Adapter):
                     fused.decode_step = False
                 if "attn-mma" in off and hasattr(fused, "decode_mma"):
                     fused.decode_mma = False
+                if "attn-merge-split" in off and hasattr(fused, "decode_merge_split"):
+                    fused.decode_merge_split = False
                 if lanes_on and hasattr(fused, "decode_lanes"):
                     fused.decode_lanes = True
                 switched_off.update(off)
@@ -595,7 +603,7 @@ class QwenHybridAdapter(Adapter):
                 unused = f"{name} is not used: "
                 if off:
                     report.notes.append(unused + off)
-                elif name in ("attn-step", "attn-mma"):
+                elif name in ("attn-step", "attn-mma", "attn-merge-split"):
                     continue
                 elif "next-norm" in enabled and "next-norm" not in disable:
                     report.notes.append(unused + "next-norm from QAB_ENABLE replaces the "

@@ -35,6 +35,7 @@ Hk key/value heads, D head dim, R rotary dims.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, NamedTuple, Optional, Union
 
 import mlx.core as mx
@@ -1006,6 +1007,30 @@ def _step_mma(G: int, D: int, dtype: mx.Dtype, mma: bool = True) -> bool:
             and D <= 256)
 
 
+#: Key blocks per (batch row, KV head) above which :func:`gqa_decode_step`
+#: merges them in two levels (the kernel's ``PM``): at most this many rows per
+#: query head are one round of loads for the single merging block. A reasoned
+#: choice, not a measured one.
+STEP_PM_MIN_BLOCKS = 16
+
+
+def _step_groups(nb: int) -> int:
+    """Groups of a two-level merge of ``nb`` key blocks (the kernel's NG: groups
+    of ``ceil(sqrt(nb))`` key blocks)."""
+    gs = max(1, math.isqrt(nb - 1) + 1) if nb > 1 else 1
+    return -(-nb // gs)
+
+
+def _step_pm(nb: int, merge_split: bool = True) -> bool:
+    """Whether a :func:`gqa_decode_step` launch of ``nb`` key blocks per
+    (batch row, KV head) merges them in two levels (the kernel's ``PM``: the
+    last block of each group of ``ceil(sqrt(nb))`` key blocks merges the group,
+    the last of those the groups): asked for (``merge_split``, the layer's
+    ``decode_merge_split``) and more than :data:`STEP_PM_MIN_BLOCKS` key
+    blocks."""
+    return bool(merge_split) and nb > STEP_PM_MIN_BLOCKS
+
+
 @functools.lru_cache(maxsize=None)
 def _step_object(backend: str):
     # CUDA only (no Metal source: Metal keeps the separate ops).
@@ -1025,20 +1050,23 @@ def _step_params(q_eps: float, k_eps: float, rope_scale: float, base: float,
 
 
 def step_counter(B: int, Hk: int) -> mx.array:
-    """The counter of :func:`gqa_decode_step`: uint32 zeros, one per (batch row, KV head).
+    """The counter of :func:`gqa_decode_step`: uint32 zeros, one per (batch row, KV head),
+    then one per group of key blocks of its two-level merge (the most a launch
+    of ``B`` rows and ``Hk`` KV heads makes, at :data:`_LANES_CTAS`).
 
     A real, evaluated buffer that each launch reads and leaves at zero (its
-    last thread block per (row, head) resets its element), so launches that
-    share one must not overlap: one per attention layer, used inside the
-    compiled decode step (its launches run one after another). At least 16
-    bytes (:func:`ops.device.unpooled_length`).
+    last thread block per (row, head) resets its element, each group's last
+    its group's), so launches that share one must not overlap: one per
+    attention layer, used inside the compiled decode step (its launches run
+    one after another). At least 16 bytes (:func:`ops.device.unpooled_length`).
 
     Raises:
         ValueError: if ``B`` or ``Hk`` is below 1.
     """
     if B < 1 or Hk < 1:
         raise ValueError(f"a step counter needs B >= 1 and Hk >= 1, got B={B}, Hk={Hk}")
-    c = mx.zeros((unpooled_length(B * Hk, mx.uint32),), dtype=mx.uint32)
+    groups = _step_groups(max(1, _LANES_CTAS // (B * Hk)))
+    c = mx.zeros((unpooled_length(B * Hk * (1 + groups), mx.uint32),), dtype=mx.uint32)
     mx.eval(c)
     return c
 
@@ -1046,23 +1074,30 @@ def step_counter(B: int, Hk: int) -> mx.array:
 def _step_call(backend: str, qkv: mx.array, q_weight: mx.array, k_weight: mx.array,
                k_buf: mx.array, v_buf: mx.array, offset: mx.array, heads: int, q_eps: float,
                k_eps: float, rope: RopeSpec, scale: float, counter: mx.array,
-               mma: bool = True) -> mx.array:
+               mma: bool = True, merge_split: bool = True) -> mx.array:
     B = qkv.shape[0]
     Hk, S, D = k_buf.shape[1], k_buf.shape[2], k_buf.shape[3]
     G = heads // Hk
     block, lpk, warps = _lanes_params(B, Hk, S, G, D, qkv.dtype)
     nb = -(-S // block)
+    pm = _step_pm(nb, merge_split)
+    groups = _step_groups(nb) if pm else 0
+    if counter.size < B * Hk * (1 + groups):
+        raise ValueError(f"gqa_decode_step: {nb} key blocks merged in {groups} groups need a "
+                         f"counter of >= {B * Hk * (1 + groups)} elements "
+                         f"(step_counter), got {counter.size}")
     params = _step_params(float(q_eps), float(k_eps), float(rope.scale), float(rope.base),
                           float(scale))
     out, _ = _step_object(backend)(
         inputs=[qkv, q_weight, k_weight, params, offset, k_buf, v_buf, counter],
         template=[("InT", qkv.dtype), ("D", D), ("G", G), ("R", rope.dims),
                   ("TRAD", rope.traditional), ("BLOCK", block), ("LPK", lpk),
-                  ("WARPS", warps), ("MMA", _step_mma(G, D, qkv.dtype, mma))],
+                  ("WARPS", warps), ("MMA", _step_mma(G, D, qkv.dtype, mma)), ("PM", pm)],
         grid=(32 * warps * nb, Hk, B), threadgroup=(32 * warps, 1, 1),
         # The workspace: the key blocks' partials o [B, Hq, nb, D] then (m, l)
         # [B, Hq, nb, 2], one output (MLX's host cost grows per output).
-        output_shapes=[(B, 1, heads * D), (B * heads * nb * (D + 2),)],
+        # With PM the groups' partials o2, (m, l)2 [B, Hq, groups, ...] follow.
+        output_shapes=[(B, 1, heads * D), (B * heads * (nb + groups) * (D + 2),)],
         output_dtypes=[qkv.dtype, mx.float32])
     return out
 
@@ -1077,7 +1112,8 @@ def _step_shapes_ok(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
 
 
 def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
-                      rope: Optional[RopeSpec], mma: bool = True) -> Optional[str]:
+                      rope: Optional[RopeSpec], mma: bool = True,
+                      merge_split: bool = True) -> Optional[str]:
     """The GPU backend whose one-launch decode attention step may run, or None.
 
     :func:`gqa_decode_step` takes a plain RoPE (``rope`` not None) as the
@@ -1093,7 +1129,9 @@ def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
     evaluates only arrays of its own, so it may run while a compiled step
     traces. ``mma``: the build :func:`gqa_decode_step` will run with that
     ``mma`` (its key pass on tensor cores where the shapes allow;
-    each build is checked on its own).
+    each build is checked on its own) and ``merge_split`` (the split merge
+    where :func:`_step_pm` allows it: then checked too, on its own, where the
+    check's grid allows it; launches whose grid does not run the other build).
 
     Returns:
         Optional[str]: ``"cuda"``, or None.
@@ -1118,12 +1156,12 @@ def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
         v_full = mx.random.normal((2, Hk, S + 40, D), key=kv).astype(dtype)
         return qkv, w[0], w[1], k_full, v_full, mx.array(off, dtype=mx.int32)
 
-    def kernel(qkv, qw, kw_, k_full, v_full, offset):
+    def kernel(qkv, qw, kw_, k_full, v_full, offset, split=False):
         kf, vf = k_full * 1, v_full * 1  # private copies: the kernel writes them
         mx.eval(kf, vf)
         kb, vb = kf[:, :, :S], vf[:, :, :S]
         out = _step_call(backend, qkv, qw, kw_, kb, vb, offset, Hq, 1e-6, 1e-5, rope,
-                         D ** -0.5, step_counter(2, Hk), mma=use_mma)
+                         D ** -0.5, step_counter(2, Hk), mma=use_mma, merge_split=split)
         mx.eval(out)
         return [out, kb, vb]
 
@@ -1134,15 +1172,23 @@ def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
 
     # As the q/k kernel's check (RoPE at position 700) and the split pair's.
     tol = 1e-4 if dtype == mx.float32 else 2e-2
-    ok = self_checked("gqa_decode_step", backend, key, kernel=kernel, reference=reference,
-                      make_inputs=make_inputs, rtol=(tol, tol, tol))
-    return backend if ok else None
+    # The split merge's build where the check's own grid runs it (the rule of
+    # _step_pm: where it does not, no launch's larger grid does either).
+    block = _lanes_params(2, Hk, S, Hq // Hk, D, dtype)[0]
+    splits = [False] + ([True] if _step_pm(-(-S // block), merge_split) else [])
+    for split in splits:
+        ok = self_checked("gqa_decode_step", backend, (*key, split),
+                          kernel=functools.partial(kernel, split=split), reference=reference,
+                          make_inputs=make_inputs, rtol=(tol, tol, tol))
+        if not ok:
+            return None
+    return backend
 
 
 def gqa_decode_step(qkv: mx.array, q_weight: mx.array, k_weight: mx.array, k_buf: mx.array,
                     v_buf: mx.array, offset: mx.array, counter: mx.array, *, heads: int,
                     q_eps: float, k_eps: float, rope: RopeSpec, scale: float,
-                    mma: bool = True) -> mx.array:
+                    mma: bool = True, merge_split: bool = True) -> mx.array:
     """One decode token's gated attention core in one CUDA launch; writes the KV cache IN PLACE.
 
     :func:`gqa_decode_step_ops` (q/k RMSNorm and RoPE, the KV row written at
@@ -1173,6 +1219,9 @@ def gqa_decode_step(qkv: mx.array, q_weight: mx.array, k_weight: mx.array, k_buf
         rope (RopeSpec): the plain RoPE. scale (float): score scale.
         mma (bool): the tensor-core key pass where it applies (default True;
             :func:`step_kernel_ready` must have said ``"cuda"`` with the same).
+        merge_split (bool): the split merge where :func:`_step_pm` allows it
+            (the last ``min(G, NB)`` blocks of a KV head merge one query head
+            each; default True; ``step_kernel_ready`` with the same).
 
     Returns:
         mx.array: the gated attention output, dtype of ``qkv``.
@@ -1205,7 +1254,8 @@ def gqa_decode_step(qkv: mx.array, q_weight: mx.array, k_weight: mx.array, k_buf
     if offset.size != 1:
         raise ValueError(f"gqa_decode_step: offset must be one element, got {offset.shape}")
     return _step_call("cuda", qkv, q_weight, k_weight, k_buf, v_buf, offset.astype(mx.int32),
-                      heads, q_eps, k_eps, rope, scale, counter, mma=mma)
+                      heads, q_eps, k_eps, rope, scale, counter, mma=mma,
+                      merge_split=merge_split)
 
 
 @functools.partial(mx.compile, shapeless=True)
