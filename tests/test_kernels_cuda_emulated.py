@@ -2145,7 +2145,7 @@ def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(opt
 
 def test_moe_decode_block_unroll_switch_is_its_own_build_with_the_same_bits_emulated(
         monkeypatch):
-    # moe-block-unroll (FusedSparseMoeBlock.unroll_stage -> unroll=): the
+    # moe-block-unroll (FusedSparseMoeBlock.unroll_stage -> UNROLL, as unroll=): the
     # argument reaches the launch as the UNROLL template value (None:
     # DECODE_BLOCK_OPTIONS["UNROLL"], on by default), each build self-checks
     # under its own key, and with both projection phases (OP + NP: the phases
@@ -2153,11 +2153,11 @@ def test_moe_decode_block_unroll_switch_is_its_own_build_with_the_same_bits_emul
     # same bits.
     assert moe_ops.DECODE_BLOCK_OPTIONS["UNROLL"] is True
     assert moe_ops._decode_block_build()["UNROLL"] is True
-    assert moe_ops._decode_block_build(unroll=False)["UNROLL"] is False
+    assert moe_ops._decode_block_build({"UNROLL": False})["UNROLL"] is False
     with monkeypatch.context() as m:
         m.setitem(moe_ops.DECODE_BLOCK_OPTIONS, "UNROLL", False)
         assert moe_ops._decode_block_build()["UNROLL"] is False
-        assert moe_ops._decode_block_build(unroll=True)["UNROLL"] is True
+        assert moe_ops._decode_block_build({"UNROLL": True})["UNROLL"] is True
     built = []
 
     def build(name, backend, **options):
@@ -2535,8 +2535,8 @@ def test_moe_decode_block_dispatcher_self_checks_the_emulated_kernel(monkeypatch
         pf = moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
                                       prefetch=(gu.weight, gu.scales, w))
         assert mx.array_equal(late, out).item() and mx.array_equal(pf, out).item()
-        assert moe_ops._decode_block_build(early=True, prefetch=True)["PF"]
-        assert not moe_ops._decode_block_build(early=False, prefetch=True)["PF"]
+        assert moe_ops._decode_block_build({"EARLY": True}, prefetch=True)["PF"]
+        assert not moe_ops._decode_block_build({"EARLY": False}, prefetch=True)["PF"]
         with pytest.raises(ValueError, match="at most 3 arrays"):
             moe_ops.moe_decode_block(x, r, w, 1e-6, gate, 4, True, gu, dn, sw, "cuda",
                                      prefetch=(w, w, w, w))

@@ -1505,9 +1505,8 @@ def test_add_norm_forward_takes_a_deferred_out_projection(monkeypatch, ready):
 
     calls = []
 
-    def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None, stage=None,
-              early=None, unroll=None, npl=None, prefetch=(), out_proj=None,
-              next_proj=None):
+    def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None,
+              prefetch=(), out_proj=None, next_proj=None, overrides=None):
         calls.append((r, out_proj))
         if out_proj is not None:
             ow = out_proj.weights
@@ -1557,21 +1556,20 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
     # from the three-launch path's), else the per-launch copy of a zero view;
     # one_launch off (QAB_DISABLE=moe-block) keeps the three launches;
     # stage_down (on by default; QAB_DISABLE=moe-block-stage clears it)
-    # reaches the call as its stage, early_gate_up (on by default;
-    # QAB_DISABLE=moe-block-early clears it) as its early, unroll_stage (on by
-    # default; QAB_DISABLE=moe-block-unroll clears it) as its unroll, npl_items
-    # (on by default; QAB_DISABLE=moe-block-npl clears it) as its npl.
+    # reaches the call as its overrides' STAGE, early_gate_up (on by default;
+    # QAB_DISABLE=moe-block-early clears it) as its EARLY, unroll_stage (on by
+    # default; QAB_DISABLE=moe-block-unroll clears it) as its UNROLL, npl_items
+    # (on by default; QAB_DISABLE=moe-block-npl clears it) as its NPL.
     from qwen_apple_backend.layers import moe as moe_layer
 
     seen = []
     stages = []
 
-    def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None, stage=None,
-              early=None, unroll=None, npl=None, prefetch=(), out_proj=None,
-              next_proj=None):
+    def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None,
+              prefetch=(), out_proj=None, next_proj=None, overrides=None):
         assert out_proj is None
         seen.append((backend, counter))
-        stages.append((stage, early, unroll, npl))
+        stages.append(tuple(overrides[k] for k in ("STAGE", "EARLY", "UNROLL", "NPL")))
         return (x + r) * 3
 
     monkeypatch.setattr(moe_layer, "moe_decode_block", block)
@@ -1626,6 +1624,82 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
     assert seen == [] and mx.allclose(out, 2 * (x + r)).item()
 
 
+def test_decode_block_build_applies_an_overrides_mapping():
+    # The one-launch block's build overrides travel as one mapping keyed by
+    # DECODE_BLOCK_OPTIONS flag names: _decode_block_build puts in the keys
+    # given (as bools; an absent key or None keeps the default), sets PF only
+    # with EARLY, and refuses a key that is not a DECODE_BLOCK_OPTIONS flag
+    # (an unknown name, an option of another type, a derived build value),
+    # naming it.
+    opts = moe_ops.DECODE_BLOCK_OPTIONS
+    assert moe_ops._decode_block_build() == {**opts, "PF": False, "OP": False, "NP": False}
+    assert moe_ops._decode_block_build({}) == moe_ops._decode_block_build()
+    got = moe_ops._decode_block_build({"STAGE": False, "NPL": 0, "UNROLL": None}, True,
+                                      True, True)
+    assert got == {**opts, "STAGE": False, "NPL": False, "PF": True, "OP": True, "NP": True}
+    assert got["NPL"] is False and got["UNROLL"] is opts["UNROLL"]
+    for flag in ("STAGE", "EARLY", "UNROLL", "NPL"):
+        for value in (False, True):
+            build = moe_ops._decode_block_build({flag: value})
+            assert build[flag] is value
+            assert {k: v for k, v in build.items() if k != flag} == {
+                k: v for k, v in moe_ops._decode_block_build().items() if k != flag}
+    assert not moe_ops._decode_block_build({"EARLY": False}, prefetch=True)["PF"]
+    for bad in ("BOGUS", "PRW", "PF"):
+        with pytest.raises(ValueError, match=rf"build overrides: '{bad}' is not a "
+                                             r"DECODE_BLOCK_OPTIONS flag \(the flags: .*NPL"):
+            moe_ops._decode_block_build({"STAGE": False, bad: True})
+
+
+def test_block_keywords_become_one_overrides_mapping(monkeypatch):
+    # moe_decode_block's and decode_block_ready's stage / early / unroll / npl
+    # keywords (None: the default) are turned into that mapping once, at the
+    # entry, merged with an overrides mapping given; a keyword that disagrees
+    # with the mapping, or an unknown key, is refused before anything runs.
+    assert moe_ops._build_overrides(stage=None, early=False, unroll=None, npl=True) == {
+        "EARLY": False, "NPL": True}
+    assert moe_ops._build_overrides({"UNROLL": False, "STAGE": None}, stage=True) == {
+        "UNROLL": False, "STAGE": True}
+    assert moe_ops._build_overrides({"NPL": True}, npl=True) == {"NPL": True}
+    with pytest.raises(ValueError, match=r"unroll=True disagrees with overrides\['UNROLL'\]"):
+        moe_ops._build_overrides({"UNROLL": False}, unroll=True)
+    seen = []
+    monkeypatch.setattr(moe_ops, "_moe_decode_block_call",
+                        lambda *a, **k: seen.append(("call", a[12])))
+    monkeypatch.setattr(moe_ops, "_decode_block_ready",
+                        lambda *a, **k: seen.append(("ready", a[9])))
+    counter = mx.zeros((moe_ops.decode_block_counter_length(),), dtype=mx.uint32)
+    args = (None,) * 10
+    moe_ops.moe_decode_block(*args, "cuda", counter, stage=False, unroll=True)
+    moe_ops.moe_decode_block(*args, "cuda", counter, early=False, overrides={"NPL": False})
+    moe_ops.decode_block_ready(*args[:9], npl=False, early=None)
+    moe_ops.decode_block_ready(*args[:9], overrides={"STAGE": True})
+    assert seen == [("call", {"STAGE": False, "UNROLL": True}),
+                    ("call", {"NPL": False, "EARLY": False}),
+                    ("ready", {"NPL": False}), ("ready", {"STAGE": True})]
+    seen.clear()
+    with pytest.raises(ValueError, match="'BOGUS' is not a DECODE_BLOCK_OPTIONS flag"):
+        moe_ops.moe_decode_block(*args, "cuda", counter, overrides={"BOGUS": False})
+    with pytest.raises(ValueError, match="'BOGUS' is not a DECODE_BLOCK_OPTIONS flag"):
+        moe_ops.decode_block_ready(*args[:9], overrides={"BOGUS": False})
+    with pytest.raises(ValueError, match="stage=False disagrees"):
+        moe_ops.moe_decode_block(*args, "cuda", counter, stage=False,
+                                 overrides={"STAGE": True})
+    assert seen == []
+
+
+def test_fused_block_passes_its_switches_as_one_overrides_mapping():
+    # FusedSparseMoeBlock's four build switches (QAB_DISABLE's moe-block-stage,
+    # -early, -unroll, -npl clear them) are the one mapping its calls pass.
+    b = FusedSparseMoeBlock.from_stock(make_stock(seed=4))
+    assert b._block_overrides() == {"STAGE": True, "EARLY": True, "UNROLL": True, "NPL": True}
+    b.early_gate_up = False
+    b.npl_items = False
+    assert b._block_overrides() == {"STAGE": True, "EARLY": False, "UNROLL": True,
+                                    "NPL": False}
+    assert moe_ops._decode_block_build(b._block_overrides())["EARLY"] is False
+
+
 @pytest.mark.parametrize("ready", [True, False], ids=["next-proj", "not-ready"])
 def test_add_norm_forward_runs_the_next_projection_phase(monkeypatch, ready):
     # moe-block-next-proj: given the next layer's input norm and a mixer with a
@@ -1640,9 +1714,8 @@ def test_add_norm_forward_runs_the_next_projection_phase(monkeypatch, ready):
 
     calls = []
 
-    def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None, stage=None,
-              early=None, unroll=None, npl=None, prefetch=(), out_proj=None,
-              next_proj=None):
+    def block(x, r, w, eps, gate, k, norm_topk, gu, dn, sw, backend, counter=None,
+              prefetch=(), out_proj=None, next_proj=None, overrides=None):
         calls.append(next_proj)
         out = (x + r) * 3
         if next_proj is None:

@@ -489,7 +489,9 @@ class FusedSparseMoeBlock(nn.Module):
     block size (``UNROLL``; same outputs). Attribute ``npl_items`` (default
     True; the ``moe-block-npl`` optimization) builds it with next-projection
     blocks that take the next tickets too and reuse the input row they
-    staged (``NPL``; same outputs). Attribute ``l2_next`` (default
+    staged (``NPL``; same outputs). :meth:`_block_overrides` gives these four
+    attributes as the launch's build overrides (``DECODE_BLOCK_OPTIONS`` flags:
+    STAGE, EARLY, UNROLL, NPL). Attribute ``l2_next`` (default
     None; set by the fusing code with the opt-in ``l2-prefetch``): the next
     decoder layer's concatenated input projection, whose arrays that launch
     asks the L2 to fetch while its route runs (``PF``; same outputs).
@@ -867,10 +869,10 @@ class FusedSparseMoeBlock(nn.Module):
             nw = next_proj.norm_weight
             pkey = ((id(nw), nw.shape, nw.dtype, next_proj.eps), id(pw.weight), pw.weight.shape,
                     id(pw.scales), id(pw.biases), pw.scales.dtype, pw.group_size, pw.bits)
+        overrides = self._block_overrides()
         key = (x.shape, x.dtype, decode, envs.kernels_disabled(),
                envs.unverified_kernels_allowed(), self._weights_signature(), nkey, next_key,
-               self.one_launch, self.stage_down, self.early_gate_up, self.unroll_stage,
-               self.npl_items,
+               self.one_launch, *overrides.values(),
                bool(self._l2_prefetch_arrays()), okey, pkey) + (
                    (gkey,) if gkey is not None else ()) + (
                    (("pack",),) if pack is not None else ())
@@ -897,8 +899,7 @@ class FusedSparseMoeBlock(nn.Module):
                     x, norm["weight"], norm.eps, linear_weights(self.gate), self.top_k,
                     self.norm_topk_prob, expert_weights(self.switch_mlp.gate_up_proj),
                     expert_weights(self.switch_mlp.down_proj), self._shared_weights(),
-                    stage=self.stage_down, early=self.early_gate_up,
-                    unroll=self.unroll_stage, npl=self.npl_items,
+                    overrides=overrides,
                     prefetch=bool(self._l2_prefetch_arrays()), out_proj=out_proj,
                     next_proj=next_proj, **({"gdn_step": gdn_step} if gdn_step is not None
                                            else {}), **({"pack": pack.cat["pk"]}
@@ -1014,6 +1015,18 @@ class FusedSparseMoeBlock(nn.Module):
             y = residual + y
         return y
 
+    def _block_overrides(self) -> dict:
+        """The one-launch block's build overrides
+        (:func:`~qwen_apple_backend.ops.moe.moe_decode_block`'s and
+        :func:`~qwen_apple_backend.ops.moe.decode_block_ready`'s ``overrides``):
+        each ``DECODE_BLOCK_OPTIONS`` flag that a switch of this block sets, to
+        the value of the attribute that holds it (STAGE: ``stage_down``, EARLY:
+        ``early_gate_up``, UNROLL: ``unroll_stage``, NPL: ``npl_items``). The
+        readiness and compiled calls' cache keys hold the values in this order.
+        A new build switch's attribute needs only its entry here."""
+        return {"STAGE": self.stage_down, "EARLY": self.early_gate_up,
+                "UNROLL": self.unroll_stage, "NPL": self.npl_items}
+
     def _l2_prefetch_arrays(self) -> tuple:
         """The arrays the one-launch block prefetches into L2 (``l2-prefetch``):
         :attr:`l2_next`'s concatenated weight, scales and biases, or () (no
@@ -1071,8 +1084,7 @@ class FusedSparseMoeBlock(nn.Module):
                                    expert_weights(self.switch_mlp.gate_up_proj),
                                    expert_weights(self.switch_mlp.down_proj),
                                    self._shared_weights(), block, counter=counter,
-                                   stage=self.stage_down, early=self.early_gate_up,
-                                   unroll=self.unroll_stage, npl=self.npl_items,
+                                   overrides=self._block_overrides(),
                                    prefetch=pf, out_proj=op, next_proj=np_,
                                    **({"gdn_step": gs} if gs is not None else {}),
                                    **({"pack": pk} if pk is not None else {}))
@@ -1343,10 +1355,7 @@ class FusedSparseMoeBlock(nn.Module):
             fns = self.__dict__.setdefault("_compiled", {})
             key = ("add_norm_route", route, fold, norm.eps, down_norm,
                    None if down_norm is None else next_norm.eps, serial, block,
-                   block is not None and self.stage_down,
-                   block is not None and self.early_gate_up,
-                   block is not None and self.unroll_stage,
-                   block is not None and self.npl_items,
+                   *(block is not None and v for v in self._block_overrides().values()),
                    bool(pf),
                    0 if op is None else int(op.weights.group_size),
                    None if np_ is None else (int(np_.weights.group_size), float(np_.eps)),

@@ -51,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence, Union
+from typing import Callable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -2140,23 +2140,72 @@ def decode_block_pack_views(pack: mx.array, gate: "ExpertWeights", gate_up: Expe
     return out
 
 
-def _decode_block_build(stage: Optional[bool] = None, early: Optional[bool] = None,
-                        unroll: Optional[bool] = None, npl: Optional[bool] = None,
+#: The keywords of :func:`moe_decode_block` and :func:`decode_block_ready`
+#: that override a ``DECODE_BLOCK_OPTIONS`` flag, by the flag each sets.
+_OVERRIDE_KEYWORDS = {"stage": "STAGE", "early": "EARLY", "unroll": "UNROLL", "npl": "NPL"}
+
+
+def _check_override_flags(overrides: Mapping[str, object]) -> None:
+    """Refuses build overrides keyed by anything but a ``DECODE_BLOCK_OPTIONS``
+    flag (an option whose default is a bool), naming the key.
+
+    Raises:
+        ValueError: "build overrides: ... is not a DECODE_BLOCK_OPTIONS flag ...".
+    """
+    for key in overrides:
+        if not isinstance(DECODE_BLOCK_OPTIONS.get(key), bool):
+            flags = sorted(k for k, v in DECODE_BLOCK_OPTIONS.items() if isinstance(v, bool))
+            raise ValueError(f"build overrides: {key!r} is not a DECODE_BLOCK_OPTIONS flag "
+                             f"(the flags: {', '.join(flags)})")
+
+
+def _build_overrides(overrides: Optional[Mapping[str, Optional[bool]]] = None,
+                     **keywords: Optional[bool]) -> dict:
+    """The build overrides of a public call, the one mapping its helpers pass
+    on: ``overrides`` (``DECODE_BLOCK_OPTIONS`` flag -> bool) with each of
+    ``keywords`` (``stage``, ``early``, ``unroll``, ``npl``: see
+    ``_OVERRIDE_KEYWORDS``) put in under its flag; None (a keyword's or a
+    value's) leaves the flag at its default, so it is dropped.
+
+    Raises:
+        ValueError: for a key that is not a ``DECODE_BLOCK_OPTIONS`` flag, or a
+            keyword that disagrees with ``overrides``' value for its flag.
+    """
+    out = {} if overrides is None else {k: v for k, v in overrides.items() if v is not None}
+    _check_override_flags(out)
+    for name, value in keywords.items():
+        if value is None:
+            continue
+        flag = _OVERRIDE_KEYWORDS[name]
+        if flag in out and bool(out[flag]) != bool(value):
+            raise ValueError(f"build overrides: {name}={value!r} disagrees with "
+                             f"overrides[{flag!r}]={out[flag]!r}")
+        out[flag] = value
+    return out
+
+
+def _decode_block_build(overrides: Optional[Mapping[str, bool]] = None,
                         prefetch: bool = False,
                         out_proj: bool = False, next_proj: bool = False) -> dict:
     """The build a :func:`moe_decode_block` call runs: ``DECODE_BLOCK_OPTIONS``
-    with ``stage`` (STAGE), ``early`` (EARLY), ``unroll`` (UNROLL) and ``npl`` (NPL) put in
-    where given, PF (the L2 prefetch of the arrays given, which needs EARLY),
-    OP (the out-projection phase) and NP (the next-projection phase) set."""
+    with the ``overrides`` given (a ``DECODE_BLOCK_OPTIONS`` flag -> bool
+    mapping, e.g. ``{"STAGE": False}``: STAGE, EARLY, UNROLL, NPL, the flags
+    :func:`moe_decode_block`'s ``stage``, ``early``, ``unroll`` and ``npl``
+    set; an absent key or a None value keeps the default) put in, PF (the L2
+    prefetch of the arrays given, which needs EARLY), OP (the out-projection
+    phase) and NP (the next-projection phase) set.
+
+    Raises:
+        ValueError: for an ``overrides`` key that is not a
+            ``DECODE_BLOCK_OPTIONS`` flag (an option whose default is a bool),
+            naming it.
+    """
     opts = dict(DECODE_BLOCK_OPTIONS)
-    if stage is not None:
-        opts["STAGE"] = bool(stage)
-    if early is not None:
-        opts["EARLY"] = bool(early)
-    if unroll is not None:
-        opts["UNROLL"] = bool(unroll)
-    if npl is not None:
-        opts["NPL"] = bool(npl)
+    if overrides:
+        _check_override_flags(overrides)
+        for flag, value in overrides.items():
+            if value is not None:
+                opts[flag] = bool(value)
     opts["PF"] = bool(prefetch and opts["EARLY"])
     opts["OP"] = bool(out_proj)
     opts["NP"] = bool(next_proj)
@@ -2234,10 +2283,7 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
                            eps: float, gate: "ExpertWeights", top_k: int, norm_topk_prob: bool,
                            gate_up: ExpertWeights, down: ExpertWeights,
                            shared: SharedExpertWeights, counter: mx.array,
-                           stage: Optional[bool] = None,
-                           early: Optional[bool] = None,
-                           unroll: Optional[bool] = None,
-                           npl: Optional[bool] = None,
+                           overrides: Optional[Mapping[str, bool]] = None,
                            prefetch: Sequence[mx.array] = (),
                            out_proj: Optional[OutProjection] = None,
                            next_proj: Optional[NextProjection] = None,
@@ -2284,7 +2330,7 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
     E, K = gate.weight.shape[0], int(top_k)
     I = gate_up.weight.shape[1] // 2
     op_name = "moe_decode_block" if gdn_step is None else "moe_decode_block_gdn"
-    opts = _decode_block_build(stage, early, unroll, npl, bool(prefetch), out_proj is not None,
+    opts = _decode_block_build(overrides, bool(prefetch), out_proj is not None,
                                next_proj is not None)
     _check_decode_block_build(opts, I, None if gdn_step is None else int(gdn_step.heads[3]))
     smem = (decode_block_dynamic_shared_bytes(int(opts["PSM"]), H,
@@ -2476,7 +2522,9 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
                        out_proj: Optional[OutProjection] = None,
                        next_proj: Optional[NextProjection] = None,
                        gdn_step: Optional[GatedDeltaStep] = None,
-                       pack: Union[bool, mx.array] = False) -> Optional[str]:
+                       pack: Union[bool, mx.array] = False,
+                       overrides: Optional[Mapping[str, Optional[bool]]] = None
+                       ) -> Optional[str]:
     """The GPU backend whose one-launch MoE decode block may run this call, or None.
 
     ``kernels/cuda/moe_decode_block``: :func:`add_norm_route` and the
@@ -2550,6 +2598,12 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
             :func:`decode_block_pack` of these weights), the check reads it;
             given as True, it packs these weights itself once per shape class
             (a transient copy of one layer's experts).
+        overrides (Mapping[str, bool | None] | None): build flags by their
+            ``DECODE_BLOCK_OPTIONS`` name (``{"STAGE": False}`` is
+            ``stage=False``; the same for ``EARLY``, ``UNROLL``, ``NPL`` and
+            any other flag of a bool default), each build checked on its own;
+            an absent key or None: the default. Check a
+            :func:`moe_decode_block` call with the same overrides.
 
     Returns:
         Optional[str]: ``"cuda"``, or None (not CUDA, kernels disabled,
@@ -2559,12 +2613,34 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
         a part not ready, the kernel
         unverified without ``QAB_UNVERIFIED_KERNELS``, or a failed self-check,
         which also warns).
+
+    Raises:
+        ValueError: for an ``overrides`` key that is not a
+            ``DECODE_BLOCK_OPTIONS`` flag, or a keyword (``stage``, ``early``,
+            ``unroll``, ``npl``) that disagrees with ``overrides``.
     """
+    return _decode_block_ready(
+        x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down, shared,
+        _build_overrides(overrides, stage=stage, early=early, unroll=unroll, npl=npl),
+        prefetch, out_proj, next_proj, gdn_step, pack)
+
+
+def _decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
+                        gate: Optional["ExpertWeights"], top_k: int, norm_topk_prob: bool,
+                        gate_up: ExpertWeights, down: ExpertWeights,
+                        shared: SharedExpertWeights, overrides: Mapping[str, bool],
+                        prefetch: bool = False,
+                        out_proj: Optional[OutProjection] = None,
+                        next_proj: Optional[NextProjection] = None,
+                        gdn_step: Optional[GatedDeltaStep] = None,
+                        pack: Union[bool, mx.array] = False) -> Optional[str]:
+    """:func:`decode_block_ready` with its build overrides as one mapping
+    (:func:`_build_overrides`; see :func:`_decode_block_build`)."""
     if envs.kernels_disabled() or gpu_backend() != "cuda":
         return None
     if pack is not False:
         return _pack_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down,
-                           shared, stage, early, unroll, npl, prefetch, out_proj, next_proj,
+                           shared, overrides, prefetch, out_proj, next_proj,
                            gdn_step, None if pack is True else pack)
     if not decode_block_supported(x, norm_weight, gate, top_k, gate_up, down, shared):
         return None
@@ -2592,8 +2668,7 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
         ow = out_proj.weights
     if next_proj is not None and not next_projection_supported(x, next_proj):
         return None
-    build = _decode_block_build(stage, early, unroll, npl, prefetch, ow is not None,
-                                next_proj is not None)
+    build = _decode_block_build(overrides, prefetch, ow is not None, next_proj is not None)
     # The prefetch build's check prefetches arrays of three dtypes.
     pf = (gate_up.weight, gate_up.scales, norm_weight) if build["PF"] else ()
 
@@ -2613,8 +2688,8 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
         counter = fold_norm_counter(decode_block_counter_length())
         op = None if ow is None else OutProjection(rs, ow)
         out = _moe_decode_block_call("cuda", xs, None if op else rs, ws, eps, gate, K, norm,
-                                     gate_up, down, shared, counter, stage, early, unroll, npl, pf,
-                                     op, next_proj)
+                                     gate_up, down, shared, counter, overrides, pf, op,
+                                     next_proj)
         return list(out) if next_proj is not None else [out]
 
     def reference(xs, rs, ws):
@@ -2643,7 +2718,7 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
     make = _add_norm_route_check_inputs(H, dtype)
     if gdn_step is not None:
         return _gdn_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared,
-                                stage, early, unroll, npl, pf, ow, next_proj, gdn_step, key, make)
+                                overrides, pf, ow, next_proj, gdn_step, key, make)
     if ow is not None:
         make = _out_proj_check_inputs(make, ow.weight.shape[1] * 8, dtype)
     ok = self_checked("moe_decode_block", "cuda", key, kernel=kernel, reference=reference,
@@ -2651,9 +2726,10 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
     return "cuda" if ok else None
 
 
-def _gdn_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared, stage, early,
-                     unroll, npl, pf, ow, next_proj, gdn_step, key, make) -> Optional[str]:
-    """:func:`decode_block_ready`'s part for the ``GD`` build (see there)."""
+def _gdn_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared, overrides, pf,
+                     ow, next_proj, gdn_step, key, make) -> Optional[str]:
+    """:func:`decode_block_ready`'s part for the ``GD`` build (see there);
+    ``overrides``: the build overrides (:func:`_decode_block_build`)."""
     from . import gated_delta as gd
 
     Hk, Hv, Dk, Dv = (int(v) for v in gdn_step.heads)
@@ -2665,8 +2741,8 @@ def _gdn_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared, 
     # The reference below runs the block with the out-projection phase: that
     # build must have passed its own check (against quantized_gemv) first.
     stand_in = OutProjection(mx.zeros((*x.shape[:-1], Hv * Dv), dtype=dtype), ow)
-    if decode_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared, stage,
-                          early, unroll, npl, bool(pf), stand_in, next_proj) != "cuda":
+    if _decode_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared, overrides,
+                           bool(pf), stand_in, next_proj) != "cuda":
         return None
     C = 2 * Hk * Dk + Hv * Dv
     split_at = [C, C + Hv * Dv, C + Hv * Dv + Hv]
@@ -2676,8 +2752,8 @@ def _gdn_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared, 
         counter = fold_norm_counter(decode_block_counter_length())
         step = gdn_step._replace(proj=gp, conv_state=cs, state=st)
         out, po, ncs, nst = _moe_decode_block_call(
-            "cuda", xs, None, ws, eps, gate, K, norm, gate_up, down, shared, counter, stage,
-            early, unroll, npl, pf, OutProjection(None, ow), next_proj, step)
+            "cuda", xs, None, ws, eps, gate, K, norm, gate_up, down, shared, counter, overrides,
+            pf, OutProjection(None, ow), next_proj, step)
         return [out, ncs, nst] + ([] if po is None else [po])
 
     def reference(xs, gp, ws, cs, st):
@@ -2687,9 +2763,8 @@ def _gdn_block_ready(x, norm_weight, eps, gate, K, norm, gate_up, down, shared, 
             gdn_step.dt_bias, gdn_step.norm_weight, st, norm_eps=float(gdn_step.eps), proj=gp)
         counter = fold_norm_counter(decode_block_counter_length())
         got = _moe_decode_block_call(
-            "cuda", xs, None, ws, eps, gate, K, norm, gate_up, down, shared, counter, stage,
-            early, unroll, npl, pf, OutProjection(go.reshape(*xs.shape[:-1], Hv * Dv), ow),
-            next_proj)
+            "cuda", xs, None, ws, eps, gate, K, norm, gate_up, down, shared, counter, overrides,
+            pf, OutProjection(go.reshape(*xs.shape[:-1], Hv * Dv), ow), next_proj)
         out, po = got if next_proj is not None else (got, None)
         return [out, ncs, nst] + ([] if po is None else [po])
 
@@ -2715,14 +2790,15 @@ def _gdn_check_inputs(make, gdn_step: GatedDeltaStep, dtype: mx.Dtype):
     return make_gd
 
 
-def _pack_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down, shared, stage,
-                early, unroll, npl, prefetch, out_proj, next_proj, gdn_step,
+def _pack_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down, shared,
+                overrides, prefetch, out_proj, next_proj, gdn_step,
                 pk: Optional[mx.array] = None) -> Optional[str]:
     """:func:`decode_block_ready`'s part for the packed build (see there); ``pk``:
-    the pack of these weights to check with, or None to make one."""
-    if decode_block_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down,
-                          shared, stage, early, unroll, npl, prefetch, out_proj, next_proj,
-                          gdn_step) != "cuda":
+    the pack of these weights to check with, or None to make one; ``overrides``:
+    the build overrides (:func:`_decode_block_build`)."""
+    if _decode_block_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down,
+                           shared, overrides, prefetch, out_proj, next_proj,
+                           gdn_step) != "cuda":
         return None
     if _decode_block_pack_object("cuda", gdn_step is not None) is None:
         return None
@@ -2734,7 +2810,7 @@ def _pack_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down,
         except ValueError:
             return None
     H, dtype, K, norm = x.shape[-1], x.dtype, int(top_k), bool(norm_topk_prob)
-    build = _decode_block_build(stage, early, unroll, npl, prefetch, out_proj is not None,
+    build = _decode_block_build(overrides, prefetch, out_proj is not None,
                                 next_proj is not None)
     pf = (gate_up.weight, gate_up.scales, norm_weight) if build["PF"] else ()
     ow = None if out_proj is None else out_proj.weights
@@ -2769,8 +2845,8 @@ def _pack_ready(x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down,
                     xs.size // H, H, gate.weight.shape[0], K, gate_up.weight.shape[1] // 2,
                     dtype, ow is not None, step))
             out = _moe_decode_block_call("cuda", xs, r, ws, eps, gate, K, norm, gate_up, down,
-                                         shared, counter, stage, early, unroll, npl, pf, op,
-                                         next_proj, step, packed)
+                                         shared, counter, overrides, pf, op, next_proj, step,
+                                         packed)
             out = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
             if packed is not None:
                 # The states written in place are read after the launch ran.
@@ -2817,7 +2893,8 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
                      out_proj: Optional[OutProjection] = None,
                      next_proj: Optional[NextProjection] = None,
                      gdn_step: Optional[GatedDeltaStep] = None,
-                     pack: Optional[mx.array] = None):
+                     pack: Optional[mx.array] = None,
+                     overrides: Optional[Mapping[str, Optional[bool]]] = None):
     """A decode token's MoE layer half in one launch: ``h + moe(rms_norm(h))``, ``h = x + r``.
 
     One launch of ``kernels/cuda/moe_decode_block``: the residual add, the
@@ -2909,6 +2986,12 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
             PLACE into ``gdn_step.conv_state`` and ``gdn_step.state``, which
             must be buffers the caller owns (no other array shares their
             memory) and reads only after ``out`` is evaluated.
+        overrides (Mapping[str, bool | None] | None): build flags by their
+            ``DECODE_BLOCK_OPTIONS`` name (``{"STAGE": False}`` is
+            ``stage=False``; the same for ``EARLY``, ``UNROLL``, ``NPL`` and
+            any other flag of a bool default); an absent key or None: the
+            default. Check it with the same ``overrides`` in
+            :func:`decode_block_ready`.
 
     Returns:
         mx.array | tuple: the layer's output, ``x``'s shape and dtype; with
@@ -2930,13 +3013,17 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
             arrays, or a ``pack`` of another size or dtype than
             :func:`decode_block_pack` makes of these weights (or with the
             experts' scales of another dtype than ``x``), or with ``pack`` a
-            counter shorter than :func:`decode_block_pack_counter_length`.
+            counter shorter than :func:`decode_block_pack_counter_length`,
+            an ``overrides`` key that is not a ``DECODE_BLOCK_OPTIONS`` flag,
+            or a keyword (``stage``, ``early``, ``unroll``, ``npl``) that
+            disagrees with ``overrides``.
     """
+    build = _build_overrides(overrides, stage=stage, early=early, unroll=unroll, npl=npl)
     if counter is None:
         counter = fold_norm_counter(decode_block_counter_length())
     return _moe_decode_block_call(backend, x, r, norm_weight, eps, gate, top_k, norm_topk_prob,
-                                  gate_up, down, shared, counter, stage, early, unroll, npl,
-                                  tuple(prefetch), out_proj, next_proj, gdn_step, pack)
+                                  gate_up, down, shared, counter, build, tuple(prefetch),
+                                  out_proj, next_proj, gdn_step, pack)
 
 
 # Tile heights of the grouped GEMM kernel (kernels/{cuda,metal}/moe_grouped_gemm):
