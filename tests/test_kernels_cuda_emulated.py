@@ -2944,8 +2944,8 @@ def test_fused_model_runs_the_gdn_step_in_the_moe_block_emulated(monkeypatch):
         verdicts = {k[0]: v for k, v in device.self_check_results().items()}
         assert verdicts["moe_decode_block_gdn"] == (True, "passed")
         # (The GPU test's check: _kernel_choice's key has the GD step's key,
-        # heads first, at index 16.)
-        took = [any(len(k) > 16 and k[16][0] == (4, 8, 32, 128) and v[4] is not None
+        # heads first, at index 13.)
+        took = [any(len(k) > 13 and k[13][0] == (4, 8, 32, 128) and v[4] is not None
                     for k, v in layer.mlp._choices.items()) for layer in models[0].layers]
         assert took == [True, True, False], took
         # With the block's GD build unavailable (as without

@@ -978,8 +978,8 @@ def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(s
         assert mx.array_equal(a, b).item(), f"token {t}: rel-L2 {mx_rel_l2(a, b):.3g}"
         if t >= 1 and np_:
             # Every block but the last took the next-projection build.
-            # (_kernel_choice's key: the next projection's key at index 15.)
-            took = [any(k[15] is not None and v[4] is not None
+            # (_kernel_choice's key: the next projection's key at index 12.)
+            took = [any(k[12] is not None and v[4] is not None
                         for k, v in layer.mlp._choices.items()) for layer in models[0].layers]
             assert took == [True] * (len(took) - 1) + [False], took
         if t >= 1 and op and not np_:
@@ -991,7 +991,7 @@ def test_moe_decode_block_runs_in_the_compiled_step_and_matches_three_launches(s
                 mixer = layer.linear_attn if layer.is_linear else layer.self_attn
                 proj = mixer.out_proj if layer.is_linear else mixer.o_proj
                 wide = proj["weight"].shape[1] * 8 % 1024 == 0
-                taken = any(k[14] is not None and v[4] is not None
+                taken = any(k[11] is not None and v[4] is not None
                             for k, v in layer.mlp._choices.items())
                 assert taken == wide, (type(mixer).__name__, proj["weight"].shape)
                 took.append(taken)
@@ -1076,9 +1076,9 @@ def test_compiled_decode_runs_the_gdn_step_in_the_moe_block(monkeypatch):
     caches = _prefilled_caches(models)
     try:
         _decode_alike(models, caches, range(16), states=False)
-        # (_kernel_choice's key has the GD step's key, heads first, at index 16
+        # (_kernel_choice's key has the GD step's key, heads first, at index 13
         # when it has one; the pack's marker follows it.)
-        took = [any(len(k) > 16 and k[16][0] == (16, 32, 128, 128) and v[4] is not None
+        took = [any(len(k) > 13 and k[13][0] == (16, 32, 128, 128) and v[4] is not None
                     for k, v in layer.mlp._choices.items())
                 for layer in models[0].layers]
         assert took == [True, True, True, False], took

@@ -1699,11 +1699,12 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: whether a gate/up item of routed rows (EARLY builds) routes its token row
 #: itself from the router logits once every route block has counted them,
 #: instead of waiting for the route's last block to route, write and count
-#: the row (the same routing code: the same bits). Both off until measured
-#: (benchmarks/profile_layer_gpu.py's ``RPL=1``, ``GSR=1`` variants).
+#: the row (the same routing code: the same bits). Both on (the
+#: ``moe-block-self-route`` switch sets them per model; measured with
+#: benchmarks/profile_layer_gpu.py's ``RPL=0``, ``GSR=0`` variants).
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
                         "STAGE": True, "GRPW": 2, "EARLY": True, "PRW": 2, "PSM": 0, "GDS": 1,
-                        "UNROLL": True, "NPL": True, "RPL": False, "GSR": False}
+                        "UNROLL": True, "NPL": True, "RPL": True, "GSR": True}
 #: The values of DECODE_BLOCK_OPTIONS' row counts a launch accepts (PRW 8
 #: spills registers at the two blocks per SM the block is built for; PSM
 #: above 64 would leave room for only one block per SM).
