@@ -2512,32 +2512,28 @@ def test_decode_step_kernel_is_the_four_launches(S, off, dtype, heads):
     v0 = mx.random.normal((1, Hk, S, D), key=kv).astype(dtype)
     counter = attn_ops.step_counter(1, Hk)
     offset = mx.array(off, dtype=mx.int32)
-    for rep in range(3):
-        qkv = mx.random.normal((1, 1, Hq * 2 * D + 2 * Hk * D), key=mx.random.key(rep)).astype(dtype)
+    def step(qkv, **build):
+        # One launch on fresh copies of the buffers: (output, K buffer, V buffer),
+        # the counter left zero.
         kb, vb = k0 * 1, v0 * 1
         mx.eval(kb, vb)
         out = attn_ops.gqa_decode_step(qkv, w[0], w[1], kb, vb, offset, counter, heads=Hq,
-                                       q_eps=1e-6, k_eps=1e-6, rope=rope, scale=D ** -0.5)
+                                       q_eps=1e-6, k_eps=1e-6, rope=rope, scale=D ** -0.5,
+                                       **build)
         mx.eval(out)
         assert not mx.any(counter).item(), counter.tolist()
+        return out, kb, vb
+
+    for rep in range(3):
+        qkv = mx.random.normal((1, 1, Hq * 2 * D + 2 * Hk * D), key=mx.random.key(rep)).astype(dtype)
+        out, kb, vb = step(qkv)
         # The same launch with the lane-group key pass.
-        kbl, vbl = k0 * 1, v0 * 1
-        mx.eval(kbl, vbl)
-        lanes = attn_ops.gqa_decode_step(qkv, w[0], w[1], kbl, vbl, offset, counter, heads=Hq,
-                                         q_eps=1e-6, k_eps=1e-6, rope=rope, scale=D ** -0.5,
-                                         mma=False)
-        mx.eval(lanes)
+        lanes, kbl, vbl = step(qkv, mma=False)
         assert mx.array_equal(kb, kbl).item() and mx.array_equal(vb, vbl).item()
         # The same launch with its key blocks merged by one block per KV head
         # (without the two-level merge of attn-merge-split): the same partials
         # summed in another order.
-        kbo, vbo = k0 * 1, v0 * 1
-        mx.eval(kbo, vbo)
-        one = attn_ops.gqa_decode_step(qkv, w[0], w[1], kbo, vbo, offset, counter, heads=Hq,
-                                       q_eps=1e-6, k_eps=1e-6, rope=rope, scale=D ** -0.5,
-                                       merge_split=False)
-        mx.eval(one)
-        assert not mx.any(counter).item(), counter.tolist()
+        one, _, _ = step(qkv, merge_split=False)
         assert mx_rel_l2(out, one) <= (1e-6 if dtype == mx.float32 else 4e-3)
         # The four launches.
         qg, k, v = mx.split(qkv, [Hq * 2 * D, Hq * 2 * D + Hk * D], axis=-1)
