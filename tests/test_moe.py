@@ -1689,19 +1689,15 @@ def test_block_keywords_become_one_overrides_mapping(monkeypatch):
 
 
 def test_fused_block_passes_its_switches_as_one_overrides_mapping():
-    # FusedSparseMoeBlock's build switches (QAB_DISABLE's moe-block-stage,
-    # -early, -unroll, -npl, -self-route clear them; self-route sets RPL and
-    # GSR) are the one mapping its calls pass.
+    # FusedSparseMoeBlock's four build switches (QAB_DISABLE's moe-block-stage,
+    # -early, -unroll, -npl clear them) are the one mapping its calls pass.
     b = FusedSparseMoeBlock.from_stock(make_stock(seed=4))
-    assert b._block_overrides() == {"STAGE": True, "EARLY": True, "UNROLL": True, "NPL": True,
-                                    "RPL": True, "GSR": True}
+    assert b._block_overrides() == {"STAGE": True, "EARLY": True, "UNROLL": True, "NPL": True}
     b.early_gate_up = False
     b.npl_items = False
-    b.self_route = False
     assert b._block_overrides() == {"STAGE": True, "EARLY": False, "UNROLL": True,
-                                    "NPL": False, "RPL": False, "GSR": False}
-    build = moe_ops._decode_block_build(b._block_overrides())
-    assert build["EARLY"] is False and build["RPL"] is False and build["GSR"] is False
+                                    "NPL": False}
+    assert moe_ops._decode_block_build(b._block_overrides())["EARLY"] is False
 
 
 @pytest.mark.parametrize("ready", [True, False], ids=["next-proj", "not-ready"])

@@ -218,10 +218,6 @@ _OFF_NOTES = {
     "moe-block-npl": "on CUDA each of the one-launch MoE block's next-projection items "
                      "starts its own block and stages its input itself (moe-block-npl in "
                      "QAB_DISABLE / disable=)",
-    "moe-block-self-route": "on CUDA the one-launch MoE block's gate/up items wait for the "
-                            "route's last block to route their token, and its route items "
-                            "load the residual row after their wait (moe-block-self-route in "
-                            "QAB_DISABLE / disable=)",
 }
 
 
@@ -239,8 +235,7 @@ def test_moe_block_switch_reaches_every_fused_moe_block(tiny_q4):
                                        ("moe-block-early", "early_gate_up"),
                                        ("moe-block-out-proj", "out_proj_phase"),
                                        ("moe-block-unroll", "unroll_stage"),
-                                       ("moe-block-npl", "npl_items"),
-                                       ("moe-block-self-route", "self_route")])
+                                       ("moe-block-npl", "npl_items")])
 def test_moe_block_build_switch_reaches_every_fused_moe_block(tiny_q4, monkeypatch, name, attr):
     # FusedSparseMoeBlock.stage_down, .early_gate_up, .out_proj_phase and
     # .unroll_stage (and .npl_items) are on by default; QAB_DISABLE / disable=[name] clears it

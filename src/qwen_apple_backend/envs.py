@@ -16,8 +16,7 @@ Variables:
         ``next-norm``, ``kv-in-place``, ``moe-block-stage``, ``gemv-pipe``,
         ``attn-lanes``, ``moe-block-early``, ``l2-prefetch``,
         ``moe-block-out-proj``, ``moe-block-next-proj``, ``moe-block-gdn``,
-        ``moe-block-pack``, ``moe-block-unroll``, ``moe-block-npl``,
-        ``moe-block-self-route``, ``attn-step``,
+        ``moe-block-pack``, ``moe-block-unroll``, ``moe-block-npl``, ``attn-step``,
         ``attn-mma``, ``attn-merge-split``),
         for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
@@ -181,12 +180,6 @@ OPTIMIZATIONS = {
     # the phase's 772 items no longer start as 772 blocks (NPL; CUDA; the same bits). H200,
     # profile_layer_gpu.py: 73.7 vs 79.0 us per Gated DeltaNet layer launch
     "moe-block-npl": "moe",
-    # the one-launch MoE block's gate/up items route their token themselves from the router
-    # logits once every route block has counted them (not waiting for the route's last block
-    # to route, write and count the row), and its route items load the residual row, the
-    # norm weight and eps before they wait for the mixer's output (GSR, RPL; CUDA; the same
-    # bits)
-    "moe-block-self-route": "moe",
     # one decode token's full-attention core in one CUDA launch inside the compiled decode
     # step (gqa_decode_step: q/k RMSNorm + RoPE, the KV row written in place, the lane-group
     # split-K pass, the merge and the output gate; four launches before; needs attn-kernel,

@@ -223,8 +223,6 @@ _DEFAULT_NEEDS = {
     # The next-projection phase's blocks taking several items.
     "moe-block-npl": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block",
                       "moe-block-next-proj", "proj-concat", "norm-proj"),
-    # The route items' early loads and the gate/up items' own routing.
-    "moe-block-self-route": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block"),
     # The one-launch attention step replaces the q/k kernel, the KV write and the
     # kernel pair, inside the compiled decode step.
     "attn-step": ("attn", "attn-kernel", "qk-prep", "proj-concat", "kv-in-place",
@@ -442,10 +440,6 @@ class QwenHybridAdapter(Adapter):
         "moe-block-npl": "on CUDA each of the one-launch MoE block's next-projection items "
                          "starts its own block and stages its input itself (moe-block-npl in "
                          "QAB_DISABLE / disable=)",
-        "moe-block-self-route": "on CUDA the one-launch MoE block's gate/up items wait for the "
-                                "route's last block to route their token, and its route items "
-                                "load the residual row after their wait (moe-block-self-route "
-                                "in QAB_DISABLE / disable=)",
     }
 
     def fuse(self, model, config, *, disable=frozenset(), use_fallback=True, report):
@@ -540,11 +534,6 @@ class QwenHybridAdapter(Adapter):
                     # stage their input unrolled (H100: 77.4 vs 83.1 us per Gated
                     # DeltaNet layer launch, the same bits).
                     fused.unroll_stage = False
-                if "moe-block-self-route" in off:
-                    # On by default: gate/up items route their token themselves,
-                    # route items load the residual row before their wait (the
-                    # same bits).
-                    fused.self_route = False
                 if "moe-block-npl" in off:
                     # On by default: next-projection blocks take the next items
                     # too, reusing their staged input (H200: 73.7 vs 79.0 us per

@@ -1699,12 +1699,13 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: whether a gate/up item of routed rows (EARLY builds) routes its token row
 #: itself from the router logits once every route block has counted them,
 #: instead of waiting for the route's last block to route, write and count
-#: the row (the same routing code: the same bits). Both on (the
-#: ``moe-block-self-route`` switch sets them per model; measured with
-#: benchmarks/profile_layer_gpu.py's ``RPL=0``, ``GSR=0`` variants).
+#: the row (the same routing code: the same bits). Both off: measured slower
+#: on an H200 (benchmarks/profile_layer_gpu.py, one run: 73.4 us per Gated
+#: DeltaNet layer launch with both, 74.3 with GSR alone, 72.8 with RPL alone,
+#: 70.5 with neither; end to end at 4K 307.5 against 310.2 tok/s without them).
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
                         "STAGE": True, "GRPW": 2, "EARLY": True, "PRW": 2, "PSM": 0, "GDS": 1,
-                        "UNROLL": True, "NPL": True, "RPL": True, "GSR": True}
+                        "UNROLL": True, "NPL": True, "RPL": False, "GSR": False}
 #: The values of DECODE_BLOCK_OPTIONS' row counts a launch accepts (PRW 8
 #: spills registers at the two blocks per SM the block is built for; PSM
 #: above 64 would leave room for only one block per SM).
