@@ -24,9 +24,9 @@ shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
   launch (``attn-step``: ``gqa_decode_step``: q/k norm and RoPE, the KV row
   written in place, the key pass (on tensor cores: ``attn-mma``), the merge
   and the gate) where this device has it, ``step-lanes`` the same with the
-  lane-group key pass (``mma=False``), ``step-one-merge`` the same with its
-  key blocks merged by one block per KV head (``merge_split=False``: before
-  the two-level merge, ``attn-merge-split``), and ``step-ctasN`` the step with
+  lane-group key pass (``mma=False``), ``step-merge-split`` the same with its
+  key blocks merged in two levels (``merge_split=True``: the opt-in
+  ``attn-merge-split``), and ``step-ctasN`` the step with
   the pass sized for about N thread blocks (``--step-ctas``) instead of
   ``_LANES_CTAS``;
 * ``four-launches``: the launches ``step`` replaces (``qk_norm_rope``,
@@ -46,7 +46,7 @@ into OUT. Every form reads its offset as the compiled decode step hands it: a
 0-d view of a ``[4]`` int32 array filled on the device (not MLX's small host
 pool, where a 4-byte array would sit: ``ops.device.unpooled_length``).
 
-``--timeline``: the ``step`` (and ``step-lanes``, ``step-one-merge``) form again, built with phase marks (``QAB_MARK``,
+``--timeline``: the ``step`` (and ``step-lanes``, ``step-merge-split``) form again, built with phase marks (``QAB_MARK``,
 empty in the shipped kernel: thread 0 stores the GPU's global timer, in ns)
 and an L2 flush before each of ``--repeats`` launches: per launch, from its
 first thread block's start, when the blocks had staged their query rows
@@ -89,7 +89,7 @@ MARK_DEFINE = ("#define QAB_MARK(k) do { if (threadIdx.x == 0) { unsigned long l
 
 
 def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
-                 merge_split=True):
+                 merge_split=False):
     """One launch of the step's kernel built with the phase marks: ``(out, stamps)``,
     stamps ``[blocks, MARKS + 1]`` uint64 (0 where a mark does not apply); ``mma``
     and ``merge_split`` as ``gqa_decode_step``'s."""
@@ -279,7 +279,7 @@ def main(argv=None) -> int:
             counter = attn_ops.step_counter(B, HK)
             mx.eval(qkv, nw, sk, sv)
 
-            def step(ctas=None, mma=True, merge_split=True):
+            def step(ctas=None, mma=True, merge_split=False):
                 old = attn_ops._LANES_CTAS
                 attn_ops._LANES_CTAS = ctas or old
                 try:
@@ -291,7 +291,7 @@ def main(argv=None) -> int:
                     attn_ops._LANES_CTAS = old
 
             forms["step"] = step
-            forms["step-one-merge"] = lambda: step(merge_split=False)
+            forms["step-merge-split"] = lambda: step(merge_split=True)
             if attn_ops._step_mma(HQ // HK, D, mx.bfloat16):
                 forms["step-lanes"] = lambda: step(mma=False)
             for c in step_ctas:
@@ -324,10 +324,10 @@ def main(argv=None) -> int:
         for name, fn in forms.items():
             row[name + "_ms"] = 1e3 * timeit(fn, args.repeats)
         if args.timeline:
-            for name in [f for f in ("step", "step-lanes", "step-one-merge") if f in forms]:
+            for name in [f for f in ("step", "step-lanes", "step-merge-split") if f in forms]:
                 tl = step_timeline(lambda: stamped_step(
                     qkv, nw, sk, sv, offset.reshape(()), counter, rope, scale,
-                    name != "step-lanes", name != "step-one-merge"), args.repeats)
+                    name != "step-lanes", name == "step-merge-split"), args.repeats)
                 row[name.replace("-", "_") + "_timeline_us"] = tl
                 timelines.append(dict(S=S, form=name, **tl))
                 print(f"S {S:7d} {name} timeline (us): "

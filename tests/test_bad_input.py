@@ -408,7 +408,7 @@ def test_disable_argument_is_checked_like_the_variable():
     # QAB_* variables are checked before any model is built, as qab's commands do.
     ("decode_split.py", ["--preset", "tiny", "QAB_ENABLE=bogus"],
      "QAB_ENABLE: unknown optimization 'bogus' (known: decode-compile, next-norm, proj-gemv, "
-     "gemv-pipe, attn-lanes, l2-prefetch, decode-const)"),
+     "gemv-pipe, attn-lanes, l2-prefetch, decode-const, attn-merge-split)"),
     ("profile_attention_decode.py", ["QAB_DISABLE=warp"], "QAB_DISABLE: unknown optimization"),
 ])
 def test_benchmark_scripts_reject_bad_arguments_in_one_line(script, args, message, tmp_path):

@@ -103,7 +103,7 @@ def test_disable_and_bad_enable(tiny_hf_f32, monkeypatch):
     monkeypatch.setenv("QAB_ENABLE", "moe-route")
     with pytest.raises(ValueError, match=r"^QAB_ENABLE: 'moe-route' is on by default \(QAB_ENABLE "
                                          r"names only decode-compile, next-norm, proj-gemv, gemv-pipe, attn-lanes, "
-                                         r"l2-prefetch, decode-const; "
+                                         r"l2-prefetch, decode-const, attn-merge-split; "
                                          r"switch others "
                                          r"off with QAB_DISABLE\)$"):
         load(tiny_hf_f32, "fused")
@@ -725,9 +725,9 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
                for q, _, off, dt, h in calls)
     # The tensor-core key pass is asked for, of the check and of the launch
     # alike; QAB_DISABLE=attn-mma asks for the lane-group pass.
-    # So is the split merge (attn-merge-split), which QAB_DISABLE switches off alone.
+    # The two-level merge (attn-merge-split) is opt-in: not asked for by default.
     assert mmas and all(f is True for f in mmas), mmas
-    assert splits and all(f is True for f in splits), splits
+    assert splits and all(f is False for f in splits), splits
     mmas.clear()
     splits.clear()
     calls.clear()
@@ -737,18 +737,21 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
     for t in range(3):
         mx.eval(no_mma(mx.array([[1 + t]]), cache=c))
     assert len(calls) == n_attn and mmas and all(f is False for f in mmas), mmas
-    assert splits and all(f is True for f in splits), splits
+    assert splits and all(f is False for f in splits), splits
     mmas.clear()
     splits.clear()
     calls.clear()
-    no_split, _ = load(tiny_hf_f32, "fused", disable=["attn-merge-split"])
-    assert ("on CUDA the one-launch attention step's key blocks are merged by the last block "
-            "of each KV head alone, not by one block per query head (attn-merge-split in "
-            "QAB_DISABLE / disable=)" in no_split.qab_report.notes)
-    c = make_prompt_cache(no_split)
+    # QAB_ENABLE=attn-merge-split asks for it, of the check and of the launch
+    # alike, and the report says so.
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile,attn-merge-split")
+    split, _ = load(tiny_hf_f32, "fused")
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    assert any("merges its key blocks in two levels, groups first (attn-merge-split from "
+               "QAB_ENABLE" in n for n in split.qab_report.notes), split.qab_report.notes
+    c = make_prompt_cache(split)
     for t in range(3):
-        mx.eval(no_split(mx.array([[1 + t]]), cache=c))
-    assert len(calls) == n_attn and splits and all(f is False for f in splits), splits
+        mx.eval(split(mx.array([[1 + t]]), cache=c))
+    assert len(calls) == n_attn and splits and all(f is True for f in splits), splits
     assert all(f is True for f in mmas), mmas
     claimed.clear()
     monkeypatch.setattr(decode, "kv_cache_write", lambda backend, k, v, kb, vb, off:
@@ -769,8 +772,11 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
             in no_prep.qab_report.notes)
     assert ("attn-mma is not used: it needs qk-prep, which QAB_DISABLE / disable= switches off"
             in no_prep.qab_report.notes)
-    assert ("attn-merge-split is not used: it needs qk-prep, which QAB_DISABLE / disable= "
-            "switches off" in no_prep.qab_report.notes)
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile,attn-merge-split")
+    no_prep, _ = load(tiny_hf_f32, "fused", disable=["qk-prep"])
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    assert ("attn-merge-split from QAB_ENABLE is not used: it needs qk-prep, which QAB_DISABLE "
+            "/ disable= switches off" in no_prep.qab_report.notes)
     monkeypatch.setenv("QAB_DISABLE", "attn-step")
     # (The separate in-place write is faked above: only which path runs is checked.)
     off_model, _ = load(tiny_hf_f32, "fused")

@@ -2710,7 +2710,8 @@ def test_decode_step_is_the_four_launches_emulated(case, mma, split, monkeypatch
     assert mx_rel_l2(out, four) <= (1e-6 if dtype == F32 else 4e-3)
     # The public entry takes the same launch.
     pub = attn_ops.gqa_decode_step(qkv, qw, kw, k_buf, v_buf, offset, counter, heads=Hq,
-                                   q_eps=1e-6, k_eps=1e-5, rope=rope, scale=D ** -0.5, mma=mma)
+                                   q_eps=1e-6, k_eps=1e-5, rope=rope, scale=D ** -0.5, mma=mma,
+                                   merge_split=True)
     assert mx.array_equal(pub, out).item()
     if mma and attn_ops._step_mma(Hq // Hk, D, dtype):
         # The tensor-core pass no further from float32 than the lane-group pass

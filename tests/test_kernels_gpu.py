@@ -2530,11 +2530,11 @@ def test_decode_step_kernel_is_the_four_launches(S, off, dtype, heads):
         # The same launch with the lane-group key pass.
         lanes, kbl, vbl = step(qkv, mma=False)
         assert mx.array_equal(kb, kbl).item() and mx.array_equal(vb, vbl).item()
-        # The same launch with its key blocks merged by one block per KV head
-        # (without the two-level merge of attn-merge-split): the same partials
-        # summed in another order.
-        one, _, _ = step(qkv, merge_split=False)
-        assert mx_rel_l2(out, one) <= (1e-6 if dtype == mx.float32 else 4e-3)
+        # The same launch with its key blocks merged in two levels where it
+        # has more than STEP_PM_MIN_BLOCKS of them (the opt-in
+        # attn-merge-split): the same partials summed in another order.
+        split, _, _ = step(qkv, merge_split=True)
+        assert mx_rel_l2(out, split) <= (1e-6 if dtype == mx.float32 else 4e-3)
         # The four launches.
         qg, k, v = mx.split(qkv, [Hq * 2 * D, Hq * 2 * D + Hk * D], axis=-1)
         q, gate = mx.split(qg.reshape(1, 1, Hq, 2 * D), 2, axis=-1)

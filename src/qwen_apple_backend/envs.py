@@ -37,7 +37,9 @@ Variables:
         what the next launch gains, the block measured to lose on the H200;
         ``decode-const``, the compiled decode step's parameters as trace
         constants checked by identity instead of compile inputs: arrays
-        changed in place are then not seen by decoding).
+        changed in place are then not seen by decoding; ``attn-merge-split``,
+        the one-launch attention step's key blocks merged in two levels:
+        verified on the H200, no faster end to end at 4K in one run).
         ``QAB_DISABLE`` wins over it. ``next-norm`` needs
         ``moe-route``, which needs ``add-norm`` and ``moe-kernel``.
     QAB_UNVERIFIED_KERNELS: a boolean like ``QAB_DISABLE_KERNELS``; on, it also
@@ -190,10 +192,11 @@ OPTIMIZATIONS = {
     # KV head) instead of the lane-group pass: the pass was issue-bound (H200, 4K keys:
     # 12-16 us of a ~30 us launch)
     "attn-mma": "attn",
-    # with attn-step, its key blocks merged by one block per query head (the last G to finish
-    # of each KV head, each waiting for the others' partials) instead of the last block of the
-    # KV head alone, which read every head's partials through one SM (H200, 4K keys: 11 of a
-    # 23 us launch); where the step's grid fits the GPU's SMs
+    # opt-in (QAB_ENABLE): with attn-step, its key blocks merged in two levels (the last block
+    # of each group of ceil(sqrt(NB)) key blocks merges the group, the last of those the
+    # groups) instead of by the last block of each KV head alone, which read every key
+    # block's partials through one SM (H200, 4K keys: 11 of a 23 us launch, session 24); one
+    # 4K run on the H200: 307.5 tok/s with it against 310.3 without
     "attn-merge-split": "attn",
 }
 
@@ -325,7 +328,7 @@ def kernels_disabled() -> bool:
 # switch on: decode-compile is on by default on a GPU only (host-bound decode:
 # measured on the H200) and off on the CPU (measured no faster there).
 OPT_IN = ("decode-compile", "next-norm", "proj-gemv", "gemv-pipe", "attn-lanes",
-          "l2-prefetch", "decode-const")
+          "l2-prefetch", "decode-const", "attn-merge-split")
 
 
 def enabled_opt_in() -> frozenset[str]:

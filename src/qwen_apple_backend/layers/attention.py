@@ -122,10 +122,9 @@ class FusedGQAAttention(nn.Module):
             KV head (``ops.attention.gqa_decode_step``'s ``mma``; ``QAB_DISABLE=attn-mma``
             keeps the lane-group pass). Default True.
         decode_merge_split (bool): with ``decode_step``, the step's key blocks
-            merged by one thread block per query head where the step's grid
-            fits the GPU's SMs (``ops.attention.gqa_decode_step``'s
-            ``merge_split``; ``QAB_DISABLE=attn-merge-split`` keeps the merge
-            in the last block of each KV head). Default True.
+            merged in two levels, groups first (``ops.attention.gqa_decode_step``'s
+            ``merge_split``; opt-in: ``QAB_ENABLE=attn-merge-split`` sets it).
+            Default False.
     """
 
     def __init__(
@@ -171,7 +170,7 @@ class FusedGQAAttention(nn.Module):
         self.decode_lanes = decode_lanes
         self.decode_step = decode_step
         self.decode_mma = True
-        self.decode_merge_split = True
+        self.decode_merge_split = False
 
     @classmethod
     def from_stock(

@@ -1021,7 +1021,7 @@ def _step_groups(nb: int) -> int:
     return -(-nb // gs)
 
 
-def _step_pm(nb: int, merge_split: bool = True) -> bool:
+def _step_pm(nb: int, merge_split: bool = False) -> bool:
     """Whether a :func:`gqa_decode_step` launch of ``nb`` key blocks per
     (batch row, KV head) merges them in two levels (the kernel's ``PM``: the
     last block of each group of ``ceil(sqrt(nb))`` key blocks merges the group,
@@ -1074,7 +1074,7 @@ def step_counter(B: int, Hk: int) -> mx.array:
 def _step_call(backend: str, qkv: mx.array, q_weight: mx.array, k_weight: mx.array,
                k_buf: mx.array, v_buf: mx.array, offset: mx.array, heads: int, q_eps: float,
                k_eps: float, rope: RopeSpec, scale: float, counter: mx.array,
-               mma: bool = True, merge_split: bool = True) -> mx.array:
+               mma: bool = True, merge_split: bool = False) -> mx.array:
     B = qkv.shape[0]
     Hk, S, D = k_buf.shape[1], k_buf.shape[2], k_buf.shape[3]
     G = heads // Hk
@@ -1113,7 +1113,7 @@ def _step_shapes_ok(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
 
 def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
                       rope: Optional[RopeSpec], mma: bool = True,
-                      merge_split: bool = True) -> Optional[str]:
+                      merge_split: bool = False) -> Optional[str]:
     """The GPU backend whose one-launch decode attention step may run, or None.
 
     :func:`gqa_decode_step` takes a plain RoPE (``rope`` not None) as the
@@ -1129,9 +1129,10 @@ def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
     evaluates only arrays of its own, so it may run while a compiled step
     traces. ``mma``: the build :func:`gqa_decode_step` will run with that
     ``mma`` (its key pass on tensor cores where the shapes allow;
-    each build is checked on its own) and ``merge_split`` (the split merge
+    each build is checked on its own) and ``merge_split`` (the two-level merge
     where :func:`_step_pm` allows it: then checked too, on its own, where the
-    check's grid allows it; launches whose grid does not run the other build).
+    check's launch has enough key blocks, as it has for any shape here;
+    launches with fewer run the one-level build).
 
     Returns:
         Optional[str]: ``"cuda"``, or None.
@@ -1188,7 +1189,7 @@ def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
 def gqa_decode_step(qkv: mx.array, q_weight: mx.array, k_weight: mx.array, k_buf: mx.array,
                     v_buf: mx.array, offset: mx.array, counter: mx.array, *, heads: int,
                     q_eps: float, k_eps: float, rope: RopeSpec, scale: float,
-                    mma: bool = True, merge_split: bool = True) -> mx.array:
+                    mma: bool = True, merge_split: bool = False) -> mx.array:
     """One decode token's gated attention core in one CUDA launch; writes the KV cache IN PLACE.
 
     :func:`gqa_decode_step_ops` (q/k RMSNorm and RoPE, the KV row written at
@@ -1219,9 +1220,10 @@ def gqa_decode_step(qkv: mx.array, q_weight: mx.array, k_weight: mx.array, k_buf
         rope (RopeSpec): the plain RoPE. scale (float): score scale.
         mma (bool): the tensor-core key pass where it applies (default True;
             :func:`step_kernel_ready` must have said ``"cuda"`` with the same).
-        merge_split (bool): the split merge where :func:`_step_pm` allows it
-            (the last ``min(G, NB)`` blocks of a KV head merge one query head
-            each; default True; ``step_kernel_ready`` with the same).
+        merge_split (bool): the two-level merge where :func:`_step_pm` allows
+            it (the last block of each group of key blocks merges the group,
+            the last of those the groups; default False: the ``attn-merge-split``
+            opt-in; ``step_kernel_ready`` with the same).
 
     Returns:
         mx.array: the gated attention output, dtype of ``qkv``.
