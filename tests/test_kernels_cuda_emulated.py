@@ -2773,9 +2773,8 @@ def test_decode_step_mma_broken_fails_emulated(what, monkeypatch):
 
 # The two-level merge's: a group's last block taken one count early (a key
 # block merged before it is written), the group's count not reset, the
-# groups' merge taken one count early, the
-# level-2 rows read with the key blocks' row stride, a group's level-2 l
-# dropped.
+# groups' merge taken one count early, the level-2 rows read with the key
+# blocks' row stride, a group's level-2 l dropped.
 STEP_SPLIT_BREAKS = {
     "group-last-too-early": ("static_cast<uint32_t>(q1 - q0 - 1);",
                              "static_cast<uint32_t>(q1 - q0 - 2);"),
