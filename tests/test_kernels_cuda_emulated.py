@@ -2661,9 +2661,9 @@ def _step_builds(monkeypatch):
 def test_decode_step_two_level_merge_rule():
     # PM where asked for and above STEP_PM_MIN_BLOCKS key blocks; groups of
     # ceil(sqrt(NB)) key blocks; the step counter holds every group's count.
-    assert attn_ops._step_pm(attn_ops.STEP_PM_MIN_BLOCKS + 1)
-    assert not attn_ops._step_pm(attn_ops.STEP_PM_MIN_BLOCKS)
-    assert not attn_ops._step_pm(64, merge_split=False)
+    assert attn_ops._step_pm(attn_ops.STEP_PM_MIN_BLOCKS + 1, merge_split=True)
+    assert not attn_ops._step_pm(attn_ops.STEP_PM_MIN_BLOCKS, merge_split=True)
+    assert not attn_ops._step_pm(64)  # opt-in (attn-merge-split): off unless asked for
     assert [attn_ops._step_groups(n) for n in (1, 2, 17, 64, 65, 128)] == [1, 1, 4, 8, 8, 11]
     assert attn_ops.step_counter(1, 2).size >= 2 * (1 + attn_ops._step_groups(64))
 
@@ -2787,18 +2787,18 @@ STEP_SPLIT_BREAKS = {
 
 @pytest.mark.parametrize("what", sorted(STEP_SPLIT_BREAKS))
 def test_decode_step_two_level_merge_broken_fails_emulated(what, monkeypatch):
-    # Qwen3.6's shape (G 8) over 20 key blocks of 64 keys, 15 holding keys
-    # (groups of 5: the last group empty): intact, the two-level merge is
-    # within 4e-3 of the four launches; each break must move it past 8e-3,
-    # fault, or leave the counter non-zero.
+    # G 8 at D 64 over 20 key blocks of 40 keys, 15 holding keys (groups of
+    # 5: the last group empty): intact, the two-level merge is within 4e-3 of
+    # the four launches; each break must move it past 8e-3, fault, or leave
+    # the counter non-zero.
     monkeypatch.setattr(attn_ops, "STEP_PM_MIN_BLOCKS", 2)
-    monkeypatch.setattr(attn_ops, "_LANES_CTAS", 40)
-    case = _step_case(1, 16, 2, 256, 1280, 900, BF16, 64, False)
+    monkeypatch.setattr(attn_ops, "_LANES_CTAS", 20)
+    case = _step_case(1, 8, 1, 64, 800, 590, BF16, 64, False)
     qkv, qw, kw, k_buf, v_buf, offset, rope = case
-    ref = _four_launches(qkv, qw, kw, k_buf, v_buf, offset, 16, rope)
+    ref = _four_launches(qkv, qw, kw, k_buf, v_buf, offset, 8, rope)
     assert mx_rel_l2(_step(case), ref) <= 4e-3
     _broken(monkeypatch, "gqa_decode_step", *STEP_SPLIT_BREAKS[what])
-    counter = attn_ops.step_counter(1, 2)
+    counter = attn_ops.step_counter(1, 1)
     try:
         bad = _step(case, counter)
     except emu.KernelFault:
