@@ -183,7 +183,11 @@ def main(argv=None) -> int:
                    help="comma-separated cached keys S (K = 1024)")
     p.add_argument("--repeats", type=positive_int, default=20, help="timed runs per form")
     p.add_argument("--forms", default="",
-                   help="comma-separated forms to time (default: every form this device has)")
+                   help="comma-separated forms to time, of sdpa, sdpa-mask, qk, softmax, pv, "
+                        "pv-split, split-ops, kv-update, kv-update-kept, split-kernel, "
+                        "split-kernel-lanes, step, step-lanes, step-merge-split, step-ctasN, "
+                        "four-launches (the module docstring says what each times; default: "
+                        "every form this device has)")
     def ctas_list(text: str) -> list:
         out = []
         for c in (c.strip() for c in text.split(",")):

@@ -99,7 +99,8 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
                         f"optimizations ({', '.join(OPTIMIZATIONS)}): adds one "
                         "`fused-no-<name>` backend per name, the fused backend with that kind "
                         "kept stock or that optimization switched off (the opt-in ones, "
-                        "next-norm, proj-gemv, gemv-pipe, attn-lanes and l2-prefetch, are "
+                        "next-norm, proj-gemv, gemv-pipe, attn-lanes, l2-prefetch, "
+                        "decode-const and attn-merge-split, are "
                         "on in `fused` only with QAB_ENABLE=NAME)")
     b.add_argument("--prefill-step-size", type=positive_int, default=None,
                    help="prefill chunk in tokens (default: mlx-lm's, 2048)")

@@ -2193,7 +2193,8 @@ def _decode_block_build(overrides: Optional[Mapping[str, bool]] = None,
     with the ``overrides`` given (a ``DECODE_BLOCK_OPTIONS`` flag -> bool
     mapping, e.g. ``{"STAGE": False}``: STAGE, EARLY, UNROLL, NPL, the flags
     :func:`moe_decode_block`'s ``stage``, ``early``, ``unroll`` and ``npl``
-    set; an absent key or a None value keeps the default) put in, PF (the L2
+    set, or any other flag such as RPL and GSR; an absent key or a None value
+    keeps the default) put in, PF (the L2
     prefetch of the arrays given, which needs EARLY), OP (the out-projection
     phase) and NP (the next-projection phase) set.
 
