@@ -162,7 +162,7 @@ def parse_variant(text: str) -> dict:
                 raise ValueError(f"variant {text!r}: {key} is a flag: 0 or 1, got {out[key]}")
             out[key] = bool(out[key])
             continue
-        low = 0 if key == "SLEEP" else 1
+        low = 0 if key in ("SLEEP", "NPS") else 1
         if out[key] < low:
             raise ValueError(f"variant {text!r}: {key} must be >= {low}, got {out[key]}")
     return out

@@ -130,7 +130,7 @@ CASES = {
          "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1, "CS": 32, "PERSIST": False,
          "PREFETCH": True, "STAGE": False, "GRPW": 2, "EARLY": False, "PF": False,
          "OP": False, "DO": 1024, "OG": 32, "NP": False, "PN": 1, "PG": 32, "PRW": 2,
-         "PSM": 0, "UNROLL": False, "NPL": False, "RPL": False, "GSR": False}),
+         "PSM": 0, "UNROLL": False, "NPL": False, "RPL": False, "GSR": False, "NPS": 0}),
     # The shipped build (STAGE, EARLY, UNROLL, OP, NP) with Qwen3.6's Gated DeltaNet step
     # first (GD): 16 key and 32 value heads of 128, conv 4, the packed 12,352-wide row.
     "moe_decode_block_gdn": (
@@ -144,7 +144,7 @@ CASES = {
          "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1, "CS": 32, "PERSIST": False,
          "PREFETCH": True, "STAGE": True, "GRPW": 2, "EARLY": True, "PF": False,
          "OP": True, "DO": 4096, "OG": 64, "NP": True, "PN": 12352, "PG": 64, "PRW": 2, "PSM": 0,
-         "UNROLL": True, "NPL": False, "RPL": False, "GSR": False,
+         "UNROLL": True, "NPL": False, "RPL": False, "GSR": False, "NPS": 0,
          "GHk": 16, "GHv": 32, "GDk": 128, "GDv": 128, "GKc": 4, "GBIAS": False,
          "GW": 12352, "GDS": 1}),
     # Qwen3.6's token embedding (248,320 rows of 2,048, 4-bit, group 64).
@@ -457,18 +457,20 @@ def test_moe_block_keeps_two_blocks_per_sm(op, case, tmp_path):
     assert max(regs) <= 128, regs
 
 
-@pytest.mark.parametrize("psm", [32, 64])
-def test_moe_block_with_staged_next_projection_keeps_two_blocks_per_sm(psm, tmp_path):
+@pytest.mark.parametrize("psm,nps", [(32, 0), (64, 0), (48, 1), (48, 2)])
+def test_moe_block_with_staged_next_projection_keeps_two_blocks_per_sm(psm, nps, tmp_path):
     # PSM: the next-projection items stage PSM rows (weights, scales, biases)
-    # in dynamic shared memory. The packed GD build at Qwen3.6's shape must
-    # still fit two blocks of 256 threads on an SM of sm_90: at most 128
-    # registers without spills, and twice its static shared memory plus the
-    # dynamic bytes ops.moe requests (and the 1 KB the driver reserves per
-    # block) within the SM's 228 KB.
+    # in dynamic shared memory; with NPS on a persistent grid, each block's
+    # first unit's rows from its start (1) or after its first item (2). The
+    # packed GD build at Qwen3.6's shape must still fit two blocks of 256
+    # threads on an SM of sm_90: at most 128 registers without spills, and
+    # twice its static shared memory plus the dynamic bytes ops.moe requests
+    # (and the 1 KB the driver reserves per block) within the SM's 228 KB.
     from qwen_apple_backend.ops.moe import decode_block_dynamic_shared_bytes
 
     case = (*CASES["moe_decode_block_gdn_pack"][:2],
-            {**CASES["moe_decode_block_gdn_pack"][2], "PSM": psm})
+            {**CASES["moe_decode_block_gdn_pack"][2], "PSM": psm, "NPS": nps,
+             "PERSIST": nps > 0})
     regs = _compile_without_spills("moe_decode_block_gdn_pack", case, tmp_path)
     assert max(regs) <= 128, regs
     log = subprocess.run([NVCC, "-arch=sm_90", "-c", "-o", str(tmp_path / "k.o"), "-Xptxas", "-v",

@@ -2111,11 +2111,17 @@ def test_moe_decode_block_out_proj_is_the_gemv_then_the_block_emulated(options, 
                                         ({"UNROLL": False, "PSM": 32}, False),
                                         ({"NPL": True}, True), ({"NPL": True, "PRW": 1}, False),
                                         ({"NPL": True, "PERSIST": True, "GRID": 3}, True),
-                                        ({"NPL": True, "PSM": 32}, False)],
+                                        ({"NPL": True, "PSM": 32}, False),
+                                        ({"PSM": 32, "PERSIST": True, "GRID": 3, "NPS": 1},
+                                         True),
+                                        ({"PSM": 16, "PERSIST": True, "GRID": 4, "NPS": 2},
+                                         False),
+                                        ({"PSM": 32, "NPS": 1}, False)],
                          ids=["default", "EARLYFalse-op", "PERSIST-op", "PRW4-op", "PRW1",
                               "PSM32-op", "PSM64", "PSM16-PERSIST", "UNROLLFalse-op",
                               "UNROLLFalse-PSM32", "NPL-op", "NPL-PRW1", "NPL-PERSIST-op",
-                              "NPL-PSM32"])
+                              "NPL-PSM32", "NPS1-PSM32-PERSIST-op", "NPS2-PSM16-PERSIST",
+                              "NPS1-PSM32-not-persistent"])
 def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(options, op,
                                                                              monkeypatch):
     # NP: the next layer's input RMSNorm + 4-bit input projection (80 rows: a
@@ -2131,7 +2137,12 @@ def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(opt
     # the default) and without (UNROLL off, moe-block-unroll's ablation);
     # with NPL (a block that ran a next-projection item takes the next
     # tickets, for the 2 token rows' 10 items (20 at PRW 1) crossing from row 0
-    # to row 1, restaging there; on a persistent grid too; no effect with PSM).
+    # to row 1, restaging there; on a persistent grid too; no effect with PSM);
+    # with NPS (a persistent block's next-projection units after its tickets,
+    # its first unit's rows copied into shared memory at its start (1) or after
+    # its first item (2): on 3 blocks each unit's chunk is the block's for both
+    # token rows, so the second reuses the copy; on 4 blocks of 5 chunks a
+    # block's later units restage other chunks; no effect without PERSIST).
     # The same values.
     for key, value in options.items():
         monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)

@@ -1645,6 +1645,9 @@ def test_decode_block_build_applies_an_overrides_mapping():
             assert {k: v for k, v in build.items() if k != flag} == {
                 k: v for k, v in moe_ops._decode_block_build().items() if k != flag}
     assert not moe_ops._decode_block_build({"EARLY": False}, prefetch=True)["PF"]
+    # NPS, the one option of another type an override may set, stays an int.
+    assert moe_ops._decode_block_build({"NPS": 2})["NPS"] == 2
+    assert moe_ops._decode_block_build({"NPS": True})["NPS"] == 1
     for bad in ("BOGUS", "PRW", "PF"):
         with pytest.raises(ValueError, match=rf"build overrides: '{bad}' is not a "
                                              r"DECODE_BLOCK_OPTIONS flag \(the flags: .*NPL"):
@@ -1692,12 +1695,42 @@ def test_fused_block_passes_its_switches_as_one_overrides_mapping():
     # FusedSparseMoeBlock's four build switches (QAB_DISABLE's moe-block-stage,
     # -early, -unroll, -npl clear them) are the one mapping its calls pass.
     b = FusedSparseMoeBlock.from_stock(make_stock(seed=4))
-    assert b._block_overrides() == {"STAGE": True, "EARLY": True, "UNROLL": True, "NPL": True}
+    assert b._block_overrides() == {"STAGE": True, "EARLY": True, "UNROLL": True, "NPL": True,
+                                    "NPS": 0}
     b.early_gate_up = False
     b.npl_items = False
+    b.nps_mode = 2  # (the opt-in moe-block-nps sets ops.moe.NPS_MODE)
     assert b._block_overrides() == {"STAGE": True, "EARLY": False, "UNROLL": True,
-                                    "NPL": False}
+                                    "NPL": False, "NPS": 2}
     assert moe_ops._decode_block_build(b._block_overrides())["EARLY"] is False
+    assert moe_ops._decode_block_build(b._block_overrides())["NPS"] == 2
+
+
+def test_nps_build_is_a_persistent_grid_of_two_blocks_per_sm(monkeypatch):
+    # NPS (moe-block-nps) needs the next-projection phase and a persistent
+    # grid: _nps_build makes the build PERSIST with two blocks per SM (the
+    # CUDA driver's count) and NPS_ROWS rows per unit unless GRID / PSM are
+    # set; without NP, off CUDA or with the SM count unknown (0) it drops NPS,
+    # leaving the plain build.
+    monkeypatch.setattr(moe_ops, "cuda_sm_count", lambda: 132)
+    opts = moe_ops._decode_block_build({"NPS": 1}, next_proj=True)
+    moe_ops._nps_build(opts, "cuda")
+    assert (opts["NPS"], opts["PERSIST"], opts["PSM"], opts["GRID"]) == (
+        1, True, moe_ops.NPS_ROWS, 264)
+    opts = moe_ops._decode_block_build({"NPS": 2}, next_proj=True)
+    opts.update(PSM=64, GRID=200)
+    moe_ops._nps_build(opts, "cuda")
+    assert (opts["NPS"], opts["PERSIST"], opts["PSM"], opts["GRID"]) == (2, True, 64, 200)
+    plain = moe_ops._decode_block_build(next_proj=True)
+    for build, backend, sms in (({"NPS": 1}, "cuda", 132), ({"NPS": 1}, "metal", 132),
+                                ({"NPS": 1}, "cuda", 0)):
+        monkeypatch.setattr(moe_ops, "cuda_sm_count", lambda sms=sms: sms)
+        opts = moe_ops._decode_block_build(build, next_proj=backend != "cuda" or sms == 0)
+        moe_ops._nps_build(opts, backend)
+        assert opts["NPS"] == 0 and not opts["PERSIST"] and opts["PSM"] == plain["PSM"], (
+            build, backend, sms)
+    with pytest.raises(ValueError, match="NPS .* must be 0, 1 or 2, got NPS=3"):
+        moe_ops._check_decode_block_build(moe_ops._decode_block_build({"NPS": 3}), 512, None)
 
 
 @pytest.mark.parametrize("ready", [True, False], ids=["next-proj", "not-ready"])

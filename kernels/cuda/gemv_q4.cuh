@@ -227,44 +227,25 @@ __device__ __forceinline__ float qab_q4_row_norm_inv(const XF xv_of, const float
   return inv_s;
 }
 
-// qab_q4_gemv_rows for ROWS rows per block whose weights, scales and biases
-// are staged in shared memory (`wsm`, dynamic, at least ROWS (KD / 2 + 2 (KD /
-// G) sizeof(ST)) bytes, 16-byte aligned: ops.moe.decode_block_dynamic_shared_bytes) by cp.async
-// before `wait`: a block keeps ROWS rows' loads in flight without holding
-// them in registers, so that fewer, larger blocks cover a projection
-// (moe_decode_block.cu's next-projection items with PSM: 12,352 rows in 193
-// blocks of 64 instead of 772 of 16, which fit the GPU's resident blocks
-// when the phase starts instead of arriving in waves; measured not faster on
-// an H100, their loads competing with the down items'). Rows are warp w's
-// w * ROWS / NW + r, r < ROWS / NW; each row's arithmetic (lane l's chunks
-// l, l + 32, ..., the same fmaf order, the same warp sum) is
-// qab_q4_gemv_rows's, so the outputs are bit-identical. Scales and biases
-// are copied with cp.async when each row's (KD / G) ST values fill whole
-// 16-byte units and the arrays' addresses are 16-byte aligned, else by plain
-// loads. Every thread of the block must call it (block barriers).
-template <typename OutT, typename ST, int KD, int G, int ROWS, int BLOCK, typename XF,
-          typename Wait = QabNoWait>
-__device__ __forceinline__ void qab_q4_gemv_rows_staged(
-    const int row0, const int nout, const XF xv_of, const uint32_t* w, const ST* scales,
-    const ST* biases, OutT* y, float4* stage, float* stage_sum, uint4* wsm, Wait wait = Wait()) {
-  static_assert(KD % 1024 == 0 && G % 32 == 0, "qab_q4_gemv_rows_staged: KD % 1024, G % 32");
-  constexpr int NW = BLOCK / 32;
-  static_assert(ROWS % NW == 0, "qab_q4_gemv_rows_staged: ROWS a multiple of the block's warps");
-  constexpr int RPWS = ROWS / NW;  // rows per warp
-  constexpr int NC = KD / 32;      // 32-value chunks per row (a uint4 of weights each)
-  constexpr int CPL = NC / 32;     // chunks per lane
-  constexpr int GPR = KD / G;      // quantization groups per row
+// The first half of qab_q4_gemv_rows_staged: copies rows [row0, row0 + ROWS)
+// of a 4-bit [nout, KD] projection (rows past nout skipped), their weights,
+// scales and biases, into `wsm` (the layout qab_q4_gemv_rows_staged reads) by
+// cp.async, and commits them as one group. A caller may issue it long before
+// the rows are used (moe_decode_block.cu's NPS: at the block's start), then
+// call qab_q4_gemv_rows_staged with issue false; the group is complete at that
+// call's cp.async wait. Every thread of the block must call it.
+template <typename ST, int KD, int G, int ROWS, int BLOCK>
+__device__ __forceinline__ void qab_q4_rows_stage_issue(const int row0, const int nout,
+                                                        const uint32_t* w, const ST* scales,
+                                                        const ST* biases, uint4* wsm) {
+  constexpr int NC = KD / 32;
+  constexpr int GPR = KD / G;
   constexpr bool SB16 = (GPR * sizeof(ST)) % 16 == 0;
-  auto& xs = *reinterpret_cast<float4(*)[8][NC]>(stage);
-  float* xsum = stage_sum;
-  uint4* wst = wsm;                                              // [ROWS][NC]
-  ST* sst = reinterpret_cast<ST*>(wsm + (size_t)ROWS * NC);      // [ROWS][GPR]
-  ST* bst = sst + (size_t)ROWS * GPR;                            // [ROWS][GPR]
+  uint4* wst = wsm;
+  ST* sst = reinterpret_cast<ST*>(wsm + (size_t)ROWS * NC);
+  ST* bst = sst + (size_t)ROWS * GPR;
   const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
   const int nrows = nout - row0 < ROWS ? nout - row0 : ROWS;
-
   const uint4* wg = reinterpret_cast<const uint4*>(w + (size_t)row0 * (KD / 8));
   for (int e = tid; e < nrows * NC; e += BLOCK) {
     qab_cp_async16(wst + e, wg + e);
@@ -284,6 +265,52 @@ __device__ __forceinline__ void qab_q4_gemv_rows_staged(
     }
   }
   qab_cp_async_commit();
+}
+
+// qab_q4_gemv_rows for ROWS rows per block whose weights, scales and biases
+// are staged in shared memory (`wsm`, dynamic, at least ROWS (KD / 2 + 2 (KD /
+// G) sizeof(ST)) bytes, 16-byte aligned: ops.moe.decode_block_dynamic_shared_bytes) by cp.async
+// before `wait`: a block keeps ROWS rows' loads in flight without holding
+// them in registers, so that fewer, larger blocks cover a projection
+// (moe_decode_block.cu's next-projection items with PSM: 12,352 rows in 193
+// blocks of 64 instead of 772 of 16, which fit the GPU's resident blocks
+// when the phase starts instead of arriving in waves; measured not faster on
+// an H100, their loads competing with the down items'). Rows are warp w's
+// w * ROWS / NW + r, r < ROWS / NW; each row's arithmetic (lane l's chunks
+// l, l + 32, ..., the same fmaf order, the same warp sum) is
+// qab_q4_gemv_rows's, so the outputs are bit-identical. Scales and biases
+// are copied with cp.async when each row's (KD / G) ST values fill whole
+// 16-byte units and the arrays' addresses are 16-byte aligned, else by plain
+// loads. issue false: the caller has issued these rows' copies already
+// (qab_q4_rows_stage_issue with the same row0, nout, arrays and wsm), and
+// they complete at this call's cp.async wait. Every thread of the block must
+// call it (block barriers).
+template <typename OutT, typename ST, int KD, int G, int ROWS, int BLOCK, typename XF,
+          typename Wait = QabNoWait>
+__device__ __forceinline__ void qab_q4_gemv_rows_staged(
+    const int row0, const int nout, const XF xv_of, const uint32_t* w, const ST* scales,
+    const ST* biases, OutT* y, float4* stage, float* stage_sum, uint4* wsm, Wait wait = Wait(),
+    const bool issue = true) {
+  static_assert(KD % 1024 == 0 && G % 32 == 0, "qab_q4_gemv_rows_staged: KD % 1024, G % 32");
+  constexpr int NW = BLOCK / 32;
+  static_assert(ROWS % NW == 0, "qab_q4_gemv_rows_staged: ROWS a multiple of the block's warps");
+  constexpr int RPWS = ROWS / NW;  // rows per warp
+  constexpr int NC = KD / 32;      // 32-value chunks per row (a uint4 of weights each)
+  constexpr int CPL = NC / 32;     // chunks per lane
+  constexpr int GPR = KD / G;      // quantization groups per row
+  auto& xs = *reinterpret_cast<float4(*)[8][NC]>(stage);
+  float* xsum = stage_sum;
+  uint4* wst = wsm;                                              // [ROWS][NC]
+  ST* sst = reinterpret_cast<ST*>(wsm + (size_t)ROWS * NC);      // [ROWS][GPR]
+  ST* bst = sst + (size_t)ROWS * GPR;                            // [ROWS][GPR]
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int nrows = nout - row0 < ROWS ? nout - row0 : ROWS;
+
+  if (issue) {
+    qab_q4_rows_stage_issue<ST, KD, G, ROWS, BLOCK>(row0, nout, w, scales, biases, wsm);
+  }
   wait();
   qab_q4_stage_x_sums<NC, BLOCK>(xs, xsum, xv_of);
   qab_cp_async_wait<0>();

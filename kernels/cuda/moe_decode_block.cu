@@ -336,6 +336,14 @@ static_assert(!PF || EARLY, "moe_decode_block: PF needs EARLY");
 constexpr bool QAB_NPL = NPL && NP && PSM == 0;
 // GSR where it applies: EARLY builds (the gate/up items that stage y themselves).
 constexpr bool QAB_GSR = GSR && EARLY;
+// NPS where it applies: PSM builds on a persistent grid. The next-projection
+// items are then not tickets: block b takes units b, b + gridDim.x, ... of
+// the rows * PBLK (token row, PSM-row chunk) units after its tickets run out,
+// and copies its first unit's weights into its shared memory early.
+static_assert(NPS == 0 || NPS == 1 || NPS == 2, "moe_decode_block: NPS is 0, 1 or 2");
+constexpr bool QAB_NPS = NPS > 0 && NP && PSM > 0 && PERSIST;
+// The next projection's rows staged in the dynamic shared memory (PSM builds).
+extern __shared__ uint4 qab_np_stage[];
 __shared__ uint32_t ticket;
 
 uint32_t* c = const_cast<uint32_t*>(count);
@@ -352,7 +360,7 @@ int rows = 1;
 for (int i = 0; i + 1 < x_ndim; ++i) {
   rows *= x_shape[i];
 }
-const int items = (OBLK + RBLK + GBLK + DBLK + PBLK) * rows;
+const int items = (OBLK + RBLK + GBLK + DBLK + (QAB_NPS ? 0 : PBLK)) * rows;
 // The intermediates' segments of ws (see Outputs).
 #ifdef QAB_BLOCK_PACK
 // The packed build has no workspace output: its intermediates live in count
@@ -405,13 +413,50 @@ auto wait_out_proj = [&]() {
   }
 };
 
+// The next-projection items' input, token row np_n of out normed as
+// quantized_gemv's NORM staging: T(nw * T(x * inv)), with inv computed by
+// np_wait once every down item is done, through L2.
+int tk = 0;  // this block's ticket, after the GDN items' (its phase marks' index)
+int np_n = 0;
+float np_inv = 0.f;
+auto np_x = [&](const int k) {
+  const float nv = static_cast<float>(static_cast<T>(
+      static_cast<float>(qab_ldcg(out + (size_t)np_n * H + k)) * np_inv));
+  return static_cast<float>(static_cast<T>(static_cast<float>(pnw[k]) * nv));
+};
+auto np_wait = [&]() {
+  if (tid == 0) {
+    qab_wait_count(d_done, static_cast<uint32_t>(DBLK * rows));
+  }
+  __syncthreads();
+  QAB_MARK(1);
+  np_inv = qab_q4_row_norm_inv<H, QAB_GEMV_NT>(
+      [&](const int k) { return static_cast<float>(qab_ldcg(out + (size_t)np_n * H + k)); },
+      peps[0]);
+};
+// NPS: the next-projection chunk whose rows this block's shared memory holds
+// or is copying (-1: none), and the copy of its first unit's (every thread).
+int np_staged = -1;
+auto np_issue_first = [&]() {
+  if constexpr (QAB_NPS) {
+    if (np_staged < 0 && (int)blockIdx.x < rows * PBLK) {
+      np_staged = (int)blockIdx.x % PBLK;
+      qab_q4_rows_stage_issue<T, H, PG, PSM, BLOCK>(np_staged * PSM, PN, pw, ps, pb,
+                                                   qab_np_stage);
+    }
+  }
+};
+if constexpr (QAB_NPS && NPS == 1) {
+  np_issue_first();  // at the block's start
+}
+
 while (true) {
   if (tid == 0) {
     ticket = atomicAdd(tickets, 1u);
   }
   __syncthreads();
   // With GD the GDN items hold the first GDBLK N tickets: tk < 0.
-  const int tk = static_cast<int>(ticket) - GDBLK * rows;
+  tk = static_cast<int>(ticket) - GDBLK * rows;
   __syncthreads();  // every thread has read it before thread 0 takes the next
   if (tk >= items) {
     break;
@@ -654,25 +699,8 @@ while (true) {
     // first; then it waits for every down item and reads out[n] through L2.
     int q = tk - (OBLK + RBLK + GBLK + DBLK) * rows;
     int n = q / PBLK;
-    const T* orow = out + (size_t)n * H;
-    float inv = 0.f;
-    // quantized_gemv's NORM staging: T(nw * T(x * inv)).
-    auto np_x = [&](const int k) {
-      const float nv = static_cast<float>(static_cast<T>(
-          static_cast<float>(qab_ldcg(orow + k)) * inv));
-      return static_cast<float>(static_cast<T>(static_cast<float>(pnw[k]) * nv));
-    };
-    auto np_wait = [&]() {
-      if (tid == 0) {
-        qab_wait_count(d_done, static_cast<uint32_t>(DBLK * rows));
-      }
-      __syncthreads();
-      QAB_MARK(1);
-      inv = qab_q4_row_norm_inv<H, QAB_GEMV_NT>(
-          [&](const int k) { return static_cast<float>(qab_ldcg(orow + k)); }, peps[0]);
-    };
+    np_n = n;
     if constexpr (PSM > 0) {
-      extern __shared__ uint4 qab_np_stage[];
       qab_q4_gemv_rows_staged<T, T, H, PG, PSM, BLOCK>(
           (q - n * PBLK) * PSM, PN, np_x, pw, ps, pb, po + (size_t)n * PN, gemv_stage,
           gemv_stage_sum, qab_np_stage, np_wait);
@@ -714,12 +742,37 @@ while (true) {
         q = tn - (OBLK + RBLK + GBLK + DBLK) * rows;
         stage_input = q / PBLK != n;
         n = q / PBLK;
-        orow = out + (size_t)n * H;
+        np_n = n;
       }
     }
   }
+  if constexpr (QAB_NPS && NPS == 2) {
+    np_issue_first();  // after the block's first item
+  }
   if (!PERSIST) {
     break;
+  }
+}
+
+if constexpr (QAB_NPS) {
+  // The next-projection units of this block, after every ticket is taken:
+  // the first one's rows are in (or on their way to) the shared memory; a
+  // unit of another chunk copies its own (then not early).
+  for (int q = blockIdx.x; q < rows * PBLK; q += gridDim.x) {
+    np_n = q / PBLK;
+    const int p = q - np_n * PBLK;
+    tk = items + q;  // (profiling builds: the unit's marks where its ticket would be)
+    if (tid == 0) {
+      ticket = static_cast<uint32_t>(GDBLK * rows + tk);
+    }
+    QAB_MARK(0);
+    const bool issue = p != np_staged;
+    np_staged = p;
+    qab_q4_gemv_rows_staged<T, T, H, PG, PSM, BLOCK>(
+        p * PSM, PN, np_x, pw, ps, pb, po + (size_t)np_n * PN, gemv_stage, gemv_stage_sum,
+        qab_np_stage, np_wait, issue);
+    QAB_MARK(2);
+    __syncthreads();  // every thread is done with the staging before the next unit's
   }
 }
 

@@ -17,7 +17,7 @@ Variables:
         ``attn-lanes``, ``moe-block-early``, ``l2-prefetch``,
         ``moe-block-out-proj``, ``moe-block-next-proj``, ``moe-block-gdn``,
         ``moe-block-pack``, ``moe-block-unroll``, ``moe-block-npl``, ``attn-step``,
-        ``attn-mma``, ``attn-merge-split``),
+        ``attn-mma``, ``attn-merge-split``, ``moe-block-nps``),
         for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
@@ -198,6 +198,11 @@ OPTIMIZATIONS = {
     # block's partials through one SM (H200, 4K keys: 11 of a 23 us launch, session 24); one
     # 4K run on the H200: 307.5 tok/s with it against 310.3 without
     "attn-merge-split": "attn",
+    # opt-in (QAB_ENABLE): the one-launch MoE block on a persistent grid of two blocks per SM
+    # whose next-projection rows (48 per block) are copied into each block's shared memory
+    # early, so that the phase after the down items is only its arithmetic (NPS; CUDA; the
+    # same bits)
+    "moe-block-nps": "moe",
 }
 
 
@@ -328,7 +333,7 @@ def kernels_disabled() -> bool:
 # switch on: decode-compile is on by default on a GPU only (host-bound decode:
 # measured on the H200) and off on the CPU (measured no faster there).
 OPT_IN = ("decode-compile", "next-norm", "proj-gemv", "gemv-pipe", "attn-lanes",
-          "l2-prefetch", "decode-const", "attn-merge-split")
+          "l2-prefetch", "decode-const", "attn-merge-split", "moe-block-nps")
 
 
 def enabled_opt_in() -> frozenset[str]:

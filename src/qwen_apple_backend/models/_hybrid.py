@@ -19,6 +19,7 @@ import mlx.nn as nn
 from ..envs import OPTIMIZATIONS, enabled_opt_in
 from ..errors import CheckpointError, FuseError, UnsupportedConfigError
 from ..ops.device import gpu_backend
+from ..ops.moe import NPS_MODE
 from ..report import FuseReport, ModuleRecord
 from .base import Adapter
 
@@ -209,7 +210,11 @@ _OPT_IN_NEEDS = {"l2-prefetch": ("moe", "moe-kernel", "moe-route", "add-norm", "
                                  "moe-block-early", "proj-concat"),
                  # The attention step's two-level merge lives inside the step.
                  "attn-merge-split": ("attn", "attn-kernel", "qk-prep", "proj-concat",
-                                      "kv-in-place", "decode-compile", "attn-step")}
+                                      "kv-in-place", "decode-compile", "attn-step"),
+                 # The early-staged next projection lives in the one-launch block's
+                 # next-projection phase.
+                 "moe-block-nps": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block",
+                                   "moe-block-next-proj", "proj-concat", "norm-proj")}
 # Likewise for switches on by default that live inside the one-launch block.
 _DEFAULT_NEEDS = {
     "moe-block-out-proj": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block"),
@@ -461,6 +466,9 @@ class QwenHybridAdapter(Adapter):
         # there 307.5 tok/s with it against 310.3 without (within its rounds'
         # spread); its kernel-level timing not yet measured.
         merge_on = "attn-merge-split" in enabled and "attn-merge-split" not in disable
+        # Opt-in (QAB_ENABLE=moe-block-nps): the block's next-projection rows in
+        # shared memory, copied early by a persistent grid's blocks.
+        nps_on = "moe-block-nps" in enabled and "moe-block-nps" not in disable
         switched_off: set[str] = set()  # optimizations off in at least one fused module
         for layer in model.layers:
             base = names.get(id(layer), "layers.?")
@@ -554,6 +562,8 @@ class QwenHybridAdapter(Adapter):
                     fused.decode_mma = False
                 if merge_on and hasattr(fused, "decode_merge_split"):
                     fused.decode_merge_split = True
+                if nps_on and hasattr(fused, "nps_mode"):
+                    fused.nps_mode = NPS_MODE
                 if lanes_on and hasattr(fused, "decode_lanes"):
                     fused.decode_lanes = True
                 switched_off.update(off)
@@ -580,7 +590,10 @@ class QwenHybridAdapter(Adapter):
                            ("l2-prefetch", "the one-launch MoE block asks the L2 for the next "
                                            "layer's input projection while its route runs"),
                            ("attn-merge-split", "the one-launch attention step merges its key "
-                                                "blocks in two levels, groups first")):
+                                                "blocks in two levels, groups first"),
+                           ("moe-block-nps", "the one-launch MoE block runs on a persistent grid "
+                                             "whose blocks copy their next-projection rows into "
+                                             "shared memory early")):
             if name not in enabled or not any(m.fused for m in report.modules):
                 continue
             needs = _needs_off(_OPT_IN_NEEDS.get(name, ()), disable)

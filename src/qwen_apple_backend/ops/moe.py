@@ -57,8 +57,8 @@ import mlx.core as mx
 
 from qwen_apple_backend import envs
 
-from .device import (build_kernel, f32_scalar, gpu_backend, padded_zeros, self_check_known,
-                     self_checked, unpooled_length)
+from .device import (build_kernel, cuda_sm_count, f32_scalar, gpu_backend, padded_zeros,
+                     self_check_known, self_checked, unpooled_length)
 from .norm import add_rms_norm_ops
 
 __all__ = [
@@ -1705,12 +1705,12 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: 70.5 with neither; end to end at 4K 307.5 against 310.2 tok/s without them).
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
                         "STAGE": True, "GRPW": 2, "EARLY": True, "PRW": 2, "PSM": 0, "GDS": 1,
-                        "UNROLL": True, "NPL": True, "RPL": False, "GSR": False}
+                        "UNROLL": True, "NPL": True, "RPL": False, "GSR": False, "NPS": 0}
 #: The values of DECODE_BLOCK_OPTIONS' row counts a launch accepts (PRW 8
 #: spills registers at the two blocks per SM the block is built for; PSM
 #: above 64 would leave room for only one block per SM).
 DECODE_BLOCK_CHOICES = {"GRPW": (1, 2, 4), "PRW": (1, 2, 4), "PSM": (0, 16, 32, 48, 64),
-                        "GDS": (1, 2, 4)}
+                        "GDS": (1, 2, 4), "NPS": (0, 1, 2)}
 
 
 def decode_block_dynamic_shared_bytes(psm: int, H: int, group_size: int, dtype: mx.Dtype) -> int:
@@ -2147,18 +2147,24 @@ def decode_block_pack_views(pack: mx.array, gate: "ExpertWeights", gate_up: Expe
 _OVERRIDE_KEYWORDS = {"stage": "STAGE", "early": "EARLY", "unroll": "UNROLL", "npl": "NPL"}
 
 
+#: The DECODE_BLOCK_OPTIONS that are not flags but may be build overrides
+#: (their values an int of DECODE_BLOCK_CHOICES).
+_INT_OVERRIDES = ("NPS",)
+
+
 def _check_override_flags(overrides: Mapping[str, object]) -> None:
     """Refuses build overrides keyed by anything but a ``DECODE_BLOCK_OPTIONS``
-    flag (an option whose default is a bool), naming the key.
+    flag (an option whose default is a bool) or one of :data:`_INT_OVERRIDES`,
+    naming the key.
 
     Raises:
         ValueError: "build overrides: ... is not a DECODE_BLOCK_OPTIONS flag ...".
     """
     for key in overrides:
-        if not isinstance(DECODE_BLOCK_OPTIONS.get(key), bool):
+        if key not in _INT_OVERRIDES and not isinstance(DECODE_BLOCK_OPTIONS.get(key), bool):
             flags = sorted(k for k, v in DECODE_BLOCK_OPTIONS.items() if isinstance(v, bool))
             raise ValueError(f"build overrides: {key!r} is not a DECODE_BLOCK_OPTIONS flag "
-                             f"(the flags: {', '.join(flags)})")
+                             f"(the flags: {', '.join(flags)}; also {', '.join(_INT_OVERRIDES)})")
 
 
 def _build_overrides(overrides: Optional[Mapping[str, Optional[bool]]] = None,
@@ -2208,7 +2214,7 @@ def _decode_block_build(overrides: Optional[Mapping[str, bool]] = None,
         _check_override_flags(overrides)
         for flag, value in overrides.items():
             if value is not None:
-                opts[flag] = bool(value)
+                opts[flag] = int(value) if flag in _INT_OVERRIDES else bool(value)
     opts["PF"] = bool(prefetch and opts["EARLY"])
     opts["OP"] = bool(out_proj)
     opts["NP"] = bool(next_proj)
@@ -2238,10 +2244,45 @@ def _check_decode_block_build(opts: dict, I: int, gdn_dv: Optional[int]) -> None
                          f"staged in shared memory) must be one of "
                          f"{', '.join(map(str, DECODE_BLOCK_CHOICES['PSM']))}, "
                          f"got PSM={opts['PSM']!r}")
+    if int(opts["NPS"]) not in DECODE_BLOCK_CHOICES["NPS"]:
+        raise ValueError(f"DECODE_BLOCK_OPTIONS: NPS (when a persistent block copies its "
+                         f"next-projection rows into shared memory) must be 0, 1 or 2, got "
+                         f"NPS={opts['NPS']!r}")
     gds = int(opts["GDS"])
     if gdn_dv is not None and (gds not in DECODE_BLOCK_CHOICES["GDS"] or gdn_dv % gds):
         raise ValueError(f"DECODE_BLOCK_OPTIONS: GDS (Gated DeltaNet items per value head) "
                          f"must be 1, 2 or 4 and divide the heads' Dv {gdn_dv}, got GDS={gds!r}")
+
+
+#: The next projection's rows per block that an NPS build stages when
+#: ``DECODE_BLOCK_OPTIONS["PSM"]`` is 0: Qwen3.6's 12,352 rows in 258 units,
+#: within the 264 blocks two per SM of its GPUs' 132 keep resident, and 9,216
+#: (the attention layers') in 192.
+NPS_ROWS = 48
+
+#: The NPS mode the opt-in ``moe-block-nps`` builds: 1, each block copies its
+#: next-projection rows at its start; 2, after its first item.
+NPS_MODE = 1
+
+
+def _nps_build(opts: dict, backend: str) -> None:
+    """Completes an NPS build in place (``opts`` as :func:`_decode_block_build`
+    gives it): with NPS and the next-projection phase, a persistent grid
+    (PERSIST) of GRID blocks (None: two per SM, the blocks the GPU keeps
+    resident at once, :func:`~qwen_apple_backend.ops.device.cuda_sm_count`)
+    whose next-projection units stage PSM rows (0: :data:`NPS_ROWS`). Without
+    the next-projection phase, or on a GPU whose SM count is unknown, NPS is
+    dropped (the build it would change is the plain one)."""
+    if not opts["NPS"]:
+        return
+    sms = cuda_sm_count() if backend == "cuda" else 0
+    if not opts["NP"] or (opts["GRID"] is None and sms <= 0):
+        opts["NPS"] = 0
+        return
+    opts["PERSIST"] = True
+    opts["PSM"] = int(opts["PSM"]) or NPS_ROWS
+    if opts["GRID"] is None:
+        opts["GRID"] = 2 * sms
 
 
 def _decode_block_phase_blocks(E: int, H: int, I: int, K: int,
@@ -2336,6 +2377,7 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
     opts = _decode_block_build(overrides, bool(prefetch), out_proj is not None,
                                next_proj is not None)
     _check_decode_block_build(opts, I, None if gdn_step is None else int(gdn_step.heads[3]))
+    _nps_build(opts, backend)
     smem = (decode_block_dynamic_shared_bytes(int(opts["PSM"]), H,
                                               next_proj.weights.group_size, x.dtype)
             if next_proj is not None else 0)
@@ -2409,7 +2451,8 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
                 ("NP", bool(opts["NP"])), ("PN", max(int(PN), 1)), ("PG", PG),
                 ("PRW", int(opts["PRW"])), ("PSM", int(opts["PSM"])),
                 ("UNROLL", bool(opts["UNROLL"])), ("NPL", bool(opts["NPL"])),
-                ("RPL", bool(opts["RPL"])), ("GSR", bool(opts["GSR"]))]
+                ("RPL", bool(opts["RPL"])), ("GSR", bool(opts["GSR"])),
+                ("NPS", int(opts["NPS"]))]
     if pack is not None:
         template.append(("WSO", decode_block_pack_workspace_offset()))
     gd_inputs, gd_shapes, gd_dtypes = [], [], []
