@@ -203,6 +203,12 @@ __device__ __forceinline__ void qab_store_f32(float* p, bool vec, const float (&
 #define QAB_WAIT_SLEEP_NS 32
 #endif
 
+// A compile-time phase number as a type (moe_decode_block.cu's run_item(QabPhase<P>{})).
+template <int P>
+struct QabPhase {
+  static constexpr int value = P;
+};
+
 // A wait that returns at once: the default of a device function's optional
 // wait step (qab_moe_down_shared_rows).
 struct QabNoWait {

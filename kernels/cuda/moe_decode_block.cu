@@ -450,21 +450,12 @@ if constexpr (QAB_NPS && NPS == 1) {
   np_issue_first();  // at the block's start
 }
 
-while (true) {
-  if (tid == 0) {
-    ticket = atomicAdd(tickets, 1u);
-  }
-  __syncthreads();
-  // With GD the GDN items hold the first GDBLK N tickets: tk < 0.
-  tk = static_cast<int>(ticket) - GDBLK * rows;
-  __syncthreads();  // every thread has read it before thread 0 takes the next
-  if (tk >= items) {
-    break;
-  }
-  QAB_MARK(0);
-
+// One item of phase P (QabPhase: 0 GDN, 1 out projection, 2 route, 3 gate/up,
+// 4 down, 5 next projection) for the ticket tk.
+auto run_item = [&](auto phase) {
+  constexpr int P = decltype(phase)::value;
+  if constexpr (P == 0) {
 #ifdef QAB_BLOCK_GDN
-  if (tk < 0) {
     // GDN item: value head hv (part hp - hv GDS of its GDS) of token row n,
     // gated_delta_decode's per-head code.
     const int n = (tk + GDBLK * rows) / GDBLK;
@@ -481,9 +472,8 @@ while (true) {
       __threadfence();
       atomicAdd(gd_done, 1u);
     }
-  } else
 #endif
-  if (tk < OBLK * rows) {
+  } else if constexpr (P == 1) {
     // Out-projection item: rows [o * 8 QAB_OUT_RPW, ...) of r[n] = ox[n] ow^T.
     const int n = tk / OBLK;
     const int o = tk - n * OBLK;
@@ -560,7 +550,7 @@ while (true) {
       __threadfence();
       atomicAdd(o_done, 1u);
     }
-  } else if (tk < (OBLK + RBLK) * rows) {
+  } else if constexpr (P == 2) {
     const int n = (tk - OBLK * rows) / RBLK;
     const bool last = qab_add_norm_route_part<T, H, E, K, RG, NORM, BLOCK, RB, OP, RPL, !QAB_GSR>(
         tk - OBLK * rows - n * RBLK, RBLK, n, x, rr, nw, eps, gw, gs, gb, route_counts, h, y,
@@ -578,7 +568,7 @@ while (true) {
         atomicAdd(routed, 1u);
       }
     }
-  } else if (tk < (OBLK + RBLK + GBLK) * rows) {
+  } else if constexpr (P == 3) {
     const int g = tk - (OBLK + RBLK) * rows;
     const int n = g / GBLK;
     if constexpr (EARLY) {
@@ -659,7 +649,7 @@ while (true) {
       __threadfence();
       atomicAdd(gu_done, 1u);
     }
-  } else if (tk < (OBLK + RBLK + GBLK + DBLK) * rows) {
+  } else if constexpr (P == 4) {
     const int d = tk - (OBLK + RBLK + GBLK) * rows;
     const int n = d / DBLK;
     const uint32_t gu_items = static_cast<uint32_t>(GBLK * rows);
@@ -746,12 +736,59 @@ while (true) {
       }
     }
   }
+};
+// The block's next ticket into tk (every thread; block barriers).
+auto take_ticket = [&]() {
+  if (tid == 0) {
+    ticket = atomicAdd(tickets, 1u);
+  }
+  __syncthreads();
+  // With GD the GDN items hold the first GDBLK N tickets: tk < 0.
+  tk = static_cast<int>(ticket) - GDBLK * rows;
+  __syncthreads();  // every thread has read it before thread 0 takes the next
+};
+auto item_done = [&]() {
   if constexpr (QAB_NPS && NPS == 2) {
     np_issue_first();  // after the block's first item
   }
-  if (!PERSIST) {
-    break;
+};
+// A persistent block runs its items phase by phase, a loop each: its tickets
+// only grow, so it meets the phases in order, and each loop holds one
+// phase's code (nvcc 13, sm_90: one loop over every phase's code spilled
+// 176 bytes in the packed GD build; values every phase uses stayed live
+// across it). Without PERSIST a block runs the one item of its ticket.
+take_ticket();
+if constexpr (PERSIST) {
+  auto run_phase = [&](auto phase, const int end) {
+    while (tk < end) {
+      QAB_MARK(0);
+      run_item(phase);
+      item_done();
+      take_ticket();
+    }
+  };
+  run_phase(QabPhase<0>{}, 0);
+  run_phase(QabPhase<1>{}, OBLK * rows);
+  run_phase(QabPhase<2>{}, (OBLK + RBLK) * rows);
+  run_phase(QabPhase<3>{}, (OBLK + RBLK + GBLK) * rows);
+  run_phase(QabPhase<4>{}, (OBLK + RBLK + GBLK + DBLK) * rows);
+  run_phase(QabPhase<5>{}, items);
+} else if (tk < items) {
+  QAB_MARK(0);
+  if (GD && tk < 0) {
+    run_item(QabPhase<0>{});
+  } else if (tk < OBLK * rows) {
+    run_item(QabPhase<1>{});
+  } else if (tk < (OBLK + RBLK) * rows) {
+    run_item(QabPhase<2>{});
+  } else if (tk < (OBLK + RBLK + GBLK) * rows) {
+    run_item(QabPhase<3>{});
+  } else if (tk < (OBLK + RBLK + GBLK + DBLK) * rows) {
+    run_item(QabPhase<4>{});
+  } else {
+    run_item(QabPhase<5>{});
   }
+  item_done();
 }
 
 if constexpr (QAB_NPS) {
