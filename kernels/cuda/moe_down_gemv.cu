@@ -45,7 +45,7 @@ for (int p = 0; p < RPW; ++p) {
 #pragma unroll
       for (int b = 0; b < 8; ++b) {
         const float hv = static_cast<float>(h[hb + q * 8 + b]);
-        d += static_cast<float>((words[q] >> (4 * b)) & 15u) * hv;
+        d += qab_nibble(words[q], b) * hv;
         hs += hv;
       }
     }

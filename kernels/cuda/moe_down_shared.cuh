@@ -174,7 +174,7 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
         for (int q = 0; q < 4; ++q) {
 #pragma unroll
           for (int b = 0; b < 8; ++b) {
-            d += static_cast<float>((words[q] >> (4 * b)) & 15u) * hv[q * 8 + b];
+            d += qab_nibble(words[q], b) * hv[q * 8 + b];
           }
         }
         acc[p] += weight[i] * (sv[p][i] * d + bv[p][i] * hs);

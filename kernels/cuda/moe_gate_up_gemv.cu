@@ -63,7 +63,7 @@ for (int p = 0; p < RPW; ++p) {
       for (int q = 0; q < 4; ++q) {
 #pragma unroll
         for (int b = 0; b < 8; ++b) {
-          d += static_cast<float>((words[q] >> (4 * b)) & 15u) * xr[i][q * 8 + b];
+          d += qab_nibble(words[q], b) * xr[i][q * 8 + b];
         }
       }
       const size_t gi = rows[t] * GPR + (c * 32) / G;

@@ -182,7 +182,7 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
         for (int q = 0; q < 4; ++q) {
 #pragma unroll
           for (int b = 0; b < 8; ++b) {
-            d += static_cast<float>((words[q] >> (4 * b)) & 15u) * xv[q * 8 + b];
+            d += qab_nibble(words[q], b) * xv[q * 8 + b];
           }
         }
         acc[p][t] += sc[p][t][i] * d + bi[p][t][i] * xs_sum;
