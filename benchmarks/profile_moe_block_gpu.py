@@ -36,9 +36,9 @@ fit), ``RELAXED`` (``QAB_WAIT_RELAXED``: relaxed polls and one acquire
 fence instead of an acquire load per poll) and ``PIN`` (``QAB_PIN_LOADS``:
 the projection and route items use their loaded weights before they wait, so
 that the compiler cannot move the loads past the wait) and ``I2F``
-(``QAB_NIBBLE_I2F``: the experts' 4-bit weights become floats by
-integer-to-float conversions, as before ``common.cuh``'s ``qab_nibble``; the
-same values) and ``PS`` (``QAB_Q4_PRESCALE``: the out- and next-projection
+(``QAB_NIBBLE_I2F``: the experts' 4-bit and the router's 8-bit weights become
+floats by integer-to-float conversions, as before ``common.cuh``'s
+``qab_nibble`` / ``qab_byte``; the same values) and ``PS`` (``QAB_Q4_PRESCALE``: the out- and next-projection
 phases' inputs staged prescaled, so that each 4-bit weight is masked in place,
 one integer op instead of two: ``gemv_q4.cuh``'s ``qab_q4_dot32``; the same
 bits); ``default`` is the shipped

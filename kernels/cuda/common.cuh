@@ -218,6 +218,16 @@ __device__ __forceinline__ float qab_nibble(const uint32_t w, const int b) {
 #endif
 }
 
+// Bits [s, s + 8) of w (an 8-bit quantized weight, s <= 24) as a float, as
+// qab_nibble does it (the same value; QAB_NIBBLE_I2F keeps the conversion).
+__device__ __forceinline__ float qab_byte(const uint32_t w, const int s) {
+#ifdef QAB_NIBBLE_I2F
+  return static_cast<float>((w >> s) & 255u);
+#else
+  return __uint_as_float(0x4B000000u | ((w >> s) & 255u)) - 8388608.f;
+#endif
+}
+
 // A compile-time phase number as a type (moe_decode_block.cu's run_item(QabPhase<P>{})).
 template <int P>
 struct QabPhase {

@@ -205,7 +205,7 @@ __device__ __forceinline__ bool qab_add_norm_route_part(
         const uint32_t words[2] = {q[b][s].x, q[b][s].y};
 #pragma unroll
         for (int i = 0; i < EPT; ++i) {
-          const float qv = static_cast<float>((words[i / 4] >> (8 * (i % 4))) & 255u);
+          const float qv = qab_byte(words[i / 4], 8 * (i % 4));
           const float wd = static_cast<float>(
               static_cast<T>(static_cast<float>(static_cast<T>(qv * sc)) + bi));
           sums[i] = fmaf(static_cast<float>(yv.v[i]), wd, sums[i]);
