@@ -73,7 +73,9 @@
 // produced arrays through L2 (the CG loads). Without PERSIST a block runs one
 // item (grid = every item); with PERSIST it takes tickets until none is left
 // (any grid works: a block waits on smaller tickets only, held by running
-// blocks). The last block out (`exits` == gridDim.x) zeroes the six
+// blocks), each phase's items in a loop of its own (a block's tickets only
+// grow, so it meets the phases in order; one loop over every phase's code
+// spilled registers). The last block out (`exits` == gridDim.x) zeroes the six
 // launch-wide counters; the route zeroes its per-row counts itself. So count
 // must be zeros at launch and is zeros again after it; launches that share it
 // must not overlap (the callers pass a serial counter in the compiled decode
@@ -175,6 +177,18 @@
 // experts. The route's last block still routes the row for the down items
 // (inds, scores, `routed`), but no longer resets its count, which the last
 // block out zeroes with the launch's counters.)
+// NPS (0, 1 or 2; PSM builds with PERSIST, else no effect; ops.moe's
+// _nps_build makes a build with NPS and NP one: two blocks per SM, 48 rows per
+// unit): the next-projection items are not tickets but units (token row, PSM
+// rows), block b taking units b, b + gridDim.x, ... once its tickets run out;
+// the block copies its first unit's weights, scales and biases into its
+// dynamic shared memory (qab_q4_rows_stage_issue) at its start (1) or after
+// its first item (2), so that the phase after the down items is the norm, the
+// staging and the arithmetic: the same bits. Measured slower on an H200
+// (profile_layer_gpu.py, 74.0 / 74.3 against 71.0 us per Gated DeltaNet layer
+// launch): the copies issued at the start delay the blocks' first tickets by
+// ~4.7 us, and the phase still takes ~11 us after the down items, as long as
+// with the weights loaded in it: its arithmetic, not its loads, sets it.
 // Requirements: each of the three kernels' (see their sources); with OP,
 // DO % 1024 == 0 and OG % 32 == 0; with NP, H % 1024 == 0 and PG % 32 == 0.
 // Inputs: x, r [N, H] T (residual stream, mixer output); nw [H] T; eps [4]

@@ -1703,6 +1703,12 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: on an H200 (benchmarks/profile_layer_gpu.py, one run: 73.4 us per Gated
 #: DeltaNet layer launch with both, 74.3 with GSR alone, 72.8 with RPL alone,
 #: 70.5 with neither; end to end at 4K 307.5 against 310.2 tok/s without them).
+#: NPS (0, 1 or 2; :func:`_nps_build` completes the build): a persistent grid
+#: whose blocks copy their next-projection rows into shared memory at their
+#: start (1) or after their first item (2) and run those rows after their
+#: tickets (the same bits); off (the opt-in ``moe-block-nps`` sets
+#: :data:`NPS_MODE`): measured slower on an H200, 74.0 (1) and 74.3 (2) against
+#: 71.0 us per Gated DeltaNet layer launch (benchmarks/profile_layer_gpu.py).
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
                         "STAGE": True, "GRPW": 2, "EARLY": True, "PRW": 2, "PSM": 0, "GDS": 1,
                         "UNROLL": True, "NPL": True, "RPL": False, "GSR": False, "NPS": 0}
@@ -2228,7 +2234,7 @@ def _check_decode_block_build(opts: dict, I: int, gdn_dv: Optional[int]) -> None
     not used).
 
     Raises:
-        ValueError: "DECODE_BLOCK_OPTIONS: ..." for CS, GRID, GRPW, PRW, PSM or GDS.
+        ValueError: "DECODE_BLOCK_OPTIONS: ..." for CS, GRID, GRPW, PRW, PSM, GDS or NPS.
     """
     if int(opts["CS"]) < 1 or (opts["GRID"] is not None and int(opts["GRID"]) < 1):
         raise ValueError(f"DECODE_BLOCK_OPTIONS: CS must be >= 1 and GRID None or >= 1, got "
