@@ -26,7 +26,8 @@ __device__ __forceinline__ float qab_q4_dot32(const uint4 wv, const float (&xv)[
     for (int b = 0; b < 8; ++b) {
       float qv;
       if constexpr (PS) {
-        qv = qab_nibble_placed(words[q], hi, b);
+        const uint32_t m = b < 5 ? (words[q] & (15u << (4 * b))) : (hi & (15u << (4 * (b - 5))));
+        qv = __uint_as_float(0x4B000000u | m) - 8388608.f;
       } else {
         qv = __uint_as_float(0x4B000000u | ((words[q] >> (4 * b)) & 15u)) - 8388608.f;
       }
@@ -36,7 +37,18 @@ __device__ __forceinline__ float qab_q4_dot32(const uint4 wv, const float (&xv)[
   return d;
 }
 
+// The factor qab_q4_dot32's PS inputs carry for value b of a word: 2^-4b for
+// b < 5, 2^-4(b - 5) above.
+__device__ __forceinline__ constexpr float qab_q4_prescale(const int b) {
+  return b == 0 || b == 5 ? 1.f : b == 1 || b == 6 ? 0.0625f : b == 2 || b == 7 ? 0.00390625f
+         : b == 3 ? 0.000244140625f : 0.0000152587890625f;
+}
 
+#ifdef QAB_Q4_PRESCALE
+constexpr bool QAB_Q4_PS = true;
+#else
+constexpr bool QAB_Q4_PS = false;
+#endif
 
 // The 32 staged inputs of chunk c from the chunk-transposed staging
 // xs[j4][c] (x[32 c + 4 j4 .. + 3] as a float4).
