@@ -28,20 +28,18 @@ the block gives the three launches' output bit for bit, and then either
   launch's first ticket, medians over ``--reps`` launches.
 
 Variants are ``ops.moe.DECODE_BLOCK_OPTIONS`` settings, written
-``CS=32+PREFETCH+PERSIST+GRID=264`` (flags alone mean true), plus six build
+``CS=32+PREFETCH+PERSIST+GRID=264`` (flags alone mean true), plus five build
 settings of the kernel text: ``SLEEP=ns`` (``QAB_WAIT_SLEEP_NS``, the wait's
 sleep between polls), ``MINB=n`` (the kernel declared
 ``__launch_bounds__(BLOCK, n)``: at least n blocks per SM, registers capped to
 fit), ``RELAXED`` (``QAB_WAIT_RELAXED``: relaxed polls and one acquire
-fence instead of an acquire load per poll) and ``PIN`` (``QAB_PIN_LOADS``:
+fence instead of an acquire load per poll), ``PIN`` (``QAB_PIN_LOADS``:
 the projection and route items use their loaded weights before they wait, so
-that the compiler cannot move the loads past the wait) and ``I2F``
-(``QAB_NIBBLE_I2F``: the experts' 4-bit and the router's 8-bit weights become
-floats by integer-to-float conversions, as before ``common.cuh``'s
-``qab_nibble`` / ``qab_byte``; the same values) and ``PS`` (``QAB_Q4_PRESCALE``: the out- and next-projection
-phases' inputs staged prescaled, so that each 4-bit weight is masked in place,
-one integer op instead of two: ``gemv_q4.cuh``'s ``qab_q4_dot32``; the same
-bits); ``default`` is the shipped
+that the compiler cannot move the loads past the wait) and ``MANT``
+(``QAB_NIBBLE_MANTISSA``: the experts' 4-bit and the router's 8-bit weights
+become floats through a float's mantissa, ``common.cuh``'s ``qab_nibble`` /
+``qab_byte``, instead of integer-to-float conversions; the same values;
+measured no faster on an H100); ``default`` is the shipped
 setting. The timeline also records, per phase, how many blocks took their
 ticket within 1 us of the first (``started_1us``: the blocks resident at the
 start; the marks cost registers, so check it against the shipped build's
@@ -85,7 +83,7 @@ DEFAULT_VARIANTS = "default,EARLY=0,STAGE=0+EARLY=0,CS=1+PREFETCH=0+STAGE=0+EARL
 SHAPE = (1, 256, 2048, 512, 8)
 PHASES = ("route", "gate/up", "down")
 #: Variant keys that change the kernel's text (a header prefix), not its template.
-BUILD_KEYS = ("SLEEP", "MINB", "RELAXED", "PIN", "I2F", "PS")
+BUILD_KEYS = ("SLEEP", "MINB", "RELAXED", "PIN", "MANT")
 #: QAB_MARK as the --timeline build defines it: thread 0 stores the global
 #: timer (ns) as mark k of its ticket.
 MARK_DEFINE = ("#define QAB_MARK(k) do { if (threadIdx.x == 0) { unsigned long long qab_t_; "
@@ -107,10 +105,8 @@ def build_prefix(variant: dict) -> str:
         text += "#define QAB_WAIT_RELAXED 1\n"
     if variant.get("PIN"):
         text += "#define QAB_PIN_LOADS 1\n"
-    if variant.get("I2F"):
-        text += "#define QAB_NIBBLE_I2F 1\n"
-    if variant.get("PS"):
-        text += "#define QAB_Q4_PRESCALE 1\n"
+    if variant.get("MANT"):
+        text += "#define QAB_NIBBLE_MANTISSA 1\n"
     return text
 
 
@@ -167,7 +163,7 @@ def parse_variant(text: str) -> dict:
         except ValueError:
             raise ValueError(f"variant {text!r}: {key}={value!r} is not an integer") from None
         if key in ("PERSIST", "PREFETCH", "RELAXED", "PIN", "STAGE", "EARLY", "UNROLL", "NPL", "RPL",
-                   "GSR", "I2F", "PS"):
+                   "GSR", "MANT"):
             if out[key] not in (0, 1):
                 raise ValueError(f"variant {text!r}: {key} is a flag: 0 or 1, got {out[key]}")
             out[key] = bool(out[key])
