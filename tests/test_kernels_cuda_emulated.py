@@ -32,6 +32,7 @@ import contextlib
 import functools
 import inspect
 import re
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -3315,6 +3316,12 @@ def test_layer_profiler_chains_packed_and_unpacked_layers_emulated(monkeypatch):
     # packed build's in-place writes, which the emulator then drops.)
     pin = m.Variant(*m.split_variant("PIN=1+PACK=0"))
     m.check_variants([variants[1], ("PIN=1+PACK=0", pin)], layers[0], x, proj)
+    # MANT=1 (QAB_NIBBLE_MANTISSA: the experts' and the router's quantized
+    # weights made floats through a float's mantissa): the same outputs.
+    mant = m.Variant(*m.split_variant("MANT=1+PACK=0"))
+    assert ("#define QAB_NIBBLE_MANTISSA 1"
+            in sys.modules["profile_moe_block_gpu"].build_prefix(mant.opts))
+    m.check_variants([variants[1], ("MANT=1+PACK=0", mant)], layers[0], x, proj)
     for text, msg in (("PRW=8", "PRW must be one of 1, 2, 4, got 8"),
                       ("GRPW=3+PACK=0", "GRPW must be one of 1, 2, 4, got 3"),
                       ("PACK=2", "PACK is a flag"), ("PF=2", "PF is a flag"),
