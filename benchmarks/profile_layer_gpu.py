@@ -30,7 +30,7 @@ random weights, bfloat16) and measures them two ways:
   the shipped build's occupancy before reading phase overlaps.
 
 Variants are ``ops.moe.DECODE_BLOCK_OPTIONS`` settings and the build keys of
-``profile_moe_block_gpu.py`` (``SLEEP``, ``MINB``, ``RELAXED``, ``PIN``), written
+``profile_moe_block_gpu.py`` (``SLEEP``, ``MINB``, ``RELAXED``, ``PIN``, ``MANT``), written
 ``PRW=4+MINB=2`` (``PRW``: the next projection's rows per warp, 2 shipped,
 4 halving its 772 blocks; ``UNROLL=0``: the projection phases' input staging
 as a loop, not unrolled as shipped (``moe-block-unroll`` off); ``NPL=0``:
@@ -38,7 +38,10 @@ each next-projection item its own block (``moe-block-npl`` off); ``PSM=48``:
 next-projection items of 48 rows staged in shared memory; ``GDS=4``: four
 GDN items per value head; ``RPL=1``: the route items load the residual row,
 norm weight and eps before their wait; ``GSR=1``: the gate/up items route
-their token themselves), plus ``PACK=0`` (the unpacked GD build,
+their token themselves; ``PERSIST+GRID=264+PSM=48+NPS=1``: a persistent grid
+whose blocks copy their next-projection rows into shared memory at their
+start, ``NPS=2`` after their first item; ``MANT=1``: quantized weights made
+floats through a float's mantissa), plus ``PACK=0`` (the unpacked GD build,
 ``moe_decode_block_gdn``, 47 inputs instead of 27) and ``PF=1`` (the ``l2-prefetch``
 build: the gate/up items that wait for nothing, resident from the launch's
 start, ask the L2 for the next projection's weight, scales and biases that its
