@@ -155,6 +155,8 @@ def parse_variant(text: str) -> dict:
         if key not in DECODE_BLOCK_OPTIONS and key not in BUILD_KEYS:
             raise ValueError(f"variant {text!r}: unknown option {key!r}; known: "
                              f"{', '.join([*DECODE_BLOCK_OPTIONS, *BUILD_KEYS])}")
+        if key in out:
+            raise ValueError(f"variant {text!r}: {key} given twice")
         if not value:
             out[key] = True
             continue

@@ -1072,6 +1072,13 @@ def test_profile_moe_block_gpu_build_keys_and_prefetch_wait_median():
     assert prof.parse_variant("GRPW=4+MINB=2") == {"GRPW": 4, "MINB": 2}
     with pytest.raises(ValueError, match="EARLY is a flag: 0 or 1, got 2"):
         prof.parse_variant("EARLY=2")
+    with pytest.raises(ValueError, match="STAGE given twice"):
+        prof.parse_variant("STAGE=0+STAGE=1")
+    # NPS takes 0 (every other count option starts at 1); MANT is a flag.
+    assert prof.parse_variant("NPS=0+MANT") == {"NPS": 0, "MANT": True}
+    with pytest.raises(ValueError, match="MANT is a flag"):
+        prof.parse_variant("MANT=2")
+    assert prof.build_prefix({"MANT": True}) == "#define QAB_NIBBLE_MANTISSA 1\n"
     assert prof.build_prefix({"RELAXED": True}) == "#define QAB_WAIT_RELAXED 1\n"
     assert prof.build_prefix({"RELAXED": 0, "STAGE": True}) == ""
     # A row per ticket: marks 0 (start), 1 (wait end), 2 (work end), 3, then the SM.

@@ -3325,7 +3325,8 @@ def test_layer_profiler_chains_packed_and_unpacked_layers_emulated(monkeypatch):
     for text, msg in (("PRW=8", "PRW must be one of 1, 2, 4, got 8"),
                       ("GRPW=3+PACK=0", "GRPW must be one of 1, 2, 4, got 3"),
                       ("PACK=2", "PACK is a flag"), ("PF=2", "PF is a flag"),
-                      ("PF=1+EARLY=0", "PF needs EARLY")):
+                      ("PF=1+EARLY=0", "PF needs EARLY"),
+                      ("PRW=4+PRW=2", "PRW given twice")):
         with pytest.raises(ValueError, match=msg):
             m.split_variant(text)
     monkeypatch.setattr(m, "launch", broken)

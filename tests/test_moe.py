@@ -1648,6 +1648,12 @@ def test_decode_block_build_applies_an_overrides_mapping():
     # NPS, the one option of another type an override may set, stays an int.
     assert moe_ops._decode_block_build({"NPS": 2})["NPS"] == 2
     assert moe_ops._decode_block_build({"NPS": True})["NPS"] == 1
+    # Values: a flag's True / False / 1 / 0, an int option's DECODE_BLOCK_CHOICES.
+    for key, value, allowed in (("RPL", 2, "False, True"), ("STAGE", "yes", "False, True"),
+                                ("NPS", 3, "0, 1, 2"), ("NPS", 1.0, "0, 1, 2")):
+        with pytest.raises(ValueError, match=rf"build overrides: {key}={value!r} is not one of "
+                                             rf"{allowed}$"):
+            moe_ops._decode_block_build({key: value})
     for bad in ("BOGUS", "PRW", "PF"):
         with pytest.raises(ValueError, match=rf"build overrides: '{bad}' is not a "
                                              r"DECODE_BLOCK_OPTIONS flag \(the flags: .*NPL"):
@@ -1729,8 +1735,9 @@ def test_nps_build_is_a_persistent_grid_of_two_blocks_per_sm(monkeypatch):
         moe_ops._nps_build(opts, backend)
         assert opts["NPS"] == 0 and not opts["PERSIST"] and opts["PSM"] == plain["PSM"], (
             build, backend, sms)
+    monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, "NPS", 3)
     with pytest.raises(ValueError, match="NPS .* must be 0, 1 or 2, got NPS=3"):
-        moe_ops._check_decode_block_build(moe_ops._decode_block_build({"NPS": 3}), 512, None)
+        moe_ops._check_decode_block_build(moe_ops._decode_block_build(), 512, None)
 
 
 @pytest.mark.parametrize("ready", [True, False], ids=["next-proj", "not-ready"])

@@ -2161,16 +2161,25 @@ _INT_OVERRIDES = ("NPS",)
 def _check_override_flags(overrides: Mapping[str, object]) -> None:
     """Refuses build overrides keyed by anything but a ``DECODE_BLOCK_OPTIONS``
     flag (an option whose default is a bool) or one of :data:`_INT_OVERRIDES`,
-    naming the key.
+    or valued other than a flag's True / False / 1 / 0 (None: the default) or
+    one of an int option's ``DECODE_BLOCK_CHOICES``, naming the key.
 
     Raises:
-        ValueError: "build overrides: ... is not a DECODE_BLOCK_OPTIONS flag ...".
+        ValueError: "build overrides: ... is not a DECODE_BLOCK_OPTIONS flag ..."
+            or "build overrides: KEY=VALUE ...".
     """
-    for key in overrides:
+    for key, value in overrides.items():
         if key not in _INT_OVERRIDES and not isinstance(DECODE_BLOCK_OPTIONS.get(key), bool):
             flags = sorted(k for k, v in DECODE_BLOCK_OPTIONS.items() if isinstance(v, bool))
             raise ValueError(f"build overrides: {key!r} is not a DECODE_BLOCK_OPTIONS flag "
                              f"(the flags: {', '.join(flags)}; also {', '.join(_INT_OVERRIDES)})")
+        if value is None:
+            continue
+        allowed = DECODE_BLOCK_CHOICES[key] if key in _INT_OVERRIDES else (False, True)
+        # (bool is an int: True == 1, so a flag also takes 1 / 0, NPS True / False.)
+        if not isinstance(value, int) or value not in allowed:
+            raise ValueError(f"build overrides: {key}={value!r} is not one of "
+                             f"{', '.join(map(str, allowed))}")
 
 
 def _build_overrides(overrides: Optional[Mapping[str, Optional[bool]]] = None,
