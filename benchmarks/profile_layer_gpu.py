@@ -117,8 +117,6 @@ def split_variant(text: str) -> tuple[dict, bool]:
     """
     from profile_moe_block_gpu import parse_variant
 
-    from qwen_apple_backend.ops.moe import DECODE_BLOCK_CHOICES
-
     # The launch's own flags (not block options): their value as given, or None.
     flags = {}
     for name in ("PACK", "PF"):
@@ -133,11 +131,6 @@ def split_variant(text: str) -> tuple[dict, bool]:
             raise ValueError(f"variant {text!r}: PF needs EARLY (its items that wait for "
                              f"nothing issue the prefetch)")
         opts["PF"] = True
-    # What ops.moe accepts (it would refuse them at the first launch, after the build).
-    for key, allowed in DECODE_BLOCK_CHOICES.items():
-        if key in opts and opts[key] not in allowed:
-            raise ValueError(f"variant {text!r}: {key} must be one of "
-                             f"{', '.join(map(str, allowed))}, got {opts[key]}")
     return opts, flags["PACK"] is not False
 
 

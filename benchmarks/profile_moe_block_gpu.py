@@ -145,7 +145,7 @@ def parse_variant(text: str) -> dict:
     >>> parse_variant("CS=32+PERSIST+GRID=264")
     {'CS': 32, 'PERSIST': True, 'GRID': 264}
     """
-    from qwen_apple_backend.ops.moe import DECODE_BLOCK_OPTIONS
+    from qwen_apple_backend.ops.moe import DECODE_BLOCK_CHOICES, DECODE_BLOCK_OPTIONS
 
     if text == "default":
         return {}
@@ -173,6 +173,11 @@ def parse_variant(text: str) -> dict:
         low = 0 if key in ("SLEEP", "NPS") else 1
         if out[key] < low:
             raise ValueError(f"variant {text!r}: {key} must be >= {low}, got {out[key]}")
+        # What ops.moe accepts (it would refuse them at the first launch, after the build).
+        allowed = DECODE_BLOCK_CHOICES.get(key)
+        if allowed is not None and out[key] not in allowed:
+            raise ValueError(f"variant {text!r}: {key} must be one of "
+                             f"{', '.join(map(str, allowed))}, got {out[key]}")
     return out
 
 

@@ -1649,7 +1649,8 @@ def test_decode_block_build_applies_an_overrides_mapping():
     assert moe_ops._decode_block_build({"NPS": 2})["NPS"] == 2
     assert moe_ops._decode_block_build({"NPS": True})["NPS"] == 1
     # Values: a flag's True / False / 1 / 0, an int option's DECODE_BLOCK_CHOICES.
-    for key, value, allowed in (("RPL", 2, "False, True"), ("STAGE", "yes", "False, True"),
+    for key, value, allowed in (("RPL", 2, "True, False, 1 or 0"),
+                                ("STAGE", "yes", "True, False, 1 or 0"),
                                 ("NPS", 3, "0, 1, 2"), ("NPS", 1.0, "0, 1, 2")):
         with pytest.raises(ValueError, match=rf"build overrides: {key}={value!r} is not one of "
                                              rf"{allowed}$"):

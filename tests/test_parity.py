@@ -364,6 +364,37 @@ def test_l2_prefetch_links_each_moe_block_to_the_next_layers_projection(tiny_q4,
                      "replaces the one-launch MoE block"]
 
 
+def test_moe_block_nps_switch_reaches_every_fused_block(tiny_q4, monkeypatch):
+    # QAB_ENABLE=moe-block-nps sets FusedSparseMoeBlock.nps_mode to
+    # ops.moe.NPS_MODE (0 by default), which the block passes as its NPS build
+    # override; disable= wins; the report says it is on (and, off CUDA, that
+    # it has no effect), not used with next-norm (whose kernels replace the
+    # block), or switched off.
+    from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
+    from qwen_apple_backend.ops import moe as moe_ops
+
+    monkeypatch.delenv("QAB_DISABLE", raising=False)
+    for enable, disable, want, says in (
+            ("", [], 0, None),
+            ("moe-block-nps", [], moe_ops.NPS_MODE, "on CUDA the one-launch MoE block runs on "
+                                                    "a persistent grid"),
+            ("moe-block-nps", ["moe-block-nps"], 0, "which wins"),
+            ("moe-block-nps,next-norm", [], moe_ops.NPS_MODE,
+             "moe-block-nps from QAB_ENABLE is not used: next-norm, also from QAB_ENABLE, "
+             "replaces the one-launch MoE block")):
+        monkeypatch.setenv("QAB_ENABLE", enable)
+        model = load(tiny_q4, "fused", disable=disable)[0]
+        blocks = [m for _, m in model.named_modules() if isinstance(m, FusedSparseMoeBlock)]
+        assert blocks and all(b.nps_mode == want for b in blocks), enable
+        assert all(b._block_overrides()["NPS"] == want for b in blocks)
+        notes = [n for n in get_report(model).notes if "moe-block-nps" in n]
+        if says is None:
+            assert notes == []
+        else:
+            assert len(notes) == 1 and says in notes[0], notes
+    assert moe_ops.NPS_MODE in (1, 2)
+
+
 def test_attn_lanes_switch_reaches_every_fused_attention_layer(tiny_q4, monkeypatch):
     # QAB_ENABLE=attn-lanes sets FusedGQAAttention.decode_lanes (off by
     # default); disable=["attn-lanes"] wins; the report says which.

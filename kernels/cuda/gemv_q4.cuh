@@ -233,7 +233,10 @@ __device__ __forceinline__ float qab_q4_row_norm_inv(const XF xv_of, const float
 // cp.async, and commits them as one group. A caller may issue it long before
 // the rows are used (moe_decode_block.cu's NPS: at the block's start), then
 // call qab_q4_gemv_rows_staged with issue false; the group is complete at that
-// call's cp.async wait. Every thread of the block must call it.
+// call's cp.async wait, or at any earlier cp.async wait of the thread (which
+// waits for every group in flight). Scales and biases that are not 16-byte
+// aligned rows are copied by plain loads here, at once. Every thread of the
+// block must call it.
 template <typename ST, int KD, int G, int ROWS, int BLOCK>
 __device__ __forceinline__ void qab_q4_rows_stage_issue(const int row0, const int nout,
                                                         const uint32_t* w, const ST* scales,

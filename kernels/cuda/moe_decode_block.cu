@@ -187,8 +187,9 @@
 // staging and the arithmetic: the same bits. Measured slower on an H200
 // (profile_layer_gpu.py, 74.0 / 74.3 against 71.0 us per Gated DeltaNet layer
 // launch): the copies issued at the start delay the blocks' first tickets by
-// ~4.7 us, and the phase still takes ~11 us after the down items, as long as
-// with the weights loaded in it: its arithmetic, not its loads, sets it.
+// ~4.7 us, and the phase still takes 12.7 us after the down items end
+// (13.6 with its weights loaded in it): its loads do not set its length. (A
+// STAGE down item's cp.async wait also waits for its block's NPS copies.)
 // Requirements: each of the three kernels' (see their sources); with OP,
 // DO % 1024 == 0 and OG % 32 == 0; with NP, H % 1024 == 0 and PG % 32 == 0.
 // Inputs: x, r [N, H] T (residual stream, mixer output); nw [H] T; eps [4]

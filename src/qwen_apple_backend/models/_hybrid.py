@@ -603,7 +603,8 @@ class QwenHybridAdapter(Adapter):
                 note = unused + needs
             elif name in disable:
                 note = unused + "also in QAB_DISABLE / disable=, which wins"
-            elif name == "l2-prefetch" and "next-norm" in enabled and "next-norm" not in disable:
+            elif (name in ("l2-prefetch", "moe-block-nps") and "next-norm" in enabled
+                  and "next-norm" not in disable):
                 # next-norm's kernels take the one-launch block's place.
                 note = unused + "next-norm, also from QAB_ENABLE, replaces the one-launch MoE block"
             else:

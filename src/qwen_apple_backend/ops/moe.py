@@ -2171,28 +2171,32 @@ def _check_override_flags(overrides: Mapping[str, object]) -> None:
     for key, value in overrides.items():
         if key not in _INT_OVERRIDES and not isinstance(DECODE_BLOCK_OPTIONS.get(key), bool):
             flags = sorted(k for k, v in DECODE_BLOCK_OPTIONS.items() if isinstance(v, bool))
+            ints = [f"{k} ({', '.join(map(str, DECODE_BLOCK_CHOICES[k]))})"
+                    for k in _INT_OVERRIDES]
             raise ValueError(f"build overrides: {key!r} is not a DECODE_BLOCK_OPTIONS flag "
-                             f"(the flags: {', '.join(flags)}; also {', '.join(_INT_OVERRIDES)})")
+                             f"(the flags: {', '.join(flags)}) or {' or '.join(ints)}")
         if value is None:
             continue
         allowed = DECODE_BLOCK_CHOICES[key] if key in _INT_OVERRIDES else (False, True)
         # (bool is an int: True == 1, so a flag also takes 1 / 0, NPS True / False.)
         if not isinstance(value, int) or value not in allowed:
-            raise ValueError(f"build overrides: {key}={value!r} is not one of "
-                             f"{', '.join(map(str, allowed))}")
+            shown = (", ".join(map(str, allowed)) if key in _INT_OVERRIDES
+                     else "True, False, 1 or 0")
+            raise ValueError(f"build overrides: {key}={value!r} is not one of {shown}")
 
 
-def _build_overrides(overrides: Optional[Mapping[str, Optional[bool]]] = None,
+def _build_overrides(overrides: Optional[Mapping[str, object]] = None,
                      **keywords: Optional[bool]) -> dict:
     """The build overrides of a public call, the one mapping its helpers pass
-    on: ``overrides`` (``DECODE_BLOCK_OPTIONS`` flag -> bool) with each of
+    on: ``overrides`` (``DECODE_BLOCK_OPTIONS`` flag -> bool, or NPS -> int) with each of
     ``keywords`` (``stage``, ``early``, ``unroll``, ``npl``: see
     ``_OVERRIDE_KEYWORDS``) put in under its flag; None (a keyword's or a
     value's) leaves the flag at its default, so it is dropped.
 
     Raises:
-        ValueError: for a key that is not a ``DECODE_BLOCK_OPTIONS`` flag, or a
-            keyword that disagrees with ``overrides``' value for its flag.
+        ValueError: for a key that is not a ``DECODE_BLOCK_OPTIONS`` flag or NPS,
+            a value a key does not take, or a keyword that disagrees with
+            ``overrides``' value for its flag.
     """
     out = {} if overrides is None else {k: v for k, v in overrides.items() if v is not None}
     _check_override_flags(out)
@@ -2207,22 +2211,22 @@ def _build_overrides(overrides: Optional[Mapping[str, Optional[bool]]] = None,
     return out
 
 
-def _decode_block_build(overrides: Optional[Mapping[str, bool]] = None,
+def _decode_block_build(overrides: Optional[Mapping[str, object]] = None,
                         prefetch: bool = False,
                         out_proj: bool = False, next_proj: bool = False) -> dict:
     """The build a :func:`moe_decode_block` call runs: ``DECODE_BLOCK_OPTIONS``
     with the ``overrides`` given (a ``DECODE_BLOCK_OPTIONS`` flag -> bool
     mapping, e.g. ``{"STAGE": False}``: STAGE, EARLY, UNROLL, NPL, the flags
     :func:`moe_decode_block`'s ``stage``, ``early``, ``unroll`` and ``npl``
-    set, or any other flag such as RPL and GSR; an absent key or a None value
-    keeps the default) put in, PF (the L2
+    set, or any other flag such as RPL and GSR; or NPS -> 0, 1 or 2; an absent
+    key or a None value keeps the default) put in, PF (the L2
     prefetch of the arrays given, which needs EARLY), OP (the out-projection
     phase) and NP (the next-projection phase) set.
 
     Raises:
         ValueError: for an ``overrides`` key that is not a
-            ``DECODE_BLOCK_OPTIONS`` flag (an option whose default is a bool),
-            naming it.
+            ``DECODE_BLOCK_OPTIONS`` flag (an option whose default is a bool)
+            or NPS, or a value it does not take, naming it.
     """
     opts = dict(DECODE_BLOCK_OPTIONS)
     if overrides:
