@@ -28,7 +28,10 @@ $(VENV)/.test-installed: pyproject.toml | $(PY)
 	# The llama.cpp plugin's dependencies (its tests install the plugin itself into a temporary
 	# folder): llama-cpp-python has no binary wheel, so it is built from source once (a few
 	# minutes on 2 cores) and the wheel kept in .whl/; the llama.cpp tests skip without it.
-	( CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" $(PIP) wheel --quiet --no-deps --find-links .whl -w .whl "llama-cpp-python==0.3.36" \
+	# Portable, not -march=native (GGML_NATIVE=OFF), and never from pip's wheel cache: a
+	# native wheel, cached or built on a machine whose CPU reported features its host then
+	# refused, stopped the llama.cpp tests with "Illegal instruction".
+	( CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" $(PIP) wheel --quiet --no-cache-dir --no-deps --find-links .whl -w .whl "llama-cpp-python==0.3.36" \
 	  && $(PIP) install --quiet --find-links .whl "llama-cpp-python==0.3.36" "gguf>=0.17" ) \
 	  || echo "note: llama-cpp-python not built here; llama.cpp plugin tests will be skipped"
 	touch $@
