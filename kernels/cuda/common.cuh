@@ -204,17 +204,24 @@ __device__ __forceinline__ void qab_store_f32(float* p, bool vec, const float (&
 #endif
 
 // Nibble b of a 32-bit word of MLX's 4-bit layout (value b at bits 4b) as a
+// float through a float's mantissa: OR 2^23's bits, then subtract 2^23 (two
+// integer ops and one add; gemv_q4.cuh's dense dot, and qab_nibble in
+// QAB_NIBBLE_MANTISSA builds). Exactly static_cast<float>((w >> 4b) & 15).
+__device__ __forceinline__ float qab_nibble_mantissa(const uint32_t w, const int b) {
+  return __uint_as_float(0x4B000000u | ((w >> (4 * b)) & 15u)) - 8388608.f;
+}
+
+// Nibble b of a 32-bit word of MLX's 4-bit layout (value b at bits 4b) as a
 // float: an integer-to-float conversion. With QAB_NIBBLE_MANTISSA (profiling
-// builds: profile_moe_block_gpu.py's MANT) through a float's mantissa
-// instead (OR 2^23's bits, then subtract 2^23; gemv_q4.cuh's dense dot does
-// so), on the integer and FP32 pipes rather than the conversion's, whose
-// throughput on sm_90 is 16 per SM and clock: the same value, so the same
+// builds: profile_moe_block_gpu.py's MANT) qab_nibble_mantissa instead, on
+// the integer and FP32 pipes rather than the conversion's, whose throughput
+// on sm_90 is 16 per SM and clock: the same value, so the same
 // bits, but measured no faster on an H100 in the MoE block's gate/up and down
 // dots and the route (profile_layer_gpu.py: 78.5 against 76.7 us per Gated
 // DeltaNet layer launch; the dots are not bound by the conversions).
 __device__ __forceinline__ float qab_nibble(const uint32_t w, const int b) {
 #ifdef QAB_NIBBLE_MANTISSA
-  return __uint_as_float(0x4B000000u | ((w >> (4 * b)) & 15u)) - 8388608.f;
+  return qab_nibble_mantissa(w, b);
 #else
   return static_cast<float>((w >> (4 * b)) & 15u);
 #endif

@@ -6,8 +6,8 @@
 // One 32-value chunk of a row: 32 packed 4-bit weights (a 16-byte uint4,
 // value j of a word at bits 4j, MLX's affine layout) dotted with the 32
 // staged float inputs xv, in the order (word q, value b) = (0, 0), (0, 1),
-// ... Nibbles become floats with the 2^23 trick (into a float's mantissa,
-// then subtract 2^23): two integer ops and one add instead of a conversion.
+// ... Nibbles become floats with the 2^23 trick (qab_nibble_mantissa): two
+// integer ops and one add instead of a conversion.
 __device__ __forceinline__ float qab_q4_dot32(const uint4 wv, const float (&xv)[32]) {
   const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
   float d = 0.f;
@@ -15,8 +15,7 @@ __device__ __forceinline__ float qab_q4_dot32(const uint4 wv, const float (&xv)[
   for (int q = 0; q < 4; ++q) {
 #pragma unroll
     for (int b = 0; b < 8; ++b) {
-      const float qv = __uint_as_float(0x4B000000u | ((words[q] >> (4 * b)) & 15u)) - 8388608.f;
-      d = fmaf(qv, xv[q * 8 + b], d);
+      d = fmaf(qab_nibble_mantissa(words[q], b), xv[q * 8 + b], d);
     }
   }
   return d;
