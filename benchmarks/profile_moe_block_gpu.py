@@ -84,6 +84,8 @@ SHAPE = (1, 256, 2048, 512, 8)
 PHASES = ("route", "gate/up", "down")
 #: Variant keys that change the kernel's text (a header prefix), not its template.
 BUILD_KEYS = ("SLEEP", "MINB", "RELAXED", "PIN", "MANT")
+#: The build keys that are flags (0 or 1), as the options whose default is a bool.
+BUILD_FLAGS = ("RELAXED", "PIN", "MANT")
 #: QAB_MARK as the --timeline build defines it: thread 0 stores the global
 #: timer (ns) as mark k of its ticket.
 MARK_DEFINE = ("#define QAB_MARK(k) do { if (threadIdx.x == 0) { unsigned long long qab_t_; "
@@ -164,8 +166,7 @@ def parse_variant(text: str) -> dict:
             out[key] = int(value)
         except ValueError:
             raise ValueError(f"variant {text!r}: {key}={value!r} is not an integer") from None
-        if key in ("PERSIST", "PREFETCH", "RELAXED", "PIN", "STAGE", "EARLY", "UNROLL", "NPL", "RPL",
-                   "GSR", "MANT"):
+        if isinstance(DECODE_BLOCK_OPTIONS.get(key), bool) or key in BUILD_FLAGS:
             if out[key] not in (0, 1):
                 raise ValueError(f"variant {text!r}: {key} is a flag: 0 or 1, got {out[key]}")
             out[key] = bool(out[key])
