@@ -360,7 +360,7 @@ def test_no_transformers_torch_advisory_without_torch(code):
 
 
 def test_help_strings_are_current_and_say_each_default_once():
-    from qwen_apple_backend.envs import FUSABLE_KINDS, OPTIMIZATIONS
+    from qwen_apple_backend.envs import FUSABLE_KINDS, OPT_IN, OPTIMIZATIONS
 
     for cmd in ("bench", "compare"):
         out = _qab(cmd, "--help")
@@ -371,6 +371,9 @@ def test_help_strings_are_current_and_say_each_default_once():
         ablate = text.split("--ablate NAMES comma-separated", 1)[1].split("--prefill-step")[0]
         for name in (*FUSABLE_KINDS, *OPTIMIZATIONS):
             assert name in ablate, (cmd, name)
+        # The opt-in ones are named as such: every QAB_ENABLE name but decode-compile.
+        opt_in = ablate.split("(the opt-in ones, ", 1)[1].split(", are on in")[0]
+        assert opt_in == ", ".join(OPT_IN[1:-1]) + " and " + OPT_IN[-1], opt_in
         assert not re.search(r"\S {3,}--", out.stdout), out.stdout  # no runs of stray spaces
     for cmd in ("demo", "make-checkpoint"):
         out = _qab(cmd, "--help")

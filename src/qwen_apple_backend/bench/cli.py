@@ -92,15 +92,16 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated registered backends (default stock,fused; see "
                         "`qab backends`); NAME=PATH gives a backend its own model instead "
                         "of --model/--preset, e.g. stock,llama.cpp=model.gguf")
-    from ..envs import FUSABLE_KINDS, OPTIMIZATIONS
+    from ..envs import FUSABLE_KINDS, OPT_IN, OPTIMIZATIONS
 
+    # decode-compile is opt-in on the CPU only (on by default on a GPU).
+    opt_in = [o for o in OPT_IN if o != "decode-compile"]
     b.add_argument("--ablate", default="", metavar="NAMES",
                    help=f"comma-separated fused module kinds ({', '.join(FUSABLE_KINDS)}) or "
                         f"optimizations ({', '.join(OPTIMIZATIONS)}): adds one "
                         "`fused-no-<name>` backend per name, the fused backend with that kind "
                         "kept stock or that optimization switched off (the opt-in ones, "
-                        "next-norm, proj-gemv, gemv-pipe, attn-lanes, l2-prefetch, "
-                        "decode-const and attn-merge-split, are "
+                        f"{', '.join(opt_in[:-1])} and {opt_in[-1]}, are "
                         "on in `fused` only with QAB_ENABLE=NAME)")
     b.add_argument("--prefill-step-size", type=positive_int, default=None,
                    help="prefill chunk in tokens (default: mlx-lm's, 2048)")
