@@ -138,13 +138,15 @@ def layer_profiler():
     return profile_layer_gpu
 
 
-def run_layer(out: Path, variants: str, timeline: bool) -> int:
+def run_layer(out: Path, variants: str, timeline: bool, warm: int = 0) -> int:
     """``profile_layer_gpu.py`` in this process: the ``layer`` step (chained
-    launches) or the ``timeline`` step; its exit status."""
+    launches) or the ``timeline`` step (``warm``: its ``--warm``); its exit status."""
     profile_layer_gpu = layer_profiler()
     argv = [str(out / ("timeline" if timeline else "layer")), "--variants", variants]
+    if timeline:
+        argv += ["--timeline", "--warm", str(warm)]
     try:
-        return int(profile_layer_gpu.main(argv + (["--timeline"] if timeline else [])) or 0)
+        return int(profile_layer_gpu.main(argv) or 0)
     except SystemExit as e:  # its usage errors and failed checks
         if e.code not in (None, 0):
             print(e.code if isinstance(e.code, str) else f"exit {e.code}", file=sys.stderr)
@@ -273,7 +275,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--layer-variants", default="default,NPL=0,UNROLL=0",
                     help="variants of the layer and timeline steps (profile_layer_gpu.py's "
                          "--variants; default default,NPL=0,UNROLL=0)")
+    ap.add_argument("--timeline-warm", type=int, default=0, metavar="N",
+                    help="the timeline step's --warm: mark the last of N chained launches, no "
+                         "L2 flush (default 0: one launch after a flush)")
     args = ap.parse_args(argv)
+    if args.timeline_warm < 0:
+        ap.error("--timeline-warm takes N >= 0")
     try:
         plan = parse_plan(args.plan)
     except ValueError as e:
@@ -301,8 +308,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if name == "tests":
             fn = lambda: run_tests(args.test_filter)  # noqa: E731
         elif name in ("layer", "timeline"):
-            fn = (lambda t: lambda: run_layer(args.out, args.layer_variants, t))(
-                name == "timeline")
+            fn = (lambda t: lambda: run_layer(args.out, args.layer_variants, t,
+                                               args.timeline_warm))(name == "timeline")
         else:
             enable = "decode-const" if name == "bench" and "decode-const" in ablate else None
             argv_ = bench_argv(name, args.out, args.ablate, args.real_prefill)

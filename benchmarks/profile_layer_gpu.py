@@ -24,10 +24,16 @@ random weights, bfloat16) and measures them two ways:
 * ``--timeline``: each variant built with the kernel's phase marks
   (``QAB_MARK``, recording the GPU's global timer by ticket) on one layer,
   after an L2 flush: per phase the first start, the median and last end of
-  waiting, and the last end of work, in us from the launch's first ticket,
-  medians over ``--reps`` launches, plus the blocks resident at the start
-  (``started_1us``). The marks cost registers: check ``started_1us`` against
-  the shipped build's occupancy before reading phase overlaps.
+  waiting, the median, 90th percentile and last end of work, and the median
+  item's sub-steps (``QAB_SUBMARK``: input staged, dots done, rows written,
+  fence; ``profile_moe_block_gpu.SUBMARKS``), in us from the launch's first
+  ticket, medians over ``--reps`` launches, plus the blocks resident at the
+  start (``started_1us``). With ``--warm N`` the marked launch is instead the
+  last of N chained over N layers, no flush: the kernel's code in the L2 as
+  in decode (after a flush it comes from DRAM, and the phases' straight-line
+  code then costs microseconds of instruction fetch). The marks cost
+  registers: check ``started_1us`` against the shipped build's occupancy
+  before reading phase overlaps.
 
 Variants are ``ops.moe.DECODE_BLOCK_OPTIONS`` settings and the build keys of
 ``profile_moe_block_gpu.py`` (``SLEEP``, ``MINB``, ``RELAXED``, ``PIN``, ``MANT``), written
@@ -41,7 +47,8 @@ norm weight and eps before their wait; ``GSR=1``: the gate/up items route
 their token themselves; ``PERSIST+GRID=264+PSM=48+NPS=1``: a persistent grid
 whose blocks copy their next-projection rows into shared memory at their
 start, ``NPS=2`` after their first item; ``MANT=1``: quantized weights made
-floats through a float's mantissa), plus ``PACK=0`` (the unpacked GD build,
+floats through a float's mantissa; ``ROLL=0``: the items' dot loops unrolled,
+not rolled as shipped (``moe-block-roll`` off)), plus ``PACK=0`` (the unpacked GD build,
 ``moe_decode_block_gdn``, 47 inputs instead of 27) and ``PF=1`` (the ``l2-prefetch``
 build: the gate/up items that wait for nothing, resident from the launch's
 start, ask the L2 for the next projection's weight, scales and biases that its
@@ -55,6 +62,7 @@ Usage:
     python benchmarks/profile_layer_gpu.py OUT [--variants default,PACK=0] [--layers 8]
         [--chain 40] [--reps 20]
     python benchmarks/profile_layer_gpu.py OUT --timeline [--variants default] [--reps 20]
+        [--warm 4]
 """
 
 from __future__ import annotations
@@ -375,45 +383,72 @@ def phase_bounds(opts: dict) -> list[int]:
 def summarize_phases(samples: list, bounds: list[int]) -> dict:
     """Per phase, medians over launches of its marks in us from each launch's first ticket.
 
-    ``samples``: per launch, rows ``[start, wait end, work end, mark 3, SM]``
-    per ticket (0 where a mark does not apply). Mark 3 is the route items'
-    logits written and counted (the last of them then routes the row) and the
-    down items' end of their wait for the gate/up items; a phase with it gets
-    ``mark3_median`` and ``mark3_last`` too.
+    ``samples``: per launch, rows ``[start, wait end, work end, mark 3, SM,
+    sub-step marks ...]`` per ticket (0 where a mark does not apply). Mark 3
+    is the route items' logits written and counted (the last of them then
+    routes the row) and the down items' end of their wait for the gate/up
+    items; a phase with it gets ``mark3_median`` and ``mark3_last`` too.
+    Work ends: the median and 90th percentile item's and the last. Sub-step
+    marks (5 on, ``profile_moe_block_gpu.SUBMARKS``: what thread 0 of an item
+    had done then): ``sub``, per mark its name and the median item's time.
     """
+    from profile_moe_block_gpu import SUBMARKS
+
     phases = {}
     for p, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
         vals: dict[str, list] = {k: [] for k in ("start_first", "start_median",
                                                  "wait_end_median", "wait_end_last",
+                                                 "work_end_median", "work_end_p90",
                                                  "work_end_last")}
         started = []
+        sub: dict[int, list] = {}
         for s in samples:
             t0 = min(row[0] for row in s)
             rows = s[lo:hi]
             started.append(sum(1 for row in rows if row[0] - t0 < 1000))
             starts = sorted(row[0] - t0 for row in rows)
             waits = sorted((row[1] or row[0]) - t0 for row in rows)
+            ends = sorted(row[2] - t0 for row in rows)
             vals["start_first"].append(starts[0])
             vals["start_median"].append(starts[len(starts) // 2])
             vals["wait_end_median"].append(waits[len(waits) // 2])
             vals["wait_end_last"].append(waits[-1])
-            vals["work_end_last"].append(max(row[2] for row in rows) - t0)
+            vals["work_end_median"].append(ends[len(ends) // 2])
+            vals["work_end_p90"].append(ends[min(len(ends) - 1, (9 * len(ends)) // 10)])
+            vals["work_end_last"].append(ends[-1])
             marks = sorted(row[3] - t0 for row in rows if row[3])
             if marks:
                 vals.setdefault("mark3_median", []).append(marks[len(marks) // 2])
                 vals.setdefault("mark3_last", []).append(marks[-1])
+            for k in range(5, len(rows[0]) if rows else 5):
+                got = sorted(row[k] - t0 for row in rows if row[k])
+                if got:
+                    sub.setdefault(k, []).append(got[len(got) // 2])
         phases[PHASES[p]] = {k: round(statistics.median(x) / 1000.0, 2) for k, x in vals.items()
                              if x}
         phases[PHASES[p]]["blocks"] = hi - lo
         phases[PHASES[p]]["started_1us"] = int(statistics.median(started))
+        if sub:
+            names = SUBMARKS.get(PHASES[p], {})
+            phases[PHASES[p]]["sub"] = {
+                f"{k} {names.get(k, '?')}": round(statistics.median(x) / 1000.0, 2)
+                for k, x in sorted(sub.items(), key=lambda kv: statistics.median(kv[1]))}
     return phases
 
 
-def timeline(variants, layer: Layer, x, proj, reps: int) -> list[dict]:
-    """Per variant: :func:`summarize_phases` of ``reps`` launches, each after an L2 flush."""
+def timeline(variants, layers: list, x, proj, reps: int, warm: int = 0) -> list[dict]:
+    """Per variant: :func:`summarize_phases` of ``reps`` marked launches.
+
+    ``warm`` 0: each launch of ``layers[0]`` alone, after an L2 flush (its
+    weights, and the kernel's code, from DRAM). ``warm`` n > 0: each the
+    last of n chained launches over ``layers[:n]`` (as :func:`chain_times`
+    runs them, no flush), as in a decode token: the kernel's code and the
+    counters in the L2, the layer's weights not (the n - 1 layers before it,
+    ~40 MB each, pass through the 50 MB L2 first).
+    """
     import mlx.core as mx
 
-    from profile_moe_block_gpu import _StampedKernel
+    from profile_moe_block_gpu import STAMP_WIDTH, _StampedKernel
 
     flush = mx.zeros((64 * 1024 * 1024,), dtype=mx.float32)
     mx.eval(flush)
@@ -421,17 +456,25 @@ def timeline(variants, layer: Layer, x, proj, reps: int) -> list[dict]:
     for name, v in variants:
         bounds = phase_bounds(v.opts)
         marked = Variant(v.opts, v.packed, stamps=bounds[-1])
-        (lay,) = private_states([layer])
+        own = private_states(layers[:max(1, warm)])
         samples = []
         with marked:
-            counter = marked.counter(lay, proj)
+            counters = [marked.counter(lay, proj) for lay in own]
+            mx.eval(counters)
             for _ in range(reps + 2):
-                mx.eval(flush + 1.0)
-                mx.synchronize()
-                mx.eval(launch(marked, lay, x, proj, counter))
-                stamps = _StampedKernel.last
+                if warm:
+                    h, p = x, proj
+                    mx.synchronize()
+                    for i, lay in enumerate(own):
+                        h, p, *_ = launch(marked, lay, h, p, counters[i])
+                    mx.eval(h, p)
+                else:
+                    mx.eval(flush + 1.0)
+                    mx.synchronize()
+                    mx.eval(launch(marked, own[0], x, proj, counters[0]))
+                stamps = _StampedKernel.last  # the last launch's
                 mx.eval(stamps)
-                samples.append(stamps.reshape(-1, 5).tolist())
+                samples.append(stamps.reshape(-1, STAMP_WIDTH).tolist())
         phases = summarize_phases(samples[2:], bounds)
         results.append({"variant": name, "phases": phases})
         print(f"{name}:")
@@ -456,8 +499,14 @@ def main(argv=None) -> int:
                    help="timed chains (or marked launches with --timeline) per variant")
     p.add_argument("--timeline", action="store_true",
                    help="record each ticket's phase times on one layer instead of timing chains")
+    p.add_argument("--warm", type=int, default=0, metavar="N",
+                   help="--timeline: mark the last of N chained launches over N layers, no L2 "
+                        "flush (the code and counters warm, as in decode); 0 (default): one "
+                        "launch after an L2 flush")
     args = p.parse_args(argv)
     check_out(p, args.out)
+    if args.warm < 0 or (args.warm and not args.timeline):
+        p.error("--warm takes N >= 0 and goes with --timeline")
     try:
         variants = [(v, Variant(*split_variant(v))) for v in args.variants.split(",") if v]
     except ValueError as exc:
@@ -471,7 +520,8 @@ def main(argv=None) -> int:
         p.error("profiling needs MLX's CUDA backend and a CUDA GPU")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    layers = [build_layer(100 + i) for i in range(1 if args.timeline else args.layers)]
+    layers = [build_layer(100 + i)
+              for i in range(max(1, args.warm) if args.timeline else args.layers)]
     kx, kp = mx.random.split(mx.random.key(3))
     x = (4.0 * mx.random.normal((1, 1, H), key=kx)).astype(mx.bfloat16)
     proj = mx.random.normal((1, 1, PN), key=kp).astype(mx.bfloat16)
@@ -487,7 +537,8 @@ def main(argv=None) -> int:
                         "next_rows": PN, "dtype": "bfloat16"},
               "bytes_per_launch": layer_bytes(layers[0]), "reps": args.reps}
     if args.timeline:
-        result["variants"] = timeline(variants, layers[0], x, proj, args.reps)
+        result["warm"] = args.warm
+        result["variants"] = timeline(variants, layers, x, proj, args.reps, args.warm)
         stem = "profile-layer-gpu-timeline"
     else:
         result.update(layers=args.layers, chain=args.chain,

@@ -22,7 +22,9 @@ the block gives the three launches' output bit for bit, and then either
   weights stream from HBM as in decode); or
 * ``--timeline``: runs each variant built with the kernel's phase marks
   (``QAB_MARK`` in ``common.cuh``) recording the GPU's global timer per ticket:
-  when the block took the ticket, finished waiting, finished its work, and its SM. The L2
+  when the block took the ticket, finished waiting, finished its work, and its SM,
+  plus thread 0's sub-steps (``QAB_SUBMARK``, ``SUBMARKS``: e.g. an item's input
+  staged, its dots done, its rows written, its fence before the count). The L2
   is flushed (a 256 MB write) before each launch. Prints, per phase, the first
   start, the median and last wait end, and the last work end, in us from the
   launch's first ticket, medians over ``--reps`` launches.
@@ -86,13 +88,37 @@ PHASES = ("route", "gate/up", "down")
 BUILD_KEYS = ("SLEEP", "MINB", "RELAXED", "PIN", "MANT")
 #: The build keys that are flags (0 or 1), as the options whose default is a bool.
 BUILD_FLAGS = ("RELAXED", "PIN", "MANT")
+#: Marks per ticket in the --timeline build: 0 start (its ticket taken), 1 its
+#: wait's end, 2 its work's end, 3 a phase's own (the route's logits counted,
+#: the down items' end of their wait for the gate/up items), 4 the SM, and
+#: 5 .. STAMP_WIDTH - 1 the sub-step marks of SUBMARKS.
+STAMP_WIDTH = 16
+#: The sub-step marks a phase's items record (QAB_SUBMARK in the headers,
+#: QAB_MARK(k >= 5) in moe_decode_block.cu): mark -> what thread 0 has done.
+SUBMARKS = {
+    "gdn": {5: "conv, gates", 6: "q, k normed", 7: "pass 1", 8: "pass 2", 9: "pass 3",
+            10: "pass 4", 11: "counted"},
+    "out-proj": {5: "staged", 6: "dots", 7: "written", 11: "counted"},
+    "route": {5: "add, norm", 6: "logits written", 7: "logits fence", 8: "logits read (last)",
+              11: "routed counted (last)"},
+    "gate/up": {5: "x staged", 6: "dots", 7: "written", 11: "counted"},
+    "down": {5: "loads issued", 6: "h staged", 7: "dots", 8: "written", 11: "counted"},
+    "next-proj": {8: "norm", 5: "staged", 6: "dots", 7: "written"},
+}
 #: QAB_MARK as the --timeline build defines it: thread 0 stores the global
-#: timer (ns) as mark k of its ticket.
-MARK_DEFINE = ("#define QAB_MARK(k) do { if (threadIdx.x == 0) { unsigned long long qab_t_; "
+#: timer (ns) as mark k of its ticket (at mark 0 also the SM, and where its
+#: row of marks is, in a shared variable of the block: QAB_SUBMARK, used in
+#: the headers' helpers, which do not see the ticket, writes there).
+MARK_DEFINE = ("__shared__ unsigned long long* qab_mark_row_;\n"
+               "#define QAB_MARK(k) do { if (threadIdx.x == 0) { unsigned long long qab_t_; "
                "asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(qab_t_)); "
-               "stamps[(size_t)tk * 5 + (k)] = qab_t_; if ((k) == 0) { unsigned s_; "
-               "asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(s_)); "
-               "stamps[(size_t)tk * 5 + 4] = s_; } } } while (0)\n")
+               f"if ((k) == 0) {{ qab_mark_row_ = stamps + (size_t)tk * {STAMP_WIDTH}; "
+               "unsigned s_; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(s_)); "
+               "qab_mark_row_[4] = s_; } "
+               f"stamps[(size_t)tk * {STAMP_WIDTH} + (k)] = qab_t_; }} }} while (0)\n"
+               "#define QAB_SUBMARK(k) do { if (threadIdx.x == 0) { unsigned long long qab_t_; "
+               "asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(qab_t_)); "
+               "qab_mark_row_[(k)] = qab_t_; } } while (0)\n")
 
 
 def build_prefix(variant: dict) -> str:
@@ -405,7 +431,7 @@ def timeline(layer, variants, reps: int, spin: int = 0) -> list[dict]:
                 _block(layer, counter)
                 stamps = _StampedKernel.last
                 mx.eval(stamps)
-                samples.append(stamps.reshape(-1, 5).tolist())
+                samples.append(stamps.reshape(-1, STAMP_WIDTH).tolist())
         samples = samples[2:]  # the first launches compile and warm
         phases = {}
         for p, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
@@ -466,7 +492,7 @@ class _StampedKernel:
     def __call__(self, **kw):
         import mlx.core as mx
 
-        outs = self.kernel(**{**kw, "output_shapes": kw["output_shapes"] + [(self.items * 5,)],
+        outs = self.kernel(**{**kw, "output_shapes": kw["output_shapes"] + [(self.items * STAMP_WIDTH,)],
                               "output_dtypes": kw["output_dtypes"] + [mx.uint64]},
                            init_value=0)
         _StampedKernel.last = outs[-1]

@@ -1428,7 +1428,8 @@ def test_gpu_session_bench_step_runs_qab_bench_in_process(tmp_path, monkeypatch)
 def test_gpu_session_layer_steps_run_the_layer_profiler_in_process(tmp_path, monkeypatch):
     # The layer and timeline steps call benchmarks/profile_layer_gpu.py's main
     # in this process with the step's folder and the session's
-    # --layer-variants (timeline adding --timeline); its usage errors come
+    # --layer-variants (timeline adding --timeline and --warm, the session's
+    # --timeline-warm); its usage errors come
     # back as the step's status, not as the session's exit.
     import importlib
 
@@ -1440,8 +1441,12 @@ def test_gpu_session_layer_steps_run_the_layer_profiler_in_process(tmp_path, mon
     monkeypatch.setattr(prof, "main", lambda argv: calls.append(argv) or 0)
     assert mod.run_layer(tmp_path, "default,GRPW=4", False) == 0
     assert mod.run_layer(tmp_path, "default", True) == 0
+    assert mod.run_layer(tmp_path, "default", True, 4) == 0  # --timeline-warm 4
     assert calls == [[str(tmp_path / "layer"), "--variants", "default,GRPW=4"],
-                     [str(tmp_path / "timeline"), "--variants", "default", "--timeline"]]
+                     [str(tmp_path / "timeline"), "--variants", "default", "--timeline",
+                      "--warm", "0"],
+                     [str(tmp_path / "timeline"), "--variants", "default", "--timeline",
+                      "--warm", "4"]]
 
     def refuse(argv):
         raise SystemExit(2)

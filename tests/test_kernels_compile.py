@@ -130,8 +130,9 @@ CASES = {
          "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1, "CS": 32, "PERSIST": False,
          "PREFETCH": True, "STAGE": False, "GRPW": 2, "EARLY": False, "PF": False,
          "OP": False, "DO": 1024, "OG": 32, "NP": False, "PN": 1, "PG": 32, "PRW": 2,
-         "PSM": 0, "UNROLL": False, "NPL": False, "RPL": False, "GSR": False, "NPS": 0}),
-    # The shipped build (STAGE, EARLY, UNROLL, OP, NP) with Qwen3.6's Gated DeltaNet step
+         "PSM": 0, "UNROLL": False, "NPL": False, "RPL": False, "GSR": False, "NPS": 0,
+         "ROLL": False}),
+    # The shipped build (STAGE, EARLY, UNROLL, ROLL, OP, NP) with Qwen3.6's Gated DeltaNet step
     # first (GD): 16 key and 32 value heads of 128, conv 4, the packed 12,352-wide row.
     "moe_decode_block_gdn": (
         ["bf16", "bf16", "bf16", "f32", "u32", "bf16", "bf16", "u32", "bf16", "bf16", "u32",
@@ -144,7 +145,7 @@ CASES = {
          "SGG": 64, "NORM": True, "BLOCK": 256, "RB": 1, "CS": 32, "PERSIST": False,
          "PREFETCH": True, "STAGE": True, "GRPW": 2, "EARLY": True, "PF": False,
          "OP": True, "DO": 4096, "OG": 64, "NP": True, "PN": 12352, "PG": 64, "PRW": 2, "PSM": 0,
-         "UNROLL": True, "NPL": False, "RPL": False, "GSR": False, "NPS": 0,
+         "UNROLL": True, "NPL": False, "RPL": False, "GSR": False, "NPS": 0, "ROLL": True,
          "GHk": 16, "GHv": 32, "GDk": 128, "GDv": 128, "GKc": 4, "GBIAS": False,
          "GW": 12352, "GDS": 1}),
     # Qwen3.6's token embedding (248,320 rows of 2,048, 4-bit, group 64).
@@ -448,18 +449,28 @@ _BLOCK_OP_NP = (CASES["moe_decode_block"][0], CASES["moe_decode_block"][1],
                                      ("moe_decode_block_pack",
                                       (*CASES["moe_decode_block_pack"][:2],
                                        {**CASES["moe_decode_block_pack"][2], "NPL": True,
-                                        "PERSIST": True, "PSM": 48, "NPS": 1}))],
+                                        "PERSIST": True, "PSM": 48, "NPS": 1})),
+                                     ("moe_decode_block_gdn_pack",
+                                      (*CASES["moe_decode_block_gdn_pack"][:2],
+                                       {**CASES["moe_decode_block_gdn_pack"][2], "NPL": True,
+                                        "ROLL": False})),
+                                     ("moe_decode_block_pack",
+                                      (*CASES["moe_decode_block_pack"][:2],
+                                       {**CASES["moe_decode_block_pack"][2], "NPL": True,
+                                        "ROLL": True}))],
                          ids=["op-np", "gd-op-np", "pack-op-np", "pack-gd-op-np",
                               "pack-gd-op-np-prw4", "pack-gd-op-np-gds4", "pack-gd-op-np-gds2",
                               "pack-gd-op-np-no-unroll", "pack-op-np-no-unroll",
                               "pack-gd-op-np-npl", "pack-op-np-npl",
                               "pack-gd-op-np-npl-rpl-gsr", "pack-op-np-npl-rpl-gsr",
-                              "pack-gd-op-np-nps", "pack-op-np-nps"])
+                              "pack-gd-op-np-nps", "pack-op-np-nps",
+                              "pack-gd-op-np-npl-no-roll", "pack-op-np-npl-roll"])
 def test_moe_block_keeps_two_blocks_per_sm(op, case, tmp_path):
     # The one-launch MoE block at Qwen3.6's shape (OP + NP; and with the GDN
     # step first, GD; and with 4 next-projection rows per warp, PRW; with 8
     # nvcc 13 spills 32 bytes at this cap, so ops.moe refuses PRW 8; UNROLL as
-    # shipped and, -no-unroll, off: moe-block-unroll's ablation; -nps:
+    # shipped and, -no-unroll, off: moe-block-unroll's ablation; ROLL as
+    # shipped and, -no-roll, off: moe-block-roll's; -nps:
     # moe-block-nps's build, a persistent grid whose phases' items run in a
     # loop each) must
     # fit two blocks of 256 threads on an SM: at most 128 registers per thread
@@ -481,11 +492,13 @@ def test_moe_block_with_staged_next_projection_keeps_two_blocks_per_sm(psm, nps,
     # (and the 1 KB the driver reserves per block) within the SM's 228 KB.
     from qwen_apple_backend.ops.moe import decode_block_dynamic_shared_bytes
 
+    # NPS 2 (the copy issued after each block's first item, a call in every
+    # phase's loop) spills 60 bytes with nvcc 13 with the dot loops unrolled
+    # (ROLL off), 124 rolled: measured slower, it is built only on request,
+    # so it is checked unrolled; the bound catches more.
     case = (*CASES["moe_decode_block_gdn_pack"][:2],
             {**CASES["moe_decode_block_gdn_pack"][2], "PSM": psm, "NPS": nps,
-             "PERSIST": nps > 0})
-    # NPS 2 (the copy issued after each block's first item, a call in every
-    # phase's loop) spills 60 bytes with nvcc 13; the bound catches more.
+             "PERSIST": nps > 0, "ROLL": nps != 2})
     regs = _compile_without_spills("moe_decode_block_gdn_pack", case, tmp_path,
                                    64 if nps == 2 else 0)
     assert max(regs) <= 128, regs

@@ -794,7 +794,7 @@ GDN_DECODE_BROKEN = {
     "q/k conv state never written": ("owner = hv % (Hv / Hk) == 0;\n    } else if",
                                      "owner = false;\n    } else if"),
     # Warps read the conv outputs before every thread has written them.
-    "missing __syncthreads": ("__syncthreads();\n\n  // Phase 2", "\n  // Phase 2"),
+    "missing __syncthreads": ("__syncthreads();\n  QAB_SUBMARK(5);", "\n  QAB_SUBMARK(5);"),
     # A finished row's conv state shifts anyway.
     "lengths ignored": ("const int from = shift ? 1 : 0;", "const int from = 1;"),
     # The RMSNorm averages over the wrong length.
@@ -2039,7 +2039,11 @@ def test_split_decode_attention_dispatch_and_self_check(monkeypatch):
 # bfloat16 with an 8-bit shared gate; one row in float16, 40 experts (a
 # partial route block), a 4-bit gate, raw scores.
 BLOCK_EMU_CASES = [((2, 16, 1024, 64, 4, 8), BF16, 64, True),
-                   ((1, 40, 1024, 32, 3, 4), F16, 32, False)]
+                   ((1, 40, 1024, 32, 3, 4), F16, 32, False),
+                   # (9 slots of 4 chunks: 36 down tasks, 2 per lane, and 2 chunks per
+                   # lane of each gate/up row, so that the rolled loops of ROLL, the
+                   # default, shift their arrays)
+                   ((1, 16, 2048, 128, 8, 8), BF16, 64, True)]
 
 
 @pytest.mark.parametrize("shape,dtype,rg,norm", BLOCK_EMU_CASES,
@@ -2117,12 +2121,13 @@ def test_moe_decode_block_out_proj_is_the_gemv_then_the_block_emulated(options, 
                                          True),
                                         ({"PSM": 16, "PERSIST": True, "GRID": 4, "NPS": 2},
                                          False),
-                                        ({"PSM": 32, "NPS": 1}, False)],
+                                        ({"PSM": 32, "NPS": 1}, False),
+                                        ({"ROLL": False}, True), ({"ROLL": False}, False)],
                          ids=["default", "EARLYFalse-op", "PERSIST-op", "PRW4-op", "PRW1",
                               "PSM32-op", "PSM64", "PSM16-PERSIST", "UNROLLFalse-op",
                               "UNROLLFalse-PSM32", "NPL-op", "NPL-PRW1", "NPL-PERSIST-op",
                               "NPL-PSM32", "NPS1-PSM32-PERSIST-op", "NPS2-PSM16-PERSIST",
-                              "NPS1-PSM32-not-persistent"])
+                              "NPS1-PSM32-not-persistent", "ROLLFalse-op", "ROLLFalse"])
 def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(options, op,
                                                                              monkeypatch):
     # NP: the next layer's input RMSNorm + 4-bit input projection (80 rows: a
@@ -3277,7 +3282,9 @@ def test_layer_profiler_chains_packed_and_unpacked_layers_emulated(monkeypatch):
     assert kw["output_names"][-1] == "stamps" and "gd_state" in kw["input_names"]
     assert "pk" not in kw["input_names"]  # the unpacked GD build
     assert "#define QAB_WAIT_SLEEP_NS 0" in kw["header"]
-    assert "(size_t)ticket * 5" in kw["header"] and "(size_t)tk" not in kw["header"]
+    assert "(size_t)ticket * 16" in kw["header"] and "(size_t)tk" not in kw["header"]
+    # The sub-step marks write through the row QAB_MARK(0) points to.
+    assert "#define QAB_SUBMARK(k)" in kw["header"] and "qab_mark_row_" in kw["header"]
     monkeypatch.setattr(mx.fast, "cuda_kernel", emu.emulated_cuda_kernel)
     layers = [m.build_layer(100 + i) for i in range(2)]
     kx, kp = mx.random.split(mx.random.key(3))
@@ -3358,8 +3365,8 @@ def test_layer_profiler_phase_bounds_and_summary(monkeypatch):
               [1200, 7000, 9000, 0, 2], [3000, 8000, 12000, 0, 3]]
     got = m.summarize_phases([launch, launch], [0, 2, 4])
     assert got["gdn"] == {"start_first": 0.0, "start_median": 0.5, "wait_end_median": 0.5,
-                          "wait_end_last": 0.5, "work_end_last": 5.0, "blocks": 2,
-                          "started_1us": 2}
+                          "wait_end_last": 0.5, "work_end_median": 5.0, "work_end_p90": 5.0,
+                          "work_end_last": 5.0, "blocks": 2, "started_1us": 2}
     assert got["out-proj"]["wait_end_median"] == 7.0 and got["out-proj"]["work_end_last"] == 11.0
     assert got["out-proj"]["started_1us"] == 1
     # Mark 3 (the route's logits counted; the down items' gate/up wait end),
@@ -3368,3 +3375,20 @@ def test_layer_profiler_phase_bounds_and_summary(monkeypatch):
     got = m.summarize_phases([launch, launch], [0, 2, 4])
     assert "mark3_median" not in got["gdn"]
     assert (got["out-proj"]["mark3_median"], got["out-proj"]["mark3_last"]) == (9.0, 9.0)
+    # Sub-step marks (the timeline build's rows are STAMP_WIDTH wide): per
+    # mark its name (profile_moe_block_gpu.SUBMARKS) and the median item's
+    # time, in time order; a mark no item set is left out, and a phase
+    # without any has no "sub". Work ends: the median and 90th percentile
+    # item's too (ten items ending 1..10 us after the first ticket).
+    width = sys.modules["profile_moe_block_gpu"].STAMP_WIDTH
+    wide = [row + [0] * (width - 5) for row in launch]
+    wide[2][5], wide[3][5] = 7500, 8500   # out-proj: staged
+    wide[2][6], wide[3][6] = 8000, 11000  # dots
+    wide[2][11] = 9500                    # counted (one item)
+    got = m.summarize_phases([wide, wide], [0, 2, 4])
+    assert "sub" not in got["gdn"]
+    assert got["out-proj"]["sub"] == {"5 staged": 7.5, "6 dots": 10.0, "11 counted": 8.5}
+    ten = [[1000, 0, 1000 + 1000 * (i + 1), 0, 0] for i in range(10)]
+    got = m.summarize_phases([ten], [0, 10])
+    assert (got["gdn"]["work_end_median"], got["gdn"]["work_end_p90"],
+            got["gdn"]["work_end_last"]) == (6.0, 10.0, 10.0)

@@ -518,7 +518,8 @@ def test_a_wrong_projected_input_is_refused_and_the_mixer_keeps_working(tiny_q4,
 
 def test_report_says_when_a_switch_takes_the_blocks_phases_away(tiny_q4, monkeypatch):
     # moe-block-out-proj, moe-block-next-proj, moe-block-gdn, moe-block-pack,
-    # moe-block-unroll and moe-block-npl (on by default) live in the one-launch MoE block: the
+    # moe-block-unroll, moe-block-npl and moe-block-roll (on by default) live in the one-launch
+    # MoE block: the
     # report says when another switch takes it away (or, for next-proj, the
     # concatenated projections or norm-proj; for gdn, also the out-projection
     # phase or the GDN kernels), and says nothing by default or when they are
@@ -534,7 +535,7 @@ def test_report_says_when_a_switch_takes_the_blocks_phases_away(tiny_q4, monkeyp
     assert notes(disable=["moe-block"]) == [
         f"{n} is not used: it needs moe-block, which QAB_DISABLE / disable= switches off"
         for n in ("moe-block-out-proj", "moe-block-next-proj", "moe-block-gdn",
-                  "moe-block-pack", "moe-block-unroll", "moe-block-npl")]
+                  "moe-block-pack", "moe-block-unroll", "moe-block-npl", "moe-block-roll")]
     assert notes(disable=["proj-concat", "moe-block-out-proj"]) == [
         "moe-block-next-proj is not used: it needs proj-concat, which QAB_DISABLE / disable= "
         "switches off",
@@ -549,7 +550,8 @@ def test_report_says_when_a_switch_takes_the_blocks_phases_away(tiny_q4, monkeyp
     assert notes() == [f"{n} is not used: next-norm from QAB_ENABLE replaces the one-launch "
                        "MoE block" for n in ("moe-block-out-proj", "moe-block-next-proj",
                                              "moe-block-gdn", "moe-block-pack",
-                                             "moe-block-unroll", "moe-block-npl")]
+                                             "moe-block-unroll", "moe-block-npl",
+                                             "moe-block-roll")]
 
 
 def test_deferred_gated_delta_runs_its_step_once_and_stores_the_states():

@@ -1559,7 +1559,8 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
     # reaches the call as its overrides' STAGE, early_gate_up (on by default;
     # QAB_DISABLE=moe-block-early clears it) as its EARLY, unroll_stage (on by
     # default; QAB_DISABLE=moe-block-unroll clears it) as its UNROLL, npl_items
-    # (on by default; QAB_DISABLE=moe-block-npl clears it) as its NPL.
+    # (on by default; QAB_DISABLE=moe-block-npl clears it) as its NPL,
+    # roll_dots (on by default; QAB_DISABLE=moe-block-roll clears it) as its ROLL.
     from qwen_apple_backend.layers import moe as moe_layer
 
     seen = []
@@ -1569,7 +1570,7 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
               prefetch=(), out_proj=None, next_proj=None, overrides=None):
         assert out_proj is None
         seen.append((backend, counter))
-        stages.append(tuple(overrides[k] for k in ("STAGE", "EARLY", "UNROLL", "NPL")))
+        stages.append(tuple(overrides[k] for k in ("STAGE", "EARLY", "UNROLL", "NPL", "ROLL")))
         return (x + r) * 3
 
     monkeypatch.setattr(moe_layer, "moe_decode_block", block)
@@ -1584,6 +1585,7 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
     b.early_gate_up = False
     b.unroll_stage = False
     b.npl_items = False
+    b.roll_dots = False
     norm = nn.RMSNorm(H)
     x, r = inputs((1, 1, H)), inputs((1, 1, H), seed=3)
     n = moe_ops.decode_block_counter_length()
@@ -1602,10 +1604,10 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
         assert "_serial_counter" not in b.__dict__
         assert own.shape == (n,) and own.dtype == mx.uint32 and not mx.any(own).item()
         assert seen == [("fake", own)]
-    assert stages == [(False, False, False, False)] * 4
+    assert stages == [(False, False, False, False, False)] * 4
     # (Compiled calls, compile_decode left on: each switch is part of the
     # compiled graph's key, so each change reaches the call in a new trace.)
-    switches = ("stage_down", "early_gate_up", "unroll_stage", "npl_items")
+    switches = ("stage_down", "early_gate_up", "unroll_stage", "npl_items", "roll_dots")
     for i, name in enumerate(switches):
         setattr(b, name, True)
         b.add_norm_forward(x, r, norm)
@@ -1638,7 +1640,7 @@ def test_decode_block_build_applies_an_overrides_mapping():
                                       True, True)
     assert got == {**opts, "STAGE": False, "NPL": False, "PF": True, "OP": True, "NP": True}
     assert got["NPL"] is False and got["UNROLL"] is opts["UNROLL"]
-    for flag in ("STAGE", "EARLY", "UNROLL", "NPL"):
+    for flag in ("STAGE", "EARLY", "UNROLL", "NPL", "ROLL"):
         for value in (False, True):
             build = moe_ops._decode_block_build({flag: value})
             assert build[flag] is value
@@ -1668,6 +1670,9 @@ def test_block_keywords_become_one_overrides_mapping(monkeypatch):
     # with the mapping, or an unknown key, is refused before anything runs.
     assert moe_ops._build_overrides(stage=None, early=False, unroll=None, npl=True) == {
         "EARLY": False, "NPL": True}
+    assert moe_ops._build_overrides(roll=False) == {"ROLL": False}
+    with pytest.raises(ValueError, match=r"roll=True disagrees with overrides\['ROLL'\]"):
+        moe_ops._build_overrides({"ROLL": False}, roll=True)
     assert moe_ops._build_overrides({"UNROLL": False, "STAGE": None}, stage=True) == {
         "UNROLL": False, "STAGE": True}
     assert moe_ops._build_overrides({"NPL": True}, npl=True) == {"NPL": True}
@@ -1699,16 +1704,17 @@ def test_block_keywords_become_one_overrides_mapping(monkeypatch):
 
 
 def test_fused_block_passes_its_switches_as_one_overrides_mapping():
-    # FusedSparseMoeBlock's four build switches (QAB_DISABLE's moe-block-stage,
-    # -early, -unroll, -npl clear them) are the one mapping its calls pass.
+    # FusedSparseMoeBlock's five build switches (QAB_DISABLE's moe-block-stage,
+    # -early, -unroll, -npl, -roll clear them) are the one mapping its calls pass.
     b = FusedSparseMoeBlock.from_stock(make_stock(seed=4))
     assert b._block_overrides() == {"STAGE": True, "EARLY": True, "UNROLL": True, "NPL": True,
-                                    "NPS": 0}
+                                    "ROLL": True, "NPS": 0}
     b.early_gate_up = False
     b.npl_items = False
+    b.roll_dots = False
     b.nps_mode = 2  # (the opt-in moe-block-nps sets ops.moe.NPS_MODE)
     assert b._block_overrides() == {"STAGE": True, "EARLY": False, "UNROLL": True,
-                                    "NPL": False, "NPS": 2}
+                                    "NPL": False, "ROLL": False, "NPS": 2}
     assert moe_ops._decode_block_build(b._block_overrides())["EARLY"] is False
     assert moe_ops._decode_block_build(b._block_overrides())["NPS"] == 2
 

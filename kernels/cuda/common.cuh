@@ -198,6 +198,15 @@ __device__ __forceinline__ void qab_store_f32(float* p, bool vec, const float (&
 #define QAB_MARK(k)
 #endif
 
+// A sub-step mark inside a ticketed item, where the helpers below (and the
+// other headers) cannot see the kernel's ticket: nothing, unless a profiling
+// build defines it first (benchmarks/profile_moe_block_gpu.py's MARK_DEFINE
+// records thread 0's global timer as mark k, k >= 5, of the item its block
+// runs). The shipped kernels' text is unchanged by these marks.
+#ifndef QAB_SUBMARK
+#define QAB_SUBMARK(k)
+#endif
+
 // qab_wait_count's sleep between two polls, in ns (a profiling build may set it).
 #ifndef QAB_WAIT_SLEEP_NS
 #define QAB_WAIT_SLEEP_NS 32

@@ -64,6 +64,12 @@
 // the caller applies phase 4 (qab_gdn_gated_norm_inv and qab_gdn_gated_out:
 // the same arithmetic in the same order, the same bits). Each row's
 // arithmetic is the unsplit call's.
+
+// Sub-step marks of profiling builds (common.cuh's; the standalone kernel does
+// not include common.cuh): nothing here.
+#ifndef QAB_SUBMARK
+#define QAB_SUBMARK(k)
+#endif
 template <typename InT, typename WT, int Hk, int Hv, int Dk, int Dv, int Kc, int BLOCK,
           bool HAS_BIAS, bool HAS_MASK, bool HAS_LENGTHS, int PROJ_W, int PASSES = 1,
           int SPLIT = 1, typename MT, typename LT>
@@ -172,6 +178,7 @@ __device__ __forceinline__ void qab_gdn_decode_head(
   const float gate = expf(-decay * sp);
   const float beta = rnd(1.f / (1.f + expf(-static_cast<float>(b_proj[(size_t)b * BA_ROW + B_OFF + hv]))));
   __syncthreads();
+  QAB_SUBMARK(5);  // (profiling builds: the conv and the gates done)
 
   // Phase 2: l2-normalised k and q (q also scaled by Dk^-0.5), this lane's part,
   // as the ops path: rms_norm with eps / Dk, then times Dk^-0.5 (k) or 1 / Dk (q).
@@ -199,6 +206,7 @@ __device__ __forceinline__ void qab_gdn_decode_head(
     qn[i] = rnd(qmul * rnd(qn[i] * qinv));
   }
 
+  QAB_SUBMARK(6);  // (profiling builds: q and k normalised)
   // Phase 3: the recurrent step on this warp's rows, RPP rows per pass.
 #pragma unroll 1
   for (int pass = 0; pass < PASSES; ++pass) {
@@ -264,6 +272,7 @@ __device__ __forceinline__ void qab_gdn_decode_head(
         }
       }
     }
+    QAB_SUBMARK(7 + pass);  // (profiling builds: thread 0's pass done)
   }
   if constexpr (SPLIT > 1) {
     return;  // the caller's phase 4 (qab_gdn_gated_norm_inv, qab_gdn_gated_out)

@@ -113,8 +113,8 @@ __device__ __forceinline__ void qab_q4_stage_x_sums(float4 (&xs)[8][NC], float* 
 // stage_input false: `stage` and `stage_sum` already hold this x (the block
 // staged it for an earlier call with the same x and has not written them
 // since: moe_decode_block.cu's NPL), so neither `wait` nor the staging runs.
-template <typename OutT, typename ST, int KD, int G, int RPW, int NT = 0, typename XF,
-          typename Wait = QabNoWait>
+template <typename OutT, typename ST, int KD, int G, int RPW, int NT = 0, bool ROLL = false,
+          typename XF, typename Wait = QabNoWait>
 __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout, const XF xv_of,
                                                  const uint32_t* w, const ST* scales,
                                                  const ST* biases, OutT* y, float4* stage,
@@ -155,23 +155,48 @@ __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout,
     wait();
     qab_q4_stage_x_sums<NC, NT>(xs, xsum, xv_of);
     __syncthreads();
+    QAB_SUBMARK(5);  // (profiling builds: the input staged)
   }
   float acc[RPW];
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
     acc[r] = 0.f;
   }
-#pragma unroll
-  for (int i = 0; i < CPL; ++i) {
+  // Chunk i's dots, its loads at index ii of wv, sc, bi (ii == i, or 0 rolled).
+  auto chunk_dot = [&](const int i, const int ii) {
     const int c = lane + 32 * i;
     float xv[32];
     qab_q4_chunk_x<NC>(xs, c, xv);
     const float s = xsum[c];
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
-      acc[r] = fmaf(sc[r][i], qab_q4_dot32(wv[r][i], xv), fmaf(bi[r][i], s, acc[r]));
+      acc[r] = fmaf(sc[r][ii], qab_q4_dot32(wv[r][ii], xv), fmaf(bi[r][ii], s, acc[r]));
+    }
+  };
+  if constexpr (ROLL) {
+    // One chunk's code in a loop, the loaded arrays shifted down by one
+    // after each chunk (static indices: they stay in registers): a CPL-th of
+    // the unrolled code for the SM's instruction cache, the same arithmetic.
+#pragma unroll 1
+    for (int i = 0; i < CPL; ++i) {
+      chunk_dot(i, 0);
+#pragma unroll
+      for (int j = 0; j + 1 < CPL; ++j) {
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+          wv[r][j] = wv[r][j + 1];
+          sc[r][j] = sc[r][j + 1];
+          bi[r][j] = bi[r][j + 1];
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      chunk_dot(i, i);
     }
   }
+  QAB_SUBMARK(6);  // (profiling builds: thread 0's dots done, its weights in)
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
     const float v = qab_warp_sum(acc[r]);
@@ -179,6 +204,7 @@ __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout,
       y[base + r] = static_cast<OutT>(v);
     }
   }
+  QAB_SUBMARK(7);  // (profiling builds: thread 0's rows written)
 }
 
 // quantized_gemv.cu's NORM factor for one row (its M loop at M = 1):
@@ -317,6 +343,7 @@ __device__ __forceinline__ void qab_q4_gemv_rows_staged(
   qab_q4_stage_x_sums<NC, BLOCK>(xs, xsum, xv_of);
   qab_cp_async_wait<0>();
   __syncthreads();
+  QAB_SUBMARK(5);  // (profiling builds: the input and the rows staged)
   float acc[RPWS];
 #pragma unroll
   for (int r = 0; r < RPWS; ++r) {
@@ -339,6 +366,7 @@ __device__ __forceinline__ void qab_q4_gemv_rows_staged(
       }
     }
   }
+  QAB_SUBMARK(6);  // (profiling builds: thread 0's dots done)
 #pragma unroll
   for (int r = 0; r < RPWS; ++r) {
     const int row = warp * RPWS + r;
@@ -347,4 +375,5 @@ __device__ __forceinline__ void qab_q4_gemv_rows_staged(
       y[row0 + row] = static_cast<OutT>(v);
     }
   }
+  QAB_SUBMARK(7);  // (profiling builds: thread 0's rows written)
 }

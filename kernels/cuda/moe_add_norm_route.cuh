@@ -125,7 +125,7 @@ __device__ __forceinline__ const T* qab_add_norm_row(const size_t n,
 // blocks to read (moe_decode_block.cu's GSR gate/up items wait on it) and the
 // caller resets it.
 template <typename T, int D, int E, int K, int G, bool NORM, int BLOCK, int RB, bool RCG = false,
-          bool PRE = false, bool RESET = true, typename Wait = QabNoWait,
+          bool PRE = false, bool RESET = true, bool ROLL = false, typename Wait = QabNoWait,
           typename Counted = QabNoWait>
 __device__ __forceinline__ bool qab_add_norm_route_part(
     const int part, const int nparts, const size_t n, const T* x, const T* r, const T* nw,
@@ -185,6 +185,7 @@ __device__ __forceinline__ bool qab_add_norm_route_part(
   } else {
     ys = qab_add_norm_row<T, D, BLOCK, RCG>(n, x, r, nw, eps, h, y, part == 0);
   }
+  QAB_SUBMARK(5);  // (profiling builds: h and y formed)
 
   // Phase 2: this block's router logits, RB expert rows per warp.
   {
@@ -196,19 +197,39 @@ __device__ __forceinline__ bool qab_add_norm_route_part(
       for (int i = 0; i < EPT; ++i) {
         sums[i] = 0.f;
       }
-#pragma unroll
-      for (int s = 0; s < STEPS; ++s) {
+      // Step s's EPT weights of row b, its loads at [b][ss] (ss == s, or 0 rolled).
+      auto step = [&](const int s, const int ss) {
         const int idx = lane * EPT + s * 32 * EPT;
-        const float sc = qs[b][s];
-        const float bi = qb[b][s];
+        const float sc = qs[b][ss];
+        const float bi = qb[b][ss];
         const QabVec<T, EPT> yv = *reinterpret_cast<const QabVec<T, EPT>*>(ys + idx);
-        const uint32_t words[2] = {q[b][s].x, q[b][s].y};
+        const uint32_t words[2] = {q[b][ss].x, q[b][ss].y};
 #pragma unroll
         for (int i = 0; i < EPT; ++i) {
           const float qv = qab_byte(words[i / 4], 8 * (i % 4));
           const float wd = static_cast<float>(
               static_cast<T>(static_cast<float>(static_cast<T>(qv * sc)) + bi));
           sums[i] = fmaf(static_cast<float>(yv.v[i]), wd, sums[i]);
+        }
+      };
+      if constexpr (ROLL) {
+        // ROLL (moe_decode_block.cu's): one step's code in a loop, row b's
+        // loads shifted down by one after each (static indices: registers):
+        // the same arithmetic, a STEPS-th of the code.
+#pragma unroll 1
+        for (int s = 0; s < STEPS; ++s) {
+          step(s, 0);
+#pragma unroll
+          for (int j = 0; j + 1 < STEPS; ++j) {
+            q[b][j] = q[b][j + 1];
+            qs[b][j] = qs[b][j + 1];
+            qb[b][j] = qb[b][j + 1];
+          }
+        }
+      } else {
+#pragma unroll
+        for (int s = 0; s < STEPS; ++s) {
+          step(s, s);
         }
       }
       float sum = 0.f;
@@ -224,7 +245,9 @@ __device__ __forceinline__ bool qab_add_norm_route_part(
   }
 
   // Phase 3: the block that finishes the row last routes it.
+  QAB_SUBMARK(6);  // (profiling builds: thread 0's logits written)
   __threadfence();
+  QAB_SUBMARK(7);  // (profiling builds: thread 0's fence done)
   __syncthreads();
   if (t == 0) {
     const unsigned int prev = atomicAdd(const_cast<uint32_t*>(count) + n, 1u);
@@ -242,6 +265,7 @@ __device__ __forceinline__ bool qab_add_norm_route_part(
     ls[e] = qab_ldcg(logits + n * E + e);
   }
   __syncthreads();
+  QAB_SUBMARK(8);  // (profiling builds: the row's logits read back)
   if (warp == 0) {
     qab_route_row<T, E, K, NORM>(ls, lane, inds + n * K, scores + n * K);
   }

@@ -190,6 +190,22 @@
 // ~4.7 us, and the phase still takes 12.7 us after the down items end
 // (13.6 with its weights loaded in it): its loads do not set its length. (A
 // STAGE down item's cp.async wait also waits for its block's NPS copies.)
+// ROLL (on by default: ops.moe's moe-block-roll switch): the items' dot
+// loops (out- and next-projection, qab_q4_gemv_rows; route logits,
+// qab_add_norm_route_part; gate/up, qab_moe_gate_up_shared_part; down,
+// qab_moe_down_shared_rows) run one chunk's (step's, task's) code in a loop,
+// their loaded weights shifted down a register array after each, instead of
+// unrolled: the same arithmetic in the same order, so the same bits, in two
+// thirds of the code (nvcc 13, sm_90, the packed GD build: 123 against 183
+// KB). A phase's first block on an SM fetches the phase's code through the
+// SM's instruction cache, which the launch's code overflows: in the
+// profiling builds' sub-step marks (QAB_SUBMARK) the out-projection items'
+// unrolled dots took 5.0 us after their input was staged and the down
+// items' 4.8, against 2.5 and 3.3 rolled, and Nsight Compute sampled "no
+// instruction" as the down dots' main stall. On an H100, the last of four
+// chained launches (benchmarks/profile_layer_gpu.py --timeline --warm 4):
+// the next projection ends at 56.5 against 61.8 us; end to end at 4K 304.7
+// against 287.7 tok/s (bench-nvidia-h100-s39-roll-4k.json).
 // Requirements: each of the three kernels' (see their sources); with OP,
 // DO % 1024 == 0 and OG % 32 == 0; with NP, H % 1024 == 0 and PG % 32 == 0.
 // Inputs: x, r [N, H] T (residual stream, mixer output); nw [H] T; eps [4]
@@ -329,6 +345,7 @@ constexpr int OBLK = OP ? (H + (BLOCK / 32) * QAB_OUT_RPW - 1) / ((BLOCK / 32) *
 // known at compile time (gemv_q4.cuh's NT: unrolled, a thread's L2 reads out
 // at once), else in a loop over blockDim.x (one round trip per iteration).
 constexpr int QAB_GEMV_NT = UNROLL ? BLOCK : 0;
+
 // The next-projection phase (NP): blocks per token row of QAB_NP_ROWS rows,
 // PRW per warp in registers, or with PSM > 0 PSM rows staged in the dynamic
 // shared memory (qab_q4_gemv_rows_staged).
@@ -448,6 +465,7 @@ auto np_wait = [&]() {
   np_inv = qab_q4_row_norm_inv<H, QAB_GEMV_NT>(
       [&](const int k) { return static_cast<float>(qab_ldcg(out + (size_t)np_n * H + k)); },
       peps[0]);
+  QAB_MARK(8);  // (profiling builds: the norm's factor)
 };
 // NPS: the next-projection chunk whose rows this block's shared memory holds
 // or is copying (-1: none), and the copy of its first unit's (every thread).
@@ -486,6 +504,7 @@ auto run_item = [&](auto phase) {
     if (tid == 0) {
       __threadfence();
       atomicAdd(gd_done, 1u);
+      QAB_MARK(11);  // (profiling builds: fenced and counted)
     }
 #endif
   } else if constexpr (P == 1) {
@@ -508,7 +527,7 @@ auto run_item = [&](auto phase) {
       // with z (qab_gdn_gated_out): the unsplit phase 4's bits.
       __shared__ float gd_inv[GHv];
       const T* zn = gd_proj + (size_t)n * GW + 2 * GHk * GDk + GHv * GDv;
-      qab_q4_gemv_rows<T, T, DO, OG, QAB_OUT_RPW, QAB_GEMV_NT>(
+      qab_q4_gemv_rows<T, T, DO, OG, QAB_OUT_RPW, QAB_GEMV_NT, ROLL>(
           o * (BLOCK / 32) * QAB_OUT_RPW, H,
           [&](const int k) {
             const int hv = k / GDv;
@@ -536,7 +555,7 @@ auto run_item = [&](auto phase) {
             __syncthreads();
           });
     } else {
-      qab_q4_gemv_rows<T, T, DO, OG, QAB_OUT_RPW, QAB_GEMV_NT>(
+      qab_q4_gemv_rows<T, T, DO, OG, QAB_OUT_RPW, QAB_GEMV_NT, ROLL>(
           o * (BLOCK / 32) * QAB_OUT_RPW, H, qab_row_load<true>(gon), ow, os, ob,
           ro + (size_t)n * H, gemv_stage, gemv_stage_sum, gd_wait);
     }
@@ -555,7 +574,7 @@ auto run_item = [&](auto phase) {
     }
 #endif
 #else
-    qab_q4_gemv_rows<T, T, DO, OG, QAB_OUT_RPW, QAB_GEMV_NT>(
+    qab_q4_gemv_rows<T, T, DO, OG, QAB_OUT_RPW, QAB_GEMV_NT, ROLL>(
         o * (BLOCK / 32) * QAB_OUT_RPW, H, qab_row_load<false>(ox + (size_t)n * DO), ow, os, ob,
         ro + (size_t)n * H, gemv_stage, gemv_stage_sum);
 #endif
@@ -564,10 +583,11 @@ auto run_item = [&](auto phase) {
     if (tid == 0) {
       __threadfence();
       atomicAdd(o_done, 1u);
+      QAB_MARK(11);  // (profiling builds: fenced and counted)
     }
   } else if constexpr (P == 2) {
     const int n = (tk - OBLK * rows) / RBLK;
-    const bool last = qab_add_norm_route_part<T, H, E, K, RG, NORM, BLOCK, RB, OP, RPL, !QAB_GSR>(
+    const bool last = qab_add_norm_route_part<T, H, E, K, RG, NORM, BLOCK, RB, OP, RPL, !QAB_GSR, ROLL>(
         tk - OBLK * rows - n * RBLK, RBLK, n, x, rr, nw, eps, gw, gs, gb, route_counts, h, y,
         logits, inds, scores, [&]() {
           wait_out_proj();
@@ -581,6 +601,7 @@ auto run_item = [&](auto phase) {
       if (tid == 0) {
         __threadfence();
         atomicAdd(routed, 1u);
+        QAB_MARK(11);  // (profiling builds: fenced and counted)
       }
     }
   } else if constexpr (P == 3) {
@@ -623,7 +644,7 @@ auto run_item = [&](auto phase) {
       __shared__ T gsr_logits[QAB_GSR ? E : 1];
       __shared__ uint32_t gsr_inds[K];
       __shared__ T gsr_scores[K];
-      qab_moe_gate_up_shared_part<T, H, I, K, G, SGB, SGG, !QAB_GSR, GRPW, QAB_GSR>(
+      qab_moe_gate_up_shared_part<T, H, I, K, G, SGB, SGG, !QAB_GSR, GRPW, QAB_GSR, ROLL>(
           bx, n, rows, qab_row_load<false>(ys), QAB_GSR ? gsr_inds : inds, w, scales, biases,
           s_gate_w, s_gate_scales, s_gate_biases, s_up_w, s_up_scales, s_up_biases, sg_w,
           sg_scales, sg_biases, act, sg_logit, [&]() {
@@ -653,7 +674,7 @@ auto run_item = [&](auto phase) {
       }
       __syncthreads();
       QAB_MARK(1);
-      qab_moe_gate_up_shared_part<T, H, I, K, G, SGB, SGG, true, GRPW>(
+      qab_moe_gate_up_shared_part<T, H, I, K, G, SGB, SGG, true, GRPW, false, ROLL>(
           g - n * GBLK, n, rows, qab_row_load<true>(y + (size_t)n * H), inds, w, scales, biases,
           s_gate_w, s_gate_scales, s_gate_biases, s_up_w, s_up_scales, s_up_biases, sg_w,
           sg_scales, sg_biases, act, sg_logit);
@@ -663,6 +684,7 @@ auto run_item = [&](auto phase) {
     if (tid == 0) {
       __threadfence();
       atomicAdd(gu_done, 1u);
+      QAB_MARK(11);  // (profiling builds: fenced and counted)
     }
   } else if constexpr (P == 4) {
     const int d = tk - (OBLK + RBLK + GBLK) * rows;
@@ -686,7 +708,7 @@ auto run_item = [&](auto phase) {
     };
     const int warp = (d - n * DBLK) * (BLOCK / 32) + (tid >> 5);
     if (warp * QAB_DOWN_RPW < H) {
-      qab_moe_down_shared_rows<T, H, I, K, G, true, true, STAGE>(
+      qab_moe_down_shared_rows<T, H, I, K, G, true, true, STAGE, ROLL>(
           warp, tid & 31, n, act, inds, scores, d_w, d_scales, d_biases, s_down_w,
           s_down_scales, s_down_biases, sg_logit, h, out, wait_gate_up);
     }
@@ -696,6 +718,7 @@ auto run_item = [&](auto phase) {
       if (tid == 0) {
         __threadfence();
         atomicAdd(d_done, 1u);
+        QAB_MARK(11);  // (profiling builds: fenced and counted)
       }
     }
   } else {
@@ -724,7 +747,7 @@ auto run_item = [&](auto phase) {
             next = atomicAdd(tickets, 1u);
           }
         }
-        qab_q4_gemv_rows<T, T, H, PG, PRW, QAB_GEMV_NT>(
+        qab_q4_gemv_rows<T, T, H, PG, PRW, QAB_GEMV_NT, ROLL>(
             (q - n * PBLK) * (BLOCK / 32) * PRW, PN, np_x, pw, ps, pb, po + (size_t)n * PN,
             gemv_stage, gemv_stage_sum, np_wait, stage_input);
         QAB_MARK(2);

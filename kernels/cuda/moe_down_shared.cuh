@@ -31,8 +31,8 @@ __device__ __forceinline__ HT* qab_down_h_smem() {
 }
 
 template <typename OutT, int H, int I, int K, int G, bool HAS_RES, bool CG = false,
-          bool STAGE = false, typename HT, typename ST, typename QT, typename SQT, typename RT,
-          typename Wait = QabNoWait>
+          bool STAGE = false, bool ROLL = false, typename HT, typename ST, typename QT,
+          typename SQT, typename RT, typename Wait = QabNoWait>
 __device__ __forceinline__ void qab_moe_down_shared_rows(
     const int warp, const int lane, const int n, const HT* h, const uint32_t* inds,
     const ST* scores, const uint32_t* w, const QT* scales, const QT* biases,
@@ -103,6 +103,7 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
 
   // h and sg_logit may still be in the making (moe_decode_block's prefetch:
   // the weights above needed only the route); wait() returns once they are written.
+  QAB_SUBMARK(5);  // (profiling builds: the loads issued)
   wait();
 
   // STAGE: the block copies token n's h ([K + 1, I], written by other blocks of
@@ -125,6 +126,7 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
     __syncthreads();
     hs = buf;
   }
+  QAB_SUBMARK(6);  // (profiling builds: h staged)
   const float shared_weight = 1.f / (1.f + expf(-qab_ld<CG>(sg_logit + n)));
 #pragma unroll
   for (int i = 0; i < TPL; ++i) {
@@ -138,19 +140,20 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
   for (int p = 0; p < RPW; ++p) {
     acc[p] = 0.f;
   }
-#pragma unroll
-  for (int i = 0; i < TPL; ++i) {
+  // Task i's dot products for this warp's RPW rows, its loads at index ii of
+  // the per-task arrays (ii == i, or 0 in the rolled loop below).
+  auto task_dot = [&](const int i, const int ii) {
     const int task = lane + 32 * i;
     if (task < TASKS) {
       const int c = task - (task / CPR) * CPR;
-      const size_t hb = ((size_t)n * KS + slot[i]) * I + c * 32;
+      const size_t hb = ((size_t)n * KS + slot[ii]) * I + c * 32;
       float hv[32];
       const bool vec = qab_vec_aligned<HT, 8>(h + hb);
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
         QabVec<HT, 8> chunk;
         if constexpr (STAGE) {
-          chunk = *reinterpret_cast<const QabVec<HT, 8>*>(hs + slot[i] * I + c * 32 + 8 * v);
+          chunk = *reinterpret_cast<const QabVec<HT, 8>*>(hs + slot[ii] * I + c * 32 + 8 * v);
         } else if constexpr (CG) {
           chunk = qab_load_vec_cg<HT, 8>(h + hb + 8 * v, vec);
         } else {
@@ -168,7 +171,7 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
       }
 #pragma unroll
       for (int p = 0; p < RPW; ++p) {
-        const uint32_t words[4] = {wv[p][i].x, wv[p][i].y, wv[p][i].z, wv[p][i].w};
+        const uint32_t words[4] = {wv[p][ii].x, wv[p][ii].y, wv[p][ii].z, wv[p][ii].w};
         float d = 0.f;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -177,10 +180,37 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
             d += qab_nibble(words[q], b) * hv[q * 8 + b];
           }
         }
-        acc[p] += weight[i] * (sv[p][i] * d + bv[p][i] * hs);
+        acc[p] += weight[ii] * (sv[p][ii] * d + bv[p][ii] * hs);
       }
     }
+  };
+  if constexpr (ROLL) {
+    // ROLL (moe_decode_block.cu's): one task's code in a loop, the per-task
+    // arrays shifted down by one after each task (static indices, so they stay
+    // in registers): a TPL-th of the unrolled code for the SM's instruction
+    // cache to fetch, the same arithmetic in the same order.
+#pragma unroll 1
+    for (int i = 0; i < TPL; ++i) {
+      task_dot(i, 0);
+#pragma unroll
+      for (int j = 0; j + 1 < TPL; ++j) {
+        slot[j] = slot[j + 1];
+        weight[j] = weight[j + 1];
+#pragma unroll
+        for (int p = 0; p < RPW; ++p) {
+          wv[p][j] = wv[p][j + 1];
+          sv[p][j] = sv[p][j + 1];
+          bv[p][j] = bv[p][j + 1];
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < TPL; ++i) {
+      task_dot(i, i);
+    }
   }
+  QAB_SUBMARK(7);  // (profiling builds: thread 0's dots done, its weights in)
 #pragma unroll
   for (int p = 0; p < RPW; ++p) {
     const int o = warp * RPW + p;
@@ -195,4 +225,5 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
       }
     }
   }
+  QAB_SUBMARK(8);  // (profiling builds: thread 0's rows written)
 }

@@ -29,7 +29,8 @@ __device__ __forceinline__ QabRowLoad<T, CG> qab_row_load(const T* row) {
 }
 
 template <typename OutT, int H, int I, int K, int G, int SGB, int SGG, bool CG, int RPW,
-          bool IROW = false, typename XF, typename QT, typename GQT, typename Wait = QabNoWait>
+          bool IROW = false, bool ROLL = false, typename XF, typename QT, typename GQT,
+          typename Wait = QabNoWait>
 __device__ __forceinline__ void qab_moe_gate_up_shared_part(
     const int bx, const int n, const int rows, const XF xv_of, const uint32_t* inds,
     const uint32_t* w, const QT* scales, const QT* biases, const uint32_t* s_gate_w,
@@ -69,6 +70,7 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
     xsum[c] = s;
   }
   __syncthreads();
+  QAB_SUBMARK(5);  // (profiling builds: x staged)
   wait();
   if (warp > NRW) {
     return;
@@ -159,8 +161,10 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
     acc[p][0] = 0.f;
     acc[p][1] = 0.f;
   }
-#pragma unroll
-  for (int i = 0; i < CPL; ++i) {
+  // Row pair p's gate (t 0) and up (t 1) dots over chunk i, its loads at
+  // [pp][t][ii] and its sums in acc[pa] (the unrolled loop: pp, ii, pa = p,
+  // i, p; the rolled one: 0, 0, 0).
+  auto pair_dot = [&](const int i, const int pp, const int ii, const int pa) {
     const int c = lane + 32 * i;
     float xv[32];
 #pragma unroll
@@ -173,22 +177,55 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
     }
     const float xs_sum = xsum[c];
 #pragma unroll
-    for (int p = 0; p < RPW; ++p) {
+    for (int t = 0; t < 2; ++t) {
+      const uint32_t words[4] = {wv[pp][t][ii].x, wv[pp][t][ii].y, wv[pp][t][ii].z,
+                                 wv[pp][t][ii].w};
+      float d = 0.f;
 #pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        const uint32_t words[4] = {wv[p][t][i].x, wv[p][t][i].y, wv[p][t][i].z, wv[p][t][i].w};
-        float d = 0.f;
+      for (int q = 0; q < 4; ++q) {
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
+        for (int b = 0; b < 8; ++b) {
+          d += qab_nibble(words[q], b) * xv[q * 8 + b];
+        }
+      }
+      acc[pa][t] += sc[pp][t][ii] * d + bi[pp][t][ii] * xs_sum;
+    }
+  };
+  if constexpr (ROLL) {
+    // ROLL (moe_decode_block.cu's): one chunk's code (every row pair's) in a
+    // loop over the chunks, the loads shifted down by one chunk after each
+    // (static indices, so they stay in registers): each sum adds its chunks
+    // in the same order, so the same bits, in a CPL-th of the code for the
+    // SM's instruction cache.
+#pragma unroll 1
+    for (int i = 0; i < CPL; ++i) {
 #pragma unroll
-          for (int b = 0; b < 8; ++b) {
-            d += qab_nibble(words[q], b) * xv[q * 8 + b];
+      for (int p = 0; p < RPW; ++p) {
+        pair_dot(i, p, 0, p);
+      }
+#pragma unroll
+      for (int j = 0; j + 1 < CPL; ++j) {
+#pragma unroll
+        for (int p = 0; p < RPW; ++p) {
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            wv[p][t][j] = wv[p][t][j + 1];
+            sc[p][t][j] = sc[p][t][j + 1];
+            bi[p][t][j] = bi[p][t][j + 1];
           }
         }
-        acc[p][t] += sc[p][t][i] * d + bi[p][t][i] * xs_sum;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+#pragma unroll
+      for (int p = 0; p < RPW; ++p) {
+        pair_dot(i, p, i, p);
       }
     }
   }
+  QAB_SUBMARK(6);  // (profiling builds: thread 0's dots done, its weights in)
 
 #pragma unroll
   for (int p = 0; p < RPW; ++p) {
@@ -202,4 +239,5 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
       h[((size_t)n * KS + k) * I + r] = static_cast<OutT>(silu * up);
     }
   }
+  QAB_SUBMARK(7);  // (profiling builds: thread 0's rows written)
 }

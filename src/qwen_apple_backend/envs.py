@@ -16,7 +16,8 @@ Variables:
         ``next-norm``, ``kv-in-place``, ``moe-block-stage``, ``gemv-pipe``,
         ``attn-lanes``, ``moe-block-early``, ``l2-prefetch``,
         ``moe-block-out-proj``, ``moe-block-next-proj``, ``moe-block-gdn``,
-        ``moe-block-pack``, ``moe-block-unroll``, ``moe-block-npl``, ``attn-step``,
+        ``moe-block-pack``, ``moe-block-unroll``, ``moe-block-npl``, ``moe-block-roll``,
+        ``attn-step``,
         ``attn-mma``, ``attn-merge-split``, ``moe-block-nps``),
         for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
@@ -182,6 +183,12 @@ OPTIMIZATIONS = {
     # the phase's 772 items no longer start as 772 blocks (NPL; CUDA; the same bits). H200,
     # profile_layer_gpu.py: 73.7 vs 79.0 us per Gated DeltaNet layer launch
     "moe-block-npl": "moe",
+    # the one-launch MoE block's dot loops (out- and next-projection, route, gate/up, down)
+    # run one chunk's code in a loop, not unrolled: two thirds of the kernel's code, which
+    # each phase's first block on an SM fetches through its instruction cache (ROLL; CUDA;
+    # the same bits). H100, profile_layer_gpu.py --timeline --warm 4: the launch's last
+    # phase ends at 56.5 vs 61.8 us
+    "moe-block-roll": "moe",
     # one decode token's full-attention core in one CUDA launch inside the compiled decode
     # step (gqa_decode_step: q/k RMSNorm + RoPE, the KV row written in place, the lane-group
     # split-K pass, the merge and the output gate; four launches before; needs attn-kernel,

@@ -489,14 +489,18 @@ class FusedSparseMoeBlock(nn.Module):
     block size (``UNROLL``; same outputs). Attribute ``npl_items`` (default
     True; the ``moe-block-npl`` optimization) builds it with next-projection
     blocks that take the next tickets too and reuse the input row they
-    staged (``NPL``; same outputs). Attribute ``nps_mode`` (default 0; the
+    staged (``NPL``; same outputs). Attribute ``roll_dots`` (default True;
+    the ``moe-block-roll`` optimization) builds it with its items' dot loops
+    running one chunk's code in a loop instead of unrolled (``ROLL``; same
+    outputs, less code for the SMs' instruction caches). Attribute
+    ``nps_mode`` (default 0; the
     opt-in ``moe-block-nps`` sets
     :data:`~qwen_apple_backend.ops.moe.NPS_MODE`) builds it on a persistent
     grid whose blocks copy their next-projection rows into shared memory
     early, at their start (1) or after their first item (2) (``NPS``; same
-    outputs). :meth:`_block_overrides` gives these five attributes as the
+    outputs). :meth:`_block_overrides` gives these six attributes as the
     launch's build overrides (``DECODE_BLOCK_OPTIONS`` flags STAGE, EARLY,
-    UNROLL, NPL and the value NPS). Attribute ``l2_next`` (default
+    UNROLL, NPL, ROLL and the value NPS). Attribute ``l2_next`` (default
     None; set by the fusing code with the opt-in ``l2-prefetch``): the next
     decoder layer's concatenated input projection, whose arrays that launch
     asks the L2 to fetch while its route runs (``PF``; same outputs).
@@ -570,6 +574,7 @@ class FusedSparseMoeBlock(nn.Module):
     early_gate_up: bool = True
     unroll_stage: bool = True
     npl_items: bool = True
+    roll_dots: bool = True
     nps_mode: int = 0
     out_proj_phase: bool = True
     next_proj_phase: bool = True
@@ -1027,13 +1032,14 @@ class FusedSparseMoeBlock(nn.Module):
         :func:`~qwen_apple_backend.ops.moe.decode_block_ready`'s ``overrides``):
         each ``DECODE_BLOCK_OPTIONS`` flag that a switch of this block sets, to
         the value of the attribute that holds it (STAGE: ``stage_down``, EARLY:
-        ``early_gate_up``, UNROLL: ``unroll_stage``, NPL: ``npl_items``, NPS:
-        ``nps_mode``). The
+        ``early_gate_up``, UNROLL: ``unroll_stage``, NPL: ``npl_items``, ROLL:
+        ``roll_dots``, NPS: ``nps_mode``). The
         readiness and compiled calls' cache keys hold them (the kernel choice's
         as one element, its items). A new build switch's attribute needs only
         its entry here."""
         return {"STAGE": self.stage_down, "EARLY": self.early_gate_up,
-                "UNROLL": self.unroll_stage, "NPL": self.npl_items, "NPS": self.nps_mode}
+                "UNROLL": self.unroll_stage, "NPL": self.npl_items, "ROLL": self.roll_dots,
+                "NPS": self.nps_mode}
 
     def _l2_prefetch_arrays(self) -> tuple:
         """The arrays the one-launch block prefetches into L2 (``l2-prefetch``):

@@ -1709,9 +1709,22 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: tickets (the same bits); off (the opt-in ``moe-block-nps`` sets
 #: :data:`NPS_MODE`): measured slower on an H200, 74.0 (1) and 74.3 (2) against
 #: 71.0 us per Gated DeltaNet layer launch (benchmarks/profile_layer_gpu.py).
+#: ROLL, whether the items' dot loops (out- and next-projection, route
+#: logits, gate/up, down) run one chunk's (step's, task's) code in a loop,
+#: their loaded weights shifted down a register array after each, instead of
+#: unrolled straight-line code: the same arithmetic in the same order, so the
+#: same bits, in about two thirds of the kernel's code (nvcc 13, sm_90: 123
+#: against 183 KB), because a phase's first block on an SM fetches its code
+#: through the SM's instruction cache, which the whole launch's ~180 KB
+#: overflow (Nsight Compute: "no instruction" the largest stall of the down
+#: items' dots); the default of :func:`moe_decode_block`'s ``roll``; the
+#: ``moe-block-roll`` switch sets it per model): on; measured on an H100 in a
+#: warm chain's last launch (benchmarks/profile_layer_gpu.py --timeline --warm
+#: 4) the next projection ends at 56.5 against 61.8 us.
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
                         "STAGE": True, "GRPW": 2, "EARLY": True, "PRW": 2, "PSM": 0, "GDS": 1,
-                        "UNROLL": True, "NPL": True, "RPL": False, "GSR": False, "NPS": 0}
+                        "UNROLL": True, "NPL": True, "RPL": False, "GSR": False, "NPS": 0,
+                        "ROLL": True}
 #: The values of DECODE_BLOCK_OPTIONS' row counts a launch accepts (PRW 8
 #: spills registers at the two blocks per SM the block is built for; PSM
 #: above 64 would leave room for only one block per SM).
@@ -2150,7 +2163,8 @@ def decode_block_pack_views(pack: mx.array, gate: "ExpertWeights", gate_up: Expe
 
 #: The keywords of :func:`moe_decode_block` and :func:`decode_block_ready`
 #: that override a ``DECODE_BLOCK_OPTIONS`` flag, by the flag each sets.
-_OVERRIDE_KEYWORDS = {"stage": "STAGE", "early": "EARLY", "unroll": "UNROLL", "npl": "NPL"}
+_OVERRIDE_KEYWORDS = {"stage": "STAGE", "early": "EARLY", "unroll": "UNROLL", "npl": "NPL",
+                      "roll": "ROLL"}
 
 
 #: The DECODE_BLOCK_OPTIONS that are not flags but may be build overrides
@@ -2189,7 +2203,7 @@ def _build_overrides(overrides: Optional[Mapping[str, object]] = None,
                      **keywords: Optional[bool]) -> dict:
     """The build overrides of a public call, the one mapping its helpers pass
     on: ``overrides`` (``DECODE_BLOCK_OPTIONS`` flag -> bool, or NPS -> int) with each of
-    ``keywords`` (``stage``, ``early``, ``unroll``, ``npl``: see
+    ``keywords`` (``stage``, ``early``, ``unroll``, ``npl``, ``roll``: see
     ``_OVERRIDE_KEYWORDS``) put in under its flag; None (a keyword's or a
     value's) leaves the flag at its default, so it is dropped.
 
@@ -2471,7 +2485,7 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
                 ("PRW", int(opts["PRW"])), ("PSM", int(opts["PSM"])),
                 ("UNROLL", bool(opts["UNROLL"])), ("NPL", bool(opts["NPL"])),
                 ("RPL", bool(opts["RPL"])), ("GSR", bool(opts["GSR"])),
-                ("NPS", int(opts["NPS"]))]
+                ("NPS", int(opts["NPS"])), ("ROLL", bool(opts["ROLL"]))]
     if pack is not None:
         template.append(("WSO", decode_block_pack_workspace_offset()))
     gd_inputs, gd_shapes, gd_dtypes = [], [], []
@@ -2582,7 +2596,7 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
                        shared: SharedExpertWeights,
                        stage: Optional[bool] = None,
                        early: Optional[bool] = None, unroll: Optional[bool] = None,
-                       npl: Optional[bool] = None,
+                       npl: Optional[bool] = None, roll: Optional[bool] = None,
                        prefetch: bool = False,
                        out_proj: Optional[OutProjection] = None,
                        next_proj: Optional[NextProjection] = None,
@@ -2627,6 +2641,9 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
         npl (bool | None): the build whose next-projection blocks take the
             next tickets too, reusing their staged input (``NPL``), checked on
             its own; None: ``DECODE_BLOCK_OPTIONS["NPL"]``.
+        roll (bool | None): the build whose items' dot loops run one chunk's
+            code in a loop (``ROLL``), checked on its own; None:
+            ``DECODE_BLOCK_OPTIONS["ROLL"]``.
         prefetch (bool): the build that prefetches arrays into L2 (``PF``;
             with ``early`` only), checked on its own.
         out_proj (OutProjection | None): the build that computes the mixer's
@@ -2682,11 +2699,12 @@ def decode_block_ready(x: mx.array, norm_weight: mx.array, eps: float,
     Raises:
         ValueError: for an ``overrides`` key that is not a
             ``DECODE_BLOCK_OPTIONS`` flag, or a keyword (``stage``, ``early``,
-            ``unroll``, ``npl``) that disagrees with ``overrides``.
+            ``unroll``, ``npl``, ``roll``) that disagrees with ``overrides``.
     """
     return _decode_block_ready(
         x, norm_weight, eps, gate, top_k, norm_topk_prob, gate_up, down, shared,
-        _build_overrides(overrides, stage=stage, early=early, unroll=unroll, npl=npl),
+        _build_overrides(overrides, stage=stage, early=early, unroll=unroll, npl=npl,
+                         roll=roll),
         prefetch, out_proj, next_proj, gdn_step, pack)
 
 
@@ -2954,6 +2972,7 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
                      backend: str, counter: Optional[mx.array] = None,
                      stage: Optional[bool] = None, early: Optional[bool] = None,
                      unroll: Optional[bool] = None, npl: Optional[bool] = None,
+                     roll: Optional[bool] = None,
                      prefetch: Sequence[mx.array] = (),
                      out_proj: Optional[OutProjection] = None,
                      next_proj: Optional[NextProjection] = None,
@@ -3008,6 +3027,11 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
             next tickets too and reuses its staged input row (the ``NPL``
             build, same output); None: ``DECODE_BLOCK_OPTIONS["NPL"]``. Check
             it with the same ``npl`` in :func:`decode_block_ready`.
+        roll (bool | None): the items' dot loops run one chunk's code in a
+            loop, not unrolled (the ``ROLL`` build, same output; less code
+            for the SMs' instruction caches); None:
+            ``DECODE_BLOCK_OPTIONS["ROLL"]``. Check it with the same ``roll``
+            in :func:`decode_block_ready`.
         prefetch (Sequence[mx.array]): up to 3 arrays (any shapes and dtypes:
             the next decoder layer's input projection weight, scales, biases)
             that the gate/up items which wait for nothing ask the L2 to fetch
@@ -3080,10 +3104,11 @@ def moe_decode_block(x: mx.array, r: Optional[mx.array], norm_weight: mx.array, 
             experts' scales of another dtype than ``x``), or with ``pack`` a
             counter shorter than :func:`decode_block_pack_counter_length`,
             an ``overrides`` key that is not a ``DECODE_BLOCK_OPTIONS`` flag,
-            or a keyword (``stage``, ``early``, ``unroll``, ``npl``) that
+            or a keyword (``stage``, ``early``, ``unroll``, ``npl``, ``roll``) that
             disagrees with ``overrides``.
     """
-    build = _build_overrides(overrides, stage=stage, early=early, unroll=unroll, npl=npl)
+    build = _build_overrides(overrides, stage=stage, early=early, unroll=unroll, npl=npl,
+                             roll=roll)
     if counter is None:
         counter = fold_norm_counter(decode_block_counter_length())
     return _moe_decode_block_call(backend, x, r, norm_weight, eps, gate, top_k, norm_topk_prob,
