@@ -207,6 +207,40 @@ __device__ __forceinline__ void qab_store_f32(float* p, bool vec, const float (&
 #define QAB_SUBMARK(k)
 #endif
 
+// Shifts a register array down by one (a[j] = a[j + 1], the last element
+// kept), for qab_dot_loop's rolled form.
+template <typename V, int N>
+__device__ __forceinline__ void qab_shift_down(V (&a)[N]) {
+#pragma unroll
+  for (int j = 0; j + 1 < N; ++j) {
+    a[j] = a[j + 1];
+  }
+}
+
+// A dot loop over N chunks whose loads sit in register arrays indexed by
+// chunk (issued before the loop, e.g. before a wait): body(i, ii) computes
+// chunk i from the arrays' element ii. Unrolled (ROLL false): body(i, i), N
+// copies of the body's code. Rolled (moe_decode_block.cu's ROLL): one copy in
+// a loop, body(i, 0) then shift() (qab_shift_down of each array), so that
+// every array index stays a compile-time one and the arrays stay in
+// registers: the same arithmetic in the same order, an N-th of the code for
+// the SM's instruction cache (a phase's first block on an SM fetches it).
+template <int N, bool ROLL, typename Body, typename Shift>
+__device__ __forceinline__ void qab_dot_loop(const Body& body, const Shift& shift) {
+  if constexpr (ROLL) {
+#pragma unroll 1
+    for (int i = 0; i < N; ++i) {
+      body(i, 0);
+      shift();
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      body(i, i);
+    }
+  }
+}
+
 // qab_wait_count's sleep between two polls, in ns (a profiling build may set it).
 #ifndef QAB_WAIT_SLEEP_NS
 #define QAB_WAIT_SLEEP_NS 32

@@ -173,29 +173,14 @@ __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout,
       acc[r] = fmaf(sc[r][ii], qab_q4_dot32(wv[r][ii], xv), fmaf(bi[r][ii], s, acc[r]));
     }
   };
-  if constexpr (ROLL) {
-    // One chunk's code in a loop, the loaded arrays shifted down by one
-    // after each chunk (static indices: they stay in registers): a CPL-th of
-    // the unrolled code for the SM's instruction cache, the same arithmetic.
-#pragma unroll 1
-    for (int i = 0; i < CPL; ++i) {
-      chunk_dot(i, 0);
+  qab_dot_loop<CPL, ROLL>(chunk_dot, [&]() {
 #pragma unroll
-      for (int j = 0; j + 1 < CPL; ++j) {
-#pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-          wv[r][j] = wv[r][j + 1];
-          sc[r][j] = sc[r][j + 1];
-          bi[r][j] = bi[r][j + 1];
-        }
-      }
+    for (int r = 0; r < RPW; ++r) {
+      qab_shift_down(wv[r]);
+      qab_shift_down(sc[r]);
+      qab_shift_down(bi[r]);
     }
-  } else {
-#pragma unroll
-    for (int i = 0; i < CPL; ++i) {
-      chunk_dot(i, i);
-    }
-  }
+  });
   QAB_SUBMARK(6);  // (profiling builds: thread 0's dots done, its weights in)
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {

@@ -212,26 +212,12 @@ __device__ __forceinline__ bool qab_add_norm_route_part(
           sums[i] = fmaf(static_cast<float>(yv.v[i]), wd, sums[i]);
         }
       };
-      if constexpr (ROLL) {
-        // ROLL (moe_decode_block.cu's): one step's code in a loop, row b's
-        // loads shifted down by one after each (static indices: registers):
-        // the same arithmetic, a STEPS-th of the code.
-#pragma unroll 1
-        for (int s = 0; s < STEPS; ++s) {
-          step(s, 0);
-#pragma unroll
-          for (int j = 0; j + 1 < STEPS; ++j) {
-            q[b][j] = q[b][j + 1];
-            qs[b][j] = qs[b][j + 1];
-            qb[b][j] = qb[b][j + 1];
-          }
-        }
-      } else {
-#pragma unroll
-        for (int s = 0; s < STEPS; ++s) {
-          step(s, s);
-        }
-      }
+      // (ROLL: one step's code in a loop, common.cuh's qab_dot_loop.)
+      qab_dot_loop<STEPS, ROLL>(step, [&]() {
+        qab_shift_down(q[b]);
+        qab_shift_down(qs[b]);
+        qab_shift_down(qb[b]);
+      });
       float sum = 0.f;
 #pragma unroll
       for (int i = 0; i < EPT; ++i) {

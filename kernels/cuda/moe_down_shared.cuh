@@ -184,32 +184,17 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
       }
     }
   };
-  if constexpr (ROLL) {
-    // ROLL (moe_decode_block.cu's): one task's code in a loop, the per-task
-    // arrays shifted down by one after each task (static indices, so they stay
-    // in registers): a TPL-th of the unrolled code for the SM's instruction
-    // cache to fetch, the same arithmetic in the same order.
-#pragma unroll 1
-    for (int i = 0; i < TPL; ++i) {
-      task_dot(i, 0);
+  // (ROLL: one task's code in a loop, common.cuh's qab_dot_loop.)
+  qab_dot_loop<TPL, ROLL>(task_dot, [&]() {
+    qab_shift_down(slot);
+    qab_shift_down(weight);
 #pragma unroll
-      for (int j = 0; j + 1 < TPL; ++j) {
-        slot[j] = slot[j + 1];
-        weight[j] = weight[j + 1];
-#pragma unroll
-        for (int p = 0; p < RPW; ++p) {
-          wv[p][j] = wv[p][j + 1];
-          sv[p][j] = sv[p][j + 1];
-          bv[p][j] = bv[p][j + 1];
-        }
-      }
+    for (int p = 0; p < RPW; ++p) {
+      qab_shift_down(wv[p]);
+      qab_shift_down(sv[p]);
+      qab_shift_down(bv[p]);
     }
-  } else {
-#pragma unroll
-    for (int i = 0; i < TPL; ++i) {
-      task_dot(i, i);
-    }
-  }
+  });
   QAB_SUBMARK(7);  // (profiling builds: thread 0's dots done, its weights in)
 #pragma unroll
   for (int p = 0; p < RPW; ++p) {

@@ -191,40 +191,26 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
       acc[pa][t] += sc[pp][t][ii] * d + bi[pp][t][ii] * xs_sum;
     }
   };
-  if constexpr (ROLL) {
-    // ROLL (moe_decode_block.cu's): one chunk's code (every row pair's) in a
-    // loop over the chunks, the loads shifted down by one chunk after each
-    // (static indices, so they stay in registers): each sum adds its chunks
-    // in the same order, so the same bits, in a CPL-th of the code for the
-    // SM's instruction cache.
-#pragma unroll 1
-    for (int i = 0; i < CPL; ++i) {
+  // (ROLL: one chunk's code, every row pair's, in a loop: common.cuh's
+  // qab_dot_loop.)
+  qab_dot_loop<CPL, ROLL>(
+      [&](const int i, const int ii) {
 #pragma unroll
-      for (int p = 0; p < RPW; ++p) {
-        pair_dot(i, p, 0, p);
-      }
-#pragma unroll
-      for (int j = 0; j + 1 < CPL; ++j) {
+        for (int p = 0; p < RPW; ++p) {
+          pair_dot(i, p, ii, p);
+        }
+      },
+      [&]() {
 #pragma unroll
         for (int p = 0; p < RPW; ++p) {
 #pragma unroll
           for (int t = 0; t < 2; ++t) {
-            wv[p][t][j] = wv[p][t][j + 1];
-            sc[p][t][j] = sc[p][t][j + 1];
-            bi[p][t][j] = bi[p][t][j + 1];
+            qab_shift_down(wv[p][t]);
+            qab_shift_down(sc[p][t]);
+            qab_shift_down(bi[p][t]);
           }
         }
-      }
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < CPL; ++i) {
-#pragma unroll
-      for (int p = 0; p < RPW; ++p) {
-        pair_dot(i, p, i, p);
-      }
-    }
-  }
+      });
   QAB_SUBMARK(6);  // (profiling builds: thread 0's dots done, its weights in)
 
 #pragma unroll
