@@ -303,7 +303,8 @@ def test_bad_boolean_and_list_variables_name_themselves(monkeypatch):
                                           r"moe-block-stage, gemv-pipe, attn-lanes, moe-block-early, "
                                           r"l2-prefetch, moe-block-out-proj, moe-block-next-proj, moe-block-gdn, moe-block-pack, "
                                           r"moe-block-unroll, moe-block-npl, moe-block-roll, attn-step, "
-                                          r"attn-mma, attn-merge-split, moe-block-nps\)$"):
+                                          r"attn-mma, attn-merge-split, moe-block-nps, "
+                                          r"moe-block-rpl\)$"):
         envs.validate()
     monkeypatch.setenv("QAB_DISABLE", "all")
     assert envs.disabled_kinds() == frozenset({"moe", "gdn", "attn"})
@@ -409,7 +410,7 @@ def test_disable_argument_is_checked_like_the_variable():
     ("decode_split.py", ["--preset", "tiny", "QAB_ENABLE=bogus"],
      "QAB_ENABLE: unknown optimization 'bogus' (known: decode-compile, next-norm, proj-gemv, "
      "gemv-pipe, attn-lanes, l2-prefetch, decode-const, attn-merge-split, "
-     "moe-block-nps)"),
+     "moe-block-nps, moe-block-rpl)"),
     ("profile_attention_decode.py", ["QAB_DISABLE=warp"], "QAB_DISABLE: unknown optimization"),
 ])
 def test_benchmark_scripts_reject_bad_arguments_in_one_line(script, args, message, tmp_path):

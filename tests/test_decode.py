@@ -103,7 +103,8 @@ def test_disable_and_bad_enable(tiny_hf_f32, monkeypatch):
     monkeypatch.setenv("QAB_ENABLE", "moe-route")
     with pytest.raises(ValueError, match=r"^QAB_ENABLE: 'moe-route' is on by default \(QAB_ENABLE "
                                          r"names only decode-compile, next-norm, proj-gemv, gemv-pipe, attn-lanes, "
-                                         r"l2-prefetch, decode-const, attn-merge-split, moe-block-nps; "
+                                         r"l2-prefetch, decode-const, attn-merge-split, moe-block-nps, "
+                                         r"moe-block-rpl; "
                                          r"switch others "
                                          r"off with QAB_DISABLE\)$"):
         load(tiny_hf_f32, "fused")

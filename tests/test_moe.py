@@ -1704,17 +1704,20 @@ def test_block_keywords_become_one_overrides_mapping(monkeypatch):
 
 
 def test_fused_block_passes_its_switches_as_one_overrides_mapping():
-    # FusedSparseMoeBlock's five build switches (QAB_DISABLE's moe-block-stage,
-    # -early, -unroll, -npl, -roll clear them) are the one mapping its calls pass.
+    # FusedSparseMoeBlock's build switches (QAB_DISABLE's moe-block-stage,
+    # -early, -unroll, -npl, -roll clear them; QAB_ENABLE's moe-block-rpl and
+    # moe-block-nps set theirs) are the one mapping its calls pass.
     b = FusedSparseMoeBlock.from_stock(make_stock(seed=4))
     assert b._block_overrides() == {"STAGE": True, "EARLY": True, "UNROLL": True, "NPL": True,
-                                    "ROLL": True, "NPS": 0}
+                                    "ROLL": True, "RPL": False, "NPS": 0}
     b.early_gate_up = False
     b.npl_items = False
     b.roll_dots = False
+    b.preload_norm = True  # (the opt-in moe-block-rpl)
     b.nps_mode = 2  # (the opt-in moe-block-nps sets ops.moe.NPS_MODE)
     assert b._block_overrides() == {"STAGE": True, "EARLY": False, "UNROLL": True,
-                                    "NPL": False, "ROLL": False, "NPS": 2}
+                                    "NPL": False, "ROLL": False, "RPL": True, "NPS": 2}
+    assert moe_ops._decode_block_build(b._block_overrides())["RPL"] is True
     assert moe_ops._decode_block_build(b._block_overrides())["EARLY"] is False
     assert moe_ops._decode_block_build(b._block_overrides())["NPS"] == 2
 

@@ -400,6 +400,34 @@ def test_moe_block_nps_switch_reaches_every_fused_block(tiny_q4, monkeypatch):
             assert len(notes) == 1 and says in notes[0], notes
     assert moe_ops.NPS_MODE in (1, 2)
 
+def test_moe_block_rpl_switch_reaches_every_fused_block(tiny_q4, monkeypatch):
+    # QAB_ENABLE=moe-block-rpl sets FusedSparseMoeBlock.preload_norm (off by
+    # default), which the block passes as its RPL build override; disable=
+    # wins; the report says it is on, not used with next-norm (whose kernels
+    # replace the block), or switched off.
+    from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
+
+    monkeypatch.delenv("QAB_DISABLE", raising=False)
+    for enable, disable, want, says in (
+            ("", [], False, None),
+            ("moe-block-rpl", [], True, "on CUDA the one-launch MoE block's route items load "
+                                        "the residual row"),
+            ("moe-block-rpl", ["moe-block-rpl"], False, "which wins"),
+            ("moe-block-rpl,next-norm", [], True,
+             "moe-block-rpl from QAB_ENABLE is not used: next-norm, also from QAB_ENABLE, "
+             "replaces the one-launch MoE block")):
+        monkeypatch.setenv("QAB_ENABLE", enable)
+        model = load(tiny_q4, "fused", disable=disable)[0]
+        blocks = [m for _, m in model.named_modules() if isinstance(m, FusedSparseMoeBlock)]
+        assert blocks and all(b.preload_norm is want for b in blocks), enable
+        assert all(b._block_overrides()["RPL"] is want for b in blocks)
+        notes = [n for n in get_report(model).notes if "moe-block-rpl" in n]
+        if says is None:
+            assert notes == []
+        else:
+            assert len(notes) == 1 and says in notes[0], notes
+
+
 
 def test_attn_lanes_switch_reaches_every_fused_attention_layer(tiny_q4, monkeypatch):
     # QAB_ENABLE=attn-lanes sets FusedGQAAttention.decode_lanes (off by

@@ -18,7 +18,7 @@ Variables:
         ``moe-block-out-proj``, ``moe-block-next-proj``, ``moe-block-gdn``,
         ``moe-block-pack``, ``moe-block-unroll``, ``moe-block-npl``, ``moe-block-roll``,
         ``attn-step``,
-        ``attn-mma``, ``attn-merge-split``, ``moe-block-nps``),
+        ``attn-mma``, ``attn-merge-split``, ``moe-block-nps``, ``moe-block-rpl``),
         for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
@@ -211,6 +211,12 @@ OPTIMIZATIONS = {
     # same bits). H200, profile_layer_gpu.py: 74.0 vs 71.0 us per Gated DeltaNet layer launch
     # (slower: the phase's arithmetic, not its loads, sets its length)
     "moe-block-nps": "moe",
+    # opt-in (QAB_ENABLE): the one-launch MoE block's route items (and the gate/up items that
+    # stage the norm themselves) load the token's residual row, the norm weight and eps before
+    # they wait for the out projection (RPL; CUDA; the same bits). H100, rolled build,
+    # profile_layer_gpu.py --timeline --warm 4: the launch's last phase ends at 55.0 vs 56.6 us;
+    # not yet run end to end
+    "moe-block-rpl": "moe",
 }
 
 
@@ -341,7 +347,7 @@ def kernels_disabled() -> bool:
 # switch on: decode-compile is on by default on a GPU only (host-bound decode:
 # measured on the H200) and off on the CPU (measured no faster there).
 OPT_IN = ("decode-compile", "next-norm", "proj-gemv", "gemv-pipe", "attn-lanes",
-          "l2-prefetch", "decode-const", "attn-merge-split", "moe-block-nps")
+          "l2-prefetch", "decode-const", "attn-merge-split", "moe-block-nps", "moe-block-rpl")
 
 
 def enabled_opt_in() -> frozenset[str]:

@@ -498,9 +498,13 @@ class FusedSparseMoeBlock(nn.Module):
     :data:`~qwen_apple_backend.ops.moe.NPS_MODE`) builds it on a persistent
     grid whose blocks copy their next-projection rows into shared memory
     early, at their start (1) or after their first item (2) (``NPS``; same
-    outputs). :meth:`_block_overrides` gives these six attributes as the
+    outputs). Attribute ``preload_norm`` (default False; the opt-in
+    ``moe-block-rpl`` sets it) builds it with route items (and the gate/up
+    items that stage the norm themselves) that load the token's residual row,
+    the norm weight and eps before they wait for the mixer's output (``RPL``;
+    same outputs). :meth:`_block_overrides` gives these seven attributes as the
     launch's build overrides (``DECODE_BLOCK_OPTIONS`` flags STAGE, EARLY,
-    UNROLL, NPL, ROLL and the value NPS). Attribute ``l2_next`` (default
+    UNROLL, NPL, ROLL, RPL and the value NPS). Attribute ``l2_next`` (default
     None; set by the fusing code with the opt-in ``l2-prefetch``): the next
     decoder layer's concatenated input projection, whose arrays that launch
     asks the L2 to fetch while its route runs (``PF``; same outputs).
@@ -575,6 +579,7 @@ class FusedSparseMoeBlock(nn.Module):
     unroll_stage: bool = True
     npl_items: bool = True
     roll_dots: bool = True
+    preload_norm: bool = False
     nps_mode: int = 0
     out_proj_phase: bool = True
     next_proj_phase: bool = True
@@ -1033,13 +1038,13 @@ class FusedSparseMoeBlock(nn.Module):
         each ``DECODE_BLOCK_OPTIONS`` flag that a switch of this block sets, to
         the value of the attribute that holds it (STAGE: ``stage_down``, EARLY:
         ``early_gate_up``, UNROLL: ``unroll_stage``, NPL: ``npl_items``, ROLL:
-        ``roll_dots``, NPS: ``nps_mode``). The
+        ``roll_dots``, RPL: ``preload_norm``, NPS: ``nps_mode``). The
         readiness and compiled calls' cache keys hold them (the kernel choice's
         as one element, its items). A new build switch's attribute needs only
         its entry here."""
         return {"STAGE": self.stage_down, "EARLY": self.early_gate_up,
                 "UNROLL": self.unroll_stage, "NPL": self.npl_items, "ROLL": self.roll_dots,
-                "NPS": self.nps_mode}
+                "RPL": self.preload_norm, "NPS": self.nps_mode}
 
     def _l2_prefetch_arrays(self) -> tuple:
         """The arrays the one-launch block prefetches into L2 (``l2-prefetch``):
