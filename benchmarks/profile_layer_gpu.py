@@ -24,9 +24,10 @@ random weights, bfloat16) and measures them two ways:
 * ``--timeline``: each variant built with the kernel's phase marks
   (``QAB_MARK``, recording the GPU's global timer by ticket) on one layer,
   after an L2 flush: per phase the first start, the median and last end of
-  waiting, the median, 90th percentile and last end of work, and the median
-  item's sub-steps (``QAB_SUBMARK``: input staged, dots done, rows written,
-  fence; ``profile_moe_block_gpu.SUBMARKS``), in us from the launch's first
+  waiting, the median, 90th percentile and last end of work, and each
+  sub-step mark's median over the phase's items (``QAB_SUBMARK``: input
+  staged, dots done, rows written, counted; ``profile_moe_block_gpu.SUBMARKS``;
+  each median on its own, so not one item's steps), in us from the launch's first
   ticket, medians over ``--reps`` launches, plus the blocks resident at the
   start (``started_1us``). With ``--warm N`` the marked launch is instead the
   last of N chained over N layers, no flush: the kernel's code in the L2 as
@@ -388,9 +389,12 @@ def summarize_phases(samples: list, bounds: list[int]) -> dict:
     is the route items' logits written and counted (the last of them then
     routes the row) and the down items' end of their wait for the gate/up
     items; a phase with it gets ``mark3_median`` and ``mark3_last`` too.
-    Work ends: the median and 90th percentile item's and the last. Sub-step
-    marks (5 on, ``profile_moe_block_gpu.SUBMARKS``: what thread 0 of an item
-    had done then): ``sub``, per mark its name and the median item's time.
+    Work ends: the median and 90th percentile (nearest rank) item's and the
+    last. Sub-step marks (5 on, ``profile_moe_block_gpu.SUBMARKS``: what
+    thread 0 of an item had done then): ``sub``, per mark its name and its
+    median over the phase's items that set it. Each mark's median is taken on
+    its own, so two marks' medians may come from different items: their
+    difference is not one item's step time.
     """
     from profile_moe_block_gpu import SUBMARKS
 
@@ -414,7 +418,7 @@ def summarize_phases(samples: list, bounds: list[int]) -> dict:
             vals["wait_end_median"].append(waits[len(waits) // 2])
             vals["wait_end_last"].append(waits[-1])
             vals["work_end_median"].append(ends[len(ends) // 2])
-            vals["work_end_p90"].append(ends[min(len(ends) - 1, (9 * len(ends)) // 10)])
+            vals["work_end_p90"].append(ends[-(-9 * len(ends) // 10) - 1])
             vals["work_end_last"].append(ends[-1])
             marks = sorted(row[3] - t0 for row in rows if row[3])
             if marks:
@@ -436,15 +440,20 @@ def summarize_phases(samples: list, bounds: list[int]) -> dict:
     return phases
 
 
+#: The most chained launches (distinct layers, ~450 MB each) a --warm timeline takes.
+MAX_WARM = 16
+
+
 def timeline(variants, layers: list, x, proj, reps: int, warm: int = 0) -> list[dict]:
     """Per variant: :func:`summarize_phases` of ``reps`` marked launches.
 
     ``warm`` 0: each launch of ``layers[0]`` alone, after an L2 flush (its
-    weights, and the kernel's code, from DRAM). ``warm`` n > 0: each the
-    last of n chained launches over ``layers[:n]`` (as :func:`chain_times`
-    runs them, no flush), as in a decode token: the kernel's code and the
-    counters in the L2, the layer's weights not (the n - 1 layers before it,
-    ~40 MB each, pass through the 50 MB L2 first).
+    weights, and the kernel's code, from DRAM). ``warm`` n >= 3 (at most
+    :data:`MAX_WARM`): each the last of n chained launches over
+    ``layers[:n]`` (as :func:`chain_times` runs them, no flush), as in a
+    decode token: the kernel's code and the counters in the L2, the layer's
+    weights not (the layers before it, ~40 MB of reads each, pass through the
+    50 MB L2 first).
     """
     import mlx.core as mx
 
@@ -498,15 +507,19 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=positive_int, default=20,
                    help="timed chains (or marked launches with --timeline) per variant")
     p.add_argument("--timeline", action="store_true",
-                   help="record each ticket's phase times on one layer instead of timing chains")
+                   help="record each ticket's phase times (one launch after an L2 flush, or "
+                        "with --warm the last of N chained) instead of timing chains")
     p.add_argument("--warm", type=int, default=0, metavar="N",
-                   help="--timeline: mark the last of N chained launches over N layers, no L2 "
-                        "flush (the code and counters warm, as in decode); 0 (default): one "
-                        "launch after an L2 flush")
+                   help=f"--timeline: mark the last of N chained launches over N layers, no L2 "
+                        f"flush (the code and counters warm, as in decode), 3 <= N <= "
+                        f"{MAX_WARM}; 0 (default): one launch after an L2 flush")
     args = p.parse_args(argv)
     check_out(p, args.out)
-    if args.warm < 0 or (args.warm and not args.timeline):
-        p.error("--warm takes N >= 0 and goes with --timeline")
+    if args.warm and not args.timeline:
+        p.error("--warm goes with --timeline")
+    if args.warm and not 3 <= args.warm <= MAX_WARM:
+        p.error(f"--warm takes 0 or N from 3 to {MAX_WARM} (fewer layers leave the marked "
+                f"one's weights in the L2 from the launch before), got {args.warm}")
     try:
         variants = [(v, Variant(*split_variant(v))) for v in args.variants.split(",") if v]
     except ValueError as exc:

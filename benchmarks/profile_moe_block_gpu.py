@@ -22,9 +22,10 @@ the block gives the three launches' output bit for bit, and then either
   weights stream from HBM as in decode); or
 * ``--timeline``: runs each variant built with the kernel's phase marks
   (``QAB_MARK`` in ``common.cuh``) recording the GPU's global timer per ticket:
-  when the block took the ticket, finished waiting, finished its work, and its SM,
-  plus thread 0's sub-steps (``QAB_SUBMARK``, ``SUBMARKS``: e.g. an item's input
-  staged, its dots done, its rows written, its fence before the count). The L2
+  when the block took the ticket, finished waiting, finished its work, and its SM
+  (the stamps also hold thread 0's sub-step marks, ``QAB_SUBMARK``, ``SUBMARKS``:
+  an item's input staged, its dots done, its rows written, its count; this
+  script does not summarize them, ``profile_layer_gpu.py --timeline`` does). The L2
   is flushed (a 256 MB write) before each launch. Prints, per phase, the first
   start, the median and last wait end, and the last work end, in us from the
   launch's first ticket, medians over ``--reps`` launches.

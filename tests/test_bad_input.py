@@ -412,6 +412,15 @@ def test_disable_argument_is_checked_like_the_variable():
      "gemv-pipe, attn-lanes, l2-prefetch, decode-const, attn-merge-split, "
      "moe-block-nps, moe-block-rpl)"),
     ("profile_attention_decode.py", ["QAB_DISABLE=warp"], "QAB_DISABLE: unknown optimization"),
+    # The warm timeline: with --timeline only, and of 3 to 16 chained launches.
+    ("profile_layer_gpu.py", ["--warm", "4"], "--warm goes with --timeline"),
+    ("profile_layer_gpu.py", ["--timeline", "--warm", "2"],
+     "--warm takes 0 or N from 3 to 16 (fewer layers leave the marked one's weights in the L2 "
+     "from the launch before), got 2"),
+    ("gpu_session.py", ["--plan", "bench:100", "--timeline-warm", "4"],
+     "--timeline-warm goes with a timeline step in --plan"),
+    ("gpu_session.py", ["--plan", "timeline:100", "--timeline-warm", "17"],
+     "--timeline-warm takes 0 or N from 3 to 16, got 17"),
 ])
 def test_benchmark_scripts_reject_bad_arguments_in_one_line(script, args, message, tmp_path):
     import os

@@ -494,8 +494,8 @@ def test_moe_block_with_staged_next_projection_keeps_two_blocks_per_sm(psm, nps,
 
     # NPS 2 (the copy issued after each block's first item, a call in every
     # phase's loop) spills 60 bytes with nvcc 13 with the dot loops unrolled
-    # (ROLL off), 124 rolled: measured slower, it is built only on request,
-    # so it is checked unrolled; the bound catches more.
+    # (ROLL off), 124 rolled, so ops.moe._nps_build builds it unrolled; the
+    # bound catches more.
     case = (*CASES["moe_decode_block_gdn_pack"][:2],
             {**CASES["moe_decode_block_gdn_pack"][2], "PSM": psm, "NPS": nps,
              "PERSIST": nps > 0, "ROLL": nps != 2})

@@ -3376,10 +3376,11 @@ def test_layer_profiler_phase_bounds_and_summary(monkeypatch):
     assert "mark3_median" not in got["gdn"]
     assert (got["out-proj"]["mark3_median"], got["out-proj"]["mark3_last"]) == (9.0, 9.0)
     # Sub-step marks (the timeline build's rows are STAMP_WIDTH wide): per
-    # mark its name (profile_moe_block_gpu.SUBMARKS) and the median item's
-    # time, in time order; a mark no item set is left out, and a phase
-    # without any has no "sub". Work ends: the median and 90th percentile
-    # item's too (ten items ending 1..10 us after the first ticket).
+    # mark its name (profile_moe_block_gpu.SUBMARKS) and its own median over
+    # the items that set it, in time order; a mark no item set is left out,
+    # and a phase without any has no "sub". Work ends: the median and 90th
+    # percentile (nearest rank: the 9th of ten) item's too (ten items ending
+    # 1..10 us after the first ticket).
     width = sys.modules["profile_moe_block_gpu"].STAMP_WIDTH
     wide = [row + [0] * (width - 5) for row in launch]
     wide[2][5], wide[3][5] = 7500, 8500   # out-proj: staged
@@ -3391,4 +3392,4 @@ def test_layer_profiler_phase_bounds_and_summary(monkeypatch):
     ten = [[1000, 0, 1000 + 1000 * (i + 1), 0, 0] for i in range(10)]
     got = m.summarize_phases([ten], [0, 10])
     assert (got["gdn"]["work_end_median"], got["gdn"]["work_end_p90"],
-            got["gdn"]["work_end_last"]) == (6.0, 10.0, 10.0)
+            got["gdn"]["work_end_last"]) == (6.0, 9.0, 10.0)

@@ -1726,17 +1726,19 @@ def test_nps_build_is_a_persistent_grid_of_two_blocks_per_sm(monkeypatch):
     # NPS (moe-block-nps) needs the next-projection phase and a persistent
     # grid: _nps_build makes the build PERSIST with two blocks per SM (the
     # CUDA driver's count) and NPS_ROWS rows per unit unless GRID / PSM are
-    # set; without NP, off CUDA or with the SM count unknown (0) it drops NPS,
+    # set, NPS 2 with its dot loops unrolled (ROLL off: rolled it spills);
+    # without NP, off CUDA or with the SM count unknown (0) it drops NPS,
     # leaving the plain build.
     monkeypatch.setattr(moe_ops, "cuda_sm_count", lambda: 132)
     opts = moe_ops._decode_block_build({"NPS": 1}, next_proj=True)
     moe_ops._nps_build(opts, "cuda")
-    assert (opts["NPS"], opts["PERSIST"], opts["PSM"], opts["GRID"]) == (
-        1, True, moe_ops.NPS_ROWS, 264)
+    assert (opts["NPS"], opts["PERSIST"], opts["PSM"], opts["GRID"], opts["ROLL"]) == (
+        1, True, moe_ops.NPS_ROWS, 264, True)
     opts = moe_ops._decode_block_build({"NPS": 2}, next_proj=True)
     opts.update(PSM=64, GRID=200)
     moe_ops._nps_build(opts, "cuda")
-    assert (opts["NPS"], opts["PERSIST"], opts["PSM"], opts["GRID"]) == (2, True, 64, 200)
+    assert (opts["NPS"], opts["PERSIST"], opts["PSM"], opts["GRID"], opts["ROLL"]) == (
+        2, True, 64, 200, False)
     plain = moe_ops._decode_block_build(next_proj=True)
     for build, backend, sms in (({"NPS": 1}, "cuda", 132), ({"NPS": 1}, "metal", 132),
                                 ({"NPS": 1}, "cuda", 0)):

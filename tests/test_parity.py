@@ -260,7 +260,7 @@ def test_moe_block_build_switch_reaches_every_fused_moe_block(tiny_q4, monkeypat
 @pytest.mark.parametrize("name,attr", [("moe-block-unroll", "unroll_stage"),
                                        ("moe-block-npl", "npl_items"),
                                        ("moe-block-roll", "roll_dots")])
-def test_moe_block_unroll_and_npl_switches_from_the_environment(tiny_q4, monkeypatch, name,
+def test_moe_block_build_switches_from_the_environment(tiny_q4, monkeypatch, name,
                                                                 attr):
     # QAB_DISABLE=moe-block-unroll clears FusedSparseMoeBlock.unroll_stage (on
     # by default: the block's UNROLL build), moe-block-npl .npl_items (NPL),

@@ -191,21 +191,22 @@
 // (13.6 with its weights loaded in it): its loads do not set its length. (A
 // STAGE down item's cp.async wait also waits for its block's NPS copies.)
 // ROLL (on by default: ops.moe's moe-block-roll switch): the items' dot
-// loops (out- and next-projection, qab_q4_gemv_rows; route logits,
+// loops (out- and next-projection, qab_q4_gemv_rows, not the PSM / NPS
+// builds' qab_q4_gemv_rows_staged; route logits,
 // qab_add_norm_route_part; gate/up, qab_moe_gate_up_shared_part; down,
 // qab_moe_down_shared_rows) run one chunk's (step's, task's) code in a loop,
 // their loaded weights shifted down a register array after each, instead of
 // unrolled: the same arithmetic in the same order, so the same bits, in two
-// thirds of the code (nvcc 13, sm_90, the packed GD build: 123 against 183
-// KB). A phase's first block on an SM fetches the phase's code through the
+// thirds of the code (nvcc 13, sm_90, the packed GD build: 121 against 176
+// KiB of SASS). A phase's first block on an SM fetches the phase's code through the
 // SM's instruction cache, which the launch's code overflows: in the
 // profiling builds' sub-step marks (QAB_SUBMARK) the out-projection items'
 // unrolled dots took 5.0 us after their input was staged and the down
 // items' 4.8, against 2.5 and 3.3 rolled, and Nsight Compute sampled "no
 // instruction" as the down dots' main stall. On an H100, the last of four
 // chained launches (benchmarks/profile_layer_gpu.py --timeline --warm 4):
-// the next projection ends at 56.5 against 61.8 us; end to end at 4K 304.7
-// against 287.7 tok/s (bench-nvidia-h100-s39-roll-4k.json).
+// the launch's last phase ends at 56.6 against 62.2 us; end to end at 4K
+// 326.8 against 305.0 tok/s (bench-nvidia-h100-s39-roll-4k-b.json).
 // Requirements: each of the three kernels' (see their sources); with OP,
 // DO % 1024 == 0 and OG % 32 == 0; with NP, H % 1024 == 0 and PG % 32 == 0.
 // Inputs: x, r [N, H] T (residual stream, mixer output); nw [H] T; eps [4]

@@ -161,10 +161,9 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
     acc[p][0] = 0.f;
     acc[p][1] = 0.f;
   }
-  // Row pair p's gate (t 0) and up (t 1) dots over chunk i, its loads at
-  // [pp][t][ii] and its sums in acc[pa] (the unrolled loop: pp, ii, pa = p,
-  // i, p; the rolled one: 0, 0, 0).
-  auto pair_dot = [&](const int i, const int pp, const int ii, const int pa) {
+  // Row pair p's gate (t 0) and up (t 1) dots over chunk i into acc[p], its
+  // loads at [p][t][ii] (ii: i unrolled, 0 rolled).
+  auto pair_dot = [&](const int i, const int p, const int ii) {
     const int c = lane + 32 * i;
     float xv[32];
 #pragma unroll
@@ -178,8 +177,8 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
     const float xs_sum = xsum[c];
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-      const uint32_t words[4] = {wv[pp][t][ii].x, wv[pp][t][ii].y, wv[pp][t][ii].z,
-                                 wv[pp][t][ii].w};
+      const uint32_t words[4] = {wv[p][t][ii].x, wv[p][t][ii].y, wv[p][t][ii].z,
+                                 wv[p][t][ii].w};
       float d = 0.f;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
@@ -188,7 +187,7 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
           d += qab_nibble(words[q], b) * xv[q * 8 + b];
         }
       }
-      acc[pa][t] += sc[pp][t][ii] * d + bi[pp][t][ii] * xs_sum;
+      acc[p][t] += sc[p][t][ii] * d + bi[p][t][ii] * xs_sum;
     }
   };
   // (ROLL: one chunk's code, every row pair's, in a loop: common.cuh's
@@ -197,7 +196,7 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
       [&](const int i, const int ii) {
 #pragma unroll
         for (int p = 0; p < RPW; ++p) {
-          pair_dot(i, p, ii, p);
+          pair_dot(i, p, ii);
         }
       },
       [&]() {

@@ -1709,18 +1709,21 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: tickets (the same bits); off (the opt-in ``moe-block-nps`` sets
 #: :data:`NPS_MODE`): measured slower on an H200, 74.0 (1) and 74.3 (2) against
 #: 71.0 us per Gated DeltaNet layer launch (benchmarks/profile_layer_gpu.py).
-#: ROLL, whether the items' dot loops (out- and next-projection, route
-#: logits, gate/up, down) run one chunk's (step's, task's) code in a loop,
-#: their loaded weights shifted down a register array after each, instead of
-#: unrolled straight-line code: the same arithmetic in the same order, so the
-#: same bits, in about two thirds of the kernel's code (nvcc 13, sm_90: 123
-#: against 183 KB), because a phase's first block on an SM fetches its code
-#: through the SM's instruction cache, which the whole launch's ~180 KB
-#: overflow (Nsight Compute: "no instruction" the largest stall of the down
-#: items' dots); the default of :func:`moe_decode_block`'s ``roll``; the
-#: ``moe-block-roll`` switch sets it per model): on; measured on an H100 in a
-#: warm chain's last launch (benchmarks/profile_layer_gpu.py --timeline --warm
-#: 4) the next projection ends at 56.5 against 61.8 us.
+#: ROLL, whether the items' dot loops (out- and next-projection without PSM,
+#: route logits, gate/up, down) run one chunk's (step's, task's) code in a
+#: loop, their loaded weights shifted down a register array after each,
+#: instead of unrolled straight-line code: the same arithmetic in the same
+#: order, so the same bits, in about two thirds of the kernel's code (nvcc 13,
+#: sm_90, the packed GD build: 121 against 176 KiB of SASS,
+#: benchmarks/results/moe-block-code-size-s39.txt). A phase's first block on
+#: an SM fetches its code through the SM's instruction cache, which the
+#: launch's code overflows (Nsight Compute: "no instruction" the largest stall
+#: of the down and out-projection items' dots). The default of
+#: :func:`moe_decode_block`'s ``roll``; the ``moe-block-roll`` switch sets it
+#: per model: on; on an H100, in the last of 4 chained launches
+#: (benchmarks/profile_layer_gpu.py --timeline --warm 4), the launch's last
+#: phase ends at 56.6 against 62.2 us, and end to end at 4K 326.8 against
+#: 305.0 tok/s.
 DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": None,
                         "STAGE": True, "GRPW": 2, "EARLY": True, "PRW": 2, "PSM": 0, "GDS": 1,
                         "UNROLL": True, "NPL": True, "RPL": False, "GSR": False, "NPS": 0,
@@ -2303,9 +2306,11 @@ def _nps_build(opts: dict, backend: str) -> None:
     gives it): with NPS and the next-projection phase, a persistent grid
     (PERSIST) of GRID blocks (None: two per SM, the blocks the GPU keeps
     resident at once, :func:`~qwen_apple_backend.ops.device.cuda_sm_count`)
-    whose next-projection units stage PSM rows (0: :data:`NPS_ROWS`). Without
-    the next-projection phase, or on a GPU whose SM count is unknown, NPS is
-    dropped (the build it would change is the plain one)."""
+    whose next-projection units stage PSM rows (0: :data:`NPS_ROWS`); NPS 2
+    with its dot loops unrolled (ROLL off: rolled, nvcc 13 spills 124 bytes of
+    that build's registers under the two-blocks-per-SM cap, unrolled 60).
+    Without the next-projection phase, or on a GPU whose SM count is unknown,
+    NPS is dropped (the build it would change is the plain one)."""
     if not opts["NPS"]:
         return
     sms = cuda_sm_count() if backend == "cuda" else 0
@@ -2316,6 +2321,8 @@ def _nps_build(opts: dict, backend: str) -> None:
     opts["PSM"] = int(opts["PSM"]) or NPS_ROWS
     if opts["GRID"] is None:
         opts["GRID"] = 2 * sms
+    if int(opts["NPS"]) == 2:
+        opts["ROLL"] = False
 
 
 def _decode_block_phase_blocks(E: int, H: int, I: int, K: int,
