@@ -237,6 +237,20 @@ __device__ __forceinline__ float qab_q4_row_norm_inv(const XF xv_of, const float
   return inv_s;
 }
 
+// The shared-memory layout of ROWS staged rows of a 4-bit [nout, KD]
+// projection (qab_q4_rows_stage_issue writes it, qab_q4_gemv_rows_staged
+// reads it): the weights [ROWS][KD / 32] uint4 at wsm, then the scales and
+// the biases, [ROWS][KD / G] ST each.
+template <typename ST, int KD, int G, int ROWS>
+struct QabQ4RowsSmem {
+  uint4* w;
+  ST* s;
+  ST* b;
+  __device__ __forceinline__ explicit QabQ4RowsSmem(uint4* wsm)
+      : w(wsm), s(reinterpret_cast<ST*>(wsm + (size_t)ROWS * (KD / 32))),
+        b(reinterpret_cast<ST*>(wsm + (size_t)ROWS * (KD / 32)) + (size_t)ROWS * (KD / G)) {}
+};
+
 // The first half of qab_q4_gemv_rows_staged: copies rows [row0, row0 + ROWS)
 // of a 4-bit [nout, KD] projection (rows past nout skipped), their weights,
 // scales and biases, into `wsm` (the layout qab_q4_gemv_rows_staged reads) by
@@ -254,9 +268,10 @@ __device__ __forceinline__ void qab_q4_rows_stage_issue(const int row0, const in
   constexpr int NC = KD / 32;
   constexpr int GPR = KD / G;
   constexpr bool SB16 = (GPR * sizeof(ST)) % 16 == 0;
-  uint4* wst = wsm;
-  ST* sst = reinterpret_cast<ST*>(wsm + (size_t)ROWS * NC);
-  ST* bst = sst + (size_t)ROWS * GPR;
+  const QabQ4RowsSmem<ST, KD, G, ROWS> sm(wsm);
+  uint4* wst = sm.w;
+  ST* sst = sm.s;
+  ST* bst = sm.b;
   const int tid = threadIdx.x;
   const int nrows = nout - row0 < ROWS ? nout - row0 : ROWS;
   const uint4* wg = reinterpret_cast<const uint4*>(w + (size_t)row0 * (KD / 8));
@@ -313,9 +328,10 @@ __device__ __forceinline__ void qab_q4_gemv_rows_staged(
   constexpr int GPR = KD / G;      // quantization groups per row
   auto& xs = *reinterpret_cast<float4(*)[8][NC]>(stage);
   float* xsum = stage_sum;
-  uint4* wst = wsm;                                              // [ROWS][NC]
-  ST* sst = reinterpret_cast<ST*>(wsm + (size_t)ROWS * NC);      // [ROWS][GPR]
-  ST* bst = sst + (size_t)ROWS * GPR;                            // [ROWS][GPR]
+  const QabQ4RowsSmem<ST, KD, G, ROWS> sm(wsm);  // qab_q4_rows_stage_issue's layout
+  const uint4* wst = sm.w;                       // [ROWS][NC]
+  const ST* sst = sm.s;                          // [ROWS][GPR]
+  const ST* bst = sm.b;                          // [ROWS][GPR]
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
