@@ -459,8 +459,9 @@ def timeline(variants, layers: list, x, proj, reps: int, warm: int = 0) -> list[
 
     from profile_moe_block_gpu import STAMP_WIDTH, _StampedKernel
 
-    flush = mx.zeros((64 * 1024 * 1024,), dtype=mx.float32)
-    mx.eval(flush)
+    flush = None if warm else mx.zeros((64 * 1024 * 1024,), dtype=mx.float32)  # 256 MB
+    if flush is not None:
+        mx.eval(flush)
     results = []
     for name, v in variants:
         bounds = phase_bounds(v.opts)

@@ -207,14 +207,27 @@ __device__ __forceinline__ void qab_store_f32(float* p, bool vec, const float (&
 #define QAB_SUBMARK(k)
 #endif
 
-// Shifts a register array down by one (a[j] = a[j + 1], the last element
-// kept), for qab_dot_loop's rolled form.
+// Shifts register arrays down by one along their last index (a[..][j] =
+// a[..][j + 1], the last element kept), for qab_dot_loop's rolled form: one
+// array, an array of arrays (each row shifted), or several of either.
 template <typename V, int N>
 __device__ __forceinline__ void qab_shift_down(V (&a)[N]) {
 #pragma unroll
   for (int j = 0; j + 1 < N; ++j) {
     a[j] = a[j + 1];
   }
+}
+template <typename V, int R, int N>
+__device__ __forceinline__ void qab_shift_down(V (&a)[R][N]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    qab_shift_down(a[r]);
+  }
+}
+template <typename A, typename B, typename... More>
+__device__ __forceinline__ void qab_shift_down(A& a, B& b, More&... more) {
+  qab_shift_down(a);
+  qab_shift_down(b, more...);
 }
 
 // A dot loop over N chunks whose loads sit in register arrays indexed by

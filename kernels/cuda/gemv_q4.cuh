@@ -173,14 +173,7 @@ __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout,
       acc[r] = fmaf(sc[r][ii], qab_q4_dot32(wv[r][ii], xv), fmaf(bi[r][ii], s, acc[r]));
     }
   };
-  qab_dot_loop<CPL, ROLL>(chunk_dot, [&]() {
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      qab_shift_down(wv[r]);
-      qab_shift_down(sc[r]);
-      qab_shift_down(bi[r]);
-    }
-  });
+  qab_dot_loop<CPL, ROLL>(chunk_dot, [&]() { qab_shift_down(wv, sc, bi); });
   QAB_SUBMARK(6);  // (profiling builds: thread 0's dots done, its weights in)
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
@@ -248,7 +241,7 @@ struct QabQ4RowsSmem {
   ST* b;
   __device__ __forceinline__ explicit QabQ4RowsSmem(uint4* wsm)
       : w(wsm), s(reinterpret_cast<ST*>(wsm + (size_t)ROWS * (KD / 32))),
-        b(reinterpret_cast<ST*>(wsm + (size_t)ROWS * (KD / 32)) + (size_t)ROWS * (KD / G)) {}
+        b(s + (size_t)ROWS * (KD / G)) {}
 };
 
 // The first half of qab_q4_gemv_rows_staged: copies rows [row0, row0 + ROWS)

@@ -213,11 +213,7 @@ __device__ __forceinline__ bool qab_add_norm_route_part(
         }
       };
       // (ROLL: one step's code in a loop, common.cuh's qab_dot_loop.)
-      qab_dot_loop<STEPS, ROLL>(step, [&]() {
-        qab_shift_down(q[b]);
-        qab_shift_down(qs[b]);
-        qab_shift_down(qb[b]);
-      });
+      qab_dot_loop<STEPS, ROLL>(step, [&]() { qab_shift_down(q[b], qs[b], qb[b]); });
       float sum = 0.f;
 #pragma unroll
       for (int i = 0; i < EPT; ++i) {

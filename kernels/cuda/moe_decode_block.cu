@@ -198,8 +198,8 @@
 // their loaded weights shifted down a register array after each, instead of
 // unrolled: the same arithmetic in the same order, so the same bits, in two
 // thirds of the code (nvcc 13, sm_90, the packed GD build: 121 against 176
-// KiB of SASS). A phase's first block on an SM fetches the phase's code through the
-// SM's instruction cache, which the launch's code overflows: in the
+// KiB of SASS). A phase's first block on an SM fetches the phase's code
+// through the SM's instruction cache, which the launch's code overflows: in the
 // profiling builds' sub-step marks (QAB_SUBMARK) the out-projection items'
 // unrolled dots took 5.0 us after their input was staged and the down
 // items' 4.8, against 2.5 and 3.3 rolled, and Nsight Compute sampled "no
@@ -346,7 +346,6 @@ constexpr int OBLK = OP ? (H + (BLOCK / 32) * QAB_OUT_RPW - 1) / ((BLOCK / 32) *
 // known at compile time (gemv_q4.cuh's NT: unrolled, a thread's L2 reads out
 // at once), else in a loop over blockDim.x (one round trip per iteration).
 constexpr int QAB_GEMV_NT = UNROLL ? BLOCK : 0;
-
 // The next-projection phase (NP): blocks per token row of QAB_NP_ROWS rows,
 // PRW per warp in registers, or with PSM > 0 PSM rows staged in the dynamic
 // shared memory (qab_q4_gemv_rows_staged).

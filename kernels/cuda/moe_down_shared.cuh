@@ -185,16 +185,7 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
     }
   };
   // (ROLL: one task's code in a loop, common.cuh's qab_dot_loop.)
-  qab_dot_loop<TPL, ROLL>(task_dot, [&]() {
-    qab_shift_down(slot);
-    qab_shift_down(weight);
-#pragma unroll
-    for (int p = 0; p < RPW; ++p) {
-      qab_shift_down(wv[p]);
-      qab_shift_down(sv[p]);
-      qab_shift_down(bv[p]);
-    }
-  });
+  qab_dot_loop<TPL, ROLL>(task_dot, [&]() { qab_shift_down(slot, weight, wv, sv, bv); });
   QAB_SUBMARK(7);  // (profiling builds: thread 0's dots done, its weights in)
 #pragma unroll
   for (int p = 0; p < RPW; ++p) {

@@ -161,9 +161,9 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
     acc[p][0] = 0.f;
     acc[p][1] = 0.f;
   }
-  // Row pair p's gate (t 0) and up (t 1) dots over chunk i into acc[p], its
-  // loads at [p][t][ii] (ii: i unrolled, 0 rolled).
-  auto pair_dot = [&](const int i, const int p, const int ii) {
+  // Chunk i's gate (t 0) and up (t 1) dots of every row pair p into acc[p],
+  // its loads at [p][t][ii] (ii: i unrolled, 0 rolled).
+  auto chunk_dot = [&](const int i, const int ii) {
     const int c = lane + 32 * i;
     float xv[32];
 #pragma unroll
@@ -176,40 +176,26 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
     }
     const float xs_sum = xsum[c];
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const uint32_t words[4] = {wv[p][t][ii].x, wv[p][t][ii].y, wv[p][t][ii].z,
-                                 wv[p][t][ii].w};
-      float d = 0.f;
+    for (int p = 0; p < RPW; ++p) {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
+      for (int t = 0; t < 2; ++t) {
+        const uint32_t words[4] = {wv[p][t][ii].x, wv[p][t][ii].y, wv[p][t][ii].z,
+                                   wv[p][t][ii].w};
+        float d = 0.f;
 #pragma unroll
-        for (int b = 0; b < 8; ++b) {
-          d += qab_nibble(words[q], b) * xv[q * 8 + b];
+        for (int q = 0; q < 4; ++q) {
+#pragma unroll
+          for (int b = 0; b < 8; ++b) {
+            d += qab_nibble(words[q], b) * xv[q * 8 + b];
+          }
         }
+        acc[p][t] += sc[p][t][ii] * d + bi[p][t][ii] * xs_sum;
       }
-      acc[p][t] += sc[p][t][ii] * d + bi[p][t][ii] * xs_sum;
     }
   };
   // (ROLL: one chunk's code, every row pair's, in a loop: common.cuh's
   // qab_dot_loop.)
-  qab_dot_loop<CPL, ROLL>(
-      [&](const int i, const int ii) {
-#pragma unroll
-        for (int p = 0; p < RPW; ++p) {
-          pair_dot(i, p, ii);
-        }
-      },
-      [&]() {
-#pragma unroll
-        for (int p = 0; p < RPW; ++p) {
-#pragma unroll
-          for (int t = 0; t < 2; ++t) {
-            qab_shift_down(wv[p][t]);
-            qab_shift_down(sc[p][t]);
-            qab_shift_down(bi[p][t]);
-          }
-        }
-      });
+  qab_dot_loop<CPL, ROLL>(chunk_dot, [&]() { qab_shift_down(wv, sc, bi); });
   QAB_SUBMARK(6);  // (profiling builds: thread 0's dots done, its weights in)
 
 #pragma unroll
