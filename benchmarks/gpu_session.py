@@ -277,7 +277,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "--variants; default default,NPL=0,UNROLL=0)")
     ap.add_argument("--timeline-warm", type=int, default=0, metavar="N",
                     help="the timeline step's --warm: mark the last of N chained launches, no "
-                         "L2 flush, 3 <= N <= 16 (default 0: one launch after a flush)")
+                         "L2 flush, 3 <= N <= profile_layer_gpu.MAX_WARM (default 0: one "
+                         "launch after a flush)")
     args = ap.parse_args(argv)
     try:
         plan = parse_plan(args.plan)
@@ -285,8 +286,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(str(e))
     if args.timeline_warm and not any(name == "timeline" for name, _ in plan):
         ap.error("--timeline-warm goes with a timeline step in --plan")
-    if args.timeline_warm and not 3 <= args.timeline_warm <= 16:
-        ap.error(f"--timeline-warm takes 0 or N from 3 to 16, got {args.timeline_warm}")
+    most = layer_profiler().MAX_WARM
+    if args.timeline_warm and not 3 <= args.timeline_warm <= most:
+        ap.error(f"--timeline-warm takes 0 or N from 3 to {most}, got {args.timeline_warm}")
     if any(name in ("layer", "timeline") for name, _ in plan):
         try:
             for v in (v for v in args.layer_variants.split(",") if v):
