@@ -444,6 +444,46 @@ def summarize_phases(samples: list, bounds: list[int]) -> dict:
 MAX_WARM = 16
 
 
+def launch_spans(launches: list) -> tuple[list[int], list[int]]:
+    """(first mark, last mark) in ns of each launch's stamps, in launch order.
+
+    ``launches``: per launch, the rows of :func:`summarize_phases`'s samples
+    (the global timer's ns per mark, 0 where unset, the SM at index 4). The
+    first mark is the launch's first ticket; the last is its last item's last
+    mark (its work end or its count), so a launch's span leaves out only its
+    blocks' exits after their last mark.
+    """
+    firsts, lasts = [], []
+    for rows in launches:
+        marks = [m for row in rows for k, m in enumerate(row) if m and k != 4]
+        firsts.append(min(row[0] for row in rows if row[0]))
+        lasts.append(max(marks))
+    return firsts, lasts
+
+
+def chain_spans(reps: list) -> dict:
+    """GPU-only timing of the warm timeline's chains, from their marks alone.
+
+    ``reps``: per chain, :func:`launch_spans`'s input for its N launches,
+    which one graph runs back to back (no host between them). Medians over
+    the chains, in us: ``period`` (first ticket of the last launch minus the
+    first's, over N - 1: the GPU's time per launch, launch overhead
+    included), ``span`` (a launch's first to last mark, the median launch's)
+    and ``gap`` (a launch's last mark to the next one's first ticket: the
+    last blocks' exits, the kernel's completion, the next launch's start and
+    its first block's ticket; the median gap of a chain).
+    """
+    periods, spans, gaps = [], [], []
+    for launches in reps:
+        firsts, lasts = launch_spans(launches)
+        n = len(firsts)
+        periods.append((firsts[-1] - firsts[0]) / (n - 1))
+        spans.append(statistics.median(b - a for a, b in zip(firsts, lasts)))
+        gaps.append(statistics.median(firsts[k + 1] - lasts[k] for k in range(n - 1)))
+    us = lambda xs: round(statistics.median(xs) / 1000.0, 2)  # noqa: E731
+    return {"period": us(periods), "span": us(spans), "gap": us(gaps), "chains": len(reps)}
+
+
 def timeline(variants, layers: list, x, proj, reps: int, warm: int = 0) -> list[dict]:
     """Per variant: :func:`summarize_phases` of ``reps`` marked launches.
 
@@ -467,7 +507,7 @@ def timeline(variants, layers: list, x, proj, reps: int, warm: int = 0) -> list[
         bounds = phase_bounds(v.opts)
         marked = Variant(v.opts, v.packed, stamps=bounds[-1])
         own = private_states(layers[:max(1, warm)])
-        samples = []
+        samples, chains = [], []
         with marked:
             counters = [marked.counter(lay, proj) for lay in own]
             mx.eval(counters)
@@ -475,9 +515,15 @@ def timeline(variants, layers: list, x, proj, reps: int, warm: int = 0) -> list[
                 if warm:
                     h, p = x, proj
                     mx.synchronize()
-                    for i, lay in enumerate(own):
-                        h, p, *_ = launch(marked, lay, h, p, counters[i])
-                    mx.eval(h, p)
+                    _StampedKernel.calls = []
+                    try:
+                        for i, lay in enumerate(own):
+                            h, p, *_ = launch(marked, lay, h, p, counters[i])
+                        mx.eval(h, p, *_StampedKernel.calls)
+                        chains.append([c.reshape(-1, STAMP_WIDTH).tolist()
+                                       for c in _StampedKernel.calls])
+                    finally:
+                        _StampedKernel.calls = None
                 else:
                     mx.eval(flush + 1.0)
                     mx.synchronize()
@@ -490,6 +536,9 @@ def timeline(variants, layers: list, x, proj, reps: int, warm: int = 0) -> list[
         print(f"{name}:")
         for ph, d in phases.items():
             print(f"  {ph:>9}: " + "  ".join(f"{k} {u}" for k, u in d.items()))
+        if warm:
+            results[-1]["chain"] = chain = chain_spans(chains[2:])
+            print(f"  {'chain':>9}: " + "  ".join(f"{k} {u}" for k, u in chain.items()))
     return results
 
 

@@ -791,8 +791,8 @@ def test_fused_layer_decode_on_the_emulated_kernel(monkeypatch, variant, concat)
 
 GDN_DECODE_BROKEN = {
     # The q/k conv state of a key head is written by no value head.
-    "q/k conv state never written": ("owner = hv % (Hv / Hk) == 0;\n    } else if",
-                                     "owner = false;\n    } else if"),
+    "q/k conv state never written": ("owner = hv % (Hv / Hk) == 0 && part == 0;\n      return hk",
+                                     "owner = false;\n      return hk"),
     # Warps read the conv outputs before every thread has written them.
     "missing __syncthreads": ("__syncthreads();\n  QAB_SUBMARK(5);", "\n  QAB_SUBMARK(5);"),
     # A finished row's conv state shifts anyway.
@@ -3393,3 +3393,26 @@ def test_layer_profiler_phase_bounds_and_summary(monkeypatch):
     got = m.summarize_phases([ten], [0, 10])
     assert (got["gdn"]["work_end_median"], got["gdn"]["work_end_p90"],
             got["gdn"]["work_end_last"]) == (6.0, 9.0, 10.0)
+
+
+def test_layer_profiler_chain_spans(monkeypatch):
+    # The warm timeline's GPU-only chain timing, from every launch's marks:
+    # a launch spans its first ticket to its last mark of any kind (a work
+    # end, a count, a sub-step mark; never the SM column, 4, nor an unset 0),
+    # the period is the first tickets' spacing, the gap a launch's last mark
+    # to the next one's first ticket; medians over the chains, in us.
+    m = _load_layer_profiler(monkeypatch)
+
+    def launch(t0, last, sm=10 ** 12):
+        # Two tickets; the second's last mark is a sub-step mark (index 6)
+        # and its SM column is huge, to show it is not taken for a time.
+        return [[t0, 0, t0 + 3000, 0, 0, 0, 0], [t0 + 500, 0, t0 + 2000, 0, sm, 0, last]]
+
+    chain = [launch(1000, 51_000), launch(61_000, 116_000), launch(131_000, 171_000)]
+    assert m.launch_spans(chain) == ([1000, 61_000, 131_000], [51_000, 116_000, 171_000])
+    got = m.chain_spans([chain, chain])
+    # period (131 - 1) / 2 = 65 us; spans 50, 55, 40 (median 50); gaps 10, 15 (median 12.5)
+    assert got == {"period": 65.0, "span": 50.0, "gap": 12.5, "chains": 2}
+    slower = [launch(1000, 51_000), launch(71_000, 126_000), launch(151_000, 191_000)]
+    got = m.chain_spans([chain, slower, slower])
+    assert (got["period"], got["gap"]) == (75.0, 22.5)  # its gaps 20 and 25
