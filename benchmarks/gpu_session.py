@@ -28,7 +28,8 @@ Steps (``--plan``, in the order given, each ``NAME:SECONDS``):
   ``default,NPL=0,UNROLL=0``; ``OUT/layer``).
 - ``timeline``: the same script's ``--timeline``: each phase's start, wait
   and end inside the launch, from the kernel's global-timer marks
-  (``OUT/timeline``).
+  (``OUT/timeline``); with ``--timeline-warm N`` the last of N chained
+  launches, and the chain's period, span and gap per launch on the GPU.
 
 Bench steps decode only, from contexts of seeded random cache values shaped
 by stock's model (``qab bench --shared-prefill stock --synthetic-context``: a
@@ -276,8 +277,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="variants of the layer and timeline steps (profile_layer_gpu.py's "
                          "--variants; default default,NPL=0,UNROLL=0)")
     ap.add_argument("--timeline-warm", type=int, default=0, metavar="N",
-                    help="the timeline step's --warm: mark the last of N chained launches, no "
-                         "L2 flush, 3 <= N <= profile_layer_gpu.MAX_WARM (default 0: one "
+                    help="the timeline step's --warm: phases of the last of N chained "
+                         "launches, no L2 flush, and the chain's GPU period, span and gap per "
+                         "launch, 3 <= N <= profile_layer_gpu.MAX_WARM (default 0: one "
                          "launch after a flush)")
     args = ap.parse_args(argv)
     try:

@@ -32,9 +32,21 @@ random weights, bfloat16) and measures them two ways:
   start (``started_1us``). With ``--warm N`` the marked launch is instead the
   last of N chained over N layers, no flush: the kernel's code in the L2 as
   in decode (after a flush it comes from DRAM, and the phases' straight-line
-  code then costs microseconds of instruction fetch). The marks cost
+  code then costs microseconds of instruction fetch). Every launch of such a
+  chain is marked and one evaluation runs them back to back (MLX's CUDA
+  graphs of about two launches each, its 1,000 MB limit on a graph's inputs,
+  as in a decode token; the host encodes them faster than the GPU runs
+  them), so the marks alone also time the chain on the GPU (``chain``: the launch period, a launch's
+  span from its first ticket to its last mark, and the gap from there to the
+  next launch's first ticket; :func:`chain_spans`). The marks cost
   registers: check ``started_1us`` against the shipped build's occupancy
   before reading phase overlaps.
+
+The default chain timing is the host's: it includes MLX's encode of the 40
+launches (~15-20 us each), so it does not separate builds whose GPU times
+differ by a few us (session 39: rolled and unrolled builds 74.1 against
+73.0 us per launch there; the warm timeline's chain period, 62.7 against
+67.0 on an H100 in session 40). Compare builds with ``--timeline --warm N``.
 
 Variants are ``ops.moe.DECODE_BLOCK_OPTIONS`` settings and the build keys of
 ``profile_moe_block_gpu.py`` (``SLEEP``, ``MINB``, ``RELAXED``, ``PIN``, ``MANT``), written
@@ -465,7 +477,8 @@ def chain_spans(reps: list) -> dict:
     """GPU-only timing of the warm timeline's chains, from their marks alone.
 
     ``reps``: per chain, :func:`launch_spans`'s input for its N launches,
-    which one graph runs back to back (no host between them). Medians over
+    run back to back by one evaluation (no host time between them while the
+    host's encode keeps ahead of the GPU, as it does here). Medians over
     the chains, in us: ``period`` (first ticket of the last launch minus the
     first's, over N - 1: the GPU's time per launch, launch overhead
     included), ``span`` (a launch's first to last mark, the median launch's)

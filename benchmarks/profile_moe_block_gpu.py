@@ -86,9 +86,9 @@ DEFAULT_VARIANTS = "default,EARLY=0,STAGE=0+EARLY=0,CS=1+PREFETCH=0+STAGE=0+EARL
 SHAPE = (1, 256, 2048, 512, 8)
 PHASES = ("route", "gate/up", "down")
 #: Variant keys that change the kernel's text (a header prefix), not its template.
-BUILD_KEYS = ("SLEEP", "MINB", "RELAXED", "PIN", "MANT", "PFN", "PFD", "CONVSER", "RWARM")
+BUILD_KEYS = ("SLEEP", "MINB", "RELAXED", "PIN", "MANT")
 #: The build keys that are flags (0 or 1), as the options whose default is a bool.
-BUILD_FLAGS = ("RELAXED", "PIN", "MANT", "PFD", "CONVSER", "RWARM")
+BUILD_FLAGS = ("RELAXED", "PIN", "MANT")
 #: Marks per ticket in the --timeline build: 0 start (its ticket taken), 1 its
 #: wait's end, 2 its work's end, 3 a phase's own (the route's logits counted,
 #: the down items' end of their wait for the gate/up items), 4 the SM, and
@@ -136,14 +136,6 @@ def build_prefix(variant: dict) -> str:
         text += "#define QAB_PIN_LOADS 1\n"
     if variant.get("MANT"):
         text += "#define QAB_NIBBLE_MANTISSA 1\n"
-    if variant.get("PFN"):
-        text += f"#define QAB_PF_NEXT_PROJ {int(variant['PFN'])}\n"
-    if variant.get("PFD"):
-        text += "#define QAB_PF_DOWN 1\n"
-    if variant.get("CONVSER"):
-        text += "#define QAB_GDN_CONV_SERIAL 1\n"
-    if variant.get("RWARM"):
-        text += "#define QAB_ROUTE_WARM 1\n"
     return text
 
 

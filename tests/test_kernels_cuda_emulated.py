@@ -791,8 +791,8 @@ def test_fused_layer_decode_on_the_emulated_kernel(monkeypatch, variant, concat)
 
 GDN_DECODE_BROKEN = {
     # The q/k conv state of a key head is written by no value head.
-    "q/k conv state never written": ("owner = hv % (Hv / Hk) == 0 && part == 0;\n      return hk",
-                                     "owner = false;\n      return hk"),
+    "q/k conv state never written": ("owner = hv % (Hv / Hk) == 0;\n    } else if",
+                                     "owner = false;\n    } else if"),
     # Warps read the conv outputs before every thread has written them.
     "missing __syncthreads": ("__syncthreads();\n  QAB_SUBMARK(5);", "\n  QAB_SUBMARK(5);"),
     # A finished row's conv state shifts anyway.

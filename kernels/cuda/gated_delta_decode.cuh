@@ -129,106 +129,54 @@ __device__ __forceinline__ void qab_gdn_decode_head(
   };
   load_state(0);
 
-  // Phase 1: conv + SiLU of this block's channels; new conv state. A thread's
-  // channels (at most NIT) and the gates' scalars are all loaded before any
-  // arithmetic or store: the stores may alias the inputs as far as the
-  // compiler knows, so loads after a store would wait for it (one dependent
-  // trip to memory per channel, then one for the gates). The same values and
-  // arithmetic, so the same bits.
-  constexpr int NIT = (NCH + BLOCK - 1) / BLOCK;
-  auto channel = [&](const int c, bool& owner) {
+  // Phase 1: conv + SiLU of this block's channels; new conv state.
+  for (int c = tid; c < NCH; c += BLOCK) {
+    int ch;
+    bool owner;
     if (c < Dk) {
-      owner = hv % (Hv / Hk) == 0 && part == 0;
-      return hk * Dk + c;
+      ch = hk * Dk + c;
+      owner = hv % (Hv / Hk) == 0;
+    } else if (c < 2 * Dk) {
+      ch = KEY_DIM + hk * Dk + (c - Dk);
+      owner = hv % (Hv / Hk) == 0;
+    } else {
+      ch = 2 * KEY_DIM + hv * Dv + dv0 + (c - 2 * Dk);
+      owner = true;
     }
     if (c < 2 * Dk) {
-      owner = hv % (Hv / Hk) == 0 && part == 0;
-      return KEY_DIM + hk * Dk + (c - Dk);
+      owner = owner && part == 0;
     }
-    owner = true;
-    return 2 * KEY_DIM + hv * Dv + dv0 + (c - 2 * Dk);
-  };
-  float cx[NIT][Kc];
-  float cw[NIT][Kc];
-  float cb[NIT];
-  auto load_channel = [&](const int it) {
-    const int c = tid + it * BLOCK;
-    if (c < NCH) {
-      bool owner;
-      const int ch = channel(c, owner);
+    float x[Kc];
+#pragma unroll
+    for (int j = 0; j < Kc - 1; ++j) {
+      x[j] = static_cast<float>(conv_state[((size_t)b * (Kc - 1) + j) * CONV_DIM + ch]);
+    }
+    x[Kc - 1] = live ? static_cast<float>(qkv[(size_t)b * QKV_ROW + ch]) : 0.f;
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < Kc; ++j) {
+      acc += static_cast<float>(conv_w[(size_t)ch * Kc + j]) * x[j];
+    }
+    acc = rnd(acc);
+    if (HAS_BIAS) {
+      acc = rnd(acc + static_cast<float>(conv_b[ch]));
+    }
+    conv_s[c] = rnd(acc * rnd(1.f / (1.f + expf(-acc))));  // SiLU = x * sigmoid(x)
+    if (owner) {
+      const int from = shift ? 1 : 0;
 #pragma unroll
       for (int j = 0; j < Kc - 1; ++j) {
-        cx[it][j] = static_cast<float>(conv_state[((size_t)b * (Kc - 1) + j) * CONV_DIM + ch]);
-      }
-      cx[it][Kc - 1] = live ? static_cast<float>(qkv[(size_t)b * QKV_ROW + ch]) : 0.f;
-#pragma unroll
-      for (int j = 0; j < Kc; ++j) {
-        cw[it][j] = static_cast<float>(conv_w[(size_t)ch * Kc + j]);
-      }
-      cb[it] = HAS_BIAS ? static_cast<float>(conv_b[ch]) : 0.f;
-    }
-  };
-  // The gates' inputs (every thread; scalars of this head).
-  float a_log, a_in, dt_b, b_in;
-  auto load_gates = [&]() {
-    a_log = A_log[hv];
-    a_in = static_cast<float>(a_proj[(size_t)b * BA_ROW + A_OFF + hv]);
-    dt_b = static_cast<float>(dt_bias[hv]);
-    b_in = static_cast<float>(b_proj[(size_t)b * BA_ROW + B_OFF + hv]);
-  };
-  auto conv_channel = [&](const int it) {
-    const int c = tid + it * BLOCK;
-    if (c < NCH) {
-      bool owner;
-      const int ch = channel(c, owner);
-      float acc = 0.f;
-#pragma unroll
-      for (int j = 0; j < Kc; ++j) {
-        acc += cw[it][j] * cx[it][j];
-      }
-      acc = rnd(acc);
-      if (HAS_BIAS) {
-        acc = rnd(acc + cb[it]);
-      }
-      conv_s[c] = rnd(acc * rnd(1.f / (1.f + expf(-acc))));  // SiLU = x * sigmoid(x)
-      if (owner) {
-        const int from = shift ? 1 : 0;
-#pragma unroll
-        for (int j = 0; j < Kc - 1; ++j) {
-          conv_state_out[((size_t)b * (Kc - 1) + j) * CONV_DIM + ch] =
-              static_cast<InT>(cx[it][j + from]);
-        }
+        conv_state_out[((size_t)b * (Kc - 1) + j) * CONV_DIM + ch] = static_cast<InT>(x[j + from]);
       }
     }
-  };
-#ifndef QAB_GDN_CONV_SERIAL
-#pragma unroll
-  for (int it = 0; it < NIT; ++it) {
-    load_channel(it);
   }
-  load_gates();
-#pragma unroll
-  for (int it = 0; it < NIT; ++it) {
-    conv_channel(it);
-  }
-#else
-  // Profiling builds with QAB_GDN_CONV_SERIAL (profile_layer_gpu.py's
-  // CONVSER): the order before session 40, each channel's loads after the
-  // previous channel's stores and the gates' after the last.
-#pragma unroll
-  for (int it = 0; it < NIT; ++it) {
-    load_channel(it);
-    conv_channel(it);
-  }
-  load_gates();
-#endif
 
   // Gates (every thread; scalars of this head).
-  const float decay = expf(a_log);
-  const float ax = rnd(a_in + dt_b);
+  const float decay = expf(A_log[hv]);
+  const float ax = rnd(static_cast<float>(a_proj[(size_t)b * BA_ROW + A_OFF + hv]) + static_cast<float>(dt_bias[hv]));
   const float sp = rnd(fmaxf(ax, 0.f) + log1pf(expf(-fabsf(ax))));  // softplus, stable
   const float gate = expf(-decay * sp);
-  const float beta = rnd(1.f / (1.f + expf(-b_in)));
+  const float beta = rnd(1.f / (1.f + expf(-static_cast<float>(b_proj[(size_t)b * BA_ROW + B_OFF + hv]))));
   __syncthreads();
   QAB_SUBMARK(5);  // (profiling builds: the conv and the gates done)
 

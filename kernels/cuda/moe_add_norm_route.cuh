@@ -124,18 +124,6 @@ __device__ __forceinline__ const T* qab_add_norm_row(const size_t n,
 // count[n] to 0; without it count[n] stays at nparts for the launch's other
 // blocks to read (moe_decode_block.cu's GSR gate/up items wait on it) and the
 // caller resets it.
-#ifdef QAB_ROUTE_WARM
-// Profiling builds with QAB_ROUTE_WARM (profile_layer_gpu.py's RWARM): the
-// row's routing as one out-of-line function, which every route block's warp
-// 0 first runs on its (unset) shared logits before its wait, so that the last
-// block's call finds the code in its SM's instruction cache.
-template <typename T, int E, int K, bool NORM>
-__device__ __noinline__ void qab_route_row_once(const T* x, const int lane, uint32_t* inds,
-                                                T* scores) {
-  qab_route_row<T, E, K, NORM>(x, lane, inds, scores);
-}
-#endif
-
 template <typename T, int D, int E, int K, int G, bool NORM, int BLOCK, int RB, bool RCG = false,
           bool PRE = false, bool RESET = true, bool ROLL = false, typename Wait = QabNoWait,
           typename Counted = QabNoWait>
@@ -185,15 +173,6 @@ __device__ __forceinline__ bool qab_add_norm_route_part(
   if constexpr (!QabIsNoWait<Wait>::value) {
     qab_pin_loads(q, qs, qb);  // (profiling builds with QAB_PIN_LOADS only)
   }
-#ifdef QAB_ROUTE_WARM
-  {
-    __shared__ uint32_t warm_inds[K];
-    __shared__ T warm_scores[K];
-    if (warp == 0) {
-      qab_route_row_once<T, E, K, NORM>(ls, lane, warm_inds, warm_scores);
-    }
-  }
-#endif
   // `wait` (every thread; it may hold a block barrier) until r is written
   // (moe_decode_block.cu's OP: another block of the launch writes it, read
   // through L2 with RCG).
@@ -270,11 +249,7 @@ __device__ __forceinline__ bool qab_add_norm_route_part(
   __syncthreads();
   QAB_SUBMARK(8);  // (profiling builds: the row's logits read back)
   if (warp == 0) {
-#ifdef QAB_ROUTE_WARM
-    qab_route_row_once<T, E, K, NORM>(ls, lane, inds + n * K, scores + n * K);
-#else
     qab_route_row<T, E, K, NORM>(ls, lane, inds + n * K, scores + n * K);
-#endif
   }
   if (RESET && t == 0) {
     const_cast<uint32_t*>(count)[n] = 0u;

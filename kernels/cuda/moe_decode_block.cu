@@ -483,23 +483,6 @@ if constexpr (QAB_NPS && NPS == 1) {
   np_issue_first();  // at the block's start
 }
 
-// Profiling builds with QAB_PF_NEXT_PROJ (profile_layer_gpu.py's PFN): the
-// out-projection items (1) or the GDN items (2), once counted, ask the L2 for
-// the next projection's weights, scales and biases (NP), which its items read
-// last in the launch: the DRAM is idle while the route runs. Block b of nb
-// prefetches the 4 KB chunks b, b + nb, ... (every block a share).
-auto prefetch_next_proj = [&](const int b, const int nb) {
-#ifdef QAB_PF_NEXT_PROJ
-  if constexpr (NP) {
-    const int t = tid * nb + b;
-    const int nt = nb * BLOCK;
-    qab_prefetch_l2_share(pw, sizeof(uint32_t) * (size_t)PN * (H / 8), t, nt);
-    qab_prefetch_l2_share(ps, sizeof(T) * (size_t)PN * (H / PG), t, nt);
-    qab_prefetch_l2_share(pb, sizeof(T) * (size_t)PN * (H / PG), t, nt);
-  }
-#endif
-};
-
 // One item of phase P (QabPhase: 0 GDN, 1 out projection, 2 route, 3 gate/up,
 // 4 down, 5 next projection) for the ticket tk.
 auto run_item = [&](auto phase) {
@@ -523,11 +506,6 @@ auto run_item = [&](auto phase) {
       atomicAdd(gd_done, 1u);
       QAB_MARK(11);  // (profiling builds: fenced and counted)
     }
-#if defined(QAB_PF_NEXT_PROJ) && QAB_PF_NEXT_PROJ == 2
-    if (n == 0) {
-      prefetch_next_proj(hp, GDBLK);
-    }
-#endif
 #endif
   } else if constexpr (P == 1) {
     // Out-projection item: rows [o * 8 QAB_OUT_RPW, ...) of r[n] = ox[n] ow^T.
@@ -607,11 +585,6 @@ auto run_item = [&](auto phase) {
       atomicAdd(o_done, 1u);
       QAB_MARK(11);  // (profiling builds: fenced and counted)
     }
-#if defined(QAB_PF_NEXT_PROJ) && QAB_PF_NEXT_PROJ == 1
-    if (n == 0) {
-      prefetch_next_proj(o, OBLK);
-    }
-#endif
   } else if constexpr (P == 2) {
     const int n = (tk - OBLK * rows) / RBLK;
     const bool last = qab_add_norm_route_part<T, H, E, K, RG, NORM, BLOCK, RB, OP, RPL, !QAB_GSR, ROLL>(
@@ -631,23 +604,6 @@ auto run_item = [&](auto phase) {
         QAB_MARK(11);  // (profiling builds: fenced and counted)
       }
     }
-#ifdef QAB_PF_DOWN
-    // Profiling builds with QAB_PF_DOWN (profile_layer_gpu.py's PFD): the
-    // route's last block, its row routed, asks the L2 for the K routed
-    // experts' down weights, scales and biases, which the down items load
-    // after the gate/up items leave their slots.
-    if (last) {
-      for (int k = 0; k < K; ++k) {
-        const size_t e = inds[(size_t)n * K + k];
-        qab_prefetch_l2_share(d_w + e * H * (I / 8), sizeof(uint32_t) * (size_t)H * (I / 8),
-                              tid, BLOCK);
-        qab_prefetch_l2_share(d_scales + e * H * (I / G), sizeof(T) * (size_t)H * (I / G),
-                              tid, BLOCK);
-        qab_prefetch_l2_share(d_biases + e * H * (I / G), sizeof(T) * (size_t)H * (I / G),
-                              tid, BLOCK);
-      }
-    }
-#endif
   } else if constexpr (P == 3) {
     const int g = tk - (OBLK + RBLK) * rows;
     const int n = g / GBLK;
