@@ -49,7 +49,7 @@ differ by a few us (session 39: rolled and unrolled builds 74.1 against
 67.0 on an H100 in session 40). Compare builds with ``--timeline --warm N``.
 
 Variants are ``ops.moe.DECODE_BLOCK_OPTIONS`` settings and the build keys of
-``profile_moe_block_gpu.py`` (``SLEEP``, ``MINB``, ``RELAXED``, ``PIN``, ``MANT``), written
+``profile_moe_block_gpu.py`` (``SLEEP``, ``MINB``, ``RELAXED``, ``PIN``, ``MANT``, ``PS``), written
 ``PRW=4+MINB=2`` (``PRW``: the next projection's rows per warp, 2 shipped,
 4 halving its 772 blocks; ``UNROLL=0``: the projection phases' input staging
 as a loop, not unrolled as shipped (``moe-block-unroll`` off); ``NPL=0``:
@@ -60,7 +60,9 @@ norm weight and eps before their wait; ``GSR=1``: the gate/up items route
 their token themselves; ``PERSIST+GRID=264+PSM=48+NPS=1``: a persistent grid
 whose blocks copy their next-projection rows into shared memory at their
 start, ``NPS=2`` after their first item; ``MANT=1``: quantized weights made
-floats through a float's mantissa; ``ROLL=0``: the items' dot loops unrolled,
+floats through a float's mantissa; ``PS=1``: every 4-bit dot's inputs
+prescaled so that each weight is masked in place, one integer op fewer per
+value; ``ROLL=0``: the items' dot loops unrolled,
 not rolled as shipped (``moe-block-roll`` off)), plus ``PACK=0`` (the unpacked GD build,
 ``moe_decode_block_gdn``, 47 inputs instead of 27) and ``PF=1`` (the ``l2-prefetch``
 build: the gate/up items that wait for nothing, resident from the launch's

@@ -31,7 +31,7 @@ the block gives the three launches' output bit for bit, and then either
   launch's first ticket, medians over ``--reps`` launches.
 
 Variants are ``ops.moe.DECODE_BLOCK_OPTIONS`` settings, written
-``CS=32+PREFETCH+PERSIST+GRID=264`` (flags alone mean true), plus five build
+``CS=32+PREFETCH+PERSIST+GRID=264`` (flags alone mean true), plus six build
 settings of the kernel text: ``SLEEP=ns`` (``QAB_WAIT_SLEEP_NS``, the wait's
 sleep between polls), ``MINB=n`` (the kernel declared
 ``__launch_bounds__(BLOCK, n)``: at least n blocks per SM, registers capped to
@@ -42,7 +42,10 @@ that the compiler cannot move the loads past the wait) and ``MANT``
 (``QAB_NIBBLE_MANTISSA``: the experts' 4-bit and the router's 8-bit weights
 become floats through a float's mantissa, ``common.cuh``'s ``qab_nibble`` /
 ``qab_byte``, instead of integer-to-float conversions; the same values;
-measured no faster on an H100); ``default`` is the shipped
+measured no faster on an H100) and ``PS`` (``QAB_Q4_PRESCALE``: the out- and
+next-projection phases' inputs staged prescaled, so that each 4-bit weight is
+masked in place, one integer op instead of two: ``gemv_q4.cuh``'s
+``qab_q4_dot32``; the same bits); ``default`` is the shipped
 setting. The timeline also records, per phase, how many blocks took their
 ticket within 1 us of the first (``started_1us``: the blocks resident at the
 start; the marks cost registers, so check it against the shipped build's
@@ -86,9 +89,9 @@ DEFAULT_VARIANTS = "default,EARLY=0,STAGE=0+EARLY=0,CS=1+PREFETCH=0+STAGE=0+EARL
 SHAPE = (1, 256, 2048, 512, 8)
 PHASES = ("route", "gate/up", "down")
 #: Variant keys that change the kernel's text (a header prefix), not its template.
-BUILD_KEYS = ("SLEEP", "MINB", "RELAXED", "PIN", "MANT")
+BUILD_KEYS = ("SLEEP", "MINB", "RELAXED", "PIN", "MANT", "PS")
 #: The build keys that are flags (0 or 1), as the options whose default is a bool.
-BUILD_FLAGS = ("RELAXED", "PIN", "MANT")
+BUILD_FLAGS = ("RELAXED", "PIN", "MANT", "PS")
 #: Marks per ticket in the --timeline build: 0 start (its ticket taken), 1 its
 #: wait's end, 2 its work's end, 3 a phase's own (the route's logits counted,
 #: the down items' end of their wait for the gate/up items), 4 the SM, and
@@ -136,6 +139,8 @@ def build_prefix(variant: dict) -> str:
         text += "#define QAB_PIN_LOADS 1\n"
     if variant.get("MANT"):
         text += "#define QAB_NIBBLE_MANTISSA 1\n"
+    if variant.get("PS"):
+        text += "#define QAB_Q4_PRESCALE 1\n"
     return text
 
 

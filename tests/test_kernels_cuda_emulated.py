@@ -3329,6 +3329,12 @@ def test_layer_profiler_chains_packed_and_unpacked_layers_emulated(monkeypatch):
     assert ("#define QAB_NIBBLE_MANTISSA 1"
             in sys.modules["profile_moe_block_gpu"].build_prefix(mant.opts))
     m.check_variants([variants[1], ("MANT=1+PACK=0", mant)], layers[0], x, proj)
+    # PS=1 (QAB_Q4_PRESCALE: every 4-bit dot's inputs prescaled so that each
+    # nibble is masked in place): the same outputs.
+    ps = m.Variant(*m.split_variant("PS=1+PACK=0"))
+    assert ("#define QAB_Q4_PRESCALE 1"
+            in sys.modules["profile_moe_block_gpu"].build_prefix(ps.opts))
+    m.check_variants([variants[1], ("PS=1+PACK=0", ps)], layers[0], x, proj)
     for text, msg in (("PRW=8", "PRW must be one of 1, 2, 4, got 8"),
                       ("GRPW=3+PACK=0", "GRPW must be one of 1, 2, 4, got 3"),
                       ("PACK=2", "PACK is a flag"), ("PF=2", "PF is a flag"),

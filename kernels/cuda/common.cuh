@@ -293,6 +293,29 @@ __device__ __forceinline__ float qab_byte(const uint32_t w, const int s) {
 #endif
 }
 
+// QAB_Q4_PRESCALE builds: a 4-bit dot's inputs carry the factor
+// qab_q4_prescale(b) of their value's place b in the weight word (2^-4b for
+// b < 5, 2^-4(b - 5) above), and qab_nibble_placed(w, w >> 20, b) is the
+// nibble times its inverse, masked in place instead of shifted: the product
+// is the same (both scalings exact but for inputs within 2^16 of the
+// subnormals), so the same bits, with one integer op per value instead of two
+// (plus one shift per word). Used by gemv_q4.cuh, moe_gate_up_shared.cuh and
+// moe_down_shared.cuh.
+#ifdef QAB_Q4_PRESCALE
+constexpr bool QAB_Q4_PS = true;
+#else
+constexpr bool QAB_Q4_PS = false;
+#endif
+__device__ __forceinline__ constexpr float qab_q4_prescale(const int b) {
+  return b == 0 || b == 5 ? 1.f : b == 1 || b == 6 ? 0.0625f : b == 2 || b == 7 ? 0.00390625f
+         : b == 3 ? 0.000244140625f : 0.0000152587890625f;
+}
+__device__ __forceinline__ float qab_nibble_placed(const uint32_t w, const uint32_t hi,
+                                                   const int b) {
+  const uint32_t m = b < 5 ? (w & (15u << (4 * b))) : (hi & (15u << (4 * (b - 5))));
+  return __uint_as_float(0x4B000000u | m) - 8388608.f;
+}
+
 // A compile-time phase number as a type (moe_decode_block.cu's run_item(QabPhase<P>{})).
 template <int P>
 struct QabPhase {

@@ -6,16 +6,31 @@
 // One 32-value chunk of a row: 32 packed 4-bit weights (a 16-byte uint4,
 // value j of a word at bits 4j, MLX's affine layout) dotted with the 32
 // staged float inputs xv, in the order (word q, value b) = (0, 0), (0, 1),
-// ... Nibbles become floats with the 2^23 trick (qab_nibble_mantissa): two
-// integer ops and one add instead of a conversion.
+// ... Nibbles become floats with the 2^23 trick (into a float's mantissa,
+// then subtract 2^23): two integer ops and one add instead of a conversion.
+// PS (prescaled inputs, QAB_Q4_PRESCALE builds): xv holds x[k] * 2^-4p, p
+// the nibble's place in its word's low 20 bits or, for values 5..7, in the
+// word shifted right by 20 (qab_q4_prescale), so each nibble is masked in
+// place, not shifted: q 2^4p, times x 2^-4p, is the same product, so the
+// same bits (both scalings exact but for inputs within 2^16 of the
+// subnormals); one integer op per value instead of two, plus one shift per
+// word.
+template <bool PS = false>
 __device__ __forceinline__ float qab_q4_dot32(const uint4 wv, const float (&xv)[32]) {
   const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
   float d = 0.f;
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
+    const uint32_t hi = words[q] >> 20;
 #pragma unroll
     for (int b = 0; b < 8; ++b) {
-      d = fmaf(qab_nibble_mantissa(words[q], b), xv[q * 8 + b], d);
+      float qv;
+      if constexpr (PS) {
+        qv = qab_nibble_placed(words[q], hi, b);
+      } else {
+        qv = qab_nibble_mantissa(words[q], b);
+      }
+      d = fmaf(qv, xv[q * 8 + b], d);
     }
   }
   return d;
@@ -37,12 +52,18 @@ __device__ __forceinline__ void qab_q4_chunk_x(const float4 (&xs)[8][NC], const 
 }
 
 // A chunk's input sum, the bias term's factor, in quantized_gemv.cu's order.
-template <int NC>
+// PS: xs holds prescaled values (qab_q4_dot32), unscaled here exactly.
+template <int NC, bool PS = false>
 __device__ __forceinline__ float qab_q4_chunk_sum(const float4 (&xs)[8][NC], const int c) {
   float s = 0.f;
 #pragma unroll
   for (int j4 = 0; j4 < 8; ++j4) {
-    const float4 v = xs[j4][c];
+    float4 v = xs[j4][c];
+    if constexpr (PS) {
+      const int b = (j4 & 1) * 4;
+      v = make_float4(v.x / qab_q4_prescale(b), v.y / qab_q4_prescale(b + 1),
+                      v.z / qab_q4_prescale(b + 2), v.w / qab_q4_prescale(b + 3));
+    }
     s += (v.x + v.y) + (v.z + v.w);
   }
   return s;
@@ -53,14 +74,22 @@ __device__ __forceinline__ float qab_q4_chunk_sum(const float4 (&xs)[8][NC], con
 // e = c * 8 + j4 by thread e % threads. NT: the block's threads when known at
 // compile time and dividing 8 NC (the loop is unrolled: a thread's reads go
 // out together), else 0 (blockDim.x, a loop). The same values either way.
-template <int NC, int NT, typename XF>
+template <int NC, int NT, bool PS = false, typename XF>
 __device__ __forceinline__ void qab_q4_stage_x(float4 (&xs)[8][NC], const XF xv_of) {
   const int tid = threadIdx.x;
   auto one = [&](const int e) {
     const int c = e >> 3;
     const int j4 = e & 7;
     const int k0 = c * 32 + j4 * 4;
-    xs[j4][c] = make_float4(xv_of(k0), xv_of(k0 + 1), xv_of(k0 + 2), xv_of(k0 + 3));
+    if constexpr (PS) {
+      const int b = (j4 & 1) * 4;
+      xs[j4][c] = make_float4(xv_of(k0) * qab_q4_prescale(b),
+                              xv_of(k0 + 1) * qab_q4_prescale(b + 1),
+                              xv_of(k0 + 2) * qab_q4_prescale(b + 2),
+                              xv_of(k0 + 3) * qab_q4_prescale(b + 3));
+    } else {
+      xs[j4][c] = make_float4(xv_of(k0), xv_of(k0 + 1), xv_of(k0 + 2), xv_of(k0 + 3));
+    }
   };
   if constexpr (NT > 0 && (NC * 8) % NT == 0) {
 #pragma unroll
@@ -76,19 +105,19 @@ __device__ __forceinline__ void qab_q4_stage_x(float4 (&xs)[8][NC], const XF xv_
 
 // qab_q4_stage_x, a block barrier, then each chunk's input sum into xsum[c]
 // (qab_q4_chunk_sum); the caller meets at a barrier before reading xsum.
-template <int NC, int NT, typename XF>
+template <int NC, int NT, bool PS = false, typename XF>
 __device__ __forceinline__ void qab_q4_stage_x_sums(float4 (&xs)[8][NC], float* xsum,
                                                     const XF xv_of) {
-  qab_q4_stage_x<NC, NT>(xs, xv_of);
+  qab_q4_stage_x<NC, NT, PS>(xs, xv_of);
   __syncthreads();
   const int tid = threadIdx.x;
   if constexpr (NT > 0) {
     for (int c = tid; c < NC; c += NT) {
-      xsum[c] = qab_q4_chunk_sum<NC>(xs, c);
+      xsum[c] = qab_q4_chunk_sum<NC, PS>(xs, c);
     }
   } else {
     for (int c = tid; c < NC; c += blockDim.x) {
-      xsum[c] = qab_q4_chunk_sum<NC>(xs, c);
+      xsum[c] = qab_q4_chunk_sum<NC, PS>(xs, c);
     }
   }
 }
@@ -153,7 +182,7 @@ __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout,
   }
   if (stage_input) {
     wait();
-    qab_q4_stage_x_sums<NC, NT>(xs, xsum, xv_of);
+    qab_q4_stage_x_sums<NC, NT, QAB_Q4_PS>(xs, xsum, xv_of);
     __syncthreads();
     QAB_SUBMARK(5);  // (profiling builds: the input staged)
   }
@@ -170,7 +199,7 @@ __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout,
     const float s = xsum[c];
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
-      acc[r] = fmaf(sc[r][ii], qab_q4_dot32(wv[r][ii], xv), fmaf(bi[r][ii], s, acc[r]));
+      acc[r] = fmaf(sc[r][ii], qab_q4_dot32<QAB_Q4_PS>(wv[r][ii], xv), fmaf(bi[r][ii], s, acc[r]));
     }
   };
   qab_dot_loop<CPL, ROLL>(chunk_dot, [&]() { qab_shift_down(wv, sc, bi); });
@@ -334,7 +363,7 @@ __device__ __forceinline__ void qab_q4_gemv_rows_staged(
     qab_q4_rows_stage_issue<ST, KD, G, ROWS, BLOCK>(row0, nout, w, scales, biases, wsm);
   }
   wait();
-  qab_q4_stage_x_sums<NC, BLOCK>(xs, xsum, xv_of);
+  qab_q4_stage_x_sums<NC, BLOCK, QAB_Q4_PS>(xs, xsum, xv_of);
   qab_cp_async_wait<0>();
   __syncthreads();
   QAB_SUBMARK(5);  // (profiling builds: the input and the rows staged)
@@ -356,7 +385,7 @@ __device__ __forceinline__ void qab_q4_gemv_rows_staged(
       if (row < nrows) {
         const float sc = static_cast<float>(sst[row * GPR + gi]);
         const float bi = static_cast<float>(bst[row * GPR + gi]);
-        acc[r] = fmaf(sc, qab_q4_dot32(wst[row * NC + c], xv), fmaf(bi, s, acc[r]));
+        acc[r] = fmaf(sc, qab_q4_dot32<QAB_Q4_PS>(wst[row * NC + c], xv), fmaf(bi, s, acc[r]));
       }
     }
   }

@@ -175,6 +175,12 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
       xv[4 * j4 + 3] = v.w;
     }
     const float xs_sum = xsum[c];
+    if constexpr (QAB_Q4_PS) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        xv[j] *= qab_q4_prescale(j & 7);
+      }
+    }
 #pragma unroll
     for (int p = 0; p < RPW; ++p) {
 #pragma unroll
@@ -184,9 +190,11 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
         float d = 0.f;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
+          const uint32_t hi = words[q] >> 20;
 #pragma unroll
           for (int b = 0; b < 8; ++b) {
-            d += qab_nibble(words[q], b) * xv[q * 8 + b];
+            d += (QAB_Q4_PS ? qab_nibble_placed(words[q], hi, b) : qab_nibble(words[q], b)) *
+                 xv[q * 8 + b];
           }
         }
         acc[p][t] += sc[p][t][ii] * d + bi[p][t][ii] * xs_sum;
