@@ -34,19 +34,21 @@ random weights, bfloat16) and measures them two ways:
   in decode (after a flush it comes from DRAM, and the phases' straight-line
   code then costs microseconds of instruction fetch). Every launch of such a
   chain is marked and one evaluation runs them back to back (MLX's CUDA
-  graphs of about two launches each, its 1,000 MB limit on a graph's inputs,
-  as in a decode token; the host encodes them faster than the GPU runs
-  them), so the marks alone also time the chain on the GPU (``chain``: the launch period, a launch's
-  span from its first ticket to its last mark, and the gap from there to the
-  next launch's first ticket; :func:`chain_spans`). The marks cost
-  registers: check ``started_1us`` against the shipped build's occupancy
-  before reading phase overlaps.
+  graphs of about two launches each, its 1,000 MB limit on a graph's
+  inputs, as in a decode token), so the marks alone also time the chain on
+  the GPU (``chain``: the launch period, a launch's span from its first
+  ticket to its last mark, and the gap from there to the next launch's
+  first ticket; :func:`chain_spans`). The marks cost registers: check
+  ``started_1us`` against the shipped build's occupancy before reading
+  phase overlaps.
 
-The default chain timing is the host's: it includes MLX's encode of the 40
-launches (~15-20 us each), so it does not separate builds whose GPU times
-differ by a few us (session 39: rolled and unrolled builds 74.1 against
-73.0 us per launch there; the warm timeline's chain period, 62.7 against
-67.0 on an H100 in session 40). Compare builds with ``--timeline --warm N``.
+The default chain timing is the host's clock around the chain's evaluation
+(MLX's encode of the launches, ~14 us each in a decode token, included). It
+did not separate builds whose GPU times differ by a few us: session 39's
+rolled and unrolled builds measured 74.1 against 73.0 us per launch there,
+session 40's GPU-timed chain 62.7 against 67.0 (another H100, another
+run; why the two timings differ is not established). Compare builds with
+``--timeline --warm N``.
 
 Variants are ``ops.moe.DECODE_BLOCK_OPTIONS`` settings and the build keys of
 ``profile_moe_block_gpu.py`` (``SLEEP``, ``MINB``, ``RELAXED``, ``PIN``, ``MANT``, ``PS``), written
@@ -60,9 +62,10 @@ norm weight and eps before their wait; ``GSR=1``: the gate/up items route
 their token themselves; ``PERSIST+GRID=264+PSM=48+NPS=1``: a persistent grid
 whose blocks copy their next-projection rows into shared memory at their
 start, ``NPS=2`` after their first item; ``MANT=1``: quantized weights made
-floats through a float's mantissa; ``PS=1``: every 4-bit dot's inputs
+floats through a float's mantissa; ``PS=1``: the 4-bit dots' inputs
 prescaled so that each weight is masked in place, one integer op fewer per
-value; ``ROLL=0``: the items' dot loops unrolled,
+value in the projections' dots, and in gate/up and down also the mantissa in
+place of the integer-to-float conversion; ``ROLL=0``: the items' dot loops unrolled,
 not rolled as shipped (``moe-block-roll`` off)), plus ``PACK=0`` (the unpacked GD build,
 ``moe_decode_block_gdn``, 47 inputs instead of 27) and ``PF=1`` (the ``l2-prefetch``
 build: the gate/up items that wait for nothing, resident from the launch's
@@ -463,9 +466,9 @@ def launch_spans(launches: list) -> tuple[list[int], list[int]]:
 
     ``launches``: per launch, the rows of :func:`summarize_phases`'s samples
     (the global timer's ns per mark, 0 where unset, the SM at index 4). The
-    first mark is the launch's first ticket; the last is its last item's last
-    mark (its work end or its count), so a launch's span leaves out only its
-    blocks' exits after their last mark.
+    first mark is the launch's first ticket; the last is the latest mark of
+    any kind (work ends, counts, sub-step marks), so a launch's span leaves
+    out only its blocks' exits after their last mark.
     """
     firsts, lasts = [], []
     for rows in launches:
@@ -575,8 +578,9 @@ def main(argv=None) -> int:
                    help="record each ticket's phase times (one launch after an L2 flush, or "
                         "with --warm the last of N chained) instead of timing chains")
     p.add_argument("--warm", type=int, default=0, metavar="N",
-                   help=f"--timeline: mark the last of N chained launches over N layers, no L2 "
-                        f"flush (the code and counters warm, as in decode), 3 <= N <= "
+                   help=f"--timeline: the phases of the last of N chained launches over N "
+                        f"layers, no L2 flush (the code and counters warm, as in decode), and "
+                        f"the chain's GPU period, span and gap per launch, 3 <= N <= "
                         f"{MAX_WARM}; 0 (default): one launch after an L2 flush")
     args = p.parse_args(argv)
     check_out(p, args.out)

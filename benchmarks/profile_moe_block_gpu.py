@@ -38,14 +38,17 @@ sleep between polls), ``MINB=n`` (the kernel declared
 fit), ``RELAXED`` (``QAB_WAIT_RELAXED``: relaxed polls and one acquire
 fence instead of an acquire load per poll), ``PIN`` (``QAB_PIN_LOADS``:
 the projection and route items use their loaded weights before they wait, so
-that the compiler cannot move the loads past the wait) and ``MANT``
+that the compiler cannot move the loads past the wait), ``MANT``
 (``QAB_NIBBLE_MANTISSA``: the experts' 4-bit and the router's 8-bit weights
 become floats through a float's mantissa, ``common.cuh``'s ``qab_nibble`` /
 ``qab_byte``, instead of integer-to-float conversions; the same values;
-measured no faster on an H100) and ``PS`` (``QAB_Q4_PRESCALE``: the out- and
-next-projection phases' inputs staged prescaled, so that each 4-bit weight is
-masked in place, one integer op instead of two: ``gemv_q4.cuh``'s
-``qab_q4_dot32``; the same bits); ``default`` is the shipped
+measured no faster on an H100) and ``PS`` (``QAB_Q4_PRESCALE``: the 4-bit
+dots' inputs prescaled by their weight's place in its word, so that each
+weight is masked in place and made a float through a float's mantissa,
+``common.cuh``'s ``qab_nibble_placed``; in this script's kernel the gate/up
+and down dots, whose inputs are scaled in registers per chunk, in the layer
+launch also the projections' staged inputs, ``gemv_q4.cuh``; the same bits);
+``default`` is the shipped
 setting. The timeline also records, per phase, how many blocks took their
 ticket within 1 us of the first (``started_1us``: the blocks resident at the
 start; the marks cost registers, so check it against the shipped build's

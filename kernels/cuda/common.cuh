@@ -300,7 +300,8 @@ __device__ __forceinline__ float qab_byte(const uint32_t w, const int s) {
 // is the same (both scalings exact but for inputs within 2^16 of the
 // subnormals), so the same bits, with one integer op per value instead of two
 // (plus one shift per word). Used by gemv_q4.cuh, moe_gate_up_shared.cuh and
-// moe_down_shared.cuh.
+// moe_down_shared.cuh; in the last two it also replaces qab_nibble's
+// integer-to-float conversion (the mantissa, as QAB_NIBBLE_MANTISSA builds).
 #ifdef QAB_Q4_PRESCALE
 constexpr bool QAB_Q4_PS = true;
 #else
