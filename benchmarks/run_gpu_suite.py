@@ -22,7 +22,7 @@ numbers, and ratios need the same run).
 
 Writes into OUT: ``gpu-suite-<device>-<tag>.json`` (the ``qab bench`` result
 format, top-level ``summary``), ``.png`` (skipped when matplotlib is missing)
-and ``.md`` (the table, ready for the README's performance section).
+and ``.md`` (the table, ready for benchmarks/PERFORMANCE.md).
 
 Needs only mlx (with its CUDA or Metal backend), mlx-lm, numpy, pluggy and this
 package's source: run from a checkout, the script puts ``../src`` on

@@ -1002,7 +1002,7 @@ def _step_mma(G: int, D: int, dtype: mx.Dtype, mma: bool = True) -> bool:
     # ``decode_mma``), and bf16 / f16 inputs with G <= 8 and D a multiple of 64
     # up to 256; else the lane-group pass of ``attn-lanes``. Measured on the
     # H200 at Qwen3.6's shape (``benchmarks/profile_attention_decode.py
-    # --timeline``): see the README's "Inside the step".
+    # --timeline``): see "Inside the step" in benchmarks/PERFORMANCE.md.
     return (mma and dtype in (mx.bfloat16, mx.float16) and G <= 8 and D % 64 == 0
             and D <= 256)
 
