@@ -317,6 +317,38 @@ __device__ __forceinline__ float qab_nibble_placed(const uint32_t w, const uint3
   return __uint_as_float(0x4B000000u | m) - 8388608.f;
 }
 
+// One 32-value chunk of a 4-bit row: the 4 words' values (value b of word q
+// at bits 4b) dotted with xv in the order (q, b) = (0, 0), (0, 1), ...
+// Values become floats by qab_nibble_placed (PS: xv prescaled, qab_q4_prescale),
+// else qab_nibble_mantissa (MANT) or qab_nibble. gemv_q4.cuh's qab_q4_dot32
+// (MANT) and the experts' gate/up and down dots (moe_gate_up_shared.cuh,
+// moe_down_shared.cuh) use it.
+template <bool PS, bool MANT>
+__device__ __forceinline__ float qab_q4_words_dot(const uint32_t (&words)[4],
+                                                  const float (&xv)[32]) {
+  float d = 0.f;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t hi = words[q] >> 20;
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+      const float qv = PS ? qab_nibble_placed(words[q], hi, b)
+                          : MANT ? qab_nibble_mantissa(words[q], b) : qab_nibble(words[q], b);
+      d = fmaf(qv, xv[q * 8 + b], d);
+    }
+  }
+  return d;
+}
+
+// xv[j] *= qab_q4_prescale(j % 8): a chunk's 32 inputs prescaled in registers
+// for qab_q4_words_dot's PS (the experts' dots; gemv_q4.cuh prescales as it stages).
+__device__ __forceinline__ void qab_q4_prescale32(float (&xv)[32]) {
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    xv[j] *= qab_q4_prescale(j & 7);
+  }
+}
+
 // A compile-time phase number as a type (moe_decode_block.cu's run_item(QabPhase<P>{})).
 template <int P>
 struct QabPhase {

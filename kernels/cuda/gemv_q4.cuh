@@ -6,34 +6,14 @@
 // One 32-value chunk of a row: 32 packed 4-bit weights (a 16-byte uint4,
 // value j of a word at bits 4j, MLX's affine layout) dotted with the 32
 // staged float inputs xv, in the order (word q, value b) = (0, 0), (0, 1),
-// ... Nibbles become floats with the 2^23 trick (into a float's mantissa,
-// then subtract 2^23): two integer ops and one add instead of a conversion.
-// PS (prescaled inputs, QAB_Q4_PRESCALE builds): xv holds x[k] * 2^-4p, p
-// the nibble's place in its word's low 20 bits or, for values 5..7, in the
-// word shifted right by 20 (qab_q4_prescale), so each nibble is masked in
-// place, not shifted: q 2^4p, times x 2^-4p, is the same product, so the
-// same bits (both scalings exact but for inputs within 2^16 of the
-// subnormals); one integer op per value instead of two, plus one shift per
-// word.
+// ... Nibbles become floats with the 2^23 trick (qab_nibble_mantissa): two
+// integer ops and one add instead of a conversion. PS (QAB_Q4_PRESCALE
+// builds): xv holds x[k] times qab_q4_prescale of its place, so each nibble
+// is masked in place (qab_nibble_placed, common.cuh): the same products.
 template <bool PS = false>
 __device__ __forceinline__ float qab_q4_dot32(const uint4 wv, const float (&xv)[32]) {
   const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
-  float d = 0.f;
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const uint32_t hi = words[q] >> 20;
-#pragma unroll
-    for (int b = 0; b < 8; ++b) {
-      float qv;
-      if constexpr (PS) {
-        qv = qab_nibble_placed(words[q], hi, b);
-      } else {
-        qv = qab_nibble_mantissa(words[q], b);
-      }
-      d = fmaf(qv, xv[q * 8 + b], d);
-    }
-  }
-  return d;
+  return qab_q4_words_dot<PS, true>(words, xv);
 }
 
 // The 32 staged inputs of chunk c from the chunk-transposed staging

@@ -170,24 +170,12 @@ __device__ __forceinline__ void qab_moe_down_shared_rows(
         hs += hv[j];
       }
       if constexpr (QAB_Q4_PS) {
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          hv[j] *= qab_q4_prescale(j & 7);
-        }
+        qab_q4_prescale32(hv);
       }
 #pragma unroll
       for (int p = 0; p < RPW; ++p) {
         const uint32_t words[4] = {wv[p][ii].x, wv[p][ii].y, wv[p][ii].z, wv[p][ii].w};
-        float d = 0.f;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const uint32_t hi = words[q] >> 20;
-#pragma unroll
-          for (int b = 0; b < 8; ++b) {
-            d += (QAB_Q4_PS ? qab_nibble_placed(words[q], hi, b) : qab_nibble(words[q], b)) *
-                 hv[q * 8 + b];
-          }
-        }
+        const float d = qab_q4_words_dot<QAB_Q4_PS, false>(words, hv);
         acc[p] += weight[ii] * (sv[p][ii] * d + bv[p][ii] * hs);
       }
     }

@@ -176,10 +176,7 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
     }
     const float xs_sum = xsum[c];
     if constexpr (QAB_Q4_PS) {
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        xv[j] *= qab_q4_prescale(j & 7);
-      }
+      qab_q4_prescale32(xv);
     }
 #pragma unroll
     for (int p = 0; p < RPW; ++p) {
@@ -187,16 +184,7 @@ __device__ __forceinline__ void qab_moe_gate_up_shared_part(
       for (int t = 0; t < 2; ++t) {
         const uint32_t words[4] = {wv[p][t][ii].x, wv[p][t][ii].y, wv[p][t][ii].z,
                                    wv[p][t][ii].w};
-        float d = 0.f;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const uint32_t hi = words[q] >> 20;
-#pragma unroll
-          for (int b = 0; b < 8; ++b) {
-            d += (QAB_Q4_PS ? qab_nibble_placed(words[q], hi, b) : qab_nibble(words[q], b)) *
-                 xv[q * 8 + b];
-          }
-        }
+        const float d = qab_q4_words_dot<QAB_Q4_PS, false>(words, xv);
         acc[p][t] += sc[p][t][ii] * d + bi[p][t][ii] * xs_sum;
       }
     }
