@@ -542,13 +542,12 @@ def timeline(variants, layers: list, x, proj, reps: int, warm: int = 0) -> list[
                                        for c in _StampedKernel.calls])
                     finally:
                         _StampedKernel.calls = None
+                    samples.append(chains[-1][-1])  # the last launch's
                 else:
                     mx.eval(flush + 1.0)
                     mx.synchronize()
                     mx.eval(launch(marked, own[0], x, proj, counters[0]))
-                stamps = _StampedKernel.last  # the last launch's
-                mx.eval(stamps)
-                samples.append(stamps.reshape(-1, STAMP_WIDTH).tolist())
+                    samples.append(_StampedKernel.last.reshape(-1, STAMP_WIDTH).tolist())
         phases = summarize_phases(samples[2:], bounds)
         results.append({"variant": name, "phases": phases})
         print(f"{name}:")
