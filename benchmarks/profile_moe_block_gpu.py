@@ -105,8 +105,7 @@ STAMP_WIDTH = 16
 SUBMARKS = {
     "gdn": {5: "conv, gates", 6: "q, k normed", 7: "pass 1", 8: "pass 2", 9: "pass 3",
             10: "pass 4", 11: "counted"},
-    "out-proj": {8: "y staged (GDS)", 9: "norms (GDS)", 5: "staged", 6: "dots", 7: "written",
-                 11: "counted"},
+    "out-proj": {5: "staged", 6: "dots", 7: "written", 11: "counted"},
     "route": {5: "add, norm", 6: "logits written", 7: "logits fence", 8: "logits read (last)",
               11: "routed counted (last)"},
     "gate/up": {5: "x staged", 6: "dots", 7: "written", 11: "counted"},

@@ -1705,30 +1705,21 @@ def test_block_keywords_become_one_overrides_mapping(monkeypatch):
 
 def test_fused_block_passes_its_switches_as_one_overrides_mapping():
     # FusedSparseMoeBlock's build switches (QAB_DISABLE's moe-block-stage,
-    # -early, -unroll, -npl, -roll clear them, -gds sets GDS 1; QAB_ENABLE's
-    # moe-block-rpl and moe-block-nps set theirs) are the one mapping its calls pass.
+    # -early, -unroll, -npl, -roll clear them; QAB_ENABLE's moe-block-rpl and
+    # moe-block-nps set theirs) are the one mapping its calls pass.
     b = FusedSparseMoeBlock.from_stock(make_stock(seed=4))
     assert b._block_overrides() == {"STAGE": True, "EARLY": True, "UNROLL": True, "NPL": True,
-                                    "ROLL": True, "RPL": False, "NPS": 0, "GDS": 4}
+                                    "ROLL": True, "RPL": False, "NPS": 0}
     b.early_gate_up = False
     b.npl_items = False
     b.roll_dots = False
-    b.gdn_split = 1  # (QAB_DISABLE=moe-block-gds)
     b.preload_norm = True  # (the opt-in moe-block-rpl)
     b.nps_mode = 2  # (the opt-in moe-block-nps sets ops.moe.NPS_MODE)
     assert b._block_overrides() == {"STAGE": True, "EARLY": False, "UNROLL": True,
-                                    "NPL": False, "ROLL": False, "RPL": True, "NPS": 2,
-                                    "GDS": 1}
+                                    "NPL": False, "ROLL": False, "RPL": True, "NPS": 2}
     assert moe_ops._decode_block_build(b._block_overrides())["RPL"] is True
     assert moe_ops._decode_block_build(b._block_overrides())["EARLY"] is False
     assert moe_ops._decode_block_build(b._block_overrides())["NPS"] == 2
-    assert moe_ops._decode_block_build({"GDS": 4})["GDS"] == 4
-    with pytest.raises(ValueError, match=r"build overrides: GDS=3 is not one of 1, 2, 4"):
-        moe_ops._decode_block_build({"GDS": 3})
-    # GDS runs as 1 where it does not divide the heads' Dv or Dv is not a multiple of 4.
-    assert [moe_ops.gdn_items_per_head(g, dv) for g, dv in
-            ((4, 128), (2, 128), (1, 128), (4, 64), (4, 6), (2, 6), (4, 8), (4, 2))] == [
-                4, 2, 1, 4, 1, 1, 4, 1]
 
 
 def test_nps_build_is_a_persistent_grid_of_two_blocks_per_sm(monkeypatch):

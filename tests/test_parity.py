@@ -220,9 +220,6 @@ _OFF_NOTES = {
                      "QAB_DISABLE / disable=)",
     "moe-block-roll": "on CUDA the one-launch MoE block's dot loops are unrolled, not one "
                       "chunk's code in a loop (moe-block-roll in QAB_DISABLE / disable=)",
-    "moe-block-gds": "on CUDA the one-launch MoE block's Gated DeltaNet phase runs one item "
-                     "per value head, its state rows in passes (moe-block-gds in QAB_DISABLE "
-                     "/ disable=)",
 }
 
 
@@ -289,35 +286,6 @@ def test_moe_block_build_switches_from_the_environment(tiny_q4, monkeypatch, nam
     assert all(getattr(m, attr) for _, m in model.named_modules()
                if isinstance(m, FusedSparseMoeBlock))
     assert _OFF_NOTES[name] not in get_report(model).notes
-
-
-def test_moe_block_gds_switch_sets_the_gdn_items_per_head(tiny_q4, monkeypatch):
-    # FusedSparseMoeBlock.gdn_split is 4 by default (the GD build's GDS: four
-    # Gated DeltaNet items per value head); QAB_DISABLE / disable=moe-block-gds
-    # sets 1 in every fused MoE block and only there, the report says so, and
-    # QAB_ENABLE no longer takes the name (it is on already).
-    from qwen_apple_backend.errors import EnvVarError
-    from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
-
-    monkeypatch.delenv("QAB_DISABLE", raising=False)
-    monkeypatch.delenv("QAB_ENABLE", raising=False)
-    for disable, want in (([], 4), (["moe-block-gds"], 1)):
-        model = load(tiny_q4, "fused", disable=disable)[0]
-        blocks = [m for _, m in model.named_modules() if isinstance(m, FusedSparseMoeBlock)]
-        assert blocks and all(b.gdn_split == want and b._block_overrides()["GDS"] == want
-                              for b in blocks)
-        assert all(b.roll_dots and b.npl_items and b.unroll_stage for b in blocks)
-        assert (_OFF_NOTES["moe-block-gds"] in get_report(model).notes) is bool(disable)
-    monkeypatch.setenv("QAB_DISABLE", "moe-block-gds")
-    model = load(tiny_q4, "fused")[0]
-    assert all(m.gdn_split == 1 for _, m in model.named_modules()
-               if isinstance(m, FusedSparseMoeBlock))
-    moe = [m for m in get_report(model).modules if m.kind == "moe" and m.fused]
-    assert moe and all(m.reason == "without moe-block-gds (QAB_DISABLE / disable=)" for m in moe)
-    monkeypatch.delenv("QAB_DISABLE")
-    monkeypatch.setenv("QAB_ENABLE", "moe-block-gds")
-    with pytest.raises(EnvVarError, match="'moe-block-gds' is on by default"):
-        load(tiny_q4, "fused")
 
 
 def test_mixers_hand_the_moe_block_their_output_before_its_projection(tiny_q4, monkeypatch):

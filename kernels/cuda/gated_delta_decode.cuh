@@ -70,13 +70,6 @@
 #ifndef QAB_SUBMARK
 #define QAB_SUBMARK(k)
 #endif
-// Phase 4's gate for one element: silu(z) as qab_gdn_decode_head computes
-// it (zz / (1 + exp(-zz)), then multiplied by the normed y): a caller may
-// compute it before y is known.
-__device__ __forceinline__ float qab_gdn_silu(const float zz) {
-  return zz / (1.f + expf(-zz));
-}
-
 template <typename InT, typename WT, int Hk, int Hv, int Dk, int Dv, int Kc, int BLOCK,
           bool HAS_BIAS, bool HAS_MASK, bool HAS_LENGTHS, int PROJ_W, int PASSES = 1,
           int SPLIT = 1, typename MT, typename LT>
@@ -135,12 +128,6 @@ __device__ __forceinline__ void qab_gdn_decode_head(
     }
   };
   load_state(0);
-  // The gates' inputs (scalars of this head) load with the state, before the
-  // conv's stores, which they would otherwise follow (one dependent trip fewer).
-  const float a_log = A_log[hv];
-  const float a_in = static_cast<float>(a_proj[(size_t)b * BA_ROW + A_OFF + hv]);
-  const float dt_b = static_cast<float>(dt_bias[hv]);
-  const float b_in = static_cast<float>(b_proj[(size_t)b * BA_ROW + B_OFF + hv]);
 
   // Phase 1: conv + SiLU of this block's channels; new conv state.
   for (int c = tid; c < NCH; c += BLOCK) {
@@ -185,11 +172,11 @@ __device__ __forceinline__ void qab_gdn_decode_head(
   }
 
   // Gates (every thread; scalars of this head).
-  const float decay = expf(a_log);
-  const float ax = rnd(a_in + dt_b);
+  const float decay = expf(A_log[hv]);
+  const float ax = rnd(static_cast<float>(a_proj[(size_t)b * BA_ROW + A_OFF + hv]) + static_cast<float>(dt_bias[hv]));
   const float sp = rnd(fmaxf(ax, 0.f) + log1pf(expf(-fabsf(ax))));  // softplus, stable
   const float gate = expf(-decay * sp);
-  const float beta = rnd(1.f / (1.f + expf(-b_in)));
+  const float beta = rnd(1.f / (1.f + expf(-static_cast<float>(b_proj[(size_t)b * BA_ROW + B_OFF + hv]))));
   __syncthreads();
   QAB_SUBMARK(5);  // (profiling builds: the conv and the gates done)
 
@@ -306,7 +293,7 @@ __device__ __forceinline__ void qab_gdn_decode_head(
     // rms_norm rounds x * inv to the input dtype, then multiplies by the weight.
     const float xw = rnd(static_cast<float>(norm_w[dv]) * rnd(y_s[dv] * inv));
     const float zz = static_cast<float>(z[(size_t)b * Z_ROW + Z_OFF + (size_t)hv * Dv + dv]);
-    out[(size_t)bh * Dv + dv] = static_cast<InT>(qab_gdn_silu(zz) * xw);
+    out[(size_t)bh * Dv + dv] = static_cast<InT>(zz / (1.f + expf(-zz)) * xw);
   }
 }
 
@@ -334,12 +321,11 @@ __device__ __forceinline__ float qab_gdn_gated_norm_inv(const YF y_of, const int
 
 // Phase 4's output for one element: silu(z) * rms_norm(y) * norm_w, rounded
 // as qab_gdn_decode_head rounds it (y: the InT-rounded output as float, inv:
-// its head's qab_gdn_gated_norm_inv, w: norm_w[dv], sz: qab_gdn_silu of the
-// element's z).
+// its head's qab_gdn_gated_norm_inv, w: norm_w[dv], zz: z of the element).
 template <typename InT>
 __device__ __forceinline__ InT qab_gdn_gated_out(const float y, const float inv, const float w,
-                                                 const float sz) {
+                                                 const float zz) {
   auto rnd = [](float v) { return static_cast<float>(static_cast<InT>(v)); };
   const float xw = rnd(w * rnd(y * inv));
-  return static_cast<InT>(sz * xw);
+  return static_cast<InT>(zz / (1.f + expf(-zz)) * xw);
 }

@@ -85,19 +85,11 @@ __device__ __forceinline__ void qab_q4_stage_x(float4 (&xs)[8][NC], const XF xv_
 
 // qab_q4_stage_x, a block barrier, then each chunk's input sum into xsum[c]
 // (qab_q4_chunk_sum); the caller meets at a barrier before reading xsum.
-// `prep` (none: QabNoWait), when given, runs in every thread after that
-// barrier and before the sums, then another barrier: it may rewrite the staged
-// values in place (moe_decode_block.cu's GDS staging applies the gated RMSNorm
-// there, once every head's inputs are staged).
-template <int NC, int NT, bool PS = false, typename XF, typename Prep = QabNoWait>
+template <int NC, int NT, bool PS = false, typename XF>
 __device__ __forceinline__ void qab_q4_stage_x_sums(float4 (&xs)[8][NC], float* xsum,
-                                                    const XF xv_of, Prep prep = Prep()) {
+                                                    const XF xv_of) {
   qab_q4_stage_x<NC, NT, PS>(xs, xv_of);
   __syncthreads();
-  if constexpr (!QabIsNoWait<Prep>::value) {
-    prep();
-    __syncthreads();
-  }
   const int tid = threadIdx.x;
   if constexpr (NT > 0) {
     for (int c = tid; c < NC; c += NT) {
@@ -130,16 +122,13 @@ __device__ __forceinline__ void qab_q4_stage_x_sums(float4 (&xs)[8][NC], float* 
 // stage_input false: `stage` and `stage_sum` already hold this x (the block
 // staged it for an earlier call with the same x and has not written them
 // since: moe_decode_block.cu's NPL), so neither `wait` nor the staging runs.
-// `prep`: qab_q4_stage_x_sums's (runs after the staging's barrier, before the
-// input sums).
 template <typename OutT, typename ST, int KD, int G, int RPW, int NT = 0, bool ROLL = false,
-          typename XF, typename Wait = QabNoWait, typename Prep = QabNoWait>
+          typename XF, typename Wait = QabNoWait>
 __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout, const XF xv_of,
                                                  const uint32_t* w, const ST* scales,
                                                  const ST* biases, OutT* y, float4* stage,
                                                  float* stage_sum, Wait wait = Wait(),
-                                                 const bool stage_input = true,
-                                                 Prep prep = Prep()) {
+                                                 const bool stage_input = true) {
   static_assert(KD % 1024 == 0 && G % 32 == 0, "qab_q4_gemv_rows: KD % 1024, G % 32");
   constexpr int NC = KD / 32;   // 32-value chunks per row
   constexpr int CPL = NC / 32;  // chunks per lane
@@ -173,7 +162,7 @@ __device__ __forceinline__ void qab_q4_gemv_rows(const int row0, const int nout,
   }
   if (stage_input) {
     wait();
-    qab_q4_stage_x_sums<NC, NT, QAB_Q4_PS>(xs, xsum, xv_of, prep);
+    qab_q4_stage_x_sums<NC, NT, QAB_Q4_PS>(xs, xsum, xv_of);
     __syncthreads();
     QAB_SUBMARK(5);  // (profiling builds: the input staged)
   }

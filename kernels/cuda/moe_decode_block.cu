@@ -153,9 +153,8 @@
 // GDS (GD builds only: 1, 2 or 4): Gated DeltaNet items per value head, each
 // Dv / GDS of its state rows (qab_gdn_decode_head's SPLIT): at 4, 128 items of
 // 16 KB of state in flight each instead of 32 items of 64 KB in four passes;
-// the out-projection items then apply the heads' gated RMSNorm to the staged
-// go, with silu(z), the norm weights and eps ready before their wait (the
-// same bits; ops.moe's moe-block-gds switch builds 4 per model).
+// the out-projection items then apply the heads' gated RMSNorm as they stage
+// go (the same bits).
 // UNROLL (the out- and next-projection phases' input staging and the next
 // projection's norm unrolled over the block's compile-time size: the same
 // values, fewer dependent L2 round trips; on by default, ops.moe's
@@ -322,10 +321,6 @@ constexpr size_t QAB_PK_DB = QAB_PK_DS + QAB_PKW((size_t)E * H * (I / G) * sizeo
 // out-projection items apply the gated RMSNorm as they stage its output.
 constexpr bool GD = true;
 static_assert(GDS == 1 || GDS == 2 || GDS == 4, "moe_decode_block: GDS is 1, 2 or 4");
-// (GDS > 1: the out-projection items apply the norm to staged groups of 4
-// values, each within one head, and to y itself: no PS prescale.)
-static_assert(GDS == 1 || (GDv % 4 == 0 && !QAB_Q4_PS),
-              "moe_decode_block: GDS > 1 needs GDv % 4 == 0 and no PS");
 constexpr int GDBLK = GHv * GDS;
 // Phase 3 of the GDN step in passes over a warp's state rows: fewer state
 // floats in registers (see qab_gdn_decode_head). At Qwen3.6's heads (Dv 128,
@@ -527,76 +522,37 @@ auto run_item = [&](auto phase) {
       QAB_MARK(1);
     };
     if constexpr (GDS > 1) {
-      // go holds each head's y before the gated RMSNorm. The staging reads y
-      // through L2 as it is; this thread's silu(z) and norm weights (of the
-      // values it stages) and eps are ready before the wait (the timeline
-      // with z and eps loaded then but used after: 2.3 us from the staged y
-      // to the norms and 2.3 more to the staged input on an H100, against
-      // 1.6 us from the wait to the staged input of GDS 1). Then (prep): each warp
-      // computes its heads' inv from the staged y (qab_gdn_gated_norm_inv),
-      // and each thread rewrites its own staged values as qab_gdn_gated_out:
-      // the unsplit phase 4's arithmetic, the same bits, one trip to L2 after
-      // the wait.
-      constexpr int NC = DO / 32;                                // staged float4 groups: 8 NC
-      constexpr int GPT = (NC * 8 + BLOCK - 1) / BLOCK;          // per thread
+      // go holds each head's y before the gated RMSNorm: each warp computes
+      // its heads' inv (qab_gdn_gated_norm_inv), then the staging applies it
+      // with z (qab_gdn_gated_out): the unsplit phase 4's bits.
       __shared__ float gd_inv[GHv];
       const T* zn = gd_proj + (size_t)n * GW + 2 * GHk * GDk + GHv * GDv;
-      // silu(z), norm weights (local memory: the loops below index them at
-      // run time) and eps, ready before the wait.
-      float gz[GPT * 4], gnw[GPT * 4], geps;
-      auto group_k0 = [](const int e) { return (e >> 3) * 32 + (e & 7) * 4; };  // qab_q4_stage_x's
       qab_q4_gemv_rows<T, T, DO, OG, QAB_OUT_RPW, QAB_GEMV_NT, ROLL>(
-          o * (BLOCK / 32) * QAB_OUT_RPW, H, qab_row_load<true>(gon), ow, os, ob,
-          ro + (size_t)n * H, gemv_stage, gemv_stage_sum,
-          [&]() {
-#pragma unroll
-            for (int j = 0; j < GPT; ++j) {
-              const int e = tid + j * BLOCK;
-              const int k0 = group_k0(e < NC * 8 ? e : 0);
-#pragma unroll
-              for (int q = 0; q < 4; ++q) {
-                gz[j * 4 + q] = qab_gdn_silu(static_cast<float>(zn[k0 + q]));
-                gnw[j * 4 + q] = static_cast<float>(gd_norm_w[(k0 + q) % GDv]);
-              }
-            }
-            geps = gd_eps[0];
-            gd_wait();
+          o * (BLOCK / 32) * QAB_OUT_RPW, H,
+          [&](const int k) {
+            const int hv = k / GDv;
+            const int dv = k - hv * GDv;
+            return static_cast<float>(qab_gdn_gated_out<T>(
+                static_cast<float>(qab_ldcg(gon + k)), gd_inv[hv],
+                static_cast<float>(gd_norm_w[dv]), static_cast<float>(zn[k])));
           },
-          true,
-          [&]() {
-            QAB_SUBMARK(8);  // (profiling builds: y staged)
-            auto& xs = *reinterpret_cast<float4(*)[8][NC]>(gemv_stage);
+          ow, os, ob, ro + (size_t)n * H, gemv_stage, gemv_stage_sum, [&]() {
+            gd_wait();
             const int lane = tid & 31;
             constexpr int NWB = BLOCK / 32;
-            // Rolled loops: this code runs once per item after the wait, where
-            // each instruction fetched cold costs (unrolled: 1.9 us for the
-            // norms and 2.3 for the rest on an H100).
-#pragma unroll 1
+#pragma unroll
             for (int j = 0; j < (GHv + NWB - 1) / NWB; ++j) {
               const int hv = (tid >> 5) + j * NWB;
               if (hv < GHv) {
                 const float inv = qab_gdn_gated_norm_inv<GDv>(
-                    [&](const int i) {
-                      const int k = hv * GDv + i;  // (no .w: a macro of the packed build)
-                      return reinterpret_cast<const float*>(&xs[(k & 31) >> 2][k >> 5])[k & 3];
-                    },
-                    lane, geps);
+                    [&](const int i) { return static_cast<float>(qab_ldcg(gon + hv * GDv + i)); },
+                    lane, gd_eps[0]);
                 if (lane == 0) {
                   gd_inv[hv] = inv;
                 }
               }
             }
             __syncthreads();
-            QAB_SUBMARK(9);  // (profiling builds: the heads' norms)
-#pragma unroll 1
-            for (int jq = 0; jq < GPT * 4; ++jq) {
-              const int e = tid + (jq >> 2) * BLOCK;
-              if (e < NC * 8) {
-                const float inv = gd_inv[group_k0(e) / GDv];  // GDv % 4 == 0: one head
-                float& v = reinterpret_cast<float*>(&xs[e & 7][e >> 3])[jq & 3];
-                v = static_cast<float>(qab_gdn_gated_out<T>(v, inv, gnw[jq], gz[jq]));
-              }
-            }
           });
     } else {
       qab_q4_gemv_rows<T, T, DO, OG, QAB_OUT_RPW, QAB_GEMV_NT, ROLL>(

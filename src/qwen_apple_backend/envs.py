@@ -17,7 +17,7 @@ Variables:
         ``attn-lanes``, ``moe-block-early``, ``l2-prefetch``,
         ``moe-block-out-proj``, ``moe-block-next-proj``, ``moe-block-gdn``,
         ``moe-block-pack``, ``moe-block-unroll``, ``moe-block-npl``, ``moe-block-roll``,
-        ``moe-block-gds``, ``attn-step``,
+        ``attn-step``,
         ``attn-mma``, ``attn-merge-split``, ``moe-block-nps``, ``moe-block-rpl``),
         for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
@@ -189,11 +189,6 @@ OPTIMIZATIONS = {
     # the same bits). H100, profile_layer_gpu.py --timeline --warm 4: the launch's last
     # phase ends at 56.6 vs 62.2 us; 4K decode 326.8 vs 305.0 tok/s
     "moe-block-roll": "moe",
-    # with moe-block-gdn, the one-launch MoE block's Gated DeltaNet phase runs four items per
-    # value head, each a quarter of the head's state rows with all of its state loads in
-    # flight at once, and the out-projection items apply the heads' gated RMSNorm as they
-    # stage its output (GDS=4; CUDA; the same bits)
-    "moe-block-gds": "moe",
     # one decode token's full-attention core in one CUDA launch inside the compiled decode
     # step (gqa_decode_step: q/k RMSNorm + RoPE, the KV row written in place, the lane-group
     # split-K pass, the merge and the output gate; four launches before; needs attn-kernel,

@@ -493,11 +493,7 @@ class FusedSparseMoeBlock(nn.Module):
     the ``moe-block-roll`` optimization) builds it with its items' dot loops
     running one chunk's code in a loop instead of unrolled (``ROLL``; same
     outputs, less code for the SMs' instruction caches). Attribute
-    ``gdn_split`` (default 4; 1 with the ``moe-block-gds`` optimization
-    off) builds its Gated DeltaNet phase (GD builds) with that many items per
-    value head, each Dv / ``gdn_split`` of the head's state rows (``GDS``;
-    same outputs; a value that does not divide the heads' Dv runs as 1).
-    Attribute ``nps_mode`` (default 0; the
+    ``nps_mode`` (default 0; the
     opt-in ``moe-block-nps`` sets
     :data:`~qwen_apple_backend.ops.moe.NPS_MODE`) builds it on a persistent
     grid whose blocks copy their next-projection rows into shared memory
@@ -506,9 +502,9 @@ class FusedSparseMoeBlock(nn.Module):
     ``moe-block-rpl`` sets it) builds it with route items (and the gate/up
     items that stage the norm themselves) that load the token's residual row,
     the norm weight and eps before they wait for the mixer's output (``RPL``;
-    same outputs). :meth:`_block_overrides` gives these eight attributes as the
+    same outputs). :meth:`_block_overrides` gives these seven attributes as the
     launch's build overrides (``DECODE_BLOCK_OPTIONS`` flags STAGE, EARLY,
-    UNROLL, NPL, ROLL, RPL and the values NPS and GDS). Attribute ``l2_next`` (default
+    UNROLL, NPL, ROLL, RPL and the value NPS). Attribute ``l2_next`` (default
     None; set by the fusing code with the opt-in ``l2-prefetch``): the next
     decoder layer's concatenated input projection, whose arrays that launch
     asks the L2 to fetch while its route runs (``PF``; same outputs).
@@ -583,7 +579,6 @@ class FusedSparseMoeBlock(nn.Module):
     unroll_stage: bool = True
     npl_items: bool = True
     roll_dots: bool = True
-    gdn_split: int = 4
     preload_norm: bool = False
     nps_mode: int = 0
     out_proj_phase: bool = True
@@ -1043,14 +1038,13 @@ class FusedSparseMoeBlock(nn.Module):
         each ``DECODE_BLOCK_OPTIONS`` flag that a switch of this block sets, to
         the value of the attribute that holds it (STAGE: ``stage_down``, EARLY:
         ``early_gate_up``, UNROLL: ``unroll_stage``, NPL: ``npl_items``, ROLL:
-        ``roll_dots``, RPL: ``preload_norm``, NPS: ``nps_mode``, GDS:
-        ``gdn_split``). The
+        ``roll_dots``, RPL: ``preload_norm``, NPS: ``nps_mode``). The
         readiness and compiled calls' cache keys hold them (the kernel choice's
         as one element, its items). A new build switch's attribute needs only
         its entry here."""
         return {"STAGE": self.stage_down, "EARLY": self.early_gate_up,
                 "UNROLL": self.unroll_stage, "NPL": self.npl_items, "ROLL": self.roll_dots,
-                "RPL": self.preload_norm, "NPS": self.nps_mode, "GDS": self.gdn_split}
+                "RPL": self.preload_norm, "NPS": self.nps_mode}
 
     def _l2_prefetch_arrays(self) -> tuple:
         """The arrays the one-launch block prefetches into L2 (``l2-prefetch``):

@@ -235,9 +235,6 @@ _DEFAULT_NEEDS = {
                       "moe-block-next-proj", "proj-concat", "norm-proj"),
     # The rolled dot loops of the one-launch block.
     "moe-block-roll": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block"),
-    # The split Gated DeltaNet phase lives in the GD build of the one-launch block.
-    "moe-block-gds": ("moe", "gdn", "gdn-kernel", "moe-kernel", "moe-route", "add-norm",
-                      "moe-block", "moe-block-out-proj", "moe-block-gdn", "proj-concat"),
     # The one-launch attention step replaces the q/k kernel, the KV write and the
     # kernel pair, inside the compiled decode step.
     "attn-step": ("attn", "attn-kernel", "qk-prep", "proj-concat", "kv-in-place",
@@ -451,9 +448,6 @@ class QwenHybridAdapter(Adapter):
                          "QAB_DISABLE / disable=)",
         "moe-block-roll": "on CUDA the one-launch MoE block's dot loops are unrolled, not one "
                           "chunk's code in a loop (moe-block-roll in QAB_DISABLE / disable=)",
-        "moe-block-gds": "on CUDA the one-launch MoE block's Gated DeltaNet phase runs one item "
-                         "per value head, its state rows in passes (moe-block-gds in QAB_DISABLE "
-                         "/ disable=)",
     }
 
     def fuse(self, model, config, *, disable=frozenset(), use_fallback=True, report):
@@ -570,10 +564,6 @@ class QwenHybridAdapter(Adapter):
                     # its code for the SMs' instruction caches (H100, 4K decode:
                     # 326.8 vs 305.0 tok/s, the same greedy ids).
                     fused.roll_dots = False
-                if "moe-block-gds" in off:
-                    # On by default: the block's Gated DeltaNet phase in four
-                    # items per value head (GDS=4, the same bits).
-                    fused.gdn_split = 1
                 if "attn-blocks" in off:
                     fused.block_queries = False
                 if "attn-split" in off:

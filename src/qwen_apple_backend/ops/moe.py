@@ -1680,10 +1680,7 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: not used): fewer, larger next-projection blocks, the same bits. GDS, the
 #: Gated DeltaNet phase's items per value head (GD builds), each covering
 #: Dv / GDS state rows with all of its state loads in flight; the
-#: out-projection items then apply the gated RMSNorm: the same bits (1 here;
-#: the fused MoE block's ``gdn_split``, which the ``moe-block-gds`` switch
-#: sets per model, overrides it with 4; a value that does not divide the
-#: heads' Dv, or a Dv not a multiple of 4, runs as 1: :func:`gdn_items_per_head`). UNROLL,
+#: out-projection items then apply the gated RMSNorm: the same bits. UNROLL,
 #: whether the out- and next-projection phases stage their input row in loops
 #: unrolled over the block's compile-time size (a thread's L2 reads out
 #: together; the same values; the default of :func:`moe_decode_block`'s
@@ -2175,7 +2172,7 @@ _OVERRIDE_KEYWORDS = {"stage": "STAGE", "early": "EARLY", "unroll": "UNROLL", "n
 
 #: The DECODE_BLOCK_OPTIONS that are not flags but may be build overrides
 #: (their values an int of DECODE_BLOCK_CHOICES).
-_INT_OVERRIDES = ("NPS", "GDS")
+_INT_OVERRIDES = ("NPS",)
 
 
 def _check_override_flags(overrides: Mapping[str, object]) -> None:
@@ -2288,23 +2285,9 @@ def _check_decode_block_build(opts: dict, I: int, gdn_dv: Optional[int]) -> None
                          f"next-projection rows into shared memory) must be 0, 1 or 2, got "
                          f"NPS={opts['NPS']!r}")
     gds = int(opts["GDS"])
-    if gdn_dv is not None and gds not in DECODE_BLOCK_CHOICES["GDS"]:
+    if gdn_dv is not None and (gds not in DECODE_BLOCK_CHOICES["GDS"] or gdn_dv % gds):
         raise ValueError(f"DECODE_BLOCK_OPTIONS: GDS (Gated DeltaNet items per value head) "
-                         f"must be 1, 2 or 4 (one that does not divide the heads' Dv "
-                         f"{gdn_dv}, or a Dv not a multiple of 4, runs as 1), got GDS={gds!r}")
-
-
-def gdn_items_per_head(gds: int, dv: int) -> int:
-    """The Gated DeltaNet items per value head a GD build of :func:`moe_decode_block` runs
-    for the option GDS = ``gds`` at the heads' ``dv`` (Dv): ``gds`` where it
-    divides Dv and Dv is a multiple of 4 (the split build's out-projection
-    items apply the gated RMSNorm to staged groups of 4 values, each within
-    one head), else 1 (the unsplit build: the same bits either way).
-
-    >>> gdn_items_per_head(4, 128), gdn_items_per_head(4, 6), gdn_items_per_head(4, 8)
-    (4, 1, 4)
-    """
-    return gds if gds == 1 or (dv % gds == 0 and dv % 4 == 0) else 1
+                         f"must be 1, 2 or 4 and divide the heads' Dv {gdn_dv}, got GDS={gds!r}")
 
 
 #: The next projection's rows per block that an NPS build stages when
@@ -2434,8 +2417,6 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
     opts = _decode_block_build(overrides, bool(prefetch), out_proj is not None,
                                next_proj is not None)
     _check_decode_block_build(opts, I, None if gdn_step is None else int(gdn_step.heads[3]))
-    if gdn_step is not None:
-        opts["GDS"] = gdn_items_per_head(int(opts["GDS"]), int(gdn_step.heads[3]))
     _nps_build(opts, backend)
     smem = (decode_block_dynamic_shared_bytes(int(opts["PSM"]), H,
                                               next_proj.weights.group_size, x.dtype)
