@@ -26,11 +26,7 @@ shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
   and the gate) where this device has it, ``step-lanes`` the same with the
   lane-group key pass (``mma=False``), ``step-merge-split`` the same with its
   key blocks merged in two levels (``merge_split=True``: the opt-in
-  ``attn-merge-split``), ``step-no-kv-prefetch`` and
-  ``step-merge-split-no-kv-prefetch`` those two without the L2 prefetch
-  of each block's K and V rows that the shipped step issues at its start
-  (``QAB_STEP_NO_KV_PREFETCH``: timed as the ``--timeline`` build, with
-  its phase marks), and ``step-ctasN`` the step with
+  ``attn-merge-split``), and ``step-ctasN`` the step with
   the pass sized for about N thread blocks (``--step-ctas``) instead of
   ``_LANES_CTAS``;
 * ``four-launches``: the launches ``step`` replaces (``qk_norm_rope``,
@@ -50,8 +46,7 @@ into OUT. Every form reads its offset as the compiled decode step hands it: a
 0-d view of a ``[4]`` int32 array filled on the device (not MLX's small host
 pool, where a 4-byte array would sit: ``ops.device.unpooled_length``).
 
-``--timeline``: the ``step`` (and ``step-lanes``, ``step-merge-split``, the
-``-no-kv-prefetch`` forms) form again, built with phase marks (``QAB_MARK``,
+``--timeline``: the ``step`` (and ``step-lanes``, ``step-merge-split``) form again, built with phase marks (``QAB_MARK``,
 empty in the shipped kernel: thread 0 stores the GPU's global timer, in ns)
 and an L2 flush before each of ``--repeats`` launches: per launch, from its
 first thread block's start, when the blocks had staged their query rows
@@ -93,32 +88,23 @@ MARK_DEFINE = ("#define QAB_MARK(k) do { if (threadIdx.x == 0) { unsigned long l
                f"stamps[qab_b_ * {MARKS + 1} + {MARKS}] = s_; }} }} }} while (0)\n")
 
 
-#: The timeline forms: name -> (mma, merge_split, kv_prefetch) of stamped_step.
-TIMELINE_FORMS = {"step": (True, False, True), "step-lanes": (False, False, True),
-                  "step-merge-split": (True, True, True),
-                  "step-no-kv-prefetch": (True, False, False),
-                  "step-merge-split-no-kv-prefetch": (True, True, False)}
-
-
 def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
-                 merge_split=False, kv_prefetch=True):
+                 merge_split=False):
     """One launch of the step's kernel built with the phase marks: ``(out, stamps)``,
     stamps ``[blocks, MARKS + 1]`` uint64 (0 where a mark does not apply); ``mma``
-    and ``merge_split`` as ``gqa_decode_step``'s; ``kv_prefetch`` False: built
-    with ``QAB_STEP_NO_KV_PREFETCH`` (no L2 prefetch of the blocks' K and V rows)."""
+    and ``merge_split`` as ``gqa_decode_step``'s."""
     import mlx.core as mx
 
     from qwen_apple_backend.ops import attention as attn_ops
     from qwen_apple_backend.ops._sources import compact, kernel_source
 
-    if kv_prefetch not in _STAMPED:
+    global _STAMPED
+    if _STAMPED is None:
         src = kernel_source("gqa_decode_step", "cuda")
-        prefix = "" if kv_prefetch else "#define QAB_STEP_NO_KV_PREFETCH 1\n"
-        _STAMPED[kv_prefetch] = mx.fast.cuda_kernel(
-            name=src.name + ("_timeline" if kv_prefetch else "_timeline_nopf"),
-            input_names=list(src.inputs),
+        _STAMPED = mx.fast.cuda_kernel(
+            name=src.name + "_timeline", input_names=list(src.inputs),
             output_names=list(src.outputs) + ["stamps"], source=compact(src.body),
-            header=prefix + MARK_DEFINE + compact(src.header), ensure_row_contiguous=False)
+            header=MARK_DEFINE + compact(src.header), ensure_row_contiguous=False)
     Hk, S = k_buf.shape[1], k_buf.shape[2]
     G = HQ // Hk
     block, lpk, warps = attn_ops._lanes_params(B, Hk, S, G, D, qkv.dtype)
@@ -126,7 +112,7 @@ def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
     pm = attn_ops._step_pm(nb, merge_split)
     groups = attn_ops._step_groups(nb) if pm else 0
     params = attn_ops._step_params(1e-6, 1e-6, float(rope.scale), float(rope.base), scale)
-    out, _, stamps = _STAMPED[kv_prefetch](
+    out, _, stamps = _STAMPED(
         inputs=[qkv, nw, nw, params, offset, k_buf, v_buf, counter],
         template=[("InT", qkv.dtype), ("D", D), ("G", G), ("R", rope.dims),
                   ("TRAD", rope.traditional), ("BLOCK", block), ("LPK", lpk), ("WARPS", warps),
@@ -138,7 +124,7 @@ def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
     return out, stamps.reshape(-1, MARKS + 1)
 
 
-_STAMPED: dict = {}
+_STAMPED = None
 
 
 def step_timeline(launch, repeats: int) -> dict:
@@ -310,10 +296,6 @@ def main(argv=None) -> int:
 
             forms["step"] = step
             forms["step-merge-split"] = lambda: step(merge_split=True)
-            for name in ("step-no-kv-prefetch", "step-merge-split-no-kv-prefetch"):
-                forms[name] = (lambda f: lambda: stamped_step(
-                    qkv, nw, sk, sv, offset.reshape(()), counter, rope, scale, *f)[0])(
-                        TIMELINE_FORMS[name])
             if attn_ops._step_mma(HQ // HK, D, mx.bfloat16):
                 forms["step-lanes"] = lambda: step(mma=False)
             for c in step_ctas:
@@ -346,10 +328,10 @@ def main(argv=None) -> int:
         for name, fn in forms.items():
             row[name + "_ms"] = 1e3 * timeit(fn, args.repeats)
         if args.timeline:
-            for name in [f for f in TIMELINE_FORMS if f in forms]:
+            for name in [f for f in ("step", "step-lanes", "step-merge-split") if f in forms]:
                 tl = step_timeline(lambda: stamped_step(
                     qkv, nw, sk, sv, offset.reshape(()), counter, rope, scale,
-                    *TIMELINE_FORMS[name]), args.repeats)
+                    name != "step-lanes", name == "step-merge-split"), args.repeats)
                 row[name.replace("-", "_") + "_timeline_us"] = tl
                 timelines.append(dict(S=S, form=name, **tl))
                 print(f"S {S:7d} {name} timeline (us): "

@@ -51,8 +51,7 @@ run; why the two timings differ is not established). Compare builds with
 ``--timeline --warm N``.
 
 Variants are ``ops.moe.DECODE_BLOCK_OPTIONS`` settings and the build keys of
-``profile_moe_block_gpu.py`` (``SLEEP``, ``MINB``, ``RELAXED``, ``PIN``, ``MANT``, ``PS``,
-``GPF``), written
+``profile_moe_block_gpu.py`` (``SLEEP``, ``MINB``, ``RELAXED``, ``PIN``, ``MANT``, ``PS``), written
 ``PRW=4+MINB=2`` (``PRW``: the next projection's rows per warp, 2 shipped,
 4 halving its 772 blocks; ``UNROLL=0``: the projection phases' input staging
 as a loop, not unrolled as shipped (``moe-block-unroll`` off); ``NPL=0``:
@@ -66,9 +65,7 @@ start, ``NPS=2`` after their first item; ``MANT=1``: quantized weights made
 floats through a float's mantissa; ``PS=1``: the 4-bit dots' inputs
 prescaled so that each weight is masked in place, one integer op fewer per
 value in the projections' dots, and in gate/up and down also the mantissa in
-place of the integer-to-float conversion; ``GPF=0``: the Gated DeltaNet items'
-later state passes without the L2 prefetch their first pass issues (shipped
-with it); ``ROLL=0``: the items' dot loops unrolled,
+place of the integer-to-float conversion; ``ROLL=0``: the items' dot loops unrolled,
 not rolled as shipped (``moe-block-roll`` off)), plus ``PACK=0`` (the unpacked GD build,
 ``moe_decode_block_gdn``, 47 inputs instead of 27) and ``PF=1`` (the ``l2-prefetch``
 build: the gate/up items that wait for nothing, resident from the launch's

@@ -92,9 +92,9 @@ DEFAULT_VARIANTS = "default,EARLY=0,STAGE=0+EARLY=0,CS=1+PREFETCH=0+STAGE=0+EARL
 SHAPE = (1, 256, 2048, 512, 8)
 PHASES = ("route", "gate/up", "down")
 #: Variant keys that change the kernel's text (a header prefix), not its template.
-BUILD_KEYS = ("SLEEP", "MINB", "RELAXED", "PIN", "MANT", "PS", "GPF")
+BUILD_KEYS = ("SLEEP", "MINB", "RELAXED", "PIN", "MANT", "PS")
 #: The build keys that are flags (0 or 1), as the options whose default is a bool.
-BUILD_FLAGS = ("RELAXED", "PIN", "MANT", "PS", "GPF")
+BUILD_FLAGS = ("RELAXED", "PIN", "MANT", "PS")
 #: Marks per ticket in the --timeline build: 0 start (its ticket taken), 1 its
 #: wait's end, 2 its work's end, 3 a phase's own (the route's logits counted,
 #: the down items' end of their wait for the gate/up items), 4 the SM, and
@@ -144,9 +144,6 @@ def build_prefix(variant: dict) -> str:
         text += "#define QAB_NIBBLE_MANTISSA 1\n"
     if variant.get("PS"):
         text += "#define QAB_Q4_PRESCALE 1\n"
-    if variant.get("GPF") is False:
-        # GPF=0: the Gated DeltaNet items' later state passes without their L2 prefetch.
-        text += "#define QAB_GDN_NO_STATE_PREFETCH 1\n"
     return text
 
 

@@ -1081,10 +1081,6 @@ def test_profile_moe_block_gpu_build_keys_and_prefetch_wait_median():
     assert prof.build_prefix({"MANT": True}) == "#define QAB_NIBBLE_MANTISSA 1\n"
     assert prof.build_prefix({"RELAXED": True}) == "#define QAB_WAIT_RELAXED 1\n"
     assert prof.build_prefix({"RELAXED": 0, "STAGE": True}) == ""
-    # GPF is on in the shipped text: only GPF=0 writes a define (its opt-out).
-    assert prof.parse_variant("GPF=0") == {"GPF": False}
-    assert prof.build_prefix({"GPF": False}) == "#define QAB_GDN_NO_STATE_PREFETCH 1\n"
-    assert prof.build_prefix({"GPF": True}) == ""
     # A row per ticket: marks 0 (start), 1 (wait end), 2 (work end), 3, then the SM.
     stamps = [[100, 0, 900, 0, 1], [150, 300, 1500, 700, 2], [120, 310, 1300, 0, 3],
               [130, 320, 1400, 500, 4]]

@@ -81,9 +81,6 @@ __device__ __forceinline__ void qab_prefetch_l2_share(const void* p, const size_
   }
 }
 
-// gated_delta_decode.cuh's hook for it (that header builds without this one too).
-#define QAB_PREFETCH_L2_SHARE(p, bytes, t, n) qab_prefetch_l2_share(p, bytes, t, n)
-
 constexpr int qab_vec_align(int elem, int n) {
   // Alignment of n contiguous elements of elem bytes read as one vector:
   // their size when it is a power of two (at most 16), 16 above, else elem.

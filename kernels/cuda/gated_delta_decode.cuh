@@ -70,12 +70,6 @@
 #ifndef QAB_SUBMARK
 #define QAB_SUBMARK(k)
 #endif
-// An L2 prefetch of a thread's share of a range (common.cuh's
-// qab_prefetch_l2_share where the build includes it; else nothing: the
-// standalone kernel runs one pass, with nothing to prefetch).
-#ifndef QAB_PREFETCH_L2_SHARE
-#define QAB_PREFETCH_L2_SHARE(p, bytes, t, n)
-#endif
 template <typename InT, typename WT, int Hk, int Hv, int Dk, int Dv, int Kc, int BLOCK,
           bool HAS_BIAS, bool HAS_MASK, bool HAS_LENGTHS, int PROJ_W, int PASSES = 1,
           int SPLIT = 1, typename MT, typename LT>
@@ -134,18 +128,6 @@ __device__ __forceinline__ void qab_gdn_decode_head(
     }
   };
   load_state(0);
-  // The later passes' state rows (pass p holds rows [p RPP NW, (p + 1) RPP NW):
-  // one contiguous range after the first pass's), asked of the L2 now, so that
-  // each later pass's loads find them there instead of going to DRAM only
-  // when the pass before is done (a hint: the same values).
-  // QAB_GDN_NO_STATE_PREFETCH (a profiling key) leaves it out.
-  if constexpr (PASSES > 1) {
-    constexpr int PF_ROWS = DVS > RPP * NW ? DVS - RPP * NW : 0;
-#ifndef QAB_GDN_NO_STATE_PREFETCH
-    QAB_PREFETCH_L2_SHARE(state_in + sbase + (size_t)RPP * NW * Dk,
-                          sizeof(float) * (size_t)PF_ROWS * Dk, tid, BLOCK);
-#endif
-  }
 
   // Phase 1: conv + SiLU of this block's channels; new conv state.
   for (int c = tid; c < NCH; c += BLOCK) {

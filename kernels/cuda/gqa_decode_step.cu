@@ -123,18 +123,6 @@ const bool mma = MMA && k_buf_strides[3] == 1 && v_buf_strides[3] == 1 &&
                  k_buf_strides[2] % 8 == 0 && v_buf_strides[2] % 8 == 0 &&
                  qab_vec_aligned<InT, 8>(kh) && qab_vec_aligned<InT, 8>(vh);
 QAB_MARK(0);
-// This block's keys' K and V rows, asked of the L2 before the query staging,
-// so that the key pass finds them there (a hint: the same values; rows of D
-// contiguous elements only). QAB_STEP_NO_KV_PREFETCH (a profiling key)
-// leaves it out.
-#ifndef QAB_STEP_NO_KV_PREFETCH
-if (k_buf_strides[3] == 1 && v_buf_strides[3] == 1) {
-  for (int s = s0 + static_cast<int>(threadIdx.x); s < s1; s += 32 * WARPS) {
-    qab_prefetch_l2(kh + (int64_t)s * k_buf_strides[2], D * sizeof(InT));
-    qab_prefetch_l2(vh + (int64_t)s * v_buf_strides[2], D * sizeof(InT));
-  }
-}
-#endif
 
 if (s0 < n) {
   // 1. The query heads, as qk_norm_rope.cu rounds them, scaled to log2 units.
