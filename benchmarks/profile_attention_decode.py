@@ -53,11 +53,14 @@ first thread block's start, when the blocks had staged their query rows
 (median, last), finished their pass and partial (median, last), counted
 themselves done, and when the last block per KV head finished the merge;
 medians over the launches, in us. Writes
-``profile-attention-decode-timeline-<device>.json``.
+``profile-attention-decode-timeline-<device>.json``. ``--timeline-warm``: the
+same without the flushes, so that each launch finds the kernel's code, the
+KV rows and its inputs in the L2 where the launch before left them.
 
 Usage:
     python benchmarks/profile_attention_decode.py OUT [--lengths 4096,32768,131072]
-        [--repeats 20] [--forms step,four-launches] [--step-ctas 32,64] [--timeline]
+        [--repeats 20] [--forms step,four-launches] [--step-ctas 32,64]
+        [--timeline [--timeline-warm]]
 """
 
 from __future__ import annotations
@@ -127,21 +130,23 @@ def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
 _STAMPED = None
 
 
-def step_timeline(launch, repeats: int) -> dict:
-    """Medians over ``repeats`` launches (each after an L2 flush) of the phase marks,
-    us from the launch's first block start; ``launch()`` returns ``(out, stamps)``."""
+def step_timeline(launch, repeats: int, flush: bool = True) -> dict:
+    """Medians over ``repeats`` launches (each after an L2 flush; ``flush`` False: none,
+    so the launch before leaves its code and data in the L2) of the phase marks, us
+    from the launch's first block start; ``launch()`` returns ``(out, stamps)``."""
     import statistics
 
     import mlx.core as mx
 
-    flush = mx.zeros((64 * 1024 * 1024,), dtype=mx.float32)  # 256 MB: past the L2
-    mx.eval(flush)
+    big = mx.zeros((64 * 1024 * 1024,), dtype=mx.float32)  # 256 MB: past the L2
+    mx.eval(big)
     keys = ("start_last", "staged_median", "staged_last", "pass_median", "pass_last",
             "counted_last", "merged_last")
     vals = {k: [] for k in keys}
     blocks = sms = 0
     for i in range(repeats + 2):
-        mx.eval(flush + 1.0)
+        if flush:
+            mx.eval(big + 1.0)
         mx.synchronize()
         out, stamps = launch()
         mx.eval(out, stamps)
@@ -202,7 +207,11 @@ def main(argv=None) -> int:
                    help="comma-separated thread-block targets for extra step-ctasN forms")
     p.add_argument("--timeline", action="store_true",
                    help="also time the step's phases inside its launch (a marked build)")
+    p.add_argument("--timeline-warm", action="store_true",
+                   help="the --timeline launches without an L2 flush before each")
     args = p.parse_args(argv)
+    if args.timeline_warm and not args.timeline:
+        p.error("--timeline-warm goes with --timeline")
     wanted = {f for f in args.forms.split(",") if f}
     step_ctas = args.step_ctas
     from _common import check_out, write_result
@@ -331,9 +340,10 @@ def main(argv=None) -> int:
             for name in [f for f in ("step", "step-lanes", "step-merge-split") if f in forms]:
                 tl = step_timeline(lambda: stamped_step(
                     qkv, nw, sk, sv, offset.reshape(()), counter, rope, scale,
-                    name != "step-lanes", name == "step-merge-split"), args.repeats)
+                    name != "step-lanes", name == "step-merge-split"), args.repeats,
+                    flush=not args.timeline_warm)
                 row[name.replace("-", "_") + "_timeline_us"] = tl
-                timelines.append(dict(S=S, form=name, **tl))
+                timelines.append(dict(S=S, form=name, l2_flush=not args.timeline_warm, **tl))
                 print(f"S {S:7d} {name} timeline (us): "
                       + "  ".join(f"{k} {v}" for k, v in tl.items()), flush=True)
         if "pv-split" in forms:

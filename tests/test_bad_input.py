@@ -378,6 +378,7 @@ def test_disable_argument_is_checked_like_the_variable():
     # No CUDA here: no step to time (said before any timing).
     ("profile_attention_decode.py", ["--lengths", "256", "--repeats", "1", "--timeline"],
      "--timeline times the step form, which this device does not have"),
+    ("profile_attention_decode.py", ["--timeline-warm"], "--timeline-warm goes with --timeline"),
     ("profile_grouped_gemm.py", ["--lengths", "0"], "0 is too short (at least 2 tokens)"),
     ("prefill_memory.py", ["--max-seconds", "nan"], "must be a number >= 0, got nan"),
     ("prefill_memory.py", ["--warmup", "-1"], "must be an integer >= 0, got -1"),
