@@ -26,7 +26,11 @@ shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
   and the gate) where this device has it, ``step-lanes`` the same with the
   lane-group key pass (``mma=False``), ``step-merge-split`` the same with its
   key blocks merged in two levels (``merge_split=True``: the opt-in
-  ``attn-merge-split``), and ``step-ctasN`` the step with
+  ``attn-merge-split``), ``step-kv-prefetch`` and
+  ``step-merge-split-kv-prefetch`` those two with each thread block's K and
+  V rows asked of the L2 at its start (the profiling key
+  ``QAB_STEP_KV_PREFETCH``: timed as the ``--timeline`` build, with its phase
+  marks), and ``step-ctasN`` the step with
   the pass sized for about N thread blocks (``--step-ctas``) instead of
   ``_LANES_CTAS``;
 * ``four-launches``: the launches ``step`` replaces (``qk_norm_rope``,
@@ -46,7 +50,8 @@ into OUT. Every form reads its offset as the compiled decode step hands it: a
 0-d view of a ``[4]`` int32 array filled on the device (not MLX's small host
 pool, where a 4-byte array would sit: ``ops.device.unpooled_length``).
 
-``--timeline``: the ``step`` (and ``step-lanes``, ``step-merge-split``) form again, built with phase marks (``QAB_MARK``,
+``--timeline``: the ``step`` (and ``step-lanes``, ``step-merge-split``, the
+``-kv-prefetch`` forms) form again, built with phase marks (``QAB_MARK``,
 empty in the shipped kernel: thread 0 stores the GPU's global timer, in ns)
 and an L2 flush before each of ``--repeats`` launches: per launch, from its
 first thread block's start, when the blocks had staged their query rows
@@ -91,23 +96,33 @@ MARK_DEFINE = ("#define QAB_MARK(k) do { if (threadIdx.x == 0) { unsigned long l
                f"stamps[qab_b_ * {MARKS + 1} + {MARKS}] = s_; }} }} }} while (0)\n")
 
 
+#: The timeline forms: name -> (mma, merge_split, kv_prefetch) of stamped_step.
+TIMELINE_FORMS = {"step": (True, False, False), "step-lanes": (False, False, False),
+                  "step-merge-split": (True, True, False),
+                  "step-kv-prefetch": (True, False, True),
+                  "step-merge-split-kv-prefetch": (True, True, True)}
+
+
 def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
-                 merge_split=False):
+                 merge_split=False, kv_prefetch=False):
     """One launch of the step's kernel built with the phase marks: ``(out, stamps)``,
     stamps ``[blocks, MARKS + 1]`` uint64 (0 where a mark does not apply); ``mma``
-    and ``merge_split`` as ``gqa_decode_step``'s."""
+    and ``merge_split`` as ``gqa_decode_step``'s; ``kv_prefetch``: built with the
+    profiling key ``QAB_STEP_KV_PREFETCH`` (each block's K and V rows asked of the
+    L2 at its start)."""
     import mlx.core as mx
 
     from qwen_apple_backend.ops import attention as attn_ops
     from qwen_apple_backend.ops._sources import compact, kernel_source
 
-    global _STAMPED
-    if _STAMPED is None:
+    if kv_prefetch not in _STAMPED:
         src = kernel_source("gqa_decode_step", "cuda")
-        _STAMPED = mx.fast.cuda_kernel(
-            name=src.name + "_timeline", input_names=list(src.inputs),
+        prefix = "#define QAB_STEP_KV_PREFETCH 1\n" if kv_prefetch else ""
+        _STAMPED[kv_prefetch] = mx.fast.cuda_kernel(
+            name=src.name + ("_timeline_kvpf" if kv_prefetch else "_timeline"),
+            input_names=list(src.inputs),
             output_names=list(src.outputs) + ["stamps"], source=compact(src.body),
-            header=MARK_DEFINE + compact(src.header), ensure_row_contiguous=False)
+            header=prefix + MARK_DEFINE + compact(src.header), ensure_row_contiguous=False)
     Hk, S = k_buf.shape[1], k_buf.shape[2]
     G = HQ // Hk
     block, lpk, warps = attn_ops._lanes_params(B, Hk, S, G, D, qkv.dtype)
@@ -115,7 +130,7 @@ def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
     pm = attn_ops._step_pm(nb, merge_split)
     groups = attn_ops._step_groups(nb) if pm else 0
     params = attn_ops._step_params(1e-6, 1e-6, float(rope.scale), float(rope.base), scale)
-    out, _, stamps = _STAMPED(
+    out, _, stamps = _STAMPED[kv_prefetch](
         inputs=[qkv, nw, nw, params, offset, k_buf, v_buf, counter],
         template=[("InT", qkv.dtype), ("D", D), ("G", G), ("R", rope.dims),
                   ("TRAD", rope.traditional), ("BLOCK", block), ("LPK", lpk), ("WARPS", warps),
@@ -127,7 +142,7 @@ def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
     return out, stamps.reshape(-1, MARKS + 1)
 
 
-_STAMPED = None
+_STAMPED: dict = {}
 
 
 def step_timeline(launch, repeats: int, flush: bool = True) -> dict:
@@ -305,6 +320,10 @@ def main(argv=None) -> int:
 
             forms["step"] = step
             forms["step-merge-split"] = lambda: step(merge_split=True)
+            for name in ("step-kv-prefetch", "step-merge-split-kv-prefetch"):
+                forms[name] = (lambda f: lambda: stamped_step(
+                    qkv, nw, sk, sv, offset.reshape(()), counter, rope, scale, *f)[0])(
+                        TIMELINE_FORMS[name])
             if attn_ops._step_mma(HQ // HK, D, mx.bfloat16):
                 forms["step-lanes"] = lambda: step(mma=False)
             for c in step_ctas:
@@ -337,11 +356,10 @@ def main(argv=None) -> int:
         for name, fn in forms.items():
             row[name + "_ms"] = 1e3 * timeit(fn, args.repeats)
         if args.timeline:
-            for name in [f for f in ("step", "step-lanes", "step-merge-split") if f in forms]:
+            for name in [f for f in TIMELINE_FORMS if f in forms]:
                 tl = step_timeline(lambda: stamped_step(
                     qkv, nw, sk, sv, offset.reshape(()), counter, rope, scale,
-                    name != "step-lanes", name == "step-merge-split"), args.repeats,
-                    flush=not args.timeline_warm)
+                    *TIMELINE_FORMS[name]), args.repeats, flush=not args.timeline_warm)
                 row[name.replace("-", "_") + "_timeline_us"] = tl
                 timelines.append(dict(S=S, form=name, l2_flush=not args.timeline_warm, **tl))
                 print(f"S {S:7d} {name} timeline (us): "

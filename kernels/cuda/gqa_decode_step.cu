@@ -123,6 +123,18 @@ const bool mma = MMA && k_buf_strides[3] == 1 && v_buf_strides[3] == 1 &&
                  k_buf_strides[2] % 8 == 0 && v_buf_strides[2] % 8 == 0 &&
                  qab_vec_aligned<InT, 8>(kh) && qab_vec_aligned<InT, 8>(vh);
 QAB_MARK(0);
+#ifdef QAB_STEP_KV_PREFETCH
+// (A profiling key, benchmarks/profile_attention_decode.py's step-kv-prefetch
+// form.) This block's keys' K and V rows asked of the L2 at its start, one
+// bulk prefetch each where its rows are one contiguous range, by the block's
+// last thread (the first warps stage query rows first): the same values.
+if (threadIdx.x == 32 * WARPS - 1 && s0 < s1 && k_buf_strides[3] == 1 &&
+    v_buf_strides[3] == 1 && k_buf_strides[2] == D && v_buf_strides[2] == D) {
+  const uint32_t bytes = static_cast<uint32_t>((s1 - s0) * D * sizeof(InT));
+  qab_prefetch_l2(kh + (int64_t)s0 * D, bytes);
+  qab_prefetch_l2(vh + (int64_t)s0 * D, bytes);
+}
+#endif
 
 if (s0 < n) {
   // 1. The query heads, as qk_norm_rope.cu rounds them, scaled to log2 units.
