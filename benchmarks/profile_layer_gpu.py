@@ -62,10 +62,10 @@ norm weight and eps before their wait; ``GSR=1``: the gate/up items route
 their token themselves; ``PERSIST+GRID=264+PSM=48+NPS=1``: a persistent grid
 whose blocks copy their next-projection rows into shared memory at their
 start, ``NPS=2`` after their first item; ``MANT=1``: quantized weights made
-floats through a float's mantissa; ``NPG=264``: the grid with 264 blocks
-for the next projection's 772 items, which loop over them (``NPL``), instead
-of one block per item, most of which then start only to take a ticket past
-the last and leave; ``PS=1``: the 4-bit dots' inputs
+floats through a float's mantissa; ``NPG=0``: the grid with a block per
+next-projection item (772), most of which start only to take a ticket past
+the last and leave, not as shipped the GPU's resident blocks (two per SM)
+looping over them (``moe-block-npg`` off); ``PS=1``: the 4-bit dots' inputs
 prescaled so that each weight is masked in place, one integer op fewer per
 value in the projections' dots, and in gate/up and down also the mantissa in
 place of the integer-to-float conversion; ``ROLL=0``: the items' dot loops unrolled,

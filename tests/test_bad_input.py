@@ -302,7 +302,8 @@ def test_bad_boolean_and_list_variables_name_themselves(monkeypatch):
                                           r"proj-concat, gemv-kernel, embed-kernel, proj-gemv, add-norm, norm-proj, next-norm, kv-in-place, "
                                           r"moe-block-stage, gemv-pipe, attn-lanes, moe-block-early, "
                                           r"l2-prefetch, moe-block-out-proj, moe-block-next-proj, moe-block-gdn, moe-block-pack, "
-                                          r"moe-block-unroll, moe-block-npl, moe-block-roll, attn-step, "
+                                          r"moe-block-unroll, moe-block-npl, moe-block-roll, moe-block-npg, "
+                                          r"attn-step, "
                                           r"attn-mma, attn-merge-split, moe-block-nps, "
                                           r"moe-block-rpl\)$"):
         envs.validate()

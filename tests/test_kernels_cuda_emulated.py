@@ -2123,14 +2123,16 @@ def test_moe_decode_block_out_proj_is_the_gemv_then_the_block_emulated(options, 
                                          False),
                                         ({"PSM": 32, "NPS": 1}, False),
                                         ({"ROLL": False}, True), ({"ROLL": False}, False),
-                                        ({"NPG": 1}, True), ({"NPG": 3}, False),
-                                        ({"NPG": 64}, False)],
+                                        ({"NPG": True, "SMS": 1}, True),
+                                        ({"NPG": True, "SMS": 2}, False),
+                                        ({"NPG": True, "SMS": 32}, False),
+                                        ({"NPG": False, "SMS": 1}, False)],
                          ids=["default", "EARLYFalse-op", "PERSIST-op", "PRW4-op", "PRW1",
                               "PSM32-op", "PSM64", "PSM16-PERSIST", "UNROLLFalse-op",
                               "UNROLLFalse-PSM32", "NPL-op", "NPL-PRW1", "NPL-PERSIST-op",
                               "NPL-PSM32", "NPS1-PSM32-PERSIST-op", "NPS2-PSM16-PERSIST",
                               "NPS1-PSM32-not-persistent", "ROLLFalse-op", "ROLLFalse",
-                              "NPG1-op", "NPG3", "NPG64"])
+                              "NPG-2-op", "NPG-4", "NPG-64", "NPGFalse"])
 def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(options, op,
                                                                              monkeypatch):
     # NP: the next layer's input RMSNorm + 4-bit input projection (80 rows: a
@@ -2152,9 +2154,13 @@ def test_moe_decode_block_next_proj_is_the_block_then_the_norm_gemv_emulated(opt
     # its first item (2): on 3 blocks each unit's chunk is the block's for both
     # token rows, so the second reuses the copy; on 4 blocks of 5 chunks a
     # block's later units restage other chunks; no effect without PERSIST);
-    # with NPG (the grid holds 1 or 3 blocks for the next projection's 10
-    # items, which loop over them with NPL; 64: more than the items, the grid
-    # as without it). The same values.
+    # with NPG (the grid holds two blocks per SM for the next projection's 10
+    # items, which loop over them with NPL: 2 or 4 blocks; 64, more than the
+    # items, and NPG off: one block per item). The same values.
+    options = dict(options)
+    sms = options.pop("SMS", None)
+    if sms is not None:
+        monkeypatch.setattr(moe_ops, "cuda_sm_count", lambda: sms)
     for key, value in options.items():
         monkeypatch.setitem(moe_ops.DECODE_BLOCK_OPTIONS, key, value)
     shape, dtype, rg, norm = BLOCK_EMU_CASES[0]
@@ -2564,10 +2570,9 @@ def test_moe_decode_block_dispatcher_self_checks_the_emulated_kernel(monkeypatch
                                      prefetch=(w, w, w, w))
         # Build options that cannot work: counters on one element, an empty grid,
         # 3 gate/up row pairs per warp, 8 next-projection rows per warp (spills),
-        # 40 next-projection rows per block in shared memory (not a choice), a
-        # negative count of next-projection blocks.
+        # 40 next-projection rows per block in shared memory (not a choice).
         for bad in ({"CS": 0}, {"PERSIST": True, "GRID": 0}, {"GRPW": 3}, {"PRW": 8},
-                    {"PSM": 40}, {"NPG": -1}):
+                    {"PSM": 40}):
             with monkeypatch.context() as m:
                 for k, v in bad.items():
                     m.setitem(moe_ops.DECODE_BLOCK_OPTIONS, k, v)

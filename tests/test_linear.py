@@ -518,7 +518,8 @@ def test_a_wrong_projected_input_is_refused_and_the_mixer_keeps_working(tiny_q4,
 
 def test_report_says_when_a_switch_takes_the_blocks_phases_away(tiny_q4, monkeypatch):
     # moe-block-out-proj, moe-block-next-proj, moe-block-gdn, moe-block-pack,
-    # moe-block-unroll, moe-block-npl and moe-block-roll (on by default) live in the one-launch
+    # moe-block-unroll, moe-block-npl, moe-block-roll and moe-block-npg (on by default) live in
+    # the one-launch
     # MoE block: the
     # report says when another switch takes it away (or, for next-proj, the
     # concatenated projections or norm-proj; for gdn, also the out-projection
@@ -535,13 +536,20 @@ def test_report_says_when_a_switch_takes_the_blocks_phases_away(tiny_q4, monkeyp
     assert notes(disable=["moe-block"]) == [
         f"{n} is not used: it needs moe-block, which QAB_DISABLE / disable= switches off"
         for n in ("moe-block-out-proj", "moe-block-next-proj", "moe-block-gdn",
-                  "moe-block-pack", "moe-block-unroll", "moe-block-npl", "moe-block-roll")]
+                  "moe-block-pack", "moe-block-unroll", "moe-block-npl", "moe-block-roll",
+                  "moe-block-npg")]
     assert notes(disable=["proj-concat", "moe-block-out-proj"]) == [
         "moe-block-next-proj is not used: it needs proj-concat, which QAB_DISABLE / disable= "
         "switches off",
         "moe-block-gdn is not used: it needs moe-block-out-proj and proj-concat, which "
         "QAB_DISABLE / disable= switches off",
         "moe-block-npl is not used: it needs proj-concat, which QAB_DISABLE / disable= "
+        "switches off",
+        "moe-block-npg is not used: it needs proj-concat, which QAB_DISABLE / disable= "
+        "switches off"]
+    # moe-block-npg's items loop only with moe-block-npl.
+    assert notes(disable=["moe-block-npl"]) == [
+        "moe-block-npg is not used: it needs moe-block-npl, which QAB_DISABLE / disable= "
         "switches off"]
     assert notes(disable=["gdn-kernel"]) == [
         "moe-block-gdn is not used: it needs gdn-kernel, which QAB_DISABLE / disable= "
@@ -551,7 +559,7 @@ def test_report_says_when_a_switch_takes_the_blocks_phases_away(tiny_q4, monkeyp
                        "MoE block" for n in ("moe-block-out-proj", "moe-block-next-proj",
                                              "moe-block-gdn", "moe-block-pack",
                                              "moe-block-unroll", "moe-block-npl",
-                                             "moe-block-roll")]
+                                             "moe-block-roll", "moe-block-npg")]
 
 
 def test_deferred_gated_delta_runs_its_step_once_and_stores_the_states():

@@ -1560,7 +1560,8 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
     # QAB_DISABLE=moe-block-early clears it) as its EARLY, unroll_stage (on by
     # default; QAB_DISABLE=moe-block-unroll clears it) as its UNROLL, npl_items
     # (on by default; QAB_DISABLE=moe-block-npl clears it) as its NPL,
-    # roll_dots (on by default; QAB_DISABLE=moe-block-roll clears it) as its ROLL.
+    # roll_dots (on by default; QAB_DISABLE=moe-block-roll clears it) as its ROLL,
+    # npg_grid (on by default; QAB_DISABLE=moe-block-npg clears it) as its NPG.
     from qwen_apple_backend.layers import moe as moe_layer
 
     seen = []
@@ -1570,7 +1571,8 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
               prefetch=(), out_proj=None, next_proj=None, overrides=None):
         assert out_proj is None
         seen.append((backend, counter))
-        stages.append(tuple(overrides[k] for k in ("STAGE", "EARLY", "UNROLL", "NPL", "ROLL")))
+        stages.append(tuple(overrides[k]
+                            for k in ("STAGE", "EARLY", "UNROLL", "NPL", "ROLL", "NPG")))
         return (x + r) * 3
 
     monkeypatch.setattr(moe_layer, "moe_decode_block", block)
@@ -1586,6 +1588,7 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
     b.unroll_stage = False
     b.npl_items = False
     b.roll_dots = False
+    b.npg_grid = False
     norm = nn.RMSNorm(H)
     x, r = inputs((1, 1, H)), inputs((1, 1, H), seed=3)
     n = moe_ops.decode_block_counter_length()
@@ -1604,10 +1607,11 @@ def test_add_norm_forward_runs_the_one_launch_block_with_its_longer_counter(monk
         assert "_serial_counter" not in b.__dict__
         assert own.shape == (n,) and own.dtype == mx.uint32 and not mx.any(own).item()
         assert seen == [("fake", own)]
-    assert stages == [(False, False, False, False, False)] * 4
+    assert stages == [(False, False, False, False, False, False)] * 4
     # (Compiled calls, compile_decode left on: each switch is part of the
     # compiled graph's key, so each change reaches the call in a new trace.)
-    switches = ("stage_down", "early_gate_up", "unroll_stage", "npl_items", "roll_dots")
+    switches = ("stage_down", "early_gate_up", "unroll_stage", "npl_items", "roll_dots",
+                "npg_grid")
     for i, name in enumerate(switches):
         setattr(b, name, True)
         b.add_norm_forward(x, r, norm)
@@ -1705,18 +1709,21 @@ def test_block_keywords_become_one_overrides_mapping(monkeypatch):
 
 def test_fused_block_passes_its_switches_as_one_overrides_mapping():
     # FusedSparseMoeBlock's build switches (QAB_DISABLE's moe-block-stage,
-    # -early, -unroll, -npl, -roll clear them; QAB_ENABLE's moe-block-rpl and
+    # -early, -unroll, -npl, -roll, -npg clear them; QAB_ENABLE's moe-block-rpl and
     # moe-block-nps set theirs) are the one mapping its calls pass.
     b = FusedSparseMoeBlock.from_stock(make_stock(seed=4))
     assert b._block_overrides() == {"STAGE": True, "EARLY": True, "UNROLL": True, "NPL": True,
-                                    "ROLL": True, "RPL": False, "NPS": 0}
+                                    "ROLL": True, "NPG": True, "RPL": False, "NPS": 0}
     b.early_gate_up = False
     b.npl_items = False
     b.roll_dots = False
+    b.npg_grid = False
     b.preload_norm = True  # (the opt-in moe-block-rpl)
     b.nps_mode = 2  # (the opt-in moe-block-nps sets ops.moe.NPS_MODE)
     assert b._block_overrides() == {"STAGE": True, "EARLY": False, "UNROLL": True,
-                                    "NPL": False, "ROLL": False, "RPL": True, "NPS": 2}
+                                    "NPL": False, "ROLL": False, "NPG": False, "RPL": True,
+                                    "NPS": 2}
+    assert moe_ops._decode_block_build(b._block_overrides())["NPG"] is False
     assert moe_ops._decode_block_build(b._block_overrides())["RPL"] is True
     assert moe_ops._decode_block_build(b._block_overrides())["EARLY"] is False
     assert moe_ops._decode_block_build(b._block_overrides())["NPS"] == 2

@@ -220,6 +220,9 @@ _OFF_NOTES = {
                      "QAB_DISABLE / disable=)",
     "moe-block-roll": "on CUDA the one-launch MoE block's dot loops are unrolled, not one "
                       "chunk's code in a loop (moe-block-roll in QAB_DISABLE / disable=)",
+    "moe-block-npg": "on CUDA the one-launch MoE block's grid holds a block per "
+                     "next-projection item, not the GPU's resident blocks looping over "
+                     "them (moe-block-npg in QAB_DISABLE / disable=)",
 }
 
 
@@ -238,10 +241,12 @@ def test_moe_block_switch_reaches_every_fused_moe_block(tiny_q4):
                                        ("moe-block-out-proj", "out_proj_phase"),
                                        ("moe-block-unroll", "unroll_stage"),
                                        ("moe-block-npl", "npl_items"),
-                                       ("moe-block-roll", "roll_dots")])
+                                       ("moe-block-roll", "roll_dots"),
+                                       ("moe-block-npg", "npg_grid")])
 def test_moe_block_build_switch_reaches_every_fused_moe_block(tiny_q4, monkeypatch, name, attr):
     # FusedSparseMoeBlock.stage_down, .early_gate_up, .out_proj_phase and
-    # .unroll_stage (and .npl_items, .roll_dots) are on by default; QAB_DISABLE / disable=[name] clears it
+    # .unroll_stage (and .npl_items, .roll_dots, .npg_grid) are on by default; QAB_DISABLE /
+    # disable=[name] clears it
     # in every block, and QAB_ENABLE no longer takes the name (it is on already).
     from qwen_apple_backend.errors import EnvVarError
     from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
@@ -259,12 +264,13 @@ def test_moe_block_build_switch_reaches_every_fused_moe_block(tiny_q4, monkeypat
 
 @pytest.mark.parametrize("name,attr", [("moe-block-unroll", "unroll_stage"),
                                        ("moe-block-npl", "npl_items"),
-                                       ("moe-block-roll", "roll_dots")])
+                                       ("moe-block-roll", "roll_dots"),
+                                       ("moe-block-npg", "npg_grid")])
 def test_moe_block_build_switches_from_the_environment(tiny_q4, monkeypatch, name,
                                                                 attr):
     # QAB_DISABLE=moe-block-unroll clears FusedSparseMoeBlock.unroll_stage (on
     # by default: the block's UNROLL build), moe-block-npl .npl_items (NPL),
-    # moe-block-roll .roll_dots (ROLL), in
+    # moe-block-roll .roll_dots (ROLL), moe-block-npg .npg_grid (NPG), in
     # every fused MoE block and only there, and the report says so: the
     # switch's note, and each fused MoE module's record names it.
     from qwen_apple_backend.layers.moe import FusedSparseMoeBlock
@@ -276,7 +282,8 @@ def test_moe_block_build_switches_from_the_environment(tiny_q4, monkeypatch, nam
     assert blocks and not any(getattr(b, attr) for b in blocks)
     assert all(b.stage_down and b.early_gate_up and b.one_launch for b in blocks)
     # (only the one switched off)
-    assert all(sum((b.unroll_stage, b.npl_items, b.roll_dots)) == 2 for b in blocks)
+    assert all(sum((b.unroll_stage, b.npl_items, b.roll_dots, b.npg_grid)) == 3
+               for b in blocks)
     report = get_report(model)
     assert _OFF_NOTES[name] in report.notes
     moe = [m for m in report.modules if m.kind == "moe" and m.fused]

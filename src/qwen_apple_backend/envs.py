@@ -17,6 +17,7 @@ Variables:
         ``attn-lanes``, ``moe-block-early``, ``l2-prefetch``,
         ``moe-block-out-proj``, ``moe-block-next-proj``, ``moe-block-gdn``,
         ``moe-block-pack``, ``moe-block-unroll``, ``moe-block-npl``, ``moe-block-roll``,
+        ``moe-block-npg``,
         ``attn-step``,
         ``attn-mma``, ``attn-merge-split``, ``moe-block-nps``, ``moe-block-rpl``),
         for ablations.
@@ -189,6 +190,12 @@ OPTIMIZATIONS = {
     # the same bits). H100, profile_layer_gpu.py --timeline --warm 4: the launch's last
     # phase ends at 56.6 vs 62.2 us; 4K decode 326.8 vs 305.0 tok/s
     "moe-block-roll": "moe",
+    # the one-launch MoE block's grid holds as many next-projection blocks as the GPU keeps
+    # resident (two per SM), which loop over the phase's items (NPL), instead of one block per
+    # item, most of which would start only to take a ticket past the last and leave (NPG;
+    # CUDA; the same bits). H100, profile_layer_gpu.py --timeline --warm 8: 60.99 vs 61.78 us
+    # per Gated DeltaNet layer launch, the gap between launches 4.34 vs 5.06 us
+    "moe-block-npg": "moe",
     # one decode token's full-attention core in one CUDA launch inside the compiled decode
     # step (gqa_decode_step: q/k RMSNorm + RoPE, the KV row written in place, the lane-group
     # split-K pass, the merge and the output gate; four launches before; needs attn-kernel,

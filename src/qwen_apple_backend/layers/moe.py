@@ -493,7 +493,10 @@ class FusedSparseMoeBlock(nn.Module):
     the ``moe-block-roll`` optimization) builds it with its items' dot loops
     running one chunk's code in a loop instead of unrolled (``ROLL``; same
     outputs, less code for the SMs' instruction caches). Attribute
-    ``nps_mode`` (default 0; the
+    ``npg_grid`` (default True; the ``moe-block-npg`` optimization) launches
+    it with as many next-projection blocks as the GPU keeps resident, which
+    loop over the phase's items, instead of one block per item (``NPG``; same
+    outputs). Attribute ``nps_mode`` (default 0; the
     opt-in ``moe-block-nps`` sets
     :data:`~qwen_apple_backend.ops.moe.NPS_MODE`) builds it on a persistent
     grid whose blocks copy their next-projection rows into shared memory
@@ -579,6 +582,7 @@ class FusedSparseMoeBlock(nn.Module):
     unroll_stage: bool = True
     npl_items: bool = True
     roll_dots: bool = True
+    npg_grid: bool = True
     preload_norm: bool = False
     nps_mode: int = 0
     out_proj_phase: bool = True
@@ -1038,13 +1042,13 @@ class FusedSparseMoeBlock(nn.Module):
         each ``DECODE_BLOCK_OPTIONS`` flag that a switch of this block sets, to
         the value of the attribute that holds it (STAGE: ``stage_down``, EARLY:
         ``early_gate_up``, UNROLL: ``unroll_stage``, NPL: ``npl_items``, ROLL:
-        ``roll_dots``, RPL: ``preload_norm``, NPS: ``nps_mode``). The
+        ``roll_dots``, NPG: ``npg_grid``, RPL: ``preload_norm``, NPS: ``nps_mode``). The
         readiness and compiled calls' cache keys hold them (the kernel choice's
         as one element, its items). A new build switch's attribute needs only
         its entry here."""
         return {"STAGE": self.stage_down, "EARLY": self.early_gate_up,
                 "UNROLL": self.unroll_stage, "NPL": self.npl_items, "ROLL": self.roll_dots,
-                "RPL": self.preload_norm, "NPS": self.nps_mode}
+                "NPG": self.npg_grid, "RPL": self.preload_norm, "NPS": self.nps_mode}
 
     def _l2_prefetch_arrays(self) -> tuple:
         """The arrays the one-launch block prefetches into L2 (``l2-prefetch``):

@@ -235,6 +235,9 @@ _DEFAULT_NEEDS = {
                       "moe-block-next-proj", "proj-concat", "norm-proj"),
     # The rolled dot loops of the one-launch block.
     "moe-block-roll": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block"),
+    # The next-projection phase on the GPU's resident blocks, looping over its items.
+    "moe-block-npg": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block",
+                      "moe-block-next-proj", "proj-concat", "norm-proj", "moe-block-npl"),
     # The one-launch attention step replaces the q/k kernel, the KV write and the
     # kernel pair, inside the compiled decode step.
     "attn-step": ("attn", "attn-kernel", "qk-prep", "proj-concat", "kv-in-place",
@@ -448,6 +451,9 @@ class QwenHybridAdapter(Adapter):
                          "QAB_DISABLE / disable=)",
         "moe-block-roll": "on CUDA the one-launch MoE block's dot loops are unrolled, not one "
                           "chunk's code in a loop (moe-block-roll in QAB_DISABLE / disable=)",
+        "moe-block-npg": "on CUDA the one-launch MoE block's grid holds a block per "
+                         "next-projection item, not the GPU's resident blocks looping over "
+                         "them (moe-block-npg in QAB_DISABLE / disable=)",
     }
 
     def fuse(self, model, config, *, disable=frozenset(), use_fallback=True, report):
@@ -564,6 +570,12 @@ class QwenHybridAdapter(Adapter):
                     # its code for the SMs' instruction caches (H100, 4K decode:
                     # 326.8 vs 305.0 tok/s, the same greedy ids).
                     fused.roll_dots = False
+                if "moe-block-npg" in off:
+                    # On by default: the next projection's items on the GPU's
+                    # resident blocks (two per SM), looping, so no block starts
+                    # only to find no ticket left (H100: 60.99 vs 61.78 us per
+                    # Gated DeltaNet layer launch in a warm chain, the same bits).
+                    fused.npg_grid = False
                 if "attn-blocks" in off:
                     fused.block_queries = False
                 if "attn-split" in off:
