@@ -205,7 +205,8 @@ def main(argv=None) -> int:
     p.add_argument("--forms", default="",
                    help="comma-separated forms to time, of sdpa, sdpa-mask, qk, softmax, pv, "
                         "pv-split, split-ops, kv-update, kv-update-kept, split-kernel, "
-                        "split-kernel-lanes, step, step-lanes, step-merge-split, step-ctasN, "
+                        "split-kernel-lanes, step, step-lanes, step-merge-split, step-kv-prefetch, "
+                        "step-merge-split-kv-prefetch, step-ctasN, "
                         "four-launches (the module docstring says what each times; default: "
                         "every form this device has)")
     def ctas_list(text: str) -> list:
