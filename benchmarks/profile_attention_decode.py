@@ -29,8 +29,12 @@ shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
   ``attn-merge-split``), ``step-kv-prefetch`` and
   ``step-merge-split-kv-prefetch`` those two with each thread block's K and
   V rows asked of the L2 at its start (the profiling key
-  ``QAB_STEP_KV_PREFETCH``: timed as the ``--timeline`` build, with its phase
-  marks), and ``step-ctasN`` the step with
+  ``QAB_STEP_KV_PREFETCH``), ``step-merge-early`` and
+  ``step-merge-split-merge-early`` with the merge's loads first (each row's m
+  and l read once, its first o rows and the gate before the max: the
+  profiling key ``QAB_STEP_MERGE_EARLY``, the same bits) (the forms of a
+  profiling key are timed as the ``--timeline`` build, with its phase marks),
+  and ``step-ctasN`` the step with
   the pass sized for about N thread blocks (``--step-ctas``) instead of
   ``_LANES_CTAS``;
 * ``four-launches``: the launches ``step`` replaces (``qk_norm_rope``,
@@ -51,7 +55,7 @@ into OUT. Every form reads its offset as the compiled decode step hands it: a
 pool, where a 4-byte array would sit: ``ops.device.unpooled_length``).
 
 ``--timeline``: the ``step`` (and ``step-lanes``, ``step-merge-split``, the
-``-kv-prefetch`` forms) form again, built with phase marks (``QAB_MARK``,
+profiling keys' forms) form again, built with phase marks (``QAB_MARK``,
 empty in the shipped kernel: thread 0 stores the GPU's global timer, in ns)
 and an L2 flush before each of ``--repeats`` launches: per launch, from its
 first thread block's start, when the blocks had staged their query rows
@@ -96,30 +100,33 @@ MARK_DEFINE = ("#define QAB_MARK(k) do { if (threadIdx.x == 0) { unsigned long l
                f"stamps[qab_b_ * {MARKS + 1} + {MARKS}] = s_; }} }} }} while (0)\n")
 
 
-#: The timeline forms: name -> (mma, merge_split, kv_prefetch) of stamped_step.
-TIMELINE_FORMS = {"step": (True, False, False), "step-lanes": (False, False, False),
-                  "step-merge-split": (True, True, False),
-                  "step-kv-prefetch": (True, False, True),
-                  "step-merge-split-kv-prefetch": (True, True, True)}
+#: The timeline forms: name -> (mma, merge_split, profiling key) of stamped_step.
+TIMELINE_FORMS = {"step": (True, False, None), "step-lanes": (False, False, None),
+                  "step-merge-split": (True, True, None),
+                  "step-kv-prefetch": (True, False, "QAB_STEP_KV_PREFETCH"),
+                  "step-merge-split-kv-prefetch": (True, True, "QAB_STEP_KV_PREFETCH"),
+                  "step-merge-early": (True, False, "QAB_STEP_MERGE_EARLY"),
+                  "step-merge-split-merge-early": (True, True, "QAB_STEP_MERGE_EARLY")}
 
 
 def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
-                 merge_split=False, kv_prefetch=False):
+                 merge_split=False, key=None):
     """One launch of the step's kernel built with the phase marks: ``(out, stamps)``,
     stamps ``[blocks, MARKS + 1]`` uint64 (0 where a mark does not apply); ``mma``
-    and ``merge_split`` as ``gqa_decode_step``'s; ``kv_prefetch``: built with the
-    profiling key ``QAB_STEP_KV_PREFETCH`` (each block's K and V rows asked of the
-    L2 at its start)."""
+    and ``merge_split`` as ``gqa_decode_step``'s; ``key``: a profiling key of the
+    kernel to define (``QAB_STEP_KV_PREFETCH``: each block's K and V rows asked
+    of the L2 at its start; ``QAB_STEP_MERGE_EARLY``: the merge's loads first),
+    or None."""
     import mlx.core as mx
 
     from qwen_apple_backend.ops import attention as attn_ops
     from qwen_apple_backend.ops._sources import compact, kernel_source
 
-    if kv_prefetch not in _STAMPED:
+    if key not in _STAMPED:
         src = kernel_source("gqa_decode_step", "cuda")
-        prefix = "#define QAB_STEP_KV_PREFETCH 1\n" if kv_prefetch else ""
-        _STAMPED[kv_prefetch] = mx.fast.cuda_kernel(
-            name=src.name + ("_timeline_kvpf" if kv_prefetch else "_timeline"),
+        prefix = f"#define {key} 1\n" if key else ""
+        _STAMPED[key] = mx.fast.cuda_kernel(
+            name=src.name + "_timeline" + (f"_{key.lower()}" if key else ""),
             input_names=list(src.inputs),
             output_names=list(src.outputs) + ["stamps"], source=compact(src.body),
             header=prefix + MARK_DEFINE + compact(src.header), ensure_row_contiguous=False)
@@ -130,7 +137,7 @@ def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
     pm = attn_ops._step_pm(nb, merge_split)
     groups = attn_ops._step_groups(nb) if pm else 0
     params = attn_ops._step_params(1e-6, 1e-6, float(rope.scale), float(rope.base), scale)
-    out, _, stamps = _STAMPED[kv_prefetch](
+    out, _, stamps = _STAMPED[key](
         inputs=[qkv, nw, nw, params, offset, k_buf, v_buf, counter],
         template=[("InT", qkv.dtype), ("D", D), ("G", G), ("R", rope.dims),
                   ("TRAD", rope.traditional), ("BLOCK", block), ("LPK", lpk), ("WARPS", warps),
@@ -206,7 +213,8 @@ def main(argv=None) -> int:
                    help="comma-separated forms to time, of sdpa, sdpa-mask, qk, softmax, pv, "
                         "pv-split, split-ops, kv-update, kv-update-kept, split-kernel, "
                         "split-kernel-lanes, step, step-lanes, step-merge-split, step-kv-prefetch, "
-                        "step-merge-split-kv-prefetch, step-ctasN, "
+                        "step-merge-split-kv-prefetch, step-merge-early, "
+                        "step-merge-split-merge-early, step-ctasN, "
                         "four-launches (the module docstring says what each times; default: "
                         "every form this device has)")
     def ctas_list(text: str) -> list:
@@ -321,7 +329,7 @@ def main(argv=None) -> int:
 
             forms["step"] = step
             forms["step-merge-split"] = lambda: step(merge_split=True)
-            for name in ("step-kv-prefetch", "step-merge-split-kv-prefetch"):
+            for name in [f for f, v in TIMELINE_FORMS.items() if v[2]]:
                 forms[name] = (lambda f: lambda: stamped_step(
                     qkv, nw, sk, sv, offset.reshape(()), counter, rope, scale, *f)[0])(
                         TIMELINE_FORMS[name])

@@ -257,6 +257,64 @@ constexpr int MCH = SMF / G;  // rows whose weights fit at once (>= 4 D)
 constexpr int U = 16;         // o rows in flight per lane
 auto merge_rows = [&](const float* op, const float* mp, const int64_t base, const int r0,
                       const int r1, const int g, float (&num)[EPL], float& den, float& M) {
+#ifdef QAB_STEP_MERGE_EARLY
+  // (A profiling key, benchmarks/profile_attention_decode.py's step-merge-early
+  // form.) Where the rows fit one chunk and RL (m, l) pairs per lane: every
+  // load first (the first U o rows', each lane's rows' m and l, once), then
+  // the same arithmetic in the same order as below: the same values, with
+  // fewer dependent trips to L2 (not two reads of m, none of the rows after M).
+  constexpr int RL = 4;
+  if (r1 > r0 && r1 - r0 <= MCH && r1 - r0 <= 32 * RL) {
+    float ov[U][EPL];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      qab_ldcg_f32<EPL>(op + (base + min(r0 + u, r1 - 1)) * D + lane * EPL, pvec, ov[u]);
+    }
+    float mr[RL], lr[RL];
+#pragma unroll
+    for (int k = 0; k < RL; ++k) {
+      const int i = r0 + lane + 32 * k;
+      mr[k] = i < r1 ? qab_ldcg(mp + (base + i) * 2) : -INFINITY;
+      lr[k] = i < r1 ? qab_ldcg(mp + (base + i) * 2 + 1) : 0.f;
+    }
+    M = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < RL; ++k) M = fmaxf(M, mr[k]);
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
+    float* sw = sm + g * MCH;
+    float dl = 0.f;
+#pragma unroll
+    for (int k = 0; k < RL; ++k) {
+      const int i = r0 + lane + 32 * k;
+      if (i < r1) {
+        const float wi = exp2f(mr[k] - M);
+        sw[i - r0] = wi;
+        dl += wi * lr[k];
+      }
+    }
+    den = 0.f + qab_warp_sum(dl);
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) num[e] = 0.f;
+    __syncwarp();
+    for (int i0 = r0; i0 < r1; i0 += U) {
+      if (i0 > r0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          qab_ldcg_f32<EPL>(op + (base + min(i0 + u, r1 - 1)) * D + lane * EPL, pvec, ov[u]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float wi = i0 + u < r1 ? sw[i0 + u - r0] : 0.f;  // a repeated row weighs 0
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) num[e] += wi * ov[u][e];
+      }
+    }
+    __syncwarp();  // the weights read before the next call overwrites them
+    return;
+  }
+#endif
   M = -INFINITY;
   for (int i = r0 + lane; i < r1; i += 32) M = fmaxf(M, qab_ldcg(mp + (base + i) * 2));
 #pragma unroll
@@ -331,6 +389,20 @@ if (two) {
 for (int g = w; g < G; g += WARPS) {
   const int hq = h * G + g;
   float num[EPL], den, M;
+#ifdef QAB_STEP_MERGE_EARLY
+  float gate[EPL];  // the output gate's inputs, loaded before the merge (the same values)
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) {
+    gate[e] = static_cast<float>(row[(int64_t)(hq * 2 * D + D + lane * EPL + e) * es]);
+  }
+  merge_rows(fo, fm, ((int64_t)b * Hq + hq) * fnb, 0, fn, g, num, den, M);
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) {
+    const int d = lane * EPL + e;
+    const InT y = static_cast<InT>(num[e] / den);
+    out[((int64_t)b * Hq + hq) * D + d] = qab_sigmoid_gate<InT>(y, gate[e]);
+  }
+#else
   merge_rows(fo, fm, ((int64_t)b * Hq + hq) * fnb, 0, fn, g, num, den, M);
 #pragma unroll
   for (int e = 0; e < EPL; ++e) {
@@ -339,6 +411,7 @@ for (int g = w; g < G; g += WARPS) {
     out[((int64_t)b * Hq + hq) * D + d] =
         qab_sigmoid_gate<InT>(y, static_cast<float>(row[(int64_t)(hq * 2 * D + D + d) * es]));
   }
+#endif
 }
 QAB_MARK(4);
 if (threadIdx.x == 0) {
