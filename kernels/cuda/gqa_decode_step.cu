@@ -255,6 +255,32 @@ __threadfence();
 // for no rows).
 constexpr int MCH = SMF / G;  // rows whose weights fit at once (>= 4 D)
 constexpr int U = 16;         // o rows in flight per lane
+// The o rows i0 .. i0 + U - 1 of [i0, c1) into ov (a row past c1 - 1 repeats it).
+auto load_rows = [&](const float* op, const int64_t base, const int i0, const int c1,
+                     float (&ov)[U][EPL]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    qab_ldcg_f32<EPL>(op + (base + min(i0 + u, c1 - 1)) * D + lane * EPL, pvec, ov[u]);
+  }
+};
+// num += the o rows [c0, c1) weighed by sw (their weights from row c0), U at a
+// time, all U rows' loads issued before their sums; `loaded`: ov holds the
+// first U rows already.
+auto weigh_rows = [&](const float* op, const int64_t base, const int c0, const int c1,
+                      const float* sw, float (&num)[EPL], float (&ov)[U][EPL],
+                      const bool loaded) {
+  for (int i0 = c0; i0 < c1; i0 += U) {
+    if (!loaded || i0 > c0) {
+      load_rows(op, base, i0, c1, ov);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const float wi = i0 + u < c1 ? sw[i0 + u - c0] : 0.f;  // a repeated row weighs 0
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) num[e] += wi * ov[u][e];
+    }
+  }
+};
 auto merge_rows = [&](const float* op, const float* mp, const int64_t base, const int r0,
                       const int r1, const int g, float (&num)[EPL], float& den, float& M) {
 #ifdef QAB_STEP_MERGE_EARLY
@@ -266,10 +292,7 @@ auto merge_rows = [&](const float* op, const float* mp, const int64_t base, cons
   constexpr int RL = 4;
   if (r1 > r0 && r1 - r0 <= MCH && r1 - r0 <= 32 * RL) {
     float ov[U][EPL];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      qab_ldcg_f32<EPL>(op + (base + min(r0 + u, r1 - 1)) * D + lane * EPL, pvec, ov[u]);
-    }
+    load_rows(op, base, r0, r1, ov);
     float mr[RL], lr[RL];
 #pragma unroll
     for (int k = 0; k < RL; ++k) {
@@ -297,20 +320,7 @@ auto merge_rows = [&](const float* op, const float* mp, const int64_t base, cons
 #pragma unroll
     for (int e = 0; e < EPL; ++e) num[e] = 0.f;
     __syncwarp();
-    for (int i0 = r0; i0 < r1; i0 += U) {
-      if (i0 > r0) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          qab_ldcg_f32<EPL>(op + (base + min(i0 + u, r1 - 1)) * D + lane * EPL, pvec, ov[u]);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const float wi = i0 + u < r1 ? sw[i0 + u - r0] : 0.f;  // a repeated row weighs 0
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) num[e] += wi * ov[u][e];
-      }
-    }
+    weigh_rows(op, base, r0, r1, sw, num, ov, true);
     __syncwarp();  // the weights read before the next call overwrites them
     return;
   }
@@ -333,19 +343,8 @@ auto merge_rows = [&](const float* op, const float* mp, const int64_t base, cons
     }
     den += qab_warp_sum(dl);
     __syncwarp();
-    for (int i0 = c0; i0 < c1; i0 += U) {
-      float ov[U][EPL];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        qab_ldcg_f32<EPL>(op + (base + min(i0 + u, c1 - 1)) * D + lane * EPL, pvec, ov[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const float wi = i0 + u < c1 ? sw[i0 + u - c0] : 0.f;  // a repeated row weighs 0
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) num[e] += wi * ov[u][e];
-      }
-    }
+    float ov[U][EPL];
+    weigh_rows(op, base, c0, c1, sw, num, ov, false);
     __syncwarp();  // the weights read before the next chunk overwrites them
   }
 };
