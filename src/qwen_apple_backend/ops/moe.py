@@ -1726,7 +1726,7 @@ def moe_shared_experts_kernel(backend: Optional[str] = None) -> Optional[Callabl
 #: 305.0 tok/s.
 #: NPG: with NPL's looping next-projection items (NP, NPL, no PSM, not
 #: PERSIST), the launch's grid holds as many blocks for the next projection as
-#: the GPU keeps resident (two per SM, :data:`NPG_BLOCKS_PER_SM`) instead of
+#: the GPU keeps resident (:func:`_resident_blocks`: two per SM) instead of
 #: one per item: the blocks that take its tickets run them in a loop (NPL)
 #: until none is left, so the blocks a full grid would start after that, each
 #: only to take a ticket past the last and leave, are not launched; the same
@@ -1739,9 +1739,17 @@ DECODE_BLOCK_OPTIONS = {"CS": 32, "PERSIST": False, "PREFETCH": True, "GRID": No
                         "STAGE": True, "GRPW": 2, "EARLY": True, "PRW": 2, "PSM": 0, "GDS": 1,
                         "UNROLL": True, "NPL": True, "RPL": False, "GSR": False, "NPS": 0,
                         "ROLL": True, "NPG": True}
-#: NPG's next-projection blocks per SM: the blocks of 256 threads at <= 128
-#: registers that an SM keeps resident (the packed builds' launch bounds).
-NPG_BLOCKS_PER_SM = 2
+#: The blocks of 256 threads at <= 128 registers that an SM keeps resident (the
+#: packed builds' launch bounds): NPS's persistent grid and NPG's next-projection
+#: blocks per SM.
+RESIDENT_BLOCKS_PER_SM = 2
+
+
+def _resident_blocks(backend: str) -> int:
+    """The one-launch MoE block's blocks the GPU keeps resident at once
+    (:data:`RESIDENT_BLOCKS_PER_SM` per SM, :func:`~qwen_apple_backend.ops.device.cuda_sm_count`),
+    or 0 off CUDA or where the SM count is unknown."""
+    return RESIDENT_BLOCKS_PER_SM * (cuda_sm_count() if backend == "cuda" else 0)
 
 #: The values of DECODE_BLOCK_OPTIONS' row counts a launch accepts (PRW 8
 #: spills registers at the two blocks per SM the block is built for; PSM
@@ -2319,8 +2327,8 @@ NPS_MODE = 1
 def _nps_build(opts: dict, backend: str) -> None:
     """Completes an NPS build in place (``opts`` as :func:`_decode_block_build`
     gives it): with NPS and the next-projection phase, a persistent grid
-    (PERSIST) of GRID blocks (None: two per SM, the blocks the GPU keeps
-    resident at once, :func:`~qwen_apple_backend.ops.device.cuda_sm_count`)
+    (PERSIST) of GRID blocks (None: the blocks the GPU keeps resident at once,
+    :func:`_resident_blocks`)
     whose next-projection units stage PSM rows (0: :data:`NPS_ROWS`); NPS 2
     with its dot loops unrolled (ROLL off: rolled, nvcc 13 spills 124 bytes of
     that build's registers under the two-blocks-per-SM cap, unrolled 60).
@@ -2328,14 +2336,14 @@ def _nps_build(opts: dict, backend: str) -> None:
     NPS is dropped (the build it would change is the plain one)."""
     if not opts["NPS"]:
         return
-    sms = cuda_sm_count() if backend == "cuda" else 0
-    if not opts["NP"] or (opts["GRID"] is None and sms <= 0):
+    resident = _resident_blocks(backend)
+    if not opts["NP"] or (opts["GRID"] is None and resident <= 0):
         opts["NPS"] = 0
         return
     opts["PERSIST"] = True
     opts["PSM"] = int(opts["PSM"]) or NPS_ROWS
     if opts["GRID"] is None:
-        opts["GRID"] = 2 * sms
+        opts["GRID"] = resident
     if int(opts["NPS"]) == 2:
         opts["ROLL"] = False
 
@@ -2476,7 +2484,7 @@ def _moe_decode_block_call(backend: str, x: mx.array, r: Optional[mx.array],
     elif opts["NPG"] and next_proj is not None and opts["NPL"] and not int(opts["PSM"]):
         # NPG: the next projection's items on the GPU's resident blocks, looping (NPL).
         np_blocks = _proj_phase_blocks(PN, int(opts["PRW"]), 0) * N
-        resident = NPG_BLOCKS_PER_SM * (cuda_sm_count() if backend == "cuda" else 0)
+        resident = _resident_blocks(backend)
         if resident > 0:
             grid_blocks -= np_blocks - min(np_blocks, resident)
     sg, su, sd, sgate = shared
