@@ -35,8 +35,9 @@ shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
   profiling key ``QAB_STEP_MERGE_EARLY``, the same bits) (the forms of a
   profiling key are timed as the ``--timeline`` build, with its phase marks),
   and ``step-ctasN`` the step with
-  the pass sized for about N thread blocks (``--step-ctas``) instead of
-  ``_LANES_CTAS``;
+  the pass sized for about N thread blocks (``--step-ctas``, at most
+  ``_LANES_CTAS``) instead of ``_LANES_CTAS`` (with ``--step-ctas``, each
+  profiling key's form too: ``step-merge-early-ctasN``, ...);
 * ``four-launches``: the launches ``step`` replaces (``qk_norm_rope``,
   ``kv_cache_write``, the lane-per-key pass and ``gqa_decode_combine`` with
   the gate), where this device has them;
@@ -60,8 +61,10 @@ empty in the shipped kernel: thread 0 stores the GPU's global timer, in ns)
 and an L2 flush before each of ``--repeats`` launches: per launch, from its
 first thread block's start, when the blocks had staged their query rows
 (median, last), finished their pass and partial (median, last), counted
-themselves done, and when the last block per KV head finished the merge;
-medians over the launches, in us. Writes
+themselves done, and when the last block per KV head finished the merge,
+with the merge's own steps (its warp 0: the fence passed, the max of the key
+blocks' m known, the weights and denominator, the o rows summed; the gate and
+the output are the rest); medians over the launches, in us. Writes
 ``profile-attention-decode-timeline-<device>.json``. ``--timeline-warm``: the
 same without the flushes, so that each launch finds the kernel's code, the
 KV rows and its inputs in the L2 where the launch before left them.
@@ -87,8 +90,10 @@ for p in (SRC, HERE):
 B, HQ, HK, D = 1, 16, 2, 256
 SPLIT = 1024
 #: Marks per thread block in the --timeline build (0 start, 1 query rows staged,
-#: 2 pass and partial done, 3 counted, 4 merge done) and the SM id.
-MARKS = 5
+#: 2 pass and partial done, 3 counted, 4 merge done; in the merging block, warp 0
+#: of its first query head: 8 its fence passed, 5 the max M known, 6 the weights
+#: and the denominator, 7 the o rows summed) and the SM id.
+MARKS = 9
 #: QAB_MARK as the --timeline build defines it: thread 0 of each thread block
 #: stores the global timer (ns) as mark k of its block, and the SM at mark 0.
 MARK_DEFINE = ("#define QAB_MARK(k) do { if (threadIdx.x == 0) { unsigned long long qab_t_; "
@@ -110,13 +115,14 @@ TIMELINE_FORMS = {"step": (True, False, None), "step-lanes": (False, False, None
 
 
 def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
-                 merge_split=False, key=None):
+                 merge_split=False, key=None, ctas=None):
     """One launch of the step's kernel built with the phase marks: ``(out, stamps)``,
     stamps ``[blocks, MARKS + 1]`` uint64 (0 where a mark does not apply); ``mma``
     and ``merge_split`` as ``gqa_decode_step``'s; ``key``: a profiling key of the
     kernel to define (``QAB_STEP_KV_PREFETCH``: each block's K and V rows asked
     of the L2 at its start; ``QAB_STEP_MERGE_EARLY``: the merge's loads first),
-    or None."""
+    or None; ``ctas``: the pass sized for about that many thread blocks instead of
+    ``_LANES_CTAS`` (at most it: ``counter`` is sized for it)."""
     import mlx.core as mx
 
     from qwen_apple_backend.ops import attention as attn_ops
@@ -132,7 +138,12 @@ def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
             header=prefix + MARK_DEFINE + compact(src.header), ensure_row_contiguous=False)
     Hk, S = k_buf.shape[1], k_buf.shape[2]
     G = HQ // Hk
-    block, lpk, warps = attn_ops._lanes_params(B, Hk, S, G, D, qkv.dtype)
+    old = attn_ops._LANES_CTAS
+    attn_ops._LANES_CTAS = ctas or old
+    try:
+        block, lpk, warps = attn_ops._lanes_params(B, Hk, S, G, D, qkv.dtype)
+    finally:
+        attn_ops._LANES_CTAS = old
     nb = -(-S // block)
     pm = attn_ops._step_pm(nb, merge_split)
     groups = attn_ops._step_groups(nb) if pm else 0
@@ -152,19 +163,57 @@ def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
 _STAMPED: dict = {}
 
 
+def timeline_form(name: str):
+    """``(mma, merge_split, key, ctas)`` of a form with a --timeline build: a
+    :data:`TIMELINE_FORMS` name, optionally with ``-ctasN`` (the pass sized for
+    about N thread blocks); None for other forms."""
+    base, sep, c = name.rpartition("-ctas")
+    if sep and c.isdigit() and base in TIMELINE_FORMS:
+        return (*TIMELINE_FORMS[base], int(c))
+    return (*TIMELINE_FORMS[name], None) if name in TIMELINE_FORMS else None
+
+
+#: step_timeline's keys, and the mark each is the last block's of (``live``: of
+#: the blocks that staged a query row; ``merging``: of the blocks that merged,
+#: one per KV head; in a two-level merge their marks 5-7 are the final merge's).
+TIMELINE_KEYS = (("start_last", "all", 0), ("staged_median", "live", 1),
+                 ("staged_last", "live", 1), ("pass_median", "live", 2),
+                 ("pass_last", "live", 2), ("counted_last", "live", 3),
+                 ("fenced_last", "merging", 8), ("max_last", "merging", 5),
+                 ("weights_last", "merging", 6), ("rows_last", "merging", 7),
+                 ("merged_last", "merging", 4))
+
+
+def launch_marks(rows: list) -> dict:
+    """One launch's phase marks, us from its first thread block's start: each key
+    of :data:`TIMELINE_KEYS` (``_median``: the median block's, ``_last``: the last
+    block's), from ``rows``, a ``[MARKS + 1]`` row of global-timer ns per thread
+    block (0 where a mark does not apply; the SM id last). Every block marks 1-3
+    (the few past the token's key too: they stage nothing and pass no keys, so
+    they pull the medians slightly early)."""
+    import statistics
+
+    t0 = min(r[0] for r in rows)
+    sets = {"all": rows, "live": [r for r in rows if r[1]],
+            "merging": [r for r in rows if r[4]]}
+    res = {}
+    for key, which, m in TIMELINE_KEYS:
+        xs = [(r[m] - t0) / 1000.0 for r in sets[which]]
+        res[key] = statistics.median(xs) if key.endswith("_median") else max(xs)
+    return res
+
+
 def step_timeline(launch, repeats: int, flush: bool = True) -> dict:
     """Medians over ``repeats`` launches (each after an L2 flush; ``flush`` False: none,
-    so the launch before leaves its code and data in the L2) of the phase marks, us
-    from the launch's first block start; ``launch()`` returns ``(out, stamps)``."""
+    so the launch before leaves its code and data in the L2) of :func:`launch_marks`,
+    us; ``launch()`` returns ``(out, stamps)``."""
     import statistics
 
     import mlx.core as mx
 
     big = mx.zeros((64 * 1024 * 1024,), dtype=mx.float32)  # 256 MB: past the L2
     mx.eval(big)
-    keys = ("start_last", "staged_median", "staged_last", "pass_median", "pass_last",
-            "counted_last", "merged_last")
-    vals = {k: [] for k in keys}
+    vals = {k: [] for k, _, _ in TIMELINE_KEYS}
     blocks = sms = 0
     for i in range(repeats + 2):
         if flush:
@@ -175,24 +224,8 @@ def step_timeline(launch, repeats: int, flush: bool = True) -> dict:
         if i < 2:
             continue  # the first launches build and warm
         rows = stamps.tolist()
-        # Every block marks 1-3 (the few past the token's key too: they stage
-        # nothing and pass no keys, so they pull the medians slightly early).
-        live = [r for r in rows if r[1]]
-        t0 = min(r[0] for r in rows)
-
-        def us(x):
-            return (x - t0) / 1000.0
-
-        def med(xs):
-            return statistics.median(xs)
-
-        vals["start_last"].append(us(max(r[0] for r in rows)))
-        vals["staged_median"].append(med([us(r[1]) for r in live]))
-        vals["staged_last"].append(us(max(r[1] for r in live)))
-        vals["pass_median"].append(med([us(r[2]) for r in live]))
-        vals["pass_last"].append(us(max(r[2] for r in live)))
-        vals["counted_last"].append(us(max(r[3] for r in live)))
-        vals["merged_last"].append(us(max(r[4] for r in rows if r[4])))
+        for k, v in launch_marks(rows).items():
+            vals[k].append(v)
         blocks = len(rows)
         sms = len({r[MARKS] for r in rows})
     res = {k: round(statistics.median(v), 2) for k, v in vals.items()}
@@ -337,6 +370,10 @@ def main(argv=None) -> int:
                 forms["step-lanes"] = lambda: step(mma=False)
             for c in step_ctas:
                 forms[f"step-ctas{c}"] = lambda c=c: step(c)
+                for name in [f for f, v in TIMELINE_FORMS.items() if v[2]]:
+                    forms[f"{name}-ctas{c}"] = (lambda f: lambda: stamped_step(
+                        qkv, nw, sk, sv, offset.reshape(()), counter, rope, scale, *f)[0])(
+                            timeline_form(f"{name}-ctas{c}"))
             fk, fv = kbuf * 1, vbuf * 1
             mx.eval(fk, fv)
 
@@ -365,14 +402,21 @@ def main(argv=None) -> int:
         for name, fn in forms.items():
             row[name + "_ms"] = 1e3 * timeit(fn, args.repeats)
         if args.timeline:
-            for name in [f for f in TIMELINE_FORMS if f in forms]:
+            for name in [f for f in forms if timeline_form(f)]:
                 tl = step_timeline(lambda: stamped_step(
                     qkv, nw, sk, sv, offset.reshape(()), counter, rope, scale,
-                    *TIMELINE_FORMS[name]), args.repeats, flush=not args.timeline_warm)
+                    *timeline_form(name)), args.repeats, flush=not args.timeline_warm)
                 row[name.replace("-", "_") + "_timeline_us"] = tl
                 timelines.append(dict(S=S, form=name, l2_flush=not args.timeline_warm, **tl))
                 print(f"S {S:7d} {name} timeline (us): "
                       + "  ".join(f"{k} {v}" for k, v in tl.items()), flush=True)
+        for name in [f for f in forms if (timeline_form(f) or (0, 0, None))[2]]:
+            # A profiling key changes no value: its output against the shipped build's.
+            mma, merge_split, _, ctas = timeline_form(name)
+            row[name.replace("-", "_") + "_same_as_shipped"] = bool(mx.array_equal(
+                forms[name](), step(ctas, mma=mma, merge_split=merge_split)).item())
+            print(f"S {S:7d} {name}: same output as the shipped build: "
+                  f"{row[name.replace('-', '_') + '_same_as_shipped']}", flush=True)
         if "pv-split" in forms:
             ref = (probs @ v).astype(mx.float32)
             row["pv_split_max_abs_diff"] = float(mx.abs(pv_split() - ref).max())
@@ -388,7 +432,9 @@ def main(argv=None) -> int:
         path = write_result(args.out, "profile-attention-decode-timeline",
                             dict(B=B, Hq=HQ, Hk=HK, D=D, repeats=args.repeats, marks=[
                                 "start", "query rows staged", "pass and partial done",
-                                "counted", "merge done"], rows=timelines))
+                                "counted", "merge done", "merge: max known",
+                                "merge: weights and denominator", "merge: o rows summed",
+                                "merge: fence passed"], rows=timelines))
         print(f"wrote {path}")
     return 0
 

@@ -1477,3 +1477,42 @@ def test_bench_without_a_model_uses_the_demo_model(tmp_path):
         rc = main(["compare", "--prompt", "The os module", "--max-tokens", "2"])
     assert rc == 0, err.getvalue()[-2000:]
     assert "qab compare: no --model or --preset given; using the demo model (" in err.getvalue()
+
+
+def test_profile_attention_decode_launch_marks_and_forms(monkeypatch):
+    # The step's timeline from one launch's marks (global-timer ns per thread
+    # block, 0 where a mark does not apply, the SM id last): starts, staging and
+    # pass of the blocks that staged a query row, the merge's own steps from the
+    # blocks that merged; us from the first block's start. And the timeline
+    # forms: a key's form, with or without -ctasN; not the other forms.
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.delitem(sys.modules, "profile_attention_decode", raising=False)
+    import profile_attention_decode as pad
+
+    assert pad.MARKS == 9
+
+    def row(t, merge=None, sm=7):
+        # marks 0-3 at t, t + 1, t + 2, t + 3 us; a merging block's 4-8 after.
+        r = [t * 1000, (t + 1) * 1000, (t + 2) * 1000, (t + 3) * 1000] + [0] * 5 + [sm]
+        if merge is not None:  # fence, max, weights, rows, done: merge + 1..5 us
+            r[8], r[5], r[6], r[7], r[4] = (1000 * (merge + k) for k in range(1, 6))
+        return r
+
+    # Three blocks start at 10, 12 and 13 us; one past the token's key stages
+    # nothing (mark 1 is 0): left out of the staging and pass medians.
+    past = row(11)
+    past[1] = 0
+    got = pad.launch_marks([row(10), row(12), row(13, merge=20), past])
+    assert got == {"start_last": 3.0, "staged_median": 3.0, "staged_last": 4.0,
+                   "pass_median": 4.0, "pass_last": 5.0, "counted_last": 6.0,
+                   "fenced_last": 11.0, "max_last": 12.0, "weights_last": 13.0,
+                   "rows_last": 14.0, "merged_last": 15.0}
+    assert pad.timeline_form("step") == (True, False, None, None)
+    assert pad.timeline_form("step-merge-early-ctas64") == (True, False, "QAB_STEP_MERGE_EARLY",
+                                                           64)
+    assert pad.timeline_form("step-ctas32") == (True, False, None, 32)
+    assert pad.timeline_form("step-ctasx") is None
+    assert pad.timeline_form("sdpa") is None

@@ -246,6 +246,7 @@ if (!sm_last) {
   return;
 }
 __threadfence();
+QAB_MARK(8);
 // The merge, a warp per query head, of partial rows [r0, r1) (o rows of D
 // floats at op, (m, l) pairs at mp; base: the head's row 0; every row holds
 // keys: m finite): the rows' weights w_i = exp2(m_i - M) staged in shared
@@ -305,6 +306,7 @@ auto merge_rows = [&](const float* op, const float* mp, const int64_t base, cons
     for (int k = 0; k < RL; ++k) M = fmaxf(M, mr[k]);
 #pragma unroll
     for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
+    QAB_MARK(5);
     float* sw = sm + g * MCH;
     float dl = 0.f;
 #pragma unroll
@@ -317,10 +319,12 @@ auto merge_rows = [&](const float* op, const float* mp, const int64_t base, cons
       }
     }
     den = 0.f + qab_warp_sum(dl);
+    QAB_MARK(6);
 #pragma unroll
     for (int e = 0; e < EPL; ++e) num[e] = 0.f;
     __syncwarp();
     weigh_rows(op, base, r0, r1, sw, num, ov, true);
+    QAB_MARK(7);
     __syncwarp();  // the weights read before the next call overwrites them
     return;
   }
@@ -329,6 +333,7 @@ auto merge_rows = [&](const float* op, const float* mp, const int64_t base, cons
   for (int i = r0 + lane; i < r1; i += 32) M = fmaxf(M, qab_ldcg(mp + (base + i) * 2));
 #pragma unroll
   for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
+  QAB_MARK(5);
   float* sw = sm + g * MCH;
   den = 0.f;
 #pragma unroll
@@ -342,9 +347,11 @@ auto merge_rows = [&](const float* op, const float* mp, const int64_t base, cons
       dl += wi * qab_ldcg(mp + (base + i) * 2 + 1);
     }
     den += qab_warp_sum(dl);
+    QAB_MARK(6);
     __syncwarp();
     float ov[U][EPL];
     weigh_rows(op, base, c0, c1, sw, num, ov, false);
+    QAB_MARK(7);
     __syncwarp();  // the weights read before the next chunk overwrites them
   }
 };
