@@ -74,7 +74,7 @@ CASES = {
     "gqa_decode_step": (
         ["bf16", "bf16", "bf16", "f32", "i32", "bf16", "bf16", "u32"], ["bf16", "f32"],
         {"InT": "bf16", "D": 256, "G": 8, "R": 64, "TRAD": False, "BLOCK": 80, "LPK": 8,
-         "WARPS": 8, "MMA": True, "PM": True}),
+         "WARPS": 8, "MMA": True, "PM": True, "MS": 0}),
     # The compiled decode step's in-place KV cache write.
     "kv_cache_write": (["bf16", "bf16", "bf16", "bf16", "i32"], ["bool"], {"InT": "bf16"}),
     "moe_grouped_gemm": (
@@ -223,12 +223,12 @@ EXTRA_CASES = [
     ("gqa_decode_step", (["f32", "f32", "f32", "f32", "i32", "f32", "f32", "u32"],
                          ["f32", "f32"],
                          {"InT": "f32", "D": 128, "G": 16, "R": 32, "TRAD": True, "BLOCK": 512,
-                          "LPK": 8, "WARPS": 8, "MMA": False, "PM": True})),
+                          "LPK": 8, "WARPS": 8, "MMA": False, "PM": True, "MS": 0})),
     # The step's MMA build in f16 at D = 64 with G = 4 (query rows past G zero).
     ("gqa_decode_step", (["f16", "f16", "f16", "f32", "i32", "f16", "f16", "u32"],
                          ["f16", "f32"],
                          {"InT": "f16", "D": 64, "G": 4, "R": 64, "TRAD": False, "BLOCK": 64,
-                          "LPK": 8, "WARPS": 8, "MMA": True, "PM": False})),
+                          "LPK": 8, "WARPS": 8, "MMA": True, "PM": False, "MS": 0})),
     # Traditional (adjacent-pair) RoPE in float32 at D = 128.
     ("qk_norm_rope", (["f32", "f32", "f32", "f32", "f32", "i32"], ["f32", "f32"],
                       {"InT": "f32", "D": 128, "R": 32, "TRAD": True})),

@@ -2659,14 +2659,14 @@ def _four_launches(qkv, qw, kw, k_buf, v_buf, offset, Hq, rope, lanes=True):
     return attn_ops._split_kernel_call("cuda", q, kb, vb, D ** -0.5, mask, gate, lanes=lanes)
 
 
-def _step(case, counter=None, mma=True, merge_split=True):
+def _step(case, counter=None, mma=True, merge_split=True, merge_spread=False):
     qkv, qw, kw, k_buf, v_buf, offset, rope = case
     B, Hk = k_buf.shape[:2]
     Hq = (qkv.shape[-1] - 2 * Hk * k_buf.shape[3]) // (2 * k_buf.shape[3])
     return attn_ops._step_call("cuda", qkv, qw, kw, k_buf, v_buf, offset, Hq, 1e-6, 1e-5, rope,
                                k_buf.shape[3] ** -0.5,
                                attn_ops.step_counter(B, Hk) if counter is None else counter,
-                               mma=mma, merge_split=merge_split)
+                               mma=mma, merge_split=merge_split, merge_spread=merge_spread)
 
 
 def _step_builds(monkeypatch):
@@ -2773,15 +2773,81 @@ def test_decode_step_merge_early_key_is_the_same_bits_emulated(case, split, monk
     assert mx.array_equal(early, shipped).item()
 
 
+@pytest.mark.parametrize("case", STEP_CASES, ids=_step_id)
+def test_decode_step_merge_spread_is_the_same_bits_emulated(case, monkeypatch):
+    # merge_spread (the kernel's MS = G merging blocks per KV head, one query
+    # head each, the rows' elements spread over the block's warps; every
+    # block takes a ticket as it starts, the merging blocks the last G and
+    # wait for the key blocks' count) gives the one-block merge's output bit
+    # for bit, and leaves the counts and tickets at zero (both schedules run
+    # on the SAME counter). The fifth case merges 130 key blocks in two
+    # chunks of rows; the fourth's 2 query heads over 8 warps of 32 floats.
+    B, Hq, Hk, D, S, off, dtype, R, trad, ctas = case
+    monkeypatch.setattr(attn_ops, "_LANES_CTAS", ctas)
+    built = []
+    real = attn_ops._step_object
+
+    def obj(backend):
+        kernel = real(backend)
+
+        def launch(**kw):
+            t = dict(kw["template"])
+            built.append((t["PM"], t["MS"], kw["grid"][0] // kw["threadgroup"][0]))
+            return kernel(**kw)
+        return launch
+
+    monkeypatch.setattr(attn_ops, "_step_object", obj)
+    c = _step_case(B, Hq, Hk, D, S, off, dtype, R, trad)
+    one = _step(c, merge_split=False)
+    counter = attn_ops.step_counter(B, Hk)
+    spread = _step(c, counter, merge_split=False, merge_spread=True)
+    assert mx.array_equal(spread, one).item()
+    assert np.all(np.array(counter) == 0)
+    nb = built[0][2]
+    assert built == [(False, 0, nb), (False, Hq // Hk, nb + Hq // Hk)], built
+    # Not with the two-level merge (PM), nor unless asked for.
+    assert attn_ops._step_ms(Hq // Hk, True, pm=True) == 0
+    assert attn_ops._step_ms(Hq // Hk, False) == 0
+
+
+# The spread merge's: the count or the tickets not reset by the last merging
+# block (handed back non-zero: the next launch's merging blocks would not wait,
+# or every block would take a merging ticket), a row's weight without the
+# common max, the rows past the chunk weighed.
+STEP_SPREAD_BREAKS = {
+    "count-not-reset": ("      *cnt0 = 0u;\n", ""),
+    "tickets-not-reset": ("      cnt0[(int64_t)gridDim.z * Hk] = 0u;\n", ""),
+    "no-rescale": ("i0 + u < c1 ? exp2f(mv[u] - M) : 0.f;", "i0 + u < c1 ? exp2f(mv[u]) : 0.f;"),
+    "repeat-weighs": ("i0 + u < c1 ? exp2f(mv[u] - M) : 0.f;", "exp2f(mv[u] - M);"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(STEP_SPREAD_BREAKS))
+def test_decode_step_merge_spread_broken_fails_emulated(what, monkeypatch):
+    # The second case (B 2, f32, D 128: 4 warps per head, 2 heads per merging
+    # block): each break must change the output, fault, or leave the counter
+    # non-zero.
+    case = _step_case(*STEP_CASES[1][:9])
+    monkeypatch.setattr(attn_ops, "_LANES_CTAS", STEP_CASES[1][9])
+    one = _step(case, merge_split=False)
+    _broken(monkeypatch, "gqa_decode_step", *STEP_SPREAD_BREAKS[what])
+    counter = attn_ops.step_counter(2, 2)
+    try:
+        bad = _step(case, counter, merge_split=False, merge_spread=True)
+    except emu.KernelFault:
+        return
+    assert not (mx.array_equal(bad, one).item() and np.all(np.array(counter) == 0)), what
+
+
 # Mutations the checks must catch: the token's row never written (its key is
-# then the buffer's old row), the count not reset (the second schedule's
-# launch finds it non-zero: nobody merges), the last block taken one count
+# then the buffer's old row), the count not reset (handed back non-zero: the
+# next launch's merge would never run), the last block taken one count
 # early (a key block merged before it is written), the merge's weights not
 # rescaled to the common max.
 STEP_BREAKS = {
     "row-not-written": ("kw[(int64_t)d * k_buf_strides[3]] = ko[e];", ""),
     "count-not-reset": ("const_cast<uint32_t*>(count)[(int64_t)b * Hk + h] = 0u;", ""),
-    "last-too-early": ("static_cast<uint32_t>(NB - 1);", "static_cast<uint32_t>(NB - 2);"),
+    "last-too-early": ("static_cast<uint32_t>(NB - 1) &&", "static_cast<uint32_t>(NB - 2) &&"),
     "no-rescale": ("const float wi = exp2f(qab_ldcg(mp + (base + i) * 2) - M);",
                    "const float wi = 1.f;"),
     # A repeated row past the chunk's end not weighed 0.
@@ -2861,12 +2927,13 @@ def test_decode_step_broken_fails_emulated(what, monkeypatch):
     ref = _four_launches(qkv, qw, kw, k_buf, v_buf, offset, 16, rope)
     assert mx_rel_l2(_step(case), ref) <= 4e-3
     _broken(monkeypatch, "gqa_decode_step", *STEP_BREAKS[what])
+    counter = attn_ops.step_counter(1, 2)
     try:
-        bad = _step(case)
+        bad = _step(case, counter)
     except emu.KernelFault:
         return  # e.g. an output element never written
     # (One wrong key of 138 moves the output ~3 %; the intact launch is within 4e-3.)
-    assert not (mx_rel_l2(bad, ref) <= 8e-3), what
+    assert not (mx_rel_l2(bad, ref) <= 8e-3 and np.all(np.array(counter) == 0)), what
 
 
 def test_decode_step_dispatch_and_errors_emulated(monkeypatch):

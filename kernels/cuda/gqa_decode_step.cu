@@ -96,14 +96,27 @@ __shared__ float sm_m[WARPS * G8];
 __shared__ float sm_l[WARPS * G8];
 __shared__ __align__(16) InT sq[MMA ? 8 * D : 8];
 __shared__ int sm_last;
+static_assert(MS >= 0 && !(MS > 0 && PM), "MS merging blocks or the two-level merge PM, not both");
 const int lane = threadIdx.x & 31;
 const int w = threadIdx.x >> 5;
-const int j = blockIdx.x;
+// MS: the thread blocks of (b, h) take tickets in the order they start (its
+// counter after the B Hk counts): tickets 0 .. NB - 1 are the key blocks,
+// the last MS the merging blocks, which so wait only on blocks already running.
+__shared__ int sm_ticket;
+if constexpr (MS > 0) {
+  if (threadIdx.x == 0) {
+    sm_ticket = static_cast<int>(atomicAdd(const_cast<uint32_t*>(count) + (int64_t)gridDim.z *
+                                           gridDim.y + (int64_t)blockIdx.z * gridDim.y +
+                                           blockIdx.y, 1u));
+  }
+  __syncthreads();
+}
+const int j = MS > 0 ? sm_ticket : static_cast<int>(blockIdx.x);
 const int h = blockIdx.y;
 const int b = blockIdx.z;
 const int Hk = gridDim.y;
 const int Hq = Hk * G;
-const int NB = gridDim.x;
+const int NB = gridDim.x - MS;               // key blocks (MS: then MS merging blocks)
 float* o_part = ws;
 float* ml = ws + (size_t)gridDim.z * Hq * NB * D;
 const int off = offset[0];
@@ -123,6 +136,104 @@ const bool mma = MMA && k_buf_strides[3] == 1 && v_buf_strides[3] == 1 &&
                  k_buf_strides[2] % 8 == 0 && v_buf_strides[2] % 8 == 0 &&
                  qab_vec_aligned<InT, 8>(kh) && qab_vec_aligned<InT, 8>(vh);
 QAB_MARK(0);
+if constexpr (MS > 0) {
+  if (j >= NB) {
+    // A merging block (MS): query heads g = j - NB, + MS, ... of (b, h), once
+    // the NB key blocks have counted: the merge below, each head's rows
+    // spread over WPH warps (EPM floats of each row per lane) instead of one
+    // warp: M, the denominator and each element's sum over the rows in the
+    // same order and rounding (the same bits), the rows' loads spread over
+    // MS SMs instead of one.
+    constexpr int EPM = D > 32 * WARPS ? D / (32 * WARPS) : 1;  // floats per lane of a row
+    constexpr int WPH = D / (32 * EPM);                          // warps per head
+    constexpr int HPB = WARPS / WPH;                             // heads merged at once
+    constexpr int MCHS = SMF / G;                                // the merge's chunk of rows
+    constexpr int US = 16;                                       // the merge's U
+    constexpr int RS = 2;                                        // groups of US rows in flight
+    static_assert(D % (32 * EPM) == 0 && HPB >= 1, "a head row over whole warps of the block");
+    uint32_t* const cnt0 = const_cast<uint32_t*>(count) + (int64_t)b * Hk + h;
+    const int hs = w / WPH;                  // this warp's head slot
+    const int d0 = (w % WPH) * 32 * EPM + lane * EPM;
+    const int g0 = j - NB + MS * hs;
+    float gate[EPM];                         // the first head's gate, before the wait
+    if (hs < HPB && g0 < G) {
+#pragma unroll
+      for (int e = 0; e < EPM; ++e) {
+        gate[e] = static_cast<float>(row[(int64_t)((h * G + g0) * 2 * D + D + d0 + e) * es]);
+      }
+    }
+    if (threadIdx.x == 0) {
+      qab_wait_count(cnt0, static_cast<uint32_t>(NB));
+    }
+    __syncthreads();
+    __threadfence();
+    QAB_MARK(8);
+    if (hs < HPB) {
+      for (int g = g0; g < G; g += MS * HPB) {
+        const int hq = h * G + g;
+        const int64_t base = ((int64_t)b * Hq + hq) * NB;
+        if (g != g0) {
+#pragma unroll
+          for (int e = 0; e < EPM; ++e) {
+            gate[e] = static_cast<float>(row[(int64_t)(hq * 2 * D + D + d0 + e) * es]);
+          }
+        }
+        float M = -INFINITY;
+        for (int i = lane; i < NBe; i += 32) M = fmaxf(M, qab_ldcg(ml + (base + i) * 2));
+#pragma unroll
+        for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
+        QAB_MARK(5);
+        float den = 0.f, num[EPM];
+#pragma unroll
+        for (int e = 0; e < EPM; ++e) num[e] = 0.f;
+        for (int c0 = 0; c0 < NBe; c0 += MCHS) {
+          const int c1 = min(c0 + MCHS, NBe);
+          float dl = 0.f;
+          for (int i = c0 + lane; i < c1; i += 32) {
+            const float wi = exp2f(qab_ldcg(ml + (base + i) * 2) - M);
+            dl += wi * qab_ldcg(ml + (base + i) * 2 + 1);
+          }
+          den += qab_warp_sum(dl);
+          QAB_MARK(6);
+          // The rows in groups of US (a row past c1 - 1 repeats it, weighed 0),
+          // RS groups' loads issued before their sums.
+          for (int i0 = c0; i0 < c1; i0 += US * RS) {
+            float mv[RS * US], ov[RS * US][EPM];
+#pragma unroll
+            for (int u = 0; u < RS * US; ++u) {
+              const int i = min(i0 + u, c1 - 1);
+              mv[u] = qab_ldcg(ml + (base + i) * 2);
+#pragma unroll
+              for (int e = 0; e < EPM; ++e) ov[u][e] = qab_ldcg(o_part + (base + i) * D + d0 + e);
+            }
+#pragma unroll
+            for (int u = 0; u < RS * US; ++u) {
+              if (u % US == 0 && i0 + u >= c1) break;  // past the chunk's last group
+              const float wi = i0 + u < c1 ? exp2f(mv[u] - M) : 0.f;
+#pragma unroll
+              for (int e = 0; e < EPM; ++e) num[e] += wi * ov[u][e];
+            }
+          }
+          QAB_MARK(7);
+        }
+#pragma unroll
+        for (int e = 0; e < EPM; ++e) {
+          const InT y = static_cast<InT>(num[e] / den);
+          out[(int64_t)hq * D + (int64_t)b * Hq * D + d0 + e] = qab_sigmoid_gate<InT>(y, gate[e]);
+        }
+      }
+    }
+    // Counted past NB: the last merging block resets the count and the tickets.
+    __syncthreads();
+    if (threadIdx.x == 0 &&
+        atomicAdd(cnt0, 1u) == static_cast<uint32_t>(NB + MS - 1)) {
+      *cnt0 = 0u;
+      cnt0[(int64_t)gridDim.z * Hk] = 0u;
+    }
+    QAB_MARK(4);
+    return;
+  }
+}
 #ifdef QAB_STEP_KV_PREFETCH
 // (A profiling key, benchmarks/profile_attention_decode.py's step-kv-prefetch
 // form.) This block's keys' K and V rows asked of the L2 at its start, one
@@ -237,7 +348,8 @@ if (threadIdx.x == 0) {
   if (two) {
     sm_last = atomicAdd(gcnt, 1u) == static_cast<uint32_t>(q1 - q0 - 1);
   } else {
-    sm_last = atomicAdd(cnt, 1u) == static_cast<uint32_t>(NB - 1);
+    // (MS: the merging blocks merge; a key block only counts.)
+    sm_last = atomicAdd(cnt, 1u) == static_cast<uint32_t>(NB - 1) && MS == 0;
   }
 }
 __syncthreads();

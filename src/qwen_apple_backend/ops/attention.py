@@ -1031,6 +1031,14 @@ def _step_pm(nb: int, merge_split: bool = False) -> bool:
     return bool(merge_split) and nb > STEP_PM_MIN_BLOCKS
 
 
+def _step_ms(G: int, merge_spread: bool = False, pm: bool = False) -> int:
+    """Merging thread blocks per (batch row, KV head) of a :func:`gqa_decode_step`
+    launch (the kernel's ``MS``): ``G``, one query head each, where asked for
+    (``merge_spread``) and the merge is not in two levels (``pm``); else 0 (the
+    last key block to finish merges every head of its KV head)."""
+    return G if merge_spread and not pm else 0
+
+
 @functools.lru_cache(maxsize=None)
 def _step_object(backend: str):
     # CUDA only (no Metal source: Metal keeps the separate ops).
@@ -1074,7 +1082,8 @@ def step_counter(B: int, Hk: int) -> mx.array:
 def _step_call(backend: str, qkv: mx.array, q_weight: mx.array, k_weight: mx.array,
                k_buf: mx.array, v_buf: mx.array, offset: mx.array, heads: int, q_eps: float,
                k_eps: float, rope: RopeSpec, scale: float, counter: mx.array,
-               mma: bool = True, merge_split: bool = False) -> mx.array:
+               mma: bool = True, merge_split: bool = False,
+               merge_spread: bool = False) -> mx.array:
     B = qkv.shape[0]
     Hk, S, D = k_buf.shape[1], k_buf.shape[2], k_buf.shape[3]
     G = heads // Hk
@@ -1082,18 +1091,21 @@ def _step_call(backend: str, qkv: mx.array, q_weight: mx.array, k_weight: mx.arr
     nb = -(-S // block)
     pm = _step_pm(nb, merge_split)
     groups = _step_groups(nb) if pm else 0
-    if counter.size < B * Hk * (1 + groups):
-        raise ValueError(f"gqa_decode_step: {nb} key blocks merged in {groups} groups need a "
-                         f"counter of >= {B * Hk * (1 + groups)} elements "
-                         f"(step_counter), got {counter.size}")
+    ms = _step_ms(G, merge_spread, pm)
+    need = B * Hk * (1 + max(groups, 1 if ms else 0))  # MS: the tickets after the counts
+    if counter.size < need:
+        raise ValueError(f"gqa_decode_step: {nb} key blocks merged in {groups} groups"
+                         f"{' by merging blocks' if ms else ''} need a counter of >= {need} "
+                         f"elements (step_counter), got {counter.size}")
     params = _step_params(float(q_eps), float(k_eps), float(rope.scale), float(rope.base),
                           float(scale))
     out, _ = _step_object(backend)(
         inputs=[qkv, q_weight, k_weight, params, offset, k_buf, v_buf, counter],
         template=[("InT", qkv.dtype), ("D", D), ("G", G), ("R", rope.dims),
                   ("TRAD", rope.traditional), ("BLOCK", block), ("LPK", lpk),
-                  ("WARPS", warps), ("MMA", _step_mma(G, D, qkv.dtype, mma)), ("PM", pm)],
-        grid=(32 * warps * nb, Hk, B), threadgroup=(32 * warps, 1, 1),
+                  ("WARPS", warps), ("MMA", _step_mma(G, D, qkv.dtype, mma)), ("PM", pm),
+                  ("MS", ms)],
+        grid=(32 * warps * (nb + ms), Hk, B), threadgroup=(32 * warps, 1, 1),
         # The workspace: the key blocks' partials o [B, Hq, nb, D] then (m, l)
         # [B, Hq, nb, 2], one output (MLX's host cost grows per output).
         # With PM the groups' partials o2, (m, l)2 [B, Hq, groups, ...] follow.
@@ -1113,7 +1125,7 @@ def _step_shapes_ok(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
 
 def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
                       rope: Optional[RopeSpec], mma: bool = True,
-                      merge_split: bool = False) -> Optional[str]:
+                      merge_split: bool = False, merge_spread: bool = False) -> Optional[str]:
     """The GPU backend whose one-launch decode attention step may run, or None.
 
     :func:`gqa_decode_step` takes a plain RoPE (``rope`` not None) as the
@@ -1132,7 +1144,9 @@ def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
     each build is checked on its own) and ``merge_split`` (the two-level merge
     where :func:`_step_pm` allows it: then checked too, on its own, where the
     check's launch has enough key blocks, as it has for any shape here;
-    launches with fewer run the one-level build).
+    launches with fewer run the one-level build) and ``merge_spread`` (the
+    merge in ``G`` merging blocks, :func:`_step_ms`: then checked too, on its
+    own, where the two-level merge does not apply).
 
     Returns:
         Optional[str]: ``"cuda"``, or None.
@@ -1157,12 +1171,13 @@ def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
         v_full = mx.random.normal((2, Hk, S + 40, D), key=kv).astype(dtype)
         return qkv, w[0], w[1], k_full, v_full, mx.array(off, dtype=mx.int32)
 
-    def kernel(qkv, qw, kw_, k_full, v_full, offset, split=False):
+    def kernel(qkv, qw, kw_, k_full, v_full, offset, split=False, spread=False):
         kf, vf = k_full * 1, v_full * 1  # private copies: the kernel writes them
         mx.eval(kf, vf)
         kb, vb = kf[:, :, :S], vf[:, :, :S]
         out = _step_call(backend, qkv, qw, kw_, kb, vb, offset, Hq, 1e-6, 1e-5, rope,
-                         D ** -0.5, step_counter(2, Hk), mma=use_mma, merge_split=split)
+                         D ** -0.5, step_counter(2, Hk), mma=use_mma, merge_split=split,
+                         merge_spread=spread)
         mx.eval(out)
         return [out, kb, vb]
 
@@ -1176,11 +1191,14 @@ def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
     # The split merge's build where the check's own grid runs it (the rule of
     # _step_pm: where it does not, no launch's larger grid does either).
     block = _lanes_params(2, Hk, S, Hq // Hk, D, dtype)[0]
-    splits = [False] + ([True] if _step_pm(-(-S // block), merge_split) else [])
-    for split in splits:
-        ok = self_checked("gqa_decode_step", backend, (*key, split),
-                          kernel=functools.partial(kernel, split=split), reference=reference,
-                          make_inputs=make_inputs, rtol=(tol, tol, tol))
+    pm = _step_pm(-(-S // block), merge_split)
+    builds = [(False, False)] + ([(True, False)] if pm else [])
+    if _step_ms(Hq // Hk, merge_spread, pm):
+        builds.append((False, True))
+    for split, spread in builds:
+        ok = self_checked("gqa_decode_step", backend, (*key, split) + (("spread",) if spread else ()),
+                          kernel=functools.partial(kernel, split=split, spread=spread),
+                          reference=reference, make_inputs=make_inputs, rtol=(tol, tol, tol))
         if not ok:
             return None
     return backend
@@ -1189,7 +1207,8 @@ def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
 def gqa_decode_step(qkv: mx.array, q_weight: mx.array, k_weight: mx.array, k_buf: mx.array,
                     v_buf: mx.array, offset: mx.array, counter: mx.array, *, heads: int,
                     q_eps: float, k_eps: float, rope: RopeSpec, scale: float,
-                    mma: bool = True, merge_split: bool = False) -> mx.array:
+                    mma: bool = True, merge_split: bool = False,
+                    merge_spread: bool = False) -> mx.array:
     """One decode token's gated attention core in one CUDA launch; writes the KV cache IN PLACE.
 
     :func:`gqa_decode_step_ops` (q/k RMSNorm and RoPE, the KV row written at
@@ -1224,6 +1243,13 @@ def gqa_decode_step(qkv: mx.array, q_weight: mx.array, k_weight: mx.array, k_buf
             it (the last block of each group of key blocks merges the group,
             the last of those the groups; default False: the ``attn-merge-split``
             opt-in; ``step_kernel_ready`` with the same).
+        merge_spread (bool): the merge in ``G`` more thread blocks per
+            (batch row, KV head), one query head each, each row's elements
+            spread over a block's warps, where the merge is not in two levels
+            (:func:`_step_ms`; the same bits as the one-block merge; default
+            False; ``step_kernel_ready`` with the same). The launch's blocks
+            then take tickets as they start; a merging block (the last
+            tickets) waits on the key blocks' count.
 
     Returns:
         mx.array: the gated attention output, dtype of ``qkv``.
@@ -1257,7 +1283,7 @@ def gqa_decode_step(qkv: mx.array, q_weight: mx.array, k_weight: mx.array, k_buf
         raise ValueError(f"gqa_decode_step: offset must be one element, got {offset.shape}")
     return _step_call("cuda", qkv, q_weight, k_weight, k_buf, v_buf, offset.astype(mx.int32),
                       heads, q_eps, k_eps, rope, scale, counter, mma=mma,
-                      merge_split=merge_split)
+                      merge_split=merge_split, merge_spread=merge_spread)
 
 
 @functools.partial(mx.compile, shapeless=True)
