@@ -26,7 +26,9 @@ shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
   and the gate) where this device has it, ``step-lanes`` the same with the
   lane-group key pass (``mma=False``), ``step-merge-split`` the same with its
   key blocks merged in two levels (``merge_split=True``: the opt-in
-  ``attn-merge-split``), ``step-kv-prefetch`` and
+  ``attn-merge-split``), ``step-merge-spread`` the same with the merge in G
+  more thread blocks per KV head (``merge_spread=True``: one query head
+  each; the same bits), ``step-kv-prefetch`` and
   ``step-merge-split-kv-prefetch`` those two with each thread block's K and
   V rows asked of the L2 at its start (the profiling key
   ``QAB_STEP_KV_PREFETCH``), ``step-merge-early`` and
@@ -105,23 +107,25 @@ MARK_DEFINE = ("#define QAB_MARK(k) do { if (threadIdx.x == 0) { unsigned long l
                f"stamps[qab_b_ * {MARKS + 1} + {MARKS}] = s_; }} }} }} while (0)\n")
 
 
-#: The timeline forms: name -> (mma, merge_split, profiling key) of stamped_step.
-TIMELINE_FORMS = {"step": (True, False, None), "step-lanes": (False, False, None),
-                  "step-merge-split": (True, True, None),
-                  "step-kv-prefetch": (True, False, "QAB_STEP_KV_PREFETCH"),
-                  "step-merge-split-kv-prefetch": (True, True, "QAB_STEP_KV_PREFETCH"),
-                  "step-merge-early": (True, False, "QAB_STEP_MERGE_EARLY"),
-                  "step-merge-split-merge-early": (True, True, "QAB_STEP_MERGE_EARLY")}
+#: The timeline forms: name -> (mma, merge_split, profiling key, merge_spread) of
+#: stamped_step.
+TIMELINE_FORMS = {"step": (True, False, None, False), "step-lanes": (False, False, None, False),
+                  "step-merge-split": (True, True, None, False),
+                  "step-merge-spread": (True, False, None, True),
+                  "step-kv-prefetch": (True, False, "QAB_STEP_KV_PREFETCH", False),
+                  "step-merge-split-kv-prefetch": (True, True, "QAB_STEP_KV_PREFETCH", False),
+                  "step-merge-early": (True, False, "QAB_STEP_MERGE_EARLY", False),
+                  "step-merge-split-merge-early": (True, True, "QAB_STEP_MERGE_EARLY", False)}
 
 
 def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
-                 merge_split=False, key=None, ctas=None):
+                 merge_split=False, key=None, merge_spread=False, ctas=None):
     """One launch of the step's kernel built with the phase marks: ``(out, stamps)``,
     stamps ``[blocks, MARKS + 1]`` uint64 (0 where a mark does not apply); ``mma``
     and ``merge_split`` as ``gqa_decode_step``'s; ``key``: a profiling key of the
     kernel to define (``QAB_STEP_KV_PREFETCH``: each block's K and V rows asked
     of the L2 at its start; ``QAB_STEP_MERGE_EARLY``: the merge's loads first),
-    or None; ``ctas``: the pass sized for about that many thread blocks instead of
+    or None; ``merge_spread`` as ``gqa_decode_step``'s; ``ctas``: the pass sized for about that many thread blocks instead of
     ``_LANES_CTAS`` (at most it: ``counter`` is sized for it)."""
     import mlx.core as mx
 
@@ -147,15 +151,16 @@ def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
     nb = -(-S // block)
     pm = attn_ops._step_pm(nb, merge_split)
     groups = attn_ops._step_groups(nb) if pm else 0
+    ms = attn_ops._step_ms(G, merge_spread, pm)
     params = attn_ops._step_params(1e-6, 1e-6, float(rope.scale), float(rope.base), scale)
     out, _, stamps = _STAMPED[key](
         inputs=[qkv, nw, nw, params, offset, k_buf, v_buf, counter],
         template=[("InT", qkv.dtype), ("D", D), ("G", G), ("R", rope.dims),
                   ("TRAD", rope.traditional), ("BLOCK", block), ("LPK", lpk), ("WARPS", warps),
-                  ("MMA", attn_ops._step_mma(G, D, qkv.dtype, mma)), ("PM", pm)],
-        grid=(32 * warps * nb, Hk, B), threadgroup=(32 * warps, 1, 1),
+                  ("MMA", attn_ops._step_mma(G, D, qkv.dtype, mma)), ("PM", pm), ("MS", ms)],
+        grid=(32 * warps * (nb + ms), Hk, B), threadgroup=(32 * warps, 1, 1),
         output_shapes=[(B, 1, HQ * D), (B * HQ * (nb + groups) * (D + 2),),
-                       (nb * Hk * B * (MARKS + 1),)],
+                       ((nb + ms) * Hk * B * (MARKS + 1),)],
         output_dtypes=[qkv.dtype, mx.float32, mx.uint64], init_value=0)
     return out, stamps.reshape(-1, MARKS + 1)
 
@@ -245,7 +250,8 @@ def main(argv=None) -> int:
     p.add_argument("--forms", default="",
                    help="comma-separated forms to time, of sdpa, sdpa-mask, qk, softmax, pv, "
                         "pv-split, split-ops, kv-update, kv-update-kept, split-kernel, "
-                        "split-kernel-lanes, step, step-lanes, step-merge-split, step-kv-prefetch, "
+                        "split-kernel-lanes, step, step-lanes, step-merge-split, step-merge-spread, "
+                        "step-kv-prefetch, "
                         "step-merge-split-kv-prefetch, step-merge-early, "
                         "step-merge-split-merge-early, step-ctasN, "
                         "four-launches (the module docstring says what each times; default: "
@@ -349,19 +355,21 @@ def main(argv=None) -> int:
             counter = attn_ops.step_counter(B, HK)
             mx.eval(qkv, nw, sk, sv)
 
-            def step(ctas=None, mma=True, merge_split=False):
+            def step(ctas=None, mma=True, merge_split=False, merge_spread=False):
                 old = attn_ops._LANES_CTAS
                 attn_ops._LANES_CTAS = ctas or old
                 try:
                     return attn_ops.gqa_decode_step(qkv, nw, nw, sk, sv, offset.reshape(()), counter,
                                                     heads=HQ, q_eps=1e-6, k_eps=1e-6, rope=rope,
                                                     scale=scale, mma=mma,
-                                                    merge_split=merge_split)
+                                                    merge_split=merge_split,
+                                                    merge_spread=merge_spread)
                 finally:
                     attn_ops._LANES_CTAS = old
 
             forms["step"] = step
             forms["step-merge-split"] = lambda: step(merge_split=True)
+            forms["step-merge-spread"] = lambda: step(merge_spread=True)
             for name in [f for f, v in TIMELINE_FORMS.items() if v[2]]:
                 forms[name] = (lambda f: lambda: stamped_step(
                     qkv, nw, sk, sv, offset.reshape(()), counter, rope, scale, *f)[0])(
@@ -370,6 +378,7 @@ def main(argv=None) -> int:
                 forms["step-lanes"] = lambda: step(mma=False)
             for c in step_ctas:
                 forms[f"step-ctas{c}"] = lambda c=c: step(c)
+                forms[f"step-merge-spread-ctas{c}"] = lambda c=c: step(c, merge_spread=True)
                 for name in [f for f, v in TIMELINE_FORMS.items() if v[2]]:
                     forms[f"{name}-ctas{c}"] = (lambda f: lambda: stamped_step(
                         qkv, nw, sk, sv, offset.reshape(()), counter, rope, scale, *f)[0])(
@@ -410,9 +419,10 @@ def main(argv=None) -> int:
                 timelines.append(dict(S=S, form=name, l2_flush=not args.timeline_warm, **tl))
                 print(f"S {S:7d} {name} timeline (us): "
                       + "  ".join(f"{k} {v}" for k, v in tl.items()), flush=True)
-        for name in [f for f in forms if (timeline_form(f) or (0, 0, None))[2]]:
-            # A profiling key changes no value: its output against the shipped build's.
-            mma, merge_split, _, ctas = timeline_form(name)
+        for name in [f for f in forms if any((timeline_form(f) or (0, 0, None, False))[2:4])]:
+            # A profiling key, or the spread merge, changes no value: its output
+            # against the shipped build's.
+            mma, merge_split, _, _, ctas = timeline_form(name)
             row[name.replace("-", "_") + "_same_as_shipped"] = bool(mx.array_equal(
                 forms[name](), step(ctas, mma=mma, merge_split=merge_split)).item())
             print(f"S {S:7d} {name}: same output as the shipped build: "

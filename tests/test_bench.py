@@ -1510,9 +1510,9 @@ def test_profile_attention_decode_launch_marks_and_forms(monkeypatch):
                    "pass_median": 4.0, "pass_last": 5.0, "counted_last": 6.0,
                    "fenced_last": 11.0, "max_last": 12.0, "weights_last": 13.0,
                    "rows_last": 14.0, "merged_last": 15.0}
-    assert pad.timeline_form("step") == (True, False, None, None)
+    assert pad.timeline_form("step") == (True, False, None, False, None)
     assert pad.timeline_form("step-merge-early-ctas64") == (True, False, "QAB_STEP_MERGE_EARLY",
-                                                           64)
-    assert pad.timeline_form("step-ctas32") == (True, False, None, 32)
+                                                           False, 64)
+    assert pad.timeline_form("step-merge-spread-ctas32") == (True, False, None, True, 32)
     assert pad.timeline_form("step-ctasx") is None
     assert pad.timeline_form("sdpa") is None
