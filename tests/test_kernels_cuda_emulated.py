@@ -2810,28 +2810,34 @@ def test_decode_step_merge_spread_is_the_same_bits_emulated(case, monkeypatch):
     assert attn_ops._step_ms(Hq // Hk, False) == 0
 
 
-# The spread merge's: the count or the tickets not reset by the last merging
-# block (handed back non-zero: the next launch's merging blocks would not wait,
-# or every block would take a merging ticket), a row's weight without the
-# common max, the rows past the chunk weighed.
+# The spread merge's, with the STEP_CASES case each runs: the count or the
+# tickets not reset by the last merging block (handed back non-zero: the next
+# launch's merging blocks would not wait, or every block would take a merging
+# ticket); in the one-trip merge (up to 64 rows) a row's m shuffled from the
+# wrong lane; in the chunked merge (the fifth case's 130 rows) a row's weight
+# without the common max, the rows past the chunk weighed.
 STEP_SPREAD_BREAKS = {
-    "count-not-reset": ("      *cnt0 = 0u;\n", ""),
-    "tickets-not-reset": ("      cnt0[(int64_t)gridDim.z * Hk] = 0u;\n", ""),
-    "no-rescale": ("i0 + u < c1 ? exp2f(mv[u] - M) : 0.f;", "i0 + u < c1 ? exp2f(mv[u]) : 0.f;"),
-    "repeat-weighs": ("i0 + u < c1 ? exp2f(mv[u] - M) : 0.f;", "exp2f(mv[u] - M);"),
+    "count-not-reset": ("      *cnt0 = 0u;\n", "", 1),
+    "tickets-not-reset": ("      cnt0[(int64_t)gridDim.z * Hk] = 0u;\n", "", 1),
+    "one-trip-m-lane": ("mr[u / 32], u % 32);", "mr[u / 32], (u + 1) % 32);", 1),
+    "no-rescale": ("i0 + u < c1 ? exp2f(mv[u] - M) : 0.f;", "i0 + u < c1 ? exp2f(mv[u]) : 0.f;",
+                   4),
+    "repeat-weighs": ("i0 + u < c1 ? exp2f(mv[u] - M) : 0.f;", "exp2f(mv[u] - M);", 4),
 }
 
 
 @pytest.mark.parametrize("what", sorted(STEP_SPREAD_BREAKS))
 def test_decode_step_merge_spread_broken_fails_emulated(what, monkeypatch):
-    # The second case (B 2, f32, D 128: 4 warps per head, 2 heads per merging
-    # block): each break must change the output, fault, or leave the counter
+    # (The second case: B 2, f32, D 128: 4 warps per head, 2 heads per merging
+    # block.) Each break must change the output, fault, or leave the counter
     # non-zero.
-    case = _step_case(*STEP_CASES[1][:9])
-    monkeypatch.setattr(attn_ops, "_LANES_CTAS", STEP_CASES[1][9])
+    old, new, k = STEP_SPREAD_BREAKS[what]
+    B, Hk = STEP_CASES[k][0], STEP_CASES[k][2]
+    case = _step_case(*STEP_CASES[k][:9])
+    monkeypatch.setattr(attn_ops, "_LANES_CTAS", STEP_CASES[k][9])
     one = _step(case, merge_split=False)
-    _broken(monkeypatch, "gqa_decode_step", *STEP_SPREAD_BREAKS[what])
-    counter = attn_ops.step_counter(2, 2)
+    _broken(monkeypatch, "gqa_decode_step", old, new)
+    counter = attn_ops.step_counter(B, Hk)
     try:
         bad = _step(case, counter, merge_split=False, merge_spread=True)
     except emu.KernelFault:

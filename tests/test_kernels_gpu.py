@@ -2493,7 +2493,8 @@ def test_decode_step_kernel_is_the_four_launches(S, off, dtype, heads):
     # pass's: attn-mma); against the float32 MLX reference within the split
     # pair's tolerance, and the tensor-core pass no further from it than the
     # lane-group pass (within bf16 / f16 output rounding); three launches in
-    # a row on one counter, left zero. g4-d64: 4 query heads per KV head (the
+    # a row on one counter, left zero; the spread merge bit for bit (its own
+    # self-check passed first). g4-d64: 4 query heads per KV head (the
     # tensor-core pass's rows past G are zero), D 64.
     from qwen_apple_backend.ops import attention as attn_ops
 
@@ -2504,6 +2505,7 @@ def test_decode_step_kernel_is_the_four_launches(S, off, dtype, heads):
         pytest.skip("one long case is enough")
     rope = attn_ops.RopeSpec(R, False, 1e7, 1.0)
     assert attn_ops.step_kernel_ready(1, Hq, Hk, D, dtype, rope) == "cuda"
+    assert attn_ops.step_kernel_ready(1, Hq, Hk, D, dtype, rope, merge_spread=True) == "cuda"
     mma = attn_ops._step_mma(Hq // Hk, D, dtype)
     assert mma == (dtype != mx.float32)
     kx, kw, kk, kv = mx.random.split(mx.random.key(S + off), 4)
@@ -2535,6 +2537,12 @@ def test_decode_step_kernel_is_the_four_launches(S, off, dtype, heads):
         # attn-merge-split): the same partials summed in another order.
         split, _, _ = step(qkv, merge_split=True)
         assert mx_rel_l2(out, split) <= (1e-6 if dtype == mx.float32 else 4e-3)
+        # The same launch with the merge spread over G merging blocks (the
+        # kernel's MS): the same sums in the same order, so the same bits; the
+        # counter (counts and tickets) left zero.
+        spread, kbs, vbs = step(qkv, merge_spread=True)
+        assert mx.array_equal(out, spread).item(), mx_rel_l2(out, spread)
+        assert mx.array_equal(kb, kbs).item() and mx.array_equal(vb, vbs).item()
         # The four launches.
         qg, k, v = mx.split(qkv, [Hq * 2 * D, Hq * 2 * D + Hk * D], axis=-1)
         q, gate = mx.split(qg.reshape(1, 1, Hq, 2 * D), 2, axis=-1)

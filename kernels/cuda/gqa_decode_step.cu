@@ -150,6 +150,7 @@ if constexpr (MS > 0) {
     constexpr int MCHS = SMF / G;                                // the merge's chunk of rows
     constexpr int US = 16;                                       // the merge's U
     constexpr int RS = 2;                                        // groups of US rows in flight
+    constexpr int RL = 2;                                        // rows per lane, one trip
     static_assert(D % (32 * EPM) == 0 && HPB >= 1, "a head row over whole warps of the block");
     uint32_t* const cnt0 = const_cast<uint32_t*>(count) + (int64_t)b * Hk + h;
     const int hs = w / WPH;                  // this warp's head slot
@@ -178,43 +179,85 @@ if constexpr (MS > 0) {
             gate[e] = static_cast<float>(row[(int64_t)(hq * 2 * D + D + d0 + e) * es]);
           }
         }
-        float M = -INFINITY;
-        for (int i = lane; i < NBe; i += 32) M = fmaxf(M, qab_ldcg(ml + (base + i) * 2));
-#pragma unroll
-        for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
-        QAB_MARK(5);
-        float den = 0.f, num[EPM];
+        float M = -INFINITY, den = 0.f, num[EPM];
 #pragma unroll
         for (int e = 0; e < EPM; ++e) num[e] = 0.f;
-        for (int c0 = 0; c0 < NBe; c0 += MCHS) {
-          const int c1 = min(c0 + MCHS, NBe);
+        if (NBe <= 32 * RL && NBe <= MCHS) {
+          // Up to 32 RL rows: every load in one trip (each row's o, a row past
+          // NBe - 1 repeating it; each lane's rows' m and l), then the same
+          // arithmetic in the same order, a row's m from its lane by a shuffle.
+          float mr[RL], lr[RL], ov[32 * RL][EPM];
+#pragma unroll
+          for (int u = 0; u < 32 * RL; ++u) {
+            const int i = min(u, NBe - 1);
+#pragma unroll
+            for (int e = 0; e < EPM; ++e) ov[u][e] = qab_ldcg(o_part + (base + i) * D + d0 + e);
+          }
+#pragma unroll
+          for (int k = 0; k < RL; ++k) {
+            const int i = lane + 32 * k;
+            mr[k] = i < NBe ? qab_ldcg(ml + (base + i) * 2) : -INFINITY;
+            lr[k] = i < NBe ? qab_ldcg(ml + (base + i) * 2 + 1) : 0.f;
+          }
+#pragma unroll
+          for (int k = 0; k < RL; ++k) M = fmaxf(M, mr[k]);
+#pragma unroll
+          for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
+          QAB_MARK(5);
           float dl = 0.f;
-          for (int i = c0 + lane; i < c1; i += 32) {
-            const float wi = exp2f(qab_ldcg(ml + (base + i) * 2) - M);
-            dl += wi * qab_ldcg(ml + (base + i) * 2 + 1);
+#pragma unroll
+          for (int k = 0; k < RL; ++k) {
+            if (lane + 32 * k < NBe) {
+              const float wi = exp2f(mr[k] - M);
+              dl += wi * lr[k];
+            }
           }
           den += qab_warp_sum(dl);
           QAB_MARK(6);
-          // The rows in groups of US (a row past c1 - 1 repeats it, weighed 0),
-          // RS groups' loads issued before their sums.
-          for (int i0 = c0; i0 < c1; i0 += US * RS) {
-            float mv[RS * US], ov[RS * US][EPM];
 #pragma unroll
-            for (int u = 0; u < RS * US; ++u) {
-              const int i = min(i0 + u, c1 - 1);
-              mv[u] = qab_ldcg(ml + (base + i) * 2);
+          for (int u = 0; u < 32 * RL; ++u) {
+            if (u % US == 0 && u >= NBe) break;  // past the last group of US rows
+            const float mi = __shfl_sync(0xffffffffu, mr[u / 32], u % 32);
+            const float wi = u < NBe ? exp2f(mi - M) : 0.f;
 #pragma unroll
-              for (int e = 0; e < EPM; ++e) ov[u][e] = qab_ldcg(o_part + (base + i) * D + d0 + e);
-            }
-#pragma unroll
-            for (int u = 0; u < RS * US; ++u) {
-              if (u % US == 0 && i0 + u >= c1) break;  // past the chunk's last group
-              const float wi = i0 + u < c1 ? exp2f(mv[u] - M) : 0.f;
-#pragma unroll
-              for (int e = 0; e < EPM; ++e) num[e] += wi * ov[u][e];
-            }
+            for (int e = 0; e < EPM; ++e) num[e] += wi * ov[u][e];
           }
           QAB_MARK(7);
+        } else {
+          for (int i = lane; i < NBe; i += 32) M = fmaxf(M, qab_ldcg(ml + (base + i) * 2));
+#pragma unroll
+          for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
+          QAB_MARK(5);
+          for (int c0 = 0; c0 < NBe; c0 += MCHS) {
+            const int c1 = min(c0 + MCHS, NBe);
+            float dl = 0.f;
+            for (int i = c0 + lane; i < c1; i += 32) {
+              const float wi = exp2f(qab_ldcg(ml + (base + i) * 2) - M);
+              dl += wi * qab_ldcg(ml + (base + i) * 2 + 1);
+            }
+            den += qab_warp_sum(dl);
+            QAB_MARK(6);
+            // The rows in groups of US (a row past c1 - 1 repeats it, weighed 0),
+            // RS groups' loads issued before their sums.
+            for (int i0 = c0; i0 < c1; i0 += US * RS) {
+              float mv[RS * US], ov[RS * US][EPM];
+#pragma unroll
+              for (int u = 0; u < RS * US; ++u) {
+                const int i = min(i0 + u, c1 - 1);
+                mv[u] = qab_ldcg(ml + (base + i) * 2);
+#pragma unroll
+                for (int e = 0; e < EPM; ++e) ov[u][e] = qab_ldcg(o_part + (base + i) * D + d0 + e);
+              }
+#pragma unroll
+              for (int u = 0; u < RS * US; ++u) {
+                if (u % US == 0 && i0 + u >= c1) break;  // past the chunk's last group
+                const float wi = i0 + u < c1 ? exp2f(mv[u] - M) : 0.f;
+#pragma unroll
+                for (int e = 0; e < EPM; ++e) num[e] += wi * ov[u][e];
+              }
+            }
+            QAB_MARK(7);
+          }
         }
 #pragma unroll
         for (int e = 0; e < EPM; ++e) {
