@@ -112,6 +112,8 @@ MARK_DEFINE = ("#define QAB_MARK(k) do { if (threadIdx.x == 0) { unsigned long l
 TIMELINE_FORMS = {"step": (True, False, None, False), "step-lanes": (False, False, None, False),
                   "step-merge-split": (True, True, None, False),
                   "step-merge-spread": (True, False, None, True),
+                  "step-merge-spread-sleep1000": (True, False, "QAB_WAIT_SLEEP_NS=1000", True),
+                  "step-merge-spread-late-gate": (True, False, "QAB_STEP_SPREAD_LATE_GATE", True),
                   "step-kv-prefetch": (True, False, "QAB_STEP_KV_PREFETCH", False),
                   "step-merge-split-kv-prefetch": (True, True, "QAB_STEP_KV_PREFETCH", False),
                   "step-merge-early": (True, False, "QAB_STEP_MERGE_EARLY", False),
@@ -134,9 +136,10 @@ def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
 
     if key not in _STAMPED:
         src = kernel_source("gqa_decode_step", "cuda")
-        prefix = f"#define {key} 1\n" if key else ""
+        name, _, value = (key or "").partition("=")
+        prefix = f"#define {name} {value or 1}\n" if key else ""
         _STAMPED[key] = mx.fast.cuda_kernel(
-            name=src.name + "_timeline" + (f"_{key.lower()}" if key else ""),
+            name=src.name + "_timeline" + (f"_{key.lower().replace('=', '_')}" if key else ""),
             input_names=list(src.inputs),
             output_names=list(src.outputs) + ["stamps"], source=compact(src.body),
             header=prefix + MARK_DEFINE + compact(src.header), ensure_row_contiguous=False)
