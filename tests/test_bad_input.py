@@ -304,7 +304,7 @@ def test_bad_boolean_and_list_variables_name_themselves(monkeypatch):
                                           r"l2-prefetch, moe-block-out-proj, moe-block-next-proj, moe-block-gdn, moe-block-pack, "
                                           r"moe-block-unroll, moe-block-npl, moe-block-roll, moe-block-npg, "
                                           r"attn-step, "
-                                          r"attn-mma, attn-merge-split, moe-block-nps, "
+                                          r"attn-mma, attn-merge-split, attn-merge-spread, moe-block-nps, "
                                           r"moe-block-rpl\)$"):
         envs.validate()
     monkeypatch.setenv("QAB_DISABLE", "all")
@@ -411,7 +411,7 @@ def test_disable_argument_is_checked_like_the_variable():
     # QAB_* variables are checked before any model is built, as qab's commands do.
     ("decode_split.py", ["--preset", "tiny", "QAB_ENABLE=bogus"],
      "QAB_ENABLE: unknown optimization 'bogus' (known: decode-compile, next-norm, proj-gemv, "
-     "gemv-pipe, attn-lanes, l2-prefetch, decode-const, attn-merge-split, "
+     "gemv-pipe, attn-lanes, l2-prefetch, decode-const, attn-merge-split, attn-merge-spread, "
      "moe-block-nps, moe-block-rpl)"),
     ("profile_attention_decode.py", ["QAB_DISABLE=warp"], "QAB_DISABLE: unknown optimization"),
     # The warm timeline: with --timeline only, and of 3 to 16 chained launches.

@@ -103,7 +103,8 @@ def test_disable_and_bad_enable(tiny_hf_f32, monkeypatch):
     monkeypatch.setenv("QAB_ENABLE", "moe-route")
     with pytest.raises(ValueError, match=r"^QAB_ENABLE: 'moe-route' is on by default \(QAB_ENABLE "
                                          r"names only decode-compile, next-norm, proj-gemv, gemv-pipe, attn-lanes, "
-                                         r"l2-prefetch, decode-const, attn-merge-split, moe-block-nps, "
+                                         r"l2-prefetch, decode-const, attn-merge-split, attn-merge-spread, "
+                                         r"moe-block-nps, "
                                          r"moe-block-rpl; "
                                          r"switch others "
                                          r"off with QAB_DISABLE\)$"):
@@ -685,12 +686,14 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
 
     mmas = []  # the mma flag of each step_kernel_ready / gqa_decode_step call
     splits = []  # and the merge_split flag
+    spreads = []  # and the merge_spread flag
 
     def fake_step(qkv, qw, kw, k_buf, v_buf, offset, counter, mma=None, merge_split=None,
-                  **kw_):
+                  merge_spread=None, **kw_):
         calls.append((qkv.shape, k_buf.shape, offset.shape, counter.dtype, kw_["heads"]))
         mmas.append(mma)
         splits.append(merge_split)
+        spreads.append(merge_spread)
         out, kb, vb = attn_ops.gqa_decode_step_ops(qkv, qw, kw, k_buf, v_buf, offset, **kw_)
         c = claimed.pop()
         c.keys, c.values = kb, vb
@@ -699,8 +702,9 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
     monkeypatch.setattr(decode, "kv_write_ready", lambda probe, k: "fake")
     monkeypatch.setattr(decode._StepKV, "claim_in_place", claim)
     monkeypatch.setattr(attn_ops, "step_kernel_ready",
-                        lambda *a, mma=None, merge_split=None:
-                        mmas.append(mma) or splits.append(merge_split) or "cuda")
+                        lambda *a, mma=None, merge_split=None, merge_spread=None:
+                        mmas.append(mma) or splits.append(merge_split)
+                        or spreads.append(merge_spread) or "cuda")
     monkeypatch.setattr(attn_ops, "gqa_decode_step", fake_step)
     # The step runs only inside the decode step's trace (the serial counters).
     monkeypatch.setattr(attn_layer, "serial_decode_tracing", lambda: True)
@@ -729,8 +733,10 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
     # The two-level merge (attn-merge-split) is opt-in: not asked for by default.
     assert mmas and all(f is True for f in mmas), mmas
     assert splits and all(f is False for f in splits), splits
+    assert spreads and all(f is False for f in spreads), spreads  # opt-in too
     mmas.clear()
     splits.clear()
+    spreads.clear()
     calls.clear()
     no_mma, _ = load(tiny_hf_f32, "fused", disable=["attn-mma"])
     assert any("attn-mma in QAB_DISABLE" in n for n in no_mma.qab_report.notes)
@@ -754,6 +760,18 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
         mx.eval(split(mx.array([[1 + t]]), cache=c))
     assert len(calls) == n_attn and splits and all(f is True for f in splits), splits
     assert all(f is True for f in mmas), mmas
+    # QAB_ENABLE=attn-merge-spread likewise asks for the spread merge.
+    spreads.clear()
+    calls.clear()
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile,attn-merge-spread")
+    spread, _ = load(tiny_hf_f32, "fused")
+    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+    assert any("merges its key blocks in G more thread blocks per KV head (attn-merge-spread "
+               "from QAB_ENABLE" in n for n in spread.qab_report.notes), spread.qab_report.notes
+    c = make_prompt_cache(spread)
+    for t in range(3):
+        mx.eval(spread(mx.array([[1 + t]]), cache=c))
+    assert len(calls) == n_attn and spreads and all(f is True for f in spreads), spreads
     claimed.clear()
     monkeypatch.setattr(decode, "kv_cache_write", lambda backend, k, v, kb, vb, off:
                         attn_ops.kv_cache_write_ops(k, v, kb, vb, off)[2])

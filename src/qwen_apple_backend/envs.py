@@ -19,7 +19,8 @@ Variables:
         ``moe-block-pack``, ``moe-block-unroll``, ``moe-block-npl``, ``moe-block-roll``,
         ``moe-block-npg``,
         ``attn-step``,
-        ``attn-mma``, ``attn-merge-split``, ``moe-block-nps``, ``moe-block-rpl``),
+        ``attn-mma``, ``attn-merge-split``, ``attn-merge-spread``, ``moe-block-nps``,
+        ``moe-block-rpl``),
         for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
@@ -41,7 +42,10 @@ Variables:
         constants checked by identity instead of compile inputs: arrays
         changed in place are then not seen by decoding; ``attn-merge-split``,
         the one-launch attention step's key blocks merged in two levels:
-        verified on the H200, no faster end to end at 4K in one run).
+        verified on the H200, no faster end to end at 4K in one run;
+        ``attn-merge-spread``, the step's merge spread over G more thread
+        blocks per KV head, the same bits: measured 0.7-5.3 us earlier per
+        launch on an H100, not yet end to end).
         ``QAB_DISABLE`` wins over it. ``next-norm`` needs
         ``moe-route``, which needs ``add-norm`` and ``moe-kernel``.
     QAB_UNVERIFIED_KERNELS: a boolean like ``QAB_DISABLE_KERNELS``; on, it also
@@ -212,6 +216,13 @@ OPTIMIZATIONS = {
     # block's partials through one SM (H200, 4K keys: 11 of a 23 us launch, session 24); one
     # 4K run on the H200: 307.5 tok/s with it against 310.3 without
     "attn-merge-split": "attn",
+    # opt-in (QAB_ENABLE): with attn-step, its key blocks merged by G more thread blocks per
+    # KV head (one query head each, a row's elements over the block's warps; every block takes
+    # a ticket as it starts, the merging blocks the last G and wait for the key blocks' count)
+    # instead of by the last key block alone; the same bits. H100, the launch alone after an
+    # L2 flush (profile_attention_decode.py --timeline): 24.46 vs 25.2 us at 4K keys and 45.62
+    # vs 50.9 at 32K (session 43); some key blocks then stage their query rows later
+    "attn-merge-spread": "attn",
     # opt-in (QAB_ENABLE): the one-launch MoE block on a persistent grid of two blocks per SM
     # whose next-projection rows (48 per block) are copied into each block's shared memory
     # early, so that the phase after the down items is only its arithmetic (NPS; CUDA; the
@@ -354,7 +365,8 @@ def kernels_disabled() -> bool:
 # switch on: decode-compile is on by default on a GPU only (host-bound decode:
 # measured on the H200) and off on the CPU (measured no faster there).
 OPT_IN = ("decode-compile", "next-norm", "proj-gemv", "gemv-pipe", "attn-lanes",
-          "l2-prefetch", "decode-const", "attn-merge-split", "moe-block-nps", "moe-block-rpl")
+          "l2-prefetch", "decode-const", "attn-merge-split", "attn-merge-spread", "moe-block-nps",
+          "moe-block-rpl")
 
 
 def enabled_opt_in() -> frozenset[str]:

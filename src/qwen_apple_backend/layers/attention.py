@@ -125,6 +125,10 @@ class FusedGQAAttention(nn.Module):
             merged in two levels, groups first (``ops.attention.gqa_decode_step``'s
             ``merge_split``; opt-in: ``QAB_ENABLE=attn-merge-split`` sets it).
             Default False.
+        decode_merge_spread (bool): with ``decode_step``, the step's key blocks
+            merged by G more thread blocks per KV head, one query head each
+            (``ops.attention.gqa_decode_step``'s ``merge_spread``; the same bits;
+            opt-in: ``QAB_ENABLE=attn-merge-spread`` sets it). Default False.
     """
 
     def __init__(
@@ -171,6 +175,7 @@ class FusedGQAAttention(nn.Module):
         self.decode_step = decode_step
         self.decode_mma = True
         self.decode_merge_split = False
+        self.decode_merge_spread = False
 
     @classmethod
     def from_stock(
@@ -353,7 +358,8 @@ class FusedGQAAttention(nn.Module):
                 qkv, self.q_norm["weight"], self.k_norm["weight"], k_buf, v_buf, position,
                 self._step_counter(B), heads=self.num_attention_heads, q_eps=self.q_norm.eps,
                 k_eps=self.k_norm.eps, rope=rope_spec(self.rope), scale=self.scale,
-                mma=self.decode_mma, merge_split=self.decode_merge_split)
+                mma=self.decode_mma, merge_split=self.decode_merge_split,
+                merge_spread=self.decode_merge_spread)
             return DeferredProjection(gated, self.o_proj) if defer_out_proj else self.o_proj(gated)
         if (
             self.compile_decode
@@ -471,7 +477,8 @@ class FusedGQAAttention(nn.Module):
         return attn_ops.step_kernel_ready(x.shape[0], self.num_attention_heads,
                                           self.num_key_value_heads, D, x.dtype,
                                           rope_spec(self.rope), mma=self.decode_mma,
-                                          merge_split=self.decode_merge_split) is not None
+                                          merge_split=self.decode_merge_split,
+                                          merge_spread=self.decode_merge_spread) is not None
 
     def _step_counter(self, B: int) -> mx.array:
         """This layer's counter for its attention step launches (one per batch size;

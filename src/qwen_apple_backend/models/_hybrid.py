@@ -211,6 +211,8 @@ _OPT_IN_NEEDS = {"l2-prefetch": ("moe", "moe-kernel", "moe-route", "add-norm", "
                  # The attention step's two-level merge lives inside the step.
                  "attn-merge-split": ("attn", "attn-kernel", "qk-prep", "proj-concat",
                                       "kv-in-place", "decode-compile", "attn-step"),
+                 "attn-merge-spread": ("attn", "attn-kernel", "qk-prep", "proj-concat",
+                                       "kv-in-place", "decode-compile", "attn-step"),
                  # The early-staged next projection lives in the one-launch block's
                  # next-projection phase.
                  "moe-block-nps": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block",
@@ -478,6 +480,9 @@ class QwenHybridAdapter(Adapter):
         # there 307.5 tok/s with it against 310.3 without (within its rounds'
         # spread); its kernel-level timing not yet measured.
         merge_on = "attn-merge-split" in enabled and "attn-merge-split" not in disable
+        # Opt-in (QAB_ENABLE=attn-merge-spread): the same bits; on an H100 the step's launch
+        # ends 0.7 (4K keys) to 5.3 us (32K) earlier, not yet measured end to end.
+        spread_on = "attn-merge-spread" in enabled and "attn-merge-spread" not in disable
         # Opt-in (QAB_ENABLE=moe-block-nps): the block's next-projection rows in
         # shared memory, copied early by a persistent grid's blocks; on the H200
         # 74.0 vs 71.0 us per Gated DeltaNet layer launch (profile_layer_gpu.py).
@@ -590,6 +595,8 @@ class QwenHybridAdapter(Adapter):
                     fused.decode_mma = False
                 if merge_on and hasattr(fused, "decode_merge_split"):
                     fused.decode_merge_split = True
+                if spread_on and hasattr(fused, "decode_merge_spread"):
+                    fused.decode_merge_spread = True
                 if nps_on and hasattr(fused, "nps_mode"):
                     fused.nps_mode = NPS_MODE
                 if rpl_on and hasattr(fused, "preload_norm"):
@@ -621,6 +628,8 @@ class QwenHybridAdapter(Adapter):
                                            "layer's input projection while its route runs"),
                            ("attn-merge-split", "the one-launch attention step merges its key "
                                                 "blocks in two levels, groups first"),
+                           ("attn-merge-spread", "the one-launch attention step merges its key "
+                                                 "blocks in G more thread blocks per KV head"),
                            ("moe-block-nps", "the one-launch MoE block runs on a persistent grid "
                                              "whose blocks copy their next-projection rows into "
                                              "shared memory early"),
