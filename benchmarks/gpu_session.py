@@ -14,8 +14,10 @@ Steps (``--plan``, in the order given, each ``NAME:SECONDS``):
 
 - ``bench``: stock vs fused at 4K, full shape, 3 rounds of 64 decode tokens,
   with ablation columns (``--ablate``, default ``moe-block-pack,decode-const``;
-  ``decode-const`` is switched on by ``QAB_ENABLE`` for this step only, so its
-  column is the default build's); results under ``OUT/bench``.
+  an opt-in optimization named there, e.g. ``decode-const`` or
+  ``attn-merge-spread``, is switched on by ``QAB_ENABLE`` for this step only,
+  so the fused column has it and its ablation column is the default build's);
+  results under ``OUT/bench``.
 - ``tests``: ``pytest -m gpu tests/test_kernels_gpu.py -k FILTER``
   (``--test-filter``).
 - ``long``: stock vs fused at 128K, 2 rounds of 32 decode tokens
@@ -306,6 +308,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(f"cannot make the output folder {str(args.out)!r}: {e.strerror or e}")
     ablate = [a.strip() for a in args.ablate.split(",") if a.strip()]
     sys.path.insert(0, str(ROOT / "src"))
+    from qwen_apple_backend.envs import OPT_IN
+
     os.environ.setdefault("QAB_UNVERIFIED_KERNELS", "1")
     session = Session(args.out)
     session.say(f"plan {args.plan}")
@@ -317,7 +321,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             fn = (lambda t: lambda: run_layer(args.out, args.layer_variants, t,
                                                args.timeline_warm))(name == "timeline")
         else:
-            enable = "decode-const" if name == "bench" and "decode-const" in ablate else None
+            # Opt-in ablations (envs.OPT_IN; decode-compile is on by default on
+            # a GPU): on for the step, so the fused column has them.
+            enable = ",".join(a for a in ablate if a in OPT_IN and a != "decode-compile")
+            enable = enable if name == "bench" and enable else None
             argv_ = bench_argv(name, args.out, args.ablate, args.real_prefill)
             fn = (lambda a, e: lambda: run_bench(a, e))(argv_, enable)
         worst = max(worst, session.step(name, seconds, fn))
