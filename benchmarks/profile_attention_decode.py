@@ -31,15 +31,15 @@ shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
   each; the same bits), ``step-kv-prefetch`` and
   ``step-merge-split-kv-prefetch`` those two with each thread block's K and
   V rows asked of the L2 at its start (the profiling key
-  ``QAB_STEP_KV_PREFETCH``), ``step-merge-early`` and
-  ``step-merge-split-merge-early`` with the merge's loads first (each row's m
-  and l read once, its first o rows and the gate before the max: the
-  profiling key ``QAB_STEP_MERGE_EARLY``, the same bits) (the forms of a
-  profiling key are timed as the ``--timeline`` build, with its phase marks),
-  and ``step-ctasN`` the step with
-  the pass sized for about N thread blocks (``--step-ctas``, at most
-  ``_LANES_CTAS``) instead of ``_LANES_CTAS`` (with ``--step-ctas``, each
-  profiling key's form too: ``step-merge-early-ctasN``, ...);
+  ``QAB_STEP_KV_PREFETCH``), ``step-merge-spread-sleep1000`` and
+  ``step-merge-spread-late-gate`` the spread merge with its merging blocks
+  polling every ~1 us instead of ~32 ns (``QAB_WAIT_SLEEP_NS=1000``) or
+  loading their gate after the wait (``QAB_STEP_SPREAD_LATE_GATE``) (the
+  forms of a profiling key are timed as the ``--timeline`` build, with its
+  phase marks), and ``step-ctasN`` the step with the pass sized for about N
+  thread blocks (``--step-ctas``, at most ``_LANES_CTAS``) instead of
+  ``_LANES_CTAS`` (with ``--step-ctas``, ``step-merge-spread-ctasN`` and each
+  profiling key's form too: ``step-kv-prefetch-ctasN``, ...);
 * ``four-launches``: the launches ``step`` replaces (``qk_norm_rope``,
   ``kv_cache_write``, the lane-per-key pass and ``gqa_decode_combine`` with
   the gate), where this device has them;
@@ -115,9 +115,7 @@ TIMELINE_FORMS = {"step": (True, False, None, False), "step-lanes": (False, Fals
                   "step-merge-spread-sleep1000": (True, False, "QAB_WAIT_SLEEP_NS=1000", True),
                   "step-merge-spread-late-gate": (True, False, "QAB_STEP_SPREAD_LATE_GATE", True),
                   "step-kv-prefetch": (True, False, "QAB_STEP_KV_PREFETCH", False),
-                  "step-merge-split-kv-prefetch": (True, True, "QAB_STEP_KV_PREFETCH", False),
-                  "step-merge-early": (True, False, "QAB_STEP_MERGE_EARLY", False),
-                  "step-merge-split-merge-early": (True, True, "QAB_STEP_MERGE_EARLY", False)}
+                  "step-merge-split-kv-prefetch": (True, True, "QAB_STEP_KV_PREFETCH", False)}
 
 
 def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
@@ -126,8 +124,9 @@ def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
     stamps ``[blocks, MARKS + 1]`` uint64 (0 where a mark does not apply); ``mma``
     and ``merge_split`` as ``gqa_decode_step``'s; ``key``: a profiling key of the
     kernel to define (``QAB_STEP_KV_PREFETCH``: each block's K and V rows asked
-    of the L2 at its start; ``QAB_STEP_MERGE_EARLY``: the merge's loads first),
-    or None; ``merge_spread`` as ``gqa_decode_step``'s; ``ctas``: the pass sized for about that many thread blocks instead of
+    of the L2 at its start; ``QAB_STEP_SPREAD_LATE_GATE``: with
+    ``merge_spread``, the merging blocks' gate loaded after their wait;
+    ``NAME=VALUE``: a macro with a value, e.g. ``QAB_WAIT_SLEEP_NS=1000``), or None; ``merge_spread`` as ``gqa_decode_step``'s; ``ctas``: the pass sized for about that many thread blocks instead of
     ``_LANES_CTAS`` (at most it: ``counter`` is sized for it)."""
     import mlx.core as mx
 
@@ -260,8 +259,8 @@ def main(argv=None) -> int:
                         "pv-split, split-ops, kv-update, kv-update-kept, split-kernel, "
                         "split-kernel-lanes, step, step-lanes, step-merge-split, step-merge-spread, "
                         "step-kv-prefetch, "
-                        "step-merge-split-kv-prefetch, step-merge-early, "
-                        "step-merge-split-merge-early, step-ctasN, "
+                        "step-merge-split-kv-prefetch, step-merge-spread-sleep1000, "
+                        "step-merge-spread-late-gate, step-ctasN, step-merge-spread-ctasN, "
                         "four-launches (the module docstring says what each times; default: "
                         "every form this device has)")
     def ctas_list(text: str) -> list:

@@ -1511,7 +1511,7 @@ def test_profile_attention_decode_launch_marks_and_forms(monkeypatch):
                    "fenced_last": 11.0, "max_last": 12.0, "weights_last": 13.0,
                    "rows_last": 14.0, "merged_last": 15.0}
     assert pad.timeline_form("step") == (True, False, None, False, None)
-    assert pad.timeline_form("step-merge-early-ctas64") == (True, False, "QAB_STEP_MERGE_EARLY",
+    assert pad.timeline_form("step-kv-prefetch-ctas64") == (True, False, "QAB_STEP_KV_PREFETCH",
                                                            False, 64)
     assert pad.timeline_form("step-merge-spread-ctas32") == (True, False, None, True, 32)
     assert pad.timeline_form("step-ctasx") is None

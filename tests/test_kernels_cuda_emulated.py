@@ -2753,26 +2753,6 @@ def test_decode_step_is_the_four_launches_emulated(case, mma, split, monkeypatch
         assert mx_rel_l2(out, one) <= (1e-6 if dtype == F32 else 4e-3)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one-level", "two-level"])
-@pytest.mark.parametrize("case", STEP_CASES, ids=_step_id)
-def test_decode_step_merge_early_key_is_the_same_bits_emulated(case, split, monkeypatch):
-    # QAB_STEP_MERGE_EARLY (a profiling key, empty in the shipped build: the
-    # merge's loads first, each row's m and l read once, the gate before the
-    # merge) gives the shipped build's output bit for bit: with the rows in one
-    # chunk and at most 128 per merge (the key's path), and past that (130 key
-    # blocks with keys at D 32: the shipped path, the fifth case), in one level
-    # and in two (STEP_PM_MIN_BLOCKS lowered to 2).
-    B, Hq, Hk, D, S, off, dtype, R, trad, ctas = case
-    monkeypatch.setattr(attn_ops, "_LANES_CTAS", ctas)
-    monkeypatch.setattr(attn_ops, "STEP_PM_MIN_BLOCKS", 2 if split else 10 ** 9)
-    c = _step_case(B, Hq, Hk, D, S, off, dtype, R, trad)
-    shipped = _step(c)
-    _broken(monkeypatch, "gqa_decode_step", "constexpr int EPL = D / 32;",
-            "#define QAB_STEP_MERGE_EARLY 1\nconstexpr int EPL = D / 32;")
-    early = _step(c)
-    assert mx.array_equal(early, shipped).item()
-
-
 @pytest.mark.parametrize("case", STEP_CASES, ids=_step_id)
 def test_decode_step_merge_spread_is_the_same_bits_emulated(case, monkeypatch):
     # merge_spread (the kernel's MS = G merging blocks per KV head, one query

@@ -417,23 +417,16 @@ QAB_MARK(8);
 // for no rows).
 constexpr int MCH = SMF / G;  // rows whose weights fit at once (>= 4 D)
 constexpr int U = 16;         // o rows in flight per lane
-// The o rows i0 .. i0 + U - 1 of [i0, c1) into ov (a row past c1 - 1 repeats it).
-auto load_rows = [&](const float* op, const int64_t base, const int i0, const int c1,
-                     float (&ov)[U][EPL]) {
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    qab_ldcg_f32<EPL>(op + (base + min(i0 + u, c1 - 1)) * D + lane * EPL, pvec, ov[u]);
-  }
-};
 // num += the o rows [c0, c1) weighed by sw (their weights from row c0), U at a
-// time, all U rows' loads issued before their sums; `loaded`: ov holds the
-// first U rows already.
+// time, all U rows' loads issued before their sums (a row past c1 - 1 repeats
+// it, weighed 0).
 auto weigh_rows = [&](const float* op, const int64_t base, const int c0, const int c1,
-                      const float* sw, float (&num)[EPL], float (&ov)[U][EPL],
-                      const bool loaded) {
+                      const float* sw, float (&num)[EPL]) {
+  float ov[U][EPL];
   for (int i0 = c0; i0 < c1; i0 += U) {
-    if (!loaded || i0 > c0) {
-      load_rows(op, base, i0, c1, ov);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      qab_ldcg_f32<EPL>(op + (base + min(i0 + u, c1 - 1)) * D + lane * EPL, pvec, ov[u]);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -445,51 +438,6 @@ auto weigh_rows = [&](const float* op, const int64_t base, const int c0, const i
 };
 auto merge_rows = [&](const float* op, const float* mp, const int64_t base, const int r0,
                       const int r1, const int g, float (&num)[EPL], float& den, float& M) {
-#ifdef QAB_STEP_MERGE_EARLY
-  // (A profiling key, benchmarks/profile_attention_decode.py's step-merge-early
-  // form.) Where the rows fit one chunk and RL (m, l) pairs per lane: every
-  // load first (the first U o rows', each lane's rows' m and l, once), then
-  // the same arithmetic in the same order as below: the same values, with
-  // fewer dependent trips to L2 (not two reads of m, none of the rows after M).
-  constexpr int RL = 4;
-  if (r1 > r0 && r1 - r0 <= MCH && r1 - r0 <= 32 * RL) {
-    float ov[U][EPL];
-    load_rows(op, base, r0, r1, ov);
-    float mr[RL], lr[RL];
-#pragma unroll
-    for (int k = 0; k < RL; ++k) {
-      const int i = r0 + lane + 32 * k;
-      mr[k] = i < r1 ? qab_ldcg(mp + (base + i) * 2) : -INFINITY;
-      lr[k] = i < r1 ? qab_ldcg(mp + (base + i) * 2 + 1) : 0.f;
-    }
-    M = -INFINITY;
-#pragma unroll
-    for (int k = 0; k < RL; ++k) M = fmaxf(M, mr[k]);
-#pragma unroll
-    for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
-    QAB_MARK(5);
-    float* sw = sm + g * MCH;
-    float dl = 0.f;
-#pragma unroll
-    for (int k = 0; k < RL; ++k) {
-      const int i = r0 + lane + 32 * k;
-      if (i < r1) {
-        const float wi = exp2f(mr[k] - M);
-        sw[i - r0] = wi;
-        dl += wi * lr[k];
-      }
-    }
-    den = 0.f + qab_warp_sum(dl);
-    QAB_MARK(6);
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) num[e] = 0.f;
-    __syncwarp();
-    weigh_rows(op, base, r0, r1, sw, num, ov, true);
-    QAB_MARK(7);
-    __syncwarp();  // the weights read before the next call overwrites them
-    return;
-  }
-#endif
   M = -INFINITY;
   for (int i = r0 + lane; i < r1; i += 32) M = fmaxf(M, qab_ldcg(mp + (base + i) * 2));
 #pragma unroll
@@ -510,8 +458,7 @@ auto merge_rows = [&](const float* op, const float* mp, const int64_t base, cons
     den += qab_warp_sum(dl);
     QAB_MARK(6);
     __syncwarp();
-    float ov[U][EPL];
-    weigh_rows(op, base, c0, c1, sw, num, ov, false);
+    weigh_rows(op, base, c0, c1, sw, num);
     QAB_MARK(7);
     __syncwarp();  // the weights read before the next chunk overwrites them
   }
@@ -556,20 +503,6 @@ if (two) {
 for (int g = w; g < G; g += WARPS) {
   const int hq = h * G + g;
   float num[EPL], den, M;
-#ifdef QAB_STEP_MERGE_EARLY
-  float gate[EPL];  // the output gate's inputs, loaded before the merge (the same values)
-#pragma unroll
-  for (int e = 0; e < EPL; ++e) {
-    gate[e] = static_cast<float>(row[(int64_t)(hq * 2 * D + D + lane * EPL + e) * es]);
-  }
-  merge_rows(fo, fm, ((int64_t)b * Hq + hq) * fnb, 0, fn, g, num, den, M);
-#pragma unroll
-  for (int e = 0; e < EPL; ++e) {
-    const int d = lane * EPL + e;
-    const InT y = static_cast<InT>(num[e] / den);
-    out[((int64_t)b * Hq + hq) * D + d] = qab_sigmoid_gate<InT>(y, gate[e]);
-  }
-#else
   merge_rows(fo, fm, ((int64_t)b * Hq + hq) * fnb, 0, fn, g, num, den, M);
 #pragma unroll
   for (int e = 0; e < EPL; ++e) {
@@ -578,7 +511,6 @@ for (int g = w; g < G; g += WARPS) {
     out[((int64_t)b * Hq + hq) * D + d] =
         qab_sigmoid_gate<InT>(y, static_cast<float>(row[(int64_t)(hq * 2 * D + D + d) * es]));
   }
-#endif
 }
 QAB_MARK(4);
 if (threadIdx.x == 0) {
