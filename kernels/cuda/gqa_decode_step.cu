@@ -78,6 +78,18 @@
 // run in another order than without PM (float32). count then needs B Hk (1 +
 // NG) elements and ws B Hq (NB + NG) (D + 2) floats (the callers size both:
 // ops.attention.step_counter, _step_call).
+// Template MS (the spread merge, not with PM; 0: off): MS more thread blocks
+// per (b, h), so the grid is (32 * WARPS * (NB + MS), Hk, B). Every block takes
+// a ticket as it starts (count[B Hk + b Hk + h]): tickets 0 .. NB - 1 are key
+// blocks j, the last MS merging blocks, which wait (qab_wait_count) for the NB
+// key blocks' count and then merge query heads t - NB, + MS, ... (t the
+// ticket), each row's elements over the block's warps: M, the denominator and
+// each element's sum in the same order and rounding as the one-block merge
+// (the same bits), up to 64 rows' loads in one trip. The one-block merge
+// reads ~0.4 MB of partials through one SM at 4K keys (8 of its ~12 us on an
+// H100); here each SM reads its head's 1/G. A merging block waits only on
+// blocks that took earlier tickets, so are running. The last merging block
+// resets the count and the tickets; count then needs 2 B Hk elements.
 // Requires what gqa_decode_partial_lanes.cu and qk_norm_rope.cu require, G = Hq / Hk.
 
 constexpr int EPL = D / 32;                  // elements per lane of a head row

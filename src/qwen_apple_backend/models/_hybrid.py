@@ -481,7 +481,8 @@ class QwenHybridAdapter(Adapter):
         # spread); its kernel-level timing not yet measured.
         merge_on = "attn-merge-split" in enabled and "attn-merge-split" not in disable
         # Opt-in (QAB_ENABLE=attn-merge-spread): the same bits; on an H100 the step's launch
-        # ends 0.7 (4K keys) to 5.3 us (32K) earlier, not yet measured end to end.
+        # ends 0.7-4.3 us earlier at 4K keys and 4.2-5.3 at 32K (two runs), not yet measured
+        # end to end.
         spread_on = "attn-merge-spread" in enabled and "attn-merge-spread" not in disable
         # Opt-in (QAB_ENABLE=moe-block-nps): the block's next-projection rows in
         # shared memory, copied early by a persistent grid's blocks; on the H200
