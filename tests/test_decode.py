@@ -748,30 +748,27 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
     mmas.clear()
     splits.clear()
     calls.clear()
-    # QAB_ENABLE=attn-merge-split asks for it, of the check and of the launch
-    # alike, and the report says so.
-    monkeypatch.setenv("QAB_ENABLE", "decode-compile,attn-merge-split")
-    split, _ = load(tiny_hf_f32, "fused")
-    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
-    assert any("merges its key blocks in two levels, groups first (attn-merge-split from "
-               "QAB_ENABLE" in n for n in split.qab_report.notes), split.qab_report.notes
-    c = make_prompt_cache(split)
-    for t in range(3):
-        mx.eval(split(mx.array([[1 + t]]), cache=c))
-    assert len(calls) == n_attn and splits and all(f is True for f in splits), splits
-    assert all(f is True for f in mmas), mmas
-    # QAB_ENABLE=attn-merge-spread likewise asks for the spread merge.
-    spreads.clear()
-    calls.clear()
-    monkeypatch.setenv("QAB_ENABLE", "decode-compile,attn-merge-spread")
-    spread, _ = load(tiny_hf_f32, "fused")
-    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
-    assert any("merges its key blocks in G more thread blocks per KV head (attn-merge-spread "
-               "from QAB_ENABLE" in n for n in spread.qab_report.notes), spread.qab_report.notes
-    c = make_prompt_cache(spread)
-    for t in range(3):
-        mx.eval(spread(mx.array([[1 + t]]), cache=c))
-    assert len(calls) == n_attn and spreads and all(f is True for f in spreads), spreads
+    # QAB_ENABLE=attn-merge-split / attn-merge-spread asks for its merge, of
+    # the check and of the launch alike (the other merge not), and the report
+    # says so.
+    for name, flags, other, says in (
+            ("attn-merge-split", splits, spreads, "merges its key blocks in two levels, groups "
+                                                  "first"),
+            ("attn-merge-spread", spreads, splits, "merges its key blocks in G more thread "
+                                                   "blocks per KV head")):
+        for seen in (calls, mmas, splits, spreads):
+            seen.clear()
+        monkeypatch.setenv("QAB_ENABLE", f"decode-compile,{name}")
+        merged, _ = load(tiny_hf_f32, "fused")
+        monkeypatch.setenv("QAB_ENABLE", "decode-compile")
+        assert any(f"{says} ({name} from QAB_ENABLE" in n for n in merged.qab_report.notes), (
+            merged.qab_report.notes)
+        c = make_prompt_cache(merged)
+        for t in range(3):
+            mx.eval(merged(mx.array([[1 + t]]), cache=c))
+        assert len(calls) == n_attn and flags and all(f is True for f in flags), (name, flags)
+        assert other and all(f is False for f in other), (name, other)
+        assert all(f is True for f in mmas), mmas
     claimed.clear()
     monkeypatch.setattr(decode, "kv_cache_write", lambda backend, k, v, kb, vb, off:
                         attn_ops.kv_cache_write_ops(k, v, kb, vb, off)[2])
