@@ -83,9 +83,12 @@
 // a ticket as it starts (count[B Hk + b Hk + h]): tickets 0 .. NB - 1 are key
 // blocks j, the last MS merging blocks, which wait (qab_wait_count) for the NB
 // key blocks' count and then merge query heads t - NB, + MS, ... (t the
-// ticket), each row's elements over the block's warps: M, the denominator and
+// ticket): a head's row over WPH = D / 32 warps (one float per lane; at D >
+// 32 WARPS all warps, EPM floats per lane), HPB = WARPS / WPH heads at once
+// (then heads t - NB + MS slot, stepping by MS HPB); M, the denominator and
 // each element's sum in the same order and rounding as the one-block merge
-// (the same bits), up to 64 rows' loads in one trip. The one-block merge
+// (the same bits); up to 64 rows (and at most the one-block merge's chunk,
+// SMF / G) loaded in one trip, more in chunks. The one-block merge
 // reads ~0.4 MB of partials through one SM at 4K keys (8 of its ~12 us on an
 // H100); here each SM reads its head's 1/G. A merging block waits only on
 // blocks that took earlier tickets, so are running. The last merging block
