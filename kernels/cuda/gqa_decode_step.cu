@@ -432,25 +432,6 @@ QAB_MARK(8);
 // for no rows).
 constexpr int MCH = SMF / G;  // rows whose weights fit at once (>= 4 D)
 constexpr int U = 16;         // o rows in flight per lane
-// num += the o rows [c0, c1) weighed by sw (their weights from row c0), U at a
-// time, all U rows' loads issued before their sums (a row past c1 - 1 repeats
-// it, weighed 0).
-auto weigh_rows = [&](const float* op, const int64_t base, const int c0, const int c1,
-                      const float* sw, float (&num)[EPL]) {
-  float ov[U][EPL];
-  for (int i0 = c0; i0 < c1; i0 += U) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      qab_ldcg_f32<EPL>(op + (base + min(i0 + u, c1 - 1)) * D + lane * EPL, pvec, ov[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const float wi = i0 + u < c1 ? sw[i0 + u - c0] : 0.f;  // a repeated row weighs 0
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) num[e] += wi * ov[u][e];
-    }
-  }
-};
 auto merge_rows = [&](const float* op, const float* mp, const int64_t base, const int r0,
                       const int r1, const int g, float (&num)[EPL], float& den, float& M) {
   M = -INFINITY;
@@ -473,7 +454,19 @@ auto merge_rows = [&](const float* op, const float* mp, const int64_t base, cons
     den += qab_warp_sum(dl);
     QAB_MARK(6);
     __syncwarp();
-    weigh_rows(op, base, c0, c1, sw, num);
+    for (int i0 = c0; i0 < c1; i0 += U) {
+      float ov[U][EPL];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        qab_ldcg_f32<EPL>(op + (base + min(i0 + u, c1 - 1)) * D + lane * EPL, pvec, ov[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float wi = i0 + u < c1 ? sw[i0 + u - c0] : 0.f;  // a repeated row weighs 0
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) num[e] += wi * ov[u][e];
+      }
+    }
     QAB_MARK(7);
     __syncwarp();  // the weights read before the next chunk overwrites them
   }
