@@ -126,8 +126,11 @@ def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
     kernel to define (``QAB_STEP_KV_PREFETCH``: each block's K and V rows asked
     of the L2 at its start; ``QAB_STEP_SPREAD_LATE_GATE``: with
     ``merge_spread``, the merging blocks' gate loaded after their wait;
-    ``NAME=VALUE``: a macro with a value, e.g. ``QAB_WAIT_SLEEP_NS=1000``), or None; ``merge_spread`` as ``gqa_decode_step``'s; ``ctas``: the pass sized for about that many thread blocks instead of
-    ``_LANES_CTAS`` (at most it: ``counter`` is sized for it)."""
+    ``NAME=VALUE``: a macro with a value, e.g. ``QAB_WAIT_SLEEP_NS=1000``), or
+    None; ``merge_spread`` as ``gqa_decode_step``'s; ``ctas``: the pass sized
+    for about that many thread blocks instead of ``_LANES_CTAS`` (at most it:
+    ``counter`` is sized for it). The launch is ``gqa_decode_step``'s
+    (``ops.attention._step_launch``) with the marks as a third output."""
     import mlx.core as mx
 
     from qwen_apple_backend.ops import attention as attn_ops
@@ -142,28 +145,18 @@ def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
             input_names=list(src.inputs),
             output_names=list(src.outputs) + ["stamps"], source=compact(src.body),
             header=prefix + MARK_DEFINE + compact(src.header), ensure_row_contiguous=False)
-    Hk, S = k_buf.shape[1], k_buf.shape[2]
-    G = HQ // Hk
     old = attn_ops._LANES_CTAS
     attn_ops._LANES_CTAS = ctas or old
     try:
-        block, lpk, warps = attn_ops._lanes_params(B, Hk, S, G, D, qkv.dtype)
+        launch, blocks = attn_ops._step_launch(qkv, k_buf, HQ, rope, counter, mma,
+                                               merge_split, merge_spread)
     finally:
         attn_ops._LANES_CTAS = old
-    nb = -(-S // block)
-    pm = attn_ops._step_pm(nb, merge_split)
-    groups = attn_ops._step_groups(nb) if pm else 0
-    ms = attn_ops._step_ms(G, merge_spread, pm)
+    launch["output_shapes"].append((blocks * (MARKS + 1),))
+    launch["output_dtypes"].append(mx.uint64)
     params = attn_ops._step_params(1e-6, 1e-6, float(rope.scale), float(rope.base), scale)
     out, _, stamps = _STAMPED[key](
-        inputs=[qkv, nw, nw, params, offset, k_buf, v_buf, counter],
-        template=[("InT", qkv.dtype), ("D", D), ("G", G), ("R", rope.dims),
-                  ("TRAD", rope.traditional), ("BLOCK", block), ("LPK", lpk), ("WARPS", warps),
-                  ("MMA", attn_ops._step_mma(G, D, qkv.dtype, mma)), ("PM", pm), ("MS", ms)],
-        grid=(32 * warps * (nb + ms), Hk, B), threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(B, 1, HQ * D), (B * HQ * (nb + groups) * (D + 2),),
-                       ((nb + ms) * Hk * B * (MARKS + 1),)],
-        output_dtypes=[qkv.dtype, mx.float32, mx.uint64], init_value=0)
+        inputs=[qkv, nw, nw, params, offset, k_buf, v_buf, counter], init_value=0, **launch)
     return out, stamps.reshape(-1, MARKS + 1)
 
 

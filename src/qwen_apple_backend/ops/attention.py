@@ -1079,11 +1079,16 @@ def step_counter(B: int, Hk: int) -> mx.array:
     return c
 
 
-def _step_call(backend: str, qkv: mx.array, q_weight: mx.array, k_weight: mx.array,
-               k_buf: mx.array, v_buf: mx.array, offset: mx.array, heads: int, q_eps: float,
-               k_eps: float, rope: RopeSpec, scale: float, counter: mx.array,
-               mma: bool = True, merge_split: bool = False,
-               merge_spread: bool = False) -> mx.array:
+def _step_launch(qkv: mx.array, k_buf: mx.array, heads: int, rope: RopeSpec,
+                 counter: mx.array, mma: bool = True, merge_split: bool = False,
+                 merge_spread: bool = False) -> tuple[dict, int]:
+    """A :func:`gqa_decode_step` launch's keywords but its inputs (template,
+    grid, threadgroup, output shapes and dtypes) and its thread blocks (for a
+    caller's extra output, e.g. the timeline build's marks).
+
+    Raises:
+        ValueError: if ``counter`` is too short for the launch's counts.
+    """
     B = qkv.shape[0]
     Hk, S, D = k_buf.shape[1], k_buf.shape[2], k_buf.shape[3]
     G = heads // Hk
@@ -1097,10 +1102,7 @@ def _step_call(backend: str, qkv: mx.array, q_weight: mx.array, k_weight: mx.arr
         raise ValueError(f"gqa_decode_step: {nb} key blocks merged in {groups} groups"
                          f"{' by merging blocks' if ms else ''} need a counter of >= {need} "
                          f"elements (step_counter), got {counter.size}")
-    params = _step_params(float(q_eps), float(k_eps), float(rope.scale), float(rope.base),
-                          float(scale))
-    out, _ = _step_object(backend)(
-        inputs=[qkv, q_weight, k_weight, params, offset, k_buf, v_buf, counter],
+    return dict(
         template=[("InT", qkv.dtype), ("D", D), ("G", G), ("R", rope.dims),
                   ("TRAD", rope.traditional), ("BLOCK", block), ("LPK", lpk),
                   ("WARPS", warps), ("MMA", _step_mma(G, D, qkv.dtype, mma)), ("PM", pm),
@@ -1110,7 +1112,19 @@ def _step_call(backend: str, qkv: mx.array, q_weight: mx.array, k_weight: mx.arr
         # [B, Hq, nb, 2], one output (MLX's host cost grows per output).
         # With PM the groups' partials o2, (m, l)2 [B, Hq, groups, ...] follow.
         output_shapes=[(B, 1, heads * D), (B * heads * (nb + groups) * (D + 2),)],
-        output_dtypes=[qkv.dtype, mx.float32])
+        output_dtypes=[qkv.dtype, mx.float32]), (nb + ms) * Hk * B
+
+
+def _step_call(backend: str, qkv: mx.array, q_weight: mx.array, k_weight: mx.array,
+               k_buf: mx.array, v_buf: mx.array, offset: mx.array, heads: int, q_eps: float,
+               k_eps: float, rope: RopeSpec, scale: float, counter: mx.array,
+               mma: bool = True, merge_split: bool = False,
+               merge_spread: bool = False) -> mx.array:
+    launch, _ = _step_launch(qkv, k_buf, heads, rope, counter, mma, merge_split, merge_spread)
+    params = _step_params(float(q_eps), float(k_eps), float(rope.scale), float(rope.base),
+                          float(scale))
+    out, _ = _step_object(backend)(
+        inputs=[qkv, q_weight, k_weight, params, offset, k_buf, v_buf, counter], **launch)
     return out
 
 
@@ -1196,7 +1210,8 @@ def step_kernel_ready(B: int, Hq: int, Hk: int, D: int, dtype: mx.Dtype,
     if _step_ms(Hq // Hk, merge_spread, pm):
         builds.append((False, True))
     for split, spread in builds:
-        ok = self_checked("gqa_decode_step", backend, (*key, split) + (("spread",) if spread else ()),
+        ok = self_checked("gqa_decode_step", backend,
+                          (*key, split) + (("spread",) if spread else ()),
                           kernel=functools.partial(kernel, split=split, spread=spread),
                           reference=reference, make_inputs=make_inputs, rtol=(tol, tol, tol))
         if not ok:
