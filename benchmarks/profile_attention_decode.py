@@ -164,7 +164,7 @@ _STAMPED: dict = {}
 
 
 def timeline_form(name: str):
-    """``(mma, merge_split, key, ctas)`` of a form with a --timeline build: a
+    """``(mma, merge_split, key, merge_spread, ctas)`` of a form with a --timeline build: a
     :data:`TIMELINE_FORMS` name, optionally with ``-ctasN`` (the pass sized for
     about N thread blocks); None for other forms."""
     base, sep, c = name.rpartition("-ctas")
@@ -175,7 +175,8 @@ def timeline_form(name: str):
 
 #: step_timeline's keys, and the mark each is the last block's of (``live``: of
 #: the blocks that staged a query row; ``merging``: of the blocks that merged,
-#: one per KV head; in a two-level merge their marks 5-7 are the final merge's).
+#: one per KV head, or G with the spread merge; in a two-level merge their marks
+#: 5-7 are the final merge's).
 TIMELINE_KEYS = (("start_last", "all", 0), ("staged_median", "live", 1),
                  ("staged_last", "live", 1), ("pass_median", "live", 2),
                  ("pass_last", "live", 2), ("counted_last", "live", 3),
