@@ -2669,8 +2669,9 @@ def _step(case, counter=None, mma=True, merge_split=True, merge_spread=False):
                                mma=mma, merge_split=merge_split, merge_spread=merge_spread)
 
 
-def _step_builds(monkeypatch):
-    """The step's launches with their PM template value recorded (a list, in order)."""
+def _step_builds(monkeypatch, record=lambda kw: dict(kw["template"])["PM"]):
+    """The step's launches, each recorded as ``record`` of its keywords (by
+    default its PM template value), in a list in order."""
     built = []
     real = attn_ops._step_object
 
@@ -2678,7 +2679,7 @@ def _step_builds(monkeypatch):
         kernel = real(backend)
 
         def launch(**kw):
-            built.append(dict(kw["template"])["PM"])
+            built.append(record(kw))
             return kernel(**kw)
         return launch
 
@@ -2764,19 +2765,9 @@ def test_decode_step_merge_spread_is_the_same_bits_emulated(case, monkeypatch):
     # chunks of rows; the fourth's 2 query heads over 8 warps of 32 floats.
     B, Hq, Hk, D, S, off, dtype, R, trad, ctas = case
     monkeypatch.setattr(attn_ops, "_LANES_CTAS", ctas)
-    built = []
-    real = attn_ops._step_object
-
-    def obj(backend):
-        kernel = real(backend)
-
-        def launch(**kw):
-            t = dict(kw["template"])
-            built.append((t["PM"], t["MS"], kw["grid"][0] // kw["threadgroup"][0]))
-            return kernel(**kw)
-        return launch
-
-    monkeypatch.setattr(attn_ops, "_step_object", obj)
+    built = _step_builds(monkeypatch, lambda kw: (
+        dict(kw["template"])["PM"], dict(kw["template"])["MS"],
+        kw["grid"][0] // kw["threadgroup"][0]))
     c = _step_case(B, Hq, Hk, D, S, off, dtype, R, trad)
     one = _step(c, merge_split=False)
     counter = attn_ops.step_counter(B, Hk)
