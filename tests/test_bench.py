@@ -938,15 +938,22 @@ def test_profile_decode_gpu_rejects_bad_ncu_logs(tmp_path, body, message):
     assert sorted(p.name for p in out.iterdir()) == ["profile-decode-gpu-meta-fused.json"]
 
 
-def test_profile_decode_gpu_notes_a_log_that_is_not_whole_tokens(tmp_path, monkeypatch):
-    # 3 launches for 2 tokens: the log holds other kernels too (or another
-    # run's), which the summary says rather than dividing silently.
+def _benchmark_module(monkeypatch, name):
+    """benchmarks/<name>.py freshly imported, with benchmarks/ on the path for
+    this test (as the script itself runs)."""
+    import importlib
     import sys
     from pathlib import Path
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    monkeypatch.delitem(sys.modules, "profile_decode_gpu", raising=False)
-    import profile_decode_gpu as pdg
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return importlib.import_module(name)
+
+
+def test_profile_decode_gpu_notes_a_log_that_is_not_whole_tokens(tmp_path, monkeypatch):
+    # 3 launches for 2 tokens: the log holds other kernels too (or another
+    # run's), which the summary says rather than dividing silently.
+    pdg = _benchmark_module(monkeypatch, "profile_decode_gpu")
 
     log = tmp_path / "ncu.csv"
     log.write_text('"Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
@@ -1485,12 +1492,7 @@ def test_profile_attention_decode_launch_marks_and_forms(monkeypatch):
     # pass of the blocks that staged a query row, the merge's own steps from the
     # blocks that merged; us from the first block's start. And the timeline
     # forms: a key's form, with or without -ctasN; not the other forms.
-    import sys
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    monkeypatch.delitem(sys.modules, "profile_attention_decode", raising=False)
-    import profile_attention_decode as pad
+    pad = _benchmark_module(monkeypatch, "profile_attention_decode")
 
     assert pad.MARKS == 9
 
