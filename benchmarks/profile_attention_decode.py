@@ -31,10 +31,12 @@ shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
   each; the same bits), ``step-kv-prefetch`` and
   ``step-merge-split-kv-prefetch`` those two with each thread block's K and
   V rows asked of the L2 at its start (the profiling key
-  ``QAB_STEP_KV_PREFETCH``), ``step-merge-spread-sleep1000`` and
-  ``step-merge-spread-late-gate`` the spread merge with its merging blocks
-  polling every ~1 us instead of ~32 ns (``QAB_WAIT_SLEEP_NS=1000``) or
-  loading their gate after the wait (``QAB_STEP_SPREAD_LATE_GATE``) (the
+  ``QAB_STEP_KV_PREFETCH``), ``step-merge-spread-sleep1000``,
+  ``step-merge-spread-late-gate`` and ``step-merge-spread-relaxed`` the
+  spread merge with its merging blocks polling every ~1 us instead of ~32 ns
+  (``QAB_WAIT_SLEEP_NS=1000``), loading their gate after the wait
+  (``QAB_STEP_SPREAD_LATE_GATE``) or polling with relaxed loads and one
+  acquire fence after (``QAB_WAIT_RELAXED``) (the
   forms of a profiling key are timed as the ``--timeline`` build, with its
   phase marks), and ``step-ctasN`` the step with the pass sized for about N
   thread blocks (``--step-ctas``, at most ``_LANES_CTAS``) instead of
@@ -114,6 +116,7 @@ TIMELINE_FORMS = {"step": (True, False, None, False), "step-lanes": (False, Fals
                   "step-merge-spread": (True, False, None, True),
                   "step-merge-spread-sleep1000": (True, False, "QAB_WAIT_SLEEP_NS=1000", True),
                   "step-merge-spread-late-gate": (True, False, "QAB_STEP_SPREAD_LATE_GATE", True),
+                  "step-merge-spread-relaxed": (True, False, "QAB_WAIT_RELAXED", True),
                   "step-kv-prefetch": (True, False, "QAB_STEP_KV_PREFETCH", False),
                   "step-merge-split-kv-prefetch": (True, True, "QAB_STEP_KV_PREFETCH", False)}
 
@@ -254,7 +257,8 @@ def main(argv=None) -> int:
                         "split-kernel-lanes, step, step-lanes, step-merge-split, step-merge-spread, "
                         "step-kv-prefetch, "
                         "step-merge-split-kv-prefetch, step-merge-spread-sleep1000, "
-                        "step-merge-spread-late-gate, step-ctasN, step-merge-spread-ctasN, "
+                        "step-merge-spread-late-gate, step-merge-spread-relaxed, step-ctasN, "
+                        "step-merge-spread-ctasN, "
                         "four-launches (the module docstring says what each times; default: "
                         "every form this device has)")
     def ctas_list(text: str) -> list:

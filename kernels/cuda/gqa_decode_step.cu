@@ -152,7 +152,10 @@ const bool mma = MMA && k_buf_strides[3] == 1 && v_buf_strides[3] == 1 &&
                  qab_vec_aligned<InT, 8>(kh) && qab_vec_aligned<InT, 8>(vh);
 QAB_MARK(0);
 if constexpr (MS > 0) {
-  if (j >= NB) {
+  // A merging block's work as a function out of line (noinline), so that in
+  // the binary a key block's staging code follows its start as without MS
+  // (inline, the merge's ~45 KB of code lay between them).
+  const auto merge = [&]() __attribute__((noinline)) {
     // A merging block (MS): query heads g = j - NB, + MS, ... of (b, h), once
     // the NB key blocks have counted: the merge below, each head's rows
     // spread over WPH warps (EPM floats of each row per lane) instead of one
@@ -295,6 +298,9 @@ if constexpr (MS > 0) {
       cnt0[(int64_t)gridDim.z * Hk] = 0u;
     }
     QAB_MARK(4);
+  };
+  if (j >= NB) {
+    merge();
     return;
   }
 }
