@@ -1605,6 +1605,7 @@ class EmulatedCudaKernel:
         #: Indices of the inputs written in place (handed back, see _run).
         self.writes = [self.input_names.index(n) for n in writes]
         self.stats: dict = {}
+        self._sources: dict = {}  # generated_source per instantiation (see __call__)
         # (file name, text) pairs; #line directives keep compiler and
         # sanitizer reports pointing at the real files.
         self._header_files = list(header_files) if header_files is not None else (
@@ -1672,8 +1673,14 @@ class EmulatedCudaKernel:
             raise KernelFault(f"invalid CUDA launch: {blocks} blocks of {tg} threads "
                               "(<= 1024 threads per block, z <= 64, y/z blocks <= 65535)")
         out_dtypes = list(output_dtypes)
-        src = self.generated_source([x.dtype for x in inputs], [x.ndim for x in inputs],
-                                    out_dtypes, template)
+        # One instantiation's program text, made once per kernel object (its
+        # translation re-scans the headers: ~0.1 s a launch otherwise).
+        sig = (tuple(str(x.dtype) for x in inputs), tuple(x.ndim for x in inputs),
+               tuple(str(d) for d in out_dtypes), repr(template))
+        src = self._sources.get(sig)
+        if src is None:
+            src = self._sources[sig] = self.generated_source(
+                [x.dtype for x in inputs], [x.ndim for x in inputs], out_dtypes, template)
         if verbose:
             print(f"Generated emulation source for `{self.name}`:\n```\n{src}\n```")
         exe = _program(src)
