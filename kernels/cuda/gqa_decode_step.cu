@@ -92,7 +92,9 @@
 // reads ~0.4 MB of partials through one SM at 4K keys (8 of its ~12 us on an
 // H100); here each SM reads its head's 1/G. A merging block waits only on
 // blocks that took earlier tickets, so are running. The last merging block
-// resets the count and the tickets; count then needs 2 B Hk elements.
+// resets the count and the tickets; count then needs 2 B Hk elements. The
+// merging blocks' code is a function out of line (noinline), so a key block
+// runs on into its staging code as without MS.
 // Requires what gqa_decode_partial_lanes.cu and qk_norm_rope.cu require, G = Hq / Hk.
 
 constexpr int EPL = D / 32;                  // elements per lane of a head row
