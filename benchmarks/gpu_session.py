@@ -15,7 +15,7 @@ Steps (``--plan``, in the order given, each ``NAME:SECONDS``):
 - ``bench``: stock vs fused at 4K, full shape, 3 rounds of 64 decode tokens,
   with ablation columns (``--ablate``, default ``moe-block-pack,decode-const``;
   an opt-in optimization named there, e.g. ``decode-const`` or
-  ``attn-merge-spread``, is switched on by ``QAB_ENABLE`` for this step only,
+  ``attn-merge-split``, is switched on by ``QAB_ENABLE`` for this step only,
   so the fused column has it and its ablation column is the default build's);
   results under ``OUT/bench``.
 - ``tests``: ``pytest -m gpu tests/test_kernels_gpu.py -k FILTER``

@@ -103,7 +103,7 @@ def test_disable_and_bad_enable(tiny_hf_f32, monkeypatch):
     monkeypatch.setenv("QAB_ENABLE", "moe-route")
     with pytest.raises(ValueError, match=r"^QAB_ENABLE: 'moe-route' is on by default \(QAB_ENABLE "
                                          r"names only decode-compile, next-norm, proj-gemv, gemv-pipe, attn-lanes, "
-                                         r"l2-prefetch, decode-const, attn-merge-split, attn-merge-spread, "
+                                         r"l2-prefetch, decode-const, attn-merge-split, "
                                          r"moe-block-nps, "
                                          r"moe-block-rpl; "
                                          r"switch others "
@@ -730,10 +730,11 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
                for q, _, off, dt, h in calls)
     # The tensor-core key pass is asked for, of the check and of the launch
     # alike; QAB_DISABLE=attn-mma asks for the lane-group pass.
-    # The two-level merge (attn-merge-split) is opt-in: not asked for by default.
+    # The two-level merge (attn-merge-split) is opt-in: not asked for by
+    # default; the spread merge (attn-merge-spread) is on by default.
     assert mmas and all(f is True for f in mmas), mmas
     assert splits and all(f is False for f in splits), splits
-    assert spreads and all(f is False for f in spreads), spreads  # opt-in too
+    assert spreads and all(f is True for f in spreads), spreads
     mmas.clear()
     splits.clear()
     spreads.clear()
@@ -748,26 +749,31 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
     mmas.clear()
     splits.clear()
     calls.clear()
-    # QAB_ENABLE=attn-merge-split / attn-merge-spread asks for its merge, of
-    # the check and of the launch alike (the other merge not), and the report
-    # says so.
-    for name, flags, other, says in (
-            ("attn-merge-split", splits, spreads, "merges its key blocks in two levels, groups "
-                                                  "first"),
-            ("attn-merge-spread", spreads, splits, "merges its key blocks in G more thread "
-                                                   "blocks per KV head")):
+    # QAB_ENABLE=attn-merge-split asks for its merge, of the check and of the
+    # launch alike, and the report says so (the spread merge stays asked for:
+    # the kernel's rule _step_ms leaves it out where the two-level merge
+    # runs); QAB_DISABLE=attn-merge-spread asks for the one-block merge, and
+    # the report says so.
+    for env, value, split, spread, says in (
+            ("QAB_ENABLE", "decode-compile,attn-merge-split", True, True,
+             "merges its key blocks in two levels, groups first (attn-merge-split from "
+             "QAB_ENABLE"),
+            ("QAB_DISABLE", "attn-merge-spread", False, False,
+             "merges every key block, not G more thread blocks one query head each "
+             "(attn-merge-spread in QAB_DISABLE")):
         for seen in (calls, mmas, splits, spreads):
             seen.clear()
-        monkeypatch.setenv("QAB_ENABLE", f"decode-compile,{name}")
+        monkeypatch.setenv(env, value)
         merged, _ = load(tiny_hf_f32, "fused")
+        monkeypatch.delenv("QAB_DISABLE", raising=False)
         monkeypatch.setenv("QAB_ENABLE", "decode-compile")
-        assert any(f"{says} ({name} from QAB_ENABLE" in n for n in merged.qab_report.notes), (
-            merged.qab_report.notes)
+        assert any(says in n for n in merged.qab_report.notes), merged.qab_report.notes
         c = make_prompt_cache(merged)
         for t in range(3):
             mx.eval(merged(mx.array([[1 + t]]), cache=c))
-        assert len(calls) == n_attn and flags and all(f is True for f in flags), (name, flags)
-        assert other and all(f is False for f in other), (name, other)
+        assert len(calls) == n_attn and splits and all(f is split for f in splits), (
+            value, splits)
+        assert spreads and all(f is spread for f in spreads), (value, spreads)
         assert all(f is True for f in mmas), mmas
     claimed.clear()
     monkeypatch.setattr(decode, "kv_cache_write", lambda backend, k, v, kb, vb, off:
@@ -788,6 +794,8 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
             in no_prep.qab_report.notes)
     assert ("attn-mma is not used: it needs qk-prep, which QAB_DISABLE / disable= switches off"
             in no_prep.qab_report.notes)
+    assert ("attn-merge-spread is not used: it needs qk-prep, which QAB_DISABLE / disable= "
+            "switches off" in no_prep.qab_report.notes)
     monkeypatch.setenv("QAB_ENABLE", "decode-compile,attn-merge-split")
     no_prep, _ = load(tiny_hf_f32, "fused", disable=["qk-prep"])
     monkeypatch.setenv("QAB_ENABLE", "decode-compile")

@@ -42,10 +42,7 @@ Variables:
         constants checked by identity instead of compile inputs: arrays
         changed in place are then not seen by decoding; ``attn-merge-split``,
         the one-launch attention step's key blocks merged in two levels:
-        verified on the H200, no faster end to end at 4K in one run;
-        ``attn-merge-spread``, the step's merge spread over G more thread
-        blocks per KV head, the same bits: measured 0.7-5.3 us earlier per
-        launch on an H100, not yet end to end).
+        verified on the H200, no faster end to end at 4K in one run).
         ``QAB_DISABLE`` wins over it. ``next-norm`` needs
         ``moe-route``, which needs ``add-norm`` and ``moe-kernel``.
     QAB_UNVERIFIED_KERNELS: a boolean like ``QAB_DISABLE_KERNELS``; on, it also
@@ -216,12 +213,13 @@ OPTIMIZATIONS = {
     # block's partials through one SM (H200, 4K keys: 11 of a 23 us launch, session 24); one
     # 4K run on the H200: 307.5 tok/s with it against 310.3 without
     "attn-merge-split": "attn",
-    # opt-in (QAB_ENABLE): with attn-step, its key blocks merged by G more thread blocks per
-    # KV head (one query head each, a row's elements over the block's warps; every block takes
-    # a ticket as it starts, the merging blocks the last G and wait for the key blocks' count)
-    # instead of by the last key block alone; the same bits. H100, the launch alone after an
-    # L2 flush (profile_attention_decode.py --timeline): 24.46 vs 25.2 us at 4K keys and 45.62
-    # vs 50.9 at 32K (session 43); some key blocks then stage their query rows later
+    # with attn-step (and not with attn-merge-split), its key blocks merged by G more thread
+    # blocks per KV head (one query head each, a row's elements over the block's warps; every
+    # block takes a ticket as it starts, the merging blocks the last G and wait for the key
+    # blocks' count; their code out of line) instead of by the last key block alone; the
+    # same bits. H100, the launch alone after an L2 flush (profile_attention_decode.py
+    # --timeline): 20.46 / 20.06 vs 25.06 / 24.88 us at 4K keys (two runs) and 47.6 vs 50.69
+    # at 32K (session 44); 4K decode 329.7 vs 325.6 tok/s without it
     "attn-merge-spread": "attn",
     # opt-in (QAB_ENABLE): the one-launch MoE block on a persistent grid of two blocks per SM
     # whose next-projection rows (48 per block) are copied into each block's shared memory
@@ -365,8 +363,7 @@ def kernels_disabled() -> bool:
 # switch on: decode-compile is on by default on a GPU only (host-bound decode:
 # measured on the H200) and off on the CPU (measured no faster there).
 OPT_IN = ("decode-compile", "next-norm", "proj-gemv", "gemv-pipe", "attn-lanes",
-          "l2-prefetch", "decode-const", "attn-merge-split", "attn-merge-spread", "moe-block-nps",
-          "moe-block-rpl")
+          "l2-prefetch", "decode-const", "attn-merge-split", "moe-block-nps", "moe-block-rpl")
 
 
 def enabled_opt_in() -> frozenset[str]:

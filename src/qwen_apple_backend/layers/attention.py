@@ -128,7 +128,8 @@ class FusedGQAAttention(nn.Module):
         decode_merge_spread (bool): with ``decode_step``, the step's key blocks
             merged by G more thread blocks per KV head, one query head each
             (``ops.attention.gqa_decode_step``'s ``merge_spread``; the same bits;
-            opt-in: ``QAB_ENABLE=attn-merge-spread`` sets it). Default False.
+            ``QAB_DISABLE=attn-merge-spread`` keeps the last key block merging).
+            Default True.
     """
 
     def __init__(
@@ -175,7 +176,7 @@ class FusedGQAAttention(nn.Module):
         self.decode_step = decode_step
         self.decode_mma = True
         self.decode_merge_split = False
-        self.decode_merge_spread = False
+        self.decode_merge_spread = True
 
     @classmethod
     def from_stock(

@@ -211,8 +211,6 @@ _OPT_IN_NEEDS = {"l2-prefetch": ("moe", "moe-kernel", "moe-route", "add-norm", "
                  # The attention step's two-level merge lives inside the step.
                  "attn-merge-split": ("attn", "attn-kernel", "qk-prep", "proj-concat",
                                       "kv-in-place", "decode-compile", "attn-step"),
-                 "attn-merge-spread": ("attn", "attn-kernel", "qk-prep", "proj-concat",
-                                       "kv-in-place", "decode-compile", "attn-step"),
                  # The early-staged next projection lives in the one-launch block's
                  # next-projection phase.
                  "moe-block-nps": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block",
@@ -247,6 +245,9 @@ _DEFAULT_NEEDS = {
     # The step's tensor-core key pass lives inside the step.
     "attn-mma": ("attn", "attn-kernel", "qk-prep", "proj-concat", "kv-in-place",
                  "decode-compile", "attn-step"),
+    # The step's spread merge lives inside the step.
+    "attn-merge-spread": ("attn", "attn-kernel", "qk-prep", "proj-concat", "kv-in-place",
+                          "decode-compile", "attn-step"),
 }
 
 
@@ -415,6 +416,9 @@ class QwenHybridAdapter(Adapter):
         "attn-mma": "on CUDA the one-launch attention step's pass over the cached keys runs "
                     "as the lane-group pass, not on tensor cores (attn-mma in QAB_DISABLE / "
                     "disable=)",
+        "attn-merge-spread": "on CUDA the one-launch attention step's last key block per KV "
+                             "head merges every key block, not G more thread blocks one query "
+                             "head each (attn-merge-spread in QAB_DISABLE / disable=)",
         "gdn-kernel": "Gated DeltaNet scans and decode steps run as MLX ops, without the GPU "
                       "gated-delta kernels (gdn-kernel in QAB_DISABLE / disable=)",
         "moe-kernel": "MoE routing and experts run as MLX ops, without the GPU MoE kernels "
@@ -480,10 +484,6 @@ class QwenHybridAdapter(Adapter):
         # there 307.5 tok/s with it against 310.3 without (within its rounds'
         # spread); its kernel-level timing not yet measured.
         merge_on = "attn-merge-split" in enabled and "attn-merge-split" not in disable
-        # Opt-in (QAB_ENABLE=attn-merge-spread): the same bits; on an H100 the step's launch
-        # ends 0.7-4.3 us earlier at 4K keys and 4.2-5.3 at 32K (two runs), not yet measured
-        # end to end.
-        spread_on = "attn-merge-spread" in enabled and "attn-merge-spread" not in disable
         # Opt-in (QAB_ENABLE=moe-block-nps): the block's next-projection rows in
         # shared memory, copied early by a persistent grid's blocks; on the H200
         # 74.0 vs 71.0 us per Gated DeltaNet layer launch (profile_layer_gpu.py).
@@ -596,8 +596,8 @@ class QwenHybridAdapter(Adapter):
                     fused.decode_mma = False
                 if merge_on and hasattr(fused, "decode_merge_split"):
                     fused.decode_merge_split = True
-                if spread_on and hasattr(fused, "decode_merge_spread"):
-                    fused.decode_merge_spread = True
+                if "attn-merge-spread" in off and hasattr(fused, "decode_merge_spread"):
+                    fused.decode_merge_spread = False
                 if nps_on and hasattr(fused, "nps_mode"):
                     fused.nps_mode = NPS_MODE
                 if rpl_on and hasattr(fused, "preload_norm"):
@@ -629,8 +629,6 @@ class QwenHybridAdapter(Adapter):
                                            "layer's input projection while its route runs"),
                            ("attn-merge-split", "the one-launch attention step merges its key "
                                                 "blocks in two levels, groups first"),
-                           ("attn-merge-spread", "the one-launch attention step merges its key "
-                                                 "blocks in G more thread blocks per KV head"),
                            ("moe-block-nps", "the one-launch MoE block runs on a persistent grid "
                                              "whose blocks copy their next-projection rows into "
                                              "shared memory early"),
@@ -664,7 +662,7 @@ class QwenHybridAdapter(Adapter):
                 unused = f"{name} is not used: "
                 if off:
                     report.notes.append(unused + off)
-                elif name in ("attn-step", "attn-mma"):
+                elif name in ("attn-step", "attn-mma", "attn-merge-spread"):
                     continue
                 elif "next-norm" in enabled and "next-norm" not in disable:
                     report.notes.append(unused + "next-norm from QAB_ENABLE replaces the "
