@@ -154,154 +154,158 @@ const bool mma = MMA && k_buf_strides[3] == 1 && v_buf_strides[3] == 1 &&
                  qab_vec_aligned<InT, 8>(kh) && qab_vec_aligned<InT, 8>(vh);
 QAB_MARK(0);
 if constexpr (MS > 0) {
-  // A merging block's work as a function out of line (noinline), so that in
-  // the binary a key block's staging code follows its start as without MS
-  // (inline, the merge's ~45 KB of code lay between them).
-  const auto merge = [&]() __attribute__((noinline)) {
-    // A merging block (MS): query heads g = j - NB, + MS, ... of (b, h), once
-    // the NB key blocks have counted: the merge below, each head's rows
-    // spread over WPH warps (EPM floats of each row per lane) instead of one
-    // warp: M, the denominator and each element's sum over the rows in the
-    // same order and rounding (the same bits), the rows' loads spread over
-    // MS SMs instead of one.
-    constexpr int EPM = D > 32 * WARPS ? D / (32 * WARPS) : 1;  // floats per lane of a row
-    constexpr int WPH = D / (32 * EPM);                          // warps per head
-    constexpr int HPB = WARPS / WPH;                             // heads merged at once
-    constexpr int MCHS = SMF / G;                                // the merge's chunk of rows
-    constexpr int US = 16;                                       // the merge's U
-    constexpr int RS = 2;                                        // groups of US rows in flight
-    constexpr int RL = 2;                                        // rows per lane, one trip
-    static_assert(D % (32 * EPM) == 0 && HPB >= 1, "a head row over whole warps of the block");
-    uint32_t* const cnt0 = const_cast<uint32_t*>(count) + (int64_t)b * Hk + h;
-    const int hs = w / WPH;                  // this warp's head slot
-    const int d0 = (w % WPH) * 32 * EPM + lane * EPM;
-    const int g0 = j - NB + MS * hs;
-    float gate[EPM];                         // the first head's gate, before the wait
+  if (j >= NB) {
+    // A merging block's work as a function out of line (noinline), so that in
+    // the binary a key block's staging code follows its start as without MS
+    // (inline, the merge's ~45 KB of code lay between them). Its values are
+    // captured by copy, here: captured by reference, the key blocks' variables
+    // would live in local memory (every block's loads of them from the stack).
+    const auto merge = [=]() __attribute__((noinline)) {
+      // A merging block (MS): query heads g = j - NB, + MS, ... of (b, h), once
+      // the NB key blocks have counted: the merge below, each head's rows
+      // spread over WPH warps (EPM floats of each row per lane) instead of one
+      // warp: M, the denominator and each element's sum over the rows in the
+      // same order and rounding (the same bits), the rows' loads spread over
+      // MS SMs instead of one.
+      constexpr int EPM = D > 32 * WARPS ? D / (32 * WARPS) : 1;  // floats per lane of a row
+      constexpr int WPH = D / (32 * EPM);                          // warps per head
+      constexpr int HPB = WARPS / WPH;                             // heads merged at once
+      constexpr int MCHS = SMF / G;                                // the merge's chunk of rows
+      constexpr int US = 16;                                       // the merge's U
+      constexpr int RS = 2;                                        // groups of US rows in flight
+      constexpr int RL = 2;                                        // rows per lane, one trip
+      static_assert(D % (32 * EPM) == 0 && HPB >= 1, "a head row over whole warps of the block");
+      uint32_t* const cnt0 = const_cast<uint32_t*>(count) + (int64_t)b * Hk + h;
+      const int hs = w / WPH;                  // this warp's head slot
+      const int d0 = (w % WPH) * 32 * EPM + lane * EPM;
+      const int g0 = j - NB + MS * hs;
+      float gate[EPM];                         // the first head's gate, before the wait
 #ifdef QAB_STEP_SPREAD_LATE_GATE
-    // (A profiling key: the first head's gate loaded after the wait too.)
-    constexpr bool late_gate = true;
+      // (A profiling key: the first head's gate loaded after the wait too.)
+      constexpr bool late_gate = true;
 #else
-    constexpr bool late_gate = false;
+      constexpr bool late_gate = false;
 #endif
-    if (!late_gate && hs < HPB && g0 < G) {
+      if (!late_gate && hs < HPB && g0 < G) {
 #pragma unroll
-      for (int e = 0; e < EPM; ++e) {
-        gate[e] = static_cast<float>(row[(int64_t)((h * G + g0) * 2 * D + D + d0 + e) * es]);
-      }
-    }
-    if (threadIdx.x == 0) {
-      qab_wait_count(cnt0, static_cast<uint32_t>(NB));
-    }
-    __syncthreads();
-    __threadfence();
-    QAB_MARK(8);
-    if (hs < HPB) {
-      for (int g = g0; g < G; g += MS * HPB) {
-        const int hq = h * G + g;
-        const int64_t base = ((int64_t)b * Hq + hq) * NB;
-        if (g != g0 || late_gate) {
-#pragma unroll
-          for (int e = 0; e < EPM; ++e) {
-            gate[e] = static_cast<float>(row[(int64_t)(hq * 2 * D + D + d0 + e) * es]);
-          }
+        for (int e = 0; e < EPM; ++e) {
+          gate[e] = static_cast<float>(row[(int64_t)((h * G + g0) * 2 * D + D + d0 + e) * es]);
         }
-        float M = -INFINITY, den = 0.f, num[EPM];
+      }
+      if (threadIdx.x == 0) {
+        qab_wait_count(cnt0, static_cast<uint32_t>(NB));
+      }
+      __syncthreads();
+      __threadfence();
+      QAB_MARK(8);
+      if (hs < HPB) {
+        for (int g = g0; g < G; g += MS * HPB) {
+          const int hq = h * G + g;
+          const int64_t base = ((int64_t)b * Hq + hq) * NB;
+          if (g != g0 || late_gate) {
 #pragma unroll
-        for (int e = 0; e < EPM; ++e) num[e] = 0.f;
-        if (NBe <= 32 * RL && NBe <= MCHS) {
-          // Up to 32 RL rows: every load in one trip (each row's o, a row past
-          // NBe - 1 repeating it; each lane's rows' m and l), then the same
-          // arithmetic in the same order, a row's m from its lane by a shuffle.
-          float mr[RL], lr[RL], ov[32 * RL][EPM];
-#pragma unroll
-          for (int u = 0; u < 32 * RL; ++u) {
-            const int i = min(u, NBe - 1);
-#pragma unroll
-            for (int e = 0; e < EPM; ++e) ov[u][e] = qab_ldcg(o_part + (base + i) * D + d0 + e);
-          }
-#pragma unroll
-          for (int k = 0; k < RL; ++k) {
-            const int i = lane + 32 * k;
-            mr[k] = i < NBe ? qab_ldcg(ml + (base + i) * 2) : -INFINITY;
-            lr[k] = i < NBe ? qab_ldcg(ml + (base + i) * 2 + 1) : 0.f;
-          }
-#pragma unroll
-          for (int k = 0; k < RL; ++k) M = fmaxf(M, mr[k]);
-#pragma unroll
-          for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
-          QAB_MARK(5);
-          float dl = 0.f;
-#pragma unroll
-          for (int k = 0; k < RL; ++k) {
-            if (lane + 32 * k < NBe) {
-              const float wi = exp2f(mr[k] - M);
-              dl += wi * lr[k];
+            for (int e = 0; e < EPM; ++e) {
+              gate[e] = static_cast<float>(row[(int64_t)(hq * 2 * D + D + d0 + e) * es]);
             }
           }
-          den += qab_warp_sum(dl);
-          QAB_MARK(6);
+          float M = -INFINITY, den = 0.f, num[EPM];
 #pragma unroll
-          for (int u = 0; u < 32 * RL; ++u) {
-            if (u % US == 0 && u >= NBe) break;  // past the last group of US rows
-            const float mi = __shfl_sync(0xffffffffu, mr[u / 32], u % 32);
-            const float wi = u < NBe ? exp2f(mi - M) : 0.f;
+          for (int e = 0; e < EPM; ++e) num[e] = 0.f;
+          if (NBe <= 32 * RL && NBe <= MCHS) {
+            // Up to 32 RL rows: every load in one trip (each row's o, a row past
+            // NBe - 1 repeating it; each lane's rows' m and l), then the same
+            // arithmetic in the same order, a row's m from its lane by a shuffle.
+            float mr[RL], lr[RL], ov[32 * RL][EPM];
 #pragma unroll
-            for (int e = 0; e < EPM; ++e) num[e] += wi * ov[u][e];
-          }
-          QAB_MARK(7);
-        } else {
-          for (int i = lane; i < NBe; i += 32) M = fmaxf(M, qab_ldcg(ml + (base + i) * 2));
+            for (int u = 0; u < 32 * RL; ++u) {
+              const int i = min(u, NBe - 1);
 #pragma unroll
-          for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
-          QAB_MARK(5);
-          for (int c0 = 0; c0 < NBe; c0 += MCHS) {
-            const int c1 = min(c0 + MCHS, NBe);
+              for (int e = 0; e < EPM; ++e) ov[u][e] = qab_ldcg(o_part + (base + i) * D + d0 + e);
+            }
+#pragma unroll
+            for (int k = 0; k < RL; ++k) {
+              const int i = lane + 32 * k;
+              mr[k] = i < NBe ? qab_ldcg(ml + (base + i) * 2) : -INFINITY;
+              lr[k] = i < NBe ? qab_ldcg(ml + (base + i) * 2 + 1) : 0.f;
+            }
+#pragma unroll
+            for (int k = 0; k < RL; ++k) M = fmaxf(M, mr[k]);
+#pragma unroll
+            for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
+            QAB_MARK(5);
             float dl = 0.f;
-            for (int i = c0 + lane; i < c1; i += 32) {
-              const float wi = exp2f(qab_ldcg(ml + (base + i) * 2) - M);
-              dl += wi * qab_ldcg(ml + (base + i) * 2 + 1);
+#pragma unroll
+            for (int k = 0; k < RL; ++k) {
+              if (lane + 32 * k < NBe) {
+                const float wi = exp2f(mr[k] - M);
+                dl += wi * lr[k];
+              }
             }
             den += qab_warp_sum(dl);
             QAB_MARK(6);
-            // The rows in groups of US (a row past c1 - 1 repeats it, weighed 0),
-            // RS groups' loads issued before their sums.
-            for (int i0 = c0; i0 < c1; i0 += US * RS) {
-              float mv[RS * US], ov[RS * US][EPM];
 #pragma unroll
-              for (int u = 0; u < RS * US; ++u) {
-                const int i = min(i0 + u, c1 - 1);
-                mv[u] = qab_ldcg(ml + (base + i) * 2);
+            for (int u = 0; u < 32 * RL; ++u) {
+              if (u % US == 0 && u >= NBe) break;  // past the last group of US rows
+              const float mi = __shfl_sync(0xffffffffu, mr[u / 32], u % 32);
+              const float wi = u < NBe ? exp2f(mi - M) : 0.f;
 #pragma unroll
-                for (int e = 0; e < EPM; ++e) ov[u][e] = qab_ldcg(o_part + (base + i) * D + d0 + e);
-              }
-#pragma unroll
-              for (int u = 0; u < RS * US; ++u) {
-                if (u % US == 0 && i0 + u >= c1) break;  // past the chunk's last group
-                const float wi = i0 + u < c1 ? exp2f(mv[u] - M) : 0.f;
-#pragma unroll
-                for (int e = 0; e < EPM; ++e) num[e] += wi * ov[u][e];
-              }
+              for (int e = 0; e < EPM; ++e) num[e] += wi * ov[u][e];
             }
             QAB_MARK(7);
+          } else {
+            for (int i = lane; i < NBe; i += 32) M = fmaxf(M, qab_ldcg(ml + (base + i) * 2));
+#pragma unroll
+            for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
+            QAB_MARK(5);
+            for (int c0 = 0; c0 < NBe; c0 += MCHS) {
+              const int c1 = min(c0 + MCHS, NBe);
+              float dl = 0.f;
+              for (int i = c0 + lane; i < c1; i += 32) {
+                const float wi = exp2f(qab_ldcg(ml + (base + i) * 2) - M);
+                dl += wi * qab_ldcg(ml + (base + i) * 2 + 1);
+              }
+              den += qab_warp_sum(dl);
+              QAB_MARK(6);
+              // The rows in groups of US (a row past c1 - 1 repeats it, weighed 0),
+              // RS groups' loads issued before their sums.
+              for (int i0 = c0; i0 < c1; i0 += US * RS) {
+                float mv[RS * US], ov[RS * US][EPM];
+#pragma unroll
+                for (int u = 0; u < RS * US; ++u) {
+                  const int i = min(i0 + u, c1 - 1);
+                  mv[u] = qab_ldcg(ml + (base + i) * 2);
+#pragma unroll
+                  for (int e = 0; e < EPM; ++e) {
+                    ov[u][e] = qab_ldcg(o_part + (base + i) * D + d0 + e);
+                  }
+                }
+#pragma unroll
+                for (int u = 0; u < RS * US; ++u) {
+                  if (u % US == 0 && i0 + u >= c1) break;  // past the chunk's last group
+                  const float wi = i0 + u < c1 ? exp2f(mv[u] - M) : 0.f;
+#pragma unroll
+                  for (int e = 0; e < EPM; ++e) num[e] += wi * ov[u][e];
+                }
+              }
+              QAB_MARK(7);
+            }
+          }
+#pragma unroll
+          for (int e = 0; e < EPM; ++e) {
+            const InT y = static_cast<InT>(num[e] / den);
+            out[(int64_t)hq * D + (int64_t)b * Hq * D + d0 + e] = qab_sigmoid_gate<InT>(y, gate[e]);
           }
         }
-#pragma unroll
-        for (int e = 0; e < EPM; ++e) {
-          const InT y = static_cast<InT>(num[e] / den);
-          out[(int64_t)hq * D + (int64_t)b * Hq * D + d0 + e] = qab_sigmoid_gate<InT>(y, gate[e]);
-        }
       }
-    }
-    // Counted past NB: the last merging block resets the count and the tickets.
-    __syncthreads();
-    if (threadIdx.x == 0 &&
-        atomicAdd(cnt0, 1u) == static_cast<uint32_t>(NB + MS - 1)) {
-      *cnt0 = 0u;
-      cnt0[(int64_t)gridDim.z * Hk] = 0u;
-    }
-    QAB_MARK(4);
-  };
-  if (j >= NB) {
+      // Counted past NB: the last merging block resets the count and the tickets.
+      __syncthreads();
+      if (threadIdx.x == 0 &&
+          atomicAdd(cnt0, 1u) == static_cast<uint32_t>(NB + MS - 1)) {
+        *cnt0 = 0u;
+        cnt0[(int64_t)gridDim.z * Hk] = 0u;
+      }
+      QAB_MARK(4);
+    };
     merge();
     return;
   }
