@@ -788,6 +788,22 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
         mx.eval(long_model(mx.array([[1 + t]]), cache=c))
     assert calls == []
     monkeypatch.setattr(attn_ops, "STEP_MAX_KEYS", 65536)
+    # A spread-merge build that fails its self-check (step_kernel_ready None
+    # with merge_spread, "cuda" without) leaves the step to the one-block
+    # merge: every launch then asks for merge_spread False.
+    for seen in (calls, mmas, splits, spreads):
+        seen.clear()
+    checked = []
+    monkeypatch.setattr(attn_ops, "step_kernel_ready",
+                        lambda *a, mma=None, merge_split=None, merge_spread=None:
+                        checked.append(merge_spread) or (None if merge_spread else "cuda"))
+    fallback, _ = load(tiny_hf_f32, "fused")
+    c = make_prompt_cache(fallback)
+    for t in range(3):
+        mx.eval(fallback(mx.array([[1 + t]]), cache=c))
+    assert checked[:2] == [True, False] and not any(checked[2:]), checked
+    assert len(calls) == n_attn and spreads and not any(spreads), spreads
+    claimed.clear()
     # What it needs, switched off, is named.
     no_prep, _ = load(tiny_hf_f32, "fused", disable=["qk-prep"])
     assert ("attn-step is not used: it needs qk-prep, which QAB_DISABLE / disable= switches off"

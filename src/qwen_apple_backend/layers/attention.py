@@ -475,11 +475,20 @@ class FusedGQAAttention(nn.Module):
                 or kb.shape[0] != x.shape[0]
                 or not (x.dtype == qw.dtype == kw.dtype == kb.dtype == vb.dtype)):
             return False
-        return attn_ops.step_kernel_ready(x.shape[0], self.num_attention_heads,
-                                          self.num_key_value_heads, D, x.dtype,
-                                          rope_spec(self.rope), mma=self.decode_mma,
-                                          merge_split=self.decode_merge_split,
-                                          merge_spread=self.decode_merge_spread) is not None
+        def ready(spread: bool) -> bool:
+            return attn_ops.step_kernel_ready(
+                x.shape[0], self.num_attention_heads, self.num_key_value_heads, D, x.dtype,
+                rope_spec(self.rope), mma=self.decode_mma, merge_split=self.decode_merge_split,
+                merge_spread=spread) is not None
+
+        if ready(self.decode_merge_spread):
+            return True
+        if self.decode_merge_spread and ready(False):
+            # The spread merge's build failed its self-check (or did not build)
+            # where the one-block merge's passes: the step without it.
+            self.decode_merge_spread = False
+            return True
+        return False
 
     def _step_counter(self, B: int) -> mx.array:
         """This layer's counter for its attention step launches (one per batch size;
