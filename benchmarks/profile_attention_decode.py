@@ -31,12 +31,10 @@ shape (B = 1, Hq = 16, Hk = 2, D = 256, bf16 KV), by form:
   each; the same bits), ``step-kv-prefetch`` and
   ``step-merge-split-kv-prefetch`` those two with each thread block's K and
   V rows asked of the L2 at its start (the profiling key
-  ``QAB_STEP_KV_PREFETCH``), ``step-merge-spread-sleep1000``,
-  ``step-merge-spread-late-gate`` and ``step-merge-spread-relaxed`` the
-  spread merge with its merging blocks polling every ~1 us instead of ~32 ns
-  (``QAB_WAIT_SLEEP_NS=1000``), loading their gate after the wait
-  (``QAB_STEP_SPREAD_LATE_GATE``) or polling with relaxed loads and one
-  acquire fence after (``QAB_WAIT_RELAXED``) (the
+  ``QAB_STEP_KV_PREFETCH``), ``step-merge-spread-sleep1000`` and
+  ``step-merge-spread-relaxed`` the spread merge with its merging blocks
+  polling every ~1 us instead of ~32 ns (``QAB_WAIT_SLEEP_NS=1000``) or
+  with relaxed loads and one acquire fence after (``QAB_WAIT_RELAXED``) (the
   forms of a profiling key are timed as the ``--timeline`` build, with its
   phase marks), and ``step-ctasN`` the step with the pass sized for about N
   thread blocks (``--step-ctas``, at most ``_LANES_CTAS``) instead of
@@ -115,7 +113,6 @@ TIMELINE_FORMS = {"step": (True, False, None, False), "step-lanes": (False, Fals
                   "step-merge-split": (True, True, None, False),
                   "step-merge-spread": (True, False, None, True),
                   "step-merge-spread-sleep1000": (True, False, "QAB_WAIT_SLEEP_NS=1000", True),
-                  "step-merge-spread-late-gate": (True, False, "QAB_STEP_SPREAD_LATE_GATE", True),
                   "step-merge-spread-relaxed": (True, False, "QAB_WAIT_RELAXED", True),
                   "step-kv-prefetch": (True, False, "QAB_STEP_KV_PREFETCH", False),
                   "step-merge-split-kv-prefetch": (True, True, "QAB_STEP_KV_PREFETCH", False)}
@@ -127,8 +124,7 @@ def stamped_step(qkv, nw, k_buf, v_buf, offset, counter, rope, scale, mma=True,
     stamps ``[blocks, MARKS + 1]`` uint64 (0 where a mark does not apply); ``mma``
     and ``merge_split`` as ``gqa_decode_step``'s; ``key``: a profiling key of the
     kernel to define (``QAB_STEP_KV_PREFETCH``: each block's K and V rows asked
-    of the L2 at its start; ``QAB_STEP_SPREAD_LATE_GATE``: with
-    ``merge_spread``, the merging blocks' gate loaded after their wait;
+    of the L2 at its start; ``QAB_WAIT_RELAXED``: relaxed polls;
     ``NAME=VALUE``: a macro with a value, e.g. ``QAB_WAIT_SLEEP_NS=1000``), or
     None; ``merge_spread`` as ``gqa_decode_step``'s; ``ctas``: the pass sized
     for about that many thread blocks instead of ``_LANES_CTAS`` (at most it:
@@ -257,7 +253,7 @@ def main(argv=None) -> int:
                         "split-kernel-lanes, step, step-lanes, step-merge-split, step-merge-spread, "
                         "step-kv-prefetch, "
                         "step-merge-split-kv-prefetch, step-merge-spread-sleep1000, "
-                        "step-merge-spread-late-gate, step-merge-spread-relaxed, step-ctasN, "
+                        "step-merge-spread-relaxed, step-ctasN, "
                         "step-merge-spread-ctasN, "
                         "four-launches (the module docstring says what each times; default: "
                         "every form this device has)")

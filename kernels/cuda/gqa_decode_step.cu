@@ -180,13 +180,7 @@ if constexpr (MS > 0) {
       const int d0 = (w % WPH) * 32 * EPM + lane * EPM;
       const int g0 = j - NB + MS * hs;
       float gate[EPM];                         // the first head's gate, before the wait
-#ifdef QAB_STEP_SPREAD_LATE_GATE
-      // (A profiling key: the first head's gate loaded after the wait too.)
-      constexpr bool late_gate = true;
-#else
-      constexpr bool late_gate = false;
-#endif
-      if (!late_gate && hs < HPB && g0 < G) {
+      if (hs < HPB && g0 < G) {
 #pragma unroll
         for (int e = 0; e < EPM; ++e) {
           gate[e] = static_cast<float>(row[(int64_t)((h * G + g0) * 2 * D + D + d0 + e) * es]);
@@ -202,7 +196,7 @@ if constexpr (MS > 0) {
         for (int g = g0; g < G; g += MS * HPB) {
           const int hq = h * G + g;
           const int64_t base = ((int64_t)b * Hq + hq) * NB;
-          if (g != g0 || late_gate) {
+          if (g != g0) {
 #pragma unroll
             for (int e = 0; e < EPM; ++e) {
               gate[e] = static_cast<float>(row[(int64_t)(hq * 2 * D + D + d0 + e) * es]);
