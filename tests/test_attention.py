@@ -632,23 +632,25 @@ def test_long_decode_takes_split_attention_on_a_gpu_and_matches_stock(monkeypatc
     assert calls == []
 
 
-def test_compiled_projections_take_the_qk_prep_kernel(monkeypatch):
-    # With the q/k preparation kernel ready (checked outside the trace), the
-    # compiled decode projections call prep_qk_decode (here a traceable
-    # stand-in with the kernel's contract: [B, 1, H, D] in, [B, H, 1, D] out)
-    # and keep prep_qk for prompts; outputs stay stock's. qk-prep off
-    # (prep_kernel False), or a prompt, keeps prep_qk.
+@pytest.mark.parametrize("backend", ["cuda", "metal"])
+def test_compiled_projections_take_the_qk_prep_kernel(monkeypatch, backend):
+    # With the q/k preparation kernel ready on a backend (checked outside the
+    # trace), the compiled decode projections call prep_qk_decode for that
+    # backend (here a traceable stand-in with the kernel's contract:
+    # [B, 1, H, D] in, [B, H, 1, D] out) and keep prep_qk for prompts;
+    # outputs stay stock's. qk-prep off (prep_kernel False), or a prompt,
+    # keeps prep_qk.
     import qwen_apple_backend.layers.attention as layer_mod
 
     calls = []
 
-    def stand_in(q, k, qw, kw, *, q_eps, k_eps, rope, offset):
-        calls.append((q.shape, offset.ndim))
+    def stand_in(q, k, qw, kw, *, q_eps, k_eps, rope, offset, backend):
+        calls.append((q.shape, offset.ndim, backend))
         return attn_ops.prep_qk(q, k, qw, kw, q_eps=q_eps, k_eps=k_eps, rope=rope, offset=offset)
 
     ready = []
     monkeypatch.setattr(attn_ops, "qk_prep_kernel_ready",
-                        lambda *a: ready.append(a[:3]) or "cuda")
+                        lambda *a: ready.append(a[:3]) or backend)
     monkeypatch.setattr(layer_mod, "prep_qk_decode", stand_in)
     stock, fused = make_pair()
     xs = [inputs((1, n, 512), seed=s) for s, n in enumerate([5, 1, 1])]
@@ -657,9 +659,9 @@ def test_compiled_projections_take_the_qk_prep_kernel(monkeypatch):
     for y, ref in zip(ys, refs):
         assert rel_l2(y, ref) <= 1e-6
     # Traced once for the decode tokens (the stand-in runs at trace time).
-    assert calls == [((1, 1, 16, 256), 0)], calls
+    assert calls == [((1, 1, 16, 256), 0, backend)], calls
     assert ready == [(16, 2, 256), (16, 2, 256)], ready  # decode tokens only
-    assert any(key[:2] in ((True, True), (False, True)) for key in fused._compiled)
+    assert any(key[1] == backend for key in fused._compiled)
     calls.clear()
     fused.prep_kernel = False
     run_steps(fused, xs, KVCache)

@@ -41,8 +41,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from qwen_apple_backend.ops import attention as attn_ops
 from qwen_apple_backend.ops import moe as moe_ops
 from qwen_apple_backend.ops._sources import compact, kernel_source
+
+from ._metrics import mx_rel_l2
 
 CXX = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler on PATH")
@@ -878,3 +881,229 @@ def test_add_rms_norm_metal_emulated(add_norm_metal_exe, case):
     # Same bounds as the CUDA body: h bit-identical to x + r, y within two
     # ulps of mx.fast.rms_norm on a few elements (see the helper).
     _assert_add_rms_norm_matches(h, y, x, r, w, eps, f"{N}x{D} {t}")
+
+
+# --------------------------------------------------------------------------
+# qk_norm_rope: a decode token's q/k RMSNorm + RoPE in one launch
+# (kernels/metal/qk_norm_rope.metal)
+# --------------------------------------------------------------------------
+
+# What the body uses beyond the prelude and SIMD_PRELUDE: simd_shuffle (each
+# lane publishes its value, a SIMD-group barrier, each reads its source lane's,
+# another barrier), metal::exp2 / fast::cos / fast::sin / precise::rsqrt (the
+# C library's float functions), and q's / k's shapes and strides, as MLX
+# passes them (int / int64_t arrays), read from QAB_QK_DIMS (q's shape, q's
+# strides, k's shape, k's strides: 16 integers).
+QK_PRELUDE = r"""
+typedef unsigned short ushort;
+static float qab_qk_slots[64][32];
+inline float simd_shuffle(float v, ushort src) {
+  qab_qk_slots[qab_sg][qab_lane] = v;
+  simdgroup_barrier(mem_flags::mem_none);
+  const float out = qab_qk_slots[qab_sg][src & 31];
+  simdgroup_barrier(mem_flags::mem_none);
+  return out;
+}
+namespace metal {
+inline float exp2(float x) { return std::exp2(x); }
+namespace fast {
+inline float cos(float x) { return std::cos(x); }
+inline float sin(float x) { return std::sin(x); }
+}
+namespace precise { inline float rsqrt(float x) { return 1.0f / std::sqrt(x); } }
+}
+static int q_shape[4], k_shape[4];
+static int64_t q_strides[4], k_strides[4];
+static const bool qab_qk_dims = [] {
+  const char* s = std::getenv("QAB_QK_DIMS");
+  if (s == nullptr) { std::fprintf(stderr, "QAB_QK_DIMS unset\n"); std::exit(4); }
+  long long v[16];
+  for (int i = 0; i < 16; ++i) { v[i] = std::strtoll(s, const_cast<char**>(&s), 10); ++s; }
+  for (int i = 0; i < 4; ++i) {
+    q_shape[i] = int(v[i]); q_strides[i] = v[4 + i];
+    k_shape[i] = int(v[8 + i]); k_strides[i] = v[12 + i];
+  }
+  return true;
+}();
+"""
+# (Hq, Hk, D, R, traditional, dtype, position), as the CUDA body's cases:
+# Qwen3.6's full attention (16 / 2 heads, D 256, 64 rotary dims, 2 idle SIMD
+# groups in the last threadgroup), a smaller "rotate half" with 2 elements per
+# lane (partner 8 lanes away), a traditional RoPE; bf16 and float32 (the
+# emulator has no half type).
+QK_METAL_CASES = [
+    (16, 2, 256, 64, False, "bf16", 4097),
+    (16, 2, 256, 64, False, "f32", 131071),
+    (3, 1, 64, 32, False, "bf16", 7),
+    (4, 2, 64, 16, True, "bf16", 300),
+    (4, 2, 64, 16, True, "f32", 300),
+]
+
+
+@pytest.fixture(scope="module")
+def qk_metal_exe(tmp_path_factory):
+    """``get(t)``: the body built for dtype ``t``'s cases (once), its folder and cases."""
+    built = {}
+
+    def get(t):
+        if t not in built:
+            tmp = tmp_path_factory.mktemp(f"metal_qk_{t}")
+            cases = [c for c in QK_METAL_CASES if c[5] == t]
+            instances = [{"InT": C_OUT[t], "D": D, "R": R, "TRAD": trad}
+                         for _, _, D, R, trad, _, _ in cases]
+            prog = _program("qk_norm_rope", [t, t, t, t, "f32", "i32"], [t, t], instances)
+            prog = prog.replace(PRELUDE, PRELUDE + SIMD_PRELUDE + QK_PRELUDE, 1)
+            prog = prog.replace("template <int InT,", "template <typename InT,", 1)
+            built[t] = (_compile(tmp, prog), tmp, cases)
+        return built[t]
+
+    return get
+
+
+def _run_qk_metal(exe, tmp, which, t, q, k, q_layout, q_w, k_w, eps, rope, pos, monkeypatch):
+    """One emulated launch of the Metal body as ``ops.attention._qk_prep_call``
+    sets it up; q is given by its base buffer (numpy) and ``q_layout``, its
+    ``(shape, strides)`` in elements; k contiguous. Returns ``(q_out, k_out)``
+    as mx arrays."""
+    (B, _, Hq, D), q_strides = q_layout
+    Hk = k.shape[2]
+    dims = [B, 1, Hq, D, *q_strides, B, 1, Hk, D, Hk * D, Hk * D, D, 1]
+    monkeypatch.setenv("QAB_QK_DIMS", ",".join(map(str, dims)))
+    dtype = mx.bfloat16 if t == "bf16" else mx.float32
+    params = np.array(attn_ops._qk_prep_params(eps[0], eps[1], rope.scale, rope.base))
+    ins = [q, _as_input(k, t), _as_input(q_w, t), _as_input(k_w, t), params,
+           np.array([pos], dtype=np.int32)]
+    heads = Hq + Hk
+    (qb, kb), peak = _run(exe, tmp, which, ins, [(B * Hq * D, OUT_NP[t]), (B * Hk * D, OUT_NP[t])],
+                          grid=(128 * -(-heads // 4), B, 1), threadgroup=(128, 1, 1))
+    assert peak == 0  # no threadgroup memory
+    return (mx.array(qb).view(dtype).reshape(B, Hq, 1, D),
+            mx.array(kb).view(dtype).reshape(B, Hk, 1, D))
+
+
+@pytest.mark.parametrize("case", range(len(QK_METAL_CASES)),
+                         ids=lambda i: "x".join(map(str, QK_METAL_CASES[i][:4]))
+                         + f"-{'trad' if QK_METAL_CASES[i][4] else 'half'}-{QK_METAL_CASES[i][5]}")
+def test_qk_norm_rope_metal_emulated(qk_metal_exe, case, monkeypatch):
+    # One launch = prep_qk's rms_norm, transpose and rope for q and k, q read
+    # through its strides as the first half of each head of q_proj's output.
+    from .test_kernels_cuda_emulated import _qk_prep_reference
+
+    Hq, Hk, D, R, trad, t, pos = QK_METAL_CASES[case]
+    exe, tmp, cases = qk_metal_exe(t)
+    dtype = mx.bfloat16 if t == "bf16" else mx.float32
+    rope = attn_ops.RopeSpec(R, trad, 1e7 if not trad else 1e4, 1.0)
+    kq, kk, kw = mx.random.split(mx.random.key(D + R + 1), 3)
+    B = 2
+    qg = mx.random.normal((B, 1, Hq, 2 * D), key=kq).astype(dtype)
+    q = mx.split(qg, 2, axis=-1)[0]
+    k = mx.random.normal((B, 1, Hk, D), key=kk).astype(dtype)
+    w = (1.0 + 0.2 * mx.random.normal((2, D), key=kw)).astype(dtype)
+    eps = (1e-6, 1e-5)
+    q_out, k_out = _run_qk_metal(
+        exe, tmp, cases.index(QK_METAL_CASES[case]), t, _as_input(qg, t), k,
+        ((B, 1, Hq, D), (Hq * 2 * D, Hq * 2 * D, 2 * D, 1)), w[0], w[1], eps, rope, pos,
+        monkeypatch)
+    q_ref, k_ref = attn_ops.prep_qk(q, k, w[0], w[1], q_eps=eps[0], k_eps=eps[1], rope=rope,
+                                    offset=mx.array(pos, dtype=mx.int32))
+    exact = _qk_prep_reference(q, k, w[0], w[1], eps, rope, pos)
+    for out, ref, formula in ((q_out, q_ref, exact[0]), (k_out, k_ref, exact[1])):
+        assert out.shape == ref.shape and out.dtype == dtype
+        # Against MLX's CPU ops (the self-check's reference on a Mac is
+        # MLX's Metal ops) and against the documented formula, as the CUDA
+        # body's test bounds them (see there): the angle's last bit, which
+        # RoPE's large positions amplify in float32, and this CPU's cos / sin
+        # in place of Metal's fast ones.
+        assert mx_rel_l2(out, ref) <= (1e-4 if dtype == mx.float32 else 1e-2)
+        if dtype != mx.float32:
+            same = mx.mean((out == formula).astype(mx.float32)).item()
+            assert same >= 0.99, same
+        assert mx_rel_l2(out, formula) <= (1e-6 if dtype == mx.float32 else 2e-3)
+    # Dims past R keep the normed value: changing the RoPE base moves only
+    # the first R of each row.
+    other = attn_ops.RopeSpec(R, trad, 10.0, 1.0)
+    q_b, _ = _run_qk_metal(
+        exe, tmp, cases.index(QK_METAL_CASES[case]), t, _as_input(qg, t), k,
+        ((B, 1, Hq, D), (Hq * 2 * D, Hq * 2 * D, 2 * D, 1)), w[0], w[1], eps, other, pos,
+        monkeypatch)
+    assert mx.array_equal(q_b[..., R:], q_out[..., R:])
+    assert not mx.array_equal(q_b[..., :R], q_out[..., :R])
+
+
+def test_qk_prep_on_metal_is_ready_after_the_emulated_body_passes_its_self_check(
+        qk_metal_exe, monkeypatch):
+    # ops.attention's Metal path end to end, with MLX's Metal kernel object
+    # replaced by the emulated body: the readiness check's self-check (strided
+    # q, position 4,097) passes, the launch is the body's contract (the
+    # position as [1]: a Metal kernel takes a 0-d input by reference), and
+    # prep_qk_decode(backend="metal") returns prep_qk's values. A body that
+    # rotates at the wrong position fails its check and leaves prep_qk's ops.
+    import warnings
+
+    from qwen_apple_backend.ops import device
+
+    exe, tmp, cases = qk_metal_exe("bf16")
+    which = cases.index((16, 2, 256, 64, False, "bf16", 4097))
+    launches = []
+
+    class EmulatedMetalKernel:
+        def __init__(self, shift: int = 0):
+            self.shift = shift
+
+        def __call__(self, *, inputs, template, grid, threadgroup, output_shapes,
+                     output_dtypes):
+            q, k, qw, kw, params, offset = inputs
+            launches.append((dict(template), grid, threadgroup, offset.shape))
+            B, _, Hq, D = q.shape
+            Hk = k.shape[2]
+            # MLX hands the body q's strides; here q is copied contiguous.
+            dims = [B, 1, Hq, D, Hq * D, Hq * D, D, 1, B, 1, Hk, D, Hk * D, Hk * D, D, 1]
+            monkeypatch.setenv("QAB_QK_DIMS", ",".join(map(str, dims)))
+            ins = [_as_input(a, "bf16") for a in (q, k, qw, kw)]
+            ins += [np.array(params), np.array(offset) + self.shift]
+            (qb, kb), _ = _run(exe, tmp, which, ins,
+                               [(B * Hq * D, np.uint16), (B * Hk * D, np.uint16)],
+                               grid=grid, threadgroup=threadgroup)
+            return [mx.array(qb).view(mx.bfloat16).reshape(output_shapes[0]),
+                    mx.array(kb).view(mx.bfloat16).reshape(output_shapes[1])]
+
+    bf16 = mx.bfloat16
+    rope = attn_ops.RopeSpec(64, False, 1e7, 1.0)
+    monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
+    monkeypatch.setattr(attn_ops, "gpu_backend", lambda: "metal")
+    kernel = EmulatedMetalKernel()
+    monkeypatch.setattr(attn_ops, "_qk_prep_object", lambda backend: kernel)
+    device.reset_self_checks()
+    try:
+        assert attn_ops.qk_prep_kernel_ready(16, 2, 256, bf16, bf16, rope) == "metal"
+        verdicts = {k: v for k, v in device.self_check_results().items()
+                    if k[0] == "qk_norm_rope"}
+        assert list(verdicts) == [("qk_norm_rope", "metal", (16, 2, 256, str(bf16), rope))]
+        assert list(verdicts.values()) == [(True, "passed")], verdicts
+        assert launches[0] == ({"InT": bf16, "D": 256, "R": 64, "TRAD": False},
+                               (128 * 5, 2, 1), (128, 1, 1), (1,))
+        # The decode call itself.
+        kq, kk, kw = mx.random.split(mx.random.key(5), 3)
+        q = mx.split(mx.random.normal((2, 1, 16, 512), key=kq).astype(bf16), 2, axis=-1)[0]
+        k = mx.random.normal((2, 1, 2, 256), key=kk).astype(bf16)
+        w = (1.0 + 0.2 * mx.random.normal((2, 256), key=kw)).astype(bf16)
+        pos = mx.array(77, dtype=mx.int32)
+        got = attn_ops.prep_qk_decode(q, k, w[0], w[1], q_eps=1e-6, k_eps=1e-6, rope=rope,
+                                      offset=pos, backend="metal")
+        ref = attn_ops.prep_qk(q, k, w[0], w[1], q_eps=1e-6, k_eps=1e-6, rope=rope, offset=pos)
+        for g, r in zip(got, ref):
+            assert g.shape == r.shape and mx_rel_l2(g, r) <= 1e-2
+        with pytest.raises(ValueError, match="backend 'cpu' is not 'cuda' or 'metal'"):
+            attn_ops.prep_qk_decode(q, k, w[0], w[1], q_eps=1e-6, k_eps=1e-6, rope=rope,
+                                    offset=pos, backend="cpu")
+        # A wrong body: rotated one position late.
+        device.reset_self_checks()
+        kernel.shift = 1
+        with pytest.warns(device.KernelSelfCheckWarning,
+                          match="metal kernel for qk_norm_rope failed its self-check"):
+            assert attn_ops.qk_prep_kernel_ready(16, 2, 256, bf16, bf16, rope) is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the verdict is cached: no second warning
+            assert attn_ops.qk_prep_kernel_ready(16, 2, 256, bf16, bf16, rope) is None
+    finally:
+        device.reset_self_checks()

@@ -13,12 +13,13 @@
 // P = (R / 2) / EPL lanes away and comes by shuffle, a traditional partner in
 // the same lane.
 //
-// Launch: grid (32 * 4 * ceil((Hq + Hk) / 4), B) threads, threadgroup
-// (128, 1, 1). Inputs: q [B, 1, Hq, D], k [B, 1, Hk, D] (InT, any strides),
-// q_weight, k_weight [D] InT, params [4] float32 (q eps, k eps, scale,
-// log2(base)), offset int32 (0-d). Outputs: q_out [B, Hq, 1, D], k_out
-// [B, Hk, 1, D] InT. Requires D % 32 == 0, D <= 256, R even, R <= D, and
-// (R / 2) % EPL == 0 (TRAD: EPL even).
+// Launch: grid (128 * HB, B, 1) threads, threadgroup (128, 1, 1), with
+// HB = ceil((Hq + Hk) / 4) (a warp per head, 4 per block). Inputs: q
+// [B, 1, Hq, D], k [B, 1, Hk, D] (InT, any strides), q_weight, k_weight [D]
+// InT, params [4] float32 (q eps, k eps, scale, log2(base)), offset int32
+// (0-d). Outputs: q_out [B, Hq, 1, D], k_out [B, Hk, 1, D] InT. Requires
+// D % 32 == 0, D <= 256, R even, R <= D, and (R / 2) % EPL == 0 (TRAD: EPL
+// even).
 
 // The row arithmetic is qk_norm_rope.cuh's (shared with gqa_decode_step.cu).
 const int lane = threadIdx.x & 31;

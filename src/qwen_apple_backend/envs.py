@@ -100,7 +100,7 @@ OPTIMIZATIONS = {
     "attn-split": "attn",
     # one decode token's attention + output gate in the split-K CUDA kernel pair
     "attn-kernel": "attn",
-    # a one-token call's q/k RMSNorm + RoPE in one CUDA launch (qk_norm_rope)
+    # a one-token call's q/k RMSNorm + RoPE in one CUDA or Metal launch (qk_norm_rope)
     "qk-prep": "attn",
     "decode-compile": "model",  # the compiled one-token decode step (decode.py)
     # opt-in: the compiled decode step holds the model's parameters as trace constants, checked

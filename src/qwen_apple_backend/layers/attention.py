@@ -99,10 +99,10 @@ class FusedGQAAttention(nn.Module):
             (the ``attn-kernel`` optimization: the split-K kernel pair, two
             launches instead of about eight MLX ops and their views) when its
             self-check passed. Default True.
-        prep_kernel (bool): on CUDA, run a one-token call's q/k RMSNorm and
-            RoPE as ``ops.attention.prep_qk_decode`` (the ``qk-prep``
-            optimization: one launch instead of four, and no transposes) when
-            its self-check passed. Default True.
+        prep_kernel (bool): on CUDA or Metal, run a one-token call's q/k
+            RMSNorm and RoPE as ``ops.attention.prep_qk_decode`` (the
+            ``qk-prep`` optimization: one launch instead of four, and no
+            transposes) when its self-check passed. Default True.
         decode_lanes (bool): with ``decode_kernel``, the kernel pair's first
             pass below ``ops.attention._LANES_MAX_KEYS`` cached keys is the
             lane-group build (the opt-in ``attn-lanes``: several lanes per key,
@@ -499,26 +499,27 @@ class FusedGQAAttention(nn.Module):
             c = counters[B] = attn_ops.step_counter(B, self.num_key_value_heads)
         return c
 
-    def _prep_kernel_ready(self, x: mx.array, offset) -> bool:
-        """Whether a one-token call's q/k norm and RoPE run as the CUDA kernel
-        (``qk-prep``); checked before any compiled trace (its self-check
-        evaluates)."""
+    def _prep_kernel_ready(self, x: mx.array, offset) -> Optional[str]:
+        """The backend (``"cuda"`` / ``"metal"``) whose kernel runs a one-token
+        call's q/k norm and RoPE (``qk-prep``), or None; checked before any
+        compiled trace (its self-check evaluates)."""
         if (not (self.prep_kernel and self.use_kernel) or self.training or x.shape[1] != 1
                 or (isinstance(offset, mx.array) and offset.ndim != 0)):
-            return False
+            return None
         qw, kw = self.q_norm["weight"], self.k_norm["weight"]
         if qw.dtype != kw.dtype or qw.shape != (self.head_dim,) or kw.shape != qw.shape:
-            return False
+            return None
         return attn_ops.qk_prep_kernel_ready(
             self.num_attention_heads, self.num_key_value_heads, self.head_dim, qw.dtype,
-            kw.dtype, rope_spec(self.rope)) is not None
+            kw.dtype, rope_spec(self.rope))
 
-    def _project(self, x: mx.array, offset, use_cat: bool = False, prep_kernel: bool = False,
+    def _project(self, x: mx.array, offset, use_cat: bool = False,
+                 prep_kernel: Optional[str] = None,
                  norm_weight: Optional[mx.array] = None, norm_backend: Optional[str] = None,
                  norm_eps: float = 0.0, gemv: Optional[str] = None, pre: bool = False):
         """Projections, q/k norm and RoPE: everything before the KV cache
-        (``prep_kernel``: norm and RoPE of a one-token call in one CUDA launch,
-        when :meth:`_prep_kernel_ready` said so; ``norm_backend``: ``x`` is
+        (``prep_kernel``: norm and RoPE of a one-token call in one launch on
+        that backend, which :meth:`_prep_kernel_ready` returned; ``norm_backend``: ``x`` is
         not yet normalised and the decoder layer's input RMSNorm of weight
         ``norm_weight`` runs in the concatenated projection's launch; ``gemv``:
         the concatenated projection runs on that backend's dense GEMV kernel,
@@ -546,7 +547,8 @@ class FusedGQAAttention(nn.Module):
             if not isinstance(offset, mx.array):
                 offset = mx.array(offset, dtype=mx.int32)
             q, k = prep_qk_decode(q, k, qw, self.k_norm["weight"], q_eps=self.q_norm.eps,
-                                  k_eps=self.k_norm.eps, rope=spec, offset=offset)
+                                  k_eps=self.k_norm.eps, rope=spec, offset=offset,
+                                  backend=prep_kernel)
             return q, k, v, gate
         q, k = prep_qk(
             q,
@@ -563,7 +565,7 @@ class FusedGQAAttention(nn.Module):
             k = self.rope(k, offset=offset)
         return q, k, v, gate
 
-    def _compiled_project(self, use_cat: bool = False, prep_kernel: bool = False,
+    def _compiled_project(self, use_cat: bool = False, prep_kernel: Optional[str] = None,
                           norm_backend: Optional[str] = None, norm_eps: float = 0.0,
                           gemv: Optional[str] = None, pre: bool = False):
         fns = self.__dict__.setdefault("_compiled", {})

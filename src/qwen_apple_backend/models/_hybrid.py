@@ -410,7 +410,7 @@ class QwenHybridAdapter(Adapter):
         "attn-kernel": "decode attention and its output gate run as MLX ops, not in the "
                        "split-K CUDA kernel pair (attn-kernel in QAB_DISABLE / disable=)",
         "qk-prep": "a decode token's q/k RMSNorm and RoPE run as four MLX ops, not one CUDA "
-                   "launch (qk-prep in QAB_DISABLE / disable=)",
+                   "or Metal launch (qk-prep in QAB_DISABLE / disable=)",
         "attn-step": "on CUDA a decode token's q/k preparation, KV cache write and attention "
                      "run as four launches, not one (attn-step in QAB_DISABLE / disable=)",
         "attn-mma": "on CUDA the one-launch attention step's pass over the cached keys runs "

@@ -189,13 +189,13 @@ def prep_qk(
 
 
 # --------------------------------------------------------------------------
-# Decode q/k preparation kernel (kernels/cuda/qk_norm_rope.cu)
+# Decode q/k preparation kernel (kernels/{cuda,metal}/qk_norm_rope)
 # --------------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=None)
 def _qk_prep_object(backend: str):
-    # CUDA only: no Metal source yet (Metal runs prep_qk's mx.fast ops).
+    # q and k are read through their strides on either backend.
     return build_kernel("qk_norm_rope", backend, ensure_row_contiguous=False)
 
 
@@ -213,6 +213,10 @@ def _qk_prep_call(backend: str, q, k, q_weight, k_weight, q_eps: float, k_eps: f
     B, _, Hq, D = q.shape
     Hk = k.shape[2]
     heads = Hq + Hk
+    if backend == "metal" and offset.ndim != 1:
+        # A 0-d input reaches a CUDA kernel as a pointer, a Metal kernel as a
+        # reference: Metal gets the position as [1] (a view, no copy).
+        offset = offset.reshape(1)
     return _qk_prep_object(backend)(
         inputs=[q, k, q_weight, k_weight,
                 _qk_prep_params(float(q_eps), float(k_eps), float(rope.scale), float(rope.base)),
@@ -239,20 +243,22 @@ def qk_prep_kernel_ready(Hq: int, Hk: int, D: int, dtype: mx.Dtype, weight_dtype
     :func:`prep_qk_decode` needs a plain RoPE (``rope`` not None) over R
     even dims with ``(R / 2) % (D / 32) == 0`` (traditional: ``D / 32``
     even), ``D`` a multiple of 32 up to 256, float32 / bf16 / f16 inputs and
-    norm weights of the same dtype. CUDA only
-    (``kernels/cuda/qk_norm_rope.cu``), built only once its manifest entry
-    records a GPU verification or with ``QAB_UNVERIFIED_KERNELS=1``, and
-    self-checked once per shape class against :func:`prep_qk` on strided
-    inputs (q as the first half of each head of a ``q_proj`` output). Call it
-    outside ``mx.compile`` traces: the self-check evaluates.
+    norm weights of the same dtype. CUDA (``kernels/cuda/qk_norm_rope.cu``,
+    built only once its manifest entry records a GPU verification or with
+    ``QAB_UNVERIFIED_KERNELS=1``) or Metal (``kernels/metal/qk_norm_rope.metal``,
+    rounded as MLX's Metal ``rms_norm`` and ``rope``), each self-checked once
+    per shape class against :func:`prep_qk` on strided inputs (q as the first
+    half of each head of a ``q_proj`` output) at position 4,097; a failing or
+    unbuildable kernel leaves :func:`prep_qk`'s ops. Call it outside
+    ``mx.compile`` traces: the self-check evaluates.
 
     Returns:
-        Optional[str]: ``"cuda"``, or None.
+        Optional[str]: ``"cuda"`` / ``"metal"``, or None.
     """
     if envs.kernels_disabled() or rope is None:
         return None
     backend = gpu_backend()
-    if backend != "cuda":
+    if backend not in ("cuda", "metal"):
         return None
     if (not _qk_rope_fits(D, rope) or dtype not in (mx.float32, mx.bfloat16, mx.float16)
             or weight_dtype != dtype):
@@ -278,7 +284,8 @@ def qk_prep_kernel_ready(Hq: int, Hk: int, D: int, dtype: mx.Dtype, weight_dtype
         return list(prep_qk(q_, k_, qw, kw_, q_eps=1e-6, k_eps=1e-5, rope=rope, offset=off))
 
     # float32: RoPE at position 4,097 turns a last-bit difference in the angle
-    # between two formulas into ~1e-5 (the kernel follows MLX's CUDA rope).
+    # between two formulas into ~1e-5 (the kernel follows the backend's own
+    # rope: CUDA's, or Metal's with its fast cos / sin).
     tol = 1e-4 if dtype == mx.float32 else 1e-2
     ok = self_checked("qk_norm_rope", backend, key, kernel=kernel, reference=reference,
                       make_inputs=make_inputs, rtol=tol)
@@ -287,16 +294,16 @@ def qk_prep_kernel_ready(Hq: int, Hk: int, D: int, dtype: mx.Dtype, weight_dtype
 
 def prep_qk_decode(
     q: mx.array, k: mx.array, q_weight: mx.array, k_weight: mx.array, *,
-    q_eps: float, k_eps: float, rope: RopeSpec, offset: mx.array,
+    q_eps: float, k_eps: float, rope: RopeSpec, offset: mx.array, backend: str = "cuda",
 ) -> tuple[mx.array, mx.array]:
-    """:func:`prep_qk` for one token in one CUDA launch (``kernels/cuda/qk_norm_rope.cu``).
+    """:func:`prep_qk` for one token in one GPU launch (``kernels/{cuda,metal}/qk_norm_rope``).
 
     Per head RMSNorm then RoPE, rounded as ``mx.fast.rms_norm`` and
-    ``mx.fast.rope`` on MLX's CUDA backend; q and k are read through their
+    ``mx.fast.rope`` on that MLX backend; q and k are read through their
     strides (q is the first half of each head of ``q_proj``'s output), so
     none of :func:`prep_qk`'s 4 launches and 2 transposes runs. Only after
-    :func:`qk_prep_kernel_ready` said ``"cuda"`` for these shapes (the caller
-    checks, outside any ``mx.compile`` trace).
+    :func:`qk_prep_kernel_ready` returned ``backend`` for these shapes (the
+    caller checks, outside any ``mx.compile`` trace).
 
     Args:
         q (mx.array): the token's query heads.
@@ -307,13 +314,16 @@ def prep_qk_decode(
         k_eps (float): key RMSNorm epsilon.
         rope (RopeSpec): the plain RoPE's parameters.
         offset (mx.array): the token's position, int32, 0-d.
+        backend (str): ``"cuda"`` or ``"metal"``, as the readiness check
+            returned. Default ``"cuda"``.
 
     Returns:
         tuple[mx.array, mx.array]: ``(q, k)``, dtype of q.
 
     Raises:
         ValueError: for more than one token, 4-D shapes that disagree, dtypes
-            other than q's, or an offset that is not a 0-d array.
+            other than q's, an offset that is not a 0-d array, or another
+            backend.
 
     Shapes:
         q: ``[B, 1, Hq, D]`` -> ``[B, Hq, 1, D]``; k: ``[B, 1, Hk, D]`` -> ``[B, Hk, 1, D]``
@@ -329,7 +339,9 @@ def prep_qk_decode(
                          f"weights {q_weight.dtype} / {k_weight.dtype}")
     if not isinstance(offset, mx.array) or offset.ndim != 0:
         raise ValueError("prep_qk_decode expects the position as a 0-d int32 array")
-    return tuple(_qk_prep_call("cuda", q, k, q_weight, k_weight, q_eps, k_eps, rope, offset))
+    if backend not in ("cuda", "metal"):
+        raise ValueError(f"prep_qk_decode: backend {backend!r} is not 'cuda' or 'metal'")
+    return tuple(_qk_prep_call(backend, q, k, q_weight, k_weight, q_eps, k_eps, rope, offset))
 
 
 def _check_gqa(q: mx.array, k: mx.array, v: mx.array) -> None:
