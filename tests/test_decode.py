@@ -790,7 +790,8 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
     monkeypatch.setattr(attn_ops, "STEP_MAX_KEYS", 65536)
     # A spread-merge build that fails its self-check (step_kernel_ready None
     # with merge_spread, "cuda" without) leaves the step to the one-block
-    # merge: every launch then asks for merge_spread False.
+    # merge: every launch then asks for merge_spread False, and the layers'
+    # setting stays as it was (each trace asks again; the verdicts are cached).
     for seen in (calls, mmas, splits, spreads):
         seen.clear()
     checked = []
@@ -801,8 +802,11 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
     c = make_prompt_cache(fallback)
     for t in range(3):
         mx.eval(fallback(mx.array([[1 + t]]), cache=c))
-    assert checked[:2] == [True, False] and not any(checked[2:]), checked
+    assert checked and checked == [True, False] * (len(checked) // 2), checked
     assert len(calls) == n_attn and spreads and not any(spreads), spreads
+    attns = [getattr(layer, "self_attn", None) for layer in fallback.layers]
+    attns = [a for a in attns if hasattr(a, "decode_merge_spread")]
+    assert len(attns) == n_attn and all(a.decode_merge_spread is True for a in attns)
     claimed.clear()
     # What it needs, switched off, is named.
     no_prep, _ = load(tiny_hf_f32, "fused", disable=["qk-prep"])

@@ -344,7 +344,8 @@ class FusedGQAAttention(nn.Module):
         gemv = (self._proj_cat.gemv_backend(x)
                 if use_cat and norm_backend is None and projected is None and not self.training
                 else None)
-        if L == 1 and self._step_ready(x, cache, use_cat):
+        spread = self._step_spread(x, cache, use_cat) if L == 1 else None
+        if spread is not None:
             # attn-step: everything up to o_proj in one launch, the cache row
             # written in place (the compiled decode step's cache).
             if projected is not None:
@@ -360,7 +361,7 @@ class FusedGQAAttention(nn.Module):
                 self._step_counter(B), heads=self.num_attention_heads, q_eps=self.q_norm.eps,
                 k_eps=self.k_norm.eps, rope=rope_spec(self.rope), scale=self.scale,
                 mma=self.decode_mma, merge_split=self.decode_merge_split,
-                merge_spread=self.decode_merge_spread)
+                merge_spread=spread)
             return DeferredProjection(gated, self.o_proj) if defer_out_proj else self.o_proj(gated)
         if (
             self.compile_decode
@@ -449,20 +450,24 @@ class FusedGQAAttention(nn.Module):
         cat = getattr(self, "_proj_cat", None)
         return cat is not None and cat.valid(self)
 
-    def _step_ready(self, x: mx.array, cache: Any, use_cat: bool) -> bool:
-        """Whether this one-token call runs as ``ops.attention.gqa_decode_step``
+    def _step_spread(self, x: mx.array, cache: Any, use_cat: bool) -> Optional[bool]:
+        """None unless this one-token call runs as ``ops.attention.gqa_decode_step``
         (``attn-step``): a cache that lends its buffers for in-place writes (the
         compiled decode step's, inside its serial trace) of fewer than
         ``ops.attention.STEP_MAX_KEYS`` rows, the concatenated
         projection, the kernels it replaces switched on, one dtype throughout,
         and the kernel's self-check passed for the shape (it evaluates only
-        arrays of its own: safe while the step traces)."""
+        arrays of its own: safe while the step traces). Then the step's
+        ``merge_spread``: :attr:`decode_merge_spread`, or False where the
+        spread merge's build failed its self-check (or did not build) and the
+        one-block merge's passed. The setting itself is left as it is; the
+        self-checks' verdicts are cached per shape class."""
         if (cache is None or not (self.decode_step and self.decode_kernel and self.prep_kernel
                                   and self.use_kernel and use_cat) or self.training
                 or getattr(cache, "in_place", None) is None
                 or getattr(cache, "claim_in_place", None) is None
                 or not serial_decode_tracing()):
-            return False
+            return None
         qw, kw = self.q_norm["weight"], self.k_norm["weight"]
         kb, vb = cache.keys, cache.values
         D = self.head_dim
@@ -474,7 +479,8 @@ class FusedGQAAttention(nn.Module):
                 or kb.shape[2] >= attn_ops.STEP_MAX_KEYS
                 or kb.shape[0] != x.shape[0]
                 or not (x.dtype == qw.dtype == kw.dtype == kb.dtype == vb.dtype)):
-            return False
+            return None
+
         def ready(spread: bool) -> bool:
             return attn_ops.step_kernel_ready(
                 x.shape[0], self.num_attention_heads, self.num_key_value_heads, D, x.dtype,
@@ -482,13 +488,12 @@ class FusedGQAAttention(nn.Module):
                 merge_spread=spread) is not None
 
         if ready(self.decode_merge_spread):
-            return True
+            return bool(self.decode_merge_spread)
         if self.decode_merge_spread and ready(False):
             # The spread merge's build failed its self-check (or did not build)
             # where the one-block merge's passes: the step without it.
-            self.decode_merge_spread = False
-            return True
-        return False
+            return False
+        return None
 
     def _step_counter(self, B: int) -> mx.array:
         """This layer's counter for its attention step launches (one per batch size;
