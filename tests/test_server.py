@@ -428,6 +428,21 @@ def test_body_that_is_not_utf8_is_400(server):
     ("/v1/chat/completions", {"messages": []}, "'messages' must be a non-empty list"),
     ("/v1/chat/completions", [1, 2], "must be a JSON object"),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 10 ** 20}, "above this server's limit"),
+    # A stop of another type: stock's TypeError while it builds the stop sequences.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "stop": 5}, "'stop' must be a string or a list of non-empty strings"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "stop": [None]}, "'stop' must be a string or a list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "stream": True, "stop": 3.5}, "'stop' must be a string or a list"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stop": 7}, "'stop' must be a string"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stop": ["x", ""]},
+     "'stop' must be a string or a list of non-empty strings"),
+    # Stock answers these with a template error as a 404 (its thread survives).
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"content": "x"}]},
+     "'messages[1].role' must be a string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "chat_template_kwargs": 5}, "'chat_template_kwargs' must be an object"),
 ])
 def test_requests_that_would_kill_the_generation_thread_are_400(server, path, body, message):
     # Stock mlx-lm 0.32: an empty prompt raises in its generation thread, which

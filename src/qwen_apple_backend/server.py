@@ -14,8 +14,11 @@ server class, passed to its own ``_run_http_server``:
 * a body that is not UTF-8 is answered 400 (stock lets ``UnicodeDecodeError``
   escape the handler: the client gets an empty reply);
 * requests that would end mlx-lm's generation thread are answered 400 (an empty
-  ``prompt``, ``messages`` that is not a non-empty list of objects), and so is
-  a ``max_tokens`` above :data:`MAX_COMPLETION_TOKENS`;
+  ``prompt``, ``messages`` that is not a non-empty list of objects, a ``stop``
+  that is not a string or a list of non-empty strings), and so are a
+  ``max_tokens`` above :data:`MAX_COMPLETION_TOKENS`, a message without a
+  string ``role`` and a ``chat_template_kwargs`` that is not an object (stock
+  answers those with a template error as a 404);
 * ``/v1/models`` answers when there is no Hugging Face cache directory (stock
   raises ``CacheNotFound`` after the 200 status line: an empty body);
 * a client that disconnects mid-stream is logged in one line, not a traceback.
@@ -167,9 +170,13 @@ def _request_problem(path: str, text: str) -> Optional[str]:
 
     mlx-lm 0.32 hands the prompt to its batch generator without checking it,
     and an exception there (an empty prompt: ``ValueError: Sequence has an
-    empty prompt``; ``messages`` that is not a list of objects) ends the
-    generation thread for every later request. Malformed JSON is left to
-    mlx-lm's own 400.
+    empty prompt``; ``messages`` that is not a list of objects; a ``stop`` of
+    another type, e.g. ``5``: ``TypeError`` while it builds the stop
+    sequences) ends the generation thread for every later request. A message
+    without a string ``role`` and a ``chat_template_kwargs`` that is not an
+    object only fail that request, but with a template error answered 404:
+    they get a 400 naming the field. Malformed JSON is left to mlx-lm's own
+    400.
     """
     try:
         body = json.loads(text)
@@ -186,6 +193,16 @@ def _request_problem(path: str, text: str) -> Optional[str]:
         if (not isinstance(msgs, list) or not msgs
                 or not all(isinstance(m, dict) for m in msgs)):
             return "'messages' must be a non-empty list of message objects"
+        for i, m in enumerate(msgs):
+            if not isinstance(m.get("role"), str):
+                return f"'messages[{i}].role' must be a string (e.g. \"user\")"
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            return "'chat_template_kwargs' must be an object"
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(w, str) and w for w in stop)):
+        return "'stop' must be a string or a list of non-empty strings"
     for key in ("max_tokens", "max_completion_tokens"):
         n = body.get(key)
         if isinstance(n, int) and not isinstance(n, bool) and n > MAX_COMPLETION_TOKENS:
