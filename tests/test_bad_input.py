@@ -220,6 +220,13 @@ def test_layer_type_error_names_the_config_file(hf_copy):
         load(hf_copy)
 
 
+def test_an_empty_folder_is_named_by_its_config(tmp_path):
+    # Neither config.json nor a tokenizer: the model's own file is the one named.
+    with pytest.raises(MissingCheckpointFileError,
+                       match=rf"^{tmp_path / 'config.json'}: config.json not found"):
+        load(tmp_path)
+
+
 def test_missing_tokenizer_is_named(hf_copy):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (hf_copy / name).unlink()

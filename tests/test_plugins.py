@@ -123,8 +123,15 @@ def test_registry_errors_are_clear():
         reg.add_architecture("a", "no_colon", "p")
     with pytest.raises(UnknownArchitectureError, match="no plugin claims architecture 'zzz'"):
         reg.require_architecture("zzz")
-    with pytest.raises(UnknownBackendError, match="unknown backend 'nope'"):
+    with pytest.raises(UnknownBackendError, match="unknown backend 'nope'") as info:
         reg.backend("nope")
+    assert "optional plugin" not in str(info.value)
+    # The optional plugin's backend, not installed: what to install is named.
+    with pytest.raises(UnknownBackendError,
+                       match=r"unknown backend 'llama.cpp'; registered backends: none "
+                             r"\('llama.cpp' comes from an optional plugin: pip install "
+                             r"plugins/qab-llamacpp"):
+        reg.backend("llama.cpp")
     reg.add_architecture("a", "m:builtin", "qwen", priority=BUILTIN_PRIORITY)
     reg.add_architecture("a", "m:other", "other")
     assert reg.architecture("a").target == "m:other"

@@ -453,6 +453,10 @@ def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
             revision=revision, trust_remote_code=trust_remote_code,
             use_fallback=use_fallback, disable=disable)
     model_path = _resolve_path(path_or_hf_repo, revision)
+    # The model's own file first: a folder with neither is named by its config.json.
+    cfg = model_path / "config.json"
+    if not cfg.is_file():
+        raise MissingCheckpointFileError(f"{cfg}: config.json not found")
     check_tokenizer_files(model_path)
     model, config, _ = load_model(model_path, backend, lazy=lazy, model_config=model_config,
                                   trust_remote_code=trust_remote_code,

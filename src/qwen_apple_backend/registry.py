@@ -17,6 +17,10 @@ from .errors import UnknownArchitectureError, UnknownBackendError
 #: the same name (default priority 0) wins over it.
 BUILTIN_PRIORITY = -100
 
+#: Backends that come from the optional plugins shipped in this repository's
+#: ``plugins/`` folder, with what to install: an unknown-backend error names it.
+OPTIONAL_PLUGIN_BACKENDS = {"llama.cpp": "plugins/qab-llamacpp (from this project's source tree)"}
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -107,7 +111,12 @@ class Registry:
         entries = self.backends.get(name)
         if not entries:
             known = ", ".join(sorted(self.backends)) or "none"
-            raise UnknownBackendError(f"unknown backend {name!r}; registered backends: {known}")
+            hint = ""
+            if name in OPTIONAL_PLUGIN_BACKENDS:
+                hint = (f" ({name!r} comes from an optional plugin: "
+                        f"pip install {OPTIONAL_PLUGIN_BACKENDS[name]})")
+            raise UnknownBackendError(
+                f"unknown backend {name!r}; registered backends: {known}{hint}")
         return self._winner(entries)
 
     def require_architecture(self, name: str) -> Entry:
