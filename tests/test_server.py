@@ -443,6 +443,17 @@ def test_body_that_is_not_utf8_is_400(server):
      "'messages[1].role' must be a string"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "chat_template_kwargs": 5}, "'chat_template_kwargs' must be an object"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
+     "'messages[0].content' must be a string, a list of parts or null"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "'messages[0].content[0].text' must be a string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ["hi"]}]},
+     "'messages[0].content[0]' must be an object with a string 'type'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": "x"},
+     "'tools' must be a list of tool objects"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "draft_model": 5},
+     "'draft_model' must be a string"),
+    ("/v1/completions", {"prompt": "Hi", "model": 5}, "'model' must be a string"),
 ])
 def test_requests_that_would_kill_the_generation_thread_are_400(server, path, body, message):
     # Stock mlx-lm 0.32: an empty prompt raises in its generation thread, which
@@ -452,6 +463,21 @@ def test_requests_that_would_kill_the_generation_thread_are_400(server, path, bo
     assert status == 400
     assert message in json.loads(reply)["error"]
     _assert_alive(server)
+
+
+def test_well_formed_content_parts_and_tools_still_pass(server):
+    # The shape checks above let through what stock accepts: text parts, a null
+    # assistant content, a list of tools, string model names.
+    body = {"model": "default_model",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                      {"type": "text", "text": " there"}]},
+                         {"role": "assistant", "content": None},
+                         {"role": "user", "content": "again"}],
+            "tools": [], "max_tokens": 2, "temperature": 0, "stop": ["zz"]}
+    status, reply = server.raw("POST", "/v1/chat/completions", json.dumps(body).encode(),
+                               {"Content-Type": "application/json"})
+    assert status == 200, reply
+    assert json.loads(reply)["choices"][0]["finish_reason"] in ("length", "stop")
 
 
 def test_oversized_request_is_413(server):

@@ -16,9 +16,12 @@ server class, passed to its own ``_run_http_server``:
 * requests that would end mlx-lm's generation thread are answered 400 (an empty
   ``prompt``, ``messages`` that is not a non-empty list of objects, a ``stop``
   that is not a string or a list of non-empty strings), and so are a
-  ``max_tokens`` above :data:`MAX_COMPLETION_TOKENS`, a message without a
-  string ``role`` and a ``chat_template_kwargs`` that is not an object (stock
-  answers those with a template error as a 404);
+  ``max_tokens`` above :data:`MAX_COMPLETION_TOKENS` and requests of the wrong
+  shape that stock answers 404 with a bare Python error: a message without a
+  string ``role``, a ``content`` that is not a string, a list of parts or null
+  (or a text part without a string ``text``), ``tools`` that is not a list of
+  objects, a ``chat_template_kwargs`` that is not an object, a ``model`` or
+  ``draft_model`` that is not a string;
 * ``/v1/models`` answers when there is no Hugging Face cache directory (stock
   raises ``CacheNotFound`` after the 200 status line: an empty body);
 * a client that disconnects mid-stream is logged in one line, not a traceback.
@@ -172,11 +175,12 @@ def _request_problem(path: str, text: str) -> Optional[str]:
     and an exception there (an empty prompt: ``ValueError: Sequence has an
     empty prompt``; ``messages`` that is not a list of objects; a ``stop`` of
     another type, e.g. ``5``: ``TypeError`` while it builds the stop
-    sequences) ends the generation thread for every later request. A message
-    without a string ``role`` and a ``chat_template_kwargs`` that is not an
-    object only fail that request, but with a template error answered 404:
-    they get a 400 naming the field. Malformed JSON is left to mlx-lm's own
-    400.
+    sequences) ends the generation thread for every later request. Some
+    fields of the wrong shape (a message's ``role`` or ``content``, ``tools``,
+    ``chat_template_kwargs``, ``model``, ``draft_model``) only fail that
+    request, but with a bare Python error answered 404 (e.g. ``'text'`` for a
+    text part without its text): they get a 400 naming the field. Malformed
+    JSON is left to mlx-lm's own 400.
     """
     try:
         body = json.loads(text)
@@ -196,9 +200,24 @@ def _request_problem(path: str, text: str) -> Optional[str]:
         for i, m in enumerate(msgs):
             if not isinstance(m.get("role"), str):
                 return f"'messages[{i}].role' must be a string (e.g. \"user\")"
+            content = m.get("content")
+            if content is not None and not isinstance(content, (str, list)):
+                return f"'messages[{i}].content' must be a string, a list of parts or null"
+            for j, part in enumerate(content if isinstance(content, list) else ()):
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    return f"'messages[{i}].content[{j}]' must be an object with a string 'type'"
+                if part["type"] == "text" and not isinstance(part.get("text"), str):
+                    return f"'messages[{i}].content[{j}].text' must be a string"
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list)
+                                      and all(isinstance(t, dict) for t in tools)):
+            return "'tools' must be a list of tool objects"
         kwargs = body.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
             return "'chat_template_kwargs' must be an object"
+    for key in ("model", "draft_model"):
+        if key in body and not isinstance(body[key], str):
+            return f"'{key}' must be a string"
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(w, str) and w for w in stop)):
