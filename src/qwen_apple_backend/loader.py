@@ -70,6 +70,18 @@ def _read_json_object(path: Path) -> dict:
     return data
 
 
+def _config_file(model_path: Path) -> Path:
+    """``model_path / "config.json"``, which must exist.
+
+    Raises:
+        MissingCheckpointFileError: naming the file, if it is absent.
+    """
+    cfg = model_path / "config.json"
+    if not cfg.is_file():
+        raise MissingCheckpointFileError(f"{cfg}: config.json not found")
+    return cfg
+
+
 def read_config(model_path: Path) -> dict:
     """Parse ``config.json``.
 
@@ -77,9 +89,7 @@ def read_config(model_path: Path) -> dict:
         MissingCheckpointFileError: if the file is absent.
         CheckpointError: if it is not valid JSON or not an object.
     """
-    cfg = model_path / "config.json"
-    if not cfg.is_file():
-        raise MissingCheckpointFileError(f"{cfg}: config.json not found")
+    cfg = _config_file(model_path)
     config = _read_json_object(cfg)
     if "model_type" not in config:
         raise CheckpointError(f"{cfg}: missing required field 'model_type'")
@@ -454,9 +464,7 @@ def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
             use_fallback=use_fallback, disable=disable)
     model_path = _resolve_path(path_or_hf_repo, revision)
     # The model's own file first: a folder with neither is named by its config.json.
-    cfg = model_path / "config.json"
-    if not cfg.is_file():
-        raise MissingCheckpointFileError(f"{cfg}: config.json not found")
+    _config_file(model_path)
     check_tokenizer_files(model_path)
     model, config, _ = load_model(model_path, backend, lazy=lazy, model_config=model_config,
                                   trust_remote_code=trust_remote_code,
