@@ -749,7 +749,7 @@ def test_gated_delta_decode_metal_emulated(gdn_decode_exe, case, packed):
 # simd_shuffle (each lane publishes its value, a SIMD-group barrier, each
 # reads its source lane's, another barrier), as_type, metal::fast::exp,
 # metal::isnan, logits_shape[0] (N, read from QAB_ROUTER_N) and logits_ndim (2).
-ROUTER_PRELUDE = r"""
+SHUFFLE_PRELUDE = r"""
 typedef unsigned short ushort;
 static unsigned char qab_rt_slots[64][32][8];
 template <typename T>
@@ -765,6 +765,8 @@ template <typename T>
 T simd_shuffle_xor(T v, ushort mask) { return qab_rt_exchange(v, qab_lane ^ mask); }
 template <typename T>
 T simd_shuffle(T v, ushort lane) { return qab_rt_exchange(v, lane); }
+"""
+ROUTER_PRELUDE = SHUFFLE_PRELUDE + r"""
 template <typename T, typename U> T as_type(U u) {
   static_assert(sizeof(T) == sizeof(U));
   T t;
@@ -888,29 +890,18 @@ def test_add_rms_norm_metal_emulated(add_norm_metal_exe, case):
 # (kernels/metal/qk_norm_rope.metal)
 # --------------------------------------------------------------------------
 
-# What the body uses beyond the prelude and SIMD_PRELUDE: simd_shuffle (each
-# lane publishes its value, a SIMD-group barrier, each reads its source lane's,
-# another barrier), metal::exp2 / fast::cos / fast::sin / precise::rsqrt (the
-# C library's float functions), and q's / k's shapes and strides, as MLX
-# passes them (int / int64_t arrays), read from QAB_QK_DIMS (q's shape, q's
-# strides, k's shape, k's strides: 16 integers).
+# What the body uses beyond the prelude, SIMD_PRELUDE, SHUFFLE_PRELUDE (the
+# router's simd_shuffle) and ADD_NORM_PRELUDE (metal::precise::rsqrt):
+# metal::exp2 / fast::cos / fast::sin (the C library's float functions), and
+# q's / k's shapes and strides, as MLX passes them (int / int64_t arrays), read
+# from QAB_QK_DIMS (q's shape, q's strides, k's shape, k's strides: 16 integers).
 QK_PRELUDE = r"""
-typedef unsigned short ushort;
-static float qab_qk_slots[64][32];
-inline float simd_shuffle(float v, ushort src) {
-  qab_qk_slots[qab_sg][qab_lane] = v;
-  simdgroup_barrier(mem_flags::mem_none);
-  const float out = qab_qk_slots[qab_sg][src & 31];
-  simdgroup_barrier(mem_flags::mem_none);
-  return out;
-}
 namespace metal {
 inline float exp2(float x) { return std::exp2(x); }
 namespace fast {
 inline float cos(float x) { return std::cos(x); }
 inline float sin(float x) { return std::sin(x); }
 }
-namespace precise { inline float rsqrt(float x) { return 1.0f / std::sqrt(x); } }
 }
 static int q_shape[4], k_shape[4];
 static int64_t q_strides[4], k_strides[4];
@@ -952,7 +943,8 @@ def qk_metal_exe(tmp_path_factory):
             instances = [{"InT": C_OUT[t], "D": D, "R": R, "TRAD": trad}
                          for _, _, D, R, trad, _, _ in cases]
             prog = _program("qk_norm_rope", [t, t, t, t, "f32", "i32"], [t, t], instances)
-            prog = prog.replace(PRELUDE, PRELUDE + SIMD_PRELUDE + QK_PRELUDE, 1)
+            prog = prog.replace(PRELUDE, PRELUDE + SIMD_PRELUDE + SHUFFLE_PRELUDE
+                                + ADD_NORM_PRELUDE + QK_PRELUDE, 1)
             prog = prog.replace("template <int InT,", "template <typename InT,", 1)
             built[t] = (_compile(tmp, prog), tmp, cases)
         return built[t]
@@ -960,25 +952,33 @@ def qk_metal_exe(tmp_path_factory):
     return get
 
 
-def _run_qk_metal(exe, tmp, which, t, q, k, q_layout, q_w, k_w, eps, rope, pos, monkeypatch):
-    """One emulated launch of the Metal body as ``ops.attention._qk_prep_call``
-    sets it up; q is given by its base buffer (numpy) and ``q_layout``, its
-    ``(shape, strides)`` in elements; k contiguous. Returns ``(q_out, k_out)``
-    as mx arrays."""
+def _launch_qk_metal(exe, tmp, which, t, q, q_layout, k, q_w, k_w, params, offset,
+                     monkeypatch, grid=None, threadgroup=(128, 1, 1)):
+    """One emulated launch of the Metal body with its inputs as
+    ``ops.attention._qk_prep_call`` passes them: q by its base buffer (numpy)
+    and ``q_layout``, its ``(shape, strides)`` in elements; k, the weights,
+    params and offset as mx arrays (k contiguous). ``grid``: the body's
+    launch contract unless given. Returns ``(q_out, k_out)`` as mx arrays."""
     (B, _, Hq, D), q_strides = q_layout
     Hk = k.shape[2]
     dims = [B, 1, Hq, D, *q_strides, B, 1, Hk, D, Hk * D, Hk * D, D, 1]
     monkeypatch.setenv("QAB_QK_DIMS", ",".join(map(str, dims)))
     dtype = mx.bfloat16 if t == "bf16" else mx.float32
-    params = np.array(attn_ops._qk_prep_params(eps[0], eps[1], rope.scale, rope.base))
-    ins = [q, _as_input(k, t), _as_input(q_w, t), _as_input(k_w, t), params,
-           np.array([pos], dtype=np.int32)]
-    heads = Hq + Hk
+    ins = [q, *(_as_input(a, t) for a in (k, q_w, k_w)), np.array(params),
+           np.array(offset, dtype=np.int32).reshape(1)]
+    grid = grid or (128 * -(-(Hq + Hk) // 4), B, 1)
     (qb, kb), peak = _run(exe, tmp, which, ins, [(B * Hq * D, OUT_NP[t]), (B * Hk * D, OUT_NP[t])],
-                          grid=(128 * -(-heads // 4), B, 1), threadgroup=(128, 1, 1))
+                          grid=grid, threadgroup=threadgroup)
     assert peak == 0  # no threadgroup memory
     return (mx.array(qb).view(dtype).reshape(B, Hq, 1, D),
             mx.array(kb).view(dtype).reshape(B, Hk, 1, D))
+
+
+def _run_qk_metal(exe, tmp, which, t, q, k, q_layout, q_w, k_w, eps, rope, pos, monkeypatch):
+    """:func:`_launch_qk_metal` with the params of ``eps`` and ``rope`` at position ``pos``."""
+    params = attn_ops._qk_prep_params(eps[0], eps[1], rope.scale, rope.base)
+    return _launch_qk_metal(exe, tmp, which, t, q, q_layout, k, q_w, k_w, params,
+                            mx.array(pos), monkeypatch)
 
 
 @pytest.mark.parametrize("case", range(len(QK_METAL_CASES)),
@@ -1055,17 +1055,13 @@ def test_qk_prep_on_metal_is_ready_after_the_emulated_body_passes_its_self_check
             q, k, qw, kw, params, offset = inputs
             launches.append((dict(template), grid, threadgroup, offset.shape))
             B, _, Hq, D = q.shape
-            Hk = k.shape[2]
             # MLX hands the body q's strides; here q is copied contiguous.
-            dims = [B, 1, Hq, D, Hq * D, Hq * D, D, 1, B, 1, Hk, D, Hk * D, Hk * D, D, 1]
-            monkeypatch.setenv("QAB_QK_DIMS", ",".join(map(str, dims)))
-            ins = [_as_input(a, "bf16") for a in (q, k, qw, kw)]
-            ins += [np.array(params), np.array(offset) + self.shift]
-            (qb, kb), _ = _run(exe, tmp, which, ins,
-                               [(B * Hq * D, np.uint16), (B * Hk * D, np.uint16)],
-                               grid=grid, threadgroup=threadgroup)
-            return [mx.array(qb).view(mx.bfloat16).reshape(output_shapes[0]),
-                    mx.array(kb).view(mx.bfloat16).reshape(output_shapes[1])]
+            layout = ((B, 1, Hq, D), (Hq * D, Hq * D, D, 1))
+            out = _launch_qk_metal(exe, tmp, which, "bf16", _as_input(q, "bf16"), layout, k, qw,
+                                   kw, params, offset + self.shift, monkeypatch, grid=grid,
+                                   threadgroup=threadgroup)
+            assert [o.shape for o in out] == [tuple(s) for s in output_shapes]
+            return list(out)
 
     bf16 = mx.bfloat16
     rope = attn_ops.RopeSpec(64, False, 1e7, 1.0)
