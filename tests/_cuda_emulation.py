@@ -1448,7 +1448,10 @@ def _setup() -> None:
     probe = work / "probe.cpp"
     probe.write_text("static_assert(__cplusplus >= 202002L);\n#include <array>\n"
                      "int main() { std::array<int, 2> a{}; return a[1]; }\n")
-    base = ["-std=c++20", "-O1", "-g1", "-fno-omit-frame-pointer", "-w"]
+    # -Og: a kernel program, sanitized, compiled in about half -O1's time and
+    # ran no slower (two model-level tests on 2 cores: 44 s compiling and
+    # 237 s running at -Og, 86 and 267 s at -O1; -O0 ran twice as long).
+    base = ["-std=c++20", "-Og", "-g1", "-fno-omit-frame-pointer", "-w"]
     pattern = ["-ftrivial-auto-var-init=pattern"]
     sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
     # The richest flag set that builds and runs here.
