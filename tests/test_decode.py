@@ -111,6 +111,7 @@ def test_disable_and_bad_enable(tiny_hf_f32, monkeypatch):
         load(tiny_hf_f32, "fused")
 
 
+@pytest.mark.slow
 def test_compiled_step_is_the_default_on_a_gpu_only(tiny_hf_f32, monkeypatch):
     import qwen_apple_backend.models._hybrid as hybrid
 
@@ -658,6 +659,7 @@ def test_the_step_traces_under_the_serial_marker(tiny_hf_f32, monkeypatch):
     assert not serial_decode_tracing()
 
 
+@pytest.mark.slow
 def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monkeypatch):
     # attn-step: inside the compiled decode step (in-place KV backend faked
     # here: the CPU has none), each full-attention layer hands its

@@ -481,6 +481,7 @@ def test_moe_block_keeps_two_blocks_per_sm(op, case, tmp_path):
     assert max(regs) <= 128, regs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("psm,nps", [(32, 0), (64, 0), (48, 1), (48, 2)])
 def test_moe_block_with_staged_next_projection_keeps_two_blocks_per_sm(psm, nps, tmp_path):
     # PSM: the next-projection items stage PSM rows (weights, scales, biases)

@@ -2493,6 +2493,7 @@ def test_moe_decode_block_prefetch_stays_inside_its_arrays_emulated(monkeypatch)
                                  counter=counter, prefetch=pf)
 
 
+@pytest.mark.slow
 def test_moe_decode_block_dispatcher_self_checks_the_emulated_kernel(monkeypatch):
     monkeypatch.setattr(moe_ops, "gpu_backend", lambda: "cuda")
     monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
@@ -2984,6 +2985,7 @@ def _fake_cuda_gdn_block_preset(monkeypatch) -> None:
     norm_ops._kernel_object.cache_clear()
 
 
+@pytest.mark.slow
 def test_fused_model_runs_the_gdn_step_in_the_moe_block_emulated(monkeypatch):
     # A fused Qwen3.5-MoE model of two Gated DeltaNet layers (and a stock
     # attention one) on a faked CUDA device, every kernel emulated, eager
@@ -3065,6 +3067,7 @@ def _same_buffer(a: mx.array, b: mx.array) -> bool:
     return at(a) == at(b)
 
 
+@pytest.mark.slow
 def test_fused_model_reads_the_router_and_shared_expert_from_one_pack_emulated(monkeypatch):
     # moe-block-pack on the emulated fused model of the test above (two Gated
     # DeltaNet layers, a stock attention one; eager decode inside
@@ -3339,6 +3342,7 @@ def _layer_profiler(monkeypatch):
     return m
 
 
+@pytest.mark.slow
 def test_layer_profiler_chains_packed_and_unpacked_layers_emulated(monkeypatch):
     # profile_layer_gpu.py's chain: two distinct Gated DeltaNet layers, each
     # launch's output and next projection the next launch's inputs; the

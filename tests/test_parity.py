@@ -326,6 +326,7 @@ def test_mixers_hand_the_moe_block_their_output_before_its_projection(tiny_q4, m
     assert mx.array_equal(logits[False], logits[True]).item()
 
 
+@pytest.mark.slow
 def test_l2_prefetch_links_each_moe_block_to_the_next_layers_projection(tiny_q4, monkeypatch):
     # QAB_ENABLE=l2-prefetch gives every fused MoE block but the last the next
     # layer's concatenated input projection (FusedSparseMoeBlock.l2_next),
