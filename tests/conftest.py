@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
 
     metal = mx.metal.is_available()
     cuda = hasattr(mx, "cuda") and mx.cuda.is_available()
-    # The slowest tests (marked slow, each 40-240 s on 2 cores) run first, in
+    # The slowest tests (marked slow, each 18-240 s on 2 cores) run first, in
     # their collected order, so that pytest-xdist hands them out before the
     # short ones and its workers finish together: at the end of the order one
     # worker ran them alone while the other sat idle. (Marked only where a
