@@ -77,3 +77,83 @@ def tiny_q4(tmp_path_factory):
 def tiny_real_vocab(tmp_path_factory):
     """Tiny checkpoint with the full 248,320-token vocabulary and the real tokenizer."""
     return _tiny(tmp_path_factory, "tiny-real-vocab", layout="hf", dtype="float32")
+
+
+def _tokenizer_files_key(model_path) -> tuple:
+    """What a tokenizer loaded from ``model_path`` depends on: the directory and
+    each file's name, size and modification time (a test that rewrites a file
+    gets a fresh load)."""
+    from pathlib import Path
+
+    root = Path(model_path).resolve()
+    files = []
+    for p in sorted(root.iterdir()) if root.is_dir() else ():
+        if p.is_file() and p.suffix not in (".safetensors", ".gguf"):
+            st = p.stat()
+            files.append((p.name, st.st_size, st.st_mtime_ns))
+    return str(root), tuple(files)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _load_each_tokenizer_once():
+    """Each checkpoint's tokenizer loaded and checked once per worker process.
+
+    Of a ``load()`` of a tiny checkpoint with the real Qwen tokenizer
+    (248,320 tokens), about 5 s of 5.3 on the CI's cores are the tokenizer's:
+    ``loader.check_tokenizer_files`` (1 s, parsing the 11 MB
+    ``tokenizer.json``) and ``mlx_lm.utils.load_tokenizer`` (4 s, two more
+    parses and building it); the model, its fusing and its report take tens of
+    ms. The suite loads the same few checkpoints about 150 times, mostly to
+    look at the model. So here, per worker:
+
+    - ``load_tokenizer`` runs once per checkpoint and arguments; each call
+      gets its own shallow copy of that first ``TokenizerWrapper`` (its
+      attributes copied, so an added EOS id or a detokenizer's state stays
+      with the test that made it), sharing only the Hugging Face tokenizer,
+      which nothing here mutates;
+    - ``check_tokenizer_files`` is skipped for a directory it has passed
+      before (a failing check always runs, and raises).
+
+    Both are keyed on the directory's files (name, size, modification time),
+    so a test that writes or corrupts a file gets the real thing. A test that
+    replaces either function itself (monkeypatch) bypasses this.
+    """
+    import copy
+
+    from mlx_lm import utils as mlx_utils
+
+    from qwen_apple_backend import loader
+
+    real_load, real_check = mlx_utils.load_tokenizer, loader.check_tokenizer_files
+    loaded, checked = {}, set()
+
+    def load_tokenizer(model_path, tokenizer_config_extra=None, eos_token_ids=None):
+        try:
+            key = (_tokenizer_files_key(model_path), repr(tokenizer_config_extra),
+                   repr(eos_token_ids))
+        except OSError:
+            return real_load(model_path, tokenizer_config_extra, eos_token_ids=eos_token_ids)
+        if key not in loaded:
+            loaded[key] = real_load(model_path, tokenizer_config_extra,
+                                    eos_token_ids=eos_token_ids)
+        first = loaded[key]
+        wrapper = copy.copy(first)
+        for name, value in vars(first).items():
+            if name != "_tokenizer":
+                setattr(wrapper, name, copy.copy(value))
+        return wrapper
+
+    def check_tokenizer_files(model_path):
+        try:
+            key = _tokenizer_files_key(model_path)
+        except OSError:
+            return real_check(model_path)
+        if key not in checked:
+            real_check(model_path)
+            checked.add(key)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(mlx_utils, "load_tokenizer", load_tokenizer)
+    mp.setattr(loader, "check_tokenizer_files", check_tokenizer_files)
+    yield
+    mp.undo()

@@ -459,51 +459,11 @@ def test_attn_lanes_switch_reaches_every_fused_attention_layer(tiny_q4, monkeypa
             assert len(notes) == 1 and "lane-group kernel" in notes[0]
 
 
-@pytest.fixture(scope="module")
-def _tokenizers():
-    """This module's tokenizers and checked tokenizer directories, by checkpoint
-    (see :func:`shared_tokenizer`)."""
-    return {}
-
-
-@pytest.fixture
-def shared_tokenizer(_tokenizers, monkeypatch):
-    """``load`` reads and checks each checkpoint's tokenizer once per module.
-
-    Of a ``load`` of a tiny checkpoint (its real-vocabulary tokenizer) about 3 s
-    of 3.2 on two CPU cores are the tokenizer's (reading and checking its
-    files, building it); the model, its fusing and its switches, tens of ms.
-    A test that loads the same checkpoint many times to look at the model
-    alone shares one tokenizer; every ``load`` still builds, fuses and reports
-    its own model.
-    """
-    from mlx_lm import utils as mlx_utils
-
-    from qwen_apple_backend import loader
-
-    real_load, real_check = mlx_utils.load_tokenizer, loader.check_tokenizer_files
-
-    def load_tokenizer(model_path, *args, **kwargs):
-        key = ("load", str(model_path), repr(args), repr(sorted(kwargs.items())))
-        if key not in _tokenizers:
-            _tokenizers[key] = real_load(model_path, *args, **kwargs)
-        return _tokenizers[key]
-
-    def check_tokenizer_files(model_path):
-        key = ("check", str(model_path))
-        if key not in _tokenizers:
-            real_check(model_path)
-            _tokenizers[key] = True
-
-    monkeypatch.setattr(mlx_utils, "load_tokenizer", load_tokenizer)
-    monkeypatch.setattr(loader, "check_tokenizer_files", check_tokenizer_files)
-
-
 @pytest.mark.parametrize("opt", sorted(_OFF_NOTES))
-def test_switched_off_optimization_is_a_report_note(tiny_q4, opt, monkeypatch, shared_tokenizer):
+def test_switched_off_optimization_is_a_report_note(tiny_q4, opt, monkeypatch):
     # Like add-norm or proj-concat, a module kind's optimization switched off says in the
     # report's notes what runs instead; only the one switched off, and only once.
-    # (Each load builds and fuses its own model; the cases share one tokenizer.)
+    # (Each load builds and fuses its own model; the tokenizer is conftest's one per worker.)
     monkeypatch.delenv("QAB_DISABLE", raising=False)
     notes = get_report(load(tiny_q4, "fused", disable=[opt])[0]).notes
     assert [n for n in notes if n in _OFF_NOTES.values()] == [_OFF_NOTES[opt]]
