@@ -100,11 +100,11 @@ def _load_each_tokenizer_once():
 
     Of a ``load()`` of a tiny checkpoint with the real Qwen tokenizer
     (248,320 tokens), about 5 s of 5.3 on the CI's cores are the tokenizer's:
-    ``loader.check_tokenizer_files`` (1 s, parsing the 11 MB
+    ``loader.check_tokenizer_files`` (1 s, parsing the 15 MB
     ``tokenizer.json``) and ``mlx_lm.utils.load_tokenizer`` (4 s, two more
     parses and building it); the model, its fusing and its report take tens of
-    ms. The suite loads the same few checkpoints about 150 times, mostly to
-    look at the model. So here, per worker:
+    ms. The suite loads the same few checkpoints over a hundred times, mostly
+    to look at the model. So here, per worker:
 
     - ``load_tokenizer`` runs once per checkpoint and arguments; each call
       gets its own shallow copy of that first ``TokenizerWrapper`` (its
