@@ -91,8 +91,8 @@ block; blocks run one after another):
   else, e.g. the ``mma.sync`` of ``moe_grouped_gemm.cu``, raises
   :class:`NotEmulated`: out of scope.
 
-Every launch runs twice (``schedules=2``), with fresh outputs, and the two
-runs must agree bit for bit:
+Every launch runs twice (``schedules=2``, or ``DEFAULT_SCHEDULES`` where the
+call names none), with fresh outputs, and the two runs must agree bit for bit:
 
 ====================  ==========================  ==========================
                       schedule A                  schedule B
@@ -159,7 +159,7 @@ Functions:
 
 * ``run_cuda_kernel(op, *, inputs, template, grid, threadgroup, output_shapes,
   output_dtypes, init_value=None, source=None, header=None, shared_memory=0,
-  schedules=2) -> list[mx.array]``: the manifest kernel ``op`` (``source`` /
+  schedules=None) -> list[mx.array]``: the manifest kernel ``op`` (``source`` /
   ``header`` replace its body / header text);
 * ``build_kernel(op, backend="cuda", *, source=None, header=None, **options)``:
   drop-in for ``qwen_apple_backend.ops.device.build_kernel`` (manifest sources,
@@ -169,7 +169,7 @@ Functions:
   ``mx.fast.cuda_kernel`` for inline sources;
 * the kernel object's ``__call__(*, inputs, output_shapes, output_dtypes, grid,
   threadgroup, template=None, init_value=None, verbose=False, stream=None,
-  schedules=2)`` takes MLX's keywords (``verbose`` prints the generated
+  schedules=None)`` takes MLX's keywords (``verbose`` prints the generated
   program) and keeps the last run's ``stats`` (``static_shared_bytes``,
   ``blocks``, ``threads_per_block``).
 
@@ -224,6 +224,9 @@ GUARD_BYTES = 16384  # poison before and after each output
 POISON_OUT = (0xFF, 0xFE)  # output fill byte of schedule A, B
 COMPILE_TIMEOUT_S = 300
 RUN_TIMEOUT_S = 300
+# Schedules a launch runs in when its call names none (1 or 2); see
+# :func:`one_schedule` for the tests that take one.
+DEFAULT_SCHEDULES = 2
 
 
 class KernelFault(AssertionError):
@@ -1656,8 +1659,9 @@ class EmulatedCudaKernel:
         return "".join(parts)
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
-                 template=None, init_value=None, verbose=False, stream=None, schedules=2):
+                 template=None, init_value=None, verbose=False, stream=None, schedules=None):
         del stream  # always the CPU
+        schedules = DEFAULT_SCHEDULES if schedules is None else schedules
         if len(inputs) != len(self.input_names):
             raise ValueError(f"[cuda_kernel] Expected `inputs` to have size "
                              f"{len(self.input_names)} but got size {len(inputs)}.")
@@ -1866,7 +1870,7 @@ def build_kernel(op: str, backend: str = "cuda", *, source: Optional[str] = None
 def run_cuda_kernel(op: str, *, inputs, template, grid, threadgroup, output_shapes,
                     output_dtypes, init_value=None, source: Optional[str] = None,
                     header: Optional[str] = None, shared_memory: int = 0,
-                    schedules: int = 2) -> list:
+                    schedules: Optional[int] = None) -> list:
     """Build (cached) and run the manifest kernel ``op`` once on the emulator.
 
     Arguments as ``mx.fast.cuda_kernel`` and its kernel call (``grid`` in

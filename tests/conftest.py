@@ -96,36 +96,29 @@ def _tokenizer_files_key(model_path) -> tuple:
 
 @pytest.fixture(scope="session", autouse=True)
 def _load_each_tokenizer_once():
-    """Each checkpoint's tokenizer loaded and checked once per worker process.
+    """Each checkpoint's tokenizer loaded once per worker process.
 
     Of a ``load()`` of a tiny checkpoint with the real Qwen tokenizer
-    (248,320 tokens), about 5 s of 5.3 on the CI's cores are the tokenizer's:
-    ``loader.check_tokenizer_files`` (1 s, parsing the 15 MB
-    ``tokenizer.json``) and ``mlx_lm.utils.load_tokenizer`` (4 s, two more
-    parses and building it); the model, its fusing and its report take tens of
-    ms. The suite loads the same few checkpoints over a hundred times, mostly
-    to look at the model. So here, per worker:
-
-    - ``load_tokenizer`` runs once per checkpoint and arguments; each call
-      gets its own shallow copy of that first ``TokenizerWrapper`` (its
-      attributes copied, so an added EOS id or a detokenizer's state stays
-      with the test that made it), sharing only the Hugging Face tokenizer,
-      which nothing here mutates;
-    - ``check_tokenizer_files`` is skipped for a directory it has passed
-      before (a failing check always runs, and raises).
-
-    Both are keyed on the directory's files (name, size, modification time),
-    so a test that writes or corrupts a file gets the real thing. A test that
-    replaces either function itself (monkeypatch) bypasses this.
+    (248,320 tokens), about 4 s of 4.3 on the CI's cores are
+    ``mlx_lm.utils.load_tokenizer``'s (two parses of the 15 MB
+    ``tokenizer.json`` and building it); the model, its fusing and its report
+    take tens of ms. The suite loads the same few checkpoints over a hundred
+    times, mostly to look at the model. So here, per worker,
+    ``load_tokenizer`` runs once per checkpoint and arguments; each call gets
+    its own shallow copy of that first ``TokenizerWrapper`` (its attributes
+    copied, so an added EOS id or a detokenizer's state stays with the test
+    that made it), sharing only the Hugging Face tokenizer, which nothing here
+    mutates. It is keyed on the directory's files (name, size, modification
+    time), so a test that writes or corrupts a file gets the real load and its
+    real error (a failing load is not kept). A test that replaces
+    ``load_tokenizer`` itself (monkeypatch) bypasses this.
     """
     import copy
 
     from mlx_lm import utils as mlx_utils
 
-    from qwen_apple_backend import loader
-
-    real_load, real_check = mlx_utils.load_tokenizer, loader.check_tokenizer_files
-    loaded, checked = {}, set()
+    real_load = mlx_utils.load_tokenizer
+    loaded = {}
 
     def load_tokenizer(model_path, tokenizer_config_extra=None, eos_token_ids=None):
         try:
@@ -143,17 +136,7 @@ def _load_each_tokenizer_once():
                 setattr(wrapper, name, copy.copy(value))
         return wrapper
 
-    def check_tokenizer_files(model_path):
-        try:
-            key = _tokenizer_files_key(model_path)
-        except OSError:
-            return real_check(model_path)
-        if key not in checked:
-            real_check(model_path)
-            checked.add(key)
-
     mp = pytest.MonkeyPatch()
     mp.setattr(mlx_utils, "load_tokenizer", load_tokenizer)
-    mp.setattr(loader, "check_tokenizer_files", check_tokenizer_files)
     yield
     mp.undo()

@@ -254,6 +254,42 @@ def test_corrupt_tokenizer_json_is_named(hf_copy, content, message):
         load(hf_copy)
 
 
+def test_a_corrupt_tokenizer_is_named_before_the_weights_are_read(hf_copy):
+    # Weights gone too: the tokenizer loads (and fails) first, so its file is the one named.
+    (hf_copy / "tokenizer.json").write_text("{bad")
+    for f in hf_copy.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(CheckpointError,
+                       match=rf"^{hf_copy / 'tokenizer.json'}: invalid JSON at line 1 column 2"):
+        load(hf_copy)
+
+
+def test_a_good_tokenizer_is_parsed_only_by_the_tokenizer(hf_copy, monkeypatch):
+    # The loader's own JSON check runs only when the tokenizer fails to load.
+    from qwen_apple_backend import loader
+
+    def check(model_path):
+        raise AssertionError(f"check_tokenizer_files({model_path}) on a good tokenizer")
+
+    monkeypatch.setattr(loader, "check_tokenizer_files", check)
+    # The end-of-sequence ids as mlx-lm's load() takes them: config.json's, replaced by
+    # generation_config.json's, replaced by model_config's (the tokenizer's own
+    # eos_token_id is always one of them: mlx-lm's TokenizerWrapper adds it).
+    config = json.loads((hf_copy / "config.json").read_text())
+    config["eos_token_id"] = 3
+    (hf_copy / "config.json").write_text(json.dumps(config))
+    (hf_copy / "generation_config.json").unlink(missing_ok=True)
+    _, tokenizer = load(hf_copy)
+    own = tokenizer._tokenizer.eos_token_id
+    assert own not in (3, 5, 6, 7)
+    assert set(tokenizer.eos_token_ids) == {3, own}
+    (hf_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6]}))
+    _, tokenizer = load(hf_copy)
+    assert set(tokenizer.eos_token_ids) == {5, 6, own}
+    _, tokenizer = load(hf_copy, model_config={"eos_token_id": [7]})
+    assert set(tokenizer.eos_token_ids) == {7, own}
+
+
 def test_corrupt_tokenizer_json_in_the_cli(hf_copy):
     (hf_copy / "tokenizer.json").write_text("{bad")
     out = subprocess.run([sys.executable, "-m", "qwen_apple_backend.cli", "generate", "--model",

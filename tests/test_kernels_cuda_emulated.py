@@ -11,7 +11,9 @@ dispatcher with its self-check), at small and odd shapes, against the same
 portable MLX references and dtype tolerances as ``tests/test_kernels_gpu.py``.
 Every launch runs in two schedules (reverse / forward block and thread order)
 that must agree bit for bit; every output element must be written and nothing
-outside the outputs.
+outside the outputs. The tests of whole models and of the dispatcher's
+plumbing run one schedule (:func:`one_schedule`): each kernel build they
+launch is run in both by its own kernel-level test.
 
 What it catches: index arithmetic, masking, partial chunks and blocks, the
 warp and group reductions, missing barriers or cp.async waits, reads of
@@ -67,6 +69,19 @@ def _clear_kernel_caches():
             fn = getattr(module, name)
             if name.endswith(("_object", "_objects")) and hasattr(fn, "cache_clear"):
                 fn.cache_clear()
+
+
+def one_schedule(monkeypatch) -> None:
+    """Launches run in one schedule (reverse block and thread order), not two.
+
+    For the tests whose subject is a model's or a dispatcher's plumbing
+    (which launch runs, with which pack, states written where, the verdicts)
+    rather than a kernel: each build they launch is also a kernel-level case
+    here, run in both schedules at the same or Qwen3.6's widths. A second
+    schedule is most of such a test's time: the pack test's 139 launches took
+    166 s in two schedules and 92 s in one (2 cores, sanitized builds).
+    """
+    monkeypatch.setattr(emu, "DEFAULT_SCHEDULES", 1)
 
 
 @pytest.fixture(autouse=True)
@@ -2495,6 +2510,7 @@ def test_moe_decode_block_prefetch_stays_inside_its_arrays_emulated(monkeypatch)
 
 @pytest.mark.slow
 def test_moe_decode_block_dispatcher_self_checks_the_emulated_kernel(monkeypatch):
+    one_schedule(monkeypatch)
     monkeypatch.setattr(moe_ops, "gpu_backend", lambda: "cuda")
     monkeypatch.delenv("QAB_DISABLE_KERNELS", raising=False)
     monkeypatch.setenv("QAB_UNVERIFIED_KERNELS", "1")
@@ -2997,6 +3013,7 @@ def test_fused_model_runs_the_gdn_step_in_the_moe_block_emulated(monkeypatch):
     # (the GDN launch, then the block with its out-projection phase): the same
     # logits and the same conv and recurrent states bit for bit, token after
     # token, with no GDN launch of its own left in the decode tokens.
+    one_schedule(monkeypatch)
     from mlx_lm.models.cache import make_prompt_cache
 
     from qwen_apple_backend.ops import norm as norm_ops
@@ -3079,6 +3096,7 @@ def test_fused_model_reads_the_router_and_shared_expert_from_one_pack_emulated(m
     # moe-block-pack off bit for bit. Outside that trace the block runs
     # unpacked. A router array replaced in both models (as load_weights does)
     # makes the next call build a new pack from it: the same logits again.
+    one_schedule(monkeypatch)
     from mlx_lm.models.cache import make_prompt_cache
 
     from qwen_apple_backend.layers.moe import BlockPack
@@ -3352,6 +3370,7 @@ def test_layer_profiler_chains_packed_and_unpacked_layers_emulated(monkeypatch):
     # prefix (SLEEP=0; the timeline's marks) builds its own kernel object
     # from the op's text with the prefix and the marks indexed by the
     # absolute ticket (the GDN items' relative one is negative).
+    one_schedule(monkeypatch)
     m = _layer_profiler(monkeypatch)
     made = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or object())

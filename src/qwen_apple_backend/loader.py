@@ -388,7 +388,7 @@ def check_tokenizer_files(model_path: Path) -> None:
     Raises:
         MissingCheckpointFileError: naming ``tokenizer.json`` (and the other file
             names a tokenizer may come in) when the directory has none of them.
-        CheckpointError: naming the file when ``tokenizer.json`` or
+        CheckpointError: naming the file, line and column when ``tokenizer.json`` or
             ``tokenizer_config.json`` is not valid JSON.
     """
     model_path = Path(model_path)
@@ -397,6 +397,15 @@ def check_tokenizer_files(model_path: Path) -> None:
         if not path.is_file():
             continue
         _read_json_object(path)
+    check_tokenizer_present(model_path)
+
+
+def check_tokenizer_present(model_path: Path) -> None:
+    """:func:`check_tokenizer_files` without parsing the JSON files: a look at names only.
+
+    Raises:
+        MissingCheckpointFileError: as :func:`check_tokenizer_files`.
+    """
     if any((model_path / n).is_file() for n in TOKENIZER_FILE_NAMES):
         return
     if any(model_path.glob("*.tiktoken")):
@@ -407,6 +416,33 @@ def check_tokenizer_files(model_path: Path) -> None:
         "generating text needs. Copy the tokenizer files of the original model into the "
         "directory (for a Qwen3.5/3.6 checkpoint, "
         "qwen_apple_backend.tokenizer.write_tokenizer(path) writes the real one).")
+
+
+def _load_tokenizer(model_path: Path, tokenizer_config: Optional[dict],
+                    eos_token_ids: Any) -> Any:
+    """``mlx_lm.utils.load_tokenizer``, its failures as :class:`CheckpointError`.
+
+    The tokenizer's JSON files are parsed by the tokenizer itself; only when it fails
+    are they parsed again (:func:`check_tokenizer_files`), so that a corrupt file's
+    error names its line and column (a real Qwen ``tokenizer.json`` is 15 MB: a parse
+    saved on every load).
+
+    Raises:
+        MissingCheckpointFileError, CheckpointError: naming the file.
+    """
+    from mlx_lm import utils as mlx_utils
+
+    try:
+        return mlx_utils.load_tokenizer(model_path, tokenizer_config,
+                                        eos_token_ids=eos_token_ids)
+    except Exception as exc:  # noqa: BLE001 - corrupt tokenizer files raise anything
+        check_tokenizer_files(model_path)
+        files = [n for n in TOKENIZER_FILE_NAMES + TOKENIZER_JSON_FILES[1:]
+                 if (model_path / n).is_file()]
+        raise CheckpointError(
+            f"{model_path / files[0] if files else model_path}: the tokenizer could not be "
+            f"loaded from {', '.join(files) or 'this directory'}: "
+            f"{type(exc).__name__}: {exc}") from exc
 
 
 def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
@@ -465,27 +501,24 @@ def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
     model_path = _resolve_path(path_or_hf_repo, revision)
     # The model's own file first: a folder with neither is named by its config.json.
     _config_file(model_path)
-    check_tokenizer_files(model_path)
+    check_tokenizer_present(model_path)
+    # The tokenizer before the weights, so that a corrupt tokenizer file fails before
+    # them; its end-of-sequence ids as mlx-lm's load() takes them (config.json, then
+    # generation_config.json, then model_config), once config.json has passed its check.
+    from mlx_lm import utils as mlx_utils
+
+    read_config(model_path)
+    eos_token_ids = {**mlx_utils.load_config(model_path),
+                     **(model_config or {})}.get("eos_token_id")
+    tokenizer = _load_tokenizer(model_path, tokenizer_config, eos_token_ids)
     model, config, _ = load_model(model_path, backend, lazy=lazy, model_config=model_config,
                                   trust_remote_code=trust_remote_code,
                                   use_fallback=use_fallback,
                                   disable=(None if disable is None else disable
                                            if isinstance(disable, str) else frozenset(disable)))
-    from mlx_lm import utils as mlx_utils
-
     if adapter_path is not None:
         model = mlx_utils.load_adapters(model, adapter_path)
         model.eval()
-    try:
-        tokenizer = mlx_utils.load_tokenizer(model_path, tokenizer_config,
-                                             eos_token_ids=config.get("eos_token_id", None))
-    except Exception as exc:  # noqa: BLE001 - corrupt tokenizer files raise anything
-        files = [n for n in TOKENIZER_FILE_NAMES + TOKENIZER_JSON_FILES[1:]
-                 if (model_path / n).is_file()]
-        raise CheckpointError(
-            f"{model_path / files[0] if files else model_path}: the tokenizer could not be "
-            f"loaded from {', '.join(files) or 'this directory'}: "
-            f"{type(exc).__name__}: {exc}") from exc
     if return_config:
         return model, tokenizer, config
     return model, tokenizer

@@ -210,14 +210,15 @@ def source_tokenizer(source: ModelSource, targets: Sequence[Any]) -> tuple[Any, 
     files; a target's own tokenizer; the checkpoint's (``--model``); the real
     Qwen3.5/3.6 tokenizer (``--preset``). Returns ``(None, reason)`` when none loads.
     """
-    from ..loader import check_tokenizer_files
+    from ..loader import check_tokenizer_present, check_tokenizer_files
 
     if source.model is not None and Path(source.model).is_dir():
         try:
             from mlx_lm.utils import load_tokenizer
 
-            # Without tokenizer files transformers quietly builds a useless tokenizer.
-            check_tokenizer_files(Path(source.model))
+            # Without tokenizer files transformers quietly builds a useless tokenizer
+            # (a corrupt one fails to load, which the second try below reports).
+            check_tokenizer_present(Path(source.model))
             return load_tokenizer(Path(source.model)), "from the checkpoint"
         except Exception:  # noqa: BLE001 - no tokenizer files: a backend's own, below
             pass
