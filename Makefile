@@ -8,6 +8,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+# How make test builds llama-cpp-python (see the test install below).
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DGGML_LLAMAFILE=OFF -DCMAKE_C_FLAGS_RELEASE='-O1 -DNDEBUG' -DCMAKE_CXX_FLAGS_RELEASE='-O1 -DNDEBUG'
 
 .PHONY: demo test install clean
 
@@ -30,8 +32,12 @@ $(VENV)/.test-installed: pyproject.toml | $(PY)
 	# minutes on 2 cores) and the wheel kept in .whl/; the llama.cpp tests skip without it.
 	# Portable, not -march=native (GGML_NATIVE=OFF), and never from pip's wheel cache: a
 	# native wheel, cached or built on a machine whose CPU reported features its host then
-	# refused, stopped the llama.cpp tests with "Illegal instruction".
-	( CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" $(PIP) wheel --quiet --no-cache-dir --no-deps --find-links .whl -w .whl "llama-cpp-python==0.3.36" \
+	# refused, stopped the llama.cpp tests with "Illegal instruction". A build for the tests:
+	# at -O1 and without llamafile's sgemm, 271 s instead of 363 s on 2 cores, and the
+	# llama.cpp tests (tiny models) took as long on either (132 and 136 s). Not for timing
+	# llama.cpp: `make install LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF"` (after removing .whl/
+	# and the stamp) builds its release flags.
+	( CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) wheel --quiet --no-cache-dir --no-deps --find-links .whl -w .whl "llama-cpp-python==0.3.36" \
 	  && $(PIP) install --quiet --find-links .whl "llama-cpp-python==0.3.36" "gguf>=0.17" ) \
 	  || echo "note: llama-cpp-python not built here; llama.cpp plugin tests will be skipped"
 	touch $@
