@@ -419,30 +419,39 @@ def check_tokenizer_present(model_path: Path) -> None:
 
 
 def _load_tokenizer(model_path: Path, tokenizer_config: Optional[dict],
-                    eos_token_ids: Any) -> Any:
-    """``mlx_lm.utils.load_tokenizer``, its failures as :class:`CheckpointError`.
+                    eos_token_ids: Any) -> tuple[Any, Optional[CheckpointError]]:
+    """``mlx_lm.utils.load_tokenizer``, and the error to raise if it failed.
 
     The tokenizer's JSON files are parsed by the tokenizer itself; only when it fails
     are they parsed again (:func:`check_tokenizer_files`), so that a corrupt file's
     error names its line and column (a real Qwen ``tokenizer.json`` is 15 MB: a parse
-    saved on every load).
+    saved on every load). A failure with valid JSON files is returned, not raised:
+    transformers also reads ``config.json``, whose own errors the model's loader names
+    by field, so the caller raises it only once the model has loaded.
+
+    Returns:
+        ``(tokenizer, None)``, or ``(None, error)``: a :class:`CheckpointError` naming
+        the file, for the caller to raise.
 
     Raises:
-        MissingCheckpointFileError, CheckpointError: naming the file.
+        CheckpointError: naming the file, line and column of a JSON file that does not
+            parse.
     """
     from mlx_lm import utils as mlx_utils
 
     try:
         return mlx_utils.load_tokenizer(model_path, tokenizer_config,
-                                        eos_token_ids=eos_token_ids)
+                                        eos_token_ids=eos_token_ids), None
     except Exception as exc:  # noqa: BLE001 - corrupt tokenizer files raise anything
         check_tokenizer_files(model_path)
         files = [n for n in TOKENIZER_FILE_NAMES + TOKENIZER_JSON_FILES[1:]
                  if (model_path / n).is_file()]
-        raise CheckpointError(
+        error = CheckpointError(
             f"{model_path / files[0] if files else model_path}: the tokenizer could not be "
             f"loaded from {', '.join(files) or 'this directory'}: "
-            f"{type(exc).__name__}: {exc}") from exc
+            f"{type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return None, error
 
 
 def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
@@ -510,12 +519,14 @@ def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
     read_config(model_path)
     eos_token_ids = {**mlx_utils.load_config(model_path),
                      **(model_config or {})}.get("eos_token_id")
-    tokenizer = _load_tokenizer(model_path, tokenizer_config, eos_token_ids)
+    tokenizer, tokenizer_error = _load_tokenizer(model_path, tokenizer_config, eos_token_ids)
     model, config, _ = load_model(model_path, backend, lazy=lazy, model_config=model_config,
                                   trust_remote_code=trust_remote_code,
                                   use_fallback=use_fallback,
                                   disable=(None if disable is None else disable
                                            if isinstance(disable, str) else frozenset(disable)))
+    if tokenizer_error is not None:
+        raise tokenizer_error
     if adapter_path is not None:
         model = mlx_utils.load_adapters(model, adapter_path)
         model.eval()
