@@ -98,8 +98,8 @@ def _tokenizer_files_key(model_path) -> tuple:
 def _load_each_tokenizer_once():
     """Each checkpoint's tokenizer loaded once per worker process.
 
-    Of a ``load()`` of a tiny checkpoint with the real Qwen tokenizer
-    (248,320 tokens), about 4 s of 4.3 on the CI's cores are
+    A ``load()`` of a tiny checkpoint with the real Qwen tokenizer (248,320
+    tokens) takes 4-5 s on 2 cores, nearly all of it
     ``mlx_lm.utils.load_tokenizer``'s (two parses of the 15 MB
     ``tokenizer.json`` and building it); the model, its fusing and its report
     take tens of ms. The suite loads the same few checkpoints over a hundred
