@@ -210,7 +210,7 @@ def source_tokenizer(source: ModelSource, targets: Sequence[Any]) -> tuple[Any, 
     files; a target's own tokenizer; the checkpoint's (``--model``); the real
     Qwen3.5/3.6 tokenizer (``--preset``). Returns ``(None, reason)`` when none loads.
     """
-    from ..loader import check_tokenizer_present, check_tokenizer_files
+    from ..loader import check_tokenizer_files, check_tokenizer_present
 
     if source.model is not None and Path(source.model).is_dir():
         try:
