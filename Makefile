@@ -35,8 +35,8 @@ $(VENV)/.test-installed: pyproject.toml | $(PY)
 	# refused, stopped the llama.cpp tests with "Illegal instruction". A build for the tests:
 	# at -O1 and without llamafile's sgemm, 271 s instead of 363 s on 2 cores, and the
 	# llama.cpp tests (tiny models) took as long on either (132 and 136 s). Not for timing
-	# llama.cpp: `make install LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF"` (after removing .whl/
-	# and the stamp) builds its release flags.
+	# llama.cpp: after removing .whl/ and the stamp,
+	# `make install LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF"` builds its release flags.
 	( CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) wheel --quiet --no-cache-dir --no-deps --find-links .whl -w .whl "llama-cpp-python==0.3.36" \
 	  && $(PIP) install --quiet --find-links .whl "llama-cpp-python==0.3.36" "gguf>=0.17" ) \
 	  || echo "note: llama-cpp-python not built here; llama.cpp plugin tests will be skipped"
