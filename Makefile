@@ -9,7 +9,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # How make test builds llama-cpp-python (see the test install below).
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DGGML_LLAMAFILE=OFF -DCMAKE_C_FLAGS_RELEASE='-O1 -DNDEBUG' -DCMAKE_CXX_FLAGS_RELEASE='-O1 -DNDEBUG'
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DGGML_LLAMAFILE=OFF -DCMAKE_C_FLAGS_RELEASE='-O1 -DNDEBUG' -DCMAKE_CXX_FLAGS_RELEASE='-O1 -DNDEBUG' '-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/plugins/qab-llamacpp/cmake/no-common.cmake'
 
 .PHONY: demo test install clean
 
@@ -34,7 +34,9 @@ $(VENV)/.test-installed: pyproject.toml | $(PY)
 	# native wheel, cached or built on a machine whose CPU reported features its host then
 	# refused, stopped the llama.cpp tests with "Illegal instruction". A build for the tests:
 	# at -O1 and without llamafile's sgemm, 271 s instead of 363 s on 2 cores, and the
-	# llama.cpp tests (tiny models) took as long on either (132 and 136 s). Not for timing
+	# llama.cpp tests (tiny models) took as long on either (132 and 136 s); without
+	# llama.cpp's `common` library, which the Python package never loads
+	# (plugins/qab-llamacpp/cmake/no-common.cmake), 145 s instead of 283 s. Not for timing
 	# llama.cpp: after removing .whl/ and the stamp,
 	# `make install LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF"` builds its release flags.
 	( CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) wheel --quiet --no-cache-dir --no-deps --find-links .whl -w .whl "llama-cpp-python==0.3.36" \
