@@ -264,6 +264,33 @@ def test_a_corrupt_tokenizer_is_named_before_the_weights_are_read(hf_copy):
         load(hf_copy)
 
 
+def test_config_errors_come_before_the_tokenizer_loads(hf_copy, monkeypatch):
+    # config.json's fields, the disable names and the QAB_* variables are checked in
+    # milliseconds; a real tokenizer takes seconds to load, the weights longer.
+    from mlx_lm import utils as mlx_utils
+
+    from qwen_apple_backend.errors import EnvVarError
+
+    loads = []
+    monkeypatch.setattr(mlx_utils, "load_tokenizer", lambda *a, **k: loads.append(a) or 1 / 0)
+    with pytest.raises(EnvVarError, match=r"turbo"):
+        load(hf_copy, "fused", disable=["turbo"])
+    _edit_config(hf_copy, lambda c: c["text_config"].__setitem__("num_experts", 0))
+    with pytest.raises(CheckpointError, match=r"text_config\.num_experts must be a positive "
+                                              r"integer, got 0"):
+        load(hf_copy)
+
+    def unknown_model_type(c):
+        c["text_config"]["num_experts"] = 8
+        c["model_type"], c["text_config"]["model_type"] = "qwen9_moe", "qwen9_moe_text"
+        c["architectures"] = ["Qwen9MoeForCausalLM"]
+
+    _edit_config(hf_copy, unknown_model_type)
+    with pytest.raises(CheckpointError, match=r"unsupported model_type 'qwen9_moe'"):
+        load(hf_copy)
+    assert loads == []
+
+
 def test_a_good_tokenizer_is_parsed_only_by_the_tokenizer(hf_copy, monkeypatch):
     # The loader's own JSON check runs only when the tokenizer fails to load.
     from qwen_apple_backend import loader

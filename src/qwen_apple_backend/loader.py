@@ -9,6 +9,7 @@ exactly as ``mlx_lm.load`` loads them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -208,14 +209,42 @@ def load_model(model_path: Union[str, Path], backend: Optional[str] = None, *, l
         MissingCheckpointFileError, CheckpointError, UnsupportedConfigError, FuseError,
         UnknownBackendError, EnvVarError (an unknown ``disable`` name).
     """
-    from mlx_lm import utils as mlx_utils
+    plan = _check_config(model_path, backend, model_config, disable)
+    return _load_checked(plan, lazy=lazy, strict=strict, model_config=model_config,
+                         trust_remote_code=trust_remote_code, use_fallback=use_fallback)
 
+
+@dataclasses.dataclass
+class _Checked:
+    """What :func:`_check_config` found: all :func:`load_model` needs besides weights."""
+
+    model_path: Path
+    backend: str
+    config: dict
+    report: FuseReport
+    resolved: Optional[tuple]  # (architecture, registry entry, adapter), None: stock mlx-lm
+    overrides: Optional[dict]  # the adapter's config overrides (model_config's included)
+    kinds: Optional[frozenset]  # module kinds / optimizations to keep stock (fused, auto)
+
+
+def _check_config(model_path: Union[str, Path], backend: Optional[str],
+                  model_config: Optional[dict], disable) -> _Checked:
+    """:func:`load_model`'s checks that need no weights: the backend, ``QAB_*``
+    variables and ``disable``, ``config.json`` (its ``model_type`` and, where a plugin
+    claims the architecture, every field the adapter needs). Milliseconds, so
+    :func:`load` runs them before the tokenizer (seconds for a real one).
+
+    Raises:
+        as :func:`load_model`, except errors in the weight files.
+    """
     backend = check_backend(backend)
     if backend not in MLX_BACKENDS:
         raise UnknownBackendError(f"load_model() builds MLX models with one of "
                                   f"{list(MLX_BACKENDS)}; use load() for backend {backend!r}")
+    kinds = None
     if backend in ("auto", "fused"):
         envs.validate()  # a bad QAB_* variable fails here, not at the first forward pass
+        kinds = envs.disabled_kinds() if disable is None else envs.check_disable(disable)
     model_path = Path(model_path)
     config = read_config(model_path)
     cfg_file = model_path / "config.json"
@@ -223,19 +252,7 @@ def load_model(model_path: Union[str, Path], backend: Optional[str] = None, *, l
     resolved = _resolve_adapter(config)
     if resolved is None:
         check_model_type(config, cfg_file)
-    check_weight_files(model_path)
-    if resolved is None:
-        with _config_errors(cfg_file, config.get("model_type")):
-            model, config = mlx_utils.load_model(model_path, lazy, strict=strict,
-                                                 model_config=model_config,
-                                                 trust_remote_code=trust_remote_code)
-        why = f"no plugin claims architecture {config.get('model_type')!r}"
-        report.notes.append(f"{why} (config.json model_type / architectures): stock mlx-lm "
-                            "model")
-        report.add_stock_modules(model, why)
-        model.qab_report = report
-        return model, config, report
-
+        return _Checked(model_path, backend, config, report, None, None, kinds)
     name, entry, adapter = resolved
     report.architecture, report.adapter, report.plugin = name, entry.target, entry.plugin
     merged = dict(config)
@@ -250,14 +267,38 @@ def load_model(model_path: Union[str, Path], backend: Optional[str] = None, *, l
             raise type(exc)(f"{cfg_file}{text[len('config.json'):]}") from exc
         raise
     overrides = {**(model_config or {}), **overrides}
+    return _Checked(model_path, backend, config, report, resolved, overrides, kinds)
 
+
+def _load_checked(plan: _Checked, *, lazy: bool, strict: bool, model_config: Optional[dict],
+                  trust_remote_code: bool, use_fallback: bool):
+    """:func:`load_model` once :func:`_check_config` has passed: the weight files,
+    the model, and its fused modules."""
+    from mlx_lm import utils as mlx_utils
+
+    model_path, report = plan.model_path, plan.report
+    cfg_file = model_path / "config.json"
+    check_weight_files(model_path)
+    if plan.resolved is None:
+        with _config_errors(cfg_file, plan.config.get("model_type")):
+            model, config = mlx_utils.load_model(model_path, lazy, strict=strict,
+                                                 model_config=model_config,
+                                                 trust_remote_code=trust_remote_code)
+        why = f"no plugin claims architecture {config.get('model_type')!r}"
+        report.notes.append(f"{why} (config.json model_type / architectures): stock mlx-lm "
+                            "model")
+        report.add_stock_modules(model, why)
+        model.qab_report = report
+        return model, config, report
+
+    name, _, adapter = plan.resolved
     from .models._hybrid import load_context
 
-    with load_context(model_path=model_path, config={**config, **overrides}), \
+    with load_context(model_path=model_path, config={**plan.config, **plan.overrides}), \
             _config_errors(cfg_file, name):
         try:
             model, config = mlx_utils.load_model(
-                model_path, lazy, strict=strict, model_config=overrides,
+                model_path, lazy, strict=strict, model_config=plan.overrides,
                 get_model_classes=adapter.get_model_classes,
                 trust_remote_code=trust_remote_code)
         except CheckpointError:
@@ -266,9 +307,9 @@ def load_model(model_path: Union[str, Path], backend: Optional[str] = None, *, l
             # mlx-lm reports missing/unexpected/mis-shaped parameters as ValueError.
             raise CheckpointError(f"{model_path}: weights do not match the model built from "
                                   f"config.json: {exc}") from exc
-    if backend in ("auto", "fused"):
-        kinds = envs.disabled_kinds() if disable is None else envs.check_disable(disable)
-        adapter.fuse(model, config, disable=kinds, use_fallback=use_fallback, report=report)
+    if plan.backend in ("auto", "fused"):
+        adapter.fuse(model, config, disable=plan.kinds, use_fallback=use_fallback,
+                     report=report)
     else:
         why = "backend=stock: stock mlx-lm modules (loader fixes only)"
         report.notes.append(why)
@@ -511,20 +552,21 @@ def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
     # The model's own file first: a folder with neither is named by its config.json.
     _config_file(model_path)
     check_tokenizer_present(model_path)
-    # The tokenizer before the weights, so that a corrupt tokenizer file fails before
-    # them; its end-of-sequence ids as mlx-lm's load() takes them (config.json, then
-    # generation_config.json, then model_config), once config.json has passed its check.
+    # config.json's checks (milliseconds), then the tokenizer (seconds for a real one),
+    # then the weights: each error as early as it can be found.
+    plan = _check_config(model_path, backend, model_config,
+                         None if disable is None else disable if isinstance(disable, str)
+                         else frozenset(disable))
+    # The end-of-sequence ids as mlx-lm's load() takes them: config.json, then
+    # generation_config.json, then model_config.
     from mlx_lm import utils as mlx_utils
 
-    read_config(model_path)
     eos_token_ids = {**mlx_utils.load_config(model_path),
                      **(model_config or {})}.get("eos_token_id")
     tokenizer, tokenizer_error = _load_tokenizer(model_path, tokenizer_config, eos_token_ids)
-    model, config, _ = load_model(model_path, backend, lazy=lazy, model_config=model_config,
-                                  trust_remote_code=trust_remote_code,
-                                  use_fallback=use_fallback,
-                                  disable=(None if disable is None else disable
-                                           if isinstance(disable, str) else frozenset(disable)))
+    model, config, _ = _load_checked(plan, lazy=lazy, strict=True, model_config=model_config,
+                                     trust_remote_code=trust_remote_code,
+                                     use_fallback=use_fallback)
     if tokenizer_error is not None:
         raise tokenizer_error
     if adapter_path is not None:
