@@ -209,8 +209,8 @@ def load_model(model_path: Union[str, Path], backend: Optional[str] = None, *, l
         MissingCheckpointFileError, CheckpointError, UnsupportedConfigError, FuseError,
         UnknownBackendError, EnvVarError (an unknown ``disable`` name).
     """
-    plan = _check_config(model_path, backend, model_config, disable)
-    return _load_checked(plan, lazy=lazy, strict=strict, model_config=model_config,
+    checked = _check_config(model_path, backend, model_config, disable)
+    return _load_checked(checked, lazy=lazy, strict=strict, model_config=model_config,
                          trust_remote_code=trust_remote_code, use_fallback=use_fallback)
 
 
@@ -270,17 +270,17 @@ def _check_config(model_path: Union[str, Path], backend: Optional[str],
     return _Checked(model_path, backend, config, report, resolved, overrides, kinds)
 
 
-def _load_checked(plan: _Checked, *, lazy: bool, strict: bool, model_config: Optional[dict],
+def _load_checked(checked: _Checked, *, lazy: bool, strict: bool, model_config: Optional[dict],
                   trust_remote_code: bool, use_fallback: bool):
     """:func:`load_model` once :func:`_check_config` has passed: the weight files,
     the model, and its fused modules."""
     from mlx_lm import utils as mlx_utils
 
-    model_path, report = plan.model_path, plan.report
+    model_path, report = checked.model_path, checked.report
     cfg_file = model_path / "config.json"
     check_weight_files(model_path)
-    if plan.resolved is None:
-        with _config_errors(cfg_file, plan.config.get("model_type")):
+    if checked.resolved is None:
+        with _config_errors(cfg_file, checked.config.get("model_type")):
             model, config = mlx_utils.load_model(model_path, lazy, strict=strict,
                                                  model_config=model_config,
                                                  trust_remote_code=trust_remote_code)
@@ -291,14 +291,14 @@ def _load_checked(plan: _Checked, *, lazy: bool, strict: bool, model_config: Opt
         model.qab_report = report
         return model, config, report
 
-    name, _, adapter = plan.resolved
+    name, _, adapter = checked.resolved
     from .models._hybrid import load_context
 
-    with load_context(model_path=model_path, config={**plan.config, **plan.overrides}), \
+    with load_context(model_path=model_path, config={**checked.config, **checked.overrides}), \
             _config_errors(cfg_file, name):
         try:
             model, config = mlx_utils.load_model(
-                model_path, lazy, strict=strict, model_config=plan.overrides,
+                model_path, lazy, strict=strict, model_config=checked.overrides,
                 get_model_classes=adapter.get_model_classes,
                 trust_remote_code=trust_remote_code)
         except CheckpointError:
@@ -307,8 +307,8 @@ def _load_checked(plan: _Checked, *, lazy: bool, strict: bool, model_config: Opt
             # mlx-lm reports missing/unexpected/mis-shaped parameters as ValueError.
             raise CheckpointError(f"{model_path}: weights do not match the model built from "
                                   f"config.json: {exc}") from exc
-    if plan.backend in ("auto", "fused"):
-        adapter.fuse(model, config, disable=plan.kinds, use_fallback=use_fallback,
+    if checked.backend in ("auto", "fused"):
+        adapter.fuse(model, config, disable=checked.kinds, use_fallback=use_fallback,
                      report=report)
     else:
         why = "backend=stock: stock mlx-lm modules (loader fixes only)"
@@ -554,9 +554,9 @@ def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
     check_tokenizer_present(model_path)
     # config.json's checks (milliseconds), then the tokenizer (seconds for a real one),
     # then the weights: each error as early as it can be found.
-    plan = _check_config(model_path, backend, model_config,
-                         None if disable is None else disable if isinstance(disable, str)
-                         else frozenset(disable))
+    checked = _check_config(model_path, backend, model_config,
+                            None if disable is None else disable if isinstance(disable, str)
+                            else frozenset(disable))
     # The end-of-sequence ids as mlx-lm's load() takes them: config.json, then
     # generation_config.json, then model_config.
     from mlx_lm import utils as mlx_utils
@@ -564,7 +564,8 @@ def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
     eos_token_ids = {**mlx_utils.load_config(model_path),
                      **(model_config or {})}.get("eos_token_id")
     tokenizer, tokenizer_error = _load_tokenizer(model_path, tokenizer_config, eos_token_ids)
-    model, config, _ = _load_checked(plan, lazy=lazy, strict=True, model_config=model_config,
+    model, config, _ = _load_checked(checked, lazy=lazy, strict=True,
+                                     model_config=model_config,
                                      trust_remote_code=trust_remote_code,
                                      use_fallback=use_fallback)
     if tokenizer_error is not None:
