@@ -7,7 +7,8 @@ uses. The wrapper mirrors ``mx.fast.cuda_kernel``'s generated source: each
 input as ``const T* name`` (plus ``name_shape`` / ``name_strides`` /
 ``name_ndim`` when the body uses them), each output as ``T* name``, template
 ints/bools as constexpr, dtypes as ``using``.
-MLX's own device header is replaced by the CUDA headers it pulls in. The
+MLX's own device header is replaced by the CUDA headers it pulls in
+(each only where the kernel uses it). The
 text compiled is what ``build_kernel`` hands MLX (compacted: no comments or
 indentation); the compacted and the commented sources give the same PTX.
 """
