@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,23 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # on the H200 with TF32, stock's gathered expert matmuls alone moved the tiny
 # float32 model's first greedy token (the fused MoE kernels are float32).
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+
+# Python subprocesses of the tests start without torch (see _subprocess_site/sitecustomize.py).
+SUBPROCESS_SITE = Path(__file__).parent / "_subprocess_site"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _subprocesses_without_torch():
+    """PYTHONPATH starts with ``_subprocess_site`` in the test process's environment, which
+    subprocesses inherit (the test process itself started before, with torch)."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUBPROCESS_SITE), before) if p)
+    yield
+    if before is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = before
 
 
 def pytest_collection_modifyitems(config, items):
