@@ -24,12 +24,11 @@ $(VENV)/.demo-installed: pyproject.toml | $(PY)
 
 # The package, the test tools, and the best-effort extras some tests use.
 $(VENV)/.test-installed: pyproject.toml | $(PY)
-	$(PIP) install --quiet -e ".[test]"
-	# The transformers oracle tests need the torch CPU build; they skip without it.
-	$(PIP) install --quiet "torch==2.13.0" || echo "note: torch 2.13.0 not installable here; transformers-oracle tests will be skipped"
 	# The llama.cpp plugin's dependencies (its tests install the plugin itself into a temporary
 	# folder): llama-cpp-python has no binary wheel, so it is built from source once (a few
 	# minutes on 2 cores) and the wheel kept in .whl/; the llama.cpp tests skip without it.
+	# The build runs in the background while pip installs the package, the test tools and
+	# torch, which mostly wait on downloads and disk; its log is .whl/build.log.
 	# Portable, not -march=native (GGML_NATIVE=OFF), and never from pip's wheel cache: a
 	# native wheel, cached or built on a machine whose CPU reported features its host then
 	# refused, stopped the llama.cpp tests with "Illegal instruction". A build for the tests:
@@ -39,9 +38,20 @@ $(VENV)/.test-installed: pyproject.toml | $(PY)
 	# (plugins/qab-llamacpp/cmake/no-common.cmake), 145 s instead of 283 s. Not for timing
 	# llama.cpp: after removing .whl/ and the stamp,
 	# `make install LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF"` builds its release flags.
-	( CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) wheel --quiet --no-cache-dir --no-deps --find-links .whl -w .whl "llama-cpp-python==0.3.36" \
-	  && $(PIP) install --quiet --find-links .whl "llama-cpp-python==0.3.36" "gguf>=0.17" ) \
-	  || echo "note: llama-cpp-python not built here; llama.cpp plugin tests will be skipped"
+	# The transformers oracle tests need the torch CPU build; they skip without it.
+	@mkdir -p .whl
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) wheel --quiet --no-cache-dir --no-deps --find-links .whl -w .whl \
+	  "llama-cpp-python==0.3.36" > .whl/build.log 2>&1 & llama=$$!; \
+	$(PIP) install --quiet -e ".[test]" || { kill $$llama; exit 1; }; \
+	$(PIP) install --quiet "torch==2.13.0" \
+	  || echo "note: torch 2.13.0 not installable here; transformers-oracle tests will be skipped"; \
+	if wait $$llama; then \
+	  $(PIP) install --quiet --find-links .whl "llama-cpp-python==0.3.36" "gguf>=0.17" \
+	    || echo "note: llama-cpp-python not installed here; llama.cpp plugin tests will be skipped"; \
+	else \
+	  tail -n 20 .whl/build.log; \
+	  echo "note: llama-cpp-python not built here (.whl/build.log); llama.cpp plugin tests will be skipped"; \
+	fi
 	touch $@
 
 install: $(VENV)/.test-installed
