@@ -315,9 +315,9 @@ def test_qab_compare_stock_vs_llamacpp_on_smollm2(smollm2_mlx, smollm2_gguf, plu
     run = _qab(plugin_site, "compare", "--model", str(smollm2_mlx),
                "--backends", f"stock,llama.cpp={smollm2_gguf}", "--chat-template",
                "--prompt", SEA, "--max-tokens", "12", "--warmup", "0", "--fidelity",
-               "--fidelity-positions", "128", "--no-progress", "--json", str(out_json))
+               "--fidelity-positions", "64", "--no-progress", "--json", str(out_json))
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "fidelity over 128 teacher-forced positions (reference stock)" in run.stdout
+    assert "fidelity over 64 teacher-forced positions (reference stock)" in run.stdout
     result = json.loads(out_json.read_text())
     assert result["model"]["backend_models"] == {"llama.cpp": str(smollm2_gguf)}
     assert result["settings"]["tokenizer"] == "from the checkpoint"
@@ -327,9 +327,11 @@ def test_qab_compare_stock_vs_llamacpp_on_smollm2(smollm2_mlx, smollm2_gguf, plu
     # Measured: the 32 greedy tokens of this prompt are identical on both backends.
     assert per["llama.cpp"]["first_divergence"] is None
     fid = result["fidelity"]["backends"]["llama.cpp"]
-    # Measured: 96.09% over these 128 positions (perplexity +0.9%), 94.92% over 256
-    # (-0.4%): llama.cpp multiplies Q4_1 weights by Q8-quantized activations,
+    # Measured (2026-12-07): 96.88% over these 64 positions (perplexity +0.05%), 96.88%
+    # over 128 (+0.44%): llama.cpp multiplies Q4_1 weights by Q8-quantized activations,
     # while stock runs the same weights dequantized to float32 (near-tied choices flip).
+    # 64 positions, not more: stock's 4-bit matmuls on MLX's CPU backend take ~0.19 s per
+    # position of this 135M model, twice (self-agreement), so 128 cost 24 s more.
     assert fid["agreement_vs_stock"] >= 0.90, fid
     assert abs(fid["perplexity_rel_vs_stock"]) < 0.03, fid
     assert fid["self_agreement"] == 1.0
