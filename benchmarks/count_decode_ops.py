@@ -31,7 +31,8 @@ Writes ``decode-ops-<device>.json`` into OUT.
 
 Usage:
     python benchmarks/count_decode_ops.py OUT [--preset tiny] [--backends stock,fused]
-        [--ablate gdn-kernel,moe-kernel] [--context 64] [--top 25] [--as-gpu cuda]
+        [--ablate gdn-kernel,moe-kernel] [--enable l2-prefetch] [--context 64] [--top 25]
+        [--as-gpu cuda]
 """
 
 from __future__ import annotations
@@ -275,6 +276,8 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="stock,fused")
     p.add_argument("--ablate", default="", help="comma list of optimizations to turn off, "
                    "one fused column each")
+    p.add_argument("--enable", default="", help="comma list of opt-in optimizations "
+                   "(QAB_ENABLE names) to turn on, one fused column each ('fused +NAME')")
     p.add_argument("--context", type=positive_int, default=64, help="prefilled tokens")
     p.add_argument("--top", type=positive_int, default=25, help="primitive names listed per column")
     p.add_argument("--layers", type=layer_count, default=None,
@@ -296,6 +299,12 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown backend(s) {unknown}; choose from stock, fused")
     check_disable_names(p, [a for a in args.ablate.split(",") if a])
+    from qwen_apple_backend.envs import OPT_IN
+
+    enable = [e.strip() for e in args.enable.split(",") if e.strip()]
+    if [e for e in enable if e not in OPT_IN]:
+        p.error(f"--enable: {', '.join(e for e in enable if e not in OPT_IN)} is not an opt-in "
+                f"optimization; choose from {', '.join(OPT_IN)}")
     import os
 
     import mlx.core as mx
@@ -315,20 +324,26 @@ def main(argv=None) -> int:
         checkpoint.PRESETS[preset] = shape
     b = build_preset(preset, seed=0, vocab_size=args.vocab or None)
     n_layers = len(b.model.language_model.model.layers)
-    columns = [(name, "") for name in args.backends.split(",") if name]
-    columns += [("fused", opt) for opt in args.ablate.split(",") if opt]
+    # (backend, optimization switched off, optimization switched on)
+    columns = [(name, "", "") for name in args.backends.split(",") if name]
+    columns += [("fused", opt, "") for opt in args.ablate.split(",") if opt]
+    columns += [("fused", "", opt) for opt in enable]
     rows = []
-    for backend, off in columns:
-        label = backend if not off else f"{backend} -{off}"
+    for backend, off, on in columns:
+        label = backend + (f" -{off}" if off else "") + (f" +{on}" if on else "")
         old = os.environ.get("QAB_DISABLE")
         if off:
             os.environ["QAB_DISABLE"] = ",".join(filter(None, [old, off]))
         stand_in = GpuStandIn(args.as_gpu) if args.as_gpu else None
         old_enable = os.environ.get("QAB_ENABLE")
+        extra = [on] if on else []
         if stand_in is not None and backend != "stock":
             # The compiled decode step is on by default on a GPU (off on the
             # CPU): count the graph the GPU would run.
-            os.environ["QAB_ENABLE"] = ",".join(filter(None, [old_enable, "decode-compile"]))
+            extra.append("decode-compile")
+        if extra:
+            given = [e for e in (old_enable or "").split(",") if e.strip()]
+            os.environ["QAB_ENABLE"] = ",".join(given + [e for e in extra if e not in given])
         try:
             model = variant_model(b, backend, [off] if off else [])
             if stand_in is None:
@@ -348,7 +363,7 @@ def main(argv=None) -> int:
                     os.environ["QAB_DISABLE"] = old
         kernels = collections.Counter({k: v for k, v in ops.items() if k not in VIEWS})
         total, launches = sum(ops.values()), sum(kernels.values())
-        row = dict(column=label, backend=backend, disabled=off, primitives=total,
+        row = dict(column=label, backend=backend, disabled=off, enabled=on, primitives=total,
                    kernel_primitives=launches,
                    kernel_primitives_per_layer=launches / n_layers,
                    by_name=dict(kernels.most_common()))

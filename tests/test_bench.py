@@ -1224,13 +1224,9 @@ def test_ablating_an_opt_in_that_is_off_warns(monkeypatch, capsys):
 
 def test_count_decode_ops_counts_the_arrays_each_launch_binds(tmp_path):
     # benchmarks/count_decode_ops.py --as-gpu cuda at Qwen3.6's widths (4
-    # layers: 3 Gated DeltaNet, 1 attention; 16 experts): each MoE layer's
-    # one-launch block binds its router, shared expert and routed experts as
-    # one pack (moe-block-pack) instead of 21 arrays, so a decode token binds
-    # exactly 20 distinct arrays fewer per layer than with the pack off, and
-    # makes 3 outputs fewer per Gated DeltaNet layer (its workspace and the
-    # two states, written in place) and 1 fewer per attention layer (the
-    # workspace). Counted on the compiled decode step (a GPU's default).
+    # layers: 3 Gated DeltaNet, 1 attention; 16 experts), one run (the model
+    # build is most of its time) with three fused columns. Counted on the
+    # compiled decode step (a GPU's default).
     import json
     import subprocess
     import sys
@@ -1241,11 +1237,23 @@ def test_count_decode_ops_counts_the_arrays_each_launch_binds(tmp_path):
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "count_decode_ops.py"),
                         str(out), "--preset", "full", "--layers", "4", "--experts", "16",
                         "--context", "4", "--backends", "fused", "--ablate", "moe-block-pack",
-                        "--as-gpu", "cuda"], capture_output=True, text=True, timeout=600,
-                       cwd=root)
+                        "--enable", "l2-prefetch", "--as-gpu", "cuda"],
+                       capture_output=True, text=True, timeout=600, cwd=root)
     assert r.returncode == 0, r.stderr[-2000:]
     (path,) = out.glob("decode-ops-*.json")
-    rows = {row["column"]: row["bound_arrays"] for row in json.loads(path.read_text())["rows"]}
+    result = json.loads(path.read_text())["rows"]
+    assert [row["column"] for row in result] == ["fused", "fused -moe-block-pack",
+                                                 "fused +l2-prefetch"]
+    assert [(row["disabled"], row["enabled"]) for row in result] == [
+        ("", ""), ("moe-block-pack", ""), ("", "l2-prefetch")]
+    rows = {row["column"]: row["bound_arrays"] for row in result}
+
+    # moe-block-pack: each MoE layer's one-launch block binds its router,
+    # shared expert and routed experts as one pack instead of 21 arrays, so a
+    # decode token binds exactly 20 distinct arrays fewer per layer than with
+    # the pack off, and makes 3 outputs fewer per Gated DeltaNet layer (its
+    # workspace and the two states, written in place) and 1 fewer per
+    # attention layer (the workspace).
     packed, unpacked = rows["fused"], rows["fused -moe-block-pack"]
     for row in (packed, unpacked):
         assert 0 < row["distinct"] <= row["bound"]
@@ -1264,42 +1272,37 @@ def test_count_decode_ops_counts_the_arrays_each_launch_binds(tmp_path):
     # step's eager pack-check call, nor its first compiled call, which copies
     # the caches' buffers): the same primitives but the stand-ins' two markers
     # per output the pack saves.
-    prims = {row["column"]: row["primitives"] for row in json.loads(path.read_text())["rows"]}
+    prims = {row["column"]: row["primitives"] for row in result}
     assert prims["fused -moe-block-pack"] - prims["fused"] == 2 * (3 * 3 + 1), prims
 
-
-def test_count_decode_ops_traces_the_l2_prefetch_build_in_the_compiled_step(tmp_path):
-    # QAB_ENABLE=l2-prefetch inside the compiled decode step (a GPU's default;
-    # the GPU stand-ins at Qwen3.6's widths, 4 layers): each MoE block with a
-    # next layer takes that layer's concatenated projection (weight, scales,
-    # biases) as arguments of its compiled call. Read as closure arrays they
-    # made MLX refuse the trace ("uncaptured inputs"): every fused column
-    # with l2-prefetch on failed on an H100 (2026-12-05). The three Gated
-    # DeltaNet layers' blocks bind 3 more distinct arrays each, the last
+    # l2-prefetch (QAB_ENABLE) inside the compiled decode step: each MoE block
+    # with a next layer takes that layer's concatenated projection (weight,
+    # scales, biases) as arguments of its compiled call. Read as closure
+    # arrays they made MLX refuse the trace ("uncaptured inputs"): every fused
+    # column with l2-prefetch on failed on an H100 (2026-12-05). The three
+    # Gated DeltaNet layers' blocks bind 3 more distinct arrays each, the last
     # layer's block (no next layer) none; the same launches.
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "o"
-    env = dict(os.environ, QAB_ENABLE="l2-prefetch")
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "count_decode_ops.py"),
-                        str(out), "--preset", "full", "--layers", "4", "--experts", "16",
-                        "--context", "4", "--backends", "fused", "--ablate", "l2-prefetch",
-                        "--as-gpu", "cuda"], capture_output=True, text=True, timeout=600,
-                       cwd=root, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
-    (path,) = out.glob("decode-ops-*.json")
-    rows = {row["column"]: row["bound_arrays"] for row in json.loads(path.read_text())["rows"]}
-    on, off = rows["fused"], rows["fused -l2-prefetch"]
+    on, off = rows["fused +l2-prefetch"], rows["fused"]
     assert on["launches"] == off["launches"]
     gdn, last = "qab:moe_decode_block_gdn_pack", "qab:moe_decode_block_pack"
     assert on["by_name"][gdn][0] == 3
     assert on["by_name"][gdn][2] - off["by_name"][gdn][2] == 3 * 3
     assert on["by_name"][last] == off["by_name"][last]
+
+
+def test_count_decode_ops_rejects_an_enable_name_that_is_not_opt_in(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    for name, why in (("moe-block-pack", "moe-block-pack is not an opt-in"),
+                      ("bogus", "bogus is not an opt-in")):
+        r = subprocess.run([sys.executable, str(root / "benchmarks" / "count_decode_ops.py"),
+                            str(tmp_path / "o"), "--enable", name],
+                           capture_output=True, text=True, timeout=120, cwd=root)
+        assert r.returncode == 2, r.stderr
+        assert why in r.stderr and "l2-prefetch" in r.stderr, r.stderr
+        assert not (tmp_path / "o").exists()
 
 
 def _gpu_session_module():
