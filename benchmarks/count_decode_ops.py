@@ -299,12 +299,13 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown backend(s) {unknown}; choose from stock, fused")
     check_disable_names(p, [a for a in args.ablate.split(",") if a])
-    from qwen_apple_backend.envs import OPT_IN
+    from qwen_apple_backend.envs import check_enable
 
-    enable = [e.strip() for e in args.enable.split(",") if e.strip()]
-    if [e for e in enable if e not in OPT_IN]:
-        p.error(f"--enable: {', '.join(e for e in enable if e not in OPT_IN)} is not an opt-in "
-                f"optimization; choose from {', '.join(OPT_IN)}")
+    try:
+        check_enable(args.enable.split(","), "--enable")
+    except ValueError as exc:
+        p.error(str(exc))
+    enable = list(dict.fromkeys(e.strip().lower() for e in args.enable.split(",") if e.strip()))
     import os
 
     import mlx.core as mx

@@ -375,17 +375,34 @@ def enabled_opt_in() -> frozenset[str]:
         EnvVarError: for a name that is not in :data:`OPT_IN` (one that is on
             by default says so).
     """
-    given = _names((_get("QAB_ENABLE", "") or "").split(","))
-    names = set(given)
-    unknown = names - set(OPT_IN)
+    return check_enable((_get("QAB_ENABLE", "") or "").split(","))
+
+
+def check_enable(names: Iterable[str], var: str = "QAB_ENABLE") -> frozenset[str]:
+    """Validate opt-in optimization names as ``QAB_ENABLE`` is validated.
+
+    Args:
+        names (Iterable[str]): names from :data:`OPT_IN` (any case).
+        var (str): what the error messages name (``QAB_ENABLE``, or a flag).
+
+    Returns:
+        frozenset[str]: the lower-cased names.
+
+    Raises:
+        EnvVarError: (a ``ValueError``) naming ``var``: for a name that is on by
+            default, or one that is no optimization, quoted as given.
+    """
+    given = _names(names)
+    got = set(given)
+    unknown = got - set(OPT_IN)
     on_already = sorted(unknown & set(OPTIMIZATIONS))
     if on_already:
         raise EnvVarError(
-            f"QAB_ENABLE: {given[on_already[0]]!r} is on by default (QAB_ENABLE names only "
+            f"{var}: {given[on_already[0]]!r} is on by default ({var} names only "
             f"{', '.join(OPT_IN)}; switch others off with QAB_DISABLE)")
     if unknown:
-        raise _unknown("QAB_ENABLE", "optimization", [given[n] for n in unknown], OPT_IN)
-    return frozenset(names)
+        raise _unknown(var, "optimization", [given[n] for n in unknown], OPT_IN)
+    return frozenset(got)
 
 
 def unverified_kernels_allowed() -> bool:
