@@ -18,21 +18,27 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 
-# Python subprocesses of the tests start without torch (see _subprocess_site/sitecustomize.py).
+# Python subprocesses of the tests start without torch and share transformers' import
+# structure (see _subprocess_site/sitecustomize.py).
 SUBPROCESS_SITE = Path(__file__).parent / "_subprocess_site"
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _subprocesses_without_torch():
+def _subprocess_site(tmp_path_factory):
     """PYTHONPATH starts with ``_subprocess_site`` in the test process's environment, which
-    subprocesses inherit (the test process itself started before, with torch)."""
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUBPROCESS_SITE), before) if p)
+    subprocesses inherit (the test process itself started before, with torch), and
+    ``QAB_TEST_IMPORT_STRUCTURE_DIR`` names a folder of this session for its cache."""
+    before = {k: os.environ.get(k) for k in ("PYTHONPATH", "QAB_TEST_IMPORT_STRUCTURE_DIR")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(SUBPROCESS_SITE), before["PYTHONPATH"]) if p)
+    os.environ["QAB_TEST_IMPORT_STRUCTURE_DIR"] = str(
+        tmp_path_factory.mktemp("transformers-import-structure"))
     yield
-    if before is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = before
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def pytest_collection_modifyitems(config, items):
