@@ -255,6 +255,11 @@ EXTRA_CASES = [
 def wrap(op: str, case=None, raw: bool = False, texts=None) -> str:
     """The kernel as MLX's generated source (``raw``: the files' text, not compacted;
     ``texts``: the ``(header, body)`` handed to MLX, e.g. the ``#include`` form)."""
+    return "".join(wrap_parts(op, case, raw, texts))
+
+
+def wrap_parts(op: str, case=None, raw: bool = False, texts=None) -> tuple[str, str]:
+    """``wrap``'s text as (the CUDA includes and definitions it starts with, the kernel)."""
     src = kernel_source(op, "cuda")
     header, body = (src.header, src.body) if raw else (compact(src.header), compact(src.body))
     if texts is not None:
@@ -285,7 +290,7 @@ def wrap(op: str, case=None, raw: bool = False, texts=None) -> str:
     cg = "cg::" in code or "cooperative_groups" in code
     prelude = (PRELUDE + (SHAPES if any(" Shape " in p or " Strides " in p for p in params) else "")
                + (COOPERATIVE_GROUPS if cg else ""))
-    return (prelude + header + "namespace mlx { namespace core { namespace cu {\n"
+    return prelude, (header + "namespace mlx { namespace core { namespace cu {\n"
             + ("namespace cg = cooperative_groups;\n" if cg else "")
             + f"__global__ void {src.name}(\n    " + ",\n    ".join(params) + ") {\n"
             + "\n".join(consts) + "\n" + body + "\n}\n}}}\n")
@@ -326,51 +331,61 @@ def _compile_without_spills(op, case, tmp_path, spill_bytes=0, log_out=None):
     return regs
 
 
-@pytest.mark.parametrize("op", sorted(CASES))
-def test_compacted_source_is_the_same_code(op, tmp_path):
-    # compact() drops comments and indentation only: after nvcc's preprocessor
-    # (which drops comments itself), the two sources are the same tokens with
-    # the same spacing inside each line. (Not the PTX: nvcc's output for the
-    # same code can differ with the source's line layout, e.g. register
-    # numbering and load order in gqa_decode_partial in about 1 build of 4.)
-    text = []
-    for raw in (True, False):
-        cu = tmp_path / ("raw.cu" if raw else "compact.cu")
-        cu.write_text(wrap(op, raw=raw), encoding="utf-8")
-        r = subprocess.run([NVCC, "-arch=sm_90", "-E", str(cu)], capture_output=True, text=True,
-                           timeout=300)
-        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-        code = [ln for ln in r.stdout.splitlines() if not ln.lstrip().startswith("#")]
-        text.append(" ".join(" ".join(code).split()))
-    assert len(compact(kernel_source(op, "cuda").body)) < len(kernel_source(op, "cuda").body)
-    assert text[0] == text[1]
+def _preprocessed_variants(cu, variants):
+    """nvcc's preprocessor over ``variants``, ``wrap_parts`` pairs with the same CUDA
+    includes, in one run: each kernel's text after it, as one line of single-spaced tokens.
 
-
-def _preprocessed(cu, text):
-    cu.write_text(text, encoding="utf-8")
+    One run per op instead of one per variant: each run paid nvcc's fixed cost and
+    preprocessed the CUDA headers it includes (~0.6 s on 2 cores). After each variant the
+    macros it defined are undefined again (a packed MoE block defines ``w``, ``scales``...),
+    so every variant starts from the includes' definitions alone."""
+    prelude = variants[0][0]
+    assert all(p == prelude for p, _ in variants), "variants with different includes"
+    parts = [prelude]
+    for i, (_, kernel) in enumerate(variants):
+        defined = sorted(set(re.findall(r"^[ \t]*#[ \t]*define[ \t]+(\w+)", kernel, re.M)))
+        parts += [f"\nqab_variant_start_{i}\n", kernel, f"\nqab_variant_end_{i}\n"]
+        parts += [f"#undef {name}\n" for name in defined]
+    cu.write_text("".join(parts), encoding="utf-8")
     r = subprocess.run([NVCC, "-arch=sm_90", "-E", str(cu)], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     code = [ln for ln in r.stdout.splitlines() if not ln.lstrip().startswith("#")]
-    return " ".join(" ".join(code).split())
+    tokens = " ".join(" ".join(code).split())
+    texts = []
+    for i in range(len(variants)):
+        m = re.search(rf"\bqab_variant_start_{i} (.*) qab_variant_end_{i}\b", tokens)
+        assert m, f"variant {i}'s markers are not in nvcc's output"
+        texts.append(m[1])
+    return texts
 
 
 @pytest.mark.parametrize("op", sorted(CASES))
-def test_included_source_is_the_same_code(op, tmp_path, monkeypatch):
-    # What build_kernel hands MLX by default on CUDA (QAB_KERNEL_INCLUDE):
-    # two #include lines of files under the cache dir. After the preprocessor
-    # the kernel is the compacted text's, kernel parameters (the inputs'
-    # shapes / strides MLX passes when the body names them) included.
+def test_compacted_and_included_sources_are_the_same_code(op, tmp_path, monkeypatch):
+    # compact() drops comments and indentation only: after nvcc's preprocessor
+    # (which drops comments itself), the raw and the compacted sources are the same
+    # tokens with the same spacing inside each line. (Not the PTX: nvcc's output for
+    # the same code can differ with the source's line layout, e.g. register numbering
+    # and load order in gqa_decode_partial in about 1 build of 4.)
+    # And what build_kernel hands MLX by default on CUDA (QAB_KERNEL_INCLUDE): two
+    # #include lines of files under the cache dir. After the preprocessor the kernel
+    # is the compacted text's, kernel parameters (the inputs' shapes / strides MLX
+    # passes when the body names them) included.
     from qwen_apple_backend.ops.device import included_cuda_source
 
     monkeypatch.setenv("QAB_CACHE_DIR", str(tmp_path / "cache"))
     src = kernel_source(op, "cuda")
+    assert len(compact(src.body)) < len(src.body)
     header, body = compact(src.header), compact(src.body)
     short = included_cuda_source(src.name, header, body, tuple(src.inputs))
     assert short is not None and len(short[1]) < 400 and "#include" in short[1]
     assert wrap(op, texts=short) != wrap(op)
-    assert (_preprocessed(tmp_path / "included.cu", wrap(op, texts=short))
-            == _preprocessed(tmp_path / "inline.cu", wrap(op)))
+    raw, compacted, included = _preprocessed_variants(
+        tmp_path / "variants.cu", [wrap_parts(op, raw=True), wrap_parts(op),
+                                   wrap_parts(op, texts=short)])
+    assert f"void {src.name}(" in compacted
+    assert raw == compacted
+    assert included == compacted
 
 
 def test_every_cuda_op_has_a_compile_case():
