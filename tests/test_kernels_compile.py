@@ -10,7 +10,7 @@ ints/bools as constexpr, dtypes as ``using``.
 MLX's own device header is replaced by the CUDA headers it pulls in
 (each only where the kernel uses it). The
 text compiled is what ``build_kernel`` hands MLX (compacted: no comments or
-indentation); the compacted and the commented sources give the same PTX.
+indentation); the compacted and the commented sources preprocess to the same tokens.
 """
 
 from __future__ import annotations
