@@ -60,7 +60,7 @@ demo: $(VENV)/.demo-installed
 	$(VENV)/bin/qab demo
 
 # Two pytest workers (pytest-xdist): the suite is CPU-bound and the CI machine has
-# two cores (a machine like it, 2026-12-07: about 19 min with two workers, after a 4 min install).
+# two cores (a machine like it, 2026-12-07: about 17.5 min with two workers, after a 4.5 min install).
 test: $(VENV)/.test-installed
 	$(PY) -m pytest -q -ra -n 2
 
