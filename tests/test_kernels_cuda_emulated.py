@@ -34,7 +34,9 @@ import contextlib
 import functools
 import inspect
 import re
+import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -427,6 +429,21 @@ def test_emulator_reports_faults(mode):
     else:
         with pytest.raises(emu.KernelFault, match=FAULT_MODES[mode]):
             call()
+
+
+def test_emulator_builds_with_gcc_precompiled_header():
+    # Every kernel program includes qab_cuda_emu.h first; with GCC its precompiled
+    # .gch is made once per session and kept only where GCC reads it (-H marks it
+    # "!"), a third of a small program's build otherwise.
+    emu._setup()
+    gch = emu._workdir() / "qab_cuda_emu.h.gch"
+    if "g++" not in Path(emu.CXX).name:
+        pytest.skip(f"{emu.CXX} is not GCC")
+    assert gch.exists()
+    probe = emu._workdir() / "pch-probe.cpp"
+    proc = subprocess.run([emu.CXX, *emu._FLAGS, "-H", "-fsyntax-only", "-I",
+                           str(emu._workdir()), str(probe)], capture_output=True, text=True)
+    assert proc.returncode == 0 and f"! {gch}" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_emulator_checks_launch_limits():
@@ -3337,7 +3354,6 @@ def test_quantized_embedding_decodes_on_the_emulated_kernel(monkeypatch):
 def _load_layer_profiler(monkeypatch):
     """benchmarks/profile_layer_gpu.py as a fresh module (its folder on sys.path)."""
     import importlib.util
-    from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_layer_gpu.py"
     monkeypatch.syspath_prepend(str(path.parent))
