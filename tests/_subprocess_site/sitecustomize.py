@@ -35,7 +35,9 @@ def _cache_import_structure(folder: str) -> None:
     name = "transformers.utils.import_utils"
 
     def wrap(module) -> None:
-        compute = module.define_import_structure
+        compute = getattr(module, "define_import_structure", None)
+        if compute is None:  # (another transformers: its own import, uncached)
+            return
 
         @functools.lru_cache
         def define_import_structure(module_path, prefix=None):
