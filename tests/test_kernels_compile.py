@@ -337,8 +337,9 @@ def _preprocessed_variants(cu, variants):
 
     One run per op instead of one per variant: each run paid nvcc's fixed cost and
     preprocessed the CUDA headers it includes (~0.6 s on 2 cores). After each variant the
-    macros it defined are undefined again (a packed MoE block defines ``w``, ``scales``...),
-    so every variant starts from the includes' definitions alone."""
+    macros its text defines are undefined again (a packed MoE block defines ``w``,
+    ``scales``...), so the next starts from the includes' definitions alone; a variant that
+    ``#include``s its kernel (whose macros this does not see) must come last."""
     prelude = variants[0][0]
     assert all(p == prelude for p, _ in variants), "variants with different includes"
     parts = [prelude]
