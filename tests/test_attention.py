@@ -626,10 +626,21 @@ def test_long_decode_takes_split_attention_on_a_gpu_and_matches_stock(monkeypatc
     calls.clear()
     run_steps(fused, xs, KVCache)
     assert calls == []
-    monkeypatch.setattr(attn_ops, "gpu_backend", lambda: None)  # the CPU: never
     fused.split_keys = True
-    run_steps(fused, xs, KVCache)
-    assert calls == []
+    # The CPU, and Metal (whose MLX SDPA is a fused two-pass kernel split over
+    # keys): never; both run mx.fast.scaled_dot_product_attention.
+    sdpa = []
+    real_sdpa = attn_ops.gqa_attention_ops
+    monkeypatch.setattr(attn_ops, "gqa_attention_ops",
+                        lambda q, k, *a, **kw: sdpa.append(k.shape[2]) or real_sdpa(q, k, *a, **kw))
+    for backend in (None, "metal"):
+        monkeypatch.setattr(attn_ops, "gpu_backend", lambda: backend)
+        sdpa.clear()
+        ys = run_steps(fused, xs, KVCache)[0]
+        assert calls == [], backend
+        assert sdpa == [30, 31, 32, 33], (backend, sdpa)
+        for step, (y, ref) in enumerate(zip(ys, refs)):
+            assert rel_l2(y, ref) <= 1e-5, (backend, step)
 
 
 @pytest.mark.parametrize("backend", ["cuda", "metal"])

@@ -89,10 +89,15 @@ class FusedGQAAttention(nn.Module):
             ``ops.attention.RUNAHEAD_EVAL_ROWS`` query rows (the
             ``attn-blocks`` optimization: it bounds a long prefill's memory).
             Default True.
-        split_keys (bool): on a GPU, run a one-token query over at least
+        split_keys (bool): on CUDA, run a one-token query over at least
             ``ops.attention.SPLIT_KV_MIN_KEYS`` cached keys as
             ``ops.attention.gqa_attention_split`` (the ``attn-split``
-            optimization: ``p v`` split over blocks of keys). Default True.
+            optimization: ``p v`` split over blocks of keys), where MLX's
+            SDPA has no fused kernel for Qwen3.6's head dim of 256 and runs
+            as ops. Not on Metal: there MLX's own fused two-pass vector kernel
+            (``sdpa_vector_2pass``, split over keys, the query heads of a KV
+            head in one threadgroup) runs such a call from 4,096 keys, and the
+            split's MLX ops have not been measured against it. Default True.
         decode_kernel (bool): on CUDA, run a one-token query's attention
             (any number of cached keys) and its output gate as
             ``ops.attention.gqa_decode_attention_gated``
@@ -420,7 +425,7 @@ class FusedGQAAttention(nn.Module):
                 out = gqa_attention_blocked(q, k, v, self.scale, mask, rows=rows)
             elif (self.split_keys and not self.training and q.shape[2] == 1
                   and k.shape[2] >= attn_ops.SPLIT_KV_MIN_KEYS
-                  and attn_ops.gpu_backend() is not None):
+                  and attn_ops.gpu_backend() == "cuda"):
                 out = gqa_attention_split(q, k, v, self.scale, mask, use_kernel=False)
             else:
                 out = gqa_attention(

@@ -83,7 +83,8 @@ SCORE_BLOCK_BYTES = 1 << 29
 RUNAHEAD_EVAL_ROWS = 512
 
 #: Keys from which a one-token query takes :func:`gqa_attention_split`
-#: (``attn-split``, GPU only), and the key block of its split p v product.
+#: (``attn-split``, CUDA only: Metal keeps MLX's fused two-pass vector SDPA,
+#: which splits over keys itself), and the key block of its split p v product.
 #: Measured on the H200, one Qwen3.6 full-attention decode layer (Hq = 16,
 #: Hk = 2, D = 256, bf16 KV; ``benchmarks/profile_attention_decode.py``, same
 #: run): ``mx.fast.scaled_dot_product_attention`` 0.170 / 0.487 / 0.992 ms at
@@ -606,7 +607,7 @@ def _lanes_params(B: int, Hk: int, S: int, G: int, D: int,
 
 @functools.lru_cache(maxsize=None)
 def _split_objects(backend: str):
-    # CUDA only: no Metal source yet (Metal runs gqa_attention_split's MLX ops).
+    # CUDA only: no Metal source (Metal keeps MLX's fused SDPA for decode).
     part = build_kernel("gqa_decode_partial", backend, ensure_row_contiguous=False)
     comb = build_kernel("gqa_decode_combine", backend, ensure_row_contiguous=False)
     return None if part is None or comb is None else (part, comb)
