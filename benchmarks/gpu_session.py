@@ -20,8 +20,10 @@ Steps (``--plan``, in the order given, each ``NAME:SECONDS``):
   results under ``OUT/bench``.
 - ``tests``: ``pytest -m gpu tests/test_kernels_gpu.py -k FILTER``
   (``--test-filter``).
-- ``long``: stock vs fused at 128K, 2 rounds of 32 decode tokens
-  (``OUT/long``).
+- ``long``: stock vs fused at 128K (``--long-lengths``), 2 rounds of 32 decode
+  tokens, with ablation columns of its own (``--long-ablate``, default none; an
+  opt-in named there is switched on for this step as in ``bench``), e.g.
+  ``--long-lengths 64K,128K --long-ablate attn-step-long`` (``OUT/long``).
 - ``lengths``: stock vs fused at the ten lengths 256..128K, 3 rounds of 32
   decode tokens (``OUT/lengths``).
 - ``layer``: ``benchmarks/profile_layer_gpu.py``: a Gated DeltaNet layer's one
@@ -99,9 +101,12 @@ def parse_plan(text: str) -> list[tuple[str, float]]:
     return plan
 
 
-def bench_argv(step: str, out: Path, ablate: str, real_prefill: bool = False) -> list[str]:
+def bench_argv(step: str, out: Path, ablate: str, real_prefill: bool = False,
+               long_lengths: str = "128K") -> list[str]:
     """The ``qab bench`` arguments of a bench step: decode only, from stock's synthetic
-    contexts (``--synthetic-context``), or from fused's prefilled ones (``real_prefill``)."""
+    contexts (``--synthetic-context``), or from fused's prefilled ones (``real_prefill``).
+    ``ablate``: the ``bench`` or ``long`` step's ablation columns (comma-separated, '' for
+    none; the ``lengths`` step has none); ``long_lengths``: the ``long`` step's lengths."""
     context = (["--shared-prefill", "fused"] if real_prefill
                else ["--shared-prefill", "stock", "--synthetic-context"])
     common = ["bench", "--preset", "full", "--share-weights", *context,
@@ -110,7 +115,8 @@ def bench_argv(step: str, out: Path, ablate: str, real_prefill: bool = False) ->
         argv = common + ["--lengths", "4K", "--rounds", "3", "--decode-tokens", "64"]
         return argv + (["--ablate", ablate] if ablate else [])
     if step == "long":
-        return common + ["--lengths", "128K", "--rounds", "2", "--decode-tokens", "32"]
+        argv = common + ["--lengths", long_lengths, "--rounds", "2", "--decode-tokens", "32"]
+        return argv + (["--ablate", ablate] if ablate else [])
     if step == "lengths":
         return common + ["--lengths", TEN_LENGTHS, "--rounds", "3", "--decode-tokens", "32"]
     raise ValueError(f"not a bench step: {step!r}")
@@ -275,6 +281,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--ablate", default="moe-block-pack,decode-const",
                     help="the 4K bench's ablation columns (default moe-block-pack,decode-const; "
                          "'' for none)")
+    ap.add_argument("--long-ablate", default="",
+                    help="the long step's ablation columns (default none), e.g. attn-step-long")
+    ap.add_argument("--long-lengths", default="128K",
+                    help="the long step's context lengths (qab bench --lengths; default 128K)")
     ap.add_argument("--layer-variants", default="default,NPL=0,UNROLL=0",
                     help="variants of the layer and timeline steps (profile_layer_gpu.py's "
                          "--variants; default default,NPL=0,UNROLL=0)")
@@ -306,7 +316,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         ap.error(f"cannot make the output folder {str(args.out)!r}: {e.strerror or e}")
-    ablate = [a.strip() for a in args.ablate.split(",") if a.strip()]
     sys.path.insert(0, str(ROOT / "src"))
     from qwen_apple_backend.envs import OPT_IN
 
@@ -323,9 +332,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             # Opt-in ablations (envs.OPT_IN; decode-compile is on by default on
             # a GPU): on for the step, so the fused column has them.
-            enable = ",".join(a for a in ablate if a in OPT_IN and a != "decode-compile")
-            enable = enable if name == "bench" and enable else None
-            argv_ = bench_argv(name, args.out, args.ablate, args.real_prefill)
+            step_ablate = {"bench": args.ablate, "long": args.long_ablate}.get(name, "")
+            enable = ",".join(a.strip() for a in step_ablate.split(",")
+                              if a.strip() in OPT_IN and a.strip() != "decode-compile") or None
+            argv_ = bench_argv(name, args.out, step_ablate, args.real_prefill,
+                               args.long_lengths)
             fn = (lambda a, e: lambda: run_bench(a, e))(argv_, enable)
         worst = max(worst, session.step(name, seconds, fn))
     return worst

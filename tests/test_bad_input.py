@@ -375,7 +375,7 @@ def test_bad_boolean_and_list_variables_name_themselves(monkeypatch):
                                           r"moe-block-unroll, moe-block-npl, moe-block-roll, moe-block-npg, "
                                           r"attn-step, "
                                           r"attn-mma, attn-merge-split, attn-merge-spread, moe-block-nps, "
-                                          r"moe-block-rpl\)$"):
+                                          r"moe-block-rpl, attn-step-long\)$"):
         envs.validate()
     monkeypatch.setenv("QAB_DISABLE", "all")
     assert envs.disabled_kinds() == frozenset({"moe", "gdn", "attn"})
@@ -482,7 +482,7 @@ def test_disable_argument_is_checked_like_the_variable():
     ("decode_split.py", ["--preset", "tiny", "QAB_ENABLE=bogus"],
      "QAB_ENABLE: unknown optimization 'bogus' (known: decode-compile, next-norm, proj-gemv, "
      "gemv-pipe, attn-lanes, l2-prefetch, decode-const, attn-merge-split, "
-     "moe-block-nps, moe-block-rpl)"),
+     "moe-block-nps, moe-block-rpl, attn-step-long)"),
     ("profile_attention_decode.py", ["QAB_DISABLE=warp"], "QAB_DISABLE: unknown optimization"),
     # The warm timeline: with --timeline only, and of 3 to 16 chained launches.
     ("profile_layer_gpu.py", ["--warm", "4"], "--warm goes with --timeline"),

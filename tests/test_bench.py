@@ -1345,6 +1345,12 @@ def test_gpu_session_plan_and_bench_arguments():
     lengths = mod.bench_argv("lengths", Path("o"), "x")
     assert lengths[lengths.index("--lengths") + 1].split(",")[-1] == "128K"
     assert "--ablate" not in lengths
+    # The long step: 128K, or its own lengths, and its own ablation columns.
+    long = mod.bench_argv("long", Path("o"), "")
+    assert long[long.index("--lengths") + 1] == "128K" and "--ablate" not in long
+    long = mod.bench_argv("long", Path("o"), "attn-step-long", long_lengths="64K,128K")
+    assert long[long.index("--lengths") + 1] == "64K,128K"
+    assert long[long.index("--ablate") + 1] == "attn-step-long"
 
 
 def test_gpu_session_runs_steps_in_one_process_and_stops_an_overdue_one(tmp_path):
@@ -1367,7 +1373,9 @@ def test_gpu_session_runs_steps_in_one_process_and_stops_an_overdue_one(tmp_path
             return 0
         g.run_bench, g.run_tests = bench, tests
         g.gpu_available = lambda: True  # (the faked steps need none)
-        sys.exit(g.main([sys.argv[1], "--plan", "bench:20,tests:1", "--test-filter", "k1"]))
+        sys.exit(g.main([sys.argv[1], "--plan", "bench:20,long:20,tests:1", "--test-filter", "k1",
+                         "--long-lengths", "64K,128K",
+                         "--long-ablate", "attn-step-long,moe-block-pack"]))
     """)
     out = tmp_path / "s"
     r = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True,
@@ -1378,18 +1386,22 @@ def test_gpu_session_runs_steps_in_one_process_and_stops_an_overdue_one(tmp_path
     pid = re.search(r"bench says 4K decode-const (\d+)", bench)
     assert pid and "from fd 2" in bench, bench
     assert tests.split("\n")[0].split()[-1] == pid.group(1)  # one process
+    # The long step: its own lengths and ablation columns, its opt-ins switched on.
+    long = (out / "long.txt").read_text()
+    assert f"bench says 64K,128K attn-step-long {pid.group(1)}" in long, long
     assert tests.startswith("tests k1") and "over its 1 s, stacks:" in tests
     assert "in tests" in tests  # the dumped stack names the step's function
     log = (out / "session.log").read_text().splitlines()
     assert [line.split(" ", 1)[1] for line in log][:3] == [
-        "plan bench:20,tests:1", "bench: start (20 s)", "bench: rc 3 in " +
+        "plan bench:20,long:20,tests:1", "bench: start (20 s)", "bench: rc 3 in " +
         log[2].split(" in ")[1]]
     # A failed step's log line ends with its file's last line (its error).
     assert log[2].endswith("(0 self-checks so far, OUT/self-checks.json); last output: "
                            "from fd 2")
     assert json.loads((out / "self-checks.json").read_text()) == []
-    assert log[3].endswith("tests: start (1 s)")
-    assert log[4].endswith("tests: over its 1 s; stopped (stacks in tests.txt)")
+    assert log[3].endswith("long: start (20 s)") and " long: rc 3 in " in log[4]
+    assert log[5].endswith("tests: start (1 s)")
+    assert log[6].endswith("tests: over its 1 s; stopped (stacks in tests.txt)")
     assert "bench: rc 3" in r.stdout  # the log lines also reach the console
 
 

@@ -20,7 +20,7 @@ Variables:
         ``moe-block-npg``,
         ``attn-step``,
         ``attn-mma``, ``attn-merge-split``, ``attn-merge-spread``, ``moe-block-nps``,
-        ``moe-block-rpl``),
+        ``moe-block-rpl``, ``attn-step-long``),
         for ablations.
     QAB_DISABLE_KERNELS: ``1``/``true``/``yes``/``on`` forces the portable
         pure-MLX path of every op; ``0``/``false``/``no``/``off`` or empty
@@ -42,7 +42,9 @@ Variables:
         constants checked by identity instead of compile inputs: arrays
         changed in place are then not seen by decoding; ``attn-merge-split``,
         the one-launch attention step's key blocks merged in two levels:
-        verified on the H200, no faster end to end at 4K in one run).
+        verified on the H200, no faster end to end at 4K in one run;
+        ``attn-step-long``, that step also from 64K cached keys where its key
+        pass runs on tensor cores: not yet measured there).
         ``QAB_DISABLE`` wins over it. ``next-norm`` needs
         ``moe-route``, which needs ``add-norm`` and ``moe-kernel``.
     QAB_UNVERIFIED_KERNELS: a boolean like ``QAB_DISABLE_KERNELS``; on, it also
@@ -233,6 +235,12 @@ OPTIMIZATIONS = {
     # profile_layer_gpu.py --timeline --warm 4: the launch's last phase ends at 55.0 vs 56.6 us;
     # 4K decode 305.6 tok/s with and without it (bench-nvidia-h100-s40-rpl-4k.json)
     "moe-block-rpl": "moe",
+    # opt-in (QAB_ENABLE): with attn-step and attn-mma, the one-launch attention step also
+    # from 64K cached keys (STEP_MAX_KEYS), where the layer otherwise keeps the four launches
+    # (the kernel pair's lane-per-key pass). The limit was measured with the step's lane-group
+    # pass (H200, 128K: 156.2 vs 168.3 tok/s); the tensor-core pass, which came after, was
+    # 2.3x faster at 32K keys (30.5 vs 69.9 us) and has not been measured end to end from 64K
+    "attn-step-long": "attn",
 }
 
 
@@ -363,7 +371,8 @@ def kernels_disabled() -> bool:
 # switch on: decode-compile is on by default on a GPU only (host-bound decode:
 # measured on the H200) and off on the CPU (measured no faster there).
 OPT_IN = ("decode-compile", "next-norm", "proj-gemv", "gemv-pipe", "attn-lanes",
-          "l2-prefetch", "decode-const", "attn-merge-split", "moe-block-nps", "moe-block-rpl")
+          "l2-prefetch", "decode-const", "attn-merge-split", "moe-block-nps", "moe-block-rpl",
+          "attn-step-long")
 
 
 def enabled_opt_in() -> frozenset[str]:

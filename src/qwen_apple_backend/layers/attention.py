@@ -135,6 +135,13 @@ class FusedGQAAttention(nn.Module):
             (``ops.attention.gqa_decode_step``'s ``merge_spread``; the same bits;
             ``QAB_DISABLE=attn-merge-spread`` keeps the last key block merging).
             Default True.
+        decode_step_long (bool): with ``decode_step``, the step also from
+            ``ops.attention.STEP_MAX_KEYS`` (64K) KV buffer rows on, where its
+            key pass runs on tensor cores (``decode_mma`` and a cache it takes);
+            below that, and for the lane-group pass, as without it (opt-in:
+            ``QAB_ENABLE=attn-step-long`` sets it; the 64K limit was measured
+            with the lane-group pass, before the tensor-core one existed).
+            Default False.
     """
 
     def __init__(
@@ -182,6 +189,7 @@ class FusedGQAAttention(nn.Module):
         self.decode_mma = True
         self.decode_merge_split = False
         self.decode_merge_spread = True
+        self.decode_step_long = False
 
     @classmethod
     def from_stock(
@@ -480,8 +488,12 @@ class FusedGQAAttention(nn.Module):
                 or kb.shape[1] != self.num_key_value_heads or kb.shape[3] != D
                 # From 64K cached keys the lane-per-key pass of the kernel pair
                 # streams the cache faster than the step's lane-group pass (H200,
-                # 128K: 156.2 vs 168.3 tok/s with the step everywhere, same run).
-                or kb.shape[2] >= attn_ops.STEP_MAX_KEYS
+                # 128K: 156.2 vs 168.3 tok/s with the step everywhere, same run);
+                # with decode_step_long the step's tensor-core build runs there too.
+                or (kb.shape[2] >= attn_ops.STEP_MAX_KEYS
+                    and not (self.decode_step_long and attn_ops._step_mma(
+                        self.num_attention_heads // self.num_key_value_heads, D, kb.dtype,
+                        self.decode_mma)))
                 or kb.shape[0] != x.shape[0]
                 or not (x.dtype == qw.dtype == kw.dtype == kb.dtype == vb.dtype)):
             return None

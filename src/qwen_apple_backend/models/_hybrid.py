@@ -216,7 +216,10 @@ _OPT_IN_NEEDS = {"l2-prefetch": ("moe", "moe-kernel", "moe-route", "add-norm", "
                  "moe-block-nps": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block",
                                    "moe-block-next-proj", "proj-concat", "norm-proj"),
                  # The route's preloads live in the one-launch block's route items.
-                 "moe-block-rpl": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block")}
+                 "moe-block-rpl": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block"),
+                 # The attention step from 64K keys: its tensor-core build.
+                 "attn-step-long": ("attn", "attn-kernel", "qk-prep", "proj-concat",
+                                    "kv-in-place", "decode-compile", "attn-step", "attn-mma")}
 # Likewise for switches on by default that live inside the one-launch block.
 _DEFAULT_NEEDS = {
     "moe-block-out-proj": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block"),
@@ -492,6 +495,10 @@ class QwenHybridAdapter(Adapter):
         # weight and eps loaded before their wait (RPL); H100, the rolled build's
         # warm timeline: its last phase ends at 55.0 vs 56.6 us.
         rpl_on = "moe-block-rpl" in enabled and "moe-block-rpl" not in disable
+        # Opt-in (QAB_ENABLE=attn-step-long): the attention step from 64K cached
+        # keys too, where its key pass is the tensor-core one; the 64K limit was
+        # measured with the lane-group pass only. Not yet measured end to end.
+        step_long_on = "attn-step-long" in enabled and "attn-step-long" not in disable
         switched_off: set[str] = set()  # optimizations off in at least one fused module
         for layer in model.layers:
             base = names.get(id(layer), "layers.?")
@@ -600,6 +607,8 @@ class QwenHybridAdapter(Adapter):
                     fused.decode_merge_spread = False
                 if nps_on and hasattr(fused, "nps_mode"):
                     fused.nps_mode = NPS_MODE
+                if step_long_on and hasattr(fused, "decode_step_long"):
+                    fused.decode_step_long = True
                 if rpl_on and hasattr(fused, "preload_norm"):
                     fused.preload_norm = True
                 if lanes_on and hasattr(fused, "decode_lanes"):
@@ -632,6 +641,9 @@ class QwenHybridAdapter(Adapter):
                            ("moe-block-nps", "the one-launch MoE block runs on a persistent grid "
                                              "whose blocks copy their next-projection rows into "
                                              "shared memory early"),
+                           ("attn-step-long", "the one-launch attention step also runs from "
+                                              "64K cached keys where its key pass is on tensor "
+                                              "cores"),
                            ("moe-block-rpl", "the one-launch MoE block's route items load the "
                                              "residual row, norm weight and eps before they "
                                              "wait")):
