@@ -482,7 +482,7 @@ def test_disable_argument_is_checked_like_the_variable():
     ("decode_split.py", ["--preset", "tiny", "QAB_ENABLE=bogus"],
      "QAB_ENABLE: unknown optimization 'bogus' (known: decode-compile, next-norm, proj-gemv, "
      "gemv-pipe, attn-lanes, l2-prefetch, decode-const, attn-merge-split, "
-     "moe-block-nps, moe-block-rpl, attn-step-long)"),
+     "moe-block-nps, moe-block-rpl)"),
     ("profile_attention_decode.py", ["QAB_DISABLE=warp"], "QAB_DISABLE: unknown optimization"),
     # The warm timeline: with --timeline only, and of 3 to 16 chained launches.
     ("profile_layer_gpu.py", ["--warm", "4"], "--warm goes with --timeline"),

@@ -1375,7 +1375,7 @@ def test_gpu_session_runs_steps_in_one_process_and_stops_an_overdue_one(tmp_path
         g.gpu_available = lambda: True  # (the faked steps need none)
         sys.exit(g.main([sys.argv[1], "--plan", "bench:20,long:20,tests:1", "--test-filter", "k1",
                          "--long-lengths", "64K,128K",
-                         "--long-ablate", "attn-step-long,moe-block-pack"]))
+                         "--long-ablate", "attn-merge-split,moe-block-pack"]))
     """)
     out = tmp_path / "s"
     r = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True,
@@ -1388,7 +1388,7 @@ def test_gpu_session_runs_steps_in_one_process_and_stops_an_overdue_one(tmp_path
     assert tests.split("\n")[0].split()[-1] == pid.group(1)  # one process
     # The long step: its own lengths and ablation columns, its opt-ins switched on.
     long = (out / "long.txt").read_text()
-    assert f"bench says 64K,128K attn-step-long {pid.group(1)}" in long, long
+    assert f"bench says 64K,128K attn-merge-split {pid.group(1)}" in long, long
     assert tests.startswith("tests k1") and "over its 1 s, stacks:" in tests
     assert "in tests" in tests  # the dumped stack names the step's function
     log = (out / "session.log").read_text().splitlines()

@@ -105,7 +105,7 @@ def test_demo_runs_on_a_given_model(tiny_real_vocab):
     ("QAB_ENABLE", "warp-drive", "qab: error: QAB_ENABLE: unknown optimization 'warp-drive' "
                                  "(known: decode-compile, next-norm, proj-gemv, gemv-pipe, "
                                  "attn-lanes, l2-prefetch, decode-const, attn-merge-split, "
-                                 "moe-block-nps, moe-block-rpl, attn-step-long)"),
+                                 "moe-block-nps, moe-block-rpl)"),
     ("QAB_BACKEND", "turbo", "qab: error: QAB_BACKEND: unknown backend 'turbo' (known: auto, "
                              "fused, stock)"),
     ("QAB_GDN_CHUNK", "abc", "qab: error: QAB_GDN_CHUNK: expected a positive integer, got 'abc'"),

@@ -105,7 +105,7 @@ def test_disable_and_bad_enable(tiny_hf_f32, monkeypatch):
                                          r"names only decode-compile, next-norm, proj-gemv, gemv-pipe, attn-lanes, "
                                          r"l2-prefetch, decode-const, attn-merge-split, "
                                          r"moe-block-nps, "
-                                         r"moe-block-rpl, attn-step-long; "
+                                         r"moe-block-rpl; "
                                          r"switch others "
                                          r"off with QAB_DISABLE\)$"):
         load(tiny_hf_f32, "fused")
@@ -780,8 +780,9 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
     claimed.clear()
     monkeypatch.setattr(decode, "kv_cache_write", lambda backend, k, v, kb, vb, off:
                         attn_ops.kv_cache_write_ops(k, v, kb, vb, off)[2])
-    # From STEP_MAX_KEYS buffer rows the layer keeps the four launches (the
-    # tiny model's buffers hold 256 rows; a fresh trace for another limit).
+    # From STEP_MAX_KEYS buffer rows the layer keeps the four launches where the
+    # step's pass would be the lane-group one (this float32 model's; the tiny
+    # model's buffers hold 256 rows; a fresh trace for another limit).
     monkeypatch.setattr(attn_ops, "STEP_MAX_KEYS", 256)
     calls.clear()
     long_model, _ = load(tiny_hf_f32, "fused")
@@ -789,36 +790,32 @@ def test_attention_step_takes_the_projection_row_and_the_cache(tiny_hf_f32, monk
     for t in range(3):
         mx.eval(long_model(mx.array([[1 + t]]), cache=c))
     assert calls == []
-    # QAB_ENABLE=attn-step-long: the step from STEP_MAX_KEYS rows on too, where
+    # attn-step-long (on by default): the step from STEP_MAX_KEYS rows on too, where
     # its key pass is the tensor-core build (the tiny model is float32, which
-    # that pass does not take: its rule, ops.attention._step_mma, is faked), and
-    # the report says so; with the lane-group pass the limit stays.
+    # that pass does not take, as above: its rule, ops.attention._step_mma, is
+    # faked); QAB_DISABLE=attn-step-long keeps the limit, as the report says.
     real_mma = attn_ops._step_mma
-    monkeypatch.setenv("QAB_ENABLE", "decode-compile,attn-step-long")
-    for tensor_cores, steps in ((True, n_attn), (False, 0)):
-        monkeypatch.setattr(attn_ops, "_step_mma",
-                            lambda G, D, dtype, mma=True: tensor_cores and mma)
+    monkeypatch.setattr(attn_ops, "_step_mma", lambda G, D, dtype, mma=True: mma)
+    says = ("on CUDA from 64K cached keys a decode token's attention runs as four launches, "
+            "not the one-launch attention step (attn-step-long in QAB_DISABLE / disable=)")
+    for disable, steps in (([], n_attn), (["attn-step-long"], 0)):
         calls.clear()
-        long_model, _ = load(tiny_hf_f32, "fused")
-        assert ("on CUDA the one-launch attention step also runs from 64K cached keys where its "
-                "key pass is on tensor cores (attn-step-long from QAB_ENABLE; no effect on this "
-                "device, which is not CUDA)" in long_model.qab_report.notes)
+        long_model, _ = load(tiny_hf_f32, "fused", disable=disable)
+        assert (says in long_model.qab_report.notes) == bool(disable)
         c = make_prompt_cache(long_model)
         for t in range(3):
             mx.eval(long_model(mx.array([[1 + t]]), cache=c))
-        assert len(calls) == steps, (tensor_cores, calls)
+        assert len(calls) == steps, (disable, calls)
     # ... and QAB_DISABLE=attn-mma (the lane-group pass) leaves it unused, as the report says.
-    monkeypatch.setattr(attn_ops, "_step_mma", lambda G, D, dtype, mma=True: mma)
     calls.clear()
     no_mma, _ = load(tiny_hf_f32, "fused", disable=["attn-mma"])
-    assert ("attn-step-long from QAB_ENABLE is not used: it needs attn-mma, which QAB_DISABLE / "
-            "disable= switches off" in no_mma.qab_report.notes), no_mma.qab_report.notes
+    assert ("attn-step-long is not used: it needs attn-mma, which QAB_DISABLE / disable= "
+            "switches off" in no_mma.qab_report.notes), no_mma.qab_report.notes
     c = make_prompt_cache(no_mma)
     for t in range(3):
         mx.eval(no_mma(mx.array([[1 + t]]), cache=c))
     assert calls == []
     monkeypatch.setattr(attn_ops, "_step_mma", real_mma)
-    monkeypatch.setenv("QAB_ENABLE", "decode-compile")
     monkeypatch.setattr(attn_ops, "STEP_MAX_KEYS", 65536)
     # A spread-merge build that fails its self-check (step_kernel_ready None
     # with merge_spread, "cuda" without) leaves the step to the one-block

@@ -42,9 +42,7 @@ Variables:
         constants checked by identity instead of compile inputs: arrays
         changed in place are then not seen by decoding; ``attn-merge-split``,
         the one-launch attention step's key blocks merged in two levels:
-        verified on the H200, no faster end to end at 4K in one run;
-        ``attn-step-long``, that step also from 64K cached keys where its key
-        pass runs on tensor cores: not yet measured there).
+        verified on the H200, no faster end to end at 4K in one run).
         ``QAB_DISABLE`` wins over it. ``next-norm`` needs
         ``moe-route``, which needs ``add-norm`` and ``moe-kernel``.
     QAB_UNVERIFIED_KERNELS: a boolean like ``QAB_DISABLE_KERNELS``; on, it also
@@ -202,7 +200,8 @@ OPTIMIZATIONS = {
     # one decode token's full-attention core in one CUDA launch inside the compiled decode
     # step (gqa_decode_step: q/k RMSNorm + RoPE, the KV row written in place, the lane-group
     # split-K pass, the merge and the output gate; four launches before; needs attn-kernel,
-    # qk-prep, proj-concat, kv-in-place and decode-compile; below 64K cached keys)
+    # qk-prep, proj-concat, kv-in-place and decode-compile; below 64K cached keys, and from
+    # there too with attn-step-long where its key pass is on tensor cores)
     "attn-step": "attn",
     # with attn-step, its key pass on tensor cores (gqa_mma.cuh: mma.sync for q k and p v,
     # the probabilities as two 16-bit parts; bf16 / f16 caches with at most 8 query heads per
@@ -235,11 +234,11 @@ OPTIMIZATIONS = {
     # profile_layer_gpu.py --timeline --warm 4: the launch's last phase ends at 55.0 vs 56.6 us;
     # 4K decode 305.6 tok/s with and without it (bench-nvidia-h100-s40-rpl-4k.json)
     "moe-block-rpl": "moe",
-    # opt-in (QAB_ENABLE): with attn-step and attn-mma, the one-launch attention step also
-    # from 64K cached keys (STEP_MAX_KEYS), where the layer otherwise keeps the four launches
-    # (the kernel pair's lane-per-key pass). The limit was measured with the step's lane-group
-    # pass (H200, 128K: 156.2 vs 168.3 tok/s); the tensor-core pass, which came after, was
-    # 2.3x faster at 32K keys (30.5 vs 69.9 us) and has not been measured end to end from 64K
+    # with attn-step and attn-mma, the one-launch attention step also from 64K cached keys
+    # (STEP_MAX_KEYS), where the layer otherwise keeps the four launches (the kernel pair's
+    # lane-per-key pass), when its key pass runs on tensor cores. The limit was measured with
+    # the step's lane-group pass (H200, 128K: 156.2 vs 168.3 tok/s). H100, same run: 64K
+    # 230.1 vs 195.3 tok/s, 128K 225.9 vs 180.6, the same greedy ids
     "attn-step-long": "attn",
 }
 
@@ -371,8 +370,7 @@ def kernels_disabled() -> bool:
 # switch on: decode-compile is on by default on a GPU only (host-bound decode:
 # measured on the H200) and off on the CPU (measured no faster there).
 OPT_IN = ("decode-compile", "next-norm", "proj-gemv", "gemv-pipe", "attn-lanes",
-          "l2-prefetch", "decode-const", "attn-merge-split", "moe-block-nps", "moe-block-rpl",
-          "attn-step-long")
+          "l2-prefetch", "decode-const", "attn-merge-split", "moe-block-nps", "moe-block-rpl")
 
 
 def enabled_opt_in() -> frozenset[str]:

@@ -216,10 +216,7 @@ _OPT_IN_NEEDS = {"l2-prefetch": ("moe", "moe-kernel", "moe-route", "add-norm", "
                  "moe-block-nps": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block",
                                    "moe-block-next-proj", "proj-concat", "norm-proj"),
                  # The route's preloads live in the one-launch block's route items.
-                 "moe-block-rpl": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block"),
-                 # The attention step from 64K keys: its tensor-core build.
-                 "attn-step-long": ("attn", "attn-kernel", "qk-prep", "proj-concat",
-                                    "kv-in-place", "decode-compile", "attn-step", "attn-mma")}
+                 "moe-block-rpl": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block")}
 # Likewise for switches on by default that live inside the one-launch block.
 _DEFAULT_NEEDS = {
     "moe-block-out-proj": ("moe", "moe-kernel", "moe-route", "add-norm", "moe-block"),
@@ -251,6 +248,9 @@ _DEFAULT_NEEDS = {
     # The step's spread merge lives inside the step.
     "attn-merge-spread": ("attn", "attn-kernel", "qk-prep", "proj-concat", "kv-in-place",
                           "decode-compile", "attn-step"),
+    # The attention step from 64K keys: its tensor-core build.
+    "attn-step-long": ("attn", "attn-kernel", "qk-prep", "proj-concat", "kv-in-place",
+                       "decode-compile", "attn-step", "attn-mma"),
 }
 
 
@@ -422,6 +422,9 @@ class QwenHybridAdapter(Adapter):
         "attn-merge-spread": "on CUDA the one-launch attention step's last key block per KV "
                              "head merges every key block, not G more thread blocks one query "
                              "head each (attn-merge-spread in QAB_DISABLE / disable=)",
+        "attn-step-long": "on CUDA from 64K cached keys a decode token's attention runs as "
+                          "four launches, not the one-launch attention step (attn-step-long "
+                          "in QAB_DISABLE / disable=)",
         "gdn-kernel": "Gated DeltaNet scans and decode steps run as MLX ops, without the GPU "
                       "gated-delta kernels (gdn-kernel in QAB_DISABLE / disable=)",
         "moe-kernel": "MoE routing and experts run as MLX ops, without the GPU MoE kernels "
@@ -495,10 +498,6 @@ class QwenHybridAdapter(Adapter):
         # weight and eps loaded before their wait (RPL); H100, the rolled build's
         # warm timeline: its last phase ends at 55.0 vs 56.6 us.
         rpl_on = "moe-block-rpl" in enabled and "moe-block-rpl" not in disable
-        # Opt-in (QAB_ENABLE=attn-step-long): the attention step from 64K cached
-        # keys too, where its key pass is the tensor-core one; the 64K limit was
-        # measured with the lane-group pass only. Not yet measured end to end.
-        step_long_on = "attn-step-long" in enabled and "attn-step-long" not in disable
         switched_off: set[str] = set()  # optimizations off in at least one fused module
         for layer in model.layers:
             base = names.get(id(layer), "layers.?")
@@ -605,10 +604,13 @@ class QwenHybridAdapter(Adapter):
                     fused.decode_merge_split = True
                 if "attn-merge-spread" in off and hasattr(fused, "decode_merge_spread"):
                     fused.decode_merge_spread = False
+                if "attn-step-long" in off and hasattr(fused, "decode_step_long"):
+                    # On by default: the step from 64K cached keys too (H100, same
+                    # run: 64K 230.1 vs 195.3 tok/s, 128K 225.9 vs 180.6, the same
+                    # greedy ids).
+                    fused.decode_step_long = False
                 if nps_on and hasattr(fused, "nps_mode"):
                     fused.nps_mode = NPS_MODE
-                if step_long_on and hasattr(fused, "decode_step_long"):
-                    fused.decode_step_long = True
                 if rpl_on and hasattr(fused, "preload_norm"):
                     fused.preload_norm = True
                 if lanes_on and hasattr(fused, "decode_lanes"):
@@ -641,9 +643,6 @@ class QwenHybridAdapter(Adapter):
                            ("moe-block-nps", "the one-launch MoE block runs on a persistent grid "
                                              "whose blocks copy their next-projection rows into "
                                              "shared memory early"),
-                           ("attn-step-long", "the one-launch attention step also runs from "
-                                              "64K cached keys where its key pass is on tensor "
-                                              "cores"),
                            ("moe-block-rpl", "the one-launch MoE block's route items load the "
                                              "residual row, norm weight and eps before they "
                                              "wait")):
@@ -674,7 +673,7 @@ class QwenHybridAdapter(Adapter):
                 unused = f"{name} is not used: "
                 if off:
                     report.notes.append(unused + off)
-                elif name in ("attn-step", "attn-mma", "attn-merge-spread"):
+                elif name in ("attn-step", "attn-mma", "attn-merge-spread", "attn-step-long"):
                     continue
                 elif "next-norm" in enabled and "next-norm" not in disable:
                     report.notes.append(unused + "next-norm from QAB_ENABLE replaces the "
