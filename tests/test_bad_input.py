@@ -114,6 +114,74 @@ def test_quantization_group_size_does_not_divide(q4_copy):
         load(q4_copy)
 
 
+def test_top_k_above_the_expert_count(hf_copy):
+    # Routing 16 of 8 experts: named at load, not a traceback from the router kernel.
+    _edit_config(hf_copy, lambda c: c["text_config"].__setitem__("num_experts_per_tok", 16))
+    with pytest.raises(CheckpointError, match=r"config\.json: text_config\.num_experts_per_tok "
+                                              r"\(16\) must be at most text_config\.num_experts "
+                                              r"\(8\)"):
+        load(hf_copy)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda q: [1, 2], r"quantization must be an object with group_size and bits, got list "
+                       r"\[1, 2\]"),
+    (lambda q: {k: v for k, v in q.items() if k != "group_size"},
+     r"quantization\.group_size is missing"),
+    (lambda q: {**q, "bits": "four"}, r"quantization\.bits must be a positive integer, got "
+                                      r"'four'"),
+    (lambda q: {**q, "group_size": 0}, r"quantization\.group_size must be a positive integer, "
+                                       r"got 0"),
+    (lambda q: {**q, "mode": 5}, r"quantization\.mode must be a string, got 5"),
+    (lambda q: {**q, "language_model.model.layers.0.mlp.gate": "eight"},
+     r"quantization\.language_model\.model\.layers\.0\.mlp\.gate \(a layer's entry\) must "
+     r"be true, false or an object"),
+    (lambda q: {**q, "language_model.model.layers.0.mlp.gate": {"group_size": 64, "bits": -8}},
+     r"quantization\.language_model\.model\.layers\.0\.mlp\.gate\.bits must be a positive "
+     r"integer, got -8"),
+], ids=["list", "no-group-size", "bits-text", "group-size-0", "mode-number", "layer-text",
+        "layer-bits"])
+def test_malformed_quantization_section_names_the_field(q4_copy, edit, message):
+    # mlx-lm indexes config.json's quantization section unchecked (AttributeError,
+    # KeyError 'group_size'): each mistake is named with the file, before any weight.
+    _edit_config(q4_copy, lambda c: c.__setitem__("quantization", edit(c["quantization"])))
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(q4_copy))}/config\.json: "
+                                              + message):
+        load(q4_copy)
+
+
+def test_token_ids_past_the_embedding_are_a_prompt_error(hf_copy):
+    # The tiny checkpoint holds 1,024 embedding rows and Qwen's full tokenizer (as a
+    # `qab make-checkpoint --vocab-size` checkpoint does): an id past the last row is
+    # named before the model runs (MLX's CPU gather crashed the process on one).
+    import mlx_lm
+
+    import qwen_apple_backend as qab
+
+    qab.enable("fused")
+    try:
+        model, tok = mlx_lm.load(str(hf_copy))
+        for prompt, bad in (([1, 2, 1024], 1024), (mx.array([5, 248045, 7]), 248045),
+                            ([3, -1], -1)):
+            with pytest.raises(PromptError, match=rf"^the prompt holds token id {bad}, outside "
+                                                  r"the model's 1024 embedding rows \(config"
+                                                  r"\.json vocab_size = 1024\)"):
+                mlx_lm.generate(model, tok, prompt=prompt, max_tokens=2)
+        # A text prompt: its chat template's ids are Qwen's (248,045 and up).
+        with pytest.raises(PromptError, match="outside the model's 1024 embedding rows"):
+            mlx_lm.generate(model, tok, prompt=tok.encode("<|im_start|>user"), max_tokens=2)
+        assert isinstance(mlx_lm.generate(model, tok, prompt=[1, 2, 1023], max_tokens=2), str)
+    finally:
+        qab.disable()
+    r = subprocess.run([sys.executable, "-m", "qwen_apple_backend.cli", "generate", "--model",
+                        str(hf_copy), "--prompt", "hi", "--max-tokens", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert re.search(r"^qab generate: error: the prompt holds token id \d+, outside the model's "
+                     r"1024 embedding rows", r.stderr, re.M), r.stderr
+
+
 def test_unknown_backend(hf_copy):
     with pytest.raises(UnknownBackendError, match="unknown backend 'turbo'"):
         load(hf_copy, "turbo")

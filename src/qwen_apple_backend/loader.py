@@ -97,6 +97,51 @@ def read_config(model_path: Path) -> dict:
     return config
 
 
+def check_quantization_config(config: dict, cfg_file: Union[str, Path] = "config.json") -> None:
+    """Check ``config.json``'s ``quantization`` section before mlx-lm reads it.
+
+    mlx-lm's loader indexes it without checks (a list gave ``AttributeError``, a
+    section without ``group_size`` ``KeyError: 'group_size'``): it must be an object
+    whose ``group_size`` and ``bits`` are positive integers, and each per-layer entry
+    (any other key but ``mode``) ``false``/``true`` or an object whose ``group_size``
+    and ``bits``, where given, are positive integers. An absent or null section is an
+    unquantized checkpoint.
+
+    Raises:
+        CheckpointError: naming the file and the field.
+    """
+    q = config.get("quantization")
+    if q is None:
+        return
+    where = f"{cfg_file}: quantization"
+    if not isinstance(q, dict):
+        raise CheckpointError(f"{where} must be an object with group_size and bits, "
+                              f"got {type(q).__name__} {q!r}"[:300])
+
+    def positive(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    for field in ("group_size", "bits"):
+        if field not in q:
+            raise CheckpointError(f"{where}.{field} is missing (an object with group_size and "
+                                  "bits: mlx-lm quantizes the model's layers with them)")
+        if not positive(q[field]):
+            raise CheckpointError(f"{where}.{field} must be a positive integer, "
+                                  f"got {q[field]!r}")
+    if "mode" in q and not isinstance(q["mode"], str):
+        raise CheckpointError(f"{where}.mode must be a string, got {q['mode']!r}")
+    for key, entry in q.items():
+        if key in ("group_size", "bits", "mode") or isinstance(entry, bool):
+            continue
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{where}.{key} (a layer's entry) must be true, false or an "
+                                  f"object with group_size and bits, got {entry!r}"[:300])
+        for field in ("group_size", "bits"):
+            if field in entry and not positive(entry[field]):
+                raise CheckpointError(f"{where}.{key}.{field} must be a positive integer, "
+                                      f"got {entry[field]!r}")
+
+
 def read_safetensors_header(path: Path) -> dict:
     """Read a safetensors header (tensor names, dtypes, shapes) without its data.
 
@@ -248,6 +293,7 @@ def _check_config(model_path: Union[str, Path], backend: Optional[str],
     model_path = Path(model_path)
     config = read_config(model_path)
     cfg_file = model_path / "config.json"
+    check_quantization_config(config, _config_file(model_path))
     report = FuseReport(backend=backend)
     resolved = _resolve_adapter(config)
     if resolved is None:
@@ -615,15 +661,68 @@ def max_positions(model: Any) -> Optional[int]:
     return None
 
 
+def vocab_rows(model: Any) -> Optional[int]:
+    """Rows of a loaded model's token embedding (its text config's ``vocab_size``), if known."""
+    for obj in (getattr(model, "language_model", None), model):
+        args = getattr(obj, "args", None)
+        value = getattr(args, "vocab_size", None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def check_token_ids(model: Any, ids: Any) -> None:
+    """Reject token ids outside the model's embedding rows.
+
+    MLX gathers embedding rows without a bounds check: on the CPU an id past the last
+    row crashed the process (segmentation fault), on a GPU it reads other memory. Such
+    ids come from a tokenizer that does not match the weights, e.g. a
+    ``qab make-checkpoint --vocab-size`` checkpoint, which keeps Qwen's full tokenizer
+    (``qab bench`` / ``qab compare`` fold their prompt ids into its range).
+
+    Args:
+        model: a loaded model.
+        ids: token ids (a list of ints or an integer ``mx.array``; empty: nothing to check).
+
+    Raises:
+        PromptError: naming the id and the model's ``vocab_size``.
+    """
+    import mlx.core as mx
+
+    rows = vocab_rows(model)
+    if rows is None:
+        return
+    if isinstance(ids, mx.array):
+        if ids.size == 0 or not mx.issubdtype(ids.dtype, mx.integer):
+            return
+        low, high = int(mx.min(ids).item()), int(mx.max(ids).item())
+    else:
+        try:
+            values = [int(i) for i in ids]
+        except (TypeError, ValueError):
+            return
+        if not values:
+            return
+        low, high = min(values), max(values)
+    if low < 0 or high >= rows:
+        bad = low if low < 0 else high
+        raise PromptError(
+            f"the prompt holds token id {bad}, outside the model's {rows} embedding rows "
+            f"(config.json vocab_size = {rows}): its tokenizer does not match its weights "
+            "(a `qab make-checkpoint --vocab-size` checkpoint keeps the full tokenizer; "
+            "`qab bench` and `qab compare` fold their prompt ids into its range)")
+
+
 def check_prompt(model: Any, prompt: Any) -> None:
-    """Reject an empty prompt or one longer than ``max_position_embeddings``.
+    """Reject an empty prompt, one longer than ``max_position_embeddings``, and token ids
+    outside the model's embedding (:func:`check_token_ids`).
 
     Args:
         model: a loaded model.
         prompt: token ids (list / mx.array) or text.
 
     Raises:
-        PromptError: naming the length and the limit.
+        PromptError: naming the length and the limit, or the token id.
     """
     try:
         n = len(prompt) if not hasattr(prompt, "size") else int(prompt.size)
@@ -635,6 +734,8 @@ def check_prompt(model: Any, prompt: Any) -> None:
     if limit is not None and not isinstance(prompt, str) and n > limit:
         raise PromptError(f"the prompt has {n} tokens, more than the model's "
                           f"max_position_embeddings = {limit} (config.json)")
+    if not isinstance(prompt, str):
+        check_token_ids(model, prompt)
 
 
 # ---- enable(): route mlx-lm's own entry points through load() ----------------------------

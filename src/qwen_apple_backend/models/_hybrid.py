@@ -327,6 +327,13 @@ class QwenHybridAdapter(Adapter):
                 raise CheckpointError(
                     f"config.json: {prefix}{field} must be {what}, got {value!r} (needed to "
                     f"build the {self.name} model)")
+        experts, top_k = tc.get("num_experts"), tc.get("num_experts_per_tok")
+        if isinstance(experts, int) and isinstance(top_k, int) and 0 < experts < top_k:
+            # Top-k routing picks num_experts_per_tok of num_experts per token.
+            raise CheckpointError(
+                f"config.json: {prefix}num_experts_per_tok ({top_k}) must be at most "
+                f"{prefix}num_experts ({experts}): each token is routed to that many of the "
+                "experts")
 
     def check_required_fields(self, config: dict) -> None:
         """Raise if a field of :attr:`required_fields` is missing from the config.
