@@ -15,6 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from qwen_apple_backend.argtypes import positive_int
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -24,7 +26,7 @@ def main() -> None:
                         help="comma-separated registered backends (see `qab backends`)")
     parser.add_argument("--prompt", action="append", default=None,
                         help="a prompt (repeatable)")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=positive_int, default=16)
     parser.add_argument("--chat-template", action="store_true",
                         help="wrap each prompt in the chat template")
     args = parser.parse_args()

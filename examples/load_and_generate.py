@@ -15,6 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from qwen_apple_backend.argtypes import positive_int
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -22,7 +24,7 @@ def main() -> None:
                         help="checkpoint directory (default: the demo model, built once)")
     parser.add_argument("--backend", default="auto", choices=["auto", "fused", "stock"])
     parser.add_argument("--prompt", default="The three primary colours are")
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--max-tokens", type=positive_int, default=24)
     args = parser.parse_args()
 
     from mlx_lm import generate

@@ -14,6 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from qwen_apple_backend.argtypes import positive_int
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -21,7 +23,7 @@ def main() -> None:
                         help="checkpoint directory (default: the demo model, built once)")
     parser.add_argument("--backend", default="auto",
                         help="auto, fused, stock or a plugin's backend (see `qab backends`)")
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=24)
     parser.add_argument("--thinking", action="store_true",
                         help="let the model think first (enable_thinking=True)")
     args = parser.parse_args()

@@ -22,6 +22,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from qwen_apple_backend.argtypes import port as tcp_port
+from qwen_apple_backend.argtypes import positive_float, positive_int
+
 
 def free_port() -> int:
     """A port on 127.0.0.1 that is free right now."""
@@ -54,13 +57,16 @@ def main() -> None:
     parser.add_argument("--model", default=None,
                         help="checkpoint directory (default: the demo model, built once)")
     parser.add_argument("--backend", default="auto", choices=["auto", "fused", "stock"])
-    parser.add_argument("--port", type=int, default=0, help="default: any free port")
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--timeout", type=float, default=120.0,
+    parser.add_argument("--port", type=tcp_port, default=0, help="default: any free port")
+    parser.add_argument("--max-tokens", type=positive_int, default=16)
+    parser.add_argument("--timeout", type=positive_float, default=120.0,
                         help="seconds to wait for the server to start")
     args = parser.parse_args()
 
-    from openai import OpenAI
+    try:
+        from openai import OpenAI
+    except ImportError:
+        parser.error("this example needs the openai client: pip install openai")
 
     if args.model is None:
         from qwen_apple_backend.demo import ensure_default_model

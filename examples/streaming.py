@@ -16,6 +16,8 @@ import io
 import sys
 from pathlib import Path
 
+from qwen_apple_backend.argtypes import positive_int
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -23,7 +25,7 @@ def main() -> None:
                         help="checkpoint directory (default: the demo model, built once)")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--prompt", default="The three primary colours are")
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=24)
     args = parser.parse_args()
 
     from qwen_apple_backend import pipeline

@@ -175,3 +175,25 @@ def test_a_bad_model_path_is_one_clear_error(tmp_path):
         assert "Traceback" not in out.stderr, f"{name}:\n{out.stderr}"
         assert f"{missing}: checkpoint directory not found" in out.stderr, name
         assert f"{name}.py: error:" in out.stderr, name
+
+
+@pytest.mark.parametrize("name,argv,message", [
+    ("load_and_generate", ["--max-tokens", "0"], "argument --max-tokens: must be a positive "
+                                                 "integer, got 0"),
+    ("streaming", ["--max-new-tokens", "-5"], "argument --max-new-tokens: must be a positive "
+                                              "integer, got -5"),
+    ("pipeline_chat", ["--max-new-tokens", "0"], "argument --max-new-tokens: must be a positive "
+                                                 "integer, got 0"),
+    ("compare_backends", ["--max-tokens", "0"], "argument --max-tokens: must be a positive "
+                                                "integer, got 0"),
+    ("server_openai_client", ["--max-tokens", "0"], "argument --max-tokens: must be a positive "
+                                                    "integer, got 0"),
+    ("server_openai_client", ["--port", "70000"], "argument --port: must be a port number from "
+                                                  "0 to 65535, got 70000"),
+])
+def test_bad_counts_are_usage_errors_before_any_work(name, argv, message):
+    # (--max-tokens -5 generated without a limit; 0 ended in mlx-lm's traceback.)
+    out = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), *argv],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.rstrip().endswith(f"{name}.py: error: {message}"), out.stderr
