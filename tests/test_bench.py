@@ -1533,3 +1533,30 @@ def test_profile_attention_decode_launch_marks_and_forms(monkeypatch):
     assert pad.timeline_form("step-merge-spread-ctas32") == (True, False, None, True, 32)
     assert pad.timeline_form("step-ctasx") is None
     assert pad.timeline_form("sdpa") is None
+
+
+def test_read_prompts_reads_three_forms_and_names_the_file_on_errors(tmp_path):
+    from qwen_apple_backend.bench.compare import read_prompts
+
+    (tmp_path / "p.txt").write_text("first\n\n  second  \n", encoding="utf-8")
+    assert read_prompts(tmp_path / "p.txt") == ["first", "second"]
+    (tmp_path / "p.json").write_text('["a", "b"]', encoding="utf-8")
+    assert read_prompts(tmp_path / "p.json") == ["a", "b"]
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n{"text": "y"}\n', encoding="utf-8")
+    assert read_prompts(tmp_path / "p.jsonl") == ["x", "y"]
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n{"prompt": "a\n', encoding="utf-8")
+    (tmp_path / "bad.json").write_text('["x",\n', encoding="utf-8")
+    (tmp_path / "list.jsonl").write_text('{"prompt": "x"}\n{]\n', encoding="utf-8")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
+    (tmp_path / "empty.txt").write_text("\n\n", encoding="utf-8")
+    for name, message in (
+            ("bad.jsonl", r"bad\.jsonl: line 2: not valid JSON: Unterminated string"),
+            ("bad.json", r"bad\.json: not a valid JSON list of prompts: Expecting value"),
+            ("list.jsonl", r"list\.jsonl: line 2: not valid JSON"),
+            ("latin1.txt", r"latin1\.txt: cannot read the prompts file: 'utf-8' codec"),
+            ("empty.txt", r"empty\.txt: no prompts found"),
+            ("missing.txt", r"missing\.txt: prompts file not found"),
+            ("", r": cannot read the prompts file: Is a directory")):
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path))}/{message}"
+                           if name else rf"^{re.escape(str(tmp_path))}{message}"):
+            read_prompts(tmp_path / name)

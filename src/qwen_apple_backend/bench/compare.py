@@ -58,21 +58,37 @@ def read_prompts(path: Path) -> list[str]:
     strings, or plain text with one prompt per non-empty line.
 
     Raises:
-        FileNotFoundError: if the file does not exist.
-        ValueError: if it holds no prompt.
+        ValueError: naming the file: it cannot be read (missing, a folder, not UTF-8),
+            a JSON list or line is not valid JSON (with its line), or it holds no prompt.
     """
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{path}: prompts file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the prompts file: "
+                         f"{getattr(exc, 'strerror', None) or exc}") from None
     prompts: list[str] = []
     stripped = text.strip()
     if stripped.startswith("["):
-        prompts = [str(p) for p in json.loads(stripped)]
+        try:
+            items = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not a valid JSON list of prompts: {exc}") from None
+        prompts = [str(p) for p in items]
     else:
-        for line in text.splitlines():
+        for n, line in enumerate(text.splitlines(), 1):
             line = line.strip()
             if not line:
                 continue
             if line.startswith("{"):
-                obj = json.loads(line)
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}: line {n}: not valid JSON: {exc.msg}") from None
+                if not isinstance(obj, dict):
+                    raise ValueError(f"{path}: line {n}: a JSON line must be an object with "
+                                     "a \"prompt\" field")
                 prompts.append(str(obj.get("prompt", obj.get("text", ""))))
             else:
                 prompts.append(line)
