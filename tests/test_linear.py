@@ -533,6 +533,8 @@ def test_report_says_when_a_switch_takes_the_blocks_phases_away(tiny_q4, monkeyp
                 if "is not used" in n and "moe-block-" in n]
 
     assert notes() == []
+    # Nor where a module kind they need stays stock (the module table says so).
+    assert notes(disable=["moe", "gdn"]) == [] and notes(disable=["gdn"]) == []
     assert notes(disable=["moe-block"]) == [
         f"{n} is not used: it needs moe-block, which QAB_DISABLE / disable= switches off"
         for n in ("moe-block-out-proj", "moe-block-next-proj", "moe-block-gdn",

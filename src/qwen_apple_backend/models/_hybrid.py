@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..envs import OPTIMIZATIONS, enabled_opt_in
+from ..envs import FUSABLE_KINDS, OPTIMIZATIONS, enabled_opt_in
 from ..errors import CheckpointError, FuseError, UnsupportedConfigError
 from ..ops.device import gpu_backend
 from ..ops.moe import NPS_MODE
@@ -672,9 +672,10 @@ class QwenHybridAdapter(Adapter):
         if any(m.fused for m in report.modules):
             # On-by-default phases of the one-launch block, and the attention
             # step, that another switch takes away: say so (their own
-            # QAB_DISABLE has its OFF note).
+            # QAB_DISABLE has its OFF note). Not where a module kind they need
+            # stays stock: the module table says so already.
             for name, needs in _DEFAULT_NEEDS.items():
-                if name in disable:
+                if name in disable or any(k in disable for k in FUSABLE_KINDS if k in needs):
                     continue
                 off = _needs_off(needs, disable)
                 unused = f"{name} is not used: "
