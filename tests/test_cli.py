@@ -257,6 +257,142 @@ def test_empty_paths_bad_ports_and_no_prompts_are_refused_up_front(args, message
     assert "no --model given" not in out.stderr
 
 
+_KV_BITS = "must be one of 1, 2, 3, 4, 5, 6, 8 (the bit widths MLX quantizes to)"
+_KV_GROUP = "must be one of 32, 64, 128 (the group sizes MLX quantizes with)"
+_SEED = "must be an integer from 0 to 2**64 - 1 (18446744073709551615)"
+_JSON = 'must be a JSON object such as {"enable_thinking": false}'
+
+
+@pytest.mark.parametrize("args, message", [
+    # Group size 0 crashed the process (SIGFPE, exit 136) once the cache was quantized;
+    # bits 0/7/99 raised in mx.quantize; serve answered every request with an empty reply.
+    (["generate", "--prompt", "hi", "--kv-bits", "4", "--kv-group-size", "0",
+      "--quantized-kv-start", "0"], f"argument --kv-group-size: {_KV_GROUP}, got 0"),
+    (["generate", "--kv-bits", "0"], f"argument --kv-bits: {_KV_BITS}, got 0"),
+    (["generate", "--kv-bits", "7"], f"argument --kv-bits: {_KV_BITS}, got 7"),
+    (["generate", "--kv-bits=99"], f"argument --kv-bits: {_KV_BITS}, got 99"),
+    (["serve", "--kv-bits", "7"], f"argument --kv-bits: {_KV_BITS}, got 7"),
+    (["serve", "--kv-group-size", "256"], f"argument --kv-group-size: {_KV_GROUP}, got 256"),
+    (["generate", "--quantized-kv-start", "-1"],
+     "argument --quantized-kv-start: must be an integer >= 0, got -1"),
+    (["serve", "--quantized-kv-start", "x"],
+     "argument --quantized-kv-start: must be an integer >= 0, got 'x'"),
+    # mx.random.seed takes an unsigned 64-bit integer (else a TypeError traceback).
+    (["generate", "--seed", "-1"], f"argument --seed: {_SEED}, got -1"),
+    (["generate", "--seed", "99999999999999999999"],
+     f"argument --seed: {_SEED}, got 99999999999999999999"),
+    (["chat", "--seed=-1"], f"argument --seed: {_SEED}, got -1"),
+    # Accepted silently (0, mlx-lm's default, switches top-k off and stays valid).
+    (["generate", "--temp", "1", "--top-k", "-5"], "argument --top-k: must be an integer >= 0, "
+                                                   "got -5"),
+    (["serve", "--top-k", "-5"], "argument --top-k: must be an integer >= 0, got -5"),
+    (["generate", "--num-draft-tokens", "-1"],
+     "argument --num-draft-tokens: must be a positive integer, got -1"),
+    (["serve", "--num-draft-tokens", "0"],
+     "argument --num-draft-tokens: must be a positive integer, got 0"),
+    # The server caps a request's max_tokens; the flag is the default of requests without one.
+    (["serve", "--max-tokens", "5000000"], "argument --max-tokens: must be a positive integer "
+                                           "up to 1048576 (the largest max_tokens qab serve "
+                                           "accepts in a request), got 5000000"),
+    # A JSONDecodeError traceback (generate) / a list that fails every request (serve).
+    (["generate", "--chat-template-config", "{bad"],
+     f"argument --chat-template-config: {_JSON}, got '{{bad'"),
+    (["generate", "--chat-template-config", "[1]"],
+     f"argument --chat-template-config: {_JSON}, got [1]"),
+    (["serve", "--chat-template-args", "{bad"], f"argument --chat-template-args: {_JSON}, "
+                                                "got '{bad'"),
+    (["serve", "--chat-template-args", "[1]"], f"argument --chat-template-args: {_JSON}, "
+                                               "got [1]"),
+    # mx.load's "Could not infer file format from extension" traceback.
+    (["generate", "--prompt-cache-file", "/nonexistent"],
+     "argument --prompt-cache-file: no such file: '/nonexistent'"),
+])
+def test_flags_mlx_lm_fails_on_later_are_refused_up_front(args, message):
+    out = _qab(*args, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == f"qab {args[0]}: error: {message}", out.stderr
+    assert "Traceback" not in out.stderr and "no --model given" not in out.stderr
+    assert out.stdout == ""
+
+
+def test_good_values_of_the_checked_flags_pass(tmp_path):
+    from qwen_apple_backend import cli
+
+    cache = tmp_path / "prompt.safetensors"
+    cache.write_bytes(b"")
+    common = ["--kv-bits", "8", "--kv-group-size", "128", "--quantized-kv-start", "0",
+              "--top-k", "0", "--num-draft-tokens", "1"]
+    cli._check_count_flags("generate", [*common, "--seed", str(2**64 - 1), "--prompt-cache-file",
+                                        str(cache), "--chat-template-config", "{}"])
+    cli._check_count_flags("chat", ["--seed", "0"])
+    cli._check_count_flags("serve", [*common, "--max-tokens", str(1 << 20),
+                                     "--chat-template-args", '{"enable_thinking": false}'])
+    with pytest.raises(SystemExit) as info:  # a file that is there, but not safetensors
+        cli._check_count_flags("generate", ["--prompt-cache-file", str(tmp_path)])
+    assert info.value.code == 2
+
+
+def test_checked_kv_bits_group_sizes_and_seeds_are_what_mlx_accepts():
+    import mlx.core as mx
+
+    from qwen_apple_backend.argtypes import KV_BITS, KV_GROUP_SIZES
+
+    def quantizes(bits, group_size):
+        try:
+            with mx.stream(mx.cpu):
+                mx.eval(mx.quantize(mx.ones((2, 256)), group_size=group_size, bits=bits))
+            return True
+        except ValueError:
+            return False
+
+    assert tuple(b for b in range(1, 10) if quantizes(b, 64)) == KV_BITS
+    # Not group size 0: mx.quantize divides by it (SIGFPE), which is why it is checked.
+    assert tuple(g for g in (16, 32, 64, 128, 256) if quantizes(4, g)) == KV_GROUP_SIZES
+    # In a child process: seeding here would change this worker's random state.
+    code = ("import mlx.core as mx\nfor s in (-1, 0, 2**64 - 1, 2**64):\n"
+            "    try:\n        mx.random.seed(s); print(s, 'ok')\n"
+            "    except TypeError:\n        print(s, 'TypeError')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.split("\n")[:4] == [
+        "-1 TypeError", "0 ok", f"{2**64 - 1} ok", f"{2**64} TypeError"], out.stderr
+
+
+def test_draft_model_on_an_untrimmable_cache_is_one_clear_error(tiny_hf_f32):
+    out = _qab("generate", "--model", str(tiny_hf_f32), "--draft-model", str(tiny_hf_f32),
+               "--prompt", "a b", "--ignore-chat-template", "--max-tokens", "2")
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        "qab generate: error: Speculative decoding requires a trimmable prompt cache (got "
+        "{'ArraysCache'}): this model family's recurrent (Gated DeltaNet) layers keep a cache "
+        "that cannot be trimmed, so --draft-model (speculative decoding) does not apply to it; "
+        "leave --draft-model out")
+    assert "Traceback" not in out.stderr
+
+
+def test_help_says_which_model_and_seed_are_used():
+    from qwen_apple_backend.cli import PASSTHROUGH
+
+    # Without --model qab uses its demo model, not mlx_lm.generate's hub default.
+    for cmd in ("generate", "chat", "serve"):
+        out = _qab(cmd, "--help")
+        assert out.returncode == 0, out.stderr
+        text = " ".join(out.stdout.split())
+        assert "Llama-3.2-3B-Instruct-4bit" not in text, cmd
+        assert (f"Flags of {PASSTHROUGH[cmd][0]} follow. Without --model, qab uses its "
+                "shipped demo model, not mlx-lm's hub default.") in text, cmd
+        if cmd != "serve":  # mlx_lm.server's --model help names no default
+            assert ("--model MODEL The path to the local model directory or Hugging Face "
+                    "repo. Without --model, qab uses its shipped demo model (not mlx-lm's hub "
+                    "default).") in text, cmd
+    compare = " ".join(_qab("compare", "--help").stdout.split())
+    assert ("--seed SEED weights seed of --preset (default 0); no effect with --model, since "
+            "the prompts are text and decoding is greedy --dtype") in compare
+    bench = " ".join(_qab("bench", "--help").stdout.split())
+    assert ("--seed SEED weights seed of --preset, seed of the prompt token ids and of "
+            "--synthetic-context's cache values (default 0)") in bench
+
+
 def test_backends_json_into_a_closed_pipe_exits_quietly():
     # The reader is gone before qab writes (`qab backends --json | head -0`).
     proc = subprocess.Popen([sys.executable, "-m", "qwen_apple_backend.cli", "backends", "--json"],
@@ -307,7 +443,10 @@ def test_bf16_moe_on_the_cpu_is_one_clear_error(tiny_hf_bf16):
 
     if mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()):
         pytest.skip("a GPU runs bfloat16 experts")
-    out = _qab("generate", "--model", str(tiny_hf_bf16), "--prompt", "hi", "--max-tokens", "2")
+    # Without the chat template: its special-token ids lie past this small-vocabulary
+    # model's 1,024 embedding rows, which the loader now refuses before the experts run.
+    out = _qab("generate", "--model", str(tiny_hf_bf16), "--prompt", "a b",
+               "--ignore-chat-template", "--max-tokens", "2")
     assert out.returncode == 1
     assert "only in float32" in out.stderr and "--dtype float32" in out.stderr
     assert "Traceback" not in out.stderr

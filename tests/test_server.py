@@ -387,6 +387,38 @@ def test_install_wraps_mlx_lm_server_and_uninstall_restores():
         qab_server.install(max_body_bytes=0)
 
 
+def test_install_refuses_token_ids_past_the_embedding(tiny_hf_f32, monkeypatch):
+    # install() wraps the server's request tokenizer: a token id past the model's
+    # embedding rows (the tiny checkpoint: 1,024 rows, Qwen's full tokenizer) is the
+    # request's error, which mlx-lm's generation thread hands back to that request
+    # (the gather crashed the whole server on the CPU before), and serving goes on.
+    import types
+
+    import mlx_lm.server as mlx_server
+
+    from qwen_apple_backend import load
+    from qwen_apple_backend import server as qab_server
+    from qwen_apple_backend.errors import PromptError
+
+    prompts = iter([[1, 2, 1023], [1, 248045, 2]])
+    monkeypatch.setattr(mlx_server.ResponseGenerator, "_tokenize",
+                        lambda self, tokenizer, request, args: (next(prompts), [], [], "", None))
+    fake = mlx_server.ResponseGenerator._tokenize
+    model, _ = load(tiny_hf_f32, backend="fused")
+    me = types.SimpleNamespace(model_provider=types.SimpleNamespace(model=model))
+    qab_server.install(max_body_bytes=1024)
+    try:
+        tokenize = mlx_server.ResponseGenerator._tokenize
+        assert tokenize.__qab_patched__
+        assert tokenize(me, None, None, None)[0] == [1, 2, 1023]
+        with pytest.raises(PromptError, match=r"^the prompt holds token id 248045, outside the "
+                                              r"model's 1024 embedding rows"):
+            tokenize(me, None, None, None)
+    finally:
+        qab_server.uninstall()
+    assert mlx_server.ResponseGenerator._tokenize is fake
+
+
 def test_serve_rejects_a_non_positive_body_limit(capsys):
     from qwen_apple_backend.cli import main
 

@@ -8,9 +8,20 @@ got -3``) and exit status 2, before anything is loaded.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
-__all__ = ["nonempty_path", "nonnegative_float", "nonnegative_int", "port", "positive_float",
-           "positive_int", "probability", "token_lengths"]
+__all__ = ["KV_BITS", "KV_GROUP_SIZES", "json_object", "kv_bits", "kv_group_size",
+           "nonempty_path", "nonnegative_float", "nonnegative_int", "port", "positive_float",
+           "positive_int", "positive_int_up_to", "prng_seed", "probability", "safetensors_file",
+           "token_lengths"]
+
+#: The bit widths and group sizes ``mx.quantize`` accepts (MLX 0.32; tests/test_cli.py
+#: checks them against the installed MLX). Another value fails only once the KV cache
+#: is quantized: bits 7 raise in ``mx.quantize``, group size 0 kills the process
+#: with SIGFPE.
+KV_BITS = (1, 2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
 
 
 def _parse(text: str, convert, ok, what: str):
@@ -54,6 +65,57 @@ def nonempty_path(text: str) -> str:
     command and mlx-lm's hub default to another)."""
     if not str(text).strip():
         raise argparse.ArgumentTypeError("must be a path, got an empty string")
+    return text
+
+
+def positive_int_up_to(limit: int, why: str):
+    """A type for an integer from 1 to ``limit``; ``why`` says where the limit comes from."""
+
+    def check(text: str) -> int:
+        return _parse(text, int, lambda v: 0 < v <= limit,
+                      f"a positive integer up to {limit} ({why})")
+
+    return check
+
+
+def prng_seed(text: str) -> int:
+    """A seed ``mx.random.seed`` takes: an integer from 0 to 2**64 - 1 (an unsigned 64-bit
+    integer; another raises ``TypeError`` there)."""
+    return _parse(text, int, lambda v: 0 <= v < 1 << 64,
+                  f"an integer from 0 to 2**64 - 1 ({(1 << 64) - 1})")
+
+
+def kv_bits(text: str) -> int:
+    """A KV-cache quantization bit width, one of :data:`KV_BITS`."""
+    return _parse(text, int, lambda v: v in KV_BITS,
+                  f"one of {', '.join(map(str, KV_BITS))} (the bit widths MLX quantizes to)")
+
+
+def kv_group_size(text: str) -> int:
+    """A KV-cache quantization group size, one of :data:`KV_GROUP_SIZES`."""
+    return _parse(text, int, lambda v: v in KV_GROUP_SIZES,
+                  f"one of {', '.join(map(str, KV_GROUP_SIZES))} (the group sizes MLX "
+                  "quantizes with)")
+
+
+def json_object(text: str) -> dict:
+    """A JSON object (keyword arguments of a chat template, ``{"enable_thinking": false}``)."""
+    # json.JSONDecodeError is a ValueError, so _parse reports it as a bad value.
+    return _parse(text, json.loads, lambda v: isinstance(v, dict),
+                  'a JSON object such as {"enable_thinking": false}')
+
+
+def safetensors_file(text: str) -> str:
+    """An existing ``.safetensors`` file (a prompt cache that ``mlx_lm.cache_prompt`` wrote:
+    ``mx.load`` picks the format from the extension, and only safetensors keep the
+    cache's metadata)."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(
+            f"{'is a directory, not a file' if os.path.isdir(text) else 'no such file'}: "
+            f"{text!r}")
+    if not text.endswith(".safetensors"):
+        raise argparse.ArgumentTypeError(
+            f"must be a .safetensors file (as mlx_lm.cache_prompt writes), got {text!r}")
     return text
 
 

@@ -12,7 +12,9 @@ Subcommands (each imported lazily):
 
 Bad input ends a command before any work with one ``error:`` line: the ``QAB_*``
 environment variables and ``--backend`` (exit status 2), non-positive token counts
-(argparse, exit status 2), a missing or broken checkpoint (exit status 1). A
+and the other flag values that mlx-lm would fail on only after loading (a ``--seed``,
+``--top-k``, KV-cache quantization setting, chat-template JSON or prompt-cache file;
+argparse, exit status 2), a missing or broken checkpoint (exit status 1). A
 variable found unusable only at run time (a ``QAB_CACHE_DIR`` that cannot be
 written) is the same one ``qab: error: VAR: ...`` line, exit status 2. Every
 subcommand checks the environment at startup, except that ``--help`` (``-h``) and
@@ -26,7 +28,8 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
-from .argtypes import nonempty_path, nonnegative_float, port, probability
+from .argtypes import (json_object, kv_bits, kv_group_size, nonempty_path, nonnegative_float,
+                       port, positive_int_up_to, prng_seed, probability, safetensors_file)
 from .argtypes import nonnegative_int, positive_int  # noqa: F401 - re-exported
 
 PASSTHROUGH = {
@@ -66,7 +69,8 @@ _positive_int = positive_int  # the former private name, kept for importers
 _COUNT_FLAGS = {
     "generate": (("--max-tokens", "-m"), ("--max-kv-size",), ("--prefill-step-size",)),
     "chat": (("--max-tokens", "-m"), ("--max-kv-size",), ("--prefill-step-size",)),
-    "serve": (("--max-tokens",), ("--prefill-step-size",), ("--prompt-cache-size",)),
+    # serve's --max-tokens is capped too: in _VALUE_FLAGS.
+    "serve": (("--prefill-step-size",), ("--prompt-cache-size",)),
 }
 
 
@@ -82,18 +86,55 @@ _SAMPLING_FLAGS = {
 }
 
 
+def _serve_max_tokens(text: str) -> int:
+    """``qab serve --max-tokens``: a positive integer up to the server's cap on a request's
+    ``max_tokens`` (the flag is the default of requests that give none, which the
+    request check does not see)."""
+    from .server import MAX_COMPLETION_TOKENS
+
+    return positive_int_up_to(MAX_COMPLETION_TOKENS,
+                              "the largest max_tokens qab serve accepts in a request")(text)
+
+
+#: Other flags of the mlx-lm commands, checked the same way where the command has
+#: them: mlx-lm accepts these bad values and fails only after loading the model
+#: (a traceback; for --kv-group-size 0 a SIGFPE crash; for serve, every request
+#: answered with an empty reply) or not at all (a negative --top-k).
+_VALUE_FLAGS = {
+    "generate": (("--seed", prng_seed),
+                 ("--top-k", nonnegative_int),  # 0 (mlx-lm's default) switches top-k off
+                 ("--num-draft-tokens", positive_int),  # 0 would draft nothing
+                 ("--kv-bits", kv_bits), ("--kv-group-size", kv_group_size),
+                 ("--quantized-kv-start", nonnegative_int),
+                 ("--chat-template-config", json_object),
+                 ("--prompt-cache-file", safetensors_file)),
+    "chat": (("--seed", prng_seed),),
+    "serve": (("--max-tokens", _serve_max_tokens), ("--top-k", nonnegative_int),
+              ("--num-draft-tokens", positive_int), ("--kv-bits", kv_bits),
+              ("--kv-group-size", kv_group_size), ("--quantized-kv-start", nonnegative_int),
+              # mlx-lm parses it with json.loads, which takes any JSON (a list fails
+              # every request): the same check as generate's --chat-template-config.
+              ("--chat-template-args", json_object)),
+}
+
+
 def _check_count_flags(command: str, argv: Sequence[str]) -> None:
     """Exit with argparse's one-line error (status 2) for a token count that is not
     positive, a negative temperature, a probability (top-p, min-p) outside [0, 1], an
     empty ``--model``, (serve) a ``--port`` outside 0..65535 or (generate) an empty
-    ``--prompt`` with ``--ignore-chat-template``."""
+    ``--prompt`` with ``--ignore-chat-template``, and for the flags of
+    :data:`_VALUE_FLAGS`: a ``--seed`` outside 0..2**64-1, a negative ``--top-k``, a
+    ``--num-draft-tokens`` below 1, a ``--kv-bits`` / ``--kv-group-size`` MLX cannot
+    quantize with, a negative ``--quantized-kv-start``, a chat-template argument that
+    is not a JSON object, a missing ``--prompt-cache-file`` or (serve) a
+    ``--max-tokens`` above the server's per-request cap."""
     p = argparse.ArgumentParser(
         prog=f"qab {command}", add_help=False, allow_abbrev=False,
         usage=f"qab {command} [--backend NAME] [--qab-report] [flags of "
               f"{PASSTHROUGH[command][0]}]")
     for flags in _COUNT_FLAGS.get(command, ()):
         p.add_argument(*flags, type=positive_int, default=None)
-    for flag, kind in _SAMPLING_FLAGS.get(command, ()):
+    for flag, kind in (*_SAMPLING_FLAGS.get(command, ()), *_VALUE_FLAGS.get(command, ())):
         p.add_argument(flag, type=kind, default=None)
     p.add_argument("--model", type=nonempty_path, default=None)
     if command == "serve":
@@ -152,6 +193,16 @@ def _check_environment(command: str) -> None:
         raise UsageError(str(exc)) from None
 
 
+#: How mlx-lm's ``speculative_generate_step`` starts its ValueError for a cache it
+#: cannot rewind (a Gated DeltaNet layer's ``ArraysCache``).
+_UNTRIMMABLE = "Speculative decoding requires a trimmable prompt cache"
+
+#: ``--model``'s help in ``qab generate|chat --help``: mlx_lm.generate's names its
+#: hub default, which qab never uses.
+_MODEL_HELP = ("The path to the local model directory or Hugging Face repo. Without --model, "
+               "qab uses its shipped demo model (not mlx-lm's hub default).")
+
+
 def _explain(exc: BaseException) -> Optional[str]:
     """A one-line explanation for a known runtime failure, or None."""
     text = str(exc)
@@ -159,6 +210,11 @@ def _explain(exc: BaseException) -> Optional[str]:
         return (f"{text.strip().rstrip('.')} (MLX's CPU backend runs unquantized MoE "
                 "experts only in float32): use a float32 checkpoint (`qab make-checkpoint OUT "
                 "--dtype float32`), a quantized one (`--layout mlx-q4`), or a GPU")
+    if isinstance(exc, ValueError) and text.startswith(_UNTRIMMABLE) and "ArraysCache" in text:
+        # mlx-lm's speculative decoding rewinds the cache by the rejected draft tokens.
+        return (f"{text.strip().rstrip('.')}: this model family's recurrent (Gated DeltaNet) "
+                "layers keep a cache that cannot be trimmed, so --draft-model (speculative "
+                "decoding) does not apply to it; leave --draft-model out")
     return None
 
 
@@ -181,7 +237,8 @@ def _run_passthrough(command: str, argv: Sequence[str]) -> int:
               "loading\n"
               + ("  --max-request-bytes N         larger request bodies get HTTP 413 "
                  "(default 32 MiB)\n" if command == "serve" else "")
-              + f"Flags of {module_name} follow.\n")
+              + f"Flags of {module_name} follow. Without --model, qab uses its shipped "
+              "demo model, not mlx-lm's hub default.\n")
     else:
         _check_count_flags(command, rest)
         _check_environment(command)
@@ -203,6 +260,7 @@ def _run_passthrough(command: str, argv: Sequence[str]) -> int:
     if ours.qab_report:
         _print_reports_after_load()
     module = importlib.import_module(module_name)
+    restore_help = _model_help_says_demo(module) if wants_help else (lambda: None)
     old_argv = sys.argv
     sys.argv = [f"qab {command}", *rest]
     from .errors import QABError
@@ -219,15 +277,44 @@ def _run_passthrough(command: str, argv: Sequence[str]) -> int:
             raise
         print(file=sys.stderr)  # end of input (Ctrl-D, closed stdin): leave quietly
         return 0
-    except RuntimeError as exc:
-        why = _explain(exc)
+    except (RuntimeError, ValueError) as exc:
+        why = _explain(exc)  # only the failures it knows; any other ValueError propagates
         if why is None:
             raise
         print(f"qab {command}: error: {why}", file=sys.stderr)
         return 1
     finally:
         sys.argv = old_argv
+        restore_help()
     return int(result or 0)
+
+
+def _model_help_says_demo(module) -> Callable[[], None]:
+    """Make ``module``'s help give :data:`_MODEL_HELP` for ``--model``; returns the undo.
+
+    mlx_lm.generate's help says its hub default model is used without ``--model``,
+    but ``qab`` passes its demo model then. The ``--model`` action of the parser that
+    ``setup_arg_parser()`` builds gets qab's text (whatever mlx-lm's wording or line
+    wrapping); a module without that function (mlx_lm.server, whose ``--model`` help
+    names no default) is left alone, and the header line printed before says it too.
+    """
+    setup = getattr(module, "setup_arg_parser", None)
+    if not callable(setup):
+        return lambda: None
+
+    def setup_arg_parser(*args, **kwargs):
+        parser = setup(*args, **kwargs)
+        for action in parser._actions:
+            if "--model" in action.option_strings:
+                action.help = _MODEL_HELP
+        return parser
+
+    module.setup_arg_parser = setup_arg_parser
+
+    def restore() -> None:
+        module.setup_arg_parser = setup
+
+    return restore
 
 
 def _print_reports_after_load() -> None:

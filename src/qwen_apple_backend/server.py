@@ -57,6 +57,8 @@ _POST_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/chat/compl
 _DRAIN_SECONDS = 2.0
 
 _PATCHED: dict[str, Any] = {}
+#: ``mlx_lm.server.ResponseGenerator._tokenize`` before :func:`install` wrapped it.
+_TOKENIZE: dict[type, Any] = {}
 
 
 class QABHTTPServer(ThreadingHTTPServer):
@@ -164,7 +166,8 @@ def make_handler_class(base: Optional[type] = None,
 
 #: Largest ``max_tokens`` / ``max_completion_tokens`` accepted (1 Mi tokens, four
 #: times the Qwen3.6 context): a larger value cannot complete and would keep
-#: generating after the client gives up.
+#: generating after the client gives up. ``qab serve --max-tokens``, the default of a
+#: request that gives none, is held to it too (checked in ``qab``'s command line).
 MAX_COMPLETION_TOKENS = 1 << 20
 
 
@@ -325,6 +328,24 @@ def install(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, preload: bool = False)
     mlx_server._run_http_server = qab_run_http_server
     mlx_server.scan_cache_dir = _scan_cache_dir_or_empty(scan)
     mlx_server.run = qab_run if preload else run
+    generator = getattr(mlx_server, "ResponseGenerator", None)
+    tokenize = getattr(generator, "_tokenize", None)
+    if tokenize is not None and not getattr(tokenize, "__qab_patched__", False):
+        _TOKENIZE[generator] = tokenize
+
+        def qab_tokenize(self, tokenizer, request, args):
+            # A token id past the model's embedding rows (a tokenizer that does not
+            # match the weights) crashed the whole server on the CPU: the request is
+            # refused instead. Raised here, mlx-lm's generation thread hands it back
+            # to the request as an error, and serving goes on.
+            out = tokenize(self, tokenizer, request, args)
+            from .loader import check_token_ids
+
+            check_token_ids(getattr(self.model_provider, "model", None), out[0])
+            return out
+
+        qab_tokenize.__qab_patched__ = True
+        generator._tokenize = qab_tokenize
 
 
 def uninstall() -> None:
@@ -336,3 +357,6 @@ def uninstall() -> None:
     for name, fn in _PATCHED.items():
         setattr(mlx_server, name, fn)
     _PATCHED.clear()
+    for cls, fn in _TOKENIZE.items():
+        cls._tokenize = fn
+    _TOKENIZE.clear()

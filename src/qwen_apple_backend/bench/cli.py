@@ -65,7 +65,7 @@ def _lengths(text: str) -> str:
     return text
 
 
-def _add_source_args(p: argparse.ArgumentParser) -> None:
+def _add_source_args(p: argparse.ArgumentParser, seed_help: str) -> None:
     g = p.add_argument_group("model (one of --model / --preset; neither: the demo model, as "
                              "qab generate)")
     src = g.add_mutually_exclusive_group()
@@ -75,9 +75,7 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
                      help="random-weight model with the real layout, built in memory once per "
                           "backend from --seed (full = Qwen3.6-35B-A3B shapes, about 19 GB at "
                           "4 bits)")
-    g.add_argument("--seed", type=nonnegative_int, default=0,
-                   help="weights seed of --preset, seed of the prompt token ids and of "
-                        "--synthetic-context's cache values (default 0)")
+    g.add_argument("--seed", type=nonnegative_int, default=0, help=seed_help)
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="float dtype of a --preset model (default bfloat16)")
     g.add_argument("--vocab-size", type=positive_int, default=None,
@@ -160,7 +158,8 @@ def add_parsers(subparsers: Any) -> None:
                               "by side (JSON + PNG + table)", description=_BENCH_DESCRIPTION,
                               epilog=_BENCH_EPILOG, formatter_class=fmt)
     _note_given_options(p)
-    _add_source_args(p)
+    _add_source_args(p, "weights seed of --preset, seed of the prompt token ids and of "
+                        "--synthetic-context's cache values (default 0)")
     s = p.add_argument_group("sweep")
     s.add_argument("--lengths", default=None, type=_lengths,
                    help="comma-separated prompt/context lengths, K = 1024 (default "
@@ -218,7 +217,10 @@ def add_parsers(subparsers: Any) -> None:
                               description=_COMPARE_DESCRIPTION, epilog=_COMPARE_EPILOG,
                               formatter_class=fmt)
     _note_given_options(p)
-    _add_source_args(p)
+    # compare tokenizes its text prompts and decodes greedily: the seed makes only a
+    # --preset model's weights.
+    _add_source_args(p, "weights seed of --preset (default 0); no effect with --model, "
+                        "since the prompts are text and decoding is greedy")
     q = p.add_argument_group("prompts")
     q.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="a prompt (repeatable)")
