@@ -593,3 +593,32 @@ def test_bench_rejects_an_out_file_before_any_work(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert f"qab bench: error: --out '{f}' exists and is not a folder" in r.stderr
     assert "round 1" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_and_compare_check_their_outputs_and_models_before_any_work(tmp_path):
+    # A folder that cannot be made (under a file), a --json that is a folder, a column's
+    # own model path that does not exist: each named before any model is built (they
+    # failed after the whole sweep, or after the stock column had loaded).
+    f = tmp_path / "afile"
+    f.write_text("x")
+    base = ["--preset", "tiny", "--vocab-size", "64"]
+    cases = [
+        (["bench", *base, "--quick", "--out", str(f / "sub")],
+         f"qab bench: error: --out '{f / 'sub'}': cannot create the folder '{f / 'sub'}': Not a "
+         "directory"),
+        (["compare", *base, "--backends", "stock", "--prompt", "hi", "--json",
+          str(f / "x.json")],
+         f"qab compare: error: --json '{f / 'x.json'}': cannot create the folder '{f}': File "
+         "exists"),
+        (["compare", *base, "--backends", "stock", "--prompt", "hi", "--json", str(tmp_path)],
+         f"qab compare: error: --json '{tmp_path}' is a folder, not a file"),
+        (["compare", *base, "--backends", f"stock,fused={tmp_path / 'missing'}",
+          "--prompt", "hi"],
+         f"qab compare: error: --backends fused={tmp_path / 'missing'}: no such file or folder"),
+    ]
+    for argv, message in cases:
+        r = subprocess.run([sys.executable, "-m", "qwen_apple_backend.cli", *argv],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, (argv, r.stderr[-2000:])
+        assert r.stderr.rstrip().endswith(message), (argv, r.stderr[-2000:])
+        assert "built " not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

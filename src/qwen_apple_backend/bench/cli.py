@@ -313,6 +313,10 @@ def _usage_problem(args: argparse.Namespace, prompts: Optional[list] = None) -> 
         check_shared_prefill(getattr(args, "shared_prefill", None), [s.label for s in specs])
     except (ValueError, QABError) as exc:
         return str(exc)
+    for spec in specs:
+        # A column's own model (NAME=PATH): named before any other column loads.
+        if spec.model is not None and not Path(spec.model).exists():
+            return f"--backends {spec.label}={spec.model}: no such file or folder"
     if getattr(args, "synthetic_context", False) and not args.shared_prefill:
         return ("--synthetic-context needs --shared-prefill LABEL (the backend whose model "
                 "shapes the contexts)")
@@ -320,6 +324,35 @@ def _usage_problem(args: argparse.Namespace, prompts: Optional[list] = None) -> 
         return "give --prompt TEXT (repeatable) or --prompts-file FILE"
     if prompts is not None and any(not p.strip() for p in prompts):
         return "--prompt: empty prompt (give some text)"
+    return None
+
+
+def _output_problem(flag: str, path: str, folder: bool) -> Optional[str]:
+    """Why ``path`` cannot take a command's output, found before any work, or None.
+
+    ``folder``: ``path`` is a folder the command writes into (``qab bench --out``),
+    created here if missing; else a file (``qab compare --json``) whose folder is
+    created here. A path that cannot be created or written is named (the sweep's
+    results were lost at the end before).
+    """
+    import tempfile
+
+    target = Path(path) if folder else Path(path).parent
+    if folder and Path(path).exists() and not Path(path).is_dir():
+        return f"{flag} {path!r} exists and is not a folder"
+    if not folder and Path(path).is_dir():
+        return f"{flag} {path!r} is a folder, not a file"
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return (f"{flag} {path!r}: cannot create the folder {str(target)!r}: "
+                f"{exc.strerror or exc}")
+    try:  # the only sure test of writing there (permissions, read-only or special mounts)
+        with tempfile.TemporaryFile(dir=target):
+            pass
+    except OSError as exc:
+        return (f"{flag} {path!r}: cannot write in the folder {str(target)!r}: "
+                f"{exc.strerror or exc}")
     return None
 
 
@@ -347,9 +380,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .harness import BenchConfig, parse_lengths, run_bench, write_outputs
     from .report import format_table
 
-    problem = _usage_problem(args)
-    if not problem and Path(args.out).exists() and not Path(args.out).is_dir():
-        problem = f"--out {args.out!r} exists and is not a folder"
+    problem = _usage_problem(args) or _output_problem("--out", args.out, folder=True)
     if problem:
         return _usage_error("bench", problem)
     _warn_opt_in_ablations(args)
@@ -415,7 +446,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     prompts = list(args.prompt)
     if args.prompts_file:
         prompts += read_prompts(Path(args.prompts_file))
-    problem = _usage_problem(args, prompts)
+    problem = _usage_problem(args, prompts) or (
+        _output_problem("--json", args.json, folder=False) if args.json else None)
     if problem:
         return _usage_error("compare", problem)
     _warn_opt_in_ablations(args)
