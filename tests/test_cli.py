@@ -559,3 +559,16 @@ def test_bench_and_compare_usage_errors_exit_2_before_building_models(argv, mess
     assert out.returncode == 2, out.stderr
     assert message in out.stderr and "Traceback" not in out.stderr
     assert "loaded" not in out.stderr and "building" not in out.stderr
+
+
+@pytest.mark.parametrize("command", ["backends", "demo", "bench", "compare"])
+def test_an_unknown_flag_gets_the_subcommands_usage(command, capsys):
+    # (argparse reported it with the top-level usage, "usage: qab [-h] ...".)
+    from qwen_apple_backend.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main([command, "--bogus"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: qab {command} "), err
+    assert err.rstrip().endswith(f"qab {command}: error: unrecognized arguments: --bogus"), err

@@ -465,6 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_parsers
 
     add_parsers(sub)
+    parser.qab_commands = sub.choices  # name -> its parser, for _main's usage errors
     return parser
 
 
@@ -485,7 +486,12 @@ def _main(argv: Sequence[str]) -> int:
             print(f"qab {argv[0]}: error: {exc}", file=sys.stderr)
             return 1
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse reports a subcommand's unknown flags with the top-level usage;
+        # the subcommand's own usage says which flags it takes.
+        command = parser.qab_commands.get(getattr(args, "command", None), parser)
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
     func: Optional[Callable[[argparse.Namespace], int]] = getattr(args, "func", None)
     if func is None:
         parser.print_help()
