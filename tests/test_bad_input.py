@@ -622,3 +622,44 @@ def test_bench_and_compare_check_their_outputs_and_models_before_any_work(tmp_pa
         assert r.returncode == 2, (argv, r.stderr[-2000:])
         assert r.stderr.rstrip().endswith(message), (argv, r.stderr[-2000:])
         assert "built " not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_quantized_weights_without_a_quantization_section(q4_copy):
+    # Without "quantization", mlx-lm reads a legacy "quantization_config" and indexed its
+    # quant_method unchecked (KeyError); without either, it builds unquantized layers and
+    # listed every .scales / .biases key, one line each (over 100 lines).
+    def drop(c, keys):
+        for k in keys:
+            c.pop(k, None)
+
+    _edit_config(q4_copy, lambda c: (drop(c, ["quantization"]),
+                                      c.__setitem__("quantization_config", {"bits": 4})))
+    with pytest.raises(CheckpointError, match=r"config\.json: quantization_config must be an "
+                                              r"object with a quant_method string"):
+        load(q4_copy)
+    _edit_config(q4_copy, lambda c: drop(c, ["quantization_config"]))
+    with pytest.raises(CheckpointError) as info:
+        load(q4_copy)
+    text = str(info.value)
+    assert "\n" not in text and len(text) < 600, text
+    assert re.search(r"weights do not match the model built from config\.json: Received \d+ "
+                     r"parameters not in model: [\w.]+, [\w.]+, [\w.]+, [\w.]+, \.\.\. \(\d+ "
+                     r"more\) \(the weights are quantized, \.scales and \.biases, but "
+                     r"config\.json has no quantization section", text), text
+
+
+def test_missing_parameters_are_counted_on_one_line(q4_copy):
+    # Eight layers in config.json, four in the weights: the first missing names and a
+    # count ("Missing 73 parameters" listed all 73, one line each).
+    def grow(c):
+        tc = c["text_config"]
+        tc["num_hidden_layers"] = 2 * tc["num_hidden_layers"]
+        tc["layer_types"] = tc["layer_types"] * 2
+
+    _edit_config(q4_copy, grow)
+    with pytest.raises(CheckpointError) as info:
+        load(q4_copy)
+    text = str(info.value)
+    assert "\n" not in text, text
+    assert re.search(r"Missing (\d+) parameters: (language_model\.model\.layers\.\d+\.[\w.]+, ){4}"
+                     r"\.\.\. \(\d+ more\)$", text), text

@@ -112,6 +112,15 @@ def check_quantization_config(config: dict, cfg_file: Union[str, Path] = "config
     """
     q = config.get("quantization")
     if q is None:
+        legacy = config.get("quantization_config")
+        # mlx-lm reads a legacy (Hugging Face) section only when there is no
+        # "quantization", and indexes its quant_method unchecked.
+        if legacy and not (isinstance(legacy, dict)
+                           and isinstance(legacy.get("quant_method"), str)):
+            raise CheckpointError(
+                f"{cfg_file}: quantization_config must be an object with a quant_method "
+                "string (there is no quantization section, which an MLX-quantized "
+                "checkpoint's config.json holds, with group_size and bits)")
         return
     where = f"{cfg_file}: quantization"
     if not isinstance(q, dict):
@@ -352,7 +361,8 @@ def _load_checked(checked: _Checked, *, lazy: bool, strict: bool, model_config: 
         except ValueError as exc:
             # mlx-lm reports missing/unexpected/mis-shaped parameters as ValueError.
             raise CheckpointError(f"{model_path}: weights do not match the model built from "
-                                  f"config.json: {exc}") from exc
+                                  f"config.json: {_short_parameter_list(str(exc))}"
+                                  + _quantization_hint(str(exc), checked.config)) from exc
     if checked.backend in ("auto", "fused"):
         adapter.fuse(model, config, disable=checked.kinds, use_fallback=use_fallback,
                      report=report)
@@ -386,6 +396,28 @@ def check_model_type(config: dict, cfg_file: Union[str, Path] = "config.json") -
 
 
 _MISSING_ARG = re.compile(r"missing \d+ required (?:positional|keyword-only) arguments?: (.*)$")
+
+
+def _short_parameter_list(text: str, most: int = 4) -> str:
+    """MLX's "Received N parameters not in model: a,\\nb,\\n..." (one line per name) with
+    its first ``most`` names and a count of the rest, on one line."""
+    head, sep, names = text.partition(": \n")
+    if not sep:
+        return text
+    items = [n.strip().rstrip(",.") for n in names.split("\n") if n.strip()]
+    if len(items) <= most:
+        return f"{head}: {', '.join(items)}"
+    return f"{head}: {', '.join(items[:most])}, ... ({len(items) - most} more)"
+
+
+def _quantization_hint(text: str, config: dict) -> str:
+    """A hint for weights that hold quantization scales where config.json says nothing of
+    quantization (mlx-lm then builds unquantized layers)."""
+    if (config.get("quantization") is None and not config.get("quantization_config")
+            and "not in model" in text and ".scales" in text):
+        return (" (the weights are quantized, .scales and .biases, but config.json has no "
+                "quantization section with their group_size and bits)")
+    return ""
 
 
 @contextlib.contextmanager
