@@ -572,3 +572,21 @@ def test_an_unknown_flag_gets_the_subcommands_usage(command, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"usage: qab {command} "), err
     assert err.rstrip().endswith(f"qab {command}: error: unrecognized arguments: --bogus"), err
+
+
+def test_generate_from_a_prompt_cache_takes_the_caches_model(tiny_real_vocab, tmp_path):
+    # Without --model, qab passes its demo model, which mlx-lm refused against a prompt
+    # cache made with another model (a ValueError traceback); with --prompt-cache-file,
+    # mlx-lm's own choice stands: the model the cache records.
+    cache = tmp_path / "prompt.safetensors"
+    made = subprocess.run([sys.executable, "-m", "mlx_lm", "cache_prompt", "--model",
+                           str(tiny_real_vocab), "--prompt-cache-file", str(cache), "--prompt",
+                           "You are a helpful assistant."],
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0 and cache.is_file(), made.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "qwen_apple_backend.cli", "generate",
+                        "--prompt-cache-file", str(cache), "--prompt", "hi", "--max-tokens", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "using the demo model" not in r.stderr and "Generation: 2 tokens" in r.stdout, (
+        r.stdout + r.stderr)

@@ -243,8 +243,11 @@ def _run_passthrough(command: str, argv: Sequence[str]) -> int:
         _check_count_flags(command, rest)
         _check_environment(command)
         ours.backend = _check_backend_arg(command, ours.backend)
-    if not any(a == "--model" or a.startswith("--model=") for a in rest) and not wants_help:
-        # Without --model, the shipped demo model rather than mlx-lm's hub default.
+    if (not any(a == "--model" or a.startswith("--model=") for a in rest) and not wants_help
+            and not any(a == "--prompt-cache-file" or a.startswith("--prompt-cache-file=")
+                        for a in rest)):
+        # Without --model, the shipped demo model rather than mlx-lm's hub default
+        # (but with a prompt cache, mlx-lm's own choice: the model the cache records).
         from .demo import ensure_default_model
 
         rest = ["--model", str(ensure_default_model()), *rest]
