@@ -243,9 +243,7 @@ def _run_passthrough(command: str, argv: Sequence[str]) -> int:
         _check_count_flags(command, rest)
         _check_environment(command)
         ours.backend = _check_backend_arg(command, ours.backend)
-    if (not any(a == "--model" or a.startswith("--model=") for a in rest) and not wants_help
-            and not any(a == "--prompt-cache-file" or a.startswith("--prompt-cache-file=")
-                        for a in rest)):
+    if not (wants_help or _has_flag(rest, "--model") or _has_flag(rest, "--prompt-cache-file")):
         # Without --model, the shipped demo model rather than mlx-lm's hub default
         # (but with a prompt cache, mlx-lm's own choice: the model the cache records).
         from .demo import ensure_default_model
@@ -290,6 +288,11 @@ def _run_passthrough(command: str, argv: Sequence[str]) -> int:
         sys.argv = old_argv
         restore_help()
     return int(result or 0)
+
+
+def _has_flag(argv: Sequence[str], flag: str) -> bool:
+    """Whether ``argv`` gives ``flag``, as ``FLAG VALUE`` or ``FLAG=VALUE``."""
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
 def _model_help_says_demo(module) -> Callable[[], None]:

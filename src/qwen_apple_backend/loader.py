@@ -302,7 +302,7 @@ def _check_config(model_path: Union[str, Path], backend: Optional[str],
     model_path = Path(model_path)
     config = read_config(model_path)
     cfg_file = model_path / "config.json"
-    check_quantization_config(config, _config_file(model_path))
+    check_quantization_config(config, cfg_file)
     report = FuseReport(backend=backend)
     resolved = _resolve_adapter(config)
     if resolved is None:
@@ -683,24 +683,25 @@ def get_report(model: Any) -> Optional[FuseReport]:
     return report
 
 
-def max_positions(model: Any) -> Optional[int]:
-    """``max_position_embeddings`` of a loaded model's text config, if known."""
+def _text_config_int(model: Any, name: str) -> Optional[int]:
+    """The integer field ``name`` of a loaded model's text config (its ``language_model``'s
+    args for a multimodal wrapper, else its own), or None."""
     for obj in (getattr(model, "language_model", None), model):
-        args = getattr(obj, "args", None)
-        value = getattr(args, "max_position_embeddings", None)
+        value = getattr(getattr(obj, "args", None), name, None)
         if isinstance(value, int):
             return value
     return None
 
 
+def max_positions(model: Any) -> Optional[int]:
+    """``max_position_embeddings`` of a loaded model's text config, if known."""
+    return _text_config_int(model, "max_position_embeddings")
+
+
 def vocab_rows(model: Any) -> Optional[int]:
     """Rows of a loaded model's token embedding (its text config's ``vocab_size``), if known."""
-    for obj in (getattr(model, "language_model", None), model):
-        args = getattr(obj, "args", None)
-        value = getattr(args, "vocab_size", None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
+    value = _text_config_int(model, "vocab_size")
+    return value if value is not None and not isinstance(value, bool) and value > 0 else None
 
 
 def check_token_ids(model: Any, ids: Any) -> None:
