@@ -218,6 +218,21 @@ def test_find_gguf(tmp_path, plugin_site):
         find_gguf(tmp_path / "config.json")
 
 
+def test_convert_gguf_names_a_file_gguf_cannot_read(tmp_path, plugin_site):
+    from qab_llamacpp.cli import main
+    from qab_llamacpp.convert import GGUFConversionError, gguf_to_mlx
+
+    cases = {"text.gguf": b"hello world, not a gguf",  # bad magic
+             "short.gguf": b"\0\0\0",                 # shorter than the magic
+             "cut.gguf": b"GGUF\x03\0\0\0\x05"}       # header cut after the version
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(GGUFConversionError, match=f"{name}: not a readable GGUF file"):
+            gguf_to_mlx(tmp_path / name, tmp_path / "out")
+        assert not (tmp_path / "out" / "config.json").exists()
+    assert main(["convert-gguf", str(tmp_path / "text.gguf"), str(tmp_path / "out")]) == 2
+
+
 def test_threads_env(monkeypatch, plugin_site):
     from qab_llamacpp.backend import THREADS_ENV, _env_threads
 

@@ -289,7 +289,8 @@ def gguf_to_mlx(gguf_path: PathLike, out_dir: PathLike, *, dtype: str = "float32
     Raises:
         FileNotFoundError: if ``gguf_path`` does not exist.
         FileExistsError: if ``out_dir`` is not empty and ``overwrite`` is False.
-        GGUFConversionError: for an unsupported architecture, tokenizer or tensor.
+        GGUFConversionError: for a file ``gguf`` cannot read (bad magic,
+            truncated), or an unsupported architecture, tokenizer or tensor.
     """
     import hashlib
 
@@ -302,8 +303,11 @@ def gguf_to_mlx(gguf_path: PathLike, out_dir: PathLike, *, dtype: str = "float32
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} is not empty (pass overwrite=True / --overwrite)")
-    reader = GGUFReader(str(gguf_path))
-    meta = read_metadata(reader)
+    try:
+        reader = GGUFReader(str(gguf_path))
+        meta = read_metadata(reader)
+    except (ValueError, IndexError, EOFError) as exc:  # gguf's own messages name no file
+        raise GGUFConversionError(f"{gguf_path}: not a readable GGUF file ({exc})") from exc
     names = {t.name for t in reader.tensors}
     config = gguf_config(meta, has_output="output.weight" in names, dtype=dtype)
     tokenizer = gguf_tokenizer(meta)
