@@ -372,19 +372,48 @@ def test_install_wraps_mlx_lm_server_and_uninstall_restores():
 
     from qwen_apple_backend import server as qab_server
 
-    before = (mlx_server._run_http_server, mlx_server.scan_cache_dir)
+    def current():
+        return (mlx_server._run_http_server, mlx_server.scan_cache_dir,
+                mlx_server.ResponseGenerator.generate, mlx_server.ModelProvider._load)
+
+    before = current()
     qab_server.install(max_body_bytes=1024)
+    qab_server.install(max_body_bytes=1024)  # again: each is wrapped once
     try:
-        assert mlx_server._run_http_server.__qab_patched__
-        assert mlx_server.scan_cache_dir.__qab_patched__
+        for fn in current():
+            assert fn.__qab_patched__
+        assert not getattr(qab_server._METHODS[(mlx_server.ModelProvider, "_load")],
+                           "__qab_patched__", False)
         handler = qab_server.make_handler_class(max_body_bytes=1024)
         assert issubclass(handler, mlx_server.APIHandler)
         assert handler.do_GET is mlx_server.APIHandler.do_GET  # mlx-lm serves the rest
     finally:
         qab_server.uninstall()
-    assert (mlx_server._run_http_server, mlx_server.scan_cache_dir) == before
+    assert current() == before
     with pytest.raises(ValueError, match="positive"):
         qab_server.install(max_body_bytes=0)
+
+
+def test_check_checkpoint_reads_no_weights_but_finds_what_load_would(tiny_hf_f32, tmp_path):
+    import shutil
+
+    from qwen_apple_backend.errors import CheckpointError, MissingCheckpointFileError
+    from qwen_apple_backend.loader import check_checkpoint
+
+    assert check_checkpoint(tiny_hf_f32, "fused") == Path(tiny_hf_f32)
+    copy = tmp_path / "ckpt"
+    shutil.copytree(tiny_hf_f32, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                  if k != "model_type"}))
+    with pytest.raises(CheckpointError, match="config.json: missing required field 'model_type'"):
+        check_checkpoint(copy)
+    (copy / "config.json").write_text(json.dumps(config))
+    for f in copy.glob("model*.safetensors"):
+        f.unlink()
+    with pytest.raises(MissingCheckpointFileError, match="model-00001-of-00002.safetensors: shard "
+                                                         "listed in model.safetensors.index.json"):
+        check_checkpoint(copy, "fused")
 
 
 def test_install_refuses_token_ids_past_the_embedding(tiny_hf_f32, monkeypatch):
@@ -486,6 +515,8 @@ def test_body_that_is_not_utf8_is_400(server):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "draft_model": 5},
      "'draft_model' must be a string"),
     ("/v1/completions", {"prompt": "Hi", "model": 5}, "'model' must be a string"),
+    # A path: stock would load the server's working directory.
+    ("/v1/completions", {"prompt": "Hi", "model": ""}, "'model' must be a model name or path"),
 ])
 def test_requests_that_would_kill_the_generation_thread_are_400(server, path, body, message):
     # Stock mlx-lm 0.32: an empty prompt raises in its generation thread, which
@@ -495,6 +526,34 @@ def test_requests_that_would_kill_the_generation_thread_are_400(server, path, bo
     assert status == 400
     assert message in json.loads(reply)["error"]
     _assert_alive(server)
+
+
+def test_an_error_past_the_route_check_is_400(server):
+    # The chat template rejects the role: stock answers its generator's error 404.
+    status, reply = server.raw("POST", "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "robot", "content": "hi"}], "max_tokens": 2}).encode(),
+        {"Content-Type": "application/json"})
+    assert status == 400
+    assert "robot" in json.loads(reply)["error"]
+    # A route that does not exist keeps its 404.
+    assert server.raw("POST", "/v1/nothing", b"{}", {"Content-Type": "application/json"})[0] == 404
+    _assert_alive(server)
+
+
+def test_a_model_that_cannot_be_loaded_is_404_and_the_served_one_stays(server, tmp_path):
+    # Stock drops the served model before it tries the request's, so the next request
+    # loaded it again (and --qab-report printed its report again).
+    (tmp_path / "config.json").write_text("{}")
+    loads = server.log().count("moe: 4/4 fused")
+    for model, message in [(str(tmp_path / "absent"), "checkpoint directory not found"),
+                           (str(tmp_path), "tokenizer.json not found")]:
+        status, reply = server.raw("POST", "/v1/completions", json.dumps(
+            {"model": model, "prompt": "Hi", "max_tokens": 2}).encode(),
+            {"Content-Type": "application/json"})
+        assert status == 404
+        assert message in json.loads(reply)["error"]
+        _assert_alive(server)
+    assert server.log().count("moe: 4/4 fused") == loads
 
 
 def test_well_formed_content_parts_and_tools_still_pass(server):

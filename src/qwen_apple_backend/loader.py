@@ -656,6 +656,37 @@ def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
     return model, tokenizer
 
 
+def check_checkpoint(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
+                     revision: Optional[str] = None) -> Path:
+    """The checks :func:`load` makes before it reads a weight: the directory,
+    ``config.json`` and its fields, a tokenizer file, the weight files' headers and
+    index. Milliseconds; nothing is loaded. ``qab serve`` runs them before mlx-lm's
+    server drops the model it serves for a request's ``model``.
+
+    Args:
+        path_or_hf_repo (str | Path): as :func:`load`.
+        backend (str, optional): as :func:`load`; a plugin backend that does not build
+            MLX models gets only the directory check.
+        revision (str, optional): as :func:`load`.
+
+    Returns:
+        Path: the checkpoint directory.
+
+    Raises:
+        MissingCheckpointFileError, CheckpointError, UnsupportedConfigError,
+        UnknownBackendError, EnvVarError: as :func:`load`.
+    """
+    backend = check_backend(backend)
+    model_path = _resolve_path(path_or_hf_repo, revision)
+    if backend not in MLX_BACKENDS:
+        return model_path
+    _config_file(model_path)
+    check_tokenizer_present(model_path)
+    _check_config(model_path, backend, None, None)
+    check_weight_files(model_path)
+    return model_path
+
+
 def get_report(model: Any) -> Optional[FuseReport]:
     """What was fused in ``model``, and why the rest stayed stock.
 
@@ -803,6 +834,7 @@ def enable(backend: Optional[str] = None) -> None:
                     revision=revision, trust_remote_code=trust_remote_code, **kwargs)
 
     patched_load.__qab_patched__ = True
+    patched_load.qab_backend = chosen  # for check_checkpoint() before a served model is dropped
     for modname in _LOAD_USERS:
         try:
             mod = importlib.import_module(modname)

@@ -21,7 +21,16 @@ server class, passed to its own ``_run_http_server``:
   string ``role``, a ``content`` that is not a string, a list of parts or null
   (or a text part without a string ``text``), ``tools`` that is not a list of
   objects, a ``chat_template_kwargs`` that is not an object, a ``model`` or
-  ``draft_model`` that is not a string;
+  ``draft_model`` that is not a string (or is empty: a path, it would name the
+  server's working directory);
+* a request whose ``model`` cannot be loaded (a missing directory, a bad
+  ``config.json``, missing weight files) is answered 404 naming the problem, and
+  the served model stays loaded (stock drops it first, then fails to load the
+  other: the next request loads it again); the checks are
+  :func:`~qwen_apple_backend.loader.check_checkpoint`'s, before mlx-lm's own load;
+* any other error that stock answers 404 once the request has reached the
+  model (a chat template that rejects the messages, a prompt the model cannot
+  take) is answered 400: the route exists, the request is what failed;
 * ``/v1/models`` answers when there is no Hugging Face cache directory (stock
   raises ``CacheNotFound`` after the 200 status line: an empty body);
 * a client that disconnects mid-stream is logged in one line, not a traceback.
@@ -36,6 +45,7 @@ import json
 import logging
 import socket
 import sys
+import threading
 import time
 from http.server import ThreadingHTTPServer
 from typing import Any, Optional
@@ -59,6 +69,17 @@ _DRAIN_SECONDS = 2.0
 _PATCHED: dict[str, Any] = {}
 #: ``mlx_lm.server.ResponseGenerator._tokenize`` before :func:`install` wrapped it.
 _TOKENIZE: dict[type, Any] = {}
+#: ``mlx_lm.server`` class attributes :func:`install` wrapped, keyed by (class, name).
+_METHODS: dict[tuple[type, str], Any] = {}
+#: The error of this handler thread's last ``ResponseGenerator.generate`` call.
+_REQUEST = threading.local()
+
+
+def _is_model_not_found(exc: BaseException) -> bool:
+    # A request's model that does not exist keeps mlx-lm's 404, as OpenAI answers.
+    from .errors import MissingCheckpointFileError
+
+    return isinstance(exc, (MissingCheckpointFileError, FileNotFoundError))
 
 
 class QABHTTPServer(ThreadingHTTPServer):
@@ -129,6 +150,16 @@ def make_handler_class(base: Optional[type] = None,
                 super().do_POST()
             finally:
                 self.rfile = stock_rfile
+
+        def _set_completion_headers(self, status_code: int = 200):
+            # mlx-lm answers every error of its response generator 404. Past the route
+            # check (self.path is one of its routes) that is the request's fault: 400,
+            # unless the request named a model that does not exist.
+            if status_code == 404 and self.path in _POST_PATHS:
+                exc, _REQUEST.error = getattr(_REQUEST, "error", None), None
+                if exc is not None and not _is_model_not_found(exc):
+                    status_code = 400
+            return super()._set_completion_headers(status_code)
 
         def _qab_reject(self, status: int, message: str, drain: bool = False) -> None:
             payload = json.dumps({"error": message}).encode()
@@ -221,6 +252,8 @@ def _request_problem(path: str, text: str) -> Optional[str]:
     for key in ("model", "draft_model"):
         if key in body and not isinstance(body[key], str):
             return f"'{key}' must be a string"
+        if body.get(key) == "":  # a path: "" would be the server's working directory
+            return f"'{key}' must be a model name or path, not empty"
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(w, str) and w for w in stop)):
@@ -329,6 +362,8 @@ def install(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, preload: bool = False)
     mlx_server.scan_cache_dir = _scan_cache_dir_or_empty(scan)
     mlx_server.run = qab_run if preload else run
     generator = getattr(mlx_server, "ResponseGenerator", None)
+    _wrap_method(generator, "generate", _recording_generate)
+    _wrap_method(getattr(mlx_server, "ModelProvider", None), "_load", _checked_provider_load)
     tokenize = getattr(generator, "_tokenize", None)
     if tokenize is not None and not getattr(tokenize, "__qab_patched__", False):
         _TOKENIZE[generator] = tokenize
@@ -360,3 +395,45 @@ def uninstall() -> None:
     for cls, fn in _TOKENIZE.items():
         cls._tokenize = fn
     _TOKENIZE.clear()
+    for (cls, name), fn in _METHODS.items():
+        setattr(cls, name, fn)
+    _METHODS.clear()
+
+
+def _wrap_method(cls: Optional[type], name: str, wrapper) -> None:
+    """``cls.name = wrapper(original)``, once; :func:`uninstall` restores it."""
+    fn = getattr(cls, name, None)
+    if fn is None or getattr(fn, "__qab_patched__", False):
+        return
+    _METHODS[(cls, name)] = fn
+    wrapped = wrapper(fn)
+    wrapped.__qab_patched__ = True
+    setattr(cls, name, wrapped)
+
+
+def _recording_generate(generate):
+    """``ResponseGenerator.generate`` that keeps its error for the handler thread,
+    which then picks the status (``QABAPIHandler._set_completion_headers``)."""
+    def qab_generate(self, *args, **kwargs):
+        _REQUEST.error = None
+        try:
+            return generate(self, *args, **kwargs)
+        except Exception as exc:
+            _REQUEST.error = exc
+            raise
+    return qab_generate
+
+
+def _checked_provider_load(load_model):
+    """``ModelProvider._load`` that checks the new checkpoint before mlx-lm drops the
+    served model (its ``_load`` resets first): a request naming a model that cannot be
+    loaded fails alone, and the next request is served without a reload."""
+    def qab_load(self, model_path, *args, **kwargs):
+        if model_path is not None and self.model is not None:
+            from mlx_lm import server as mlx_server
+
+            from .loader import check_checkpoint
+
+            check_checkpoint(model_path, getattr(mlx_server.load, "qab_backend", None))
+        return load_model(self, model_path, *args, **kwargs)
+    return qab_load
