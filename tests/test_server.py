@@ -517,6 +517,28 @@ def test_body_that_is_not_utf8_is_400(server):
     ("/v1/completions", {"prompt": "Hi", "model": 5}, "'model' must be a string"),
     # A path: stock would load the server's working directory.
     ("/v1/completions", {"prompt": "Hi", "model": ""}, "'model' must be a model name or path"),
+    # Stock passes these on: its seed() raised in the generation thread after the status
+    # line (the client got no reply); NaN passed its range checks; true passed as 1.
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "seed": -1},
+     "'seed' must be in 0..2**64-1"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "seed": 1 << 64},
+     "'seed' must be in 0..2**64-1"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": float("nan")},
+     "'temperature' must be a finite number, got nan"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "top_p": float("inf")},
+     "'top_p' must be a finite number"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": True},
+     "'max_tokens' must be an integer, not a boolean"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"},
+                                           {"role": "assistant", "content": None,
+                                            "tool_calls": "x"}]},
+     "'messages[1].tool_calls' must be a list of tool call objects"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None,
+                                            "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+     "'messages[0].tool_calls[0]' must be an object with a 'function' object"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "f", "arguments": "{not json"}}]}]},
+     "'messages[0].tool_calls[0].function.arguments' must be a JSON object or its text"),
 ])
 def test_requests_that_would_kill_the_generation_thread_are_400(server, path, body, message):
     # Stock mlx-lm 0.32: an empty prompt raises in its generation thread, which
@@ -556,15 +578,54 @@ def test_a_model_that_cannot_be_loaded_is_404_and_the_served_one_stays(server, t
     assert server.log().count("moe: 4/4 fused") == loads
 
 
+@pytest.mark.parametrize("token", [-1, 248320, 10 ** 9])
+def test_a_logit_bias_past_the_vocabulary_is_400(server, token):
+    # Stock: an id past the logits crashed the whole server on the CPU (segfault).
+    status, reply = server.raw("POST", "/v1/completions", json.dumps(
+        {"prompt": "Hi", "max_tokens": 2, "logit_bias": {str(token): 5}}).encode(),
+        {"Content-Type": "application/json"})
+    assert status == 400
+    assert json.loads(reply)["error"] == (f"'logit_bias' names token id {token}, outside the "
+                                          "model's 248320 vocabulary rows (0..248319)")
+    _assert_alive(server)
+
+
+def test_a_request_draft_model_is_refused_without_dropping_the_served_model(server, tmp_path):
+    # Stock drops the served model and loads it again with the draft, then fails in the
+    # generation thread after the status line (no reply), or, for a draft that cannot be
+    # loaded, answers 404 having dropped the served model.
+    loads = server.log().count("moe: 4/4 fused")
+    status, reply = server.raw("POST", "/v1/completions", json.dumps(
+        {"prompt": "Hi", "max_tokens": 2, "draft_model": str(server.model)}).encode(),
+        {"Content-Type": "application/json"})
+    assert status == 400
+    assert "'draft_model' (speculative decoding) needs a prompt cache that can be trimmed" in (
+        json.loads(reply)["error"])
+    status, reply = server.raw("POST", "/v1/completions", json.dumps(
+        {"prompt": "Hi", "max_tokens": 2, "draft_model": str(tmp_path / "absent")}).encode(),
+        {"Content-Type": "application/json"})
+    assert status == 404
+    assert "checkpoint directory not found" in json.loads(reply)["error"]
+    _assert_alive(server)
+    assert server.log().count("moe: 4/4 fused") == loads
+
+
 def test_well_formed_content_parts_and_tools_still_pass(server):
     # The shape checks above let through what stock accepts: text parts, a null
-    # assistant content, a list of tools, string model names.
+    # assistant content, tool calls with JSON text or object arguments, a list of
+    # tools, string model names, a seed and a logit_bias inside the vocabulary.
     body = {"model": "default_model",
             "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"},
                                                       {"type": "text", "text": " there"}]},
                          {"role": "assistant", "content": None},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"type": "function", "id": "c1",
+                              "function": {"name": "f", "arguments": "{\"a\": 1}"}},
+                             {"function": {"name": "g", "arguments": {"b": 2}}}]},
+                         {"role": "tool", "content": "3"},
                          {"role": "user", "content": "again"}],
-            "tools": [], "max_tokens": 2, "temperature": 0, "stop": ["zz"]}
+            "tools": [], "max_tokens": 2, "temperature": 0, "stop": ["zz"], "seed": 3,
+            "logit_bias": {"5": 1.0, "1023": -1.0}}
     status, reply = server.raw("POST", "/v1/chat/completions", json.dumps(body).encode(),
                                {"Content-Type": "application/json"})
     assert status == 200, reply

@@ -22,10 +22,17 @@ server class, passed to its own ``_run_http_server``:
   (or a text part without a string ``text``), ``tools`` that is not a list of
   objects, a ``chat_template_kwargs`` that is not an object, a ``model`` or
   ``draft_model`` that is not a string (or is empty: a path, it would name the
-  server's working directory);
-* a request whose ``model`` cannot be loaded (a missing directory, a bad
-  ``config.json``, missing weight files) is answered 404 naming the problem, and
-  the served model stays loaded (stock drops it first, then fails to load the
+  server's working directory), and ``tool_calls`` that are not a list of objects
+  each with a ``function`` object holding a string ``name`` (and JSON arguments);
+* values stock lets through to fail later, after the reply's status line (the
+  client gets no reply) or in the process itself, are answered 400 before: a
+  ``seed`` outside 0..2**64-1, a non-finite ``temperature`` / ``top_p`` / other
+  sampling float, ``true`` for an integer field, a ``logit_bias`` token id
+  outside the model's vocabulary (it crashed the server on the CPU), and a
+  ``draft_model`` on a model whose recurrent cache cannot be trimmed;
+* a request whose ``model`` or ``draft_model`` cannot be loaded (a missing
+  directory, a bad ``config.json``, missing weight files) is answered 404 naming
+  the problem, and the served model stays loaded (stock drops it first, then fails to load the
   other: the next request loads it again); the checks are
   :func:`~qwen_apple_backend.loader.check_checkpoint`'s, before mlx-lm's own load;
 * any other error that stock answers 404 once the request has reached the
@@ -43,6 +50,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import socket
 import sys
 import threading
@@ -195,6 +203,15 @@ def make_handler_class(base: Optional[type] = None,
     return QABAPIHandler
 
 
+#: Request fields mlx-lm takes as numbers without a finiteness check (JSON's ``NaN``
+#: and ``Infinity`` parse as floats and pass its range checks).
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "xtc_probability", "xtc_threshold")
+#: Request fields mlx-lm checks with ``isinstance(v, int)``, which ``true`` passes.
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "top_k", "num_draft_tokens",
+               "repetition_context_size", "presence_context_size", "frequency_context_size",
+               "top_logprobs", "seed")
+
 #: Largest ``max_tokens`` / ``max_completion_tokens`` accepted (1 Mi tokens, four
 #: times the Qwen3.6 context): a larger value cannot complete and would keep
 #: generating after the client gives up. ``qab serve --max-tokens``, the default of a
@@ -242,6 +259,10 @@ def _request_problem(path: str, text: str) -> Optional[str]:
                     return f"'messages[{i}].content[{j}]' must be an object with a string 'type'"
                 if part["type"] == "text" and not isinstance(part.get("text"), str):
                     return f"'messages[{i}].content[{j}].text' must be a string"
+        for i, m in enumerate(msgs):
+            problem = _tool_calls_problem(m.get("tool_calls"), f"messages[{i}].tool_calls")
+            if problem:
+                return problem
         tools = body.get("tools")
         if tools is not None and not (isinstance(tools, list)
                                       and all(isinstance(t, dict) for t in tools)):
@@ -254,6 +275,16 @@ def _request_problem(path: str, text: str) -> Optional[str]:
             return f"'{key}' must be a string"
         if body.get(key) == "":  # a path: "" would be the server's working directory
             return f"'{key}' must be a model name or path, not empty"
+    for key in _FLOAT_FIELDS:
+        v = body.get(key)
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"'{key}' must be a finite number, got {v}"
+    for key in _INT_FIELDS:
+        if isinstance(body.get(key), bool):
+            return f"'{key}' must be an integer, not a boolean"
+    seed = body.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed < 1 << 64:
+        return f"'seed' must be in 0..2**64-1 (MLX's random seed is unsigned 64-bit), got {seed}"
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(w, str) and w for w in stop)):
@@ -262,6 +293,29 @@ def _request_problem(path: str, text: str) -> Optional[str]:
         n = body.get(key)
         if isinstance(n, int) and not isinstance(n, bool) and n > MAX_COMPLETION_TOKENS:
             return f"'{key}' of {n} is above this server's limit of {MAX_COMPLETION_TOKENS}"
+    return None
+
+
+def _tool_calls_problem(calls: Any, where: str) -> Optional[str]:
+    # mlx-lm reads each call's function and parses string arguments as JSON before the
+    # chat template runs: anything else ended in a bare Python error.
+    if calls is None:
+        return None
+    if not isinstance(calls, list):
+        return f"'{where}' must be a list of tool call objects"
+    for j, call in enumerate(calls):
+        func = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(func, dict) or not isinstance(func.get("name"), str):
+            return (f"'{where}[{j}]' must be an object with a 'function' object holding a "
+                    "string 'name'")
+        args = func.get("arguments")
+        if isinstance(args, str) and args:
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return f"'{where}[{j}].function.arguments' must be a JSON object or its text"
+        if args not in (None, "") and not isinstance(args, dict):
+            return f"'{where}[{j}].function.arguments' must be a JSON object or its text"
     return None
 
 
@@ -376,7 +430,15 @@ def install(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, preload: bool = False)
             out = tokenize(self, tokenizer, request, args)
             from .loader import check_token_ids
 
-            check_token_ids(getattr(self.model_provider, "model", None), out[0])
+            provider = self.model_provider
+            check_token_ids(getattr(provider, "model", None), out[0])
+            # Both fail later in the generation thread, after the reply's status line: a
+            # logit_bias id past the logits crashed the server on the CPU, and a draft
+            # model with an untrimmable cache dropped the connection.
+            _check_logit_bias(getattr(provider, "model", None),
+                              getattr(getattr(args, "logits", None), "logit_bias", None))
+            if getattr(provider, "draft_model", None) is not None:
+                _check_trimmable(provider.model)
             return out
 
         qab_tokenize.__qab_patched__ = True
@@ -424,16 +486,48 @@ def _recording_generate(generate):
     return qab_generate
 
 
+#: Why a request's ``draft_model`` cannot run on a model with a recurrent cache.
+_UNTRIMMABLE = ("'draft_model' (speculative decoding) needs a prompt cache that can be "
+                "trimmed, and this model's recurrent (Gated DeltaNet) layers keep one that "
+                "cannot be: leave 'draft_model' out")
+
+
+def _check_trimmable(model: Any) -> None:
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+    if not can_trim_prompt_cache(make_prompt_cache(model)):
+        raise ValueError(_UNTRIMMABLE)
+
+
+def _check_logit_bias(model: Any, bias: Any) -> None:
+    from .errors import PromptError
+    from .loader import vocab_rows
+
+    rows = vocab_rows(model) if bias else None
+    if rows is None:
+        return
+    bad = [k for k in bias if not isinstance(k, int) or not 0 <= k < rows]
+    if bad:
+        raise PromptError(f"'logit_bias' names token id {bad[0]}, outside the model's "
+                          f"{rows} vocabulary rows (0..{rows - 1})")
+
+
 def _checked_provider_load(load_model):
     """``ModelProvider._load`` that checks the new checkpoint before mlx-lm drops the
     served model (its ``_load`` resets first): a request naming a model that cannot be
     loaded fails alone, and the next request is served without a reload."""
-    def qab_load(self, model_path, *args, **kwargs):
-        if model_path is not None and self.model is not None:
+    def qab_load(self, model_path, adapter_path=None, draft_model_path=None):
+        if self.model is not None:
             from mlx_lm import server as mlx_server
 
             from .loader import check_checkpoint
 
-            check_checkpoint(model_path, getattr(mlx_server.load, "qab_backend", None))
-        return load_model(self, model_path, *args, **kwargs)
+            backend = getattr(mlx_server.load, "qab_backend", None)
+            for path in (model_path, draft_model_path):
+                if path is not None:
+                    check_checkpoint(path, backend)
+            if (draft_model_path is not None and self.model_key
+                    and self.model_key[0] == model_path):
+                _check_trimmable(self.model)  # the served model, before it is dropped
+        return load_model(self, model_path, adapter_path, draft_model_path)
     return qab_load
