@@ -859,6 +859,26 @@ def test_bench_cli_shared_prefill_without_warmup(tmp_path):
     assert "decode" in printed.getvalue() and "prefill " not in printed.getvalue()
 
 
+@pytest.mark.parametrize("tag", ["../../x", "a/b", "x y", ""])
+def test_bench_tag_is_a_file_name_part(tmp_path, tag, capsys):
+    # "../../x" wrote bench-results/x.json through a stray "bench-<device>-.." folder.
+    out = tmp_path / "a" / "b" / "out"
+    argv = ["bench", "--preset", "tiny", "--vocab-size", "1024", "--quick", "--out", str(out),
+            "--tag", tag, "--no-progress", "--no-plot"]
+    if not tag:  # the default: a timestamp; only checked here, not run
+        from qwen_apple_backend.cli import build_parser
+
+        assert build_parser().parse_args(argv).tag == ""
+        return
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "qab bench: error: argument --tag: must be ASCII letters, digits, '.', '_' and '-' "
+        f"only (it becomes part of the file names), got {tag!r}")
+    assert list(tmp_path.iterdir()) == []  # before any work: no folder made
+
+
 def _summarize_ncu_log(tmp_path, meta, log_text):
     """Run ``benchmarks/profile_decode_gpu.py OUT --summarize LOG`` with OUT holding the run
     record ``meta`` (a dict, or raw text) and LOG holding ``log_text`` (None: no file);

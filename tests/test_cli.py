@@ -261,6 +261,8 @@ _KV_BITS = "must be one of 1, 2, 3, 4, 5, 6, 8 (the bit widths MLX quantizes to)
 _KV_GROUP = "must be one of 32, 64, 128 (the group sizes MLX quantizes with)"
 _SEED = "must be an integer from 0 to 2**64 - 1 (18446744073709551615)"
 _JSON = 'must be a JSON object such as {"enable_thinking": false}'
+_SIZE = ("must be a size in bytes >= 0, optionally followed by M, MB, G or GB (10**6, 10**9), "
+         "such as 500M or 8GB")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -306,6 +308,23 @@ _JSON = 'must be a JSON object such as {"enable_thinking": false}'
     # mx.load's "Could not infer file format from extension" traceback.
     (["generate", "--prompt-cache-file", "/nonexistent"],
      "argument --prompt-cache-file: no such file: '/nonexistent'"),
+    # mlx-lm's own size parser: a decimal.InvalidOperation / KeyError traceback.
+    (["serve", "--prompt-cache-bytes", "-5"], f"argument --prompt-cache-bytes: {_SIZE}, got '-5'"),
+    (["serve", "--prompt-cache-bytes", "abc"],
+     f"argument --prompt-cache-bytes: {_SIZE}, got 'abc'"),
+    (["serve", "--prompt-cache-bytes=5K"], f"argument --prompt-cache-bytes: {_SIZE}, got '5K'"),
+    # Batch sizes: with --prompt-concurrency 0 a batched request never started.
+    (["serve", "--decode-concurrency", "0"],
+     "argument --decode-concurrency: must be a positive integer, got 0"),
+    (["serve", "--prompt-concurrency", "-1"],
+     "argument --prompt-concurrency: must be a positive integer, got -1"),
+    # mlx-lm's min-p sampler raises for it (only once --min-p is set).
+    (["generate", "--min-tokens-to-keep", "-1"],
+     "argument --min-tokens-to-keep: must be a positive integer, got -1"),
+    # The full preset is written only 4-bit (exit status 1 before).
+    (["make-checkpoint", "x", "--preset", "full"],
+     "--preset full is written only with --layout mlx-q4: its hf layout would materialise "
+     "every parameter unquantized"),
 ])
 def test_flags_mlx_lm_fails_on_later_are_refused_up_front(args, message):
     out = _qab(*args, timeout=120)
@@ -315,21 +334,152 @@ def test_flags_mlx_lm_fails_on_later_are_refused_up_front(args, message):
     assert out.stdout == ""
 
 
+def _prompt_cache(path, model="some/other-model"):
+    """A small prompt cache written by mlx-lm's own save_prompt_cache, as
+    mlx_lm.cache_prompt writes it (metadata: the model and its tokenizer_config)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, save_prompt_cache
+
+    cache = KVCache()
+    cache.update_and_fetch(mx.zeros((1, 1, 2, 4)), mx.zeros((1, 1, 2, 4)))
+    save_prompt_cache(str(path), [cache], {"model": model, "tokenizer_config": "{}"})
+    return path
+
+
 def test_good_values_of_the_checked_flags_pass(tmp_path):
     from qwen_apple_backend import cli
 
-    cache = tmp_path / "prompt.safetensors"
-    cache.write_bytes(b"")
+    cache = _prompt_cache(tmp_path / "prompt.safetensors")
     common = ["--kv-bits", "8", "--kv-group-size", "128", "--quantized-kv-start", "0",
               "--top-k", "0", "--num-draft-tokens", "1"]
     cli._check_count_flags("generate", [*common, "--seed", str(2**64 - 1), "--prompt-cache-file",
-                                        str(cache), "--chat-template-config", "{}"])
+                                        str(cache), "--chat-template-config", "{}",
+                                        "--min-tokens-to-keep", "1"])
     cli._check_count_flags("chat", ["--seed", "0"])
     cli._check_count_flags("serve", [*common, "--max-tokens", str(1 << 20),
-                                     "--chat-template-args", '{"enable_thinking": false}'])
+                                     "--chat-template-args", '{"enable_thinking": false}',
+                                     "--decode-concurrency", "1", "--prompt-concurrency", "1",
+                                     "--prompt-cache-bytes", "0"])
+    for size in ("1000", "1.5GB", "512m", ".5 G"):
+        cli._check_count_flags("serve", ["--prompt-cache-bytes", size])
     with pytest.raises(SystemExit) as info:  # a file that is there, but not safetensors
         cli._check_count_flags("generate", ["--prompt-cache-file", str(tmp_path)])
     assert info.value.code == 2
+
+
+def test_checked_sizes_are_what_mlx_lm_reads():
+    # qab serve --prompt-cache-bytes takes exactly the texts mlx-lm's parser reads, with
+    # the same value.
+    from argparse import ArgumentTypeError
+
+    from mlx_lm.utils import _parse_size
+
+    from qwen_apple_backend.argtypes import byte_size
+
+    for text in ("0", "7", "1.", ".5M", "1.5G", "2 gb", "3mb ", "4\tG", "-5", "abc", "", " 5",
+                 "5K", "1e9", "1.2.3", "..5", "+5", "M", "5MBx", "1_000"):
+        try:
+            expected = _parse_size(text)
+        except Exception:  # noqa: BLE001 - decimal.InvalidOperation, KeyError
+            expected = None
+        try:
+            got = byte_size(text)
+        except ArgumentTypeError:
+            got = None
+        assert got == expected, text
+
+
+def test_a_file_that_is_not_a_prompt_cache_is_refused_up_front(tmp_path):
+    # A junk .safetensors file ("[read] Unable to read 3 bytes") or a model's weights
+    # ("not enough values to unpack") failed in mlx-lm with a traceback.
+    import mlx.core as mx
+
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"abc")
+    weights = tmp_path / "model.safetensors"
+    mx.save_safetensors(str(weights), {"model.embed_tokens.weight": mx.zeros((4, 2))})
+    head = "qab generate: error: argument --prompt-cache-file: "
+    for path, why in ((junk, "not a valid safetensors file (file shorter than the 8-byte "
+                             "header length)"),
+                      (weights, "its safetensors metadata has no 0.model, "
+                                "0.tokenizer_config, 1.0, 2.0 entries")):
+        out = _qab("generate", "--prompt-cache-file", str(path), "--prompt", "hi", timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip().splitlines()[-1] == (
+            f"{head}{str(path)!r} is not a prompt cache written by mlx-lm "
+            f"(mlx_lm.cache_prompt): {why}"), out.stderr
+        assert "Traceback" not in out.stderr and "no --model given" not in out.stderr
+
+
+def test_mlx_lm_refusing_its_input_is_one_line(tmp_path):
+    # mlx_lm.generate's ValueErrors ended in a traceback.
+    cache = _prompt_cache(tmp_path / "prompt.safetensors", model="some/other-model")
+    out = _qab("generate", "--prompt-cache-file", str(cache), "--model", str(tmp_path),
+               "--prompt", "hi", timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"qab generate: error: Providing a different model ({tmp_path}) than that used to "
+        "create the prompt cache (some/other-model) is an error.")
+    assert "Traceback" not in out.stderr
+    out = _qab("generate", "--prompt", "hi", "--image", str(tmp_path / "a.png"))
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("qab generate: error: The model ") and \
+        last.endswith(" does not take images."), out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_only_mlx_lm_s_own_value_errors_lose_their_traceback():
+    import mlx.core as mx
+    from mlx_lm.sample_utils import apply_min_p
+
+    from qwen_apple_backend.cli import _raised_by_mlx_lm
+
+    def raised(fn):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            return exc
+        raise AssertionError("no exception")
+
+    assert _raised_by_mlx_lm(raised(lambda: apply_min_p(mx.zeros((1, 4)), 0.5, 0)))
+    assert not _raised_by_mlx_lm(raised(lambda: int("x")))  # a ValueError of ours
+    assert not _raised_by_mlx_lm(RuntimeError("not a ValueError"))
+
+
+def test_quantize_activations_on_an_affine_checkpoint_names_the_modes():
+    # It was reported as "weights do not match the model built from config.json: Mode
+    # ({m.mode}) does not support activation quantization".
+    out = _qab("generate", "--prompt", "hi", "--quantize-activations")
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("qab generate: error: ") and last.endswith(
+        ": activation quantization (--quantize-activations; quantize_activations in "
+        "model_config) is supported only for checkpoints quantized in mode nvfp4 or mxfp8; "
+        "this one is quantized in mode 'affine' (config.json)"), out.stderr
+    assert "weights do not match" not in last and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_usage_lines_name_the_backend_flag_alike(command):
+    # A missing --backend value printed "[--backend BACKEND]", a bad value of an mlx-lm
+    # flag "[--backend NAME]".
+    import contextlib
+    import io
+
+    from qwen_apple_backend.cli import _backend_parser, _check_count_flags
+
+    lines = []
+    for call in (lambda: _backend_parser(command).parse_known_args(["--backend"]),
+                 lambda: _check_count_flags(command, ["--prefill-step-size", "0"])):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+            call()
+        lines.append(err.getvalue().splitlines()[0])
+    serve = " [--max-request-bytes N]" if command == "serve" else ""
+    module = {"generate": "mlx_lm.generate", "chat": "mlx_lm.chat", "serve": "mlx_lm.server"}
+    assert lines == [f"usage: qab {command} [--backend NAME] [--qab-report]{serve} "
+                     f"[flags of {module[command]}]"] * 2
 
 
 def test_checked_kv_bits_group_sizes_and_seeds_are_what_mlx_accepts():

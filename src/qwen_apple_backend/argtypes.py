@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+from decimal import Decimal
 
-__all__ = ["KV_BITS", "KV_GROUP_SIZES", "json_object", "kv_bits", "kv_group_size",
+__all__ = ["KV_BITS", "KV_GROUP_SIZES", "byte_size", "json_object", "kv_bits", "kv_group_size",
            "nonempty_path", "nonnegative_float", "nonnegative_int", "port", "positive_float",
            "positive_int", "positive_int_up_to", "prng_seed", "probability", "safetensors_file",
            "token_lengths"]
@@ -117,6 +119,24 @@ def safetensors_file(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"must be a .safetensors file (as mlx_lm.cache_prompt writes), got {text!r}")
     return text
+
+
+#: The sizes ``mlx_lm.utils._parse_size`` reads (``qab serve --prompt-cache-bytes``): digits
+#: with at most one ``.``, then, after optional blanks, nothing or a unit in any case.
+_SIZE = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)\s*(|M|MB|G|GB)\s*", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
+
+
+def byte_size(text: str) -> int:
+    """A byte count >= 0 as mlx-lm writes sizes: ``1000000``, ``500M``, ``1.5GB`` (M = 10**6,
+    G = 10**9). Exactly the texts ``mlx_lm.utils._parse_size`` reads (another, such as
+    ``-5``, raises ``decimal.InvalidOperation`` or ``KeyError`` there), with its value."""
+    m = _SIZE.fullmatch(str(text))
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"must be a size in bytes >= 0, optionally followed by M, MB, G or GB (10**6, "
+            f"10**9), such as 500M or 8GB, got {text!r}")
+    return int(Decimal(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
 
 
 def port(text: str) -> int:

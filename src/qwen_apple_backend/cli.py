@@ -13,8 +13,10 @@ Subcommands (each imported lazily):
 Bad input ends a command before any work with one ``error:`` line: the ``QAB_*``
 environment variables and ``--backend`` (exit status 2), non-positive token counts
 and the other flag values that mlx-lm would fail on only after loading (a ``--seed``,
-``--top-k``, KV-cache quantization setting, chat-template JSON or prompt-cache file;
-argparse, exit status 2), a missing or broken checkpoint (exit status 1). A
+``--top-k``, KV-cache quantization setting, chat-template JSON, prompt-cache file, batch
+concurrency or cache size; argparse, exit status 2), a missing or broken checkpoint (exit
+status 1); mlx-lm's own ValueError refusing its input (``--image`` for a text-only model)
+is one ``error:`` line too (exit status 1). A
 variable found unusable only at run time (a ``QAB_CACHE_DIR`` that cannot be
 written) is the same one ``qab: error: VAR: ...`` line, exit status 2. Every
 subcommand checks the environment at startup, except that ``--help`` (``-h``) and
@@ -28,8 +30,9 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
-from .argtypes import (json_object, kv_bits, kv_group_size, nonempty_path, nonnegative_float,
-                       port, positive_int_up_to, prng_seed, probability, safetensors_file)
+from .argtypes import (byte_size, json_object, kv_bits, kv_group_size, nonempty_path,
+                       nonnegative_float, port, positive_int_up_to, prng_seed, probability,
+                       safetensors_file)
 from .argtypes import nonnegative_int, positive_int  # noqa: F401 - re-exported
 
 PASSTHROUGH = {
@@ -43,12 +46,20 @@ class UsageError(Exception):
     """A bad command line or environment: one ``error:`` line and exit status 2."""
 
 
+def _usage(command: str) -> str:
+    """The usage line of ``qab generate|chat|serve`` (both of its parsers print it)."""
+    return (f"qab {command} [--backend NAME] [--qab-report]"
+            + (" [--max-request-bytes N]" if command == "serve" else "")
+            + f" [flags of {PASSTHROUGH[command][0]}]")
+
+
 def _backend_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False, prog=f"qab {command}" if command else None,
+                                usage=_usage(command) if command else None,
                                 allow_abbrev=False)
     # Checked against the plugin registry at run time (_check_backend_arg), so
     # backends that plugins register are accepted too.
-    p.add_argument("--backend", default=None,
+    p.add_argument("--backend", default=None, metavar="NAME",
                    help="fused Qwen modules (fused), plain mlx-lm (stock), fused where "
                         "supported (auto, default; env QAB_BACKEND), or an MLX backend a "
                         "plugin registers")
@@ -58,7 +69,7 @@ def _backend_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
         from .server import DEFAULT_MAX_BODY_BYTES
 
         p.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
-                       help="largest request body; larger ones get HTTP 413")
+                       metavar="N", help="largest request body; larger ones get HTTP 413")
     return p
 
 
@@ -96,6 +107,46 @@ def _serve_max_tokens(text: str) -> int:
                               "the largest max_tokens qab serve accepts in a request")(text)
 
 
+#: The ``__metadata__`` entries of a prompt cache that mlx-lm reads back: its
+#: ``save_prompt_cache`` flattens [metadata, cache class names, scalar types], and
+#: ``mlx_lm.generate`` reads the model and tokenizer_config that ``mlx_lm.cache_prompt``
+#: stores in the first.
+_PROMPT_CACHE_ENTRIES = ("0.model", "0.tokenizer_config", "1.0", "2.0")
+
+
+def _prompt_cache_file(text: str) -> str:
+    """``qab generate --prompt-cache-file``: a ``.safetensors`` file (:func:`safetensors_file`)
+    whose header holds the metadata of a prompt cache mlx-lm wrote. Another file (a model's
+    weights, a truncated or foreign one) failed in mlx-lm after loading with an unrelated
+    traceback ("Unable to read 3 bytes", "not enough values to unpack")."""
+    from pathlib import Path
+
+    from .errors import CheckpointError
+    from .loader import read_safetensors_header
+
+    path = Path(safetensors_file(text))
+    why = None
+    try:
+        meta = read_safetensors_header(path).get("__metadata__")
+    except CheckpointError as exc:
+        why = str(exc).removeprefix(f"{path}: ")
+    else:
+        meta = meta if isinstance(meta, dict) else {}
+        missing = [k for k in _PROMPT_CACHE_ENTRIES if k not in meta]
+        if missing:
+            why = (f"its safetensors metadata has no {', '.join(missing)} "
+                   f"entr{'ies' if len(missing) > 1 else 'y'}")
+        else:
+            try:  # mlx_lm.generate json.loads it
+                json_object(meta["0.tokenizer_config"])
+            except argparse.ArgumentTypeError:
+                why = "its tokenizer_config metadata is not a JSON object"
+    if why is not None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a prompt cache written by mlx-lm (mlx_lm.cache_prompt): {why}")
+    return text
+
+
 #: Other flags of the mlx-lm commands, checked the same way where the command has
 #: them: mlx-lm accepts these bad values and fails only after loading the model
 #: (a traceback; for --kv-group-size 0 a SIGFPE crash; for serve, every request
@@ -107,14 +158,21 @@ _VALUE_FLAGS = {
                  ("--kv-bits", kv_bits), ("--kv-group-size", kv_group_size),
                  ("--quantized-kv-start", nonnegative_int),
                  ("--chat-template-config", json_object),
-                 ("--prompt-cache-file", safetensors_file)),
+                 ("--prompt-cache-file", _prompt_cache_file),
+                 # mlx-lm's min-p sampler raises for one below 1 (only with --min-p).
+                 ("--min-tokens-to-keep", positive_int)),
     "chat": (("--seed", prng_seed),),
     "serve": (("--max-tokens", _serve_max_tokens), ("--top-k", nonnegative_int),
               ("--num-draft-tokens", positive_int), ("--kv-bits", kv_bits),
               ("--kv-group-size", kv_group_size), ("--quantized-kv-start", nonnegative_int),
               # mlx-lm parses it with json.loads, which takes any JSON (a list fails
               # every request): the same check as generate's --chat-template-config.
-              ("--chat-template-args", json_object)),
+              ("--chat-template-args", json_object),
+              # The batch sizes of mlx-lm's BatchGenerator: with 0 prompts it never
+              # starts a batched request (which then waits forever).
+              ("--decode-concurrency", positive_int), ("--prompt-concurrency", positive_int),
+              # mlx-lm's own parser raises a decimal.InvalidOperation traceback for "-5".
+              ("--prompt-cache-bytes", byte_size)),
 }
 
 
@@ -126,12 +184,12 @@ def _check_count_flags(command: str, argv: Sequence[str]) -> None:
     :data:`_VALUE_FLAGS`: a ``--seed`` outside 0..2**64-1, a negative ``--top-k``, a
     ``--num-draft-tokens`` below 1, a ``--kv-bits`` / ``--kv-group-size`` MLX cannot
     quantize with, a negative ``--quantized-kv-start``, a chat-template argument that
-    is not a JSON object, a missing ``--prompt-cache-file`` or (serve) a
-    ``--max-tokens`` above the server's per-request cap."""
-    p = argparse.ArgumentParser(
-        prog=f"qab {command}", add_help=False, allow_abbrev=False,
-        usage=f"qab {command} [--backend NAME] [--qab-report] [flags of "
-              f"{PASSTHROUGH[command][0]}]")
+    is not a JSON object, a ``--prompt-cache-file`` that is not a prompt cache mlx-lm
+    wrote, a ``--min-tokens-to-keep`` below 1, or (serve) a ``--max-tokens`` above the
+    server's per-request cap, a ``--decode-concurrency`` / ``--prompt-concurrency``
+    below 1 or a ``--prompt-cache-bytes`` that is not a size in bytes."""
+    p = argparse.ArgumentParser(prog=f"qab {command}", add_help=False, allow_abbrev=False,
+                                usage=_usage(command))
     for flags in _COUNT_FLAGS.get(command, ()):
         p.add_argument(*flags, type=positive_int, default=None)
     for flag, kind in (*_SAMPLING_FLAGS.get(command, ()), *_VALUE_FLAGS.get(command, ())):
@@ -279,15 +337,31 @@ def _run_passthrough(command: str, argv: Sequence[str]) -> int:
         print(file=sys.stderr)  # end of input (Ctrl-D, closed stdin): leave quietly
         return 0
     except (RuntimeError, ValueError) as exc:
-        why = _explain(exc)  # only the failures it knows; any other ValueError propagates
+        why = _explain(exc)  # the failures it knows
+        if why is None and command != "serve" and _raised_by_mlx_lm(exc):
+            # mlx_lm.generate / chat refusing its input ("The model ... does not take
+            # images.", a --model other than the prompt cache's): its own message.
+            why = " ".join(str(exc).split())
         if why is None:
-            raise
+            raise  # any other failure keeps its traceback
         print(f"qab {command}: error: {why}", file=sys.stderr)
         return 1
     finally:
         sys.argv = old_argv
         restore_help()
     return int(result or 0)
+
+
+def _raised_by_mlx_lm(exc: BaseException) -> bool:
+    """Whether ``exc`` is a ValueError raised in mlx-lm's own code (its innermost
+    frame is in the ``mlx_lm`` package), not one from this package or a library."""
+    if not isinstance(exc, ValueError) or exc.__traceback__ is None:
+        return False
+    tb = exc.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = str(tb.tb_frame.f_globals.get("__name__", ""))
+    return module == "mlx_lm" or module.startswith("mlx_lm.")
 
 
 def _has_flag(argv: Sequence[str], flag: str) -> bool:
@@ -383,8 +457,11 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
-    from .checkpoint import default_dtype, make_checkpoint
+    from .checkpoint import _QUANTIZED_ONLY, default_dtype, make_checkpoint
 
+    if args.preset in _QUANTIZED_ONLY and args.layout != "mlx-q4":
+        raise UsageError(f"--preset {args.preset} is written only with --layout mlx-q4: its "
+                         f"{args.layout} layout would materialise every parameter unquantized")
     dtype = default_dtype(args.layout) if args.dtype == "auto" else args.dtype
     out = make_checkpoint(args.out, preset=args.preset, layout=args.layout, seed=args.seed,
                           dtype=dtype, vocab_size=args.vocab_size,
@@ -511,6 +588,9 @@ def _main(argv: Sequence[str]) -> int:
         return 2
     try:
         return func(args)
+    except UsageError as exc:  # a combination of flags the command cannot do
+        print(f"qab {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except EnvVarError as exc:  # found at run time: QAB_PLUGINS, QAB_CACHE_DIR
         print(f"qab: error: {exc}", file=sys.stderr)
         return 2

@@ -336,9 +336,15 @@ def _load_checked(checked: _Checked, *, lazy: bool, strict: bool, model_config: 
     check_weight_files(model_path)
     if checked.resolved is None:
         with _config_errors(cfg_file, checked.config.get("model_type")):
-            model, config = mlx_utils.load_model(model_path, lazy, strict=strict,
-                                                 model_config=model_config,
-                                                 trust_remote_code=trust_remote_code)
+            try:
+                model, config = mlx_utils.load_model(model_path, lazy, strict=strict,
+                                                     model_config=model_config,
+                                                     trust_remote_code=trust_remote_code)
+            except ValueError as exc:
+                why = _activation_quantization_problem(str(exc), checked.config)
+                if why is None:
+                    raise
+                raise CheckpointError(f"{model_path}: {why}") from exc
         why = f"no plugin claims architecture {config.get('model_type')!r}"
         report.notes.append(f"{why} (config.json model_type / architectures): stock mlx-lm "
                             "model")
@@ -359,6 +365,9 @@ def _load_checked(checked: _Checked, *, lazy: bool, strict: bool, model_config: 
         except CheckpointError:
             raise
         except ValueError as exc:
+            why = _activation_quantization_problem(str(exc), checked.config)
+            if why is not None:
+                raise CheckpointError(f"{model_path}: {why}") from exc
             # mlx-lm reports missing/unexpected/mis-shaped parameters as ValueError.
             raise CheckpointError(f"{model_path}: weights do not match the model built from "
                                   f"config.json: {_short_parameter_list(str(exc))}"
@@ -418,6 +427,32 @@ def _quantization_hint(text: str, config: dict) -> str:
         return (" (the weights are quantized, .scales and .biases, but config.json has no "
                 "quantization section with their group_size and bits)")
     return ""
+
+
+#: The quantization modes whose layers mlx-lm's ``load_model`` can swap for
+#: activation-quantized ones (``quantize_activations``, ``mlx_lm.generate
+#: --quantize-activations``); it raises a ValueError for any other.
+_ACTIVATION_QUANTIZATION_MODES = ("nvfp4", "mxfp8")
+
+
+def _activation_quantization_problem(text: str, config: dict) -> Optional[str]:
+    """What mlx-lm's "... does not support activation quantization" ValueError means
+    for this checkpoint, or None for another error. (Its message for a mode comes with an
+    unfilled ``{m.mode}``; the mode is read from config.json here.)"""
+    if "does not support activation quantization" not in text:
+        return None
+    what = "activation quantization (--quantize-activations; quantize_activations in model_config)"
+    if "bias" in text:
+        return (f"{what} does not apply to this checkpoint: mlx-lm cannot quantize the "
+                "activations of its quantized linear layers that have a bias")
+    quant = config.get("quantization") or config.get("quantization_config")
+    mode = None
+    if isinstance(quant, dict):
+        mode = quant.get("mode") or quant.get("quant_method") or "affine"
+    modes = " or ".join(_ACTIVATION_QUANTIZATION_MODES)
+    return (f"{what} is supported only for checkpoints quantized in mode {modes}; this one "
+            + (f"is quantized in mode {mode!r} (config.json)" if mode
+               else "has layers quantized in another mode"))
 
 
 @contextlib.contextmanager
