@@ -9,6 +9,8 @@ the full vocabulary, so real text and the real Qwen3.6 chat template work.
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 import warnings
 
 import mlx.core as mx
@@ -287,6 +289,14 @@ def test_plugin_backend_with_stream_text_runs_the_pipeline(fake_backends, tmp_pa
     assert TextOnlyBackend.calls[-1]["prompt_ids"] == [ord(c) for c in "hi ->"]
 
 
+def test_unknown_backend_lists_auto_too(tmp_path):
+    # "auto" is accepted too, so it is listed (it was "registered backends: fused, stock").
+    for model in (str(tmp_path), (object(), _TextTokenizer())):
+        with pytest.raises(UnknownBackendError) as info:
+            pipeline("text-generation", model=model, backend="nope")
+        assert str(info.value) == "unknown backend 'nope'; available: auto, fused, stock"
+
+
 def test_backend_that_cannot_generate_is_a_clear_error(fake_backends, tmp_path):
     with pytest.raises(BackendCapabilityError, match="no stream_text"):
         pipeline("text-generation", model=str(tmp_path), backend="no-text")
@@ -361,3 +371,25 @@ def test_other_call_errors(pipe):
         warnings.simplefilter("always")
         pipe(PROMPT, max_new_tokens=2, temperature=0.3)
     assert any("greedy decoding ignores temperature" in str(w.message) for w in caught)
+
+
+def test_readme_import_paths_work_in_any_order():
+    # README: TextStreamer and the error classes from the package. Importing
+    # TextStreamer first must not turn `qwen_apple_backend.pipeline` into the module.
+    code = ("from qwen_apple_backend import TextStreamer, UnknownTaskError\n"
+            "from qwen_apple_backend import pipeline\n"
+            "import sys\n"
+            "import qwen_apple_backend\n"
+            "import qwen_apple_backend.errors as e\n"
+            "m = sys.modules['qwen_apple_backend.pipeline']\n"
+            "assert pipeline is m.pipeline and TextStreamer is m.TextStreamer\n"
+            "assert qwen_apple_backend.pipeline is m.pipeline\n"
+            "assert UnknownTaskError is e.UnknownTaskError\n"
+            "names = [n for n, v in vars(e).items() if isinstance(v, type) and "
+            "issubclass(v, e.QABError)]\n"
+            "assert all(getattr(qwen_apple_backend, n) is getattr(e, n) for n in names), names\n"
+            "assert set(names) <= set(qwen_apple_backend.__all__)\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr

@@ -39,9 +39,17 @@ _LAZY = {
     "get_report": ("qwen_apple_backend.loader", "get_report"),
     "FuseReport": ("qwen_apple_backend.report", "FuseReport"),
     "pipeline": ("qwen_apple_backend.pipeline", "pipeline"),
+    "TextStreamer": ("qwen_apple_backend.pipeline", "TextStreamer"),
     "get_plugin_manager": ("qwen_apple_backend.plugins", "get_plugin_manager"),
     "load_plugins": ("qwen_apple_backend.plugins", "load_plugins"),
 }
+# The exceptions (qwen_apple_backend.errors), e.g. ``from qwen_apple_backend import
+# UnknownTaskError``.
+_LAZY.update((name, ("qwen_apple_backend.errors", name)) for name in (
+    "QABError", "BackendCapabilityError", "CheckpointError", "EnvVarError", "FuseError",
+    "InvalidInputError", "MissingCheckpointFileError", "PluginLoadError", "PromptError",
+    "ServeStartupError", "UnknownArchitectureError", "UnknownBackendError", "UnknownPluginError",
+    "UnknownTaskError", "UnsupportedArgumentError", "UnsupportedConfigError"))
 
 __all__ = sorted(_LAZY) + ["__version__"]
 
@@ -51,8 +59,14 @@ def __getattr__(name: str) -> Any:
         module, attr = _LAZY[name]
     except KeyError:
         raise AttributeError(f"module 'qwen_apple_backend' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module), attr)
+    imported = importlib.import_module(module)
+    value = getattr(imported, attr)
     globals()[name] = value
+    # Importing a submodule binds it as an attribute of this package; where a lazy name
+    # is that submodule's name (``pipeline``: the function), the export keeps the name.
+    short = module.rpartition(".")[2]
+    if _LAZY.get(short, (None,))[0] == module and short != name:
+        globals()[short] = getattr(imported, _LAZY[short][1])
     return value
 
 

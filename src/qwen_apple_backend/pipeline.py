@@ -617,7 +617,7 @@ def _load_with_backend(name: str, path: str, model_kwargs: dict):
         return model, tok, None
     from .backends import get_backend
 
-    backend = get_backend(name)  # UnknownBackendError lists the registered ones
+    backend = get_backend(name, also=("auto",))  # UnknownBackendError lists them
     available = getattr(backend, "available", None)
     if available is not None:
         ok, why = available()
@@ -731,7 +731,7 @@ def pipeline(task: str = "text-generation", model: Any = None, tokenizer: Any = 
     if backend is not None and backend.lower() != "auto":
         from .backends import get_backend
 
-        obj = get_backend(backend.lower())
+        obj = get_backend(backend.lower(), also=("auto",))
         if callable(getattr(obj, "stream_text", None)):
             driver = obj
     if driver is None and not _is_mlx_model(model):

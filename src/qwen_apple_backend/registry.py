@@ -102,21 +102,27 @@ class Registry:
         entries = self.architectures.get(name)
         return self._winner(entries) if entries else None
 
-    def backend(self, name: str) -> Entry:
+    def backend(self, name: str, also: Iterable[str] = ()) -> Entry:
         """The entry that wins for backend ``name``.
+
+        Args:
+            also: names the caller takes besides the registered backends (``"auto"``),
+                listed first in the error for an unknown name.
 
         Raises:
             UnknownBackendError: if no plugin registered it.
         """
         entries = self.backends.get(name)
         if not entries:
-            known = ", ".join(sorted(self.backends)) or "none"
+            also = list(also)
+            known = ", ".join([*also, *sorted(self.backends)]) or "none"
             hint = ""
             if name in OPTIONAL_PLUGIN_BACKENDS:
                 hint = (f" ({name!r} comes from an optional plugin: "
                         f"pip install {OPTIONAL_PLUGIN_BACKENDS[name]})")
             raise UnknownBackendError(
-                f"unknown backend {name!r}; registered backends: {known}{hint}")
+                f"unknown backend {name!r}; {'available' if also else 'registered backends'}: "
+                f"{known}{hint}")
         return self._winner(entries)
 
     def require_architecture(self, name: str) -> Entry:
