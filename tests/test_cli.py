@@ -476,7 +476,7 @@ def test_usage_lines_name_the_backend_flag_alike(command):
         with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
             call()
         lines.append(err.getvalue().splitlines()[0])
-    serve = " [--max-request-bytes N]" if command == "serve" else ""
+    serve = " [--max-request-bytes N] [--request-timeout SECONDS]" if command == "serve" else ""
     module = {"generate": "mlx_lm.generate", "chat": "mlx_lm.chat", "serve": "mlx_lm.server"}
     assert lines == [f"usage: qab {command} [--backend NAME] [--qab-report]{serve} "
                      f"[flags of {module[command]}]"] * 2

@@ -448,13 +448,52 @@ def test_install_refuses_token_ids_past_the_embedding(tiny_hf_f32, monkeypatch):
     assert mlx_server.ResponseGenerator._tokenize is fake
 
 
-def test_serve_rejects_a_non_positive_body_limit(capsys):
+def test_a_request_body_cut_short_is_408_after_the_read_timeout():
+    # Stock waits forever for the rest of the body, a thread held per connection. An
+    # in-process server with mlx-lm's handler: the 408 comes before any generation.
+    import threading
+    import types
+
+    from qwen_apple_backend import server as qab_server
+
+    handler = qab_server.make_handler_class(max_body_bytes=1024, read_timeout=0.5)
+    stub = types.SimpleNamespace(cli_args=types.SimpleNamespace(allowed_origins=["*"]))
+    httpd = qab_server.QABHTTPServer(("127.0.0.1", 0), lambda *a, **k: handler(stub, *a, **k))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with socket.create_connection(httpd.server_address, timeout=10) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                         b'{"prompt": ')
+            reply = conn.makefile("rb").read()  # stock: no reply, TimeoutError at 10 s
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 408") or head.startswith(b"HTTP/1.1 408"), head
+        assert json.loads(body)["error"] == (
+            "request body: the client sent nothing for 0.5 s before its Content-Length of 100 "
+            "bytes had arrived (qab serve --request-timeout)")
+        with socket.create_connection(httpd.server_address, timeout=10) as conn:
+            # Nothing at all: the connection is closed without a reply.
+            assert conn.makefile("rb").read() == b""
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    with pytest.raises(ValueError, match="read_timeout must be positive"):
+        qab_server.make_handler_class(read_timeout=0)
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--max-request-bytes", "0", "--max-request-bytes: must be a positive integer"),
+    ("--request-timeout", "0", "--request-timeout: must be a positive number, got 0"),
+    ("--request-timeout", "inf", "--request-timeout: must be a positive number"),
+])
+def test_serve_rejects_a_non_positive_body_limit_or_timeout(capsys, flag, value, message):
     from qwen_apple_backend.cli import main
 
     with pytest.raises(SystemExit) as info:
-        main(["serve", "--max-request-bytes", "0"])
+        main(["serve", flag, value])
     assert info.value.code == 2
-    assert "--max-request-bytes: must be a positive integer" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def _assert_alive(server) -> None:

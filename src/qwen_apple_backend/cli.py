@@ -31,8 +31,8 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from .argtypes import (byte_size, json_object, kv_bits, kv_group_size, nonempty_path,
-                       nonnegative_float, port, positive_int_up_to, prng_seed, probability,
-                       safetensors_file)
+                       nonnegative_float, port, positive_float, positive_int_up_to, prng_seed,
+                       probability, safetensors_file)
 from .argtypes import nonnegative_int, positive_int  # noqa: F401 - re-exported
 
 PASSTHROUGH = {
@@ -49,7 +49,8 @@ class UsageError(Exception):
 def _usage(command: str) -> str:
     """The usage line of ``qab generate|chat|serve`` (both of its parsers print it)."""
     return (f"qab {command} [--backend NAME] [--qab-report]"
-            + (" [--max-request-bytes N]" if command == "serve" else "")
+            + (" [--max-request-bytes N] [--request-timeout SECONDS]"
+               if command == "serve" else "")
             + f" [flags of {PASSTHROUGH[command][0]}]")
 
 
@@ -66,10 +67,14 @@ def _backend_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--qab-report", action="store_true",
                    help="print which modules were fused after loading")
     if command == "serve":
-        from .server import DEFAULT_MAX_BODY_BYTES
+        from .server import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT
 
         p.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
                        metavar="N", help="largest request body; larger ones get HTTP 413")
+        p.add_argument("--request-timeout", type=positive_float, default=DEFAULT_READ_TIMEOUT,
+                       metavar="SECONDS",
+                       help="a connection silent this long while its request is read is "
+                            "closed (a cut-short body gets HTTP 408)")
     return p
 
 
@@ -294,7 +299,10 @@ def _run_passthrough(command: str, argv: Sequence[str]) -> int:
               "  --qab-report                  print which modules were fused, once after "
               "loading\n"
               + ("  --max-request-bytes N         larger request bodies get HTTP 413 "
-                 "(default 32 MiB)\n" if command == "serve" else "")
+                 "(default 32 MiB)\n"
+                 "  --request-timeout SECONDS     close a connection silent this long while "
+                 "its request is read; a cut-short body gets HTTP 408 (default 60)\n"
+                 if command == "serve" else "")
               + f"Flags of {module_name} follow. Without --model, qab uses its shipped "
               "demo model, not mlx-lm's hub default.\n")
     else:
@@ -315,7 +323,8 @@ def _run_passthrough(command: str, argv: Sequence[str]) -> int:
         from . import server
 
         # Load the model before serving: a bad model fails here, not in a dead thread.
-        server.install(max_body_bytes=ours.max_request_bytes, preload=not wants_help)
+        server.install(max_body_bytes=ours.max_request_bytes, preload=not wants_help,
+                       read_timeout=ours.request_timeout)
     if ours.qab_report:
         _print_reports_after_load()
     module = importlib.import_module(module_name)

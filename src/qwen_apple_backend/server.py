@@ -40,7 +40,10 @@ server class, passed to its own ``_run_http_server``:
   take) is answered 400: the route exists, the request is what failed;
 * ``/v1/models`` answers when there is no Hugging Face cache directory (stock
   raises ``CacheNotFound`` after the 200 status line: an empty body);
-* a client that disconnects mid-stream is logged in one line, not a traceback.
+* a client that disconnects mid-stream is logged in one line, not a traceback;
+* a connection that sends nothing for ``read_timeout`` seconds (default 60) is
+  closed, and a request body that stops short of its ``Content-Length`` for that
+  long is answered 408 (stock waits for it forever, one thread per connection).
 
 Nothing here imports mlx-lm at import time.
 """
@@ -60,12 +63,16 @@ from typing import Any, Optional
 
 from .errors import ServeStartupError
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "MAX_COMPLETION_TOKENS", "QABHTTPServer", "ServeStartupError", "install",
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_READ_TIMEOUT", "MAX_COMPLETION_TOKENS", "QABHTTPServer", "ServeStartupError", "install",
            "make_handler_class", "uninstall"]
 
 #: Largest request body accepted by default (32 MiB: a full 262,144-token context
 #: is about 1 MB of text).
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+#: Default seconds a connection may send nothing while a request is read
+#: (``qab serve --request-timeout``); generation itself has no limit.
+DEFAULT_READ_TIMEOUT = 60.0
 
 #: The POST routes of ``mlx_lm.server.APIHandler``; other paths keep its 404.
 _POST_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/chat/completions"})
@@ -91,11 +98,13 @@ def _is_model_not_found(exc: BaseException) -> bool:
 
 
 class QABHTTPServer(ThreadingHTTPServer):
-    """``ThreadingHTTPServer`` that logs a client hanging up as one line."""
+    """``ThreadingHTTPServer`` that logs a client hanging up (or going silent past the
+    handler's ``timeout``) as one line."""
 
     def handle_error(self, request, client_address) -> None:
         exc = sys.exc_info()[1]
-        if isinstance(exc, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)):
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError,
+                            TimeoutError)):
             logging.info("client %s disconnected before the response was complete (%s)",
                          client_address[0] if client_address else "?", type(exc).__name__)
             return
@@ -103,22 +112,28 @@ class QABHTTPServer(ThreadingHTTPServer):
 
 
 def make_handler_class(base: Optional[type] = None,
-                       max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> type:
+                       max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                       read_timeout: float = DEFAULT_READ_TIMEOUT) -> type:
     """Subclass mlx-lm's request handler with the body checks of this module.
 
     Args:
         base (type, optional): the handler to extend; default
             ``mlx_lm.server.APIHandler``.
         max_body_bytes (int): largest accepted request body. Default 32 MiB.
+        read_timeout (float): seconds a connection may send nothing while a request
+            is read (the handler's socket timeout); a body cut short that long is
+            answered 408. Default 60.
 
     Returns:
         type: a handler class; a valid request is served by ``base`` itself.
 
     Raises:
-        ValueError: if ``max_body_bytes`` is not positive.
+        ValueError: if ``max_body_bytes`` or ``read_timeout`` is not positive.
     """
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
+    if not read_timeout > 0:
+        raise ValueError(f"read_timeout must be positive, got {read_timeout}")
     if base is None:
         from mlx_lm import server as mlx_server
 
@@ -126,6 +141,10 @@ def make_handler_class(base: Optional[type] = None,
 
     class QABAPIHandler(base):  # type: ignore[misc, valid-type]
         qab_max_body_bytes = max_body_bytes
+        # socketserver's StreamRequestHandler sets it on the connection: every read (and
+        # write) that waits longer raises TimeoutError. A request line that never comes
+        # just closes the connection (http.server's own handling).
+        timeout = read_timeout
 
         def do_POST(self) -> None:
             raw = self.headers.get("Content-Length")
@@ -143,7 +162,13 @@ def make_handler_class(base: Optional[type] = None,
                     413, f"request body of {length} bytes is larger than this server's limit "
                          f"of {self.qab_max_body_bytes} bytes (qab serve --max-request-bytes)",
                     drain=True)
-            body = self.rfile.read(length)
+            try:
+                body = self.rfile.read(length)
+            except TimeoutError:
+                return self._qab_reject(
+                    408, f"request body: the client sent nothing for {self.timeout:g} s before "
+                         f"its Content-Length of {length} bytes had arrived "
+                         "(qab serve --request-timeout)")
             try:
                 text = body.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -334,7 +359,8 @@ def _scan_cache_dir_or_empty(original):
     return scan_cache_dir
 
 
-def install(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, preload: bool = False) -> None:
+def install(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, preload: bool = False,
+            read_timeout: float = DEFAULT_READ_TIMEOUT) -> None:
     """Make ``mlx_lm.server`` serve through :class:`QABHTTPServer` and the handler of
     :func:`make_handler_class`.
 
@@ -353,9 +379,10 @@ def install(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, preload: bool = False)
     Args:
         max_body_bytes (int): largest accepted request body. Default 32 MiB.
         preload (bool): load the default model before serving. Default False.
+        read_timeout (float): as :func:`make_handler_class`. Default 60 s.
 
     Raises:
-        ValueError: if ``max_body_bytes`` is not positive.
+        ValueError: if ``max_body_bytes`` or ``read_timeout`` is not positive.
         RuntimeError: if the installed mlx-lm lacks ``_run_http_server``,
             ``APIHandler`` or ``scan_cache_dir`` in ``mlx_lm.server``.
 
@@ -369,6 +396,8 @@ def install(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, preload: bool = False)
     """
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
+    if not read_timeout > 0:
+        raise ValueError(f"read_timeout must be positive, got {read_timeout}")
     from mlx_lm import server as mlx_server
 
     missing = [n for n in ("_run_http_server", "APIHandler", "scan_cache_dir")
@@ -384,7 +413,8 @@ def install(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, preload: bool = False)
                             handler_class=None):
         if server_class is None or server_class is ThreadingHTTPServer:
             server_class = QABHTTPServer
-        handler = make_handler_class(handler_class or mlx_server.APIHandler, max_body_bytes)
+        handler = make_handler_class(handler_class or mlx_server.APIHandler, max_body_bytes,
+                                     read_timeout)
         try:
             return run_http_server(host, port, response_generator, server_class=server_class,
                                    handler_class=handler)
