@@ -46,6 +46,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 if SRC.is_dir() and str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
+from qwen_apple_backend.argtypes import file_name_part  # noqa: E402 - after the path setup
+
 DEFAULT_LENGTHS = "512,2K,4K,8K"
 
 
@@ -77,7 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="time budget from the script's start (model builds included): no "
                         "round starts that would end past it; 0 = no budget")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--tag", default="", help="file-name suffix (default: UTC timestamp)")
+    p.add_argument("--tag", default="", type=file_name_part,
+                   help="file-name suffix (default: UTC timestamp)")
     return p.parse_args(argv)
 
 

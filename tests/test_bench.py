@@ -879,6 +879,23 @@ def test_bench_tag_is_a_file_name_part(tmp_path, tag, capsys):
     assert list(tmp_path.iterdir()) == []  # before any work: no folder made
 
 
+def test_gpu_suite_tag_is_a_file_name_part(tmp_path):
+    # benchmarks/run_gpu_suite.py names its files with --tag as qab bench does.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "run_gpu_suite.py"),
+                        str(tmp_path / "out"), "--tag", "../x"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].endswith(
+        "argument --tag: must be ASCII letters, digits, '.', '_' and '-' only (it becomes part "
+        "of the file names), got '../x'")
+    assert list(tmp_path.iterdir()) == []
+
+
 def _summarize_ncu_log(tmp_path, meta, log_text):
     """Run ``benchmarks/profile_decode_gpu.py OUT --summarize LOG`` with OUT holding the run
     record ``meta`` (a dict, or raw text) and LOG holding ``log_text`` (None: no file);

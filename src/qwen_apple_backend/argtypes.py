@@ -13,8 +13,8 @@ import os
 import re
 from decimal import Decimal
 
-__all__ = ["KV_BITS", "KV_GROUP_SIZES", "byte_size", "json_object", "kv_bits", "kv_group_size",
-           "nonempty_path", "nonnegative_float", "nonnegative_int", "port", "positive_float",
+__all__ = ["KV_BITS", "KV_GROUP_SIZES", "byte_size", "file_name_part", "json_object", "kv_bits",
+           "kv_group_size", "nonempty_path", "nonnegative_float", "nonnegative_int", "port", "positive_float",
            "positive_int", "positive_int_up_to", "prng_seed", "probability", "safetensors_file",
            "token_lengths"]
 
@@ -137,6 +137,19 @@ def byte_size(text: str) -> int:
             f"must be a size in bytes >= 0, optionally followed by M, MB, G or GB (10**6, "
             f"10**9), such as 500M or 8GB, got {text!r}")
     return int(Decimal(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+
+
+_FILE_NAME_PART = re.compile(r"[A-Za-z0-9._-]*")
+
+
+def file_name_part(text: str) -> str:
+    """A part of an output file's name (``qab bench --tag``): ASCII letters, digits, ``.``,
+    ``_`` and ``-``, so no ``/`` (``../../x`` wrote outside the output folder)."""
+    if not _FILE_NAME_PART.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"must be ASCII letters, digits, '.', '_' and '-' only (it becomes part of the "
+            f"file names), got {text!r}")
+    return text
 
 
 def port(text: str) -> int:

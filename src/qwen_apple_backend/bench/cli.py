@@ -7,12 +7,12 @@ imported until a subcommand runs, so ``qab --help`` stays fast.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from ..argtypes import nonempty_path, nonnegative_int, positive_float, positive_int
+from ..argtypes import (file_name_part, nonempty_path, nonnegative_int, positive_float,
+                        positive_int)
 
 __all__ = ["add_parsers", "cmd_bench", "cmd_compare"]
 
@@ -63,19 +63,6 @@ def _lengths(text: str) -> str:
         parse_lengths(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--lengths: ")) from None
-    return text
-
-
-_TAG = re.compile(r"[A-Za-z0-9._-]*")
-
-
-def _tag(text: str) -> str:
-    """``--tag``: a part of the output files' names, so no ``/`` (``../../x`` wrote
-    outside --out, after creating a stray folder)."""
-    if not _TAG.fullmatch(text):
-        raise argparse.ArgumentTypeError(
-            f"must be ASCII letters, digits, '.', '_' and '-' only (it becomes part of the "
-            f"file names), got {text!r}")
     return text
 
 
@@ -222,7 +209,7 @@ def add_parsers(subparsers: Any) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--out", default="bench-results", metavar="DIR",
                    help="folder for the JSON and PNG (default ./bench-results)")
-    o.add_argument("--tag", default="", type=_tag,
+    o.add_argument("--tag", default="", type=file_name_part,
                    help="file-name suffix instead of a timestamp (letters, digits, '.', '_', "
                         "'-')")
     o.add_argument("--no-plot", action="store_true", help="write no PNG")
