@@ -321,7 +321,7 @@ def test_report_is_printed_once_at_startup(server, reference):
     assert log.index("moe: 4/4 fused") < log.index("Starting httpd"), log
 
 
-@pytest.mark.parametrize("case", ["missing", "no-tokenizer", "bad-env", "bad-port"])
+@pytest.mark.parametrize("case", ["missing", "no-tokenizer", "bad-env", "bad-port", "draft"])
 def test_serve_fails_at_startup_on_a_bad_model_or_environment(case, tiny_hf_f32, tmp_path):
     model = tmp_path / "missing"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
@@ -333,10 +333,12 @@ def test_serve_fails_at_startup_on_a_bad_model_or_environment(case, tiny_hf_f32,
     if case == "bad-env":
         model, env["QAB_DISABLE"] = tiny_hf_f32, "moe,bogus"
     port = 99999 if case == "bad-port" else _free_port()
-    if case == "bad-port":
+    if case in ("bad-port", "draft"):
         model = tiny_hf_f32
+    # Stock served with a draft model and every request then failed after its status line.
+    extra = ["--draft-model", str(tiny_hf_f32)] if case == "draft" else []
     out = subprocess.run([sys.executable, "-m", "qwen_apple_backend.cli", "serve", "--model",
-                          str(model), "--host", "127.0.0.1", "--port", str(port)],
+                          str(model), "--host", "127.0.0.1", "--port", str(port), *extra],
                          capture_output=True, text=True, timeout=120, env=env)
     expected = {"missing": (1, "qab serve: error: " + str(model) + ": checkpoint directory "
                                "not found"),
@@ -344,7 +346,9 @@ def test_serve_fails_at_startup_on_a_bad_model_or_environment(case, tiny_hf_f32,
                 "bad-env": (2, "qab: error: QAB_DISABLE: unknown optimization 'bogus'"),
                 # argparse's line, before the model loads.
                 "bad-port": (2, "qab serve: error: argument --port: must be a port number "
-                                "from 0 to 65535, got 99999")}[case]
+                                "from 0 to 65535, got 99999"),
+                "draft": (1, "qab serve: error: --draft-model (speculative decoding) needs a "
+                             "prompt cache that can be trimmed")}[case]
     assert out.returncode == expected[0], out.stderr
     assert expected[1] in out.stderr and "Traceback" not in out.stderr
     assert "Starting httpd" not in out.stderr

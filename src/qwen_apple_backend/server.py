@@ -373,8 +373,9 @@ def install(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, preload: bool = False,
     With ``preload``, ``mlx_lm.server.run`` is wrapped too: the ``--model`` is
     loaded before the HTTP server starts (stock mlx-lm loads it in its generation
     thread, which dies on a bad model while the server keeps answering), so a bad
-    model ends ``mlx_lm.server.main()`` with :class:`ServeStartupError`; so does a
-    port that cannot be bound.
+    model ends ``mlx_lm.server.main()`` with :class:`ServeStartupError`; so do a
+    port that cannot be bound and a ``--draft-model`` on a model whose recurrent
+    cache cannot be trimmed (every request would fail).
 
     Args:
         max_body_bytes (int): largest accepted request body. Default 32 MiB.
@@ -438,6 +439,15 @@ def install(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, preload: bool = False,
             model = getattr(getattr(model_provider, "cli_args", None), "model", None)
             raise ServeStartupError(f"cannot load the model {model!r}: "
                                     f"{type(exc).__name__}: {exc}") from exc
+        if getattr(model_provider, "draft_model", None) is not None:
+            try:
+                _check_trimmable(model_provider.model)
+            except ValueError:
+                # Every request would be refused: say so once, at startup.
+                raise ServeStartupError(
+                    "--draft-model (speculative decoding) needs a prompt cache that can be "
+                    "trimmed, and this model's recurrent (Gated DeltaNet) layers keep one "
+                    "that cannot be: leave --draft-model out") from None
         return run(host, port, model_provider, *args, **kwargs)
 
     qab_run_http_server.__qab_patched__ = True
