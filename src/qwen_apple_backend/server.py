@@ -82,8 +82,6 @@ _POST_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/chat/compl
 _DRAIN_SECONDS = 2.0
 
 _PATCHED: dict[str, Any] = {}
-#: ``mlx_lm.server.ResponseGenerator._tokenize`` before :func:`install` wrapped it.
-_TOKENIZE: dict[type, Any] = {}
 #: ``mlx_lm.server`` class attributes :func:`install` wrapped, keyed by (class, name).
 _METHODS: dict[tuple[type, str], Any] = {}
 #: The error of this handler thread's last ``ResponseGenerator.generate`` call.
@@ -441,13 +439,10 @@ def install(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, preload: bool = False,
                                     f"{type(exc).__name__}: {exc}") from exc
         if getattr(model_provider, "draft_model", None) is not None:
             try:
-                _check_trimmable(model_provider.model)
-            except ValueError:
+                _check_trimmable(model_provider.model, "--draft-model")
+            except ValueError as exc:
                 # Every request would be refused: say so once, at startup.
-                raise ServeStartupError(
-                    "--draft-model (speculative decoding) needs a prompt cache that can be "
-                    "trimmed, and this model's recurrent (Gated DeltaNet) layers keep one "
-                    "that cannot be: leave --draft-model out") from None
+                raise ServeStartupError(str(exc)) from None
         return run(host, port, model_provider, *args, **kwargs)
 
     qab_run_http_server.__qab_patched__ = True
@@ -457,32 +452,8 @@ def install(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, preload: bool = False,
     mlx_server.run = qab_run if preload else run
     generator = getattr(mlx_server, "ResponseGenerator", None)
     _wrap_method(generator, "generate", _recording_generate)
+    _wrap_method(generator, "_tokenize", _checked_tokenize)
     _wrap_method(getattr(mlx_server, "ModelProvider", None), "_load", _checked_provider_load)
-    tokenize = getattr(generator, "_tokenize", None)
-    if tokenize is not None and not getattr(tokenize, "__qab_patched__", False):
-        _TOKENIZE[generator] = tokenize
-
-        def qab_tokenize(self, tokenizer, request, args):
-            # A token id past the model's embedding rows (a tokenizer that does not
-            # match the weights) crashed the whole server on the CPU: the request is
-            # refused instead. Raised here, mlx-lm's generation thread hands it back
-            # to the request as an error, and serving goes on.
-            out = tokenize(self, tokenizer, request, args)
-            from .loader import check_token_ids
-
-            provider = self.model_provider
-            check_token_ids(getattr(provider, "model", None), out[0])
-            # Both fail later in the generation thread, after the reply's status line: a
-            # logit_bias id past the logits crashed the server on the CPU, and a draft
-            # model with an untrimmable cache dropped the connection.
-            _check_logit_bias(getattr(provider, "model", None),
-                              getattr(getattr(args, "logits", None), "logit_bias", None))
-            if getattr(provider, "draft_model", None) is not None:
-                _check_trimmable(provider.model)
-            return out
-
-        qab_tokenize.__qab_patched__ = True
-        generator._tokenize = qab_tokenize
 
 
 def uninstall() -> None:
@@ -494,9 +465,6 @@ def uninstall() -> None:
     for name, fn in _PATCHED.items():
         setattr(mlx_server, name, fn)
     _PATCHED.clear()
-    for cls, fn in _TOKENIZE.items():
-        cls._tokenize = fn
-    _TOKENIZE.clear()
     for (cls, name), fn in _METHODS.items():
         setattr(cls, name, fn)
     _METHODS.clear()
@@ -513,6 +481,27 @@ def _wrap_method(cls: Optional[type], name: str, wrapper) -> None:
     setattr(cls, name, wrapped)
 
 
+def _checked_tokenize(tokenize):
+    """``ResponseGenerator._tokenize`` that refuses what would fail later in mlx-lm's
+    generation thread. Raised here, that thread hands the error back to the request, and
+    serving goes on: a token id past the model's embedding rows (a tokenizer that does not
+    match the weights) or a logit_bias id past the logits crashed the whole server on the
+    CPU, and a draft model with an untrimmable cache dropped the connection after the
+    reply's status line."""
+    def qab_tokenize(self, tokenizer, request, args):
+        out = tokenize(self, tokenizer, request, args)
+        from .loader import check_token_ids
+
+        provider = self.model_provider
+        check_token_ids(getattr(provider, "model", None), out[0])
+        _check_logit_bias(getattr(provider, "model", None),
+                          getattr(getattr(args, "logits", None), "logit_bias", None))
+        if getattr(provider, "draft_model", None) is not None:
+            _check_trimmable(provider.model, "'draft_model'")
+        return out
+    return qab_tokenize
+
+
 def _recording_generate(generate):
     """``ResponseGenerator.generate`` that keeps its error for the handler thread,
     which then picks the status (``QABAPIHandler._set_completion_headers``)."""
@@ -526,17 +515,15 @@ def _recording_generate(generate):
     return qab_generate
 
 
-#: Why a request's ``draft_model`` cannot run on a model with a recurrent cache.
-_UNTRIMMABLE = ("'draft_model' (speculative decoding) needs a prompt cache that can be "
-                "trimmed, and this model's recurrent (Gated DeltaNet) layers keep one that "
-                "cannot be: leave 'draft_model' out")
-
-
-def _check_trimmable(model: Any) -> None:
+def _check_trimmable(model: Any, draft: str) -> None:
+    """Raise ValueError, naming ``draft`` (the request field or the flag), if ``model``'s
+    prompt cache cannot be trimmed, as speculative decoding needs."""
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
     if not can_trim_prompt_cache(make_prompt_cache(model)):
-        raise ValueError(_UNTRIMMABLE)
+        raise ValueError(f"{draft} (speculative decoding) needs a prompt cache that can be "
+                         "trimmed, and this model's recurrent (Gated DeltaNet) layers keep one "
+                         f"that cannot be: leave {draft} out")
 
 
 def _check_logit_bias(model: Any, bias: Any) -> None:
@@ -568,6 +555,6 @@ def _checked_provider_load(load_model):
                     check_checkpoint(path, backend)
             if (draft_model_path is not None and self.model_key
                     and self.model_key[0] == model_path):
-                _check_trimmable(self.model)  # the served model, before it is dropped
+                _check_trimmable(self.model, "'draft_model'")  # before it is dropped
         return load_model(self, model_path, adapter_path, draft_model_path)
     return qab_load
