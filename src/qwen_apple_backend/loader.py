@@ -661,15 +661,12 @@ def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
             adapter_path=adapter_path, lazy=lazy, return_config=return_config,
             revision=revision, trust_remote_code=trust_remote_code,
             use_fallback=use_fallback, disable=disable)
-    model_path = _resolve_path(path_or_hf_repo, revision)
-    # The model's own file first: a folder with neither is named by its config.json.
-    _config_file(model_path)
-    check_tokenizer_present(model_path)
     # config.json's checks (milliseconds), then the tokenizer (seconds for a real one),
     # then the weights: each error as early as it can be found.
-    checked = _check_config(model_path, backend, model_config,
-                            None if disable is None else disable if isinstance(disable, str)
-                            else frozenset(disable))
+    checked = _check_before_weights(path_or_hf_repo, backend, revision, model_config,
+                                    None if disable is None else disable
+                                    if isinstance(disable, str) else frozenset(disable))
+    model_path = checked.model_path
     # The end-of-sequence ids as mlx-lm's load() takes them: config.json, then
     # generation_config.json, then model_config.
     from mlx_lm import utils as mlx_utils
@@ -712,14 +709,23 @@ def check_checkpoint(path_or_hf_repo: Union[str, Path], backend: Optional[str] =
         UnknownBackendError, EnvVarError: as :func:`load`.
     """
     backend = check_backend(backend)
-    model_path = _resolve_path(path_or_hf_repo, revision)
     if backend not in MLX_BACKENDS:
-        return model_path
+        return _resolve_path(path_or_hf_repo, revision)
+    checked = _check_before_weights(path_or_hf_repo, backend, revision, None, None)
+    check_weight_files(checked.model_path)
+    return checked.model_path
+
+
+def _check_before_weights(path_or_hf_repo: Union[str, Path], backend: str,
+                          revision: Optional[str], model_config: Optional[dict],
+                          disable) -> _Checked:
+    """The checkpoint directory, then its own files (a folder with neither is named by
+    its config.json, then the tokenizer's), then :func:`_check_config`: what
+    :func:`load` and :func:`check_checkpoint` check before any weight."""
+    model_path = _resolve_path(path_or_hf_repo, revision)
     _config_file(model_path)
     check_tokenizer_present(model_path)
-    _check_config(model_path, backend, None, None)
-    check_weight_files(model_path)
-    return model_path
+    return _check_config(model_path, backend, model_config, disable)
 
 
 def get_report(model: Any) -> Optional[FuseReport]:
