@@ -430,23 +430,35 @@ def test_prefill_cache_holds_no_view_of_the_chunk(variant):
     # C] buffer alive until the next call (33.6 MB per layer at T = 2,048 for
     # Qwen3.6, ~1 GB over 30 layers); it must be its own small array, so that
     # after a prefill the cache costs what stock's does.
+    # Measured as what deleting the cache frees, with the garbage collector
+    # off: a delta over the whole forward also counted whatever earlier
+    # tests' arrays the collector happened to free meanwhile (CI once saw
+    # stock "hold" -1.2 MB that way).
+    import gc
+
     stock, fused = make_pair(variant)
     x = inputs((1, 512, HIDDEN))
     mx.eval(x)
     held = {}
     for name, module in (("stock", stock), ("fused", fused)):
-        mx.synchronize()
-        mx.clear_cache()
-        before = mx.get_active_memory()
-        cache = ArraysCache(size=2)
-        mx.eval(module(x, cache=cache), cache[0], cache[1])
-        mx.synchronize()
-        held[name] = mx.get_active_memory() - before
-        del cache
+        gc.collect()
+        gc.disable()
+        try:
+            cache = ArraysCache(size=2)
+            out = module(x, cache=cache)
+            mx.eval(out, cache[0], cache[1])
+            del out
+            mx.synchronize()
+            with_cache = mx.get_active_memory()
+            del cache
+            mx.synchronize()
+            held[name] = with_cache - mx.get_active_memory()
+        finally:
+            gc.enable()
     conv_state_bytes = (KERNEL - 1) * (2 * HK * DK + HV * DV) * 4
     chunk_bytes = 512 * (2 * HK * DK + HV * DV) * 4
-    # The layer output is live in both; anything beyond it and the states is
-    # a retained buffer. One conv input would add chunk_bytes (>= 256 KB).
+    # Both free their states; anything beyond them is a retained buffer.
+    # One conv input would add chunk_bytes (>= 256 KB).
     assert held["fused"] <= held["stock"] + conv_state_bytes, (
         f"fused prefill keeps {held['fused']} bytes alive, stock {held['stock']} "
         f"(a retained chunk would be {chunk_bytes})")
