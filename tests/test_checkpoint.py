@@ -393,6 +393,15 @@ def test_build_random_model_small() -> None:
 # --------------------------------------------------------------------- errors
 
 
+def test_layouts_for_offers_full_only_quantized() -> None:
+    from qwen_apple_backend.checkpoint import LAYOUTS, PRESETS, layouts_for
+
+    assert layouts_for("full") == ("mlx-q4",)
+    assert {p: layouts_for(p) for p in PRESETS if p != "full"} == {
+        p: LAYOUTS for p in PRESETS if p != "full"}
+    assert layouts_for("huge") == LAYOUTS  # make_checkpoint names the unknown preset
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [

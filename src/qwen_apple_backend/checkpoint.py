@@ -65,6 +65,7 @@ __all__ = [
     "PRESETS",
     "build_random_model",
     "hf_config",
+    "layouts_for",
     "make_checkpoint",
 ]
 
@@ -165,6 +166,18 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 #: Presets too large to write unquantized; only ``layout="mlx-q4"`` is offered.
 _QUANTIZED_ONLY = frozenset({"full"})
+
+
+def layouts_for(preset: str) -> tuple[str, ...]:
+    """The layouts ``make_checkpoint`` writes ``preset`` in, a subset of ``LAYOUTS``.
+
+    ``"full"`` (35B parameters) is written only as ``"mlx-q4"``: any other layout would
+    materialise every parameter unquantized. An unknown preset gets every layout here;
+    ``make_checkpoint`` rejects it by name.
+    """
+    if preset in _QUANTIZED_ONLY:
+        return ("mlx-q4",)
+    return tuple(LAYOUTS)
 
 #: The published vision tower settings (used by ``"full"``).
 _VISION_CONFIG_FULL: dict[str, Any] = {
@@ -934,9 +947,11 @@ def make_checkpoint(
     _check_preset(preset)
     if layout not in LAYOUTS:
         raise CheckpointError(f"unknown layout {layout!r}; choose one of {list(LAYOUTS)}")
-    if preset in _QUANTIZED_ONLY and layout != "mlx-q4":
+    layouts = layouts_for(preset)
+    if layout not in layouts:
         raise UnsupportedConfigError(
-            f"preset {preset!r} is only written as layout='mlx-q4': its {layout!r} layout "
+            f"preset {preset!r} is only written as "
+            f"{' or '.join(f'layout={ok!r}' for ok in layouts)}: its {layout!r} layout "
             "would materialise every parameter unquantized"
         )
     if isinstance(dtype, str) and dtype == "auto":

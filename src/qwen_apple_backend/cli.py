@@ -466,10 +466,12 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
-    from .checkpoint import _QUANTIZED_ONLY, default_dtype, make_checkpoint
+    from .checkpoint import default_dtype, layouts_for, make_checkpoint
 
-    if args.preset in _QUANTIZED_ONLY and args.layout != "mlx-q4":
-        raise UsageError(f"--preset {args.preset} is written only with --layout mlx-q4: its "
+    layouts = layouts_for(args.preset)
+    if args.layout not in layouts:
+        raise UsageError(f"--preset {args.preset} is written only with --layout "
+                         f"{' or '.join(layouts)}: its "
                          f"{args.layout} layout would materialise every parameter unquantized")
     dtype = default_dtype(args.layout) if args.dtype == "auto" else args.dtype
     out = make_checkpoint(args.out, preset=args.preset, layout=args.layout, seed=args.seed,
