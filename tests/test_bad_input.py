@@ -663,3 +663,39 @@ def test_missing_parameters_are_counted_on_one_line(q4_copy):
     assert "\n" not in text, text
     assert re.search(r"Missing (\d+) parameters: (language_model\.model\.layers\.\d+\.[\w.]+, ){4}"
                      r"\.\.\. \(\d+ more\)$", text), text
+
+
+def _rewrite_one(ckpt, pick, change):
+    """Rewrite the first safetensors key ``pick`` accepts with ``change(array)``; return
+    (file name, key)."""
+    for shard in sorted(ckpt.glob("model*.safetensors")):
+        weights, meta = mx.load(str(shard), return_metadata=True)
+        key = next((k for k in sorted(weights) if pick(k, weights)), None)
+        if key is not None:
+            weights[key] = change(weights[key])
+            mx.save_safetensors(str(shard), weights, metadata=meta)
+            return shard.name, key
+    raise AssertionError("no key to rewrite")
+
+
+def test_integer_weight_names_its_file_and_key(hf_copy):
+    # An int32 projection loaded silently (and an int32 norm, shifted to float by
+    # sanitize, too): named before any weight is used.
+    name, key = _rewrite_one(hf_copy, lambda k, w: k.endswith("linear_attn.in_proj_qkv.weight"),
+                             lambda a: a.astype(mx.int32))
+    with pytest.raises(CheckpointError) as info:
+        load(hf_copy, backend="stock")
+    assert str(info.value) == (f"{hf_copy / name}: weight key {key} has dtype int32, expected a "
+                               "floating-point dtype")
+
+
+def test_float_packed_quantized_weight_names_its_file_and_key(q4_copy):
+    # A quantized layer's packed weight as float32 loaded, then failed at the first forward
+    # with MLX's "[gather_qmm] The weight matrix should be uint32 but received float32".
+    name, key = _rewrite_one(
+        q4_copy, lambda k, w: k.endswith("switch_mlp.up_proj.weight") and w[k].dtype == mx.uint32,
+        lambda a: a.astype(mx.float32))
+    with pytest.raises(CheckpointError) as info:
+        load(q4_copy)
+    assert str(info.value) == (f"{q4_copy / name}: weight key {key} has dtype float32, expected "
+                               "uint32 (the packed values of a quantized layer)")

@@ -333,7 +333,7 @@ def _load_checked(checked: _Checked, *, lazy: bool, strict: bool, model_config: 
 
     model_path, report = checked.model_path, checked.report
     cfg_file = model_path / "config.json"
-    check_weight_files(model_path)
+    weight_files = check_weight_files(model_path)
     if checked.resolved is None:
         with _config_errors(cfg_file, checked.config.get("model_type")):
             try:
@@ -355,7 +355,8 @@ def _load_checked(checked: _Checked, *, lazy: bool, strict: bool, model_config: 
     name, _, adapter = checked.resolved
     from .models._hybrid import load_context
 
-    with load_context(model_path=model_path, config={**checked.config, **checked.overrides}), \
+    with load_context(model_path=model_path, config={**checked.config, **checked.overrides},
+                      weight_files=weight_files), \
             _config_errors(cfg_file, name):
         try:
             model, config = mlx_utils.load_model(

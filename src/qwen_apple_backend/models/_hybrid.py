@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import re
+from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import mlx.core as mx
@@ -195,6 +196,51 @@ def check_quantization(model: nn.Module, weights: dict) -> None:
             raise CheckpointError(
                 f"{_where()}weight key {key}: {groups} quantization groups do not fit layer "
                 f"{path} of input width {in_dims}" + (f" with group_size {gs}" if gs else ""))
+
+
+def check_weight_dtypes(weights: dict) -> None:
+    """Each weight's dtype must be one its layer can compute with, named before MLX meets it.
+
+    Checked on the checkpoint's own keys (before ``sanitize`` renames, stacks or shifts
+    them): the ``.weight`` of a quantized layer (one with ``.scales`` beside it) must be
+    ``uint32`` (MLX's packed quantized values); ``.scales`` floating point or ``uint8``
+    (the microscaling modes); every other tensor floating point. Without this an integer
+    norm or projection loaded silently, and a float packed weight failed only at the first
+    forward pass with MLX's ``[gather_qmm] The weight matrix should be uint32``. Skipped for
+    a legacy Hugging Face ``quantization_config`` with a ``quant_method`` (GPTQ / AWQ /
+    FP8 keep integer tensors that mlx-lm converts after ``sanitize``).
+
+    Args:
+        weights (dict[str, mx.array]): the checkpoint's tensors by key, as read from
+            its safetensors files.
+
+    Raises:
+        CheckpointError: naming the file (when the loader gave the key -> file map),
+            the key, its dtype and the dtype expected.
+    """
+    ctx = _LOAD_CONTEXT.get() or {}
+    legacy = (ctx.get("config") or {}).get("quantization_config")
+    if isinstance(legacy, dict) and "quant_method" in legacy:
+        return
+    files = ctx.get("weight_files") or {}
+    for key, value in weights.items():
+        dtype = getattr(value, "dtype", None)
+        if dtype is None:
+            continue
+        base = key.rpartition(".")[0]
+        if key.endswith(".weight") and f"{base}.scales" in weights:
+            ok, expected = dtype == mx.uint32, "uint32 (the packed values of a quantized layer)"
+        elif key.endswith(".scales"):
+            ok = mx.issubdtype(dtype, mx.floating) or dtype == mx.uint8
+            expected = "a floating-point dtype (or uint8)"
+        else:
+            ok, expected = mx.issubdtype(dtype, mx.floating), "a floating-point dtype"
+        if not ok:
+            where = _where()
+            if key in files and ctx.get("model_path") is not None:
+                where = f"{Path(ctx['model_path']) / files[key][0]}: "
+            raise CheckpointError(f"{where}weight key {key} has dtype "
+                                  f"{str(dtype).removeprefix('mlx.core.')}, expected {expected}")
 
 
 def _cuda_only_end() -> str:
@@ -780,10 +826,12 @@ def sanitize_checked(model: nn.Module, weights: dict, num_experts: int,
                      stock_sanitize: Callable[[dict], dict]) -> dict:
     """A model's ``sanitize`` with the loader gaps closed and shapes checked.
 
-    Per-expert keys are stacked and expert counts checked before the stock
+    Weight dtypes are checked first (:func:`check_weight_dtypes`); per-expert keys are
+    stacked and expert counts checked before the stock
     sanitize (which renames keys, splits experts, shifts norms and transposes
     conv weights exactly once); quantized shapes are checked after it.
     """
+    check_weight_dtypes(weights)
     if num_experts:
         weights = stack_per_expert_weights(weights, num_experts)
         check_expert_counts(weights, num_experts)
