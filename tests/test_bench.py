@@ -269,6 +269,11 @@ def test_parse_lengths_and_specs():
         parse_backend_specs("stock,fused", "mlp")
     with pytest.raises(ValueError):
         parse_backend_specs("stock,stock")
+    # "fused=" (an unset "fused=$GGUF") measured --model / --preset in that column.
+    with pytest.raises(ValueError, match=r"^--backends: 'fused=' has no path after '=' "
+                                         r"\(NAME=PATH gives a backend its own model; NAME "
+                                         r"alone uses --model / --preset\)$"):
+        parse_backend_specs("stock,fused=")
 
 
 def test_an_ablation_column_keeps_what_qab_disable_switched_off(monkeypatch):

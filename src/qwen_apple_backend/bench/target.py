@@ -216,8 +216,9 @@ def parse_backend_specs(backends: Union[str, Iterable[str]],
         list[BackendSpec]: in the given order, ablations last.
 
     Raises:
-        ValueError: for an empty list, a repeated name, an unknown ablation kind or
-            one that ``QAB_DISABLE`` already switches off.
+        ValueError: for an empty list, a ``NAME=`` entry without its path, a repeated
+            name, an unknown ablation kind or one that ``QAB_DISABLE`` already switches
+            off.
     """
     from ..envs import FUSABLE_KINDS, OPTIMIZATIONS, disabled_kinds
 
@@ -228,6 +229,11 @@ def parse_backend_specs(backends: Union[str, Iterable[str]],
         raise ValueError("--backends: give at least one backend name")
     if not all(names):
         raise ValueError("--backends: a NAME=PATH entry has no name")
+    # "fused=" (e.g. an unset "fused=$GGUF") would measure --model / --preset instead.
+    pathless = [n for n in _split(backends) if "=" in n and not n.partition("=")[2].strip()]
+    if pathless:
+        raise ValueError(f"--backends: {pathless[0]!r} has no path after '=' (NAME=PATH gives "
+                         "a backend its own model; NAME alone uses --model / --preset)")
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ValueError(f"--backends: {dupes} listed more than once")
