@@ -430,6 +430,32 @@ def test_time_budget_stops_between_whole_rounds(tiny_hf_f32):
     assert all(r["n"] == 1 for r in result["results"])
 
 
+def test_a_length_past_the_models_context_is_named_before_the_prompt_is_built(tiny_hf_f32):
+    # --lengths 10000000K failed building the prompt ids: numpy's "Unable to allocate
+    # 76.3 GiB" traceback. The tiny checkpoint's max_position_embeddings is 262,144.
+    with pytest.raises(ValueError) as info:
+        harness.run_bench(harness.BenchConfig(
+            model=str(tiny_hf_f32), backends=["stock", "fused"], lengths=[16, 10_000_000 * 1024],
+            rounds=1, decode_tokens=2, fidelity=False, bandwidth_gbs=10.0, progress=False))
+    assert str(info.value) == ("--lengths: 10000000K (10,240,000,000 tokens) is longer than "
+                               "the model's context, max_position_embeddings 262,144")
+
+    class Target:
+        def __init__(self, label, context):
+            self.label, self._context = label, context
+
+        def max_context(self):
+            return self._context
+
+    # Targets of different contexts: the smallest, and whose it is; none: not checked.
+    with pytest.raises(ValueError, match=r"^--lengths: 4K \(4,096 tokens\) is longer than the "
+                                         r"model's context, max_position_embeddings 2,048 "
+                                         r"\(small's model\)$"):
+        harness.check_lengths_fit([512, 4096], [Target("big", 8192), Target("small", 2048)])
+    harness.check_lengths_fit([4096], [Target("big", 8192), Target("unknown", None)])
+    harness.check_lengths_fit([10 ** 9], [object()])
+
+
 def test_environment_records_the_program_by_name_only(monkeypatch):
     # A result file names the program, never the machine path it ran from.
     from qwen_apple_backend.bench import report

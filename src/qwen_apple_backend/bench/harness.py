@@ -48,6 +48,7 @@ __all__ = [
     "BenchConfig",
     "ModelSource",
     "alternation_schedule",
+    "check_lengths_fit",
     "check_shared_prefill",
     "measure_bandwidth",
     "measure_decode",
@@ -345,6 +346,26 @@ def prompt_ids(vocab_size: int, length: int, seed: int = 0) -> list[int]:
 
     rng = np.random.default_rng(seed)
     return rng.integers(0, vocab_size, size=length, dtype=np.int64).tolist()
+
+
+def check_lengths_fit(lengths: Sequence[int], targets: Sequence[Any]) -> None:
+    """Every length must fit each model's context (a target's ``max_context()``, where it
+    has one: ``max_position_embeddings``); a target without it is not checked.
+
+    Raises:
+        ValueError: naming the longest length and the smallest context (and whose it
+            is); before, ``--lengths 10000000K`` failed building the prompt ids with
+            numpy's "Unable to allocate 76.3 GiB".
+    """
+    limits = [(c, t.label) for t in targets
+              if callable(getattr(t, "max_context", None)) and (c := t.max_context())]
+    if not limits or max(lengths) <= min(limits)[0]:
+        return
+    limit, label = min(limits)
+    whose = f" ({label}'s model)" if len({c for c, _ in limits}) > 1 else ""
+    raise ValueError(f"--lengths: {human_length(max(lengths))} ({max(lengths):,} tokens) is "
+                     f"longer than the model's context, max_position_embeddings "
+                     f"{limit:,}{whose}")
 
 
 def warmup_length(length: int, step: int, cap: int) -> int:
@@ -662,6 +683,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
     step = min(getattr(t, "prefill_step_size", 0) or 0 for t in targets) or None
     vocab = min(t.vocab_size() for t in targets)
     lengths = list(cfg.lengths)
+    check_lengths_fit(lengths, targets)
     ids = prompt_ids(vocab, max(lengths), cfg.seed)
 
     if cfg.bandwidth_gbs:

@@ -838,6 +838,11 @@ class MLXTarget:
             return v
         return int(self.logits([0]).shape[-1])
 
+    def max_context(self) -> Optional[int]:
+        """The model's ``max_position_embeddings`` (its config), or None where it has none."""
+        v = getattr(_text_args(self.model), "max_position_embeddings", None)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
     def describe(self) -> dict:
         from ..loader import get_report
 
