@@ -239,6 +239,11 @@ def test_sampling_settings_are_checked_up_front(args, message):
     (["demo", "--model", ""], "argument --model: must be a path, got an empty string"),
     (["bench", "--model", "", "--lengths", "64"], "argument --model: must be a path"),
     (["compare", "--model", ""], "argument --model: must be a path"),
+    # --out "" wrote the bench files into the working directory; --json "" wrote none.
+    (["bench", "--preset", "tiny", "--out", ""], "argument --out: must be a path, got an "
+                                                  "empty string"),
+    (["compare", "--preset", "tiny", "--prompt", "x", "--json", " "],
+     "argument --json: must be a path, got an empty string"),
     (["make-checkpoint", ""], "argument out: must be a path, got an empty string"),
     (["compare", "--preset", "tiny"], "give --prompt TEXT (repeatable) or --prompts-file FILE"),
     # Checked before the model loads (it was only checked by the server after loading).

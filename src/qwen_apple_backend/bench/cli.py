@@ -207,7 +207,7 @@ def add_parsers(subparsers: Any) -> None:
     f.add_argument("--fidelity-positions", type=positive_int, default=256,
                    help="teacher-forced positions scored (default 256; at least 192 counts)")
     o = p.add_argument_group("output")
-    o.add_argument("--out", default="bench-results", metavar="DIR",
+    o.add_argument("--out", default="bench-results", metavar="DIR", type=nonempty_path,
                    help="folder for the JSON and PNG (default ./bench-results)")
     o.add_argument("--tag", default="", type=file_name_part,
                    help="file-name suffix instead of a timestamp (letters, digits, '.', '_', "
@@ -243,7 +243,7 @@ def add_parsers(subparsers: Any) -> None:
                         "perplexity on `qab bench`'s fidelity text")
     q.add_argument("--fidelity-positions", type=positive_int, default=256,
                    help="teacher-forced positions scored with --fidelity (default 256)")
-    q.add_argument("--json", default=None, metavar="PATH",
+    q.add_argument("--json", default=None, metavar="PATH", type=nonempty_path,
                    help="also write the result JSON (same format as `qab bench`)")
     p.set_defaults(func=cmd_compare, _parser=p)
 
