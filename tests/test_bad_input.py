@@ -187,6 +187,16 @@ def test_unknown_backend(hf_copy):
         load(hf_copy, "turbo")
 
 
+def test_a_backend_that_is_not_a_name(hf_copy):
+    import qwen_apple_backend as qab
+
+    # It was an AttributeError: 'int' object has no attribute 'strip'.
+    for call in (lambda: load(hf_copy, 3), lambda: qab.enable(3)):
+        with pytest.raises(TypeError) as info:
+            call()
+        assert str(info.value) == "backend must be a backend name (a str) or None, got int 3"
+
+
 def test_empty_and_too_long_prompts(hf_copy):
     import mlx_lm
 

@@ -512,10 +512,15 @@ def check_backend(backend: Optional[str]) -> str:
         that loads mlx-lm models (:func:`plugin_mlx_backends`).
 
     Raises:
+        TypeError: for a backend that is neither a str nor None (``backend=3`` was an
+            ``AttributeError`` from ``.strip()``).
         UnknownBackendError: for a name that is not an MLX backend; names other
             plugins register (e.g. ``llama.cpp``) are pointed to ``qab compare``.
             The message names ``QAB_BACKEND`` when the name came from it.
     """
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a backend name (a str) or None, got "
+                        f"{type(backend).__name__} {backend!r}")
     source = "" if backend else "QAB_BACKEND: "
     backend = (backend or envs.backend()).strip().lower()
     if backend in MLX_BACKENDS:
