@@ -709,3 +709,66 @@ def test_float_packed_quantized_weight_names_its_file_and_key(q4_copy):
         load(q4_copy)
     assert str(info.value) == (f"{q4_copy / name}: weight key {key} has dtype float32, expected "
                                "uint32 (the packed values of a quantized layer)")
+
+
+def _rewrite_header(shard, change):
+    """Rewrite a safetensors header in place with ``change(header)``; return the first
+    tensor name (not ``__metadata__``) after sorting, which ``change`` gets to edit."""
+    import struct
+
+    data = shard.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    name = sorted(k for k in header if k != "__metadata__")[0]
+    change(header, name)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    shard.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    return name
+
+
+@pytest.mark.parametrize("change, message", [
+    # MLX's "[safetensor] unsupported dtype XYZ" named neither the file nor the tensor.
+    (lambda h, k: h[k].__setitem__("dtype", "XYZ"),
+     "has dtype 'XYZ', which MLX cannot load (it reads BOOL, U8, I8, F8_E4M3, F8_E8M0, U16, "
+     "I16, F16, BF16, U32, I32, F32, U64, I64, C64)"),
+    (lambda h, k: h[k].__setitem__("dtype", "F64"), "has dtype 'F64', which MLX cannot load"),
+    # MLX's "[load_safetensors] Tensor ... invalid data offsets" did not name the file.
+    (lambda h, k: h[k].__setitem__("shape", [2 * d for d in h[k]["shape"]]),
+     "of shape [SHAPE] and dtype F32 needs BYTES bytes, but its data_offsets hold HELD"),
+    (lambda h, k: h[k].__setitem__("shape", "big"), "has no valid shape (a list of sizes), "
+                                                    "got 'big'"),
+])
+def test_a_safetensors_tensor_mlx_cannot_read_is_named(hf_copy, change, message):
+    shard = sorted(hf_copy.glob("model-*.safetensors"))[0]
+    seen = {}
+
+    def record(header, name):
+        seen["old"] = dict(header[name])
+        change(header, name)
+        seen["new"] = header[name]
+
+    name = _rewrite_header(shard, record)
+    if "SHAPE" in message:
+        start, end = seen["old"]["data_offsets"]
+        shape = seen["new"]["shape"]
+        need = 4 * int(__import__("math").prod(shape))
+        message = (message.replace("SHAPE", ", ".join(map(str, shape)))
+                   .replace("BYTES", f"{need:,}").replace("HELD", f"{end - start:,}"))
+    with pytest.raises(CheckpointError) as info:
+        load(hf_copy)
+    assert str(info.value).startswith(f"{shard}: tensor {name!r} {message}"), str(info.value)
+
+
+def test_a_key_in_two_shards_is_named(hf_copy):
+    # mlx-lm reads every shard and kept the last one's copy, silently.
+    first, second = sorted(hf_copy.glob("model-*.safetensors"))
+    weights = mx.load(str(first))
+    key = sorted(weights)[0]
+    others, meta = mx.load(str(second), return_metadata=True)
+    others[key] = mx.zeros_like(weights[key])
+    mx.save_safetensors(str(second), others, metadata=meta)
+    with pytest.raises(CheckpointError) as info:
+        load(hf_copy)
+    assert str(info.value) == (f"{second}: key {key!r} is also in {first.name} (a weight must "
+                               "be in one file only)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import struct
@@ -151,11 +152,21 @@ def check_quantization_config(config: dict, cfg_file: Union[str, Path] = "config
                                       f"got {entry[field]!r}")
 
 
+#: Bytes per element of each safetensors dtype MLX's loader reads (``mx.load``); it
+#: refuses the others (``F64``, ``F8_E5M2``, ``F4``, ...) with "unsupported dtype".
+SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+                        "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4,
+                        "U64": 8, "I64": 8, "C64": 8}
+
+
 def read_safetensors_header(path: Path) -> dict:
     """Read a safetensors header (tensor names, dtypes, shapes) without its data.
 
     Raises:
-        CheckpointError: naming the file, if it is truncated or not safetensors.
+        CheckpointError: naming the file (and the tensor), if it is truncated or not
+            safetensors, a tensor's dtype is one MLX cannot load, or its shape does not
+            fill its data_offsets exactly (MLX raised a RuntimeError naming neither the
+            file nor, for the dtype, the tensor).
     """
     size = path.stat().st_size
     try:
@@ -183,6 +194,20 @@ def read_safetensors_header(path: Path) -> dict:
             raise CheckpointError(
                 f"{path}: tensor {name!r} lies past the end of the file (truncated? bytes "
                 f"{start}..{end} of {data_len})")
+        dtype, shape = info.get("dtype"), info.get("shape")
+        if dtype not in SAFETENSORS_ITEMSIZE:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has dtype {dtype!r}, which MLX cannot load "
+                f"(it reads {', '.join(SAFETENSORS_ITEMSIZE)})")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool)
+                                                and d >= 0 for d in shape)):
+            raise CheckpointError(f"{path}: tensor {name!r} has no valid shape (a list of "
+                                  f"sizes), got {shape!r}")
+        need = math.prod(shape) * SAFETENSORS_ITEMSIZE[dtype]
+        if end - start != need:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} of shape {shape} and dtype {dtype} needs {need:,} "
+                f"bytes, but its data_offsets hold {end - start:,}")
     return header
 
 
@@ -192,7 +217,8 @@ def check_weight_files(model_path: Path) -> dict[str, tuple[str, list]]:
     Raises:
         MissingCheckpointFileError: no ``model*.safetensors``, or a shard named in
             ``model.safetensors.index.json`` is absent.
-        CheckpointError: a corrupt shard, or a key the index places in another file.
+        CheckpointError: a corrupt shard (:func:`read_safetensors_header`), a key in
+            two files, or a key the index lists that no file holds.
     """
     files = sorted(model_path.glob("model*.safetensors"))
     index_path = model_path / "model.safetensors.index.json"
@@ -214,8 +240,13 @@ def check_weight_files(model_path: Path) -> dict[str, tuple[str, list]]:
     keys: dict[str, tuple[str, list]] = {}
     for f in files:
         for name, info in read_safetensors_header(f).items():
-            if name != "__metadata__":
-                keys[name] = (f.name, info.get("shape"))
+            if name == "__metadata__":
+                continue
+            if name in keys:
+                # mlx-lm reads every file and keeps the last one's tensor, silently.
+                raise CheckpointError(f"{f}: key {name!r} is also in {keys[name][0]} (a weight "
+                                      "must be in one file only)")
+            keys[name] = (f.name, info.get("shape"))
     if index is not None:
         for key, shard in index.items():
             got = keys.get(key)
