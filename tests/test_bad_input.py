@@ -699,6 +699,14 @@ def test_integer_weight_names_its_file_and_key(hf_copy):
                                "floating-point dtype")
 
 
+def test_integer_tensors_that_sanitize_drops_are_not_checked(hf_copy):
+    # The MTP block's (and the vision tower's) keys never reach the model.
+    _rewrite_one(hf_copy, lambda k, w: k.startswith("mtp.") and k.endswith(".weight"),
+                 lambda a: a.astype(mx.int32))
+    model, _ = load(hf_copy, backend="stock")
+    assert not any(k.startswith("mtp") for k in model.parameters())
+
+
 def test_float_packed_quantized_weight_names_its_file_and_key(q4_copy):
     # A quantized layer's packed weight as float32 loaded, then failed at the first forward
     # with MLX's "[gather_qmm] The weight matrix should be uint32 but received float32".

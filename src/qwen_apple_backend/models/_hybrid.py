@@ -198,6 +198,11 @@ def check_quantization(model: nn.Module, weights: dict) -> None:
                 f"{path} of input width {in_dims}" + (f" with group_size {gs}" if gs else ""))
 
 
+#: Key prefixes of the vision tower, which mlx-lm's Qwen3.5 ``sanitize`` drops (as it drops
+#: the ``mtp.`` block's keys): their dtypes are never used.
+_DROPPED_BY_SANITIZE = ("vision_tower", "model.visual")
+
+
 def check_weight_dtypes(weights: dict) -> None:
     """Each weight's dtype must be one its layer can compute with, named before MLX meets it.
 
@@ -208,7 +213,8 @@ def check_weight_dtypes(weights: dict) -> None:
     norm or projection loaded silently, and a float packed weight failed only at the first
     forward pass with MLX's ``[gather_qmm] The weight matrix should be uint32``. Skipped for
     a legacy Hugging Face ``quantization_config`` with a ``quant_method`` (GPTQ / AWQ /
-    FP8 keep integer tensors that mlx-lm converts after ``sanitize``).
+    FP8 keep integer tensors that mlx-lm converts after ``sanitize``), and for the vision
+    tower's and the MTP block's keys, which ``sanitize`` drops.
 
     Args:
         weights (dict[str, mx.array]): the checkpoint's tensors by key, as read from
@@ -225,8 +231,8 @@ def check_weight_dtypes(weights: dict) -> None:
     files = ctx.get("weight_files") or {}
     for key, value in weights.items():
         dtype = getattr(value, "dtype", None)
-        if dtype is None:
-            continue
+        if dtype is None or key.startswith(_DROPPED_BY_SANITIZE) or "mtp." in key:
+            continue  # tensors mlx-lm's sanitize drops unused
         base = key.rpartition(".")[0]
         if key.endswith(".weight") and f"{base}.scales" in weights:
             ok, expected = dtype == mx.uint32, "uint32 (the packed values of a quantized layer)"
