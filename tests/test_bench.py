@@ -890,6 +890,27 @@ def test_bench_cli_shared_prefill_without_warmup(tmp_path):
     assert "decode" in printed.getvalue() and "prefill " not in printed.getvalue()
 
 
+def test_bench_cli_where_every_run_fails_exits_1(tmp_path, monkeypatch, capsys):
+    # E.g. --no-quantize in bfloat16 on MLX's CPU: every run failed, the table was empty
+    # and the exit status 0.
+    def fail(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(harness, "measure_run", fail)
+    argv = ["bench", "--preset", "tiny", "--vocab-size", "1024", "--lengths", "16", "--rounds",
+            "1", "--decode-tokens", "2", "--no-fidelity", "--bandwidth-gbs", "10", "--out",
+            str(tmp_path), "--tag", "t", "--no-progress", "--no-plot"]
+    assert main(argv) == 1
+    written = _json_files(tmp_path, "bench-*-t.json")
+    result = json.loads(written.read_text())
+    # A point whose warm-up failed is not run again: one error per backend.
+    assert result["runs"] == [] and len(result["errors"]) == 2
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith(f"qab bench: error: no run succeeded (2 failed, listed above "
+                                 f"and in {written})"), err
+    assert "error: stock @ 16: RuntimeError: boom" in err
+
+
 @pytest.mark.parametrize("tag", ["../../x", "a/b", "x y", ""])
 def test_bench_tag_is_a_file_name_part(tmp_path, tag, capsys):
     # "../../x" wrote bench-results/x.json through a stray "bench-<device>-.." folder.

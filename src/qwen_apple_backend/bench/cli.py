@@ -408,6 +408,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for e in result.get("errors", []):
         print(f"error: {e['backend']} @ {e['length']}: {e['error']}", file=sys.stderr)
     print(f"\nwrote {files['json']}" + (f" and {files['png']}" if files.get("png") else ""))
+    if result.get("errors") and not result.get("runs"):
+        # Every run failed: an empty table is no result (it exited 0).
+        print(f"qab bench: error: no run succeeded ({len(result['errors'])} failed, listed "
+              f"above and in {files['json']})", file=sys.stderr)
+        return 1
     return 0
 
 
