@@ -890,6 +890,27 @@ def test_bench_cli_shared_prefill_without_warmup(tmp_path):
     assert "decode" in printed.getvalue() and "prefill " not in printed.getvalue()
 
 
+@pytest.mark.parametrize("command, extra, dtype", [
+    ("bench", ["--quick"], "bfloat16 (the default)"),
+    ("compare", ["--prompt", "x", "--dtype", "float16"], "float16"),
+])
+def test_no_quantize_in_half_precision_on_the_cpu_is_refused_up_front(
+        tmp_path, monkeypatch, capsys, command, extra, dtype):
+    # Every run failed with "[GatherMM::eval] Currently only supports float32".
+    from qwen_apple_backend import checkpoint
+
+    monkeypatch.setattr(checkpoint, "gpu_available", lambda: False)
+    argv = [command, "--preset", "tiny", "--vocab-size", "1024", "--no-quantize", *extra]
+    if command == "bench":
+        argv += ["--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"qab {command}: error: --no-quantize with --dtype {dtype}: MLX's CPU backend runs "
+        "unquantized MoE experts only in float32; add --dtype float32, or leave --no-quantize "
+        "out\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bench_cli_where_every_run_fails_exits_1(tmp_path, monkeypatch, capsys):
     # E.g. --no-quantize in bfloat16 on MLX's CPU: every run failed, the table was empty
     # and the exit status 0.

@@ -304,7 +304,8 @@ def _log(msg: str) -> None:
 
 def _usage_problem(args: argparse.Namespace, prompts: Optional[list] = None) -> Optional[str]:
     """A bad ``--backends`` / ``--ablate`` / ``--shared-prefill`` / ``--synthetic-context`` /
-    prompt, found before any model is built."""
+    prompt, or a ``--preset --no-quantize`` dtype MLX's CPU cannot run, found before any
+    model is built."""
     from ..errors import QABError
     from .harness import check_shared_prefill
     from .target import parse_backend_specs, resolve_backend
@@ -320,6 +321,16 @@ def _usage_problem(args: argparse.Namespace, prompts: Optional[list] = None) -> 
         # A column's own model (NAME=PATH): named before any other column loads.
         if spec.model is not None and not Path(spec.model).exists():
             return f"--backends {spec.label}={spec.model}: no such file or folder"
+    if (args.preset and args.no_quantize and args.dtype != "float32"
+            and any(s.model is None for s in specs)):
+        from ..checkpoint import gpu_available
+
+        if not gpu_available():
+            # Every run failed with MLX's "[GatherMM::eval] Currently only supports float32".
+            return (f"--no-quantize with --dtype {args.dtype}"
+                    + (" (the default)" if args.dtype == "bfloat16" else "")
+                    + ": MLX's CPU backend runs unquantized MoE experts only in float32; add "
+                    "--dtype float32, or leave --no-quantize out")
     if getattr(args, "synthetic_context", False) and not args.shared_prefill:
         return ("--synthetic-context needs --shared-prefill LABEL (the backend whose model "
                 "shapes the contexts)")
