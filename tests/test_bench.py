@@ -163,6 +163,19 @@ def test_bench_fidelity_and_ablation_labels(bench_run):
     assert fused["describe"]["fused_counts"]["moe"][0] > 0
 
 
+def test_compare_chat_template_without_one_is_an_error(tmp_path, capsys):
+    # It compared the raw text, silently, while the JSON said chat_template: true.
+    from ._llama import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "llama")
+    rc = main(["compare", "--model", str(model), "--prompt", "w1 w2", "--max-tokens", "2",
+               "--chat-template", "--no-progress"])
+    assert rc == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "qab compare: error: --chat-template: the tokenizer (from the checkpoint) has no chat "
+        "template; leave --chat-template out to compare the raw text")
+
+
 def test_compare_prints_first_divergence_and_writes_json(tiny_hf_f32, tmp_path, capsys):
     out = tmp_path / "compare.json"
     prompts = tmp_path / "prompts.txt"

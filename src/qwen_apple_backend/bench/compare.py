@@ -137,7 +137,8 @@ def run_compare(cfg: CompareConfig, log: Callable[[str], None] = lambda s: None)
         ``first_divergence`` (None when identical).
 
     Raises:
-        ValueError: for no prompts or ``max_tokens`` < 1.
+        ValueError: for no prompts, ``max_tokens`` < 1, or ``chat_template`` with a
+            tokenizer that has no chat template.
     """
     if not cfg.prompts:
         raise ValueError("give --prompt TEXT (repeatable) or --prompts-file FILE")
@@ -160,6 +161,10 @@ def run_compare(cfg: CompareConfig, log: Callable[[str], None] = lambda s: None)
     if tokenizer is None:
         tokenizer, tok_note = _BytesTokenizer(), "utf-8 bytes (no tokenizer available)"
 
+    if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
+        # It fell back to the raw text, silently, while the JSON said chat_template: true.
+        raise ValueError(f"--chat-template: the tokenizer ({tok_note}) has no chat template; "
+                         "leave --chat-template out to compare the raw text")
     encoded = []
     folded = False
     for p in cfg.prompts:
