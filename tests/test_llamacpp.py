@@ -230,7 +230,7 @@ def test_convert_gguf_names_a_file_gguf_cannot_read(tmp_path, plugin_site):
         with pytest.raises(GGUFConversionError, match=f"{name}: not a readable GGUF file"):
             gguf_to_mlx(tmp_path / name, tmp_path / "out")
         assert not (tmp_path / "out" / "config.json").exists()
-    assert main(["convert-gguf", str(tmp_path / "text.gguf"), str(tmp_path / "out")]) == 2
+    assert main(["convert-gguf", str(tmp_path / "text.gguf"), str(tmp_path / "out")]) == 1
 
 
 def test_threads_env(monkeypatch, plugin_site):

@@ -39,8 +39,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         out = gguf_to_mlx(find_gguf(args.gguf), args.out, dtype=args.dtype,
                           overwrite=args.overwrite)
     except (OSError, ValueError) as exc:
+        # Exit 1 like qab's own commands for a missing or broken file; 2 is argparse's,
+        # for usage errors.
         print(f"qab-llamacpp: error: {exc}", file=sys.stderr)
-        return 2
+        return 1
     print(f"wrote {out}")
     return 0
 
