@@ -278,6 +278,10 @@ def test_parse_lengths_and_specs():
     specs = parse_backend_specs("stock,fused", "moe,attn")
     assert [s.label for s in specs] == ["stock", "fused", "fused-no-moe", "fused-no-attn"]
     assert specs[2] == BackendSpec("fused-no-moe", "fused", frozenset({"moe"}), "moe")
+    # Any case, as QAB_DISABLE reads it.
+    assert parse_backend_specs("stock,fused", " MOE,Attn ") == specs
+    with pytest.raises(ValueError, match="'moe' listed more than once"):
+        parse_backend_specs("stock,fused", "moe,MOE")
     with pytest.raises(ValueError):
         parse_backend_specs("stock,fused", "mlp")
     with pytest.raises(ValueError):

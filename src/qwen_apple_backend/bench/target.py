@@ -238,7 +238,7 @@ def parse_backend_specs(backends: Union[str, Iterable[str]],
     if dupes:
         raise ValueError(f"--backends: {dupes} listed more than once")
     specs = [BackendSpec(n, n, model=path) for n, path in items]
-    for kind in _split(ablate or ()):
+    for kind in (k.lower() for k in _split(ablate or ())):  # any case, as QAB_DISABLE
         if kind not in FUSABLE_KINDS and kind not in OPTIMIZATIONS:
             raise ValueError(f"--ablate: unknown module kind or optimization {kind!r}; expected a "
                              f"comma-separated subset of {list(FUSABLE_KINDS)} or "
