@@ -353,6 +353,8 @@ def test_config_errors_come_before_the_tokenizer_loads(hf_copy, monkeypatch):
     monkeypatch.setattr(mlx_utils, "load_tokenizer", lambda *a, **k: loads.append(a) or 1 / 0)
     with pytest.raises(EnvVarError, match=r"turbo"):
         load(hf_copy, "fused", disable=["turbo"])
+    with pytest.raises(TypeError, match=r"^disable=: .*got int 3$"):
+        load(hf_copy, "fused", disable=3)
     _edit_config(hf_copy, lambda c: c["text_config"].__setitem__("num_experts", 0))
     with pytest.raises(CheckpointError, match=r"text_config\.num_experts must be a positive "
                                               r"integer, got 0"):
@@ -513,6 +515,11 @@ def test_disable_argument_is_checked_like_the_variable():
     # One string is read as QAB_DISABLE is: comma-separated names, not letters.
     assert envs.check_disable("moe-block-out-proj, qk-prep") == frozenset(
         {"moe-block-out-proj", "qk-prep"})
+    # Not names at all: a TypeError naming the argument (was "'int' object is not iterable").
+    with pytest.raises(TypeError, match=r"^disable=: expected names .*got int 3$"):
+        envs.check_disable(3)
+    with pytest.raises(TypeError, match=r"^disable=: .*got NoneType None among them$"):
+        envs.check_disable(["moe", None])
     with pytest.raises(EnvVarError, match=r"^disable=: unknown optimizations 'attn_blocks', 'mo' "
                                           r"\(known: moe, gdn, attn, all, "):
         envs.check_disable(["attn_blocks", "mo"])

@@ -74,6 +74,7 @@ checks every variable at once (the ``qab`` command runs it at startup).
 
 from __future__ import annotations
 
+import collections.abc
 import os
 from pathlib import Path
 from typing import Iterable, Optional
@@ -343,9 +344,19 @@ def check_disable(names: Iterable[str]) -> frozenset[str]:
     Raises:
         EnvVarError: (a ``ValueError``) naming ``disable=``, the unknown names
             as given and the accepted ones.
+        TypeError: naming ``disable=`` for a value that is neither a string nor an
+            iterable of strings (``disable=3``).
     """
     if isinstance(names, str):
         names = names.split(",")
+    elif not isinstance(names, collections.abc.Iterable):
+        raise TypeError(f"disable=: expected names (a str or an iterable of str), got "
+                        f"{type(names).__name__} {names!r}")
+    names = list(names)
+    odd = [n for n in names if not isinstance(n, str)]
+    if odd:
+        raise TypeError(f"disable=: expected names (a str or an iterable of str), got "
+                        f"{type(odd[0]).__name__} {odd[0]!r} among them")
     given = _names(names)
     got = set(given)
     unknown = got - set(FUSABLE_KINDS) - set(OPTIMIZATIONS) - {"all"}

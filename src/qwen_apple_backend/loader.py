@@ -701,8 +701,7 @@ def load(path_or_hf_repo: Union[str, Path], backend: Optional[str] = None, *,
     # config.json's checks (milliseconds), then the tokenizer (seconds for a real one),
     # then the weights: each error as early as it can be found.
     checked = _check_before_weights(path_or_hf_repo, backend, revision, model_config,
-                                    None if disable is None else disable
-                                    if isinstance(disable, str) else frozenset(disable))
+                                    None if disable is None else envs.check_disable(disable))
     model_path = checked.model_path
     # The end-of-sequence ids as mlx-lm's load() takes them: config.json, then
     # generation_config.json, then model_config.
