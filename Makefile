@@ -2,7 +2,8 @@
 #   make demo   - build the default model once and generate with fused vs stock
 #   make test   - run the test suite
 # Both use one virtual environment (.venv); each installs only what it needs and keeps
-# its own stamp file, so `make demo` does not install the test tools, torch or llama.cpp.
+# its own stamp file, so `make demo` does not install the test tools, torch or llama.cpp
+# (and after `make install` installs nothing).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,7 +20,8 @@ $(PY):
 
 # The package alone (with MLX's CPU backend where there is no Metal): what `qab demo` needs.
 $(VENV)/.demo-installed: pyproject.toml | $(PY)
-	$(PIP) install --quiet -e ".[cpu]"
+	# After `make install` (its stamp newer than pyproject.toml) the package is there already.
+	if [ ! $(VENV)/.test-installed -nt pyproject.toml ]; then $(PIP) install --quiet -e ".[cpu]"; fi
 	touch $@
 
 # The package, the test tools, and the best-effort extras some tests use.
