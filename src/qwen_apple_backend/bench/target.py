@@ -222,15 +222,16 @@ def parse_backend_specs(backends: Union[str, Iterable[str]],
     """
     from ..envs import FUSABLE_KINDS, OPTIMIZATIONS, disabled_kinds
 
+    entries = _split(backends)
     items = [(n.partition("=")[0].strip(), n.partition("=")[2].strip() or None)
-             for n in _split(backends)]
+             for n in entries]
     names = [n for n, _ in items]
     if not names:
         raise ValueError("--backends: give at least one backend name")
     if not all(names):
         raise ValueError("--backends: a NAME=PATH entry has no name")
     # "fused=" (e.g. an unset "fused=$GGUF") would measure --model / --preset instead.
-    pathless = [n for n in _split(backends) if "=" in n and not n.partition("=")[2].strip()]
+    pathless = [n for n, (_, path) in zip(entries, items) if "=" in n and path is None]
     if pathless:
         raise ValueError(f"--backends: {pathless[0]!r} has no path after '=' (NAME=PATH gives "
                          "a backend its own model; NAME alone uses --model / --preset)")
